@@ -1,0 +1,3 @@
+from tunebench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Atomic checkpoints (temp dir, then rename) and exact resume: weights, optimizer, schedule, RNG, data position."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench.errors import TunebenchError
+from tunebench.loop import LoopState
+
+STATE = "state.json"
+TENSORS = "training_state.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save(
+    root: Path, model, optimizer, scheduler, state: LoopState, identity: dict[str, Any], keep: int, scaler=None
+) -> Path:
+    """Write checkpoints/step-N atomically and keep the newest `keep`."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:08d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    try:
+        torch.save(
+            {
+                "trainable": trainable_state(model),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler else None,
+                "rng": _rng_state(),
+            },
+            tmp / TENSORS,
+        )
+        (tmp / STATE).write_text(json.dumps({"loop": state.to_dict(), "identity": identity}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step-*") if (p / STATE).is_file() and (p / TENSORS).is_file()]
+    return sorted(done, key=lambda p: p.name)
+
+
+def find(resume: str, root: Path) -> Path | None:
+    """The checkpoint `--resume` names: `auto` -> the newest under root (None if there is none)."""
+    if resume == "auto":
+        found = list_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE).is_file():
+        raise TunebenchError(f"--resume '{resume}' is not a tunebench checkpoint directory; use --resume auto")
+    return path
+
+
+def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None) -> LoopState:
+    meta = json.loads((path / STATE).read_text())
+    changed = sorted(k for k in identity if meta["identity"].get(k) != identity[k])
+    if changed:
+        raise TunebenchError(
+            f"checkpoint {path} was made with different {', '.join(changed)}; resume with the same settings "
+            "or start a new --output-dir"
+        )
+    blob = torch.load(path / TENSORS, map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    for name, tensor in blob["trainable"].items():
+        params[name].data.copy_(tensor)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    if scaler is not None and blob["scaler"]:
+        scaler.load_state_dict(blob["scaler"])
+    _set_rng_state(blob["rng"])
+    return LoopState(**meta["loop"])

@@ -1,0 +1,221 @@
+"""The `tunebench` command: options -> config -> job. Problems become one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tunebench import __version__
+from tunebench.errors import TunebenchError
+
+# (flags, config key, help). The reference study's underscore spellings are aliases.
+TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
+    (("--model", "--model_name"), "model.name",
+     "preset (smollm2-135m-instruct [default], gpt2-124m, tiny), hub id, HF directory or .gguf file"),
+    (("--tokenizer",), "model.tokenizer", "tokenizer directory or id, when not the model's own"),
+    (("--data", "--dataset"), "data.path",
+     "CSV, JSON, JSONL, Parquet or saved datasets dir (default: built-in customer-support sample)"),
+    (("--format",), "data.format", "auto | instruction | alpaca | chat | text (default auto: from the columns)"),
+    (("--instruction-column",), "data.instruction_column", "prompt column of instruction data (default instruction)"),
+    (("--response-column",), "data.response_column", "answer column of instruction data (default response)"),
+    (("--template",), "data.template",
+     "auto (the tokenizer's chat template if any) or a prompt such as '### Q:\\n{instruction}\\n### A:\\n'"),
+    (("--train-on",), "data.train_on", "response (loss on answers only, default) | all"),
+    (("--max-samples",), "data.max_samples", "use a seeded random subset of this many rows"),
+    (("--max-length", "--max_length"), "data.max_length", "truncate examples to this many tokens (default 128)"),
+    (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
+    (("--output-dir", "--output_dir"), "train.output_dir", "where the adapter/model, metrics and checkpoints go"),
+    (("--method",), "adapter.method", "lora (default) | qlora | full"),
+    (("--lora-r", "--lora_r"), "adapter.r", "LoRA rank (default 8)"),
+    (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha", "LoRA alpha (default 16)"),
+    (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout", "LoRA dropout (default 0.1)"),
+    (("--target-modules",), "adapter.target_modules",
+     "auto (attention projections) | all-linear | comma-separated module names"),
+    (("--quantization",), "adapter.quantization", "none | 4bit (nf4, QLoRA) | 8bit"),
+    (("--epochs", "--num_epochs"), "train.epochs", "passes over the training rows (default 1)"),
+    (("--max-steps",), "train.max_steps", "stop after this many optimizer steps (overrides --epochs)"),
+    (("--batch-size", "--batch_size"), "train.micro_batch_size", "micro batch size (default 4)"),
+    (("--grad-accum", "--gradient_accumulation_steps"), "train.grad_accum_steps",
+     "gradient accumulation steps (default: effective batch / micro batch)"),
+    (("--effective-batch-size",), "train.effective_batch_size", "samples per optimizer step (default 8)"),
+    (("--lr", "--learning_rate"), "train.lr", "peak learning rate (default 2e-4)"),
+    (("--weight-decay",), "train.weight_decay", "AdamW weight decay (default 0)"),
+    (("--warmup-ratio",), "train.warmup_ratio", "share of steps for linear warm-up (default 0.03)"),
+    (("--schedule",), "train.schedule", "cosine (default) | linear | constant"),
+    (("--max-grad-norm",), "train.max_grad_norm", "gradient clipping norm (default 1.0)"),
+    (("--precision",), "train.precision", "auto (default) | fp32 | bf16 | fp16"),
+    (("--device",), "train.device", "auto (default) | cpu | cuda | mps"),
+    (("--seed",), "train.seed", "seed for data order, split and initialisation (default 42)"),
+    (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default 1)"),
+    (("--eval-steps",), "train.eval_steps", "eval loss every N steps (default: before and after training)"),
+    (("--save-steps", "--save_steps"), "train.save_steps", "checkpoint every N steps (default: at the end)"),
+    (("--save-total-limit",), "train.save_total_limit", "keep the newest N checkpoints (default 2)"),
+    (("--resume",), "train.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
+    (("--report-to",), "train.report_to", "none (default) | tensorboard"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, like every other input error
+        raise TunebenchError(f"{message}; see `{self.prog} --help`")
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tunebench", description="Fine-tune and benchmark small causal LMs on the hardware you have.")
+    parser.add_argument("--version", action="version", version=f"tunebench {__version__}")
+    _add_debug(parser)
+    sub = parser.add_subparsers(dest="job", parser_class=_Parser, metavar="JOB")
+
+    train = sub.add_parser("train", help="LoRA, QLoRA or full fine-tuning",
+                           description="Fine-tune a causal LM. Positional items: an optional CONFIG.yaml and "
+                                       "dotted overrides such as train.lr=1e-4.")
+    train.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    for flags, key, help_text in TRAIN_OPTIONS:
+        train.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V")
+    train.add_argument("--use_8bit", "--use-8bit", dest="adapter.quantization", action="store_const", const="8bit",
+                       default=argparse.SUPPRESS, help="alias of --quantization 8bit")
+    train.add_argument("--use_4bit", "--use-4bit", dest="adapter.quantization", action="store_const", const="4bit",
+                       default=argparse.SUPPRESS, help="alias of --quantization 4bit")
+    train.add_argument("--allow-download", dest="model.allow_download", action="store_const", const=True,
+                       default=argparse.SUPPRESS, help="let transformers fetch a hub model that is not cached")
+    train.add_argument("--no-progress", dest="train.progress", action="store_const", const=False,
+                       default=argparse.SUPPRESS, help="no progress bar (logs only)")
+    _add_debug(train)
+
+    for name, help_text in (("generate", "complete one prompt"), ("chat", "talk to a model in the terminal")):
+        p = sub.add_parser(name, help=help_text)
+        _model_options(p)
+        if name == "generate":
+            p.add_argument("--prompt", required=True, help="the user message")
+            p.add_argument("--raw", action="store_true", help="no chat template or prompt format")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        _add_debug(p)
+
+    p = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
+    _model_options(p)
+    p.add_argument("--output-dir", required=True, help="new directory for the merged model")
+    _add_debug(p)
+
+    p = sub.add_parser("eval", help="loss and perplexity on a dataset")
+    _model_options(p)
+    p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    _add_debug(p)
+
+    p = sub.add_parser("hw", help="this machine's hardware and the settings tunebench would pick")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_debug(p)
+    return parser
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
+    p.add_argument("--adapter", default=None, help="a training --output-dir holding a LoRA adapter")
+    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+
+
+def train_config(args: argparse.Namespace):
+    from tunebench.config import load_config
+
+    options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
+    items = getattr(args, "items", [])
+    configs = [i for i in items if "=" not in i]
+    if len(configs) > 1:
+        raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
+    return load_config(configs[0] if configs else None, options, [i for i in items if "=" in i])
+
+
+def run_job(args: argparse.Namespace) -> int:
+    if args.job == "train":
+        from tunebench.jobs import finetune
+
+        finetune.run(train_config(args))
+    elif args.job == "generate":
+        from tunebench.jobs.generate import generate
+
+        print(generate(args.model, args.adapter, args.prompt, args.max_new_tokens, args.temperature, args.raw,
+                       allow_download=args.allow_download))
+    elif args.job == "chat":
+        from tunebench.jobs.generate import chat
+
+        chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download)
+    elif args.job == "merge":
+        from tunebench.jobs.merge import merge
+
+        merge(args.adapter or _need("--adapter"), args.output_dir, args.model, args.allow_download)
+    elif args.job == "eval":
+        import dataclasses
+
+        from tunebench.config import DataConfig
+        from tunebench.jobs import evaluate
+
+        data = DataConfig()
+        changes = {"path": args.data, "max_samples": args.max_samples, "max_length": args.max_length}
+        data = dataclasses.replace(data, **{k: v for k, v in changes.items() if v is not None})
+        print(json.dumps(evaluate.run(args.model, args.adapter, data, args.batch_size,
+                                      allow_download=args.allow_download), indent=2))
+    elif args.job == "hw":
+        from tunebench.jobs import hw
+
+        hw.run(as_json=args.json)
+    return 0
+
+
+def _need(flag: str):
+    raise TunebenchError(f"{flag} is required for this job")
+
+
+def _quiet_libraries(allow_download: bool) -> None:
+    """Offline unless asked, and no library chatter that a user cannot act on."""
+    import logging
+    import os
+    import warnings
+
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    _quiet_libraries("--allow-download" in argv)
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) != "train"]
+        if unknown:
+            raise TunebenchError(f"unrecognized argument(s): {' '.join(unknown)}; see `tunebench {args.job or ''} --help`")
+        if extra:
+            args.items = list(getattr(args, "items", [])) + extra
+        if args.job is None:
+            parser.print_help()
+            return 2
+        return run_job(args)
+    except TunebenchError as e:
+        if debug:
+            raise
+        print(f"tunebench: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("tunebench: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # anything unforeseen: still one line, the traceback behind --debug
+        if debug:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"tunebench: error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1

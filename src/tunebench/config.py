@@ -1,0 +1,306 @@
+"""The run configuration: frozen dataclasses are the schema, YAML and the command line hold values.
+
+Precedence, lowest first: dataclass defaults, the YAML file, command-line options, dotted
+overrides (`train.lr=1e-4`). Unknown keys are errors that name the nearest valid key;
+cross-field rules are checked once, in `validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tunebench.errors import TunebenchError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BUILTIN_DATA = "builtin:customer-support"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = DEFAULT_MODEL  # preset, hub id, local HF directory or .gguf file
+    tokenizer: str | None = None  # defaults to the model's own
+    allow_download: bool = False  # tunebench never reaches the hub unless asked
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = BUILTIN_DATA
+    format: str = "auto"  # auto | instruction | alpaca | chat | text
+    instruction_column: str = "instruction"
+    input_column: str = "input"
+    response_column: str = "response"
+    messages_column: str = "messages"
+    text_column: str = "text"
+    template: str = "auto"  # auto (chat template when the tokenizer has one) | a format string
+    train_on: str = "response"  # response | all
+    max_length: int = 128
+    max_samples: int | None = None
+    eval_fraction: float = 0.05
+    eval_samples: int | None = None  # cap on eval rows (after the split)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    method: str = "lora"  # lora | qlora | full
+    r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.1
+    target_modules: str = "auto"  # auto | comma-separated module names | all-linear
+    quantization: str = "none"  # none | 4bit | 8bit
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    output_dir: str = "runs/latest"
+    epochs: float = 1.0
+    max_steps: int | None = None
+    micro_batch_size: int = 4
+    grad_accum_steps: int | None = None  # derived from effective_batch_size when unset
+    effective_batch_size: int = 8
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.03
+    schedule: str = "cosine"  # cosine | linear | constant
+    max_grad_norm: float = 1.0
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda | mps
+    seed: int = 42
+    logging_steps: int = 1
+    eval_steps: int | None = None  # None: eval at the end only
+    save_steps: int | None = None  # None: checkpoint only at the end and on interrupt
+    save_total_limit: int = 2
+    resume: str | None = None  # auto | PATH to a checkpoint directory
+    report_to: str = "none"  # none | tensorboard
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Accumulation steps, derived from the effective batch unless set explicitly."""
+        t = self.train
+        if t.grad_accum_steps is not None:
+            return t.grad_accum_steps
+        return max(1, t.effective_batch_size // t.micro_batch_size)
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.grad_accum_steps
+
+
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, "train": TrainConfig}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+
+
+# Names other tools use for our keys, so the hint lands on the right one.
+SYNONYMS = {
+    "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+    "num_epochs": "epochs", "num_train_epochs": "epochs", "gradient_accumulation_steps": "grad_accum_steps",
+    "max_seq_length": "max_length", "lora_r": "r", "rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+    "model_name": "name", "dataset": "path", "lora": "adapter", "training": "train", "dataset_path": "path",
+}
+
+
+def _nearest(key: str) -> str:
+    keys = all_keys()
+    key = ".".join(SYNONYMS.get(part, part) for part in key.split("."))
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
+    hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.5) or [
+        by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.5)
+    ]
+    return f"; did you mean '{hit[0]}'?" if hit else "; run `tunebench train --help` for the valid keys"
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Turn a YAML/CLI value into the field's declared type, or raise naming the key."""
+    hint = typing.get_type_hints(_SECTION_TYPES[key.split(".")[0]])[key.split(".")[1]]
+    args = typing.get_args(hint)
+    optional = type(None) in args or (isinstance(hint, types.UnionType) and type(None) in args)
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None or (isinstance(value, str) and value.lower() in {"none", "null"} and base is not str):
+        if optional:
+            return None
+        raise TunebenchError(f"config key '{key}' cannot be empty; give it a {base.__name__} value")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in {"true", "1", "yes", "on"}:
+                return True
+            if str(value).lower() in {"false", "0", "no", "off"}:
+                return False
+            raise ValueError
+        if base is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) else int(value)
+        if base is float:
+            return float(value)
+        if base is str:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    raise TunebenchError(f"config key '{key}' got {value!r}, which is not a {base.__name__}; fix the value")
+
+
+def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in _SECTION_TYPES or parts[1] not in {
+        f.name for f in dataclasses.fields(_SECTION_TYPES[parts[0]])
+    }:
+        raise TunebenchError(f"unknown config key '{key}'{_nearest(key)}")
+    tree[parts[0]][parts[1]] = _coerce(key, value)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise TunebenchError(f"config file '{p}' not found; check the path")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TunebenchError(f"config file '{p}' is not valid YAML ({first}); fix the syntax") from e
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise TunebenchError(f"config file '{p}' must hold a mapping of sections (model, data, adapter, train)")
+    return loaded
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and not prefix:
+            out.update(_flatten(v, key + "."))
+        elif not prefix and k not in _SECTION_TYPES:
+            raise TunebenchError(f"unknown config key '{k}'{_nearest(k)}")
+        else:
+            out[key] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise TunebenchError(f"override '{text}' must look like section.key=value, e.g. train.lr=1e-4")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(
+    yaml_path: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> RunConfig:
+    """Defaults < YAML < options (dotted keys) < dotted overrides; then validate."""
+    tree: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
+    layers: list[dict[str, Any]] = []
+    if yaml_path is not None:
+        layers.append(_flatten(read_yaml(yaml_path)))
+    layers.append(dict(options or {}))
+    layers.append(dict(parse_override(o) for o in overrides or []))
+    for layer in layers:
+        for key, value in layer.items():
+            _set(tree, key, value)
+    adapter = tree["adapter"]
+    if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
+        adapter["method"] = "qlora"  # LoRA on a quantized base is QLoRA (the study's --use_4bit)
+    cfg = RunConfig(**{s: cls(**tree[s]) for s, cls in _SECTION_TYPES.items()})
+    validate(cfg)
+    return cfg
+
+
+def replace(cfg: RunConfig, **dotted: Any) -> RunConfig:
+    """A copy of `cfg` with dotted keys replaced (`replace(cfg, **{"train.lr": 1e-3})`)."""
+    tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in _SECTION_TYPES}
+    for key, value in dotted.items():
+        _set(tree, key, value)
+    new = RunConfig(**{s: cls(**tree[s]) for s, cls in _SECTION_TYPES.items()})
+    validate(new)
+    return new
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise TunebenchError(f"{key} '{value}' is not one of {', '.join(allowed)}; pick one of those")
+
+
+def validate(cfg: RunConfig) -> None:
+    d, a, t = cfg.data, cfg.adapter, cfg.train
+    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "chat", "text"))
+    _choice("data.train_on", d.train_on, ("response", "all"))
+    _choice("adapter.method", a.method, ("lora", "qlora", "full"))
+    _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
+    _choice("train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
+    _choice("train.device", t.device, ("auto", "cpu", "cuda", "mps"))
+    _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    _choice("train.report_to", t.report_to, ("none", "tensorboard"))
+    positive = {
+        "data.max_length (--max-length)": d.max_length,
+        "train.micro_batch_size (--batch-size)": t.micro_batch_size,
+        "train.effective_batch_size (--effective-batch-size)": t.effective_batch_size,
+        "adapter.r (--lora-r)": a.r,
+        "train.save_total_limit": t.save_total_limit,
+        "train.logging_steps": t.logging_steps,
+    }
+    for opt in ("grad_accum_steps", "max_steps", "eval_steps", "save_steps"):
+        if getattr(t, opt) is not None:
+            positive[f"train.{opt}"] = getattr(t, opt)
+    if d.max_samples is not None:
+        positive["data.max_samples (--max-samples)"] = d.max_samples
+    for name, value in positive.items():
+        if value <= 0:
+            raise TunebenchError(f"{name} must be a positive number, got {value}; pass a value of 1 or more")
+    if t.epochs <= 0:
+        raise TunebenchError(f"train.epochs must be positive, got {t.epochs}; pass --epochs 1 or more")
+    if t.lr <= 0:
+        raise TunebenchError(f"train.lr must be positive, got {t.lr}; pass e.g. --lr 2e-4")
+    if not 0 <= a.lora_dropout < 1:
+        raise TunebenchError(f"adapter.lora_dropout must be in [0, 1), got {a.lora_dropout}")
+    if not 0 <= d.eval_fraction < 1:
+        raise TunebenchError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    if a.method == "full" and a.quantization != "none":
+        raise TunebenchError(
+            f"--quantization {a.quantization} needs a frozen base; use --method qlora (or lora), not full"
+        )
+    if a.method == "qlora" and a.quantization == "none":
+        raise TunebenchError("--method qlora needs --quantization 4bit or 8bit")
+    if t.grad_accum_steps is not None and t.effective_batch_size != TrainConfig.effective_batch_size:
+        if t.micro_batch_size * t.grad_accum_steps != t.effective_batch_size:
+            raise TunebenchError(
+                f"--batch-size {t.micro_batch_size} x --grad-accum {t.grad_accum_steps} != "
+                f"--effective-batch-size {t.effective_batch_size}; set only two of the three"
+            )
+    elif t.grad_accum_steps is None and t.effective_batch_size % t.micro_batch_size:
+        raise TunebenchError(
+            f"--effective-batch-size {t.effective_batch_size} is not a multiple of --batch-size "
+            f"{t.micro_batch_size}; pick a micro batch that divides it or set --grad-accum"
+        )
+
+
+def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,85 @@
+"""Dataset formats: detect which one records are in and turn each record into chat messages.
+
+Every format becomes a list of {"role", "content"} messages (plain text becomes one message
+with role "text"), so tokenization has one path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunebench.config import DataConfig
+from tunebench.errors import TunebenchError
+
+Messages = list[dict[str, str]]
+_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+
+
+def detect(columns: set[str], cfg: DataConfig) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    if cfg.messages_column in columns or "conversations" in columns:
+        return "chat"
+    if cfg.instruction_column in columns and cfg.response_column in columns:
+        return "instruction"
+    if "instruction" in columns and "output" in columns:
+        return "alpaca"
+    if cfg.text_column in columns:
+        return "text"
+    raise TunebenchError(
+        f"cannot tell the dataset format from its columns ({', '.join(sorted(columns)) or 'none'}); "
+        f"expected '{cfg.instruction_column}'+'{cfg.response_column}', instruction+input+output (alpaca), "
+        f"'{cfg.messages_column}' (chat) or '{cfg.text_column}'; name yours with --instruction-column/"
+        "--response-column or data.*_column overrides, and --format"
+    )
+
+
+def required_columns(fmt: str, cfg: DataConfig) -> tuple[str, ...]:
+    return {
+        "instruction": (cfg.instruction_column, cfg.response_column),
+        "alpaca": ("instruction", "output"),
+        "chat": (),  # messages or conversations, checked per record
+        "text": (cfg.text_column,),
+    }[fmt]
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
+    if fmt == "instruction":
+        return [
+            {"role": "user", "content": _text(record[cfg.instruction_column])},
+            {"role": "assistant", "content": _text(record[cfg.response_column])},
+        ]
+    if fmt == "alpaca":
+        prompt = _text(record["instruction"])
+        extra = _text(record.get("input"))
+        if extra.strip():
+            prompt = f"{prompt}\n\n{extra}"
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(record["output"])}]
+    if fmt == "text":
+        return [{"role": "text", "content": _text(record[cfg.text_column])}]
+    turns = record.get(cfg.messages_column, record.get("conversations"))
+    if not isinstance(turns, list):
+        raise TunebenchError(f"chat record has no '{cfg.messages_column}' list of messages; fix the record or --format")
+    out = []
+    for t in turns:
+        role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))), str(t.get("role", t.get("from", ""))))
+        out.append({"role": role, "content": _text(t.get("content", t.get("value")))})
+    return out
+
+
+def records_to_messages(records: list[dict[str, Any]], cfg: DataConfig, source: str) -> tuple[str, list[Messages]]:
+    if not records:
+        raise TunebenchError(f"dataset '{source}' has no rows; point --data at a file with data")
+    columns = set(records[0])
+    fmt = detect(columns, cfg)
+    missing = [c for c in required_columns(fmt, cfg) if c not in columns]
+    if missing:
+        raise TunebenchError(
+            f"dataset '{source}' ({fmt} format) lacks column(s) {', '.join(repr(m) for m in missing)}; it has "
+            f"{', '.join(sorted(columns))}: name yours with --instruction-column / --response-column"
+        )
+    return fmt, [to_messages(r, fmt, cfg) for r in records]

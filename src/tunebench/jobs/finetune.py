@@ -1,0 +1,250 @@
+"""`tunebench train`: LoRA, QLoRA or full fine-tuning of a causal LM. Reads top to bottom:
+plan the hardware, load model and data, set up the method, train, save."""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench import checkpoint, hardware, models
+from tunebench.config import RunConfig, dump_yaml
+from tunebench.data import batching
+from tunebench.data.tokenize import Tokenized, load_tokenized, split
+from tunebench.errors import TunebenchError
+from tunebench.loop import Hooks, LoopSettings, LoopState, evaluate, train
+from tunebench.metrics import MetricsWriter, peak_memory_mb, write_json
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def print_plan(rows: list[tuple[str, Any, str]]) -> None:
+    width = max(len(r[0]) for r in rows)
+    print("settings:")
+    for setting, value, reason in rows:
+        print(f"  {setting:<{width}}  {value!s:<12} {reason}")
+
+
+def prepare_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(0.0, 1 - progress) if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
+    """Apply the method. Returns (model, autocast dtype, reasons). Frozen bases live in the compute dtype."""
+    a = cfg.adapter
+    compute = DTYPES[precision]
+    rows: list[tuple[str, Any, str]] = []
+    model = loaded.model
+    if a.method == "full":
+        model.to(device)
+        autocast = None if precision == "fp32" else compute
+        rows.append(("weights", "fp32", "full fine-tuning keeps fp32 master weights" +
+                     (f"; {precision} autocast for matmuls" if autocast else "")))
+        return model, autocast, rows
+    if a.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = models.load_quantized(loaded, cfg.model.name, a.quantization, compute, cfg.model.allow_download)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        rows.append(("base weights", a.quantization, f"bitsandbytes {'nf4 + double quant' if a.quantization == '4bit' else 'LLM.int8'}, compute in {precision}"))
+    else:
+        model.to(dtype=compute)
+        rows.append(("base weights", precision, "frozen: no fp32 master copy needed; adapters stay fp32"))
+    modules, why = models.target_modules(model, a.target_modules)
+    rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
+    model = models.add_lora(model, a.r, a.lora_alpha, a.lora_dropout, modules)
+    model.to(device)
+    return model, None, rows
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    t = cfg.train
+    out = Path(t.output_dir)
+    prepare_output_dir(out)
+
+    # -- hardware plan
+    hw = hardware.detect()
+    plan = hardware.plan(t.device, t.precision, hw)
+    device = torch.device(plan.device)
+    torch.set_num_threads(plan.threads)
+    seed_everything(t.seed)
+
+    # -- model and data
+    loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
+    tok = loaded.tokenizer
+    data = load_tokenized(cfg.data, tok, models.cache_dir())
+    train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
+    if len(train_idx) == 0:
+        raise TunebenchError(f"no training rows left after the eval split of {len(data)} rows; add data or lower --eval-fraction")
+    model, autocast, method_rows = build_model(cfg, loaded, plan.precision, device)
+    model.config.use_cache = False
+    trainable, total = models.count_parameters(model)
+    if trainable == 0:
+        raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
+
+    accum = cfg.grad_accum_steps
+    micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
+    total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
+    rows = [(d.setting, d.value, d.reason) for d in plan.decisions] + method_rows + [
+        ("micro_batch_size", t.micro_batch_size, "asked for" if t.micro_batch_size != 4 else "default"),
+        ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
+        ("total_steps", total_steps, "--max-steps" if t.max_steps else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
+    ]
+    print(f"model: {loaded.source}")
+    print(f"data: {cfg.data.path} ({data.fmt}), {len(train_idx)} train / {len(eval_idx)} eval rows"
+          + (f"; {data.dropped} of {len(data) + data.dropped} rows dropped: no response left after truncation"
+             if data.dropped else ""))
+    print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
+    print_plan(rows)
+
+    # -- optimizer and schedule
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
+    warmup = int(t.warmup_ratio * total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.schedule, warmup, total_steps))
+    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+
+    # -- records
+    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path,
+                "micro_batch_size": t.micro_batch_size, "grad_accum_steps": accum, "seed": t.seed}
+    dump_yaml(cfg, out / "config.yaml")
+    write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
+        {"setting": s, "value": v, "reason": r} for s, v, r in rows], "trainable_parameters": trainable,
+        "total_parameters": total, "model_source": loaded.source})
+
+    state = LoopState()
+    ckpt_root = out / "checkpoints"
+    if t.resume:
+        found = checkpoint.find(t.resume, ckpt_root)
+        if found is None:
+            print(f"resume: no checkpoint under {ckpt_root}; starting from step 0")
+        else:
+            state = checkpoint.load(found, model, optimizer, scheduler, identity, scaler)
+            print(f"resume: continuing from {found} (step {state.step})")
+    elif (out / "metrics.jsonl").exists():
+        (out / "metrics.jsonl").unlink()  # a fresh run starts a fresh record
+
+    def collate(batch: list[int]) -> dict[str, torch.Tensor]:
+        return batching.collate(data, batch, tok.pad_token_id)
+
+    epoch_cache: dict[int, list[list[int]]] = {}
+
+    def next_micro_batch(s: LoopState):
+        order = epoch_cache.setdefault(s.epoch, batching.epoch_order(train_idx, t.micro_batch_size, t.seed, s.epoch))
+        if s.batch_in_epoch >= len(order):
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            return next_micro_batch(s)
+        batch = order[s.batch_in_epoch]
+        s.batch_in_epoch += 1
+        return collate(batch)
+
+    eval_batches = _eval_batches(data, eval_idx, t.micro_batch_size * 2, collate)
+    metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.report_to == "tensorboard" else None)
+
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step (again to abort)")
+
+    def save(s: LoopState):
+        path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, t.save_total_limit, scaler)
+        metrics({"step": s.step, "checkpoint": str(path)})
+
+    hooks = Hooks(
+        log=metrics,
+        evaluate=(lambda step: evaluate(model, eval_batches, device, autocast)) if eval_batches else None,
+        save=save,
+        should_stop=lambda: stop["requested"],
+    )
+    settings = LoopSettings(
+        total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
+        autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=t.eval_steps,
+        save_steps=t.save_steps, progress=t.progress,
+    )
+    before = evaluate(model, eval_batches, device, autocast) if eval_batches and state.step == 0 else None
+    if before:
+        metrics({"step": 0, **before})
+        print(f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    wall = time.perf_counter()
+    try:
+        state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
+        if not (t.save_steps and state.step % t.save_steps == 0):  # the loop did not just save it
+            save(state)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        metrics.close()
+    wall = time.perf_counter() - wall
+
+    # -- final eval and outputs
+    after = evaluate(model, eval_batches, device, autocast) if eval_batches else {}
+    save_final(model, tok, out, cfg, loaded)
+    measured = state.measured_time_s or state.train_time_s
+    summary = {
+        "model": cfg.model.name, "method": cfg.adapter.method, "device": plan.device, "precision": plan.precision,
+        "steps": state.step, "samples": state.samples, "tokens": state.tokens,
+        "duration_s": round(wall, 3), "train_time_s": round(state.train_time_s, 3),
+        "samples_per_s": state.samples / state.train_time_s if state.train_time_s else None,
+        "tokens_per_s": (state.measured_tokens or state.tokens) / measured if measured else None,
+        "peak_memory_mb": round(peak_memory_mb(device), 1),
+        "train_loss": float(np.mean(state.losses)) if state.losses else None,
+        "final_train_loss": state.losses[-1] if state.losses else None,
+        "eval_loss_before": before["eval_loss"] if before else None,
+        "eval_loss": after.get("eval_loss"), "perplexity": after.get("perplexity"),
+        "trainable_parameters": trainable, "micro_batch_size": t.micro_batch_size, "grad_accum_steps": accum,
+        "effective_batch_size": cfg.effective_batch_size, "max_length": cfg.data.max_length,
+    }
+    write_json(out / "summary.json", summary)
+    if after:
+        print(f"eval after training: loss {after['eval_loss']:.4f}, perplexity {after['perplexity']:.2f}")
+    print(f"{state.step} steps in {wall:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real tokens/s; saved to {out}")
+    return summary
+
+
+def _eval_batches(data: Tokenized, idx: np.ndarray, size: int, collate) -> list[dict[str, torch.Tensor]]:
+    by_length = sorted(idx.tolist(), key=lambda i: data.offsets[i + 1] - data.offsets[i])  # less padding
+    return [collate(by_length[i : i + size]) for i in range(0, len(by_length), size)]
+
+
+def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded) -> None:
+    if cfg.adapter.method == "full":
+        model.save_pretrained(out)
+    else:
+        model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
+        model.save_pretrained(out, save_embedding_layers=False)  # "auto" would look the base up on the hub
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,30 @@
+"""`tunebench hw`: what this machine is and what tunebench would pick on it, with reasons."""
+
+from __future__ import annotations
+
+import json
+
+from tunebench import hardware
+
+
+def run(as_json: bool = False) -> dict:
+    hw = hardware.detect()
+    plan = hardware.plan("auto", "auto", hw)
+    record = {"hardware": hw.to_dict(), **plan.to_dict()}
+    if as_json:
+        print(json.dumps(record, indent=2))
+        return record
+    print(f"CPU       {hw.cpu_model}: {hw.physical_cores} physical / {hw.logical_cores} logical cores")
+    print(f"features  {', '.join(sorted(hw.cpu_flags & set(hardware.CPU_FEATURES))) or 'none of note'}")
+    print(f"RAM       {hw.ram_total_mb / 1024:.1f} GiB total, {hw.ram_available_mb / 1024:.1f} GiB available")
+    print(f"OS        {hw.os}")
+    for g in hw.gpus:
+        print(f"GPU {g.index}     {g.name}, {g.memory_mb / 1024:.1f} GiB, sm_{g.capability[0]}{g.capability[1]}, "
+              f"bf16 {'yes' if g.bf16 else 'no'}, TF32 {'yes' if g.tf32 else 'no'}")
+    if hw.mps:
+        print("MPS       available")
+    print("versions  " + ", ".join(f"{k} {v}" for k, v in hw.versions.items()))
+    print("recommended:")
+    for d in plan.decisions:
+        print(f"  {d.setting:<14} {d.value!s:<8} {d.reason}")
+    return record

@@ -1,0 +1,21 @@
+"""`tunebench merge`: fold a LoRA adapter into its base and save a plain safetensors HF directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tunebench import models
+from tunebench.errors import TunebenchError
+
+
+def merge(adapter: str, output_dir: str, model: str | None = None, allow_download: bool = False) -> Path:
+    out = Path(output_dir)
+    if out.exists() and any(out.iterdir()):
+        raise TunebenchError(f"--output-dir '{out}' is not empty; merging never overwrites, pick a new directory")
+    loaded = models.load_for_inference(model, adapter, None, allow_download)
+    merged = loaded.model.merge_and_unload()
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(out)
+    print(f"merged {loaded.source} into {out}")
+    return out

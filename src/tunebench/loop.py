@@ -1,0 +1,207 @@
+"""The one training loop every job uses. It knows nothing of the CLI, configs or jobs.
+
+One optimizer step = `grad_accum_steps` micro-batches. The loss is normalised by the number of
+loss tokens in the whole step, not per micro-batch, so accumulation 2 x micro batch 2 gives
+exactly the loss and gradients of micro batch 4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tunebench.errors import TunebenchError
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class LoopState:
+    """Everything besides weights/optimizer that a resumed run needs to continue exactly."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
+    tokens: int = 0  # real (non-padding) tokens seen
+    samples: int = 0
+    train_time_s: float = 0.0
+    measured_tokens: int = 0  # tokens and time of the steps counted in throughput (warm-up excluded)
+    measured_time_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    total_steps: int
+    grad_accum_steps: int
+    max_grad_norm: float
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+    logging_steps: int = 1
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    warmup_steps_excluded: int = 2  # from throughput figures
+    progress: bool = True
+
+
+@dataclass
+class Hooks:
+    log: Callable[[dict[str, Any]], None] = lambda record: None
+    evaluate: Callable[[int], dict[str, float]] | None = None
+    save: Callable[[LoopState], None] | None = None
+    should_stop: Callable[[], bool] = lambda: False
+
+
+class Interrupted(TunebenchError):
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}; a checkpoint was saved: rerun with --resume auto", 130)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the loss positions of one micro-batch."""
+    with autocast(device, autocast_dtype):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    targets = batch["labels"][:, 1:].reshape(-1)
+    keep = batch["loss_index"]  # flat positions that carry loss, computed on the host: no sync
+    picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
+    return F.cross_entropy(picked.float(), targets.index_select(0, keep), reduction="sum")
+
+
+def prepare(batch: Batch, device: torch.device) -> tuple[Batch, int, int]:
+    """Move a collated batch to the device; return it with (loss tokens, real tokens) counted on the host."""
+    flat = batch["labels"][:, 1:].reshape(-1)
+    loss_index = torch.nonzero(flat != -100).squeeze(1)
+    n_loss, n_real = int(loss_index.numel()), int(batch["attention_mask"].sum())
+    non_blocking = device.type == "cuda"
+    out = {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    out["loss_index"] = loss_index.to(device, non_blocking=non_blocking)
+    return out, n_loss, n_real
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, autocast_dtype: torch.dtype | None) -> dict[str, float]:
+    """Token-weighted mean loss and perplexity over `batches` (collated, on the host)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = 0
+    for batch in batches:
+        b, n_loss, _ = prepare(batch, device)
+        if n_loss:
+            total += loss_sum(model, b, autocast_dtype, device).double()
+            count += n_loss
+    model.train(was_training)
+    loss = float(total) / max(count, 1)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": count}
+
+
+def train(
+    model,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    next_micro_batch: Callable[[LoopState], Batch | None],
+    state: LoopState,
+    settings: LoopSettings,
+    hooks: Hooks,
+    scaler: torch.amp.GradScaler | None = None,
+) -> LoopState:
+    """Run optimizer steps from `state.step` to `settings.total_steps`.
+
+    `next_micro_batch(state)` returns the collated micro-batch at the state's data position and
+    advances that position (epoch, batch_in_epoch), or returns None when the data is exhausted.
+    """
+    from tqdm.auto import tqdm
+
+    device = settings.device
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    bar = tqdm(total=settings.total_steps, initial=state.step, disable=not settings.progress, unit="step",
+               dynamic_ncols=True)
+    loss_acc = torch.zeros((), device=device)
+    try:
+        while state.step < settings.total_steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            micro = []
+            for _ in range(settings.grad_accum_steps):
+                batch = next_micro_batch(state)
+                if batch is None:
+                    break
+                micro.append(batch)
+            if not micro:
+                break
+            prepared = [prepare(b, device) for b in micro]
+            step_loss_tokens = sum(n for _, n, _ in prepared)
+            step_tokens = sum(n for _, _, n in prepared)
+            loss_acc.zero_()
+            for b, n_loss, _ in prepared:
+                if n_loss == 0:
+                    continue
+                loss = loss_sum(model, b, settings.autocast_dtype, device) / step_loss_tokens
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_acc += loss.detach()
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            state.step += 1
+            state.tokens += step_tokens
+            state.samples += sum(len(b["input_ids"]) for b in micro)
+            loss_value = float(loss_acc)  # one host sync per optimizer step
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            state.train_time_s += dt
+            if state.step > settings.warmup_steps_excluded:
+                state.measured_tokens += step_tokens
+                state.measured_time_s += dt
+            if not math.isfinite(loss_value):
+                raise TunebenchError(
+                    f"loss became {loss_value} at step {state.step}; lower --lr, or use --precision fp32 "
+                    "(the last good checkpoint is kept)"
+                )
+            state.losses.append(loss_value)
+            tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else step_tokens / dt
+            if state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
+                hooks.log({
+                    "step": state.step, "epoch": state.epoch, "loss": loss_value, "lr": lr,
+                    "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": tokens_per_s,
+                    "elapsed_s": state.train_time_s,
+                })
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            bar.update(1)
+            if hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0 \
+                    and state.step < settings.total_steps:
+                hooks.log({"step": state.step, **hooks.evaluate(state.step)})
+            stop = hooks.should_stop()
+            if hooks.save and ((settings.save_steps and state.step % settings.save_steps == 0) or stop):
+                hooks.save(state)
+            if stop:
+                raise Interrupted(state.step)
+    finally:
+        bar.close()
+    return state

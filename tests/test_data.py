@@ -1,0 +1,193 @@
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from tunebench.config import DataConfig
+from tunebench.data import batching, formats, readers, sample_gen
+from tunebench.data.tokenize import DEFAULT_PROMPT, load_tokenized, split, tokenize_messages
+from tunebench.errors import TunebenchError
+from tunebench.models import byte_tokenizer
+
+from conftest import BITEXT, ROWS
+
+
+def _write(tmp_path, kind):
+    if kind == "csv":
+        p = tmp_path / "d.csv"
+        with p.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["instruction", "response"])
+            w.writeheader()
+            w.writerows(ROWS)
+    elif kind == "json":
+        p = tmp_path / "d.json"
+        p.write_text(json.dumps(ROWS))
+    elif kind == "jsonl":
+        p = tmp_path / "d.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        p = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(ROWS), p)
+    else:
+        import datasets
+
+        p = tmp_path / "hfdir"
+        datasets.Dataset.from_list(ROWS).save_to_disk(str(p))
+    return p
+
+
+@pytest.mark.parametrize("kind", ["csv", "json", "jsonl", "parquet", "hfdir"])
+def test_readers_give_the_same_records(tmp_path, kind):
+    assert readers.read_records(str(_write(tmp_path, kind))) == ROWS
+
+
+def test_format_detection():
+    cfg = DataConfig()
+    assert formats.detect({"instruction", "response", "intent"}, cfg) == "instruction"
+    assert formats.detect({"instruction", "input", "output"}, cfg) == "alpaca"
+    assert formats.detect({"messages"}, cfg) == "chat"
+    assert formats.detect({"text"}, cfg) == "text"
+    with pytest.raises(TunebenchError, match="cannot tell the dataset format"):
+        formats.detect({"question", "answer"}, cfg)
+
+
+def test_alpaca_input_joins_the_prompt():
+    msgs = formats.to_messages({"instruction": "Sum", "input": "2 and 3", "output": "5"}, "alpaca", DataConfig())
+    assert msgs == [{"role": "user", "content": "Sum\n\n2 and 3"}, {"role": "assistant", "content": "5"}]
+
+
+def test_response_only_masking_is_exact():
+    tok = byte_tokenizer()
+    tok.chat_template = None  # plain prompt template: byte tokens make positions easy to check
+    cfg = DataConfig(max_length=512)
+    data = tokenize_messages([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]],
+                             tok, cfg, "instruction")
+    ids, mask = data.example(0)
+    prompt = DEFAULT_PROMPT.format(instruction="hi")
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert mask[:n_prompt].sum() == 0  # no loss on the prompt
+    assert mask[n_prompt:].all()  # loss on every response token, EOS included
+    assert ids[-1] == tok.eos_token_id  # the model learns to stop
+    assert tok.decode(ids[n_prompt:-1]) == "yo"
+
+
+def test_train_on_all_and_chat_template_turns():
+    tok = byte_tokenizer()
+    cfg = DataConfig(max_length=512, train_on="all")
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    data = tokenize_messages([chat], tok, cfg, "chat")
+    assert data.example(0)[1].all()
+    data = tokenize_messages([chat], tok, DataConfig(max_length=512), "chat")
+    ids, mask = data.example(0)
+    trained = tok.decode(ids[mask.astype(bool)])
+    assert trained == "b<|im_end|>\nd<|im_end|>\n"  # both assistant turns, nothing else
+
+
+def test_truncation_and_drop():
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    long_prompt = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "y"}]
+    ok = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer"}]
+    data = tokenize_messages([long_prompt, ok], tok, DataConfig(max_length=40), "instruction")
+    assert len(data) == 1 and data.dropped == 1
+    assert data.lengths().max() <= 40
+
+
+def test_empty_after_truncation_is_an_error(tmp_path, dataset):
+    tok = byte_tokenizer()
+    with pytest.raises(TunebenchError, match="empty after tokenization.*--max-length"):
+        load_tokenized(DataConfig(path=str(dataset), max_length=4), tok, None)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(TunebenchError, match="not found"):
+        readers.read_records(str(tmp_path / "missing.csv"))
+    bad = tmp_path / "latin1.csv"
+    bad.write_bytes("instruction,response\ncaf\xe9,ok\n".encode("latin-1"))
+    with pytest.raises(TunebenchError, match="not UTF-8"):
+        readers.read_records(str(bad))
+    cols = tmp_path / "cols.csv"
+    cols.write_text("question,answer\nq,a\n")
+    with pytest.raises(TunebenchError, match="cannot tell the dataset format"):
+        formats.records_to_messages(readers.read_records(str(cols)), DataConfig(), str(cols))
+    with pytest.raises(TunebenchError, match="lacks column"):
+        formats.records_to_messages(readers.read_records(str(cols)), DataConfig(format="instruction"), str(cols))
+    empty = tmp_path / "empty.csv"
+    empty.write_text("instruction,response\n")
+    with pytest.raises(TunebenchError, match="has no rows"):
+        formats.records_to_messages(readers.read_records(str(empty)), DataConfig(), str(empty))
+    broken = tmp_path / "b.jsonl"
+    broken.write_text('{"a": 1}\n{oops\n')
+    with pytest.raises(TunebenchError, match="line 2 is not valid JSON"):
+        readers.read_records(str(broken))
+
+
+def test_custom_columns(tmp_path):
+    p = tmp_path / "qa.csv"
+    p.write_text("question,answer\nwhat,that\n")
+    cfg = DataConfig(path=str(p), instruction_column="question", response_column="answer", max_length=512)
+    data = load_tokenized(cfg, byte_tokenizer(), None)
+    assert len(data) == 1 and data.fmt == "instruction"
+
+
+def test_tokenized_cache_is_reused_and_invalidated(tmp_path, dataset):
+    tok = byte_tokenizer()
+    cfg = DataConfig(path=str(dataset), max_length=256)
+    first = load_tokenized(cfg, tok, tmp_path)
+    files = list((tmp_path / "tokenized").glob("*.npz"))
+    assert len(files) == 1
+    again = load_tokenized(cfg, tok, tmp_path)
+    assert np.array_equal(first.ids, again.ids) and again.fmt == "instruction"
+    load_tokenized(DataConfig(path=str(dataset), max_length=64), tok, tmp_path)
+    assert len(list((tmp_path / "tokenized").glob("*.npz"))) == 2  # max_length is part of the key
+
+
+def test_split_is_seeded_and_disjoint():
+    a_train, a_eval = split(100, 0.05, 1, None)
+    b_train, b_eval = split(100, 0.05, 1, None)
+    assert np.array_equal(a_eval, b_eval) and len(a_eval) == 5
+    assert not set(a_train) & set(a_eval) and len(a_train) + len(a_eval) == 100
+    train, ev = split(100, 0.1, 1, 20)
+    assert len(train) + len(ev) == 20 and len(ev) == 2
+    assert not np.array_equal(split(100, 0.05, 2, None)[1], a_eval)
+
+
+def test_collate_pads_and_masks():
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    data = tokenize_messages([[{"role": "user", "content": "a"}, {"role": "assistant", "content": "bb"}],
+                              [{"role": "user", "content": "aaaa"}, {"role": "assistant", "content": "b"}]],
+                             tok, DataConfig(max_length=512), "instruction")
+    b = batching.collate(data, [0, 1], tok.pad_token_id)
+    lengths = data.lengths()
+    assert b["input_ids"].shape == (2, lengths.max())
+    assert b["attention_mask"].sum().item() == lengths.sum()
+    short = int(np.argmin(lengths))
+    assert (b["labels"][short, lengths[short]:] == batching.IGNORE).all()
+
+
+def test_epoch_order_is_reproducible():
+    idx = np.arange(10)
+    assert batching.epoch_order(idx, 3, 0, 1) == batching.epoch_order(idx, 3, 0, 1)
+    assert batching.epoch_order(idx, 3, 0, 1) != batching.epoch_order(idx, 3, 0, 2)
+    assert sorted(sum(batching.epoch_order(idx, 3, 0, 1), [])) == list(range(10))
+
+
+def test_builtin_sample_is_what_the_generator_writes():
+    assert sample_gen.OUT.read_text(encoding="utf-8") == sample_gen.render()
+    rows = readers.read_records("builtin:customer-support")
+    assert len(rows) >= 2000 and len({r["intent"] for r in rows}) >= 20
+    assert set(rows[0]) == {"instruction", "response", "intent", "category"}
+
+
+@pytest.mark.skipif(not BITEXT.exists(), reason="../shared/data (Bitext sample) is not present")
+def test_bitext_csv_reads_as_instruction_data():
+    rows = readers.read_records(str(BITEXT))
+    assert len(rows) == 4514
+    fmt, msgs = formats.records_to_messages(rows[:5], DataConfig(), str(BITEXT))
+    assert fmt == "instruction" and msgs[0][1]["role"] == "assistant"
