@@ -124,10 +124,10 @@ SYNONYMS = {
 def _nearest(key: str) -> str:
     keys = all_keys()
     key = ".".join(SYNONYMS.get(part, part) for part in key.split("."))
-    leaf = key.rsplit(".", 1)[-1]
     by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
-    hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.5) or [
-        by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.5)
+    by_leaf.update({alias: by_leaf[target] for alias, target in SYNONYMS.items() if target in by_leaf})
+    hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.75) or [
+        by_leaf[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.6)
     ]
     return f"; did you mean '{hit[0]}'?" if hit else "; run `tunebench train --help` for the valid keys"
 

@@ -1,0 +1,122 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tunebench.cli import main
+
+
+def tb(*args, check=True):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "tunebench", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
+    out = tmp_path / "run"
+    proc = tb("train", "--model", "tiny", "--data", dataset, "--output-dir", out, "--max-length", 256,
+              "--batch-size", 2, "--max-steps", 4, "--eval-steps", 2, "--no-progress", "train.seed=3")
+    assert "trainable parameters: 3,584" in proc.stdout
+    assert "precision" in proc.stdout and "grad_accum_steps  4" in proc.stdout
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json", "config.yaml",
+                 "plan.json", "metrics.jsonl", "summary.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("duration_s", "samples_per_s", "tokens_per_s", "peak_memory_mb", "train_loss", "eval_loss",
+                "perplexity"):
+        assert summary[key] is not None and summary[key] > 0, key
+    assert summary["steps"] == 4 and summary["effective_batch_size"] == 8
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in steps if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert set(train_rows[0]) >= {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
+    assert any("eval_loss" in r and r["step"] == 2 for r in steps)
+
+    from peft import PeftModel
+
+    from tunebench import models
+
+    PeftModel.from_pretrained(models.resolve("tiny").model, str(out))  # the adapter is standard PEFT
+
+    merged = tmp_path / "merged"
+    tb("merge", "--adapter", out, "--output-dir", merged)
+    assert (merged / "model.safetensors").is_file() and (merged / "config.json").is_file()
+    greedy = ("--prompt", "hi", "--max-new-tokens", 8, "--raw")
+    assert tb("generate", "--adapter", out, *greedy).stdout == tb("generate", "--model", merged, *greedy).stdout
+    ev = json.loads(tb("eval", "--model", merged, "--data", dataset, "--max-length", 256).stdout)
+    ev_adapter = json.loads(tb("eval", "--adapter", out, "--data", dataset, "--max-length", 256).stdout)
+    assert ev["rows"] == 12 and ev["eval_loss"] == pytest.approx(ev_adapter["eval_loss"], rel=1e-4)
+
+
+def test_study_flags_yaml_and_qlora(tmp_path, dataset):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  lr: 1e-3\n  progress: false\ndata:\n  eval_fraction: 0.25\n")
+    out = tmp_path / "study"
+    tb("train", cfg, "--model_name", "tiny", "--data", dataset, "--num_epochs", 1, "--batch_size", 2,
+       "--gradient_accumulation_steps", 2, "--max_length", 256, "--output_dir", out, "--use_4bit",
+       "--save_steps", 2)
+    saved = (out / "config.yaml").read_text()
+    assert "method: qlora" in saved and "quantization: 4bit" in saved and "lr: 0.001" in saved
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["method"] == "qlora"  # 9 rows / (2 x 2) per step
+
+
+def test_bad_input_exits_with_one_line_no_traceback(tmp_path):
+    proc = tb("train", "--model", "tiny", "--data", tmp_path / "missing.csv", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "not found" in proc.stderr
+    debug = tb("train", "--model", "tiny", "--data", tmp_path / "missing.csv", "--debug", check=False)
+    assert "Traceback" in debug.stderr
+
+
+def _bad_inputs(tmp_path, dataset):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("instruction,response\ncaf\xe9,ok\n".encode("latin-1"))
+    cols = tmp_path / "cols.csv"
+    cols.write_text("question,answer\nq,a\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    d = str(dataset)
+    return [
+        (["--data", str(tmp_path / "none.csv")], "not found"),
+        (["--data", str(latin)], "not UTF-8"),
+        (["--data", str(cols)], "cannot tell the dataset format"),
+        (["--data", str(cols), "--format", "instruction"], "lacks column"),
+        (["--data", d, "--max-length", "4"], "empty after tokenization"),
+        (["--data", d, "--model", "someone/unknown-model"], "offline"),
+        (["--data", d, "--output-dir", str(blocker / "sub")], "cannot write to --output-dir"),
+        (["--data", d, "--target-modules", "qkv"], "no linear module named 'qkv'"),
+        (["--data", d, "--batch-size", "0"], "must be a positive number"),
+        (["--data", d, "--batch-size", "-2"], "must be a positive number"),
+        (["--data", d, "train.lerning_rate=1"], "did you mean 'train.lr'"),
+        (["--data", d, "--precision", "fp16"], "fp16 is for GPUs"),
+        (["--data", d, "--device", "cuda"], "no CUDA GPU"),
+        (["--data", d, "--resume", str(tmp_path)], "not a tunebench checkpoint"),
+        (["--data", d, "--bogus-flag"], "unrecognized argument"),
+    ]
+
+
+def test_each_bad_input_names_the_problem(tmp_path, dataset, capsys):
+    for args, message in _bad_inputs(tmp_path, dataset):
+        code = main(["train", "--model", "tiny", "--output-dir", str(tmp_path / "o"), "--no-progress", *args])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (args, err)
+        assert message in err, (args, err)
+        assert err.count("\n") == 0 and err.startswith("tunebench: error:"), (args, err)
+
+
+def test_merge_never_overwrites(tmp_path, capsys):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("precious")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    assert main(["merge", "--adapter", str(adapter), "--output-dir", str(full)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (full / "keep.txt").read_text() == "precious"

