@@ -36,7 +36,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--quantization",), "adapter.quantization", "none | 4bit (nf4, QLoRA) | 8bit"),
     (("--epochs", "--num_epochs"), "train.epochs", "passes over the training rows (default 1)"),
     (("--max-steps",), "train.max_steps", "stop after this many optimizer steps (overrides --epochs)"),
-    (("--batch-size", "--batch_size"), "train.micro_batch_size", "micro batch size (default 4)"),
+    (("--batch-size", "--batch_size"), "train.micro_batch_size",
+     "micro batch size (default 4), or auto: measure candidates and keep the fastest that fits"),
     (("--grad-accum", "--gradient_accumulation_steps"), "train.grad_accum_steps",
      "gradient accumulation steps (default: effective batch / micro batch)"),
     (("--effective-batch-size",), "train.effective_batch_size", "samples per optimizer step (default 8)"),
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
     for flags, key, help_text in TRAIN_OPTIONS:
         train.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V")
+    train.add_argument("--profile", default=None, metavar="NAME",
+                       help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
+    train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
+                       help="torch.compile: auto (default) | on | off")
+    train.add_argument("--gradient-checkpointing", dest="train.gradient_checkpointing", default=argparse.SUPPRESS,
+                       metavar="V", help="auto (only when the batch would not fit) | on | off")
+    train.add_argument("--lr-scaling", dest="train.lr_scaling", default=argparse.SUPPRESS, metavar="V",
+                       help="none (default) | linear | sqrt: scale --lr by effective batch / train.lr_reference_batch")
     train.add_argument("--use_8bit", "--use-8bit", dest="adapter.quantization", action="store_const", const="8bit",
                        default=argparse.SUPPRESS, help="alias of --quantization 8bit")
     train.add_argument("--use_4bit", "--use-4bit", dest="adapter.quantization", action="store_const", const="4bit",
@@ -111,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     _add_debug(p)
 
+    p = sub.add_parser("bench-data", help="measure the input pipeline alone (tokenize, cache, batches/s)")
+    p.add_argument("--model", default=None, help="whose tokenizer (default SmolLM2)")
+    p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
+    p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=4)
+    _add_debug(p)
+
     p = sub.add_parser("hw", help="this machine's hardware and the settings tunebench would pick")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _add_debug(p)
@@ -131,7 +147,8 @@ def train_config(args: argparse.Namespace):
     configs = [i for i in items if "=" not in i]
     if len(configs) > 1:
         raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
-    return load_config(configs[0] if configs else None, options, [i for i in items if "=" in i])
+    return load_config(configs[0] if configs else None, options, [i for i in items if "=" in i],
+                       getattr(args, "profile", None))
 
 
 def run_job(args: argparse.Namespace) -> int:
@@ -153,21 +170,29 @@ def run_job(args: argparse.Namespace) -> int:
 
         merge(args.adapter or _need("--adapter"), args.output_dir, args.model, args.allow_download)
     elif args.job == "eval":
-        import dataclasses
-
-        from tunebench.config import DataConfig
         from tunebench.jobs import evaluate
 
-        data = DataConfig()
-        changes = {"path": args.data, "max_samples": args.max_samples, "max_length": args.max_length}
-        data = dataclasses.replace(data, **{k: v for k, v in changes.items() if v is not None})
+        data = _data_config(args.data, args.max_length, args.max_samples)
         print(json.dumps(evaluate.run(args.model, args.adapter, data, args.batch_size,
                                       allow_download=args.allow_download), indent=2))
+    elif args.job == "bench-data":
+        from tunebench.jobs import bench_data
+
+        bench_data.run(args.model, _data_config(args.data, args.max_length), args.batch_size)
     elif args.job == "hw":
         from tunebench.jobs import hw
 
         hw.run(as_json=args.json)
     return 0
+
+
+def _data_config(path: str | None, max_length: int | None, max_samples: int | None = None):
+    import dataclasses
+
+    from tunebench.config import DataConfig
+
+    changes = {"path": path, "max_length": max_length, "max_samples": max_samples}
+    return dataclasses.replace(DataConfig(), **{k: v for k, v in changes.items() if v is not None})
 
 
 def _need(flag: str):

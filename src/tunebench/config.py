@@ -63,6 +63,7 @@ class TrainConfig:
     epochs: float = 1.0
     max_steps: int | None = None
     micro_batch_size: int = 4
+    autotune_batch: bool = False  # --batch-size auto: measure candidate micro batches, keep the fastest
     grad_accum_steps: int | None = None  # derived from effective_batch_size when unset
     effective_batch_size: int = 8
     lr: float = 2e-4
@@ -72,6 +73,11 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
+    compile: str = "auto"  # auto | on | off (torch.compile)
+    gradient_checkpointing: str = "auto"  # auto (only when the batch would not fit otherwise) | on | off
+    lr_scaling: str = "none"  # none | linear | sqrt: scale lr when the effective batch differs from lr_reference_batch
+    lr_reference_batch: int = 8
+    monitor: bool = True  # background sampler of CPU/RAM/GPU use
     seed: int = 42
     logging_steps: int = 1
     eval_steps: int | None = None  # None: eval at the end only
@@ -172,6 +178,9 @@ def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
         f.name for f in dataclasses.fields(_SECTION_TYPES[parts[0]])
     }:
         raise TunebenchError(f"unknown config key '{key}'{_nearest(key)}")
+    if key == "train.micro_batch_size" and str(value).lower() == "auto":
+        tree["train"]["autotune_batch"] = True  # --batch-size auto
+        return
     tree[parts[0]][parts[1]] = _coerce(key, value)
 
 
@@ -211,14 +220,31 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
+PROFILES_DIR = Path(__file__).parent / "configs" / "profiles"
+
+
+def profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def profile_path(name: str) -> Path:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise TunebenchError(f"unknown --profile '{name}'; shipped profiles: {', '.join(profiles())}")
+    return path
+
+
 def load_config(
     yaml_path: str | Path | None = None,
     options: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    profile: str | None = None,
 ) -> RunConfig:
-    """Defaults < YAML < options (dotted keys) < dotted overrides; then validate."""
+    """Defaults < hardware profile < YAML < options (dotted keys) < dotted overrides; then validate."""
     tree: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     layers: list[dict[str, Any]] = []
+    if profile is not None:
+        layers.append(_flatten(read_yaml(profile_path(profile))))
     if yaml_path is not None:
         layers.append(_flatten(read_yaml(yaml_path)))
     layers.append(dict(options or {}))
@@ -259,6 +285,9 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.device", t.device, ("auto", "cpu", "cuda", "mps"))
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
     _choice("train.report_to", t.report_to, ("none", "tensorboard"))
+    _choice("train.compile", t.compile, ("auto", "on", "off"))
+    _choice("train.gradient_checkpointing", t.gradient_checkpointing, ("auto", "on", "off"))
+    _choice("train.lr_scaling", t.lr_scaling, ("none", "linear", "sqrt"))
     positive = {
         "data.max_length (--max-length)": d.max_length,
         "train.micro_batch_size (--batch-size)": t.micro_batch_size,

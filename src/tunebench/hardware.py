@@ -15,6 +15,41 @@ from tunebench.errors import TunebenchError
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 
+# Dense peak TFLOP/s (no sparsity; FP32 accumulate for fp16/bf16 tensor math), from the vendors'
+# datasheets and architecture whitepapers. Matched against the CUDA device name, first hit wins,
+# so more specific names come first. A GPU not listed gets MFU "n/a", never a guess.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9}),  # SXM
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("L40", {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5}),
+    ("A10G", {}),  # AWS variant without published dense tensor figures: unknown, not A10's
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("T4", {"fp16": 65.0, "fp32": 8.1}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+    ("RTX 5090", {"bf16": 209.5, "fp16": 209.5, "tf32": 104.8, "fp32": 104.8}),
+    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    ("RTX 4080", {"bf16": 97.5, "fp16": 97.5, "tf32": 48.7, "fp32": 48.7}),
+    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+    ("RTX 3080", {"bf16": 59.5, "fp16": 59.5, "tf32": 29.8, "fp32": 29.8}),
+    ("RTX 3070", {"bf16": 40.6, "fp16": 40.6, "tf32": 20.3, "fp32": 20.3}),
+    ("RTX 3060", {"bf16": 25.4, "fp16": 25.4, "tf32": 12.7, "fp32": 12.7}),
+    ("RTX 2080 Ti", {"fp16": 53.8, "fp32": 13.4}),
+    ("1080 Ti", {"fp16": 0.18, "fp32": 11.3}),  # Pascal: no tensor cores, fp16 at 1/64 rate
+)
+
+
+def gpu_peak_tflops(name: str, dtype: str) -> float | None:
+    """Dense peak TFLOP/s of a GPU for `dtype` (fp32, tf32, fp16, bf16), or None when unknown."""
+    for key, peaks in PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return peaks.get(dtype)
+    return None
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -43,6 +78,8 @@ class Hardware:
     os: str
     gpus: tuple[GPU, ...] = ()
     mps: bool = False
+    cuda_version: str | None = None
+    driver_version: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -70,23 +107,32 @@ class Plan:
     threads: int
     decisions: tuple[Decision, ...]
 
+    def value(self, setting: str, default=None):
+        return next((d.value for d in self.decisions if d.setting == setting), default)
+
     def to_dict(self) -> dict:
         return {"decisions": [asdict(d) for d in self.decisions]}
 
 
+def parse_cpuinfo(text: str) -> tuple[str | None, frozenset[str]]:
+    """(model name, feature flags) from /proc/cpuinfo text (x86 'flags' or Arm 'Features')."""
+    model, flags = None, frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model is None:
+            model = value.strip()
+        elif key.strip() in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
 def _cpu_info() -> tuple[str, frozenset[str]]:
-    model, flags = platform.processor() or platform.machine(), frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features") and not flags:
-                    flags = frozenset(value.split())
+            model, flags = parse_cpuinfo(f.read())
     except OSError:
-        pass
-    return model, flags
+        model, flags = None, frozenset()
+    return model or platform.processor() or platform.machine(), flags
 
 
 def _versions() -> dict[str, str]:
@@ -113,6 +159,16 @@ def detect() -> Hardware:
             p = torch.cuda.get_device_properties(i)
             gpus.append(GPU(i, p.name, p.total_memory // 2**20, (p.major, p.minor)))
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    driver = None
+    if gpus:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            driver = driver.decode() if isinstance(driver, bytes) else driver
+        except Exception:  # nvidia-ml-py missing or NVML unavailable: the version is only informative
+            driver = None
     return Hardware(
         cpu_model=model,
         physical_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
@@ -123,6 +179,8 @@ def detect() -> Hardware:
         os=f"{platform.system()} {platform.release()}",
         gpus=tuple(gpus),
         mps=mps,
+        cuda_version=torch.version.cuda if gpus else None,
+        driver_version=driver,
         versions=_versions(),
     )
 
@@ -171,11 +229,90 @@ def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     return Decision("precision", "fp32", "CPU has no native bf16 (no AVX512-BF16 or AMX)")
 
 
-def plan(device: str, precision: str, hw: Hardware) -> Plan:
-    """Decide device, precision and threads for a run; a forced impossible setting raises."""
+def _pick_compile(requested: str, device: str) -> Decision:
+    if requested == "on":
+        return Decision("compile", True, "asked for")
+    if requested == "off":
+        return Decision("compile", False, "asked for")
+    if device == "mps":
+        return Decision("compile", False, "torch.compile training on MPS is not mature")
+    return Decision("compile", False, "warm-up costs tens of seconds, more than it saves on short runs; --compile on")
+
+
+def plan(device: str, precision: str, hw: Hardware, compile: str = "auto") -> Plan:
+    """Decide every hardware setting of a run, each with its reason; a forced impossible one raises."""
     dev = _pick_device(device, hw)
-    prec = _pick_precision(precision, str(dev.value), hw)
-    threads = Decision(
-        "torch_threads", hw.physical_cores, f"{hw.physical_cores} physical cores; hyper-threads add no matmul throughput"
-    )
-    return Plan(str(dev.value), str(prec.value), int(threads.value), (dev, prec, threads))
+    on = str(dev.value)
+    prec = _pick_precision(precision, on, hw)
+    gpu = hw.gpus[0] if on == "cuda" and hw.gpus else None
+    decisions = [dev, prec]
+    decisions.append(Decision(
+        "torch_threads", hw.physical_cores,
+        f"{hw.physical_cores} physical cores; hyper-threads add no matmul throughput"))
+    if gpu is not None:
+        decisions.append(Decision("tf32", gpu.tf32, "Ampere+ runs fp32 matmuls on TF32 tensor cores" if gpu.tf32
+                                  else f"{gpu.name} has no TF32"))
+        decisions.append(Decision("cudnn_benchmark", False, "a transformer has no convolutions for cuDNN to tune"))
+    decisions.append(Decision(
+        "dataloader_workers", 0, "data is tokenized once and held in memory; the time spent on batches is "
+                                 "measured each run (data_wait_fraction) and flagged when it matters"))
+    decisions.append(Decision("pin_memory", on == "cuda", "page-locked host batches copy to the GPU asynchronously"
+                              if on == "cuda" else "no accelerator to copy to"))
+    decisions.append(_pick_compile(compile, on))
+    by = {d.setting: d.value for d in decisions}
+    return Plan(on, str(prec.value), int(by["torch_threads"]), tuple(decisions))
+
+
+def measure_cpu_peak_tflops(dtype: str, threads: int, seconds: float = 1.0) -> float:
+    """Best dense matmul TFLOP/s this CPU reaches in `dtype` over a few square sizes."""
+    import time
+
+    import torch
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = 0.0
+    try:
+        for n in (512, 1024, 2048):
+            a, b = torch.randn(n, n, dtype=torch_dtype), torch.randn(n, n, dtype=torch_dtype)
+            a @ b  # warm-up: kernel selection, caches
+            iters, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds / 3:
+                a @ b
+                iters += 1
+            best = max(best, 2 * n**3 * iters / elapsed / 1e12)
+    finally:
+        torch.set_num_threads(old)
+    return best
+
+
+def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float:
+    """The measured CPU peak, cached per (CPU, flags, threads, torch, dtype): measured once, a few seconds."""
+    import json
+    from pathlib import Path
+
+    key = f"{hw.cpu_model}|{','.join(sorted(hw.cpu_flags & set(CPU_FEATURES)))}|{threads}|" \
+          f"{hw.versions.get('torch')}|{dtype}"
+    path = Path(cache_file)
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in cache:
+        cache[key] = measure_cpu_peak_tflops(dtype, threads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    return float(cache[key])
+
+
+def peak_tflops(device: str, precision: str, hw: Hardware, threads: int, cache_file) -> tuple[float | None, str]:
+    """(peak TFLOP/s for this run's matmuls, where the figure comes from); None when unknown."""
+    if device == "cuda" and hw.gpus:
+        gpu = hw.gpus[0]
+        dtype = "tf32" if precision == "fp32" and gpu.tf32 else precision
+        peak = gpu_peak_tflops(gpu.name, dtype)
+        return peak, f"{gpu.name} {dtype} datasheet peak" if peak else f"{gpu.name} is not in the peak table"
+    if device == "cpu":
+        dtype = "bf16" if precision == "bf16" else "fp32"
+        return cpu_peak_tflops(dtype, hw, threads, cache_file), f"measured {dtype} matmul peak of this CPU"
+    return None, f"no peak figure for {device}"

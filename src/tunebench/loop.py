@@ -34,6 +34,7 @@ class LoopState:
     train_time_s: float = 0.0
     measured_tokens: int = 0  # tokens and time of the steps counted in throughput (warm-up excluded)
     measured_time_s: float = 0.0
+    data_time_s: float = 0.0  # host time spent producing and preparing batches (input-bound check)
     losses: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,6 +149,7 @@ def train(
             if not micro:
                 break
             prepared = [prepare(b, device) for b in micro]
+            state.data_time_s += time.perf_counter() - t0
             step_loss_tokens = sum(n for _, n, _ in prepared)
             step_tokens = sum(n for _, _, n in prepared)
             loss_acc.zero_()

@@ -58,3 +58,21 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def training_flops_per_token(matmul_params: int, trainable_params: int, n_layers: int, attn_width: int,
+                             seq_len: float, full: bool) -> float:
+    """Training FLOPs per token: what actually trains, plus attention (PaLM's 12·L·H·Q·T).
+
+    A matmul with N weights costs 2N forward and 2N for the input gradient; only trained weights
+    add 2N more for their weight gradient. So full fine-tuning is 6N, while LoRA on a frozen
+    base is 4N plus 6 per adapter weight.
+    """
+    dense = 6 * matmul_params if full else 4 * matmul_params + 6 * trainable_params
+    return dense + 12 * n_layers * attn_width * seq_len
+
+
+def mfu(flops_per_token: float, tokens_per_s: float | None, peak_tflops: float | None) -> float | None:
+    if not tokens_per_s or not peak_tflops:
+        return None
+    return flops_per_token * tokens_per_s / (peak_tflops * 1e12)

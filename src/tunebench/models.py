@@ -225,6 +225,17 @@ def _hub_tokenizer(spec: str, allow_download: bool):
     return tok
 
 
+def tokenizer_for(spec: str, allow_download: bool = False):
+    """The tokenizer a model spec trains with, without loading its weights."""
+    if spec == "tiny":
+        return byte_tokenizer()
+    if spec in ("gpt2-124m", SMOLLM2):
+        return load_tokenizer(str(smollm2_dir()))
+    if Path(spec).is_dir():
+        return load_tokenizer(spec)
+    return resolve(spec, allow_download=allow_download).tokenizer  # .gguf or hub id: the full path
+
+
 def load_quantized(loaded: Loaded, spec: str, bits: str, compute_dtype: torch.dtype, allow_download: bool):
     """Reload the base through bitsandbytes: nf4 with double quant, or LLM.int8."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -350,3 +361,32 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
         loaded.source += f" + adapter {adapter}"
     loaded.model.eval()
     return loaded
+
+
+def flop_dims(model) -> tuple[int, int, int]:
+    """(weights in matmuls, layers, attention width) of the base model, adapters excluded.
+
+    Matmul weights include the output head (it runs even when tied to the embedding) and count
+    quantized weights at their logical size; embeddings are lookups, not matmuls.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    kinds: tuple[type, ...] = (torch.nn.Linear, Conv1D)
+    try:
+        import bitsandbytes as bnb
+
+        kinds += (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    except ImportError:
+        pass
+    total = 0
+    for name, m in model.named_modules():
+        if isinstance(m, kinds) and "lora_" not in name:
+            w = m.weight
+            n = w.numel() * 2 if w.__class__.__name__ == "Params4bit" else w.numel()
+            total += n
+    c = model.config
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
+    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd")
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    return total, layers, heads * head_dim

@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import checkpoint, hardware, models
-from tunebench.config import RunConfig, dump_yaml
+from tunebench import autotune, checkpoint, hardware, models
+from tunebench.config import RunConfig, dump_yaml, replace
 from tunebench.data import batching
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
 from tunebench.errors import TunebenchError
-from tunebench.loop import Hooks, LoopSettings, LoopState, evaluate, train
-from tunebench.metrics import MetricsWriter, peak_memory_mb, write_json
+from tunebench.loop import Hooks, LoopSettings, LoopState, evaluate, loss_sum, prepare, train
+from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, training_flops_per_token, write_json
+from tunebench.monitor import Monitor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,6 +88,15 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     return model, None, rows
 
 
+def apply_plan(plan: hardware.Plan) -> None:
+    torch.set_num_threads(plan.threads)
+    if plan.device == "cuda":
+        tf32 = bool(plan.value("tf32"))
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = bool(plan.value("cudnn_benchmark"))
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     out = Path(t.output_dir)
@@ -94,9 +104,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     # -- hardware plan
     hw = hardware.detect()
-    plan = hardware.plan(t.device, t.precision, hw)
+    plan = hardware.plan(t.device, t.precision, hw, t.compile)
     device = torch.device(plan.device)
-    torch.set_num_threads(plan.threads)
+    apply_plan(plan)
     seed_everything(t.seed)
 
     # -- model and data
@@ -112,12 +122,29 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if trainable == 0:
         raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
 
+    # -- batch: measured (--batch-size auto) or as given; the effective batch stays fixed
+    batch_rows: list[tuple[str, Any, str]] = []
+    if t.gradient_checkpointing == "on":
+        enable_checkpointing(model)
+        batch_rows.append(("gradient_checkpointing", True, "asked for"))
+    if t.autotune_batch:
+        cfg, tuned_rows = autotune_batch(cfg, model, data, train_idx, tok.pad_token_id, device, autocast, hw, plan)
+        t = cfg.train
+        batch_rows += tuned_rows
+    else:
+        batch_rows.append(("micro_batch_size", t.micro_batch_size, "default" if "micro_batch_size" not in
+                           _user_set(cfg) else "asked for"))
+    if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in batch_rows):
+        batch_rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = cfg.grad_accum_steps
+    lr, lr_reason = scaled_lr(t.lr, cfg.effective_batch_size, t.lr_scaling, t.lr_reference_batch)
     micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
-    rows = [(d.setting, d.value, d.reason) for d in plan.decisions] + method_rows + [
-        ("micro_batch_size", t.micro_batch_size, "asked for" if t.micro_batch_size != 4 else "default"),
+    if plan.value("compile"):
+        model.compile()  # in place: parameter names (and so checkpoints) stay the same
+    rows = [(d.setting, d.value, d.reason) for d in plan.decisions] + method_rows + batch_rows + [
         ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
+        ("lr", f"{lr:g}", lr_reason),
         ("total_steps", total_steps, "--max-steps" if t.max_steps else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
     ]
     print(f"model: {loaded.source}")
@@ -130,7 +157,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # -- optimizer and schedule
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay, fused=fused or None)
     warmup = int(t.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.schedule, warmup, total_steps))
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
@@ -200,9 +227,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         metrics({"step": 0, **before})
         print(f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    monitor = Monitor(out / "monitor.jsonl" if t.monitor else None,
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
     wall = time.perf_counter()
     try:
-        state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
+        with monitor:
+            state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
         if not (t.save_steps and state.step % t.save_steps == 0):  # the loop did not just save it
             save(state)
     finally:
@@ -215,13 +245,24 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     after = evaluate(model, eval_batches, device, autocast) if eval_batches else {}
     save_final(model, tok, out, cfg, loaded)
     measured = state.measured_time_s or state.train_time_s
+    tokens_per_s = (state.measured_tokens or state.tokens) / measured if measured else None
+    matmul, layers, width = models.flop_dims(model)
+    fpt = training_flops_per_token(matmul, trainable, layers, width, state.tokens / max(state.samples, 1),
+                                   cfg.adapter.method == "full")
+    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, plan.threads,
+                                             models.cache_dir() / "peak_flops.json")
+    data_fraction = state.data_time_s / state.train_time_s if state.train_time_s else 0.0
     summary = {
         "model": cfg.model.name, "method": cfg.adapter.method, "device": plan.device, "precision": plan.precision,
         "steps": state.step, "samples": state.samples, "tokens": state.tokens,
         "duration_s": round(wall, 3), "train_time_s": round(state.train_time_s, 3),
         "samples_per_s": state.samples / state.train_time_s if state.train_time_s else None,
-        "tokens_per_s": (state.measured_tokens or state.tokens) / measured if measured else None,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt, "peak_tflops": peak, "peak_tflops_source": peak_source,
+        "mfu": mfu(fpt, tokens_per_s, peak),
+        "data_wait_fraction": round(data_fraction, 4),
         "peak_memory_mb": round(peak_memory_mb(device), 1),
+        **monitor.summary(),
         "train_loss": float(np.mean(state.losses)) if state.losses else None,
         "final_train_loss": state.losses[-1] if state.losses else None,
         "eval_loss_before": before["eval_loss"] if before else None,
@@ -232,7 +273,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     write_json(out / "summary.json", summary)
     if after:
         print(f"eval after training: loss {after['eval_loss']:.4f}, perplexity {after['perplexity']:.2f}")
-    print(f"{state.step} steps in {wall:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real tokens/s; saved to {out}")
+    if data_fraction > 0.1:
+        print(f"warning: input-bound: {100 * data_fraction:.0f}% of step time went to producing batches; "
+              "lower --max-length padding waste or move tokenization off the hot path (see tunebench bench-data)")
+    mfu_text = f"MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else f"MFU n/a ({peak_source})"
+    print(f"{state.step} steps in {wall:.1f}s, {tokens_per_s or 0:,.0f} real tokens/s, {mfu_text}; saved to {out}")
     return summary
 
 
@@ -248,3 +293,91 @@ def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loade
         model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
         model.save_pretrained(out, save_embedding_layers=False)  # "auto" would look the base up on the hub
     tokenizer.save_pretrained(out)
+
+
+def _user_set(cfg: RunConfig) -> set[str]:
+    from tunebench.config import TrainConfig
+
+    default = TrainConfig()
+    return {k for k in ("micro_batch_size",) if getattr(cfg.train, k) != getattr(default, k)}
+
+
+def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[float, str]:
+    if rule == "none" or effective == reference:
+        return lr, "not scaled (--lr-scaling none)" if rule == "none" else f"effective batch is the reference {reference}"
+    factor = effective / reference if rule == "linear" else math.sqrt(effective / reference)
+    return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
+
+
+def enable_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+
+
+def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, device: torch.device, autocast):
+    """A step function for autotune: forward + backward on the longest rows, weights untouched."""
+    longest = sorted(train_idx.tolist(), key=lambda i: data.offsets[i + 1] - data.offsets[i], reverse=True)
+
+    def step(size: int) -> tuple[float, float]:
+        batch = batching.collate(data, longest[:size], pad_id)
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for _ in range(3):
+                t0 = time.perf_counter()
+                b, n_loss, n_real = prepare(batch, device)
+                (loss_sum(model, b, autocast, device) / max(n_loss, 1)).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        return n_real / float(np.mean(times[1:])), peak_memory_mb(device)
+
+    return step
+
+
+def autotune_batch(cfg: RunConfig, model, data, train_idx, pad_id, device, autocast, hw, plan):
+    """Probe micro batches (or reuse the cached probe); return the config with the winner and the reasons."""
+    import psutil
+
+    t = cfg.train
+    if t.grad_accum_steps is not None:
+        raise TunebenchError("--batch-size auto derives --grad-accum from --effective-batch-size; drop --grad-accum")
+    a = cfg.adapter
+    where = hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
+    key = "|".join(map(str, (cfg.model.name, a.method, a.quantization, a.r, a.target_modules, cfg.data.max_length,
+                             where, plan.precision, t.effective_batch_size, t.gradient_checkpointing,
+                             hw.versions.get("torch"))))
+    cache_file = models.cache_dir() / "autotune.json"
+    result = autotune.cached(cache_file, key)
+    source = "cached probe"
+    rows: list[tuple[str, Any, str]] = []
+    if result is None:
+        source = "probed now"
+        sizes = [m for m in autotune.candidates(t.effective_batch_size) if m <= len(train_idx)] or [1]
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            baseline, budget = torch.cuda.memory_allocated(device) / 2**20, 0.92 * total / 2**20
+        else:
+            baseline = psutil.Process().memory_info().rss / 2**20
+            budget = baseline + 0.8 * psutil.virtual_memory().available / 2**20  # never into swap
+        is_oom = lambda e: isinstance(e, torch.OutOfMemoryError)  # noqa: E731
+        step = probe_step(model, data, train_idx, pad_id, device, autocast)
+        result = autotune.probe(step, sizes, budget, baseline, is_oom)
+        if result.micro_batch_size == 0 and t.gradient_checkpointing == "auto":
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            enable_checkpointing(model)
+            result = autotune.probe(step, sizes, budget, baseline, is_oom)
+            rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it"))
+        if result.micro_batch_size == 0:
+            raise TunebenchError(
+                f"no micro batch fits in memory at --max-length {cfg.data.max_length}; lower --max-length, "
+                "use --quantization 4bit, or --gradient-checkpointing on"
+            )
+        autotune.store(cache_file, key, result)
+    print(f"batch-size probe ({source}):\n{autotune.format_table(result)}")
+    rows.insert(0, ("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
+    return replace(cfg, **{"train.micro_batch_size": result.micro_batch_size}), rows

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 from tunebench import hardware
+from tunebench.models import cache_dir
 
 
 def run(as_json: bool = False) -> dict:
     hw = hardware.detect()
     plan = hardware.plan("auto", "auto", hw)
-    record = {"hardware": hw.to_dict(), **plan.to_dict()}
+    peak, source = hardware.peak_tflops(plan.device, plan.precision, hw, plan.threads, cache_dir() / "peak_flops.json")
+    record = {"hardware": hw.to_dict(), **plan.to_dict(), "peak_tflops": peak, "peak_tflops_source": source}
     if as_json:
         print(json.dumps(record, indent=2))
         return record
@@ -20,11 +22,14 @@ def run(as_json: bool = False) -> dict:
     print(f"OS        {hw.os}")
     for g in hw.gpus:
         print(f"GPU {g.index}     {g.name}, {g.memory_mb / 1024:.1f} GiB, sm_{g.capability[0]}{g.capability[1]}, "
-              f"bf16 {'yes' if g.bf16 else 'no'}, TF32 {'yes' if g.tf32 else 'no'}")
+              f"bf16 {'yes' if g.bf16 else 'no'}, TF32 {'yes' if g.tf32 else 'no'}; "
+              f"driver {hw.driver_version or '?'}, CUDA {hw.cuda_version or '?'}")
     if hw.mps:
         print("MPS       available")
     print("versions  " + ", ".join(f"{k} {v}" for k, v in hw.versions.items()))
+    print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
     print("recommended:")
+    width = max(len(d.setting) for d in plan.decisions)
     for d in plan.decisions:
-        print(f"  {d.setting:<14} {d.value!s:<8} {d.reason}")
+        print(f"  {d.setting:<{width}}  {d.value!s:<6} {d.reason}")
     return record

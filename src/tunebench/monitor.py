@@ -1,0 +1,86 @@
+"""A background sampler (about once a second, off the training thread) of CPU, RAM and GPU use."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Monitor:
+    """Samples into monitor.jsonl; `summary()` gives means and peaks for summary.json."""
+
+    def __init__(self, path: Path | None, interval_s: float = 1.0, gpu_indices: tuple[int, ...] = ()):
+        import psutil
+
+        self._proc = psutil.Process()
+        self._psutil = psutil
+        self._path = path
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._samples: list[dict[str, Any]] = []
+        self._nvml = []
+        if gpu_indices:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in gpu_indices]
+                self._pynvml = pynvml
+            except Exception:  # no NVML (no driver, no nvidia-ml-py): GPU columns stay empty
+                self._nvml = []
+        self._thread = threading.Thread(target=self._run, name="tunebench-monitor", daemon=True)
+
+    def sample(self) -> dict[str, Any]:
+        mem = self._psutil.virtual_memory()
+        row: dict[str, Any] = {
+            "time": time.time(),
+            "cpu_percent": self._psutil.cpu_percent(interval=None),
+            "process_rss_mb": self._proc.memory_info().rss / 2**20,
+            "ram_used_mb": (mem.total - mem.available) / 2**20,
+        }
+        for i, handle in self._nvml:
+            nv = self._pynvml
+            util = nv.nvmlDeviceGetUtilizationRates(handle)
+            info = nv.nvmlDeviceGetMemoryInfo(handle)
+            row[f"gpu{i}_util_percent"] = util.gpu
+            row[f"gpu{i}_memory_mb"] = info.used / 2**20
+            row[f"gpu{i}_power_w"] = nv.nvmlDeviceGetPowerUsage(handle) / 1000
+        return row
+
+    def _run(self) -> None:
+        self._psutil.cpu_percent(interval=None)  # the first reading is meaningless; prime it
+        f = self._path.open("a", encoding="utf-8") if self._path else None
+        try:
+            while not self._stop.wait(self._interval):
+                row = self.sample()
+                self._samples.append(row)
+                if f:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+        finally:
+            if f:
+                f.close()
+
+    def __enter__(self) -> Monitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def summary(self) -> dict[str, float]:
+        if not self._samples:
+            return {}
+        out: dict[str, float] = {}
+        keys = {k for s in self._samples for k in s if k != "time"}
+        for k in sorted(keys):
+            values = [s[k] for s in self._samples if k in s]
+            if k.endswith(("_percent", "_power_w")):
+                out[f"mean_{k}"] = round(sum(values) / len(values), 1)
+            else:
+                out[f"peak_{k}"] = round(max(values), 1)
+        return out

@@ -1,0 +1,179 @@
+import pytest
+import torch
+
+from tunebench import autotune, hardware, models
+from tunebench.config import load_config, profiles
+from tunebench.errors import TunebenchError
+from tunebench.hardware import GPU, Hardware
+from tunebench.metrics import mfu, training_flops_per_token
+from tunebench.monitor import Monitor
+
+SPR_FLAGS = "fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
+
+
+def machine(flags="avx2", gpus=(), mps=False, cores=8):
+    return Hardware("test cpu", cores, cores * 2, frozenset(flags.split()), 32000, 30000, "Linux", tuple(gpus), mps)
+
+
+T4 = GPU(0, "Tesla T4", 15360, (7, 5))
+A100 = GPU(0, "NVIDIA A100-SXM4-80GB", 81920, (8, 0))
+H100 = GPU(0, "NVIDIA H100 80GB HBM3", 81559, (9, 0))
+
+
+def test_cpuinfo_parsing_from_fixture():
+    text = f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: {SPR_FLAGS}\n\n" \
+           f"processor\t: 1\nmodel name\t: ignored\nflags\t\t: sse\n"
+    model, flags = hardware.parse_cpuinfo(text)
+    assert model == "Intel(R) Xeon(R) Platinum 8481C"
+    assert {"amx_bf16", "avx512_bf16"} <= flags and "sse" in flags
+    assert hardware.parse_cpuinfo("Features\t: fp asimd bf16\n")[1] == frozenset({"fp", "asimd", "bf16"})
+
+
+@pytest.mark.parametrize("hw, device, precision, reason", [
+    (machine("avx2 fma"), "cpu", "fp32", "no native bf16"),
+    (machine(SPR_FLAGS), "cpu", "bf16", "AMX-BF16"),
+    (machine("avx2 avx512f avx512_bf16"), "cpu", "bf16", "AVX512-BF16"),
+    (machine(gpus=[T4]), "cuda", "fp16", "lacks bf16"),
+    (machine(gpus=[A100]), "cuda", "bf16", "bf16 tensor cores"),
+    (machine(gpus=[H100]), "cuda", "bf16", "bf16 tensor cores"),
+    (machine(mps=True), "mps", "fp32", "MPS"),
+])
+def test_decision_table(hw, device, precision, reason):
+    plan = hardware.plan("auto", "auto", hw)
+    assert (plan.device, plan.precision) == (device, precision)
+    assert reason in next(d.reason for d in plan.decisions if d.setting == "precision")
+    assert plan.threads == 8
+    if device == "cuda":
+        assert plan.value("tf32") == (hw.gpus[0].capability >= (8, 0))
+        assert plan.value("pin_memory") is True
+    assert all(d.reason for d in plan.decisions)
+
+
+@pytest.mark.parametrize("hw, device, precision, message", [
+    (machine(), "cpu", "fp16", "fp16 is for GPUs"),
+    (machine("avx2"), "cpu", "bf16", "no AVX512-BF16 or AMX"),
+    (machine(gpus=[T4]), "cuda", "bf16", "needs an Ampere"),
+    (machine(), "cuda", "auto", "no CUDA GPU"),
+    (machine(), "mps", "auto", "MPS is not available"),
+])
+def test_forced_impossible_settings_raise(hw, device, precision, message):
+    with pytest.raises(TunebenchError, match=message):
+        hardware.plan(device, precision, hw)
+
+
+def test_peak_table():
+    assert hardware.gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert hardware.gpu_peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert hardware.gpu_peak_tflops("NVIDIA A100-SXM4-40GB", "tf32") == 156.0
+    assert hardware.gpu_peak_tflops("NVIDIA L40S", "bf16") == 362.0
+    assert hardware.gpu_peak_tflops("NVIDIA L4", "bf16") == 121.0
+    assert hardware.gpu_peak_tflops("NVIDIA A10G", "bf16") is None  # listed as unknown, not as an A10
+    assert hardware.gpu_peak_tflops("Tesla T4", "bf16") is None
+    assert hardware.gpu_peak_tflops("Some Future GPU", "bf16") is None
+    peak, source = hardware.peak_tflops("cuda", "fp32", machine(gpus=[A100]), 8, "/nonexistent")
+    assert peak == 156.0 and "tf32" in source
+    assert mfu(1e9, 1000.0, None) is None  # unknown peak: n/a, never a guess
+
+
+def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda d, t: calls.append((d, t)) or 1.5)
+    hw = machine("avx512_bf16")
+    cache = tmp_path / "peak.json"
+    assert hardware.cpu_peak_tflops("bf16", hw, 2, cache) == 1.5
+    assert hardware.cpu_peak_tflops("bf16", hw, 2, cache) == 1.5
+    assert calls == [("bf16", 2)]
+    assert hardware.cpu_peak_tflops("fp32", hw, 2, cache) == 1.5 and calls[-1] == ("fp32", 2)  # own key
+
+
+def test_real_cpu_peak_measurement_is_positive():
+    assert 0 < hardware.measure_cpu_peak_tflops("fp32", 1, seconds=0.3) < 100
+
+
+def test_flops_per_token_by_hand(tiny):
+    c = tiny.model.config  # 2 layers, hidden 64, 4 heads of 16, 2 kv heads, mlp 128, vocab 259
+    head = 16
+    per_layer = 64 * 64 + 2 * (64 * 2 * head) + 64 * 64 + 3 * (64 * 128)  # q, k+v, o, gate/up/down
+    lm_head = 64 * c.vocab_size
+    matmul, layers, width = models.flop_dims(tiny.model)
+    assert matmul == 2 * per_layer + lm_head and layers == 2 and width == 64
+    lora = 3584
+    seq = 100.0
+    assert training_flops_per_token(matmul, lora, 2, 64, seq, full=False) == \
+        4 * matmul + 6 * lora + 12 * 2 * 64 * seq
+    assert training_flops_per_token(matmul, matmul, 2, 64, seq, full=True) == 6 * matmul + 12 * 2 * 64 * seq
+    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
+    assert models.flop_dims(peft)[0] == matmul  # adapters are not counted as base matmuls
+
+
+def test_autotune_backs_off_at_oom_and_keeps_fitting_fastest():
+    speed = {1: 100.0, 2: 180.0, 4: 250.0, 8: None}
+
+    def step(size):
+        if speed[size] is None:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return speed[size], 1000.0 + 100 * size
+
+    result = autotune.probe(step, [8, 1, 4, 2], 1e9, 1000.0, lambda e: isinstance(e, torch.OutOfMemoryError))
+    assert result.micro_batch_size == 4
+    assert [(p.micro_batch_size, p.status) for p in result.probes] == [(1, "ok"), (2, "ok"), (4, "ok"), (8, "oom")]
+
+
+def test_autotune_never_tries_a_size_predicted_over_budget():
+    tried = []
+
+    def step(size):
+        tried.append(size)
+        return 10.0 * size, 1000.0 + 300 * size  # 300 MB per row above a 1000 MB baseline
+
+    result = autotune.probe(step, [1, 2, 4, 8], budget_mb=2500.0, baseline_mb=1000.0, is_oom=lambda e: False)
+    assert tried == [1, 2, 4]  # 4 -> 2200 MB fits; 8 -> predicted 3400 MB is never run
+    assert result.micro_batch_size == 4 and result.probes[-1].status.startswith("skipped")
+    with pytest.raises(ValueError):
+        autotune.probe(lambda s: (_ for _ in ()).throw(ValueError("bug")), [1], 1e9, 0, lambda e: False)
+
+
+def test_autotune_candidates_keep_the_effective_batch():
+    assert autotune.candidates(8) == [1, 2, 4, 8]
+    assert autotune.candidates(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
+    from tunebench.jobs import finetune
+
+    out = tmp_path / "auto"
+    cfg = load_config(options={"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
+                               "train.micro_batch_size": "auto", "train.effective_batch_size": 4,
+                               "train.max_steps": 2, "train.output_dir": str(out), "train.progress": False})
+    summary = finetune.run(cfg)
+    assert summary["micro_batch_size"] in (1, 2, 4)
+    assert summary["micro_batch_size"] * summary["grad_accum_steps"] == 4 == summary["effective_batch_size"]
+    cached = autotune.cached(models.cache_dir() / "autotune.json",
+                             next(iter(__import__("json").loads((models.cache_dir() / "autotune.json").read_text()))))
+    assert cached is not None and cached.micro_batch_size == summary["micro_batch_size"]
+    assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
+    assert 0 <= summary["data_wait_fraction"] < 1
+
+
+@pytest.mark.parametrize("name", profiles())
+def test_every_shipped_profile_loads_and_validates(name):
+    cfg = load_config(profile=name)
+    assert cfg.train.autotune_batch
+    assert cfg.train.micro_batch_size * cfg.grad_accum_steps == cfg.effective_batch_size
+    assert set(profiles()) == {"cpu", "gpu-8-12gb", "gpu-24gb", "gpu-80gb"}
+
+
+def test_unknown_profile_lists_the_shipped_ones():
+    with pytest.raises(TunebenchError, match="shipped profiles: cpu, gpu-24gb"):
+        load_config(profile="tpu")
+
+
+def test_monitor_samples_in_the_background(tmp_path):
+    import time
+
+    path = tmp_path / "monitor.jsonl"
+    with Monitor(path, interval_s=0.05) as m:
+        time.sleep(0.3)
+    summary = m.summary()
+    assert summary["peak_process_rss_mb"] > 10 and "mean_cpu_percent" in summary
+    assert len(path.read_text().splitlines()) >= 2
