@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -148,9 +150,12 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
     summary = finetune.run(cfg)
     assert summary["micro_batch_size"] in (1, 2, 4)
     assert summary["micro_batch_size"] * summary["grad_accum_steps"] == 4 == summary["effective_batch_size"]
-    cached = autotune.cached(models.cache_dir() / "autotune.json",
-                             next(iter(__import__("json").loads((models.cache_dir() / "autotune.json").read_text()))))
-    assert cached is not None and cached.micro_batch_size == summary["micro_batch_size"]
+    entries = json.loads((models.cache_dir() / "autotune.json").read_text())
+    batch_key = next(k for k in entries if k.startswith("batch|tiny|") and "|256|" in k and "|4|auto|" in k)
+    assert autotune.cached(models.cache_dir() / "autotune.json", batch_key).micro_batch_size == summary["micro_batch_size"]
+    attention = json.loads((tmp_path / "auto" / "plan.json").read_text())["decisions"]
+    assert any(d["setting"] == "attention" and d["value"] in ("sdpa", "eager") and "measured" in d["reason"]
+               for d in attention)
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
     assert 0 <= summary["data_wait_fraction"] < 1
 

@@ -80,21 +80,38 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
                   f"fastest measured: {best.tokens_per_s:,.0f} tokens/s of {len(ok)} that fit")
 
 
-def cached(path: Path, key: str) -> Result | None:
+def cached_value(path: Path, key: str) -> dict | None:
+    """A measured decision cached per machine and run shape, so the next run starts at once."""
     if not path.is_file():
         return None
-    entry = json.loads(path.read_text()).get(key)
-    return Result.from_dict(entry) if entry else None
+    try:
+        return json.loads(path.read_text()).get(key)
+    except json.JSONDecodeError:
+        return None  # a damaged cache is remeasured, never trusted
 
 
-def store(path: Path, key: str, result: Result) -> None:
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[key] = result.to_dict()
+def store_value(path: Path, key: str, value: dict) -> None:
+    data = {}
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            data = {}
+    data[key] = value
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def cached(path: Path, key: str) -> Result | None:
+    entry = cached_value(path, key)
+    return Result.from_dict(entry) if entry else None
+
+
+def store(path: Path, key: str, result: Result) -> None:
+    store_value(path, key, result.to_dict())
 
 
 def format_table(result: Result) -> str:

@@ -37,7 +37,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--epochs", "--num_epochs"), "train.epochs", "passes over the training rows (default 1)"),
     (("--max-steps",), "train.max_steps", "stop after this many optimizer steps (overrides --epochs)"),
     (("--batch-size", "--batch_size"), "train.micro_batch_size",
-     "micro batch size (default 4), or auto: measure candidates and keep the fastest that fits"),
+     "micro batch size, or auto (default): measure the sizes that divide the effective batch, keep the fastest"),
     (("--grad-accum", "--gradient_accumulation_steps"), "train.grad_accum_steps",
      "gradient accumulation steps (default: effective batch / micro batch)"),
     (("--effective-batch-size",), "train.effective_batch_size", "samples per optimizer step (default 8)"),
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
     train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
                        help="torch.compile: auto (default) | on | off")
+    train.add_argument("--attention", dest="train.attention", default=argparse.SUPPRESS, metavar="V",
+                       help="attention kernel: auto (the faster of sdpa and eager, measured) | sdpa | eager")
     train.add_argument("--gradient-checkpointing", dest="train.gradient_checkpointing", default=argparse.SUPPRESS,
                        metavar="V", help="auto (only when the batch would not fit) | on | off")
     train.add_argument("--lr-scaling", dest="train.lr_scaling", default=argparse.SUPPRESS, metavar="V",

@@ -63,7 +63,7 @@ class TrainConfig:
     epochs: float = 1.0
     max_steps: int | None = None
     micro_batch_size: int = 4
-    autotune_batch: bool = False  # --batch-size auto: measure candidate micro batches, keep the fastest
+    autotune_batch: bool = True  # measure candidate micro batches, keep the fastest (off once a size is given)
     grad_accum_steps: int | None = None  # derived from effective_batch_size when unset
     effective_batch_size: int = 8
     lr: float = 2e-4
@@ -74,6 +74,7 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
     compile: str = "auto"  # auto | on | off (torch.compile)
+    attention: str = "auto"  # auto (the faster of sdpa and eager, measured) | sdpa | eager
     gradient_checkpointing: str = "auto"  # auto (only when the batch would not fit otherwise) | on | off
     lr_scaling: str = "none"  # none | linear | sqrt: scale lr when the effective batch differs from lr_reference_batch
     lr_reference_batch: int = 8
@@ -178,9 +179,11 @@ def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
         f.name for f in dataclasses.fields(_SECTION_TYPES[parts[0]])
     }:
         raise TunebenchError(f"unknown config key '{key}'{_nearest(key)}")
-    if key == "train.micro_batch_size" and str(value).lower() == "auto":
-        tree["train"]["autotune_batch"] = True  # --batch-size auto
-        return
+    if key == "train.micro_batch_size":
+        auto = str(value).lower() == "auto"
+        tree["train"]["autotune_batch"] = auto  # a given size is used as given
+        if auto:
+            return
     tree[parts[0]][parts[1]] = _coerce(key, value)
 
 
@@ -286,6 +289,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
     _choice("train.report_to", t.report_to, ("none", "tensorboard"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
+    _choice("train.attention", t.attention, ("auto", "sdpa", "eager"))
     _choice("train.gradient_checkpointing", t.gradient_checkpointing, ("auto", "on", "off"))
     _choice("train.lr_scaling", t.lr_scaling, ("none", "linear", "sqrt"))
     positive = {

@@ -74,13 +74,38 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def body_and_head(model):
+    """(decoder body, output head) of a plain causal LM, or None where logits need more than a matmul.
+
+    Running the head only on positions that carry loss skips the logits (and their gradient) of
+    prompt and padding positions: with a 49k vocabulary that is a fifth of the model's FLOPs.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(inner, "_orig_mod", inner)
+    c = inner.config
+    if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) or getattr(
+            c, "output_multiplier_scale", None):
+        return None
+    body = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
+    head = inner.get_output_embeddings()
+    if body is None or body is inner or head is None:
+        return None
+    return body, head
+
+
 def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """Sum of next-token cross-entropy over the loss positions of one micro-batch."""
-    with autocast(device, autocast_dtype):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
     targets = batch["labels"][:, 1:].reshape(-1)
     keep = batch["loss_index"]  # flat positions that carry loss, computed on the host: no sync
-    picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
+    parts = body_and_head(model)
+    with autocast(device, autocast_dtype):
+        if parts is None:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+            picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
+        else:
+            body, head = parts
+            hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            picked = head(hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep))  # (N, V)
     return F.cross_entropy(picked.float(), targets.index_select(0, keep), reduction="sum")
 
 

@@ -127,13 +127,19 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if t.gradient_checkpointing == "on":
         enable_checkpointing(model)
         batch_rows.append(("gradient_checkpointing", True, "asked for"))
+    step = probe_step(model, data, train_idx, tok.pad_token_id, device, autocast)
+    where = hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
+    key = "|".join(map(str, (cfg.model.name, cfg.adapter.method, cfg.adapter.quantization, cfg.adapter.r,
+                             cfg.adapter.target_modules, cfg.data.max_length, where, plan.precision,
+                             hw.versions.get("torch"))))
+    batch_rows.append(pick_attention(model, t.attention, lambda: step(min(t.micro_batch_size, len(train_idx)))[0],
+                                     key))
     if t.autotune_batch:
-        cfg, tuned_rows = autotune_batch(cfg, model, data, train_idx, tok.pad_token_id, device, autocast, hw, plan)
+        cfg, tuned_rows = autotune_batch(cfg, step, len(train_idx), device, key)
         t = cfg.train
         batch_rows += tuned_rows
     else:
-        batch_rows.append(("micro_batch_size", t.micro_batch_size, "default" if "micro_batch_size" not in
-                           _user_set(cfg) else "asked for"))
+        batch_rows.append(("micro_batch_size", t.micro_batch_size, "asked for"))
     if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in batch_rows):
         batch_rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = cfg.grad_accum_steps
@@ -295,13 +301,6 @@ def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loade
     tokenizer.save_pretrained(out)
 
 
-def _user_set(cfg: RunConfig) -> set[str]:
-    from tunebench.config import TrainConfig
-
-    default = TrainConfig()
-    return {k for k in ("micro_batch_size",) if getattr(cfg.train, k) != getattr(default, k)}
-
-
 def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[float, str]:
     if rule == "none" or effective == reference:
         return lr, "not scaled (--lr-scaling none)" if rule == "none" else f"effective batch is the reference {reference}"
@@ -335,28 +334,46 @@ def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, devic
         model.zero_grad(set_to_none=True)
         return n_real / float(np.mean(times[1:])), peak_memory_mb(device)
 
+    step.model = model  # type: ignore[attr-defined]
     return step
 
 
-def autotune_batch(cfg: RunConfig, model, data, train_idx, pad_id, device, autocast, hw, plan):
+def pick_attention(model, requested: str, measure, key: str) -> tuple[str, Any, str]:
+    """Set the attention kernel; `auto` times a probe step with each and keeps the faster (cached)."""
+    if requested != "auto":
+        model.set_attn_implementation(requested)
+        return ("attention", requested, "asked for")
+    cache_file = models.cache_dir() / "autotune.json"
+    hit = autotune.cached_value(cache_file, "attention|" + key)
+    if hit is None:
+        speeds = {}
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            measure()  # warm-up at this kernel
+            speeds[impl] = measure()
+        best = max(speeds, key=speeds.get)
+        other = min(speeds, key=speeds.get)
+        hit = {"value": best, "reason": f"measured {speeds[best]:,.0f} vs {speeds[other]:,.0f} tokens/s for {other}"}
+        autotune.store_value(cache_file, "attention|" + key, hit)
+    model.set_attn_implementation(hit["value"])
+    return ("attention", hit["value"], hit["reason"])
+
+
+def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key: str):
     """Probe micro batches (or reuse the cached probe); return the config with the winner and the reasons."""
     import psutil
 
     t = cfg.train
     if t.grad_accum_steps is not None:
         raise TunebenchError("--batch-size auto derives --grad-accum from --effective-batch-size; drop --grad-accum")
-    a = cfg.adapter
-    where = hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
-    key = "|".join(map(str, (cfg.model.name, a.method, a.quantization, a.r, a.target_modules, cfg.data.max_length,
-                             where, plan.precision, t.effective_batch_size, t.gradient_checkpointing,
-                             hw.versions.get("torch"))))
+    key = f"batch|{key}|{t.effective_batch_size}|{t.gradient_checkpointing}|{min(n_train, t.effective_batch_size)}"
     cache_file = models.cache_dir() / "autotune.json"
     result = autotune.cached(cache_file, key)
     source = "cached probe"
     rows: list[tuple[str, Any, str]] = []
     if result is None:
         source = "probed now"
-        sizes = [m for m in autotune.candidates(t.effective_batch_size) if m <= len(train_idx)] or [1]
+        sizes = [m for m in autotune.candidates(t.effective_batch_size) if m <= n_train] or [1]
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             baseline, budget = torch.cuda.memory_allocated(device) / 2**20, 0.92 * total / 2**20
@@ -364,12 +381,11 @@ def autotune_batch(cfg: RunConfig, model, data, train_idx, pad_id, device, autoc
             baseline = psutil.Process().memory_info().rss / 2**20
             budget = baseline + 0.8 * psutil.virtual_memory().available / 2**20  # never into swap
         is_oom = lambda e: isinstance(e, torch.OutOfMemoryError)  # noqa: E731
-        step = probe_step(model, data, train_idx, pad_id, device, autocast)
         result = autotune.probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and t.gradient_checkpointing == "auto":
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            enable_checkpointing(model)
+            enable_checkpointing(step.model)
             result = autotune.probe(step, sizes, budget, baseline, is_oom)
             rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it"))
         if result.micro_batch_size == 0:
