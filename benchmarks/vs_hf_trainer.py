@@ -83,7 +83,7 @@ def worker_peer(args) -> dict:
     clock = Clock()
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_train_epochs=1, learning_rate=2e-4, warmup_ratio=0.03, lr_scheduler_type="cosine",
+        num_train_epochs=1, learning_rate=2e-4, warmup_steps=0.03, lr_scheduler_type="cosine",
         logging_steps=1000, save_strategy="no", report_to=[], bf16=args.peer_precision == "bf16",
         use_cpu=True, dataloader_num_workers=0, seed=42, disable_tqdm=True,
     )

@@ -191,3 +191,29 @@ def test_bitext_csv_reads_as_instruction_data():
     assert len(rows) == 4514
     fmt, msgs = formats.records_to_messages(rows[:5], DataConfig(), str(BITEXT))
     assert fmt == "instruction" and msgs[0][1]["role"] == "assistant"
+
+
+def test_pack_rows_first_fit_decreasing():
+    rows = batching.pack_rows([5, 3, 8, 2], capacity=10)
+    assert sorted(map(sorted, rows)) == [[0, 1], [2, 3]]  # 8 + 2 fill one row, 5 + 3 the other
+    assert all(sum([5, 3, 8, 2][k] for k in row) <= 10 for row in rows)
+    assert sorted(k for row in rows for k in row) == [0, 1, 2, 3]
+
+
+def test_padding_fraction_counts_what_collate_computes():
+    lengths = np.array([10, 2, 6, 6])
+    assert batching.padding_fraction(lengths, [[0, 1], [2, 3]]) == pytest.approx(1 - 24 / 32)
+    assert batching.padding_fraction(lengths, [[0, 1], [2, 3]], packed_capacity=12) == pytest.approx(0.0)
+
+
+def test_packed_batch_layout():
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    cfg = DataConfig(max_length=512, train_on="all", format="text")
+    data = tokenize_messages([[{"role": "text", "content": "abc"}], [{"role": "text", "content": "de"}]],
+                             tok, cfg, "text")
+    b = batching.collate_packed(data, [0, 1], tok.pad_token_id, capacity=64)
+    assert b["input_ids"].shape == (1, 7)  # "abc<eos>" + "de<eos>" in one row
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert b["labels"][0, 4].item() == batching.IGNORE  # the second example's first token is nobody's target
+    assert b["attention_mask"].sum().item() == 7

@@ -114,3 +114,26 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
     (loss_sum(peft, batch, None, torch.device("cpu")) / n).backward()
     first = [p for name, p in peft.named_parameters() if "layers.0." in name and "lora_A" in name]
     assert first and all(p.grad is not None and p.grad.abs().sum() > 0 for p in first)
+
+
+def test_fast_dropout_keeps_the_rate_and_the_expectation():
+    torch.manual_seed(0)
+    d = models.FastDropout(0.1).train()
+    x = torch.ones(400, 1000)
+    y = d(x)
+    kept = (y != 0).float().mean().item()
+    assert abs(kept - 0.9) < 0.003  # 400k draws: 5 sigma is about 0.0024
+    assert abs(y.mean().item() - 1.0) < 0.004  # scaled so E[y] = x
+    values = torch.unique(y).tolist()
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(d.scale)
+    assert torch.equal(d.eval()(x), x)  # identity at eval
+    x = torch.randn(3, 7, requires_grad=True)  # odd sizes, and gradients flow through the mask
+    out = models.FastDropout(0.5).train()(x)
+    out.sum().backward()
+    assert torch.equal(x.grad != 0, out != 0)
+
+
+def test_lora_dropout_modules_are_replaced(tiny):
+    peft = models.add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"])
+    drops = [m for m in peft.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(isinstance(m, models.FastDropout) and m.p == 0.1 for m in drops)

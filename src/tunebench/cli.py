@@ -25,6 +25,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--train-on",), "data.train_on", "response (loss on answers only, default) | all"),
     (("--max-samples",), "data.max_samples", "use a seeded random subset of this many rows"),
     (("--max-length", "--max_length"), "data.max_length", "truncate examples to this many tokens (default 128)"),
+    (("--packing",), "data.packing",
+     "auto (pack several examples per row when that removes enough padding) | on | off"),
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
     (("--output-dir", "--output_dir"), "train.output_dir", "where the adapter/model, metrics and checkpoints go"),
     (("--method",), "adapter.method", "lora (default) | qlora | full"),
@@ -122,6 +124,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     _add_debug(p)
 
+    p = sub.add_parser("compare", help="run a matrix of experiments on the devices present; results CSV + report",
+                       description="Runs each experiment as its own `tunebench train` process, appends one CSV "
+                                   "row per run, resumes by skipping rows already written, then writes the report.")
+    p.add_argument("--matrix", default="quick",
+                   help="quick (default: the study's CPU configs + auto on the built-in data), study, or a YAML file")
+    p.add_argument("--output", default="runs/compare/results.csv", help="results CSV (appended to; resumable)")
+    p.add_argument("--runs-dir", default=None, help="where each run's directory goes (default: beside --output)")
+    p.add_argument("--report-dir", default=None, help="where the report goes (default: beside --output)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per experiment; the report uses medians")
+    p.add_argument("--device", action="append", choices=["cpu", "cuda", "mps"], help="limit to these devices")
+    p.add_argument("--model", default=None, help="model for every experiment (default: the matrix's, else SmolLM2)")
+    p.add_argument("--data", default=None, help="dataset for every experiment")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--retry-failed", action="store_true", help="rerun experiments whose row is oom/error")
+    _add_debug(p)
+
+    p = sub.add_parser("report", help="combine results CSVs into report.html and report.md")
+    p.add_argument("results", nargs="+", help="results CSVs (from any machines)")
+    p.add_argument("-o", "--output-dir", default="runs/report")
+    p.add_argument("--baseline-device", default=None, help="device name speedups are measured against (default: slowest)")
+    p.add_argument("--baseline-config", default=None, help="configuration speedups are measured against (default: first)")
+    _add_debug(p)
+
     p = sub.add_parser("bench-data", help="measure the input pipeline alone (tokenize, cache, batches/s)")
     p.add_argument("--model", default=None, help="whose tokenizer (default SmolLM2)")
     p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
@@ -177,6 +203,26 @@ def run_job(args: argparse.Namespace) -> int:
         data = _data_config(args.data, args.max_length, args.max_samples)
         print(json.dumps(evaluate.run(args.model, args.adapter, data, args.batch_size,
                                       allow_download=args.allow_download), indent=2))
+    elif args.job == "compare":
+        from pathlib import Path
+
+        from tunebench.jobs import compare, report
+
+        if args.repeats < 1:
+            raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
+        extra = {k: v for k, v in {"model.name": args.model, "data.path": args.data,
+                                   "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}.items()
+                 if v is not None}
+        out = Path(args.output)
+        results = compare.run(args.matrix, str(out), args.runs_dir or str(out.parent / "runs"), args.repeats, extra,
+                              args.device, args.retry_failed)
+        html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
+        print(f"report: {html.resolve()}")
+    elif args.job == "report":
+        from tunebench.jobs import report
+
+        html = report.write(args.results, args.output_dir, args.baseline_device, args.baseline_config)
+        print(f"report: {html.resolve()}")
     elif args.job == "bench-data":
         from tunebench.jobs import bench_data
 

@@ -42,6 +42,7 @@ class DataConfig:
     template: str = "auto"  # auto (chat template when the tokenizer has one) | a format string
     train_on: str = "response"  # response | all
     max_length: int = 128
+    packing: str = "auto"  # auto (when it removes padding worth having) | on | off
     max_samples: int | None = None
     eval_fraction: float = 0.05
     eval_samples: int | None = None  # cap on eval rows (after the split)
@@ -282,6 +283,7 @@ def validate(cfg: RunConfig) -> None:
     d, a, t = cfg.data, cfg.adapter, cfg.train
     _choice("data.format", d.format, ("auto", "instruction", "alpaca", "chat", "text"))
     _choice("data.train_on", d.train_on, ("response", "all"))
+    _choice("data.packing", d.packing, ("auto", "on", "off"))
     _choice("adapter.method", a.method, ("lora", "qlora", "full"))
     _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))

@@ -311,17 +311,28 @@ def target_modules(model, requested: str) -> tuple[list[str] | str, str]:
 
 
 class FastDropout(torch.nn.Dropout):
-    """Dropout with the same Bernoulli(1 - p) keep mask, drawn as `rand >= p`.
+    """LoRA dropout whose CPU keep mask costs a quarter of torch's.
 
-    On CPUs, torch's bernoulli_ takes about twice as long as drawing uniforms and comparing,
-    and LoRA draws one mask per target module per step, so this is a measurable share of it.
+    torch's CPU generator spends about 2 ns on every random number, and LoRA draws one mask per
+    target module per step. Here each 64-bit draw yields four 16-bit uniforms, so p is quantised
+    to 1/65536 (0.1 -> 0.100006) and the kept values are scaled by 1 / (1 - that p), which keeps
+    the expectation exact. On GPUs torch's fused dropout is already cheap and is used as is.
     """
+
+    def __init__(self, p: float):
+        super().__init__(p)
+        self.threshold = round(p * 65536) - 32768  # keep where the int16 uniform >= threshold
+        self.scale = 1.0 / (1.0 - round(p * 65536) / 65536)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        keep = torch.rand(x.shape, device=x.device, dtype=torch.float32) >= self.p
-        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+        if x.device.type != "cpu":
+            return super().forward(x)
+        n = x.numel()
+        words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
+        keep = words.view(torch.int16)[:n].view(x.shape) >= self.threshold
+        return x * keep * self.scale
 
 
 def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):

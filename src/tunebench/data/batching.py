@@ -38,3 +38,67 @@ def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.T
         "attention_mask": torch.from_numpy(attention),
         "labels": torch.from_numpy(labels),
     }
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: positions into `lengths`, grouped into rows of at most `capacity` tokens."""
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        for r, used in enumerate(fill):
+            if used + lengths[k] <= capacity:
+                rows[r].append(k)
+                fill[r] += lengths[k]
+                break
+        else:
+            rows.append([k])
+            fill.append(lengths[k])
+    return rows
+
+
+def collate_packed(data: Tokenized, batch: list[int], pad_id: int, capacity: int) -> dict[str, torch.Tensor]:
+    """The examples of one micro-batch packed into as few rows as fit `capacity` tokens each.
+
+    position_ids restart at 0 for every example, and transformers turns that into a block-diagonal
+    causal mask: no example attends to another. The first token of each example is no one's
+    target, and the padding tail is a segment of its own that nothing attends to.
+    """
+    examples = [data.example(i) for i in batch]
+    rows = pack_rows([len(ids) for ids, _ in examples], max(capacity, max(len(ids) for ids, _ in examples)))
+    width = max(sum(len(examples[k][0]) for k in row) for row in rows)
+    input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
+    real = np.zeros((len(rows), width), dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for k in row:
+            ids, mask = examples[k]
+            n = len(ids)
+            input_ids[r, at : at + n] = ids
+            labels[r, at : at + n] = np.where(mask.astype(bool), ids, IGNORE)
+            labels[r, at] = IGNORE
+            positions[r, at : at + n] = np.arange(n)
+            real[r, at : at + n] = 1
+            at += n
+        positions[r, at:] = np.arange(width - at)
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(real),  # counts real tokens; not passed to the model
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(positions),
+    }
+
+
+def padding_fraction(lengths: np.ndarray, batches: list[list[int]], packed_capacity: int | None = None) -> float:
+    """Share of computed positions that are padding, for these batches padded (or packed) as collate would."""
+    total = real = 0
+    for b in batches:
+        ls = [int(lengths[i]) for i in b]
+        real += sum(ls)
+        if packed_capacity is None:
+            total += max(ls) * len(ls)
+        else:
+            rows = pack_rows(ls, max(packed_capacity, max(ls)))
+            total += max(sum(ls[k] for k in row) for row in rows) * len(rows)
+    return 1 - real / total if total else 0.0

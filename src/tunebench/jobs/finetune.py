@@ -143,6 +143,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in batch_rows):
         batch_rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = cfg.grad_accum_steps
+    packing, packing_reason = decide_packing(cfg.data.packing, data, train_idx, t.micro_batch_size, t.seed,
+                                             cfg.data.max_length)
+    batch_rows.append(("packing", packing, packing_reason))
     lr, lr_reason = scaled_lr(t.lr, cfg.effective_batch_size, t.lr_scaling, t.lr_reference_batch)
     micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
@@ -191,6 +194,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     def collate(batch: list[int]) -> dict[str, torch.Tensor]:
         return batching.collate(data, batch, tok.pad_token_id)
 
+    def collate_train(batch: list[int]) -> dict[str, torch.Tensor]:
+        if packing:
+            return batching.collate_packed(data, batch, tok.pad_token_id, cfg.data.max_length)
+        return collate(batch)
+
     epoch_cache: dict[int, list[list[int]]] = {}
 
     def next_micro_batch(s: LoopState):
@@ -200,7 +208,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             return next_micro_batch(s)
         batch = order[s.batch_in_epoch]
         s.batch_in_epoch += 1
-        return collate(batch)
+        return collate_train(batch)
 
     eval_batches = _eval_batches(data, eval_idx, t.micro_batch_size * 2, collate)
     metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.report_to == "tensorboard" else None)
@@ -299,6 +307,21 @@ def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loade
         model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
         model.save_pretrained(out, save_embedding_layers=False)  # "auto" would look the base up on the hub
     tokenizer.save_pretrained(out)
+
+
+def decide_packing(requested: str, data: Tokenized, train_idx: np.ndarray, micro_batch_size: int, seed: int,
+                   capacity: int) -> tuple[bool, str]:
+    """Pack when it removes a worthwhile share of padding: computed over the first epoch's batches."""
+    order = batching.epoch_order(train_idx, micro_batch_size, seed, 0)
+    lengths = data.lengths()
+    padded = batching.padding_fraction(lengths, order)
+    packed = batching.padding_fraction(lengths, order, capacity)
+    numbers = f"padding is {100 * padded:.0f}% of positions per batch, {100 * packed:.0f}% packed"
+    if requested != "auto":
+        return requested == "on", f"asked for ({numbers})"
+    if padded - packed >= 0.05:
+        return True, numbers
+    return False, numbers + ": too little to gain"
 
 
 def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[float, str]:

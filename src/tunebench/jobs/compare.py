@@ -1,0 +1,219 @@
+"""`tunebench compare`: run a matrix of training experiments on the devices present, one CSV row per run.
+
+Each experiment is `tunebench train` in its own process (clean peak-memory accounting; a crash or
+an OOM is a row, not the end of the sweep). Rows are appended and flushed one at a time, and a
+rerun skips what the CSV already holds, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tunebench.config import load_config, read_yaml
+from tunebench.errors import TunebenchError
+
+MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
+
+# The results CSV schema, one row per run (documented in docs/RESULTS.md).
+SCHEMA = [
+    "experiment", "config", "repeat", "device", "device_name", "cores", "threads", "batch_size", "grad_accum",
+    "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
+    "duration_seconds", "samples_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
+    "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
+    "status", "message", "run_dir",
+]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    devices: tuple[str, ...] | None = None  # None: every device present
+
+
+def matrix_path(spec: str) -> Path:
+    path = Path(spec) if spec.endswith((".yaml", ".yml")) else MATRICES_DIR / f"{spec}.yaml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in MATRICES_DIR.glob("*.yaml")))
+        raise TunebenchError(f"matrix '{spec}' not found; pass a YAML file or one of: {shipped}")
+    return path
+
+
+def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:
+    """(base overrides, experiments) from a matrix YAML: `experiments:` (a list) and/or `grid:` (a product)."""
+    raw = read_yaml(matrix_path(spec))
+    unknown = set(raw) - {"base", "experiments", "grid", "description"}
+    if unknown:
+        raise TunebenchError(f"matrix {spec}: unknown section(s) {', '.join(sorted(unknown))}; "
+                             "use base, experiments, grid")
+    base = dict(raw.get("base") or {})
+    experiments = []
+    for e in raw.get("experiments") or []:
+        if not isinstance(e, dict) or "name" not in e:
+            raise TunebenchError(f"matrix {spec}: every experiment needs a name, got {e!r}")
+        devices = tuple(e["devices"]) if e.get("devices") else None
+        experiments.append(Experiment(str(e["name"]), dict(e.get("set") or {}), devices))
+    grid = raw.get("grid") or {}
+    if grid:
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
+            name = "_".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
+            experiments.append(Experiment(name, dict(zip(keys, values))))
+    if not experiments:
+        raise TunebenchError(f"matrix {spec} has no experiments; add an experiments list or a grid")
+    for e in experiments:  # every experiment's settings are checked before anything runs
+        try:
+            load_config(options={**base, **e.overrides})
+        except TunebenchError as err:
+            raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
+    return base, experiments
+
+
+def devices_present() -> tuple[list[str], dict[str, str]]:
+    import torch
+
+    present, absent = ["cpu"], {}
+    if torch.cuda.is_available():
+        present.append("cuda")
+    else:
+        absent["cuda"] = "no CUDA GPU visible"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        present.append("mps")
+    else:
+        absent["mps"] = "Apple MPS not available"
+    return present, absent
+
+
+def read_done(path: Path) -> set[tuple[str, str, int]]:
+    if not path.is_file() or path.stat().st_size == 0:
+        return set()
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != SCHEMA:
+            raise TunebenchError(f"'{path}' has another column layout than this tunebench writes; "
+                                 "pass a new --output file")
+        return {(r["experiment"], r["device"], int(r["repeat"])) for r in reader}
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append one row and make it durable before the next experiment starts."""
+    new = not path.is_file() or path.stat().st_size == 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=SCHEMA)
+        if new:
+            w.writeheader()
+        w.writerow({k: row.get(k, "") for k in SCHEMA})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
+    s = json.loads((run_dir / "summary.json").read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
+    hw = plan["hardware"]
+    decided = {d["setting"]: d["value"] for d in plan["decisions"]}
+    device_name = hw["gpus"][0]["name"] if device == "cuda" and hw["gpus"] else \
+        f"{hw['cpu_model']} ({decided.get('torch_threads')} threads)"
+    v = hw["versions"]
+    return {
+        "device_name": device_name, "cores": hw["physical_cores"], "threads": decided.get("torch_threads"),
+        "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
+        "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": _quantization(run_dir),
+        "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
+        "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"],
+        "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
+        "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
+        "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
+        "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),
+    }
+
+
+def _quantization(run_dir: Path) -> str:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["adapter"]["quantization"]
+
+
+def _failure(stderr: str) -> tuple[str, str]:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    message = lines[-1] if lines else "no message"
+    oom = any(k in stderr.lower() for k in ("out of memory", "outofmemoryerror", "cannot allocate memory"))
+    return ("oom" if oom else "error"), message[:500]
+
+
+def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, Any],
+        devices: list[str] | None = None, retry_failed: bool = False) -> Path:
+    base, experiments = load_matrix(matrix)
+    base.update(extra)
+    present, absent = devices_present()
+    wanted = devices or present
+    for d in wanted:
+        if d not in present:
+            print(f"skipping device {d}: {absent.get(d, 'not present')}")
+    results = Path(output)
+    done = read_done(results)
+    if retry_failed and done:
+        with results.open(newline="", encoding="utf-8") as f:
+            done = {(r["experiment"], r["device"], int(r["repeat"])) for r in csv.DictReader(f) if r["status"] == "ok"}
+    jobs = []
+    for exp in experiments:
+        for device in wanted:
+            if device not in present:
+                continue
+            if exp.devices is not None and device not in exp.devices:
+                continue
+            for repeat in range(1, repeats + 1):
+                jobs.append((exp, device, repeat))
+    todo = [j for j in jobs if (j[0].name, j[1], j[2]) not in done]
+    print(f"{len(jobs)} experiments on {', '.join(d for d in wanted if d in present)}; "
+          f"{len(jobs) - len(todo)} already in {results}, {len(todo)} to run")
+    elapsed: list[float] = []
+    for k, (exp, device, repeat) in enumerate(todo, 1):
+        eta = f", ETA {_clock(statistics.mean(elapsed) * (len(todo) - k + 1))}" if elapsed else ""
+        print(f"[{k}/{len(todo)}] {exp.name} on {device}, repeat {repeat}{eta}", flush=True)
+        run_dir = Path(runs_dir) / f"{exp.name}-{device}-r{repeat}"
+        settings = {**base, **exp.overrides, "train.device": device, "train.output_dir": str(run_dir),
+                    "train.progress": False}
+        argv = [sys.executable, "-m", "tunebench", "train", *(f"{k}={_yaml(v)}" for k, v in settings.items())]
+        t0 = time.perf_counter()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with (run_dir / "log.txt").open("w") as log:
+            proc = subprocess.run(argv, stdout=log, stderr=subprocess.PIPE, text=True)
+            log.write(proc.stderr)
+        elapsed.append(time.perf_counter() - t0)
+        row: dict[str, Any] = {"experiment": exp.name, "config": exp.name, "repeat": repeat, "device": device,
+                               "hostname": socket.gethostname(), "run_dir": str(run_dir),
+                               "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if proc.returncode == 0 and (run_dir / "summary.json").is_file():
+            row.update(_row_from_run(run_dir, device), status="ok")
+            print(f"    {row['duration_seconds']:.1f} s, {row['tokens_per_s'] or 0:,.0f} tokens/s, "
+                  f"micro batch {row['batch_size']} x {row['grad_accum']}")
+        else:
+            status, message = _failure(proc.stderr)
+            row.update(status=status, message=message)
+            print(f"    {status}: {message}")
+        append_row(results, row)
+    print(f"results: {results}")
+    return results
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,347 @@
+"""`tunebench report`: results CSVs from any machines -> report.html (self-contained) and report.md.
+
+Needs no torch: a CSV written anywhere renders anywhere. Every number and every finding is
+computed from the rows; repeats of one (device, configuration) are summarised by their median.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tunebench.errors import TunebenchError
+
+
+@dataclass
+class Run:
+    row: dict[str, str]
+
+    def num(self, key: str) -> float | None:
+        value = (self.row.get(key) or "").strip()
+        try:
+            return float(value) if value else None
+        except ValueError:
+            return None
+
+    @property
+    def device(self) -> str:
+        return self.row.get("device_name") or self.row.get("device") or "?"
+
+    @property
+    def config(self) -> str:
+        if self.row.get("config"):
+            return self.row["config"]
+        label = f"bs{int(self.num('batch_size') or 0)}_ga{int(self.num('grad_accum') or 0)}"
+        quant = self.row.get("quantization") or "none"
+        method = self.row.get("method") or "lora"
+        return label + (f"_{quant}" if quant != "none" else "") + (f"_{method}" if method not in ("lora", "qlora") else "")
+
+    @property
+    def ok(self) -> bool:
+        return (self.row.get("status") or "ok") == "ok" and self.num("duration_seconds") is not None
+
+
+@dataclass
+class Cell:
+    """The median of the repeats of one configuration on one device."""
+
+    runs: list[Run] = field(default_factory=list)
+
+    def median(self, key: str) -> float | None:
+        values = [v for r in self.runs if (v := r.num(key)) is not None]
+        return statistics.median(values) if values else None
+
+
+def read_results(paths: list[str]) -> list[Run]:
+    runs: list[Run] = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise TunebenchError(f"results file '{p}' not found; pass CSVs written by tunebench compare")
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames or "duration_seconds" not in reader.fieldnames:
+                raise TunebenchError(f"'{p}' has no duration_seconds column; it is not a tunebench results CSV")
+            runs += [Run(dict(r, source=str(path))) for r in reader]
+    if not runs:
+        raise TunebenchError("the results files hold no rows; run tunebench compare first")
+    return runs
+
+
+def table(runs: list[Run]) -> dict[str, dict[str, Cell]]:
+    """device -> config -> cell, in first-seen order."""
+    cells: dict[str, dict[str, Cell]] = defaultdict(dict)
+    for r in runs:
+        if r.ok:
+            cells[r.device].setdefault(r.config, Cell()).runs.append(r)
+    return cells
+
+
+def device_stats(cells: dict[str, dict[str, Cell]]) -> dict[str, dict]:
+    out = {}
+    for device, by_config in cells.items():
+        durations = {c: cell.median("duration_seconds") for c, cell in by_config.items()}
+        fastest = min(durations, key=durations.get)
+        slowest = max(durations, key=durations.get)
+        tps = [v for cell in by_config.values() if (v := cell.median("tokens_per_s")) is not None]
+        mem = [v for cell in by_config.values() if (v := cell.median("peak_memory_mb")) is not None]
+        out[device] = {
+            "configs": len(durations), "mean_duration_s": statistics.mean(durations.values()),
+            "fastest": (fastest, durations[fastest]), "slowest": (slowest, durations[slowest]),
+            "mean_tokens_per_s": statistics.mean(tps) if tps else None,
+            "max_peak_memory_mb": max(mem) if mem else None,
+        }
+    return out
+
+
+def device_speedups(stats: dict[str, dict], baseline: str) -> dict[str, float]:
+    """Mean-duration speedup of every device over the baseline device."""
+    base = stats[baseline]["mean_duration_s"]
+    return {d: base / s["mean_duration_s"] for d, s in stats.items()}
+
+
+def config_speedups(cells: dict[str, dict[str, Cell]], baseline_config: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for device, by_config in cells.items():
+        if baseline_config in by_config:
+            base = by_config[baseline_config].median("duration_seconds")
+            out[device] = {c: base / cell.median("duration_seconds") for c, cell in by_config.items()}
+    return out
+
+
+def findings(cells, stats, speedups, baseline_device) -> list[str]:
+    """Sentences computed from the numbers; none is written in advance."""
+    out = []
+    for device, s in stats.items():
+        (fc, fd), (sc, sd) = s["fastest"], s["slowest"]
+        if fc != sc:
+            out.append(f"On {device}, {fc} is fastest ({fd:,.0f} s), {sd / fd:.2f}x faster than {sc} ({sd:,.0f} s).")
+    ranked = sorted(stats, key=lambda d: stats[d]["mean_duration_s"])
+    if len(ranked) > 1:
+        best, worst = ranked[0], ranked[-1]
+        text = (f"{best} has the lowest mean duration ({stats[best]['mean_duration_s']:,.1f} s): "
+                f"{stats[worst]['mean_duration_s'] / stats[best]['mean_duration_s']:.2f}x faster than {worst}")
+        if baseline_device not in (best, worst):
+            text += f" and {speedups[best]:.2f}x faster than the baseline {baseline_device}"
+        out.append(text + ".")
+    for device, by_config in cells.items():
+        sized = [(int(c.runs[0].num("batch_size") or 0), cfg, c.median("duration_seconds")) for cfg, c in by_config.items()
+                 if (c.runs[0].row.get("quantization") or "none") == "none" and c.runs[0].num("batch_size")]
+        fastest, slowest = stats[device]["fastest"][0], stats[device]["slowest"][0]
+        if len({s for s, _, _ in sized}) > 1 and (max(sized)[1], min(sized)[1]) != (fastest, slowest):
+            small, large = min(sized), max(sized)
+            verb = "cuts" if large[2] < small[2] else "raises"
+            out.append(f"On {device}, going from micro batch {small[0]} to {large[0]} {verb} the duration from "
+                       f"{small[2]:,.0f} s to {large[2]:,.0f} s ({small[2] / large[2]:.2f}x).")
+        for cfg, cell in by_config.items():
+            quant = cell.runs[0].row.get("quantization") or "none"
+            if quant == "none":
+                continue
+            twin = cfg.replace(f"_{quant}", "")
+            if twin in by_config:
+                q, base = cell.median("duration_seconds"), by_config[twin].median("duration_seconds")
+                verdict = "paid off" if q < base else "did not pay off"
+                out.append(f"On {device}, {quant} quantization {verdict} for speed: {q:,.0f} s vs {base:,.0f} s "
+                           f"without it ({base / q:.2f}x).")
+        if "auto" in by_config:
+            manual = {c: cell.median("duration_seconds") for c, cell in by_config.items() if c != "auto"}
+            if manual:
+                best = min(manual, key=manual.get)
+                auto = by_config["auto"].median("duration_seconds")
+                out.append(f"On {device}, tunebench auto took {auto:,.0f} s against {manual[best]:,.0f} s for the best "
+                           f"hand-picked configuration ({best}): {manual[best] / auto:.2f}x.")
+    return out
+
+
+# -- charts (matplotlib, headless)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _figure().close(fig)
+    return buf.getvalue()
+
+
+def bar_chart(cells, key: str, title: str, ylabel: str) -> bytes | None:
+    plt = _figure()
+    configs = list(dict.fromkeys(c for by in cells.values() for c in by))
+    devices = list(cells)
+    if not any(cells[d][c].median(key) is not None for d in devices for c in configs if c in cells[d]):
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(configs) * max(1, len(devices)) / 2), 4))
+    width = 0.8 / len(devices)
+    for i, device in enumerate(devices):
+        xs = [j + i * width for j, c in enumerate(configs) if c in cells[device]]
+        ys = [cells[device][c].median(key) or 0 for c in configs if c in cells[device]]
+        ax.bar(xs, ys, width, label=device)
+    ax.set_xticks([j + width * (len(devices) - 1) / 2 for j in range(len(configs))], configs, rotation=30, ha="right")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def batch_chart(cells) -> bytes | None:
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for device, by in cells.items():
+        pts = sorted((int(c.runs[0].num("batch_size")), c.median("duration_seconds")) for c in by.values()
+                     if c.runs[0].num("batch_size") and (c.runs[0].row.get("quantization") or "none") == "none")
+        if len(pts) > 1:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=device)
+            drawn = True
+    if not drawn:
+        _figure().close(fig)
+        return None
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro batch (accumulation keeps the effective batch)")
+    ax.set_ylabel("duration (s)")
+    ax.set_title("Batch size / accumulation effect")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def loss_chart(runs: list[Run]) -> bytes | None:
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for r in runs:
+        run_dir = r.row.get("run_dir")
+        metrics = Path(run_dir) / "metrics.jsonl" if run_dir else None
+        if not r.ok or metrics is None or not metrics.is_file():
+            continue
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        pts = [(x["step"], x["loss"]) for x in rows if "loss" in x]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r.device} {r.config}", linewidth=1)
+            drawn = True
+    if not drawn:
+        _figure().close(fig)
+        return None
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Training loss")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+# -- rendering
+
+
+def _fmt(v, digits=1) -> str:
+    if v is None:
+        return ""
+    return f"{v:,.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def build(paths: list[str], baseline_device: str | None = None, baseline_config: str | None = None) -> dict:
+    runs = read_results(paths)
+    cells = table(runs)
+    if not cells:
+        raise TunebenchError("no successful runs in the results; nothing to report")
+    stats = device_stats(cells)
+    if baseline_device is None:
+        baseline_device = max(stats, key=lambda d: stats[d]["mean_duration_s"])  # the slowest
+    elif baseline_device not in stats:
+        raise TunebenchError(f"--baseline-device '{baseline_device}' is not in the results: {', '.join(stats)}")
+    configs = list(dict.fromkeys(c for by in cells.values() for c in by))
+    baseline_config = baseline_config or configs[0]
+    speedups = device_speedups(stats, baseline_device)
+    return {
+        "runs": runs, "cells": cells, "stats": stats, "baseline_device": baseline_device,
+        "baseline_config": baseline_config, "device_speedups": speedups,
+        "config_speedups": config_speedups(cells, baseline_config),
+        "findings": findings(cells, stats, speedups, baseline_device),
+    }
+
+
+COLUMNS = ["experiment", "device_name", "config", "batch_size", "grad_accum", "quantization", "precision",
+           "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu", "status"]
+
+
+def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    stats = r["stats"]
+    summary = [[d, str(s["configs"]), _fmt(s["mean_duration_s"], 2), f"{s['fastest'][0]} ({_fmt(s['fastest'][1], 0)})",
+                f"{s['slowest'][0]} ({_fmt(s['slowest'][1], 0)})", _fmt(s["mean_tokens_per_s"], 0),
+                _fmt(s["max_peak_memory_mb"], 0), f"{r['device_speedups'][d]:.2f}x"] for d, s in stats.items()]
+    configs = list(dict.fromkeys(c for by in r["cells"].values() for c in by))
+    cfg_rows = [[d] + [f"{sp[c]:.2f}x" if c in sp else "" for c in configs] for d, sp in r["config_speedups"].items()]
+    all_rows = [[(run.row.get(k) if k != "config" else run.config) or "" for k in COLUMNS] for run in r["runs"]]
+    return [
+        ("Per-device summary", ["device", "configs", "mean duration (s)", "fastest (s)", "slowest (s)",
+                                "mean tokens/s", "peak MB", f"speedup vs {r['baseline_device']}"], summary),
+        (f"Speedup of each configuration vs {r['baseline_config']}", ["device"] + configs, cfg_rows),
+        ("All runs", COLUMNS, all_rows),
+    ]
+
+
+def charts(r: dict) -> list[tuple[str, bytes]]:
+    out = []
+    for name, png in [
+        ("duration", bar_chart(r["cells"], "duration_seconds", "Duration per configuration and device", "seconds")),
+        ("throughput", bar_chart(r["cells"], "tokens_per_s", "Throughput (real tokens/s)", "tokens/s")),
+        ("memory", bar_chart(r["cells"], "peak_memory_mb", "Peak memory", "MB")),
+        ("final_loss", bar_chart(r["cells"], "final_train_loss", "Final training loss", "loss")),
+        ("batch_effect", batch_chart(r["cells"])),
+        ("loss_curves", loss_chart(r["runs"])),
+    ]:
+        if png:
+            out.append((name, png))
+    return out
+
+
+def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
+          baseline_config: str | None = None) -> Path:
+    r = build(paths, baseline_device, baseline_config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = charts(r)
+    sections = _sections(r)
+
+    md = ["# tunebench report", "", f"Sources: {', '.join(paths)}", "", "## Findings", ""]
+    md += [f"- {f}" for f in r["findings"]] + [""]
+    for title, head, rows in sections:
+        md += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        md += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+    md += ["## Charts", ""]
+    for name, png in pngs:
+        (out / f"{name}.png").write_bytes(png)
+        md.append(f"![{name}]({name}.png)")
+    (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+
+    esc = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>tunebench report</title><style>",
+             "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
+             "margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+             "th{background:#f0f0f0}td:first-child{text-align:left}img{max-width:100%;margin:1em 0}",
+             "</style></head><body><h1>tunebench report</h1>",
+             f"<p>Sources: {esc(', '.join(paths))}</p><h2>Findings</h2><ul>"]
+    parts += [f"<li>{esc(f)}</li>" for f in r["findings"]] + ["</ul>"]
+    for title, head, rows in sections:
+        parts.append(f"<h2>{esc(title)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts.append("</table>")
+    parts.append("<h2>Charts</h2>")
+    for name, png in pngs:
+        parts.append(f"<img id='{name}' alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    parts.append("</body></html>")
+    (out / "report.html").write_text("\n".join(parts), encoding="utf-8")
+    return out / "report.html"

@@ -1,0 +1,136 @@
+import csv
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tunebench.errors import TunebenchError
+from tunebench.jobs import compare, report
+
+STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"
+
+
+def _matrix(tmp_path, dataset, extra=""):
+    m = tmp_path / "m.yaml"
+    m.write_text(f"""base:
+  model.name: tiny
+  data.path: {dataset}
+  data.max_length: 256
+  train.max_steps: 2
+  train.effective_batch_size: 4
+experiments:
+  - {{name: bs2_ga2, set: {{train.micro_batch_size: 2, train.grad_accum_steps: 2}}}}
+  - {{name: gpu_only, devices: [cuda], set: {{train.micro_batch_size: 4}}}}
+{extra}""")
+    return m
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, dataset, capsys):
+    matrix = _matrix(tmp_path, dataset, "  - {name: broken, set: {model.name: ./no/such/model}}\n")
+    out = tmp_path / "results.csv"
+    compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {})
+    rows = _rows(out)
+    assert list(rows[0]) == compare.SCHEMA
+    by = {r["experiment"]: r for r in rows}
+    assert set(by) == {"bs2_ga2", "broken"}  # gpu_only skipped: no CUDA here
+    ok = by["bs2_ga2"]
+    assert ok["status"] == "ok" and ok["device"] == "cpu" and ok["batch_size"] == "2" and ok["grad_accum"] == "2"
+    for key in ("duration_seconds", "tokens_per_s", "peak_memory_mb", "eval_loss", "final_train_loss", "steps"):
+        assert float(ok[key]) > 0, key
+    assert by["broken"]["status"] == "error" and "not a HF directory" in by["broken"]["message"]
+    assert "[2/2]" in capsys.readouterr().out
+
+    compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {})  # nothing left to do
+    assert len(_rows(out)) == 2
+    assert "2 already in" in capsys.readouterr().out
+    compare.run(str(matrix), str(out), str(tmp_path / "runs"), 2, {})  # a second repeat of each
+    assert sorted((r["experiment"], r["repeat"]) for r in _rows(out)) == [
+        ("broken", "1"), ("broken", "2"), ("bs2_ga2", "1"), ("bs2_ga2", "2")]
+
+
+def test_oom_is_recorded_as_oom():
+    status, message = compare._failure("Traceback...\ntorch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB\n")
+    assert status == "oom" and "out of memory" in message
+    assert compare._failure("tunebench: error: bad thing")[0] == "error"
+
+
+def test_matrix_is_checked_before_anything_runs(tmp_path, dataset):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiments:\n  - {name: x, set: {train.bach_size: 2}}\n")
+    with pytest.raises(TunebenchError, match="experiment 'x'.*did you mean 'train.micro_batch_size'"):
+        compare.load_matrix(str(bad))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("grid:\n  train.micro_batch_size: [1, 2]\n  train.precision: [fp32, bf16]\n")
+    names = [e.name for e in compare.load_matrix(str(grid))[1]]
+    assert names == ["micro_batch_size=1_precision=fp32", "micro_batch_size=1_precision=bf16",
+                     "micro_batch_size=2_precision=fp32", "micro_batch_size=2_precision=bf16"]
+    for shipped in ("quick", "study"):
+        base, experiments = compare.load_matrix(shipped)
+        assert any(e.name == "auto" for e in experiments)
+
+
+def test_foreign_csv_is_not_appended_to(tmp_path, dataset):
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(TunebenchError, match="another column layout"):
+        compare.run(str(_matrix(tmp_path, dataset)), str(other), str(tmp_path / "runs"), 1, {})
+    assert other.read_text() == "a,b\n1,2\n"
+
+
+def test_study_csv_reproduces_the_published_means_and_speedups():
+    r = report.build([str(STUDY)], baseline_device="CPU 32-core")
+    means = {d: s["mean_duration_s"] for d, s in r["stats"].items()}
+    assert means == pytest.approx({"CPU 8-core": 1132.333, "CPU 32-core": 730.0, "GTX 1080 Ti": 644.5,
+                                   "RTX 3070": 807.25, "RTX 3080": 623.5}, abs=0.01)  # not the prose's 633 s
+    assert r["stats"]["RTX 3080"]["fastest"] == ("bs8_ga1", 312.0)
+    assert r["stats"]["CPU 8-core"]["slowest"] == ("bs1_ga8", 1857.0)
+    assert r["stats"]["CPU 8-core"]["fastest"] == ("bs4_ga2", 572.0)
+    assert r["device_speedups"]["RTX 3080"] == pytest.approx(730.0 / 623.5)
+    assert r["config_speedups"]["RTX 3080"]["bs8_ga1"] == pytest.approx(1170 / 312)
+    assert any("RTX 3080 has the lowest mean duration (623.5 s)" in f for f in r["findings"])
+
+
+def test_report_combines_two_csvs_and_writes_html_and_md(tmp_path):
+    second = tmp_path / "second.csv"
+    rows = _rows(STUDY)
+    with second.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for row in rows[:3]:
+            w.writerow(dict(row, device_name="Laptop", duration_seconds=str(float(row["duration_seconds"]) * 2)))
+    html = report.write([str(STUDY), str(second)], str(tmp_path / "rep"))
+    text = html.read_text()
+    assert "Laptop" in text and "RTX 3080" in text and text.count("<img") >= 2
+    assert "data:image/png;base64," in text  # self-contained
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| Laptop | 3 | 2,264.67 |" in md and (tmp_path / "rep" / "duration.png").is_file()
+
+
+def test_report_errors():
+    with pytest.raises(TunebenchError, match="not found"):
+        report.read_results(["/nonexistent.csv"])
+    with pytest.raises(TunebenchError, match="not in the results"):
+        report.build([str(STUDY)], baseline_device="TPU")
+
+
+@pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")),
+                    reason="headless Chromium is not installed (apt-get install chromium)")
+def test_html_report_renders_its_charts_in_headless_chromium(tmp_path):
+    html = report.write([str(STUDY)], str(tmp_path / "rep"))
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    js = ("[...document.images].filter(i => i.complete && i.naturalWidth > 100).length + ' images ok; ' + "
+          "document.querySelectorAll('table').length + ' tables'")
+    page = tmp_path / "probe.html"
+    page.write_text(html.read_text().replace("</body>", f"<script>document.title = {js};</script></body>"))
+    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                           "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                           "--virtual-time-budget=3000", page.as_uri()], capture_output=True, text=True, timeout=120)
+    title = proc.stdout.split("<title>")[1].split("</title>")[0]
+    n_images = int(title.split(" images ok")[0])
+    assert n_images == len(report.charts(report.build([str(STUDY)]))) >= 2 and "3 tables" in title
