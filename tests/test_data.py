@@ -217,3 +217,15 @@ def test_packed_batch_layout():
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert b["labels"][0, 4].item() == batching.IGNORE  # the second example's first token is nobody's target
     assert b["attention_mask"].sum().item() == 7
+
+
+def test_length_grouped_order_has_little_padding_and_is_reproducible():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 200, size=640)
+    idx = np.arange(640)
+    plain = batching.epoch_order(idx, 8, 0, 0)
+    grouped = batching.epoch_order(idx, 8, 0, 0, lengths=lengths)
+    assert grouped == batching.epoch_order(idx, 8, 0, 0, lengths=lengths)
+    assert sorted(sum(grouped, [])) == list(range(640))  # every row once
+    assert batching.padding_fraction(lengths, grouped) < 0.5 * batching.padding_fraction(lengths, plain)
+    assert grouped != batching.epoch_order(idx, 8, 0, 1, lengths=lengths)  # reshuffled per epoch

@@ -90,6 +90,12 @@ def test_bf16_frozen_base_matches_fp32_lora(tiny):
             p.data = p.data.float()  # adapters stay fp32, as build_model keeps them
     bf16 = loss_sum(peft, b, None, torch.device("cpu")) / n
     assert abs(bf16.item() - fp32.item()) / fp32.item() < 1e-2
+    models.compute_adapters_in(peft)  # the training path: bf16 adapter matmuls under autocast, fp32 weights
+    autocast = loss_sum(peft, b, torch.bfloat16, torch.device("cpu")) / n
+    assert abs(autocast.item() - fp32.item()) / fp32.item() < 1e-2
+    autocast.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for name, p in peft.named_parameters()
+               if "lora_" in name)
 
 
 def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):

@@ -26,7 +26,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--max-samples",), "data.max_samples", "use a seeded random subset of this many rows"),
     (("--max-length", "--max_length"), "data.max_length", "truncate examples to this many tokens (default 128)"),
     (("--packing",), "data.packing",
-     "auto (pack several examples per row when that removes enough padding) | on | off"),
+     "auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off: may still "
+     "group by length)"),
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
     (("--output-dir", "--output_dir"), "train.output_dir", "where the adapter/model, metrics and checkpoints go"),
     (("--method",), "adapter.method", "lora (default) | qlora | full"),

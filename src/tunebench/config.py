@@ -42,7 +42,7 @@ class DataConfig:
     template: str = "auto"  # auto (chat template when the tokenizer has one) | a format string
     train_on: str = "response"  # response | all
     max_length: int = 128
-    packing: str = "auto"  # auto (when it removes padding worth having) | on | off
+    packing: str = "auto"  # auto (packed or length-grouped rows when they remove padding) | on | off
     max_samples: int | None = None
     eval_fraction: float = 0.05
     eval_samples: int | None = None  # cap on eval rows (after the split)

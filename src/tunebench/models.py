@@ -350,6 +350,20 @@ def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str
     return peft
 
 
+def compute_adapters_in(model) -> None:
+    """Let LoRA layers take the base's low-precision activations as they are (run under autocast).
+
+    PEFT casts every adapter input to the adapter's fp32 dtype: a full-size copy per LoRA layer
+    per step, and fp32 results that promote the layer output. Under autocast the adapter matmuls
+    run in the compute dtype while the weights (and the optimizer) stay fp32.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.cast_input_dtype_enabled = False
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; 4-bit weights count as their logical size."""
     trainable = total = 0

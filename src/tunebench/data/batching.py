@@ -10,15 +10,30 @@ from tunebench.data.tokenize import Tokenized
 IGNORE = -100
 
 
-def epoch_order(indices: np.ndarray, micro_batch_size: int, seed: int, epoch: int, shuffle: bool = True):
+GROUP_SPAN = 32  # micro-batches per length-sorted group
+
+
+def epoch_order(indices: np.ndarray, micro_batch_size: int, seed: int, epoch: int, shuffle: bool = True,
+                lengths: np.ndarray | None = None):
     """The micro-batches (lists of example indices) of one epoch; the same (seed, epoch) gives the same order.
 
+    With `lengths`, batches are length-grouped: the shuffled rows are cut into spans of GROUP_SPAN
+    micro-batches, each span is sorted by length before it is cut into batches, and the batches are
+    shuffled, so rows of a batch have similar lengths (little padding) while the order stays random.
     The order depends on nothing but its arguments, so a resumed run can skip to any batch.
     """
     idx = np.asarray(indices)
+    rng = np.random.default_rng([seed, epoch])
     if shuffle:
-        idx = idx[np.random.default_rng([seed, epoch]).permutation(len(idx))]
-    return [idx[i : i + micro_batch_size].tolist() for i in range(0, len(idx), micro_batch_size)]
+        idx = idx[rng.permutation(len(idx))]
+    if lengths is not None:
+        span = GROUP_SPAN * micro_batch_size
+        idx = np.concatenate([sorted(idx[i : i + span], key=lambda k: -lengths[k]) for i in range(0, len(idx), span)]) \
+            if len(idx) else idx
+    batches = [idx[i : i + micro_batch_size].tolist() for i in range(0, len(idx), micro_batch_size)]
+    if lengths is not None and shuffle:
+        batches = [batches[k] for k in rng.permutation(len(batches))]
+    return batches
 
 
 def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.Tensor]:

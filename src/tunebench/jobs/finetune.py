@@ -80,11 +80,17 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
         rows.append(("base weights", a.quantization, f"bitsandbytes {'nf4 + double quant' if a.quantization == '4bit' else 'LLM.int8'}, compute in {precision}"))
     else:
         model.to(dtype=compute)
-        rows.append(("base weights", precision, "frozen: no fp32 master copy needed; adapters stay fp32"))
+        rows.append(("base weights", precision, "frozen: no fp32 master copy needed"))
     modules, why = models.target_modules(model, a.target_modules)
     rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
     model = models.add_lora(model, a.r, a.lora_alpha, a.lora_dropout, modules)
     model.to(device)
+    if a.method == "lora" and precision != "fp32":
+        models.compute_adapters_in(model)
+        rows.append(("adapters", f"fp32 + {precision} autocast", "fp32 master weights, low-precision matmuls: "
+                                                                  "no fp32 copies of activations per LoRA layer"))
+        return model, compute, rows
+    rows.append(("adapters", "fp32", "fp32 weights and compute"))
     return model, None, rows
 
 
@@ -143,9 +149,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in batch_rows):
         batch_rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = cfg.grad_accum_steps
-    packing, packing_reason = decide_packing(cfg.data.packing, data, train_idx, t.micro_batch_size, t.seed,
-                                             cfg.data.max_length)
-    batch_rows.append(("packing", packing, packing_reason))
+    layout, layout_reason = decide_layout(cfg.data.packing, data, train_idx, t.micro_batch_size, t.seed,
+                                          cfg.data.max_length)
+    batch_rows.append(("batch layout", layout, layout_reason))
+    packing = layout == "packed"
+    group_lengths = data.lengths() if layout == "length-grouped" else None
     lr, lr_reason = scaled_lr(t.lr, cfg.effective_batch_size, t.lr_scaling, t.lr_reference_batch)
     micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
@@ -202,7 +210,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_cache: dict[int, list[list[int]]] = {}
 
     def next_micro_batch(s: LoopState):
-        order = epoch_cache.setdefault(s.epoch, batching.epoch_order(train_idx, t.micro_batch_size, t.seed, s.epoch))
+        order = epoch_cache.setdefault(
+            s.epoch, batching.epoch_order(train_idx, t.micro_batch_size, t.seed, s.epoch, lengths=group_lengths))
         if s.batch_in_epoch >= len(order):
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
             return next_micro_batch(s)
@@ -309,19 +318,29 @@ def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loade
     tokenizer.save_pretrained(out)
 
 
-def decide_packing(requested: str, data: Tokenized, train_idx: np.ndarray, micro_batch_size: int, seed: int,
-                   capacity: int) -> tuple[bool, str]:
-    """Pack when it removes a worthwhile share of padding: computed over the first epoch's batches."""
-    order = batching.epoch_order(train_idx, micro_batch_size, seed, 0)
+def decide_layout(packing: str, data: Tokenized, train_idx: np.ndarray, micro_batch_size: int, seed: int,
+                  capacity: int) -> tuple[str, str]:
+    """How rows become batches: padded, length-grouped or packed, by the padding each leaves.
+
+    The padding share is computed over the first epoch's batches exactly as collate would build
+    them; padded positions cost as much compute as real ones.
+    """
     lengths = data.lengths()
-    padded = batching.padding_fraction(lengths, order)
-    packed = batching.padding_fraction(lengths, order, capacity)
-    numbers = f"padding is {100 * padded:.0f}% of positions per batch, {100 * packed:.0f}% packed"
-    if requested != "auto":
-        return requested == "on", f"asked for ({numbers})"
-    if padded - packed >= 0.05:
-        return True, numbers
-    return False, numbers + ": too little to gain"
+    plain = batching.epoch_order(train_idx, micro_batch_size, seed, 0)
+    waste = {
+        "padded": batching.padding_fraction(lengths, plain),
+        "length-grouped": batching.padding_fraction(
+            lengths, batching.epoch_order(train_idx, micro_batch_size, seed, 0, lengths=lengths)),
+        "packed": batching.padding_fraction(lengths, plain, capacity),
+    }
+    numbers = ", ".join(f"{k} {100 * v:.0f}%" for k, v in waste.items())
+    if packing == "on":
+        return "packed", f"asked for (padding: {numbers})"
+    options = ["padded", "length-grouped"] + (["packed"] if packing == "auto" else [])
+    best = min(options, key=lambda k: (round(waste[k], 2), options.index(k)))  # ties: the simpler layout
+    if waste["padded"] - waste[best] < 0.02:
+        best = "padded"
+    return best, f"least padding of {numbers}" if best != "padded" else f"padding: {numbers}"
 
 
 def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[float, str]:
