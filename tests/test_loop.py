@@ -168,3 +168,15 @@ def test_packed_and_unpacked_losses_match(tiny, attention):
     with torch.no_grad():
         c = loss_sum(tiny.model, leaky, None, torch.device("cpu")) / n_p
     assert abs(c.item() - a.item()) > 1e-4
+
+
+def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
+    out = tmp_path / "kept"
+    finetune.run(_cfg(dataset, out, **{"train.max_steps": 2}))
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(TunebenchError, match="already holds a run.*--resume auto.*--overwrite"):
+        finetune.run(_cfg(dataset, out, **{"train.max_steps": 2}))
+    assert (out / "metrics.jsonl").read_text() == before
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000002"]
+    finetune.run(_cfg(dataset, out, **{"train.max_steps": 1, "train.overwrite": True}))
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000001"]

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=argparse.SUPPRESS, help="alias of --quantization 4bit")
     train.add_argument("--allow-download", dest="model.allow_download", action="store_const", const=True,
                        default=argparse.SUPPRESS, help="let transformers fetch a hub model that is not cached")
+    train.add_argument("--overwrite", dest="train.overwrite", action="store_const", const=True,
+                       default=argparse.SUPPRESS, help="replace an earlier run in --output-dir")
     train.add_argument("--no-progress", dest="train.progress", action="store_const", const=False,
                        default=argparse.SUPPRESS, help="no progress bar (logs only)")
     _add_debug(train)

@@ -86,6 +86,7 @@ class TrainConfig:
     save_steps: int | None = None  # None: checkpoint only at the end and on interrupt
     save_total_limit: int = 2
     resume: str | None = None  # auto | PATH to a checkpoint directory
+    overwrite: bool = False  # replace an earlier run in output_dir (never implied)
     report_to: str = "none"  # none | tensorboard
     progress: bool = True
 

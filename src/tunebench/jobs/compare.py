@@ -186,7 +186,7 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
         print(f"[{k}/{len(todo)}] {exp.name} on {device}, repeat {repeat}{eta}", flush=True)
         run_dir = Path(runs_dir) / f"{exp.name}-{device}-r{repeat}"
         settings = {**base, **exp.overrides, "train.device": device, "train.output_dir": str(run_dir),
-                    "train.progress": False}
+                    "train.progress": False, "train.overwrite": True}  # a rerun replaces a failed attempt
         argv = [sys.executable, "-m", "tunebench", "train", *(f"{k}={_yaml(v)}" for k, v in settings.items())]
         t0 = time.perf_counter()
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from tunebench.config import RunConfig, dump_yaml, replace
 from tunebench.data import batching
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
 from tunebench.errors import TunebenchError
-from tunebench.loop import Hooks, LoopSettings, LoopState, evaluate, loss_sum, prepare, train
+from tunebench.loop import Hooks, LoopSettings, LoopState, body_and_head, evaluate, loss_sum, prepare, train
 from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, training_flops_per_token, write_json
 from tunebench.monitor import Monitor
 
@@ -103,10 +104,25 @@ def apply_plan(plan: hardware.Plan) -> None:
         torch.backends.cudnn.benchmark = bool(plan.value("cudnn_benchmark"))
 
 
+def claim_output_dir(out: Path, resume: str | None, overwrite: bool) -> None:
+    """A fresh run never silently replaces an earlier run's checkpoints and records."""
+    earlier = [p for p in (out / "checkpoints", out / "metrics.jsonl", out / "summary.json") if p.exists()]
+    if not earlier or resume:
+        return
+    if not overwrite:
+        raise TunebenchError(
+            f"--output-dir '{out}' already holds a run ({earlier[0].name}); continue it with --resume auto, "
+            "replace it with --overwrite, or pick another --output-dir"
+        )
+    for p in earlier:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     out = Path(t.output_dir)
     prepare_output_dir(out)
+    claim_output_dir(out, t.resume, t.overwrite)
 
     # -- hardware plan
     hw = hardware.detect()
@@ -158,7 +174,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
     if plan.value("compile"):
-        model.compile()  # in place: parameter names (and so checkpoints) stay the same
+        # In place, so parameter names (and checkpoints) stay the same; the loss calls the body.
+        parts = body_and_head(model)
+        (parts[0] if parts else model).compile()
     rows = [(d.setting, d.value, d.reason) for d in plan.decisions] + method_rows + batch_rows + [
         ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
         ("lr", f"{lr:g}", lr_reason),
@@ -196,8 +214,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         else:
             state = checkpoint.load(found, model, optimizer, scheduler, identity, scaler)
             print(f"resume: continuing from {found} (step {state.step})")
-    elif (out / "metrics.jsonl").exists():
-        (out / "metrics.jsonl").unlink()  # a fresh run starts a fresh record
 
     def collate(batch: list[int]) -> dict[str, torch.Tensor]:
         return batching.collate(data, batch, tok.pad_token_id)
