@@ -34,9 +34,10 @@ def seed_everything(seed: int) -> None:
 
 def print_plan(rows: list[tuple[str, Any, str]]) -> None:
     width = max(len(r[0]) for r in rows)
+    value_width = min(22, max(len(str(r[1])) for r in rows))
     print("settings:")
     for setting, value, reason in rows:
-        print(f"  {setting:<{width}}  {value!s:<12} {reason}")
+        print(f"  {setting:<{width}}  {value!s:<{value_width}}  {reason}")
 
 
 def prepare_output_dir(path: Path) -> None:

@@ -155,8 +155,13 @@ def findings(cells, stats, speedups, baseline_device) -> list[str]:
             if manual:
                 best = min(manual, key=manual.get)
                 auto = by_config["auto"].median("duration_seconds")
-                out.append(f"On {device}, tunebench auto took {auto:,.0f} s against {manual[best]:,.0f} s for the best "
-                           f"hand-picked configuration ({best}): {manual[best] / auto:.2f}x.")
+                text = (f"On {device}, tunebench auto took {auto:,.0f} s against {manual[best]:,.0f} s for the best "
+                        f"hand-picked configuration ({best}): {manual[best] / auto:.2f}x.")
+                a, b = by_config["auto"].runs[0], by_config[best].runs[0]
+                if (a.num("batch_size"), a.num("grad_accum")) == (b.num("batch_size"), b.num("grad_accum")):
+                    text += (f" auto chose the same micro batch ({int(a.num('batch_size') or 0)} x "
+                             f"{int(a.num('grad_accum') or 0)}), so the gap is run-to-run variation; --repeats narrows it.")
+                out.append(text)
     return out
 
 
@@ -277,6 +282,19 @@ COLUMNS = ["experiment", "device_name", "config", "batch_size", "grad_accum", "q
            "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu", "status"]
 
 
+DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4}
+
+
+def _cell(run: Run, key: str) -> str:
+    if key == "config":
+        return run.config
+    if key == "mfu" and run.num("mfu") is not None:
+        return f"{100 * run.num('mfu'):.1f}%"
+    if key in DIGITS and run.num(key) is not None:
+        return _fmt(run.num(key), DIGITS[key])
+    return run.row.get(key) or ""
+
+
 def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     stats = r["stats"]
     summary = [[d, str(s["configs"]), _fmt(s["mean_duration_s"], 2), f"{s['fastest'][0]} ({_fmt(s['fastest'][1], 0)})",
@@ -284,7 +302,7 @@ def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 _fmt(s["max_peak_memory_mb"], 0), f"{r['device_speedups'][d]:.2f}x"] for d, s in stats.items()]
     configs = list(dict.fromkeys(c for by in r["cells"].values() for c in by))
     cfg_rows = [[d] + [f"{sp[c]:.2f}x" if c in sp else "" for c in configs] for d, sp in r["config_speedups"].items()]
-    all_rows = [[(run.row.get(k) if k != "config" else run.config) or "" for k in COLUMNS] for run in r["runs"]]
+    all_rows = [[_cell(run, k) for k in COLUMNS] for run in r["runs"]]
     return [
         ("Per-device summary", ["device", "configs", "mean duration (s)", "fastest (s)", "slowest (s)",
                                 "mean tokens/s", "peak MB", f"speedup vs {r['baseline_device']}"], summary),
@@ -336,9 +354,10 @@ def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
              f"<p>Sources: {esc(', '.join(paths))}</p><h2>Findings</h2><ul>"]
     parts += [f"<li>{esc(f)}</li>" for f in r["findings"]] + ["</ul>"]
     for title, head, rows in sections:
-        parts.append(f"<h2>{esc(title)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
+        parts.append(f"<h2>{esc(title)}</h2><div style='overflow-x:auto'><table><tr>"
+                     + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows]
-        parts.append("</table>")
+        parts.append("</table></div>")
     parts.append("<h2>Charts</h2>")
     for name, png in pngs:
         parts.append(f"<img id='{name}' alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
