@@ -121,3 +121,19 @@ def test_merge_never_overwrites(tmp_path, capsys):
     assert main(["merge", "--adapter", str(adapter), "--output-dir", str(full)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert (full / "keep.txt").read_text() == "precious"
+
+
+def test_chat_answers_each_line_until_an_empty_one(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "tunebench", "chat", "--model", "tiny", "--max-new-tokens", "3"],
+                          input="hello\n/reset\nagain\n\n", capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("bot> ") == 2 and "chatting with preset tiny" in proc.stdout
+
+
+def test_hw_json_is_the_record_runs_save():
+    proc = tb("hw", "--json")
+    record = json.loads(proc.stdout)
+    assert {"hardware", "decisions", "peak_tflops"} <= set(record)
+    assert record["hardware"]["physical_cores"] >= 1
+    assert {d["setting"] for d in record["decisions"]} >= {"device", "precision", "torch_threads", "compile"}

@@ -182,3 +182,13 @@ def test_monitor_samples_in_the_background(tmp_path):
     summary = m.summary()
     assert summary["peak_process_rss_mb"] > 10 and "mean_cpu_percent" in summary
     assert len(path.read_text().splitlines()) >= 2
+
+
+def test_lr_scaling_rules():
+    from tunebench.jobs.finetune import scaled_lr
+
+    assert scaled_lr(1e-4, 32, "linear", 8)[0] == pytest.approx(4e-4)
+    assert scaled_lr(1e-4, 32, "sqrt", 8)[0] == pytest.approx(2e-4)
+    assert scaled_lr(1e-4, 32, "none", 8)[0] == 1e-4
+    lr, reason = scaled_lr(1e-4, 8, "linear", 8)
+    assert lr == 1e-4 and "reference" in reason

