@@ -180,3 +180,20 @@ def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000002"]
     finetune.run(_cfg(dataset, out, **{"train.max_steps": 1, "train.overwrite": True}))
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000001"]
+
+
+@pytest.mark.parametrize("method, precision", [("full", "bf16"), ("full", "fp32"), ("lora", "fp32")])
+def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precision):
+    out = tmp_path / f"{method}-{precision}"
+    summary = finetune.run(_cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,
+                                                  "train.lr": 1e-3 if method == "full" else 1e-2}))
+    assert summary["eval_loss"] < summary["eval_loss_before"]
+    saved = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    assert (out / saved).is_file()
+    plan = json.loads((out / "plan.json").read_text())
+    assert {"setting": "precision", "value": precision, "reason": "asked for"} in plan["decisions"]
+    if method == "full":
+        from tunebench import models
+
+        reloaded = models.resolve(str(out))  # a full fine-tune is a plain HF directory
+        assert type(reloaded.model).__name__ == "LlamaForCausalLM"
