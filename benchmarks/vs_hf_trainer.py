@@ -52,9 +52,7 @@ def _eval_loss(model, data, eval_idx, pad_id):
     from tunebench.data import batching
     from tunebench.loop import evaluate
 
-    order = sorted(eval_idx.tolist(), key=lambda i: data.offsets[i + 1] - data.offsets[i])
-    batches = [batching.collate(data, order[i : i + 8], pad_id) for i in range(0, len(order), 8)]
-    return evaluate(model, batches, torch.device("cpu"), None)["eval_loss"]
+    return evaluate(model, batching.eval_batches(data, eval_idx, 8, pad_id), torch.device("cpu"), None)["eval_loss"]
 
 
 def worker_peer(args) -> dict:

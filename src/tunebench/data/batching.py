@@ -55,6 +55,13 @@ def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.T
     }
 
 
+def eval_batches(data: Tokenized, indices, size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Collated batches of `indices` sorted by length: evaluation order does not matter, padding does."""
+    lengths = data.lengths()
+    order = sorted(np.asarray(indices).tolist(), key=lambda i: lengths[i])
+    return [collate(data, order[i : i + size], pad_id) for i in range(0, len(order), size)]
+
+
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     """First-fit decreasing: positions into `lengths`, grouped into rows of at most `capacity` tokens."""
     rows: list[list[int]] = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tunebench import models
@@ -20,8 +19,6 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     idx, _ = split(len(tokenized), 0.0, seed, data.max_samples)
     if len(idx) == 0:
         raise TunebenchError(f"dataset '{data.path}' has no rows to evaluate")
-    order = sorted(np.asarray(idx).tolist(), key=lambda i: tokenized.offsets[i + 1] - tokenized.offsets[i])
-    batches = [batching.collate(tokenized, order[i : i + batch_size], loaded.tokenizer.pad_token_id)
-               for i in range(0, len(order), batch_size)]
+    batches = batching.eval_batches(tokenized, idx, batch_size, loaded.tokenizer.pad_token_id)
     result = evaluate(loaded.model, batches, torch.device("cpu"), None)
     return {"model": loaded.source, "rows": len(idx), **result}

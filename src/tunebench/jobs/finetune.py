@@ -216,13 +216,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             state = checkpoint.load(found, model, optimizer, scheduler, identity, scaler)
             print(f"resume: continuing from {found} (step {state.step})")
 
-    def collate(batch: list[int]) -> dict[str, torch.Tensor]:
-        return batching.collate(data, batch, tok.pad_token_id)
-
     def collate_train(batch: list[int]) -> dict[str, torch.Tensor]:
         if packing:
             return batching.collate_packed(data, batch, tok.pad_token_id, cfg.data.max_length)
-        return collate(batch)
+        return batching.collate(data, batch, tok.pad_token_id)
 
     epoch_cache: dict[int, list[list[int]]] = {}
 
@@ -236,7 +233,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         s.batch_in_epoch += 1
         return collate_train(batch)
 
-    eval_batches = _eval_batches(data, eval_idx, t.micro_batch_size * 2, collate)
+    eval_batches = batching.eval_batches(data, eval_idx, t.micro_batch_size * 2, tok.pad_token_id)
     metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.report_to == "tensorboard" else None)
 
     stop = {"requested": False}
@@ -321,11 +318,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def _eval_batches(data: Tokenized, idx: np.ndarray, size: int, collate) -> list[dict[str, torch.Tensor]]:
-    by_length = sorted(idx.tolist(), key=lambda i: data.offsets[i + 1] - data.offsets[i])  # less padding
-    return [collate(by_length[i : i + size]) for i in range(0, len(by_length), size)]
-
-
 def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded) -> None:
     if cfg.adapter.method == "full":
         model.save_pretrained(out)
@@ -375,7 +367,8 @@ def enable_checkpointing(model) -> None:
 
 def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, device: torch.device, autocast):
     """A step function for autotune: forward + backward on the longest rows, weights untouched."""
-    longest = sorted(train_idx.tolist(), key=lambda i: data.offsets[i + 1] - data.offsets[i], reverse=True)
+    lengths = data.lengths()
+    longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def step(size: int) -> tuple[float, float]:
         batch = batching.collate(data, longest[:size], pad_id)
