@@ -364,13 +364,16 @@ def compute_adapters_in(model) -> None:
             m.cast_input_dtype_enabled = False
 
 
+def logical_numel(p: torch.Tensor) -> int:
+    """Number of weights a tensor stands for: bitsandbytes stores two 4-bit values per byte."""
+    return p.numel() * 2 if p.__class__.__name__ == "Params4bit" else p.numel()
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; 4-bit weights count as their logical size."""
     trainable = total = 0
     for p in model.parameters():
-        n = p.numel()
-        if hasattr(p, "quant_state") or p.__class__.__name__ == "Params4bit":
-            n *= 2  # two 4-bit values per stored byte
+        n = logical_numel(p)
         total += n
         if p.requires_grad:
             trainable += n
@@ -428,9 +431,7 @@ def flop_dims(model) -> tuple[int, int, int]:
     total = 0
     for name, m in model.named_modules():
         if isinstance(m, kinds) and "lora_" not in name:
-            w = m.weight
-            n = w.numel() * 2 if w.__class__.__name__ == "Params4bit" else w.numel()
-            total += n
+            total += logical_numel(m.weight)
     c = model.config
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
     heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")

@@ -21,8 +21,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tunebench.config import load_config, read_yaml
 from tunebench.errors import TunebenchError
 
@@ -133,7 +131,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
     return {
         "device_name": device_name, "cores": hw["physical_cores"], "threads": decided.get("torch_threads"),
         "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
-        "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": _quantization(run_dir),
+        "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s["quantization"],
         "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
         "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"],
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
@@ -141,10 +139,6 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
         "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),
     }
-
-
-def _quantization(run_dir: Path) -> str:
-    return yaml.safe_load((run_dir / "config.yaml").read_text())["adapter"]["quantization"]
 
 
 def _failure(stderr: str) -> tuple[str, str]:

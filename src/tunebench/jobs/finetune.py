@@ -290,7 +290,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                                              models.cache_dir() / "peak_flops.json")
     data_fraction = state.data_time_s / state.train_time_s if state.train_time_s else 0.0
     summary = {
-        "model": cfg.model.name, "method": cfg.adapter.method, "device": plan.device, "precision": plan.precision,
+        "model": cfg.model.name, "method": cfg.adapter.method, "quantization": cfg.adapter.quantization,
+        "device": plan.device, "precision": plan.precision,
         "steps": state.step, "samples": state.samples, "tokens": state.tokens,
         "duration_s": round(wall, 3), "train_time_s": round(state.train_time_s, 3),
         "samples_per_s": state.samples / state.train_time_s if state.train_time_s else None,
