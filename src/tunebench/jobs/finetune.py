@@ -82,7 +82,8 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
         rows.append(("base weights", a.quantization, f"bitsandbytes {'nf4 + double quant' if a.quantization == '4bit' else 'LLM.int8'}, compute in {precision}"))
     else:
         model.to(dtype=compute)
-        rows.append(("base weights", precision, "frozen: no fp32 master copy needed"))
+        rows.append(("base weights", precision, "the run's precision" if precision == "fp32"
+                     else "frozen: no fp32 master copy needed"))
     modules, why = models.target_modules(model, a.target_modules)
     rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
     model = models.add_lora(model, a.r, a.lora_alpha, a.lora_dropout, modules)
