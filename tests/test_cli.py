@@ -112,6 +112,11 @@ def test_each_bad_input_names_the_problem(tmp_path, dataset, capsys):
         assert err.count("\n") == 0 and err.startswith("tunebench: error:"), (args, err)
 
 
+def test_eval_checks_its_data_options_like_train(capsys):
+    assert main(["eval", "--model", "tiny", "--max-length", "0"]) == 2
+    assert "max_length (--max-length) must be a positive number" in capsys.readouterr().err
+
+
 def test_merge_never_overwrites(tmp_path, capsys):
     full = tmp_path / "full"
     full.mkdir()

@@ -52,6 +52,10 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     compare.run(str(matrix), str(out), str(tmp_path / "runs"), 2, {})  # a second repeat of each
     assert sorted((r["experiment"], r["repeat"]) for r in _rows(out)) == [
         ("broken", "1"), ("broken", "2"), ("bs2_ga2", "1"), ("bs2_ga2", "2")]
+    compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {}, retry_failed=True)  # only the error reruns
+    assert sorted((r["experiment"], r["repeat"], r["status"]) for r in _rows(out))[:3] == [
+        ("broken", "1", "error"), ("broken", "1", "error"), ("broken", "2", "error")]
+    assert len(_rows(out)) == 5
 
 
 def test_oom_is_recorded_as_oom():

@@ -238,12 +238,11 @@ def run_job(args: argparse.Namespace) -> int:
 
 
 def _data_config(path: str | None, max_length: int | None, max_samples: int | None = None):
-    import dataclasses
+    """The data section, built and checked exactly as `train` builds it."""
+    from tunebench.config import load_config
 
-    from tunebench.config import DataConfig
-
-    changes = {"path": path, "max_length": max_length, "max_samples": max_samples}
-    return dataclasses.replace(DataConfig(), **{k: v for k, v in changes.items() if v is not None})
+    options = {"data.path": path, "data.max_length": max_length, "data.max_samples": max_samples}
+    return load_config(options={k: v for k, v in options.items() if v is not None}).data
 
 
 def _need(flag: str):

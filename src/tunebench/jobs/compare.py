@@ -96,7 +96,8 @@ def devices_present() -> tuple[list[str], dict[str, str]]:
     return present, absent
 
 
-def read_done(path: Path) -> set[tuple[str, str, int]]:
+def read_done(path: Path, ok_only: bool = False) -> set[tuple[str, str, int]]:
+    """(experiment, device, repeat) of the rows already written; with ok_only, of the successful ones."""
     if not path.is_file() or path.stat().st_size == 0:
         return set()
     with path.open(newline="", encoding="utf-8") as f:
@@ -104,7 +105,7 @@ def read_done(path: Path) -> set[tuple[str, str, int]]:
         if reader.fieldnames != SCHEMA:
             raise TunebenchError(f"'{path}' has another column layout than this tunebench writes; "
                                  "pass a new --output file")
-        return {(r["experiment"], r["device"], int(r["repeat"])) for r in reader}
+        return {(r["experiment"], r["device"], int(r["repeat"])) for r in reader if not ok_only or r["status"] == "ok"}
 
 
 def append_row(path: Path, row: dict[str, Any]) -> None:
@@ -153,26 +154,16 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
     base, experiments = load_matrix(matrix)
     base.update(extra)
     present, absent = devices_present()
-    wanted = devices or present
-    for d in wanted:
+    for d in devices or []:
         if d not in present:
             print(f"skipping device {d}: {absent.get(d, 'not present')}")
+    usable = [d for d in devices or present if d in present]
     results = Path(output)
-    done = read_done(results)
-    if retry_failed and done:
-        with results.open(newline="", encoding="utf-8") as f:
-            done = {(r["experiment"], r["device"], int(r["repeat"])) for r in csv.DictReader(f) if r["status"] == "ok"}
-    jobs = []
-    for exp in experiments:
-        for device in wanted:
-            if device not in present:
-                continue
-            if exp.devices is not None and device not in exp.devices:
-                continue
-            for repeat in range(1, repeats + 1):
-                jobs.append((exp, device, repeat))
+    done = read_done(results, ok_only=retry_failed)
+    jobs = [(exp, device, repeat) for exp in experiments for device in usable
+            if exp.devices is None or device in exp.devices for repeat in range(1, repeats + 1)]
     todo = [j for j in jobs if (j[0].name, j[1], j[2]) not in done]
-    print(f"{len(jobs)} experiments on {', '.join(d for d in wanted if d in present)}; "
+    print(f"{len(jobs)} experiments on {', '.join(usable)}; "
           f"{len(jobs) - len(todo)} already in {results}, {len(todo)} to run")
     elapsed: list[float] = []
     for k, (exp, device, repeat) in enumerate(todo, 1):
