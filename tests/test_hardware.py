@@ -121,6 +121,73 @@ def test_autotune_backs_off_at_oom_and_keeps_fitting_fastest():
     assert [(p.micro_batch_size, p.status) for p in result.probes] == [(1, "ok"), (2, "ok"), (4, "ok"), (8, "oom")]
 
 
+class FakeCompiler:
+    """Stands in for regional compilation: compiled steps run at `compiled` tokens/s, and the
+    first step after each compile takes `warmup` s longer (shorter once the disk cache is warm)."""
+
+    def __init__(self, monkeypatch, eager=100.0, compiled=150.0, warmups=(0.3, 0.1)):
+        self.eager, self.compiled, self.warmups = eager, compiled, list(warmups)
+        self.on, self.fresh, self.compiles = False, False, 0
+        monkeypatch.setattr(models, "compile_blocks", self.compile)
+        monkeypatch.setattr(models, "uncompile_blocks", lambda model: setattr(self, "on", False))
+        monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+
+    def compile(self, model):
+        self.on, self.fresh = True, True
+        self.compiles += 1
+
+    def measure(self):
+        if self.fresh:
+            import time
+
+            time.sleep(self.warmups[min(self.compiles, len(self.warmups)) - 1])
+            self.fresh = False
+        return self.compiled if self.on else self.eager
+
+
+def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch):
+    from tunebench.jobs.finetune import pick_compile
+
+    auto = hardware.Decision("compile", "auto", "")
+    fake = FakeCompiler(monkeypatch)
+    # too short to measure: 5,000 tokens at 100 tokens/s is 50 s
+    row = pick_compile(None, auto, False, fake.measure, 5_000, "k1")
+    assert row[1] is False and "too short" in row[2] and fake.compiles == 0
+    assert autotune.cached_value(models.cache_dir() / "autotune.json", "compile|k1") is None
+    # long enough: measured, compiled twice (cold, then from the compiler's cache), kept
+    row = pick_compile(None, auto, False, fake.measure, 100_000, "k1")
+    assert row[1] is True and fake.on and fake.compiles == 2 and "150 vs 100" in row[2]
+    hit = autotune.cached_value(models.cache_dir() / "autotune.json", "compile|k1")
+    assert hit["eager"] == 100 and hit["compiled"] == 150 and 0.05 < hit["warmup_s"] < 0.25  # the cached one
+    # cached: a run that saves more than the warm-up compiles; one that saves less does not
+    fake.on, fake.compiles = False, 0
+    assert pick_compile(None, auto, False, fake.measure, 100_000, "k1")[1] is True and fake.compiles == 1
+    fake.on, fake.compiles = False, 0
+    row = pick_compile(None, auto, False, fake.measure, 20, "k1")  # 0.2 s run saves ~0.07 s
+    assert row[1] is False and "warm-up" in row[2] and fake.compiles == 0
+
+
+def test_compile_auto_drops_a_compile_that_does_not_help(monkeypatch):
+    from tunebench.jobs.finetune import pick_compile
+
+    fake = FakeCompiler(monkeypatch, compiled=101.0)
+    row = pick_compile(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, "k2")
+    assert row[1] is False and "no gain" in row[2] and not fake.on
+    fake.compiles = 0
+    row = pick_compile(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, "k2")
+    assert row[1] is False and "no gain" in row[2] and fake.compiles == 0  # from the cache, not remeasured
+
+
+def test_compile_asked_for_or_refused(monkeypatch):
+    from tunebench.jobs.finetune import pick_compile
+
+    fake = FakeCompiler(monkeypatch)
+    assert pick_compile(None, hardware.Decision("compile", True, "asked for"), False, fake.measure, 1, "k3") == \
+        ("compile", True, "asked for") and fake.compiles == 1
+    row = pick_compile(None, hardware.Decision("compile", "auto", ""), True, fake.measure, 1e9, "k3")
+    assert row[1] is False and "bitsandbytes" in row[2] and fake.compiles == 1
+
+
 def test_autotune_never_tries_a_size_predicted_over_budget():
     tried = []
 
@@ -154,8 +221,9 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
     batch_key = next(k for k in entries if k.startswith("batch|tiny|") and "|256|" in k and "|4|auto|" in k)
     assert autotune.cached(models.cache_dir() / "autotune.json", batch_key).micro_batch_size == summary["micro_batch_size"]
     attention = json.loads((tmp_path / "auto" / "plan.json").read_text())["decisions"]
-    assert any(d["setting"] == "attention" and d["value"] in ("sdpa", "eager") and "measured" in d["reason"]
-               for d in attention)
+    assert any(d["setting"] == "attention" and d["value"] in ("sdpa", "eager", "tunebench")
+               and "measured" in d["reason"] for d in attention)
+    assert any(d["setting"] == "compile" and d["value"] is False and "too short" in d["reason"] for d in attention)
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
     assert 0 <= summary["data_wait_fraction"] < 1
 

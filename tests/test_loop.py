@@ -146,11 +146,48 @@ def test_chunked_cross_entropy_matches_torch(dtype):
     torch.testing.assert_close(g_ours.float(), logits.grad.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_packed_and_unpacked_losses_match(tiny, attention):
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
+def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
+    """No attention mask is passed for right-padded rows: the loss and gradients must equal those of
+    each row run alone without padding, for every attention kernel (tiny has grouped-query heads)."""
+    from tunebench import kernels
     from tunebench.loop import loss_sum, prepare
 
     tok, data = _data()
+    kernels.register()
+    model = tiny.model
+    rows = [0, 1, 2, 3]
+    assert len({len(data.example(i)[0]) for i in rows}) > 1  # really padded
+
+    def loss_and_grads(batch_rows, impl):
+        model.set_attn_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        b, n, _ = prepare(batching.collate(data, batch_rows, tok.pad_token_id), torch.device("cpu"))
+        loss = loss_sum(model, b, None, torch.device("cpu"))
+        loss.backward()
+        return loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_n, ref_grads = 0.0, 0, {}
+    for r in rows:  # one row at a time: no padding anywhere
+        loss, n, grads = loss_and_grads([r], "eager")
+        ref_loss, ref_n = ref_loss + loss, ref_n + n
+        for k, g in grads.items():
+            ref_grads[k] = ref_grads.get(k, 0) + g
+    loss, n, grads = loss_and_grads(rows, attention)
+    assert n == ref_n
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
+def test_packed_and_unpacked_losses_match(tiny, attention):
+    from tunebench.loop import loss_sum, prepare
+
+    from tunebench import kernels
+
+    tok, data = _data()
+    kernels.register()
     tiny.model.set_attn_implementation(attention)
     tiny.model.eval()
     rows = [0, 1, 2, 3]

@@ -143,3 +143,38 @@ def test_lora_dropout_modules_are_replaced(tiny):
     peft = models.add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"])
     drops = [m for m in peft.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and all(isinstance(m, models.FastDropout) and m.p == 0.1 for m in drops)
+
+
+def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
+    """Regional compilation (a real torch.compile of the decoder layers) changes speed, not results."""
+    from tunebench.loop import loss_sum, prepare
+
+    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+
+    def loss_and_grads(width):
+        peft.zero_grad(set_to_none=True)
+        x = _ids(shape=(2, width))
+        b, n, _ = prepare({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}, torch.device("cpu"))
+        loss = loss_sum(peft, b, None, torch.device("cpu")) / n
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in peft.named_parameters() if p.requires_grad}
+
+    eager = [loss_and_grads(w) for w in (12, 17)]
+    names = sorted(n for n, _ in peft.named_parameters())
+    assert models.compile_blocks(peft) == 2  # tiny's two decoder layers
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = [loss_and_grads(w) for w in (12, 17)]  # two widths: one dynamic-shape graph serves both
+    assert counters["stats"]["unique_graphs"] >= 1  # really compiled
+    assert sorted(n for n, _ in peft.named_parameters()) == names  # checkpoints keep their keys
+    for (l_e, g_e), (l_c, g_c) in zip(eager, compiled):
+        torch.testing.assert_close(l_c, l_e, rtol=1e-4, atol=1e-5)
+        for k in g_e:
+            torch.testing.assert_close(g_c[k], g_e[k], rtol=1e-3, atol=1e-5, msg=k)
+    models.uncompile_blocks(peft)
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in peft.modules())

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
                        help="torch.compile: auto (default) | on | off")
     train.add_argument("--attention", dest="train.attention", default=argparse.SUPPRESS, metavar="V",
-                       help="attention kernel: auto (the faster of sdpa and eager, measured) | sdpa | eager")
+                       help="attention kernel: auto (the fastest of sdpa, eager and tunebench, measured) | sdpa | eager | tunebench")
     train.add_argument("--gradient-checkpointing", dest="train.gradient_checkpointing", default=argparse.SUPPRESS,
                        metavar="V", help="auto (only when the batch would not fit) | on | off")
     train.add_argument("--lr-scaling", dest="train.lr_scaling", default=argparse.SUPPRESS, metavar="V",

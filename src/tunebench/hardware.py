@@ -110,6 +110,9 @@ class Plan:
     def value(self, setting: str, default=None):
         return next((d.value for d in self.decisions if d.setting == setting), default)
 
+    def decision(self, setting: str) -> Decision:
+        return next(d for d in self.decisions if d.setting == setting)
+
     def to_dict(self) -> dict:
         return {"decisions": [asdict(d) for d in self.decisions]}
 
@@ -236,10 +239,7 @@ def _pick_compile(requested: str, device: str) -> Decision:
         return Decision("compile", False, "asked for")
     if device == "mps":
         return Decision("compile", False, "torch.compile training on MPS is not mature")
-    if device == "cpu":
-        return Decision("compile", False, "on CPUs its warm-up took minutes (247 s on 2 cores) and gained nothing; "
-                                          "--compile on")
-    return Decision("compile", False, "its warm-up (tens of seconds) pays off only on long runs; --compile on")
+    return Decision("compile", "auto", "measured once the micro batch is chosen")
 
 
 def plan(device: str, precision: str, hw: Hardware, compile: str = "auto") -> Plan:

@@ -132,10 +132,11 @@ def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None, device: to
     keep = batch["loss_index"]  # flat positions that carry loss, computed on the host: no sync
     parts = body_and_head(model)
     # No KV cache: training needs none, and transformers only reads packed rows without one.
+    inputs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "position_ids" in batch:  # packed rows: restarting positions give the block-diagonal mask
-        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    else:
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        inputs["position_ids"] = batch["position_ids"]
+    # Otherwise no attention mask: rows are right-padded, so under the causal mask no real position
+    # sees a pad, and pad positions carry no loss. Attention kernels run their unmasked causal path.
     with autocast(device, autocast_dtype):
         if parts is None:
             logits = model(**inputs).logits  # (B, T, V)

@@ -3,6 +3,7 @@ plan the hardware, load model and data, set up the method, train, save."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import autotune, checkpoint, hardware, models
+from tunebench import autotune, checkpoint, hardware, kernels, models
 from tunebench.config import RunConfig, dump_yaml, replace
 from tunebench.data import batching
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
@@ -175,11 +176,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     lr, lr_reason = scaled_lr(t.lr, cfg.effective_batch_size, t.lr_scaling, t.lr_reference_batch)
     micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
-    if plan.value("compile"):
-        # In place, so parameter names (and checkpoints) stay the same; the loss calls the body.
-        parts = body_and_head(model)
-        (parts[0] if parts else model).compile()
-    rows = [(d.setting, d.value, d.reason) for d in plan.decisions] + method_rows + batch_rows + [
+    run_tokens = total_steps * cfg.effective_batch_size * float(np.mean(data.lengths()[train_idx]))
+    compile_row = pick_compile(model, plan.decision("compile"), cfg.adapter.method == "qlora",
+                               lambda: step(t.micro_batch_size)[0], run_tokens, f"{key}|{t.micro_batch_size}")
+    compiled = bool(compile_row[1])
+    rows = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"] + method_rows + batch_rows + [
+        compile_row,
         ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
         ("lr", f"{lr:g}", lr_reason),
         ("total_steps", total_steps, "--max-steps" if t.max_steps else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
@@ -249,9 +251,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, t.save_total_limit, scaler)
         metrics({"step": s.step, "checkpoint": str(path)})
 
+    def run_eval() -> dict[str, float]:
+        # Eagerly: a compiled no-grad graph would cost a second warm-up for a few batches.
+        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+            return evaluate(model, eval_batches, device, autocast)
+
     hooks = Hooks(
         log=metrics,
-        evaluate=(lambda step: evaluate(model, eval_batches, device, autocast)) if eval_batches else None,
+        evaluate=(lambda step: run_eval()) if eval_batches else None,
         save=save,
         should_stop=lambda: stop["requested"],
     )
@@ -260,7 +267,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=t.eval_steps,
         save_steps=t.save_steps, progress=t.progress,
     )
-    before = evaluate(model, eval_batches, device, autocast) if eval_batches and state.step == 0 else None
+    before = run_eval() if eval_batches and state.step == 0 else None
     if before:
         metrics({"step": 0, **before})
         print(f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
@@ -280,7 +287,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     wall = time.perf_counter() - wall
 
     # -- final eval and outputs
-    after = evaluate(model, eval_batches, device, autocast) if eval_batches else {}
+    after = run_eval() if eval_batches else {}
     save_final(model, tok, out, cfg, loaded)
     measured = state.measured_time_s or state.train_time_s
     tokens_per_s = (state.measured_tokens or state.tokens) / measured if measured else None
@@ -386,31 +393,97 @@ def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, devic
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-        return n_real / float(np.mean(times[1:])), peak_memory_mb(device)
+        # The best repeat: a busy machine only ever slows a step down, so the minimum is the steadiest.
+        return n_real / min(times[1:]), peak_memory_mb(device)
 
     step.model = model  # type: ignore[attr-defined]
     return step
 
 
 def pick_attention(model, requested: str, measure, key: str) -> tuple[str, Any, str]:
-    """Set the attention kernel; `auto` times a probe step with each and keeps the faster (cached)."""
+    """Set the attention kernel; `auto` times a probe step with each and keeps the fastest (cached)."""
+    kernels.register()
     if requested != "auto":
         model.set_attn_implementation(requested)
         return ("attention", requested, "asked for")
+    candidates = ("sdpa", "eager", kernels.NAME)
     cache_file = models.cache_dir() / "autotune.json"
-    hit = autotune.cached_value(cache_file, "attention|" + key)
+    cache_key = f"attention|{','.join(candidates)}|{key}"
+    hit = autotune.cached_value(cache_file, cache_key)
     if hit is None:
         speeds = {}
-        for impl in ("sdpa", "eager"):
+        for impl in candidates:
             model.set_attn_implementation(impl)
             measure()  # warm-up at this kernel
             speeds[impl] = measure()
-        best = max(speeds, key=speeds.get)
-        other = min(speeds, key=speeds.get)
-        hit = {"value": best, "reason": f"measured {speeds[best]:,.0f} vs {speeds[other]:,.0f} tokens/s for {other}"}
-        autotune.store_value(cache_file, "attention|" + key, hit)
+        ranked = sorted(speeds, key=speeds.get, reverse=True)
+        hit = {"value": ranked[0], "reason": "measured " + ", ".join(f"{speeds[k]:,.0f} ({k})" for k in ranked)
+                                            + " tokens/s"}
+        autotune.store_value(cache_file, cache_key, hit)
     model.set_attn_implementation(hit["value"])
     return ("attention", hit["value"], hit["reason"])
+
+
+COMPILE_MEASURE_MIN_S = 120.0  # a first compile costs ~30-40 s on 2 cores: shorter runs cannot win it back
+
+
+def pick_compile(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float,
+                 key: str) -> tuple[str, Any, str]:
+    """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
+
+    The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
+    and caches them; later runs compile only if the time saved over the run beats the warm-up,
+    whose latest figure (shorter once the compiler's own cache is warm) is kept.
+    """
+    if asked.value != "auto":
+        if asked.value:
+            models.compile_blocks(model)
+        return ("compile", asked.value, asked.reason)
+    if quantized:
+        return ("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
+    cache_file = models.cache_dir() / "autotune.json"
+    hit = autotune.cached_value(cache_file, "compile|" + key)
+
+    def compile_and_warm() -> tuple[float, float]:
+        """(compiled tokens/s, warm-up seconds)."""
+        models.compile_blocks(model)
+        t0 = time.perf_counter()
+        measure()  # compiles
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        speed = measure()
+        return speed, max(0.0, first - (time.perf_counter() - t0))
+
+    if hit is None:
+        eager = measure()
+        run_s = run_tokens / eager
+        if run_s < COMPILE_MEASURE_MIN_S:
+            return ("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
+                                      "compile; --compile on to force")
+        compiled, cold = compile_and_warm()
+        torch._dynamo.reset()  # once more from the compiler's disk cache: the warm-up later runs will pay
+        compiled, warmup = compile_and_warm()
+        hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warmup, 1)}
+        autotune.store_value(cache_file, "compile|" + key, hit)
+        measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager; warm-up {cold:.0f} s, "
+                    f"{warmup:.0f} s from cache")
+        if compiled > 1.03 * eager:
+            return ("compile", True, measured)
+        models.uncompile_blocks(model)
+        return ("compile", False, measured + ": no gain")
+    eager, compiled, warmup = hit["eager"], hit["compiled"], hit["warmup_s"]
+    run_s = run_tokens / eager
+    saved = run_s * (1 - eager / compiled)
+    measured = f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager"
+    if compiled <= 1.03 * eager:
+        return ("compile", False, measured + ": no gain")
+    if saved <= warmup:
+        return ("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
+                                  f"less than its {warmup:.0f} s warm-up")
+    _, warmup = compile_and_warm()
+    autotune.store_value(cache_file, "compile|" + key, dict(hit, warmup_s=round(warmup, 1)))
+    return ("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warmup:.0f} s "
+                             "warm-up")
 
 
 def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key: str):
