@@ -8,7 +8,7 @@ same rows; both final adapters are scored by one evaluator on the same held-out 
 response tokens). Runs alternate peer / tunebench, each in its own process.
 
     python benchmarks/vs_hf_trainer.py                   # SmolLM2, Bitext sample (or built-in data)
-    python benchmarks/vs_hf_trainer.py --samples 400 --repeats 2 --fp32-peer
+    python benchmarks/vs_hf_trainer.py --repeats 2 --fp32-peer
     python benchmarks/vs_hf_trainer.py --sweep           # time/memory vs sequence length and micro batch
 """
 
@@ -114,9 +114,11 @@ def worker_tunebench(args) -> dict:
         "adapter.target_modules": ",".join(LORA["target_modules"]), "train.effective_batch_size": 8,
     })
     s = finetune.run(cfg)
+    chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
     return {"side": "tunebench (auto)", "steps": s["steps"], "duration_s": s["duration_s"],
             "tokens_per_s": s["tokens_per_s"], "eval_loss": s["eval_loss"], "peak_memory_mb": _peak_mb(),
-            "mfu": s["mfu"], "micro_batch_size": s["micro_batch_size"]}
+            "mfu": s["mfu"], "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile",
+                                                                    "batch layout")}}
 
 
 def _peak_mb() -> float:
@@ -172,20 +174,25 @@ def worker_sweep(args) -> dict:
 
 
 def _spawn(argv: list[str]) -> dict:
+    """Run one worker in its own process; its result, plus the process's whole wall time (`total_s`:
+    loading, tokenizing, probing and compiling included)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, *argv, "--result", out], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"worker {argv} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(Path(out).read_text())
+    return dict(json.loads(Path(out).read_text()), total_s=time.perf_counter() - start)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--data", default=str(BITEXT) if BITEXT.exists() else "builtin:customer-support")
-    p.add_argument("--samples", type=int, default=400, help="rows used (95%% train, 5%% eval)")
+    p.add_argument("--samples", type=int, default=1600,
+                   help="rows used (95%% train, 5%% eval); the default makes a run of a few minutes, long "
+                        "enough for tunebench's compile decision to be measured rather than skipped")
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fp32-peer", action="store_true", help="also run the study's fp32 recipe")
@@ -226,13 +233,16 @@ def main() -> None:
             r = _spawn(["--worker", worker, *extra, *common])
             runs.setdefault(r["side"], []).append(r)
             print(f"  run {rep + 1}: {r['side']:<28} {r['tokens_per_s']:8.0f} real tokens/s  "
-                  f"eval loss {r['eval_loss']:.4f}  peak {r['peak_memory_mb']:.0f} MB  {r['duration_s']:.0f} s")
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "eval_loss", "peak_memory_mb")}
+                  f"eval loss {r['eval_loss']:.4f}  peak {r['peak_memory_mb']:.0f} MB  "
+                  f"train {r['duration_s']:.0f} s, process {r['total_s']:.0f} s"
+                  + (f"  {r['chosen']}" if "chosen" in r else ""))
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "eval_loss", "peak_memory_mb", "total_s")}
            for side, rs in runs.items()}
     tb = med["tunebench (auto)"]
     print("\nmedians")
     for side, m in med.items():
-        print(f"  {side:<28} {m['tokens_per_s']:8.0f} tok/s  eval loss {m['eval_loss']:.4f}  peak {m['peak_memory_mb']:.0f} MB")
+        print(f"  {side:<28} {m['tokens_per_s']:8.0f} tok/s  eval loss {m['eval_loss']:.4f}  "
+              f"peak {m['peak_memory_mb']:.0f} MB  process {m['total_s']:.0f} s")
     mfu = statistics.median(r["mfu"] for r in runs["tunebench (auto)"] if r.get("mfu") is not None)
     print(f"  tunebench MFU {100 * mfu:.1f}% (of this CPU's measured matmul peak)")
     for side, m in med.items():

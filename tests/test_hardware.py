@@ -1,3 +1,4 @@
+import contextlib
 import json
 
 import pytest
@@ -127,10 +128,18 @@ class FakeCompiler:
 
     def __init__(self, monkeypatch, eager=100.0, compiled=150.0, warmups=(0.3, 0.1)):
         self.eager, self.compiled, self.warmups = eager, compiled, list(warmups)
-        self.on, self.fresh, self.compiles = False, False, 0
+        self.on, self.fresh, self.forced_eager, self.compiles = False, False, False, 0
         monkeypatch.setattr(models, "compile_blocks", self.compile)
         monkeypatch.setattr(models, "uncompile_blocks", lambda model: setattr(self, "on", False))
         monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+        monkeypatch.setattr(torch.compiler, "set_stance", self.stance)
+
+    @contextlib.contextmanager
+    def stance(self, name):
+        assert name == "force_eager"
+        self.forced_eager = True
+        yield
+        self.forced_eager = False
 
     def compile(self, model):
         self.on, self.fresh = True, True
@@ -142,7 +151,7 @@ class FakeCompiler:
 
             time.sleep(self.warmups[min(self.compiles, len(self.warmups)) - 1])
             self.fresh = False
-        return self.compiled if self.on else self.eager
+        return self.compiled if self.on and not self.forced_eager else self.eager
 
 
 def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch):
