@@ -236,8 +236,8 @@ def main() -> None:
                   f"eval loss {r['eval_loss']:.4f}  peak {r['peak_memory_mb']:.0f} MB  "
                   f"train {r['duration_s']:.0f} s, process {r['total_s']:.0f} s"
                   + (f"  {r['chosen']}" if "chosen" in r else ""))
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "eval_loss", "peak_memory_mb", "total_s")}
-           for side, rs in runs.items()}
+    keys = ("tokens_per_s", "eval_loss", "peak_memory_mb", "total_s")
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
     tb = med["tunebench (auto)"]
     print("\nmedians")
     for side, m in med.items():

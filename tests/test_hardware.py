@@ -229,10 +229,10 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
     entries = json.loads((models.cache_dir() / "autotune.json").read_text())
     batch_key = next(k for k in entries if k.startswith("batch|tiny|") and "|256|" in k and "|4|auto|" in k)
     assert autotune.cached(models.cache_dir() / "autotune.json", batch_key).micro_batch_size == summary["micro_batch_size"]
-    attention = json.loads((tmp_path / "auto" / "plan.json").read_text())["decisions"]
+    decisions = json.loads((tmp_path / "auto" / "plan.json").read_text())["decisions"]
     assert any(d["setting"] == "attention" and d["value"] in ("sdpa", "eager", "tunebench")
-               and "measured" in d["reason"] for d in attention)
-    assert any(d["setting"] == "compile" and d["value"] is False and "too short" in d["reason"] for d in attention)
+               and "measured" in d["reason"] for d in decisions)
+    assert any(d["setting"] == "compile" and d["value"] is False and "too short" in d["reason"] for d in decisions)
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
     assert 0 <= summary["data_wait_fraction"] < 1
 

@@ -20,7 +20,7 @@ from tunebench.config import RunConfig, dump_yaml, replace
 from tunebench.data import batching
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
 from tunebench.errors import TunebenchError
-from tunebench.loop import Hooks, LoopSettings, LoopState, body_and_head, evaluate, loss_sum, prepare, train
+from tunebench.loop import Hooks, LoopSettings, LoopState, evaluate, loss_sum, prepare, train
 from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, training_flops_per_token, write_json
 from tunebench.monitor import Monitor
 
@@ -180,7 +180,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     compile_row = pick_compile(model, plan.decision("compile"), cfg.adapter.method == "qlora",
                                lambda: step(t.micro_batch_size)[0], run_tokens, f"{key}|{t.micro_batch_size}")
     compiled = bool(compile_row[1])
-    rows = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"] + method_rows + batch_rows + [
+    planned = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"]
+    rows = planned + method_rows + batch_rows + [
         compile_row,
         ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
         ("lr", f"{lr:g}", lr_reason),
