@@ -316,7 +316,10 @@ class FastDropout(torch.nn.Dropout):
     torch's CPU generator spends about 2 ns on every random number, and LoRA draws one mask per
     target module per step. Here each 64-bit draw yields four 16-bit uniforms, so p is quantised
     to 1/65536 (0.1 -> 0.100006) and the kept values are scaled by 1 / (1 - that p), which keeps
-    the expectation exact. On GPUs torch's fused dropout is already cheap and is used as is.
+    the expectation exact. The same draw is kept under torch.compile: the compiler's own CPU
+    dropout draws one number per element and made compiled layers slower than eager ones (0.98x),
+    where this one lets them gain (1.19x, paired). On GPUs torch's fused dropout is already cheap
+    and is used as is.
     """
 
     def __init__(self, p: float):
@@ -327,7 +330,7 @@ class FastDropout(torch.nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if x.device.type != "cpu" or torch.compiler.is_compiling():  # fused into one kernel there
+        if x.device.type != "cpu":
             return super().forward(x)
         n = x.numel()
         words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
