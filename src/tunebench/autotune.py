@@ -80,23 +80,22 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
                   f"fastest measured: {best.tokens_per_s:,.0f} tokens/s of {len(ok)} that fit")
 
 
+def _entries(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}  # a damaged cache is remeasured, never trusted
+
+
 def cached_value(path: Path, key: str) -> dict | None:
     """A measured decision cached per machine and run shape, so the next run starts at once."""
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text()).get(key)
-    except json.JSONDecodeError:
-        return None  # a damaged cache is remeasured, never trusted
+    return _entries(path).get(key)
 
 
 def store_value(path: Path, key: str, value: dict) -> None:
-    data = {}
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            data = {}
+    data = _entries(path)
     data[key] = value
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")

@@ -114,7 +114,6 @@ def body_and_head(model):
     prompt and padding positions: with a 49k vocabulary that is a fifth of the model's FLOPs.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(inner, "_orig_mod", inner)
     c = inner.config
     if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) or getattr(
             c, "output_multiplier_scale", None):
