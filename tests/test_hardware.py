@@ -197,6 +197,40 @@ def test_compile_asked_for_or_refused(monkeypatch):
     assert row[1] is False and "bitsandbytes" in row[2] and fake.compiles == 1
 
 
+class FakeAttentionModel:
+    def __init__(self, speeds: dict[str, float]):
+        self.speeds, self.impl, self.tried = speeds, None, []
+
+    def set_attn_implementation(self, impl):
+        self.impl = impl
+
+    def measure(self) -> float:
+        self.tried.append(self.impl)
+        return self.speeds[self.impl]
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def test_pick_attention_never_tries_a_kernel_that_would_not_fit():
+    from tunebench.jobs.finetune import pick_attention
+
+    model = FakeAttentionModel({"sdpa": 50.0, "eager": 90.0, "tunebench": 100.0})
+    row = pick_attention(model, "auto", model.measure, "fit1")
+    assert row[1] == "tunebench" and set(model.tried) == {"sdpa", "eager", "tunebench"}
+    # the cached winner would not fit a longer run now: measured again, without the quadratic kernels
+    model.tried.clear()
+    quadratic = lambda impl: "needs 30 GB" if impl != "sdpa" else None  # noqa: E731
+    row = pick_attention(model, "auto", model.measure, "fit1", quadratic)
+    assert row[1] == "sdpa" and set(model.tried) == {"sdpa"}
+    assert "eager skipped: needs 30 GB" in row[2] and "tunebench skipped: needs 30 GB" in row[2]
+    # a kernel that raises OOM (a GPU does) drops out; nothing fitting is a one-line error
+    model = FakeAttentionModel({"sdpa": 50.0, "eager": 90.0})
+    assert pick_attention(model, "auto", model.measure, "fit2", is_oom=lambda e: isinstance(e, KeyError))[1] == "eager"
+    with pytest.raises(TunebenchError, match="no attention kernel fits in memory.*lower --max-length"):
+        pick_attention(model, "auto", model.measure, "fit3", lambda impl: "too big")
+
+
 def test_autotune_never_tries_a_size_predicted_over_budget():
     tried = []
 

@@ -234,3 +234,29 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
 
         reloaded = models.resolve(str(out))  # a full fine-tune is a plain HF directory
         assert type(reloaded.model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
+def test_attention_weights_estimate_is_what_autograd_keeps(tiny, attention, dtype):
+    """pick_attention skips kernels by this estimate (a CPU past its RAM is OOM-killed, not raised),
+    so it must match the T x T tensors autograd really saves for the backward."""
+    from tunebench import kernels
+
+    kernels.register()
+    model = tiny.model.to(dtype)
+    model.train()
+    model.set_attn_implementation(attention)
+    rows, length = 3, 40
+    ids = torch.randint(5, 100, (rows, length), generator=torch.Generator().manual_seed(0))
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == length and t.shape[-2] % length == 0:  # (.., T, T), ours stacks heads
+            kept[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    estimate = kernels.saved_weights_mb(model.config, rows, length, attention, dtype.itemsize) * 2**20
+    assert estimate == sum(kept.values())

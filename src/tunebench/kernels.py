@@ -60,6 +60,22 @@ def causal_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+# Bytes per T x T attention element each layer keeps for the backward, by kernel and compute
+# element size: eager keeps its fp32 softmax and, in 16-bit, the cast copy; ours keeps one softmax
+# in the compute dtype; sdpa's fused kernels keep none (memory linear in T). A test checks these
+# against what autograd really saves.
+_SAVED_BYTES = {"eager": lambda item: 4 + item if item < 4 else 4, NAME: lambda item: item}
+
+
+def saved_weights_mb(config, rows: int, length: int, impl: str, itemsize: int) -> float:
+    """Memory the attention weights of every layer hold between forward and backward (0 for sdpa)."""
+    per_element = _SAVED_BYTES.get(impl)
+    if per_element is None:
+        return 0.0
+    elements = config.num_hidden_layers * rows * config.num_attention_heads * length * length
+    return elements * per_element(itemsize) / 2**20
+
+
 def register() -> str:
     """Make "tunebench" a valid `attn_implementation` (idempotent); return the name."""
     from transformers import AttentionInterface

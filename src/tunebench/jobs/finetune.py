@@ -157,8 +157,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     key = "|".join(map(str, (cfg.model.name, cfg.adapter.method, cfg.adapter.quantization, cfg.adapter.r,
                              cfg.adapter.target_modules, cfg.data.max_length, where, plan.precision,
                              hw.versions.get("torch"))))
-    batch_rows.append(pick_attention(model, t.attention, lambda: step(min(t.micro_batch_size, len(train_idx)))[0],
-                                     key))
+    rows_probed = min(t.micro_batch_size, len(train_idx))
+    batch_rows.append(pick_attention(model, t.attention, lambda: step(rows_probed)[0], key,
+                                     attention_fit(model, rows_probed, int(data.lengths()[train_idx].max()),
+                                                   plan.precision, device)))
     if t.autotune_batch:
         cfg, tuned_rows = autotune_batch(cfg, step, len(train_idx), device, key)
         t = cfg.train
@@ -401,8 +403,14 @@ def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, devic
     return step
 
 
-def pick_attention(model, requested: str, measure, key: str) -> tuple[str, Any, str]:
-    """Set the attention kernel; `auto` times a probe step with each and keeps the fastest (cached)."""
+def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl: None,
+                   is_oom=lambda e: isinstance(e, torch.OutOfMemoryError)) -> tuple[str, Any, str]:
+    """Set the attention kernel; `auto` times a probe step with each and keeps the fastest (cached).
+
+    `too_big(impl)` says why a kernel would not fit in memory (None if it would): on a CPU an
+    allocation past the RAM is not an exception but the kernel's OOM killer, so a kernel whose
+    T x T weights would not fit is never tried, and a cached choice that no longer fits is measured again.
+    """
     kernels.register()
     if requested != "auto":
         model.set_attn_implementation(requested)
@@ -411,18 +419,53 @@ def pick_attention(model, requested: str, measure, key: str) -> tuple[str, Any, 
     cache_file = models.cache_dir() / "autotune.json"
     cache_key = f"attention|{','.join(candidates)}|{key}"
     hit = autotune.cached_value(cache_file, cache_key)
-    if hit is None:
-        speeds = dict.fromkeys(candidates, 0.0)
+    if hit is None or too_big(hit["value"]):
+        skipped = {impl: why for impl in candidates if (why := too_big(impl))}
+        speeds = {impl: 0.0 for impl in candidates if impl not in skipped}
         for _ in range(2):  # round-robin, best of two: a shared machine's drift hits every kernel alike
-            for impl in candidates:
+            for impl in list(speeds):
                 model.set_attn_implementation(impl)
-                speeds[impl] = max(speeds[impl], measure())
+                try:
+                    speeds[impl] = max(speeds[impl], measure())
+                except BaseException as e:  # noqa: BLE001 - only OOM is expected; anything else re-raises
+                    if not is_oom(e):
+                        raise
+                    model.zero_grad(set_to_none=True)
+                    skipped[impl] = "out of memory"
+                    del speeds[impl]
+        if not speeds:
+            why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+            raise TunebenchError(f"no attention kernel fits in memory ({why}); lower --max-length or --batch-size")
         ranked = sorted(speeds, key=speeds.get, reverse=True)
         hit = {"value": ranked[0], "reason": "measured " + ", ".join(f"{speeds[k]:,.0f} ({k})" for k in ranked)
-                                            + " tokens/s"}
+                                            + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())}
         autotune.store_value(cache_file, cache_key, hit)
     model.set_attn_implementation(hit["value"])
     return ("attention", hit["value"], hit["reason"])
+
+
+def attention_fit(model, rows: int, length: int, precision: str, device: torch.device):
+    """`too_big` for pick_attention: a kernel whose kept attention weights would take over half the
+    memory free now (the rest of the step needs room too) is not tried."""
+    free = memory_free_mb(device)
+    itemsize = 2 if precision in ("bf16", "fp16") else 4
+
+    def too_big(impl: str) -> str | None:
+        need = kernels.saved_weights_mb(model.config, rows, length, impl, itemsize)
+        if need > free / 2:
+            return f"its {rows} x {length} x {length} attention weights need ~{need:,.0f} MB of {free:,.0f} MB free"
+        return None
+
+    return too_big
+
+
+def memory_free_mb(device: torch.device) -> float:
+    """Memory a step may still allocate: free GPU memory, or 80% of available RAM (never into swap)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**20
+    import psutil
+
+    return 0.8 * psutil.virtual_memory().available / 2**20
 
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
@@ -519,7 +562,7 @@ def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key
             baseline, budget = torch.cuda.memory_allocated(device) / 2**20, 0.92 * total / 2**20
         else:
             baseline = psutil.Process().memory_info().rss / 2**20
-            budget = baseline + 0.8 * psutil.virtual_memory().available / 2**20  # never into swap
+            budget = baseline + memory_free_mb(device)
         is_oom = lambda e: isinstance(e, torch.OutOfMemoryError)  # noqa: E731
         result = autotune.probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and t.gradient_checkpointing == "auto":
