@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from tunebench import autotune, hardware, models
+from tunebench import autotune, hardware, kernels, models
 from tunebench.config import load_config, profiles
 from tunebench.errors import TunebenchError
 from tunebench.hardware import GPU, Hardware
@@ -128,7 +128,7 @@ class FakeCompiler:
 
     def __init__(self, monkeypatch, eager=100.0, compiled=150.0, warmups=(0.3, 0.1)):
         self.eager, self.compiled, self.warmups = eager, compiled, list(warmups)
-        self.on, self.fresh, self.forced_eager, self.compiles = False, False, False, 0
+        self.on, self.fresh, self.forced_eager, self.compiles, self.measured = False, False, False, 0, 0
         monkeypatch.setattr(models, "compile_blocks", self.compile)
         monkeypatch.setattr(models, "uncompile_blocks", lambda model: setattr(self, "on", False))
         monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
@@ -146,6 +146,7 @@ class FakeCompiler:
         self.compiles += 1
 
     def measure(self):
+        self.measured += 1
         if self.fresh:
             import time
 
@@ -161,7 +162,10 @@ def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch
     fake = FakeCompiler(monkeypatch)
     # too short to measure: 5,000 tokens at 100 tokens/s is 50 s
     row = pick_compile(None, auto, False, fake.measure, 5_000, "k1")
-    assert row[1] is False and "too short" in row[2] and fake.compiles == 0
+    assert row[1] is False and "too short" in row[2] and fake.compiles == 0 and fake.measured == 1
+    # the batch probe's speed, when given, stands in for that probe step
+    row = pick_compile(None, auto, False, fake.measure, 5_000, "k1", eager_speed=100.0)
+    assert row[1] is False and "~50 s" in row[2] and fake.measured == 1
     assert autotune.cached_value(models.cache_dir() / "autotune.json", "compile|k1") is None
     # long enough: measured, compiled twice (cold, then from the compiler's cache), kept
     row = pick_compile(None, auto, False, fake.measure, 100_000, "k1")
@@ -269,6 +273,32 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
     assert any(d["setting"] == "compile" and d["value"] is False and "too short" in d["reason"] for d in decisions)
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
     assert 0 <= summary["data_wait_fraction"] < 1
+
+
+def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, dataset, monkeypatch):
+    from tunebench.jobs import finetune
+
+    # Free memory for one row of tiny's sdpa step but not for any kernel's T x T weights at 256 tokens.
+    need = kernels.saved_weights_mb(models.resolve("tiny").model.config, 2, 256, "tunebench", 4)
+    monkeypatch.setattr(finetune, "memory_free_mb", lambda device: need)
+    tried = []
+    real = finetune.pick_attention
+
+    def spy(model, requested, measure, key, too_big, **kw):
+        return real(model, requested, lambda: tried.append(model.config._attn_implementation) or measure(), key,
+                    too_big, **kw)
+
+    monkeypatch.setattr(finetune, "pick_attention", spy)
+    cfg = load_config(options={"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
+                               "train.micro_batch_size": 2, "train.effective_batch_size": 2,
+                               "train.max_steps": 1, "train.output_dir": str(tmp_path / "o"), "train.progress": False,
+                               "train.precision": "fp32"})
+    finetune.run(cfg)
+    row = next(d for d in json.loads((tmp_path / "o" / "plan.json").read_text())["decisions"]
+               if d["setting"] == "attention")
+    assert row["value"] == "sdpa" and set(tried) == {"sdpa"}
+    assert "eager skipped: its 2 x 256 x 256 attention weights need" in row["reason"]
+    assert "tunebench skipped" in row["reason"]
 
 
 @pytest.mark.parametrize("name", profiles())

@@ -149,6 +149,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     # -- batch: measured (--batch-size auto) or as given; the effective batch stays fixed
     batch_rows: list[tuple[str, Any, str]] = []
+    probed_speed = None  # tokens/s of the chosen micro batch, when the batch probe measured it
     if t.gradient_checkpointing == "on":
         enable_checkpointing(model)
         batch_rows.append(("gradient_checkpointing", True, "asked for"))
@@ -158,11 +159,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                              cfg.adapter.target_modules, cfg.data.max_length, where, plan.precision,
                              hw.versions.get("torch"))))
     rows_probed = min(t.micro_batch_size, len(train_idx))
+    # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
+    widest = cfg.data.max_length if cfg.data.packing != "off" else int(data.lengths()[train_idx].max())
     batch_rows.append(pick_attention(model, t.attention, lambda: step(rows_probed)[0], key,
-                                     attention_fit(model, rows_probed, int(data.lengths()[train_idx].max()),
-                                                   plan.precision, device)))
+                                     attention_fit(model, rows_probed, widest, plan.precision, device)))
     if t.autotune_batch:
-        cfg, tuned_rows = autotune_batch(cfg, step, len(train_idx), device, key)
+        cfg, tuned_rows, probed_speed = autotune_batch(cfg, step, len(train_idx), device, key)
         t = cfg.train
         batch_rows += tuned_rows
     else:
@@ -180,7 +182,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
     run_tokens = total_steps * cfg.effective_batch_size * float(np.mean(data.lengths()[train_idx]))
     compile_row = pick_compile(model, plan.decision("compile"), cfg.adapter.method == "qlora",
-                               lambda: step(t.micro_batch_size)[0], run_tokens, f"{key}|{t.micro_batch_size}")
+                               lambda: step(t.micro_batch_size)[0], run_tokens, f"{key}|{t.micro_batch_size}",
+                               probed_speed)
     compiled = bool(compile_row[1])
     planned = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"]
     rows = planned + method_rows + batch_rows + [
@@ -494,12 +497,13 @@ def eager_vs_compiled(measure, rounds: int = 2) -> tuple[float, float]:
 
 
 def pick_compile(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float,
-                 key: str) -> tuple[str, Any, str]:
+                 key: str, eager_speed: float | None = None) -> tuple[str, Any, str]:
     """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
 
     The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
     and caches them; later runs compile only if the time saved over the run beats the warm-up
-    with the compiler's disk cache warm.
+    with the compiler's disk cache warm. `eager_speed`, when the batch probe already timed this
+    micro batch, spares a probe for the run-length estimate.
     """
     if asked.value != "auto":
         if asked.value:
@@ -511,7 +515,7 @@ def pick_compile(model, asked: hardware.Decision, quantized: bool, measure, run_
     cache_key = "compile|" + key
     hit = autotune.cached_value(cache_file, cache_key)
     if hit is None:
-        run_s = run_tokens / measure()
+        run_s = run_tokens / (eager_speed or measure())
         if run_s < COMPILE_MEASURE_MIN_S:
             return ("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
@@ -543,7 +547,8 @@ def pick_compile(model, asked: hardware.Decision, quantized: bool, measure, run_
 
 
 def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key: str):
-    """Probe micro batches (or reuse the cached probe); return the config with the winner and the reasons."""
+    """Probe micro batches (or reuse the cached probe); return the config with the winner, the
+    reasons, and the winner's measured tokens/s."""
     import psutil
 
     t = cfg.train
@@ -579,4 +584,5 @@ def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key
         autotune.store(cache_file, key, result)
     print(f"batch-size probe ({source}):\n{autotune.format_table(result)}")
     rows.insert(0, ("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
-    return replace(cfg, **{"train.micro_batch_size": result.micro_batch_size}), rows
+    speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)
+    return replace(cfg, **{"train.micro_batch_size": result.micro_batch_size}), rows, speed
