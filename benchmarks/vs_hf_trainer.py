@@ -122,9 +122,10 @@ def worker_tunebench(args) -> dict:
 
 
 def _peak_mb() -> float:
-    import resource
+    """The process's peak resident set, probes included (tunebench's probes reset the kernel's counter)."""
+    from tunebench.metrics import process_peak_mb
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return process_peak_mb()
 
 
 def worker_sweep(args) -> dict:

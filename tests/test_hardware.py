@@ -1,5 +1,6 @@
 import contextlib
 import json
+import os
 
 import pytest
 import torch
@@ -333,3 +334,22 @@ def test_lr_scaling_rules():
     assert scaled_lr(1e-4, 32, "none", 8)[0] == 1e-4
     lr, reason = scaled_lr(1e-4, 8, "linear", 8)
     assert lr == 1e-4 and "reference" in reason
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_peak_memory_windows_measure_each_probe_alone():
+    """A probe's peak must be its own: the batch probe predicts larger sizes from it, and a peak
+    left over from an earlier, bigger step would make it skip sizes that fit."""
+    from tunebench.metrics import peak_memory_mb, process_peak_mb, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    big = torch.ones(400 * 2**20 // 4)  # 400 MB, touched
+    del big
+    first = peak_memory_mb(cpu)
+    reset_peak_memory(cpu)
+    small = torch.ones(50 * 2**20 // 4)
+    del small
+    second = peak_memory_mb(cpu)
+    assert second < first - 300  # the 400 MB step is not in the second window
+    assert process_peak_mb() >= first  # while the whole process's peak keeps it

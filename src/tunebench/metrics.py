@@ -46,10 +46,46 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+_earlier_windows_mb = 0.0  # the CPU's peak resident set in windows closed by reset_peak_memory
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window, so a probe measures its own step, not the largest one before it.
+
+    On Linux the kernel's peak resident set is reset through /proc/self/clear_refs; elsewhere the
+    window stays the process's lifetime (a probe then reads an overestimate, never an underestimate).
+    """
+    global _earlier_windows_mb
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    _earlier_windows_mb = max(_earlier_windows_mb, _rss_peak_mb())
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak accelerator memory allocated, or the process's peak resident set on the CPU."""
+    """Peak accelerator memory allocated, or the CPU's peak resident set, since the last reset."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return _rss_peak_mb()
+
+
+def process_peak_mb() -> float:
+    """The CPU's peak resident set over the whole process, resets or not."""
+    return max(_earlier_windows_mb, _rss_peak_mb())
+
+
+def _rss_peak_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):  # reset by clear_refs, unlike what getrusage had seen
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 

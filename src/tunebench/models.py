@@ -363,8 +363,12 @@ def compile_blocks(model) -> int:
     """
     from accelerate.utils.other import is_repeated_blocks
 
-    # The compiler's own cache next to ours, so a later run's warm-up is the short, cached one.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
+    # run's warm-up is the short, cached one that pick_compile has on record.
+    import tunebench
+
+    if not tunebench.USER_INDUCTOR_CACHE:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     if is_repeated_blocks(model):
         for block in model:
             block.compile(dynamic=True)

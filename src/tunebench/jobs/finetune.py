@@ -21,7 +21,8 @@ from tunebench.data import batching
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
 from tunebench.errors import TunebenchError
 from tunebench.loop import Hooks, LoopSettings, LoopState, evaluate, loss_sum, prepare, train
-from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, training_flops_per_token, write_json
+from tunebench.metrics import (MetricsWriter, mfu, peak_memory_mb, reset_peak_memory, training_flops_per_token,
+                               write_json)
 from tunebench.monitor import Monitor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -282,6 +283,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                       gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
     wall = time.perf_counter()
     try:
+        reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
         with monitor:
             state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
         if not (t.save_steps and state.step % t.save_steps == 0):  # the loop did not just save it
@@ -388,8 +390,7 @@ def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, devic
     def step(size: int) -> tuple[float, float]:
         batch = batching.collate(data, longest[:size], pad_id)
         times = []
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory(device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for _ in range(3):
                 t0 = time.perf_counter()
