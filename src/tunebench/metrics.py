@@ -82,7 +82,7 @@ def _rss_peak_mb() -> float:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):  # reset by clear_refs, unlike what getrusage had seen
+                if line.startswith("VmHWM:"):  # the peak since the last clear_refs reset
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
