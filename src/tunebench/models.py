@@ -361,19 +361,23 @@ def compile_blocks(model) -> int:
     model, and parameter names, hence checkpoints, are unchanged. Shapes are dynamic, so
     length-grouped batches of any width reuse the graph.
     """
-    from accelerate.utils.other import is_repeated_blocks
+    import tunebench
 
     # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
     # run's warm-up is the short, cached one that pick_compile has on record.
-    import tunebench
-
     if not tunebench.USER_INDUCTOR_CACHE:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    return _compile_repeated(model)
+
+
+def _compile_repeated(model) -> int:
+    from accelerate.utils.other import is_repeated_blocks
+
     if is_repeated_blocks(model):
         for block in model:
             block.compile(dynamic=True)
         return len(model)
-    return sum(compile_blocks(child) for child in model.children())
+    return sum(_compile_repeated(child) for child in model.children())
 
 
 def uncompile_blocks(model) -> None:

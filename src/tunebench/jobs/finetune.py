@@ -407,8 +407,12 @@ def probe_step(model, data: Tokenized, train_idx: np.ndarray, pad_id: int, devic
     return step
 
 
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError)
+
+
 def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl: None,
-                   is_oom=lambda e: isinstance(e, torch.OutOfMemoryError)) -> tuple[str, Any, str]:
+                   is_oom=is_oom) -> tuple[str, Any, str]:
     """Set the attention kernel; `auto` times a probe step with each and keeps the fastest (cached).
 
     `too_big(impl)` says why a kernel would not fit in memory (None if it would): on a CPU an
@@ -452,7 +456,7 @@ def attention_fit(model, rows: int, length: int, precision: str, device: torch.d
     """`too_big` for pick_attention: a kernel whose kept attention weights would take over half the
     memory free now (the rest of the step needs room too) is not tried."""
     free = memory_free_mb(device)
-    itemsize = 2 if precision in ("bf16", "fp16") else 4
+    itemsize = DTYPES[precision].itemsize
 
     def too_big(impl: str) -> str | None:
         need = kernels.saved_weights_mb(model.config, rows, length, impl, itemsize)
@@ -569,7 +573,6 @@ def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key
         else:
             baseline = psutil.Process().memory_info().rss / 2**20
             budget = baseline + memory_free_mb(device)
-        is_oom = lambda e: isinstance(e, torch.OutOfMemoryError)  # noqa: E731
         result = autotune.probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and t.gradient_checkpointing == "auto":
             if device.type == "cuda":
