@@ -130,20 +130,102 @@ def test_checkpoints_keep_the_newest(tmp_path, dataset):
 def test_chunked_cross_entropy_matches_torch(dtype):
     import torch.nn.functional as F
 
-    from tunebench.loop import cross_entropy_sum
+    from tunebench.kernels import cross_entropy_sum
 
     torch.manual_seed(0)
     logits = (torch.randn(150, 300) * 3).to(dtype).requires_grad_()
     targets = torch.randint(0, 300, (150,))
-    ours = cross_entropy_sum(logits, targets, chunk=64)
-    ours.backward()
+    ours = cross_entropy_sum(logits, targets, rows=64)
+    (ours * 0.5).backward()
     g_ours = logits.grad.clone()
     logits.grad = None
     ref = F.cross_entropy(logits.float(), targets, reduction="sum")
-    ref.backward()
+    (ref * 0.5).backward()
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-4)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(g_ours.float(), logits.grad.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_matches_head_then_loss(monkeypatch, dtype, bias):
+    """Loss and the gradients of hidden states, weight and bias equal autograd's through
+    F.linear + F.cross_entropy; chunks and loss passes smaller than N exercise every boundary."""
+    import torch.nn.functional as F
+
+    from tunebench import kernels
+
+    monkeypatch.setitem(kernels._CHUNK_BYTES, "cpu", 48 * 300 * (torch.finfo(dtype).bits // 8))  # 48-row chunks
+    monkeypatch.setitem(kernels._LOSS_ROWS, "cpu", 20)
+    torch.manual_seed(0)
+    hidden = torch.randn(150, 32).to(dtype).requires_grad_()
+    weight = torch.randn(300, 32).requires_grad_()  # fp32 master weight, run in `dtype`, as under autocast
+    b = torch.randn(300).requires_grad_() if bias else None
+    targets = torch.randint(0, 300, (150,))
+
+    ours = kernels.linear_cross_entropy_sum(hidden, weight, b, targets, dtype)
+    (ours * 0.5).backward()
+    got = [t.grad.clone() for t in (hidden, weight, b) if t is not None]
+    for t in (hidden, weight, b):
+        if t is not None:
+            t.grad = None
+    logits = F.linear(hidden.to(dtype), weight.to(dtype), None if b is None else b.to(dtype))
+    ref = F.cross_entropy(logits.float(), targets, reduction="sum")
+    (ref * 0.5).backward()
+    want = [t.grad for t in (hidden, weight, b) if t is not None]
+
+    assert got[0].dtype == hidden.dtype and got[1].dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=1e-3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol * w.abs().max().item())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loss_sum_equals_the_models_own_loss_and_gradients(tied):
+    """Full fine-tuning through the fused head (tied: the head's gradient lands on the embedding
+    too) against transformers' own loss on the same rows."""
+    from tunebench import models
+    from tunebench.loop import loss_sum, prepare
+
+    model, _ = models._tiny()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tok, data = _data()
+    b, n, _ = prepare(batching.collate(data, [0, 1], tok.pad_token_id), torch.device("cpu"))
+    (loss_sum(model, b, None, torch.device("cpu")) / n).backward()
+    ours = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+    ref.backward()
+    assert ours.keys() == {k for k, p in model.named_parameters() if p.grad is not None}
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(ours[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_linear_cross_entropy_keeps_no_logits_between_forward_and_backward(tiny, monkeypatch):
+    """The point of the fused head: nothing of the vocabulary's width waits for the backward, and
+    no gradient is made when none is wanted (evaluation)."""
+    from tunebench import kernels
+    from tunebench.loop import loss_sum, prepare
+
+    vocab = tiny.model.config.vocab_size
+    tok, data = _data()
+    b, n, _ = prepare(batching.collate(data, [0, 1], tok.pad_token_id), torch.device("cpu"))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        loss = loss_sum(tiny.model, b, None, torch.device("cpu"))
+    assert n > 0 and loss.requires_grad
+    assert saved and not [s for s in saved if s and s[-1] == vocab], saved
+
+    grads = []
+    real = kernels._cross_entropy_rows
+    monkeypatch.setattr(kernels, "_cross_entropy_rows", lambda x, t, grad, rows: grads.append(grad) or real(x, t, grad, rows))
+    with torch.no_grad():
+        loss_sum(tiny.model, b, None, torch.device("cpu"))
+    assert grads and all(g is None for g in grads)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])

@@ -411,6 +411,13 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError)
 
 
+def free_after_oom(model) -> None:
+    """Drop what a step that ran out of memory left behind, so the next try starts where it did."""
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_initialized():  # hand the failed step's cached blocks back to the driver
+        torch.cuda.empty_cache()
+
+
 def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl: None,
                    is_oom=is_oom) -> tuple[str, Any, str]:
     """Set the attention kernel; `auto` times a probe step with each and keeps the fastest (cached).
@@ -438,7 +445,7 @@ def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl
                 except BaseException as e:  # noqa: BLE001 - only OOM is expected; anything else re-raises
                     if not is_oom(e):
                         raise
-                    model.zero_grad(set_to_none=True)
+                    free_after_oom(model)
                     skipped[impl] = "out of memory"
                     del speeds[impl]
         if not speeds:
@@ -575,8 +582,7 @@ def autotune_batch(cfg: RunConfig, step, n_train: int, device: torch.device, key
             budget = baseline + memory_free_mb(device)
         result = autotune.probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and t.gradient_checkpointing == "auto":
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_after_oom(step.model)
             enable_checkpointing(step.model)
             result = autotune.probe(step, sizes, budget, baseline, is_oom)
             rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it"))
