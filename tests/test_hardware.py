@@ -236,6 +236,71 @@ def test_pick_attention_never_tries_a_kernel_that_would_not_fit():
         pick_attention(model, "auto", model.measure, "fit3", lambda impl: "too big")
 
 
+def test_flash_attention_joins_the_candidates_only_where_it_can_run(monkeypatch):
+    import transformers.utils
+
+    from tunebench.jobs.finetune import attention_candidates, pick_attention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert attention_candidates(cuda, "bf16")[-1] == "flash_attention_2"
+    assert "flash_attention_2" not in attention_candidates(cuda, "fp32")  # flash-attn runs 16-bit only
+    assert "flash_attention_2" not in attention_candidates(cpu, "bf16")
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    assert attention_candidates(cuda, "bf16") == ("sdpa", "eager", "tunebench")
+
+    model = FakeAttentionModel({"sdpa": 50.0, "eager": 90.0, "tunebench": 100.0, "flash_attention_2": 130.0})
+    four = ("sdpa", "eager", "tunebench", "flash_attention_2")
+    assert pick_attention(model, "auto", model.measure, "flash1", candidates=four)[1] == "flash_attention_2"
+    assert model.impl == "flash_attention_2"
+    with pytest.raises(TunebenchError, match="--attention flash_attention_2 cannot run here.*flash-attn"):
+        pick_attention(model, "flash_attention_2", model.measure, "flash2")
+
+
+def _fake_liger(monkeypatch, model_types):
+    """A stand-in for liger-kernel's patching module (Triton kernels need a CUDA GPU to run)."""
+    import sys
+    import types
+
+    calls = []
+    mod = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    mod.MODEL_TYPE_TO_APPLY_LIGER_FN = {t: None for t in model_types}
+    mod._apply_liger_kernel_to_instance = lambda model, **flags: calls.append((model, flags))
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", mod)
+    return calls
+
+
+def test_liger_is_used_where_it_can_run_and_refused_where_asked_for_and_impossible(monkeypatch, tiny):
+    import sys
+
+    model = tiny.model  # a LlamaForCausalLM
+    calls = _fake_liger(monkeypatch, ["llama"])
+    assert models.apply_liger(model, "off", "cuda") == ("liger", False, "off, as asked")
+    row = models.apply_liger(model, "auto", "cpu")
+    assert row[1] is False and "CUDA" in row[2] and not calls
+    with pytest.raises(TunebenchError, match="--liger on cannot be honoured.*CUDA"):
+        models.apply_liger(model, "on", "cpu")
+
+    row = models.apply_liger(model, "auto", "cuda")
+    assert row[1] is True and "llama" in row[2]
+    assert len(calls) == 1 and calls[0][0] is model
+    assert calls[0][1]["rms_norm"] and not calls[0][1]["fused_linear_cross_entropy"]  # our fused head stays
+
+    calls = _fake_liger(monkeypatch, ["qwen2"])
+    row = models.apply_liger(model, "auto", "cuda")
+    assert row[1] is False and "model type 'llama'" in row[2] and not calls
+    with pytest.raises(TunebenchError, match="no kernels for model type 'llama'"):
+        models.apply_liger(model, "on", "cuda")
+
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # not installed
+    row = models.apply_liger(model, "auto", "cuda")
+    assert row[1] is False and "pip install liger-kernel" in row[2]
+    with pytest.raises(TunebenchError, match="liger-kernel is not installed"):
+        models.apply_liger(model, "on", "cuda")
+
+
 def test_autotune_never_tries_a_size_predicted_over_budget():
     tried = []
 

@@ -87,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
                        help="torch.compile: auto (default) | on | off")
     train.add_argument("--attention", dest="train.attention", default=argparse.SUPPRESS, metavar="V",
-                       help="attention kernel: auto (the fastest of sdpa, eager and tunebench, measured) | sdpa | eager | tunebench")
+                       help="attention kernel: auto (the fastest measured of sdpa, eager, tunebench and, on a CUDA GPU "
+                            "with flash-attn installed, flash_attention_2) | sdpa | eager | tunebench | flash_attention_2")
+    train.add_argument("--liger", dest="train.liger", default=argparse.SUPPRESS, metavar="V",
+                       help="Liger's Triton RMSNorm/RoPE/SwiGLU kernels: auto (on a CUDA GPU when liger-kernel is "
+                            "installed) | on | off")
     train.add_argument("--gradient-checkpointing", dest="train.gradient_checkpointing", default=argparse.SUPPRESS,
                        metavar="V", help="auto (only when the batch would not fit) | on | off")
     train.add_argument("--lr-scaling", dest="train.lr_scaling", default=argparse.SUPPRESS, metavar="V",

@@ -75,7 +75,8 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
     compile: str = "auto"  # auto | on | off (torch.compile)
-    attention: str = "auto"  # auto (the fastest of sdpa, eager and tunebench, measured) | sdpa | eager | tunebench
+    attention: str = "auto"  # auto (the fastest measured) | sdpa | eager | tunebench | flash_attention_2 (CUDA, flash-attn)
+    liger: str = "auto"  # auto (on a CUDA GPU when liger-kernel is installed and knows the model) | on | off
     gradient_checkpointing: str = "auto"  # auto (only when the batch would not fit otherwise) | on | off
     lr_scaling: str = "none"  # none | linear | sqrt: scale lr when the effective batch differs from lr_reference_batch
     lr_reference_batch: int = 8
@@ -292,7 +293,8 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
     _choice("train.report_to", t.report_to, ("none", "tensorboard"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
-    _choice("train.attention", t.attention, ("auto", "sdpa", "eager", "tunebench"))
+    _choice("train.attention", t.attention, ("auto", "sdpa", "eager", "tunebench", "flash_attention_2"))
+    _choice("train.liger", t.liger, ("auto", "on", "off"))
     _choice("train.gradient_checkpointing", t.gradient_checkpointing, ("auto", "on", "off"))
     _choice("train.lr_scaling", t.lr_scaling, ("none", "linear", "sqrt"))
     positive = {

@@ -353,6 +353,37 @@ def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str
     return peft
 
 
+def apply_liger(model, requested: str, device_type: str) -> tuple[str, Any, str]:
+    """Swap in Liger's Triton RMSNorm, RoPE and SwiGLU kernels (`--liger`); returns the settings row.
+
+    `auto` uses them on a CUDA GPU when liger-kernel is installed and knows the model type, and says
+    why not otherwise; `on` makes each of those an error. Liger's own fused head + loss stays off:
+    tunebench runs the head and loss as one chunked function already (`kernels.linear_cross_entropy_sum`).
+    """
+    if requested == "off":
+        return ("liger", False, "off, as asked")
+    why_not = None
+    model_type = getattr(model.config, "model_type", None)
+    if device_type != "cuda":
+        why_not = "Liger's kernels are Triton kernels for CUDA GPUs"
+    else:
+        try:
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+        except ImportError:
+            why_not = "liger-kernel is not installed (pip install liger-kernel)"
+        else:
+            if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+                why_not = f"liger-kernel has no kernels for model type '{model_type}'"
+    if why_not:
+        if requested == "on":
+            raise TunebenchError(f"--liger on cannot be honoured: {why_not}; use --liger auto or off")
+        return ("liger", False, why_not)
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    return ("liger", True, f"Liger RMSNorm, RoPE and SwiGLU kernels for {model_type}"
+                           + (" (asked for)" if requested == "on" else ""))
+
+
 def compile_blocks(model) -> int:
     """Compile each repeated block (the decoder layers) in place; return how many.
 

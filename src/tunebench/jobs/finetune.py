@@ -71,6 +71,7 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     rows: list[tuple[str, Any, str]] = []
     model = loaded.model
     if a.method == "full":
+        rows.append(models.apply_liger(model, cfg.train.liger, device.type))
         model.to(device)
         autocast = None if precision == "fp32" else compute
         rows.append(("weights", "fp32", "full fine-tuning keeps fp32 master weights" +
@@ -86,6 +87,7 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
         model.to(dtype=compute)
         rows.append(("base weights", precision, "the run's precision" if precision == "fp32"
                      else "frozen: no fp32 master copy needed"))
+    rows.append(models.apply_liger(model, cfg.train.liger, device.type))  # on the base, before the adapters
     modules, why = models.target_modules(model, a.target_modules)
     rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
     model = models.add_lora(model, a.r, a.lora_alpha, a.lora_dropout, modules)
@@ -163,7 +165,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
     widest = cfg.data.max_length if cfg.data.packing != "off" else int(data.lengths()[train_idx].max())
     batch_rows.append(pick_attention(model, t.attention, lambda: step(rows_probed)[0], key,
-                                     attention_fit(model, rows_probed, widest, plan.precision, device)))
+                                     attention_fit(model, rows_probed, widest, plan.precision, device),
+                                     candidates=attention_candidates(device, plan.precision)))
     if t.autotune_batch:
         cfg, tuned_rows, probed_speed = autotune_batch(cfg, step, len(train_idx), device, key)
         t = cfg.train
@@ -418,9 +421,23 @@ def free_after_oom(model) -> None:
         torch.cuda.empty_cache()
 
 
+def attention_candidates(device: torch.device, precision: str) -> tuple[str, ...]:
+    """The kernels that can run here. flash-attn's joins on a CUDA GPU in 16-bit when installed; with
+    packed rows, transformers hands it the restarting position_ids and it runs variable-length
+    sequences without padding or a block mask."""
+    names: tuple[str, ...] = ("sdpa", "eager", kernels.NAME)
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            names += ("flash_attention_2",)
+    return names
+
+
 def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl: None,
-                   is_oom=is_oom) -> tuple[str, Any, str]:
-    """Set the attention kernel; `auto` times a probe step with each and keeps the fastest (cached).
+                   is_oom=is_oom, candidates: tuple[str, ...] = ("sdpa", "eager", kernels.NAME)) -> tuple[str, Any, str]:
+    """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
+    fastest (cached).
 
     `too_big(impl)` says why a kernel would not fit in memory (None if it would): on a CPU an
     allocation past the RAM is not an exception but the kernel's OOM killer, so a kernel whose
@@ -428,9 +445,11 @@ def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl
     """
     kernels.register()
     if requested != "auto":
+        if requested not in candidates:
+            raise TunebenchError(f"--attention {requested} cannot run here: it needs a CUDA GPU, bf16 or fp16, and "
+                                 "the flash-attn package; use --attention auto")
         model.set_attn_implementation(requested)
         return ("attention", requested, "asked for")
-    candidates = ("sdpa", "eager", kernels.NAME)
     cache_file = models.cache_dir() / "autotune.json"
     cache_key = f"attention|{','.join(candidates)}|{key}"
     hit = autotune.cached_value(cache_file, cache_key)
