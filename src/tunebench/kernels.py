@@ -143,8 +143,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h, w = hidden.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, H)
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        grad_w = grad_b = None  # fp32 sums of the chunks' (V, H) and (V,) products
         want = need_h or need_w or need_b
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for i in range(0, h.shape[0], chunk):
@@ -153,9 +152,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 grad_h[i : i + chunk] = logits @ w
             if need_w:
-                grad_w += (logits.t() @ h[i : i + chunk]).float()
+                part = logits.t() @ h[i : i + chunk]  # (V, H)
+                grad_w = part.float() if grad_w is None else grad_w.add_(part)
             if need_b:
-                grad_b += logits.sum(dim=0, dtype=torch.float32)
+                part = logits.sum(dim=0, dtype=torch.float32)
+                grad_b = part if grad_b is None else grad_b.add_(part)
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        if need_b and grad_b is None:
+            grad_b = torch.zeros_like(bias, dtype=torch.float32)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         return total
@@ -172,6 +177,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 _CHUNK_BYTES = {"cpu": 24 * 2**20, "cuda": 256 * 2**20}
 # Rows per fp32 loss pass inside a chunk: a few MB on a CPU, next to the chunk in the same cache.
 _LOSS_ROWS = {"cpu": 32, "cuda": 1024}
+# When the head itself trains (full fine-tuning), every chunk adds a (V, H) product to its gradient:
+# chunks of at least this many rows keep those passes few (one up to 4,096 loss positions).
+_WEIGHT_GRAD_ROWS = 4096
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -187,5 +195,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     """
     item = torch.finfo(dtype).bits // 8
     chunk = max(16, _CHUNK_BYTES.get(hidden.device.type, _CHUNK_BYTES["cuda"]) // (weight.shape[0] * item))
+    if weight.requires_grad and torch.is_grad_enabled():
+        chunk = max(chunk, _WEIGHT_GRAD_ROWS)
     rows = _LOSS_ROWS.get(hidden.device.type, chunk)
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, dtype, chunk, rows, torch.is_grad_enabled())
