@@ -437,11 +437,14 @@ def free_after_oom(model) -> None:
         torch.cuda.empty_cache()
 
 
+ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
+
+
 def attention_candidates(device: torch.device, precision: str) -> tuple[str, ...]:
     """The kernels that can run here. flash-attn's joins on a CUDA GPU in 16-bit when installed; with
     packed rows, transformers hands it the restarting position_ids and it runs variable-length
     sequences without padding or a block mask."""
-    names: tuple[str, ...] = ("sdpa", "eager", kernels.NAME)
+    names = ATTENTION_KERNELS
     if device.type == "cuda" and precision in ("bf16", "fp16"):
         from transformers.utils import is_flash_attn_2_available
 
@@ -451,7 +454,7 @@ def attention_candidates(device: torch.device, precision: str) -> tuple[str, ...
 
 
 def pick_attention(model, requested: str, measure, key: str, too_big=lambda impl: None,
-                   is_oom=is_oom, candidates: tuple[str, ...] = ("sdpa", "eager", kernels.NAME)) -> tuple[str, Any, str]:
+                   is_oom=is_oom, candidates: tuple[str, ...] = ATTENTION_KERNELS) -> tuple[str, Any, str]:
     """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
     fastest (cached).
 
