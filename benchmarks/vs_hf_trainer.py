@@ -149,7 +149,8 @@ def worker_sweep(args) -> dict:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 model(**batch).loss.backward()
     else:
-        from tunebench.jobs.finetune import attention_fit, pick_attention
+        from tunebench import tune
+        from tunebench.tune import attention
 
         base = loaded.model.to(torch.bfloat16)
         model = models.add_lora(base, LORA["r"], LORA["lora_alpha"], LORA["lora_dropout"], LORA["target_modules"])
@@ -166,8 +167,10 @@ def worker_sweep(args) -> dict:
 
         # The kernel probe runs in a process of its own (--steps 0) and is read back from the cache
         # here, so that its O(T^2) kernels do not set this process's peak memory.
-        row = pick_attention(model, "auto", measure, f"sweep|{args.model}|{args.max_length}|{args.micro_batch}",
-                             attention_fit(model, args.micro_batch, args.max_length, "bf16", torch.device("cpu")))
+        shape = tune.Shape(args.model, "lora", "none", LORA["r"], ",".join(LORA["target_modules"]), args.max_length,
+                           f"sweep, micro batch {args.micro_batch}", "bf16", torch.__version__, "auto", "off", "off")
+        row = attention.pick(model, "auto", measure, shape,
+                             attention.fit(model, args.micro_batch, args.max_length, "bf16", torch.device("cpu")))
         if args.steps == 0:
             return {"attention": row[1]}
     times = []

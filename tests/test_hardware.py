@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from tunebench import autotune, hardware, kernels, models
+from tunebench import hardware, kernels, models, tune
+from tunebench.tune import attention, batch, compiler
 from tunebench.config import load_config, profiles
 from tunebench.errors import TunebenchError
 from tunebench.hardware import GPU, Hardware
@@ -110,6 +111,10 @@ def test_flops_per_token_by_hand(tiny):
     assert models.flop_dims(peft)[0] == matmul  # adapters are not counted as base matmuls
 
 
+def _shape(name: str) -> tune.Shape:
+    return tune.Shape(name, "lora", "none", 8, "auto", 128, "test machine", "fp32", "", "auto", "auto", "auto")
+
+
 def test_autotune_backs_off_at_oom_and_keeps_fitting_fastest():
     speed = {1: 100.0, 2: 180.0, 4: 250.0, 8: None}
 
@@ -118,7 +123,7 @@ def test_autotune_backs_off_at_oom_and_keeps_fitting_fastest():
             raise torch.OutOfMemoryError("CUDA out of memory")
         return speed[size], 1000.0 + 100 * size
 
-    result = autotune.probe(step, [8, 1, 4, 2], 1e9, 1000.0, lambda e: isinstance(e, torch.OutOfMemoryError))
+    result = batch.probe(step, [8, 1, 4, 2], 1e9, 1000.0, lambda e: isinstance(e, torch.OutOfMemoryError))
     assert result.micro_batch_size == 4
     assert [(p.micro_batch_size, p.status) for p in result.probes] == [(1, "ok"), (2, "ok"), (4, "ok"), (8, "oom")]
 
@@ -157,48 +162,42 @@ class FakeCompiler:
 
 
 def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch):
-    from tunebench.jobs.finetune import pick_compile
-
     auto = hardware.Decision("compile", "auto", "")
     fake = FakeCompiler(monkeypatch)
     # too short to measure: 5,000 tokens at 100 tokens/s is 50 s
-    row = pick_compile(None, auto, False, fake.measure, 5_000, "k1")
+    row = compiler.pick(None, auto, False, fake.measure, 5_000, _shape("k1"), 1)
     assert row[1] is False and "too short" in row[2] and fake.compiles == 0 and fake.measured == 1
     # the batch probe's speed, when given, stands in for that probe step
-    row = pick_compile(None, auto, False, fake.measure, 5_000, "k1", eager_speed=100.0)
+    row = compiler.pick(None, auto, False, fake.measure, 5_000, _shape("k1"), 1, eager_speed=100.0)
     assert row[1] is False and "~50 s" in row[2] and fake.measured == 1
-    assert autotune.cached_value(models.cache_dir() / "autotune.json", "compile|k1") is None
+    assert tune.cached(_shape("k1").key("compile", micro_batch_size=1)) is None
     # long enough: measured, compiled twice (cold, then from the compiler's cache), kept
-    row = pick_compile(None, auto, False, fake.measure, 100_000, "k1")
+    row = compiler.pick(None, auto, False, fake.measure, 100_000, _shape("k1"), 1)
     assert row[1] is True and fake.on and fake.compiles == 2 and "150 vs 100" in row[2]
-    hit = autotune.cached_value(models.cache_dir() / "autotune.json", "compile|k1")
+    hit = tune.cached(_shape("k1").key("compile", micro_batch_size=1))
     assert hit["eager"] == 100 and hit["compiled"] == 150 and 0.05 < hit["warmup_s"] < 0.25  # the cached one
     # cached: a run that saves more than the warm-up compiles; one that saves less does not
     fake.on, fake.compiles = False, 0
-    assert pick_compile(None, auto, False, fake.measure, 100_000, "k1")[1] is True and fake.compiles == 1
+    assert compiler.pick(None, auto, False, fake.measure, 100_000, _shape("k1"), 1)[1] is True and fake.compiles == 1
     fake.on, fake.compiles = False, 0
-    row = pick_compile(None, auto, False, fake.measure, 20, "k1")  # 0.2 s run saves ~0.07 s
+    row = compiler.pick(None, auto, False, fake.measure, 20, _shape("k1"), 1)  # 0.2 s run saves ~0.07 s
     assert row[1] is False and "warm-up" in row[2] and fake.compiles == 0
 
 
 def test_compile_auto_drops_a_compile_that_does_not_help(monkeypatch):
-    from tunebench.jobs.finetune import pick_compile
-
     fake = FakeCompiler(monkeypatch, compiled=101.0)
-    row = pick_compile(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, "k2")
+    row = compiler.pick(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, _shape("k2"), 1)
     assert row[1] is False and "no gain" in row[2] and not fake.on
     fake.compiles = 0
-    row = pick_compile(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, "k2")
+    row = compiler.pick(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, _shape("k2"), 1)
     assert row[1] is False and "no gain" in row[2] and fake.compiles == 0  # from the cache, not remeasured
 
 
 def test_compile_asked_for_or_refused(monkeypatch):
-    from tunebench.jobs.finetune import pick_compile
-
     fake = FakeCompiler(monkeypatch)
-    assert pick_compile(None, hardware.Decision("compile", True, "asked for"), False, fake.measure, 1, "k3") == \
+    assert compiler.pick(None, hardware.Decision("compile", True, "asked for"), False, fake.measure, 1, _shape("k3"), 1) == \
         ("compile", True, "asked for") and fake.compiles == 1
-    row = pick_compile(None, hardware.Decision("compile", "auto", ""), True, fake.measure, 1e9, "k3")
+    row = compiler.pick(None, hardware.Decision("compile", "auto", ""), True, fake.measure, 1e9, _shape("k3"), 1)
     assert row[1] is False and "bitsandbytes" in row[2] and fake.compiles == 1
 
 
@@ -218,43 +217,39 @@ class FakeAttentionModel:
 
 
 def test_pick_attention_never_tries_a_kernel_that_would_not_fit():
-    from tunebench.jobs.finetune import pick_attention
-
     model = FakeAttentionModel({"sdpa": 50.0, "eager": 90.0, "tunebench": 100.0})
-    row = pick_attention(model, "auto", model.measure, "fit1")
+    row = attention.pick(model, "auto", model.measure, _shape("fit1"))
     assert row[1] == "tunebench" and set(model.tried) == {"sdpa", "eager", "tunebench"}
     # the cached winner would not fit a longer run now: measured again, without the quadratic kernels
     model.tried.clear()
     quadratic = lambda impl: "needs 30 GB" if impl != "sdpa" else None  # noqa: E731
-    row = pick_attention(model, "auto", model.measure, "fit1", quadratic)
+    row = attention.pick(model, "auto", model.measure, _shape("fit1"), quadratic)
     assert row[1] == "sdpa" and set(model.tried) == {"sdpa"}
     assert "eager skipped: needs 30 GB" in row[2] and "tunebench skipped: needs 30 GB" in row[2]
     # a kernel that raises OOM (a GPU does) drops out; nothing fitting is a one-line error
     model = FakeAttentionModel({"sdpa": 50.0, "eager": 90.0})
-    assert pick_attention(model, "auto", model.measure, "fit2", is_oom=lambda e: isinstance(e, KeyError))[1] == "eager"
+    assert attention.pick(model, "auto", model.measure, _shape("fit2"), is_oom=lambda e: isinstance(e, KeyError))[1] == "eager"
     with pytest.raises(TunebenchError, match="no attention kernel fits in memory.*lower --max-length"):
-        pick_attention(model, "auto", model.measure, "fit3", lambda impl: "too big")
+        attention.pick(model, "auto", model.measure, _shape("fit3"), lambda impl: "too big")
 
 
 def test_flash_attention_joins_the_candidates_only_where_it_can_run(monkeypatch):
     import transformers.utils
 
-    from tunebench.jobs.finetune import attention_candidates, pick_attention
-
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
-    assert attention_candidates(cuda, "bf16")[-1] == "flash_attention_2"
-    assert "flash_attention_2" not in attention_candidates(cuda, "fp32")  # flash-attn runs 16-bit only
-    assert "flash_attention_2" not in attention_candidates(cpu, "bf16")
+    assert attention.candidates(cuda, "bf16")[-1] == "flash_attention_2"
+    assert "flash_attention_2" not in attention.candidates(cuda, "fp32")  # flash-attn runs 16-bit only
+    assert "flash_attention_2" not in attention.candidates(cpu, "bf16")
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
-    assert attention_candidates(cuda, "bf16") == ("sdpa", "eager", "tunebench")
+    assert attention.candidates(cuda, "bf16") == ("sdpa", "eager", "tunebench")
 
     model = FakeAttentionModel({"sdpa": 50.0, "eager": 90.0, "tunebench": 100.0, "flash_attention_2": 130.0})
     four = ("sdpa", "eager", "tunebench", "flash_attention_2")
-    assert pick_attention(model, "auto", model.measure, "flash1", candidates=four)[1] == "flash_attention_2"
+    assert attention.pick(model, "auto", model.measure, _shape("flash1"), candidates=four)[1] == "flash_attention_2"
     assert model.impl == "flash_attention_2"
     with pytest.raises(TunebenchError, match="--attention flash_attention_2 cannot run here.*flash-attn"):
-        pick_attention(model, "flash_attention_2", model.measure, "flash2")
+        attention.pick(model, "flash_attention_2", model.measure, _shape("flash2"))
 
 
 def _fake_liger(monkeypatch, model_types):
@@ -308,16 +303,16 @@ def test_autotune_never_tries_a_size_predicted_over_budget():
         tried.append(size)
         return 10.0 * size, 1000.0 + 300 * size  # 300 MB per row above a 1000 MB baseline
 
-    result = autotune.probe(step, [1, 2, 4, 8], budget_mb=2500.0, baseline_mb=1000.0, is_oom=lambda e: False)
+    result = batch.probe(step, [1, 2, 4, 8], budget_mb=2500.0, baseline_mb=1000.0, is_oom=lambda e: False)
     assert tried == [1, 2, 4]  # 4 -> 2200 MB fits; 8 -> predicted 3400 MB is never run
     assert result.micro_batch_size == 4 and result.probes[-1].status.startswith("skipped")
     with pytest.raises(ValueError):
-        autotune.probe(lambda s: (_ for _ in ()).throw(ValueError("bug")), [1], 1e9, 0, lambda e: False)
+        batch.probe(lambda s: (_ for _ in ()).throw(ValueError("bug")), [1], 1e9, 0, lambda e: False)
 
 
 def test_autotune_candidates_keep_the_effective_batch():
-    assert autotune.candidates(8) == [1, 2, 4, 8]
-    assert autotune.candidates(12) == [1, 2, 3, 4, 6, 12]
+    assert batch.candidates(8) == [1, 2, 4, 8]
+    assert batch.candidates(12) == [1, 2, 3, 4, 6, 12]
 
 
 def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
@@ -330,9 +325,10 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
     summary = finetune.run(cfg)
     assert summary["micro_batch_size"] in (1, 2, 4)
     assert summary["micro_batch_size"] * summary["grad_accum_steps"] == 4 == summary["effective_batch_size"]
-    entries = json.loads((models.cache_dir() / "autotune.json").read_text())
-    batch_key = next(k for k in entries if k.startswith("batch|tiny|") and "|256|" in k and "|4|auto|" in k)
-    assert autotune.cached(models.cache_dir() / "autotune.json", batch_key).micro_batch_size == summary["micro_batch_size"]
+    entries = json.loads(tune.cache_file().read_text())
+    batch_key = next(k for k in entries if k.startswith("batch|") and '"model": "tiny"' in k
+                     and '"max_length": 256' in k and '"effective_batch_size": 4' in k)
+    assert tune.cached(batch_key)["result"]["micro_batch_size"] == summary["micro_batch_size"]
     decisions = json.loads((tmp_path / "auto" / "plan.json").read_text())["decisions"]
     assert any(d["setting"] == "attention" and d["value"] in ("sdpa", "eager", "tunebench")
                and "measured" in d["reason"] for d in decisions)
@@ -346,15 +342,15 @@ def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, data
 
     # Free memory for one row of tiny's sdpa step but not for any kernel's T x T weights at 256 tokens.
     need = kernels.saved_weights_mb(models.resolve("tiny").model.config, 2, 256, "tunebench", 4)
-    monkeypatch.setattr(finetune, "memory_free_mb", lambda device: need)
+    monkeypatch.setattr(attention, "memory_free_mb", lambda device: need)
     tried = []
-    real = finetune.pick_attention
+    real = attention.pick
 
-    def spy(model, requested, measure, key, too_big, **kw):
-        return real(model, requested, lambda: tried.append(model.config._attn_implementation) or measure(), key,
+    def spy(model, requested, measure, shape, too_big, **kw):
+        return real(model, requested, lambda: tried.append(model.config._attn_implementation) or measure(), shape,
                     too_big, **kw)
 
-    monkeypatch.setattr(finetune, "pick_attention", spy)
+    monkeypatch.setattr(attention, "pick", spy)
     cfg = load_config(options={"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
                                "train.micro_batch_size": 2, "train.effective_batch_size": 2,
                                "train.max_steps": 1, "train.output_dir": str(tmp_path / "o"), "train.progress": False,

@@ -6,7 +6,7 @@ import signal
 import pytest
 import torch
 
-from tunebench import checkpoint
+from tunebench import checkpoint, runner
 from tunebench.config import load_config
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
@@ -71,19 +71,19 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_losses(tmp_path, data
     assert len(expected) == 6
 
     part = tmp_path / "part"
-    real_call = finetune.MetricsWriter.__call__
+    real_call = runner.MetricsWriter.__call__
 
     def interrupt_at_3(self, record):
         real_call(self, record)
         if record.get("step") == 3 and "loss" in record:
             os.kill(os.getpid(), signal.SIGTERM)  # the real signal path
 
-    monkeypatch.setattr(finetune.MetricsWriter, "__call__", interrupt_at_3)
+    monkeypatch.setattr(runner.MetricsWriter, "__call__", interrupt_at_3)
     with pytest.raises(TunebenchError, match="interrupted at step 3.*--resume auto") as e:
         finetune.run(_cfg(dataset, part))
     assert e.value.exit_code == 130
     assert [p.name for p in checkpoint.list_checkpoints(part / "checkpoints")] == ["step-00000003"]
-    monkeypatch.setattr(finetune.MetricsWriter, "__call__", real_call)
+    monkeypatch.setattr(runner.MetricsWriter, "__call__", real_call)
     finetune.run(_cfg(dataset, part, **{"train.resume": "auto"}))
     resumed = _losses(part)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
@@ -322,7 +322,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
 def test_attention_weights_estimate_is_what_autograd_keeps(tiny, attention, dtype):
-    """pick_attention skips kernels by this estimate (a CPU past its RAM is OOM-killed, not raised),
+    """attention.pick skips kernels by this estimate (a CPU past its RAM is OOM-killed, not raised),
     so it must match the T x T tensors autograd really saves for the backward."""
     from tunebench import kernels
 
@@ -345,23 +345,85 @@ def test_attention_weights_estimate_is_what_autograd_keeps(tiny, attention, dtyp
     assert estimate == sum(kept.values())
 
 
-def test_adamw_is_fused_on_cpu_and_takes_the_same_steps_as_foreach():
-    from tunebench.jobs.finetune import adamw, optimizer_row
+def test_adamw_is_fused_on_cpu_decays_only_matrices_and_takes_foreachs_steps():
+    from tunebench import optim
 
     cpu = torch.device("cpu")
-    assert optimizer_row(cpu)[1] == "AdamW, fused" and optimizer_row(torch.device("mps"))[1] == "AdamW, foreach"
+    assert optim.optimizer_row(cpu, 0.0)[1] == "AdamW, fused"
+    assert optim.optimizer_row(torch.device("mps"), 0.0)[1] == "AdamW, foreach"
     torch.manual_seed(0)
-    start = [torch.randn(300, 7), torch.randn(11)]
+    start = torch.nn.Linear(7, 300)
+    reference = lambda m: torch.optim.AdamW(  # noqa: E731 - the standard grouping, written out
+        [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0}], lr=1e-2,
+        foreach=True)
     runs = []
-    for make in (lambda ps: adamw(ps, 1e-2, 0.1, cpu),
-                 lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)):
-        ps = [torch.nn.Parameter(t.clone()) for t in start]
-        opt = make(ps)
+    for make in (lambda m: optim.adamw(m, 1e-2, 0.1, cpu), reference):
+        m = copy.deepcopy(start)
+        opt = make(m)
         for step in range(3):
-            for i, p in enumerate(ps):
+            for i, p in enumerate(m.parameters()):
                 p.grad = torch.sin(p.detach() * (step + i + 1))
             opt.step()
-        runs.append((opt.defaults.get("fused"), [p.detach() for p in ps]))
+        runs.append((opt.defaults.get("fused"), [p.detach() for p in m.parameters()]))
     assert runs[0][0] is True and not runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # With zero gradients only weight decay moves a parameter: the matrix shrinks, the bias stays.
+    m = copy.deepcopy(start)
+    opt = optim.adamw(m, 1e-2, 0.5, cpu)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(m.bias, start.bias) and not torch.equal(m.weight, start.weight)
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "constant", "warmup_stable_decay"])
+def test_schedules_warm_up_then_follow_their_shape(name):
+    from tunebench import optim
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = optim.scheduler(opt, name, warmup_steps=10, total_steps=100)
+    lrs = []
+    for _ in range(100):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[0] < lrs[5] < lrs[9] < 1.0 and lrs[10] == pytest.approx(1.0)  # linear warm-up to the peak
+    if name == "constant":
+        assert lrs[99] == pytest.approx(1.0)
+    elif name == "warmup_stable_decay":  # flat until the last fifth, then down to ~0
+        assert lrs[79] == pytest.approx(1.0) and lrs[90] < 0.7 and lrs[99] < 0.01
+    else:
+        assert lrs[50] < 0.9 and lrs[99] < 0.03
+
+
+
+def test_measured_settings_leave_no_trace_on_the_run(tmp_path, dataset):
+    """Probes run in train mode with the RNG restored and no gradients left: a run whose micro batch
+    was measured gives the same losses and weights as the same run given that micro batch."""
+    from safetensors.torch import load_file
+
+    auto = _cfg(dataset, tmp_path / "auto", **{"train.micro_batch_size": "auto", "adapter.lora_dropout": 0.1})
+    chosen = finetune.run(auto)["micro_batch_size"]
+    given = _cfg(dataset, tmp_path / "given", **{"train.micro_batch_size": chosen, "adapter.lora_dropout": 0.1})
+    finetune.run(given)
+    assert _losses(tmp_path / "auto") == _losses(tmp_path / "given")
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("auto", "given"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_probe_step_runs_in_train_mode_and_restores_the_mode(tiny):
+    from tunebench.tune.probe import probe_step
+
+    tok, data = _data()
+    seen = []
+    model = tiny.model
+    model.model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    model.eval()
+    step = probe_step(model, lambda size: batching.collate(data, list(range(size)), tok.pad_token_id),
+                      torch.device("cpu"), None)
+    before = torch.get_rng_state()
+    step(2)
+    assert seen and all(seen) and not model.training  # probed in train mode, left as found
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(p.grad is None for p in model.parameters())

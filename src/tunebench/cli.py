@@ -47,7 +47,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--lr", "--learning_rate"), "train.lr", "peak learning rate (default 2e-4)"),
     (("--weight-decay",), "train.weight_decay", "AdamW weight decay (default 0)"),
     (("--warmup-ratio",), "train.warmup_ratio", "share of steps for linear warm-up (default 0.03)"),
-    (("--schedule",), "train.schedule", "cosine (default) | linear | constant"),
+    (("--schedule",), "train.schedule", "cosine (default) | linear | constant | warmup_stable_decay"),
     (("--max-grad-norm",), "train.max_grad_norm", "gradient clipping norm (default 1.0)"),
     (("--precision",), "train.precision", "auto (default) | fp32 | bf16 | fp16"),
     (("--device",), "train.device", "auto (default) | cpu | cuda | mps"),

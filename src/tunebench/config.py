@@ -21,6 +21,7 @@ from tunebench.errors import TunebenchError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
+SCHEDULES = ("cosine", "linear", "constant", "warmup_stable_decay")  # names of transformers.get_scheduler's
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class TrainConfig:
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.03
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"  # cosine | linear | constant | warmup_stable_decay (transformers.get_scheduler)
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
@@ -290,7 +291,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
     _choice("train.device", t.device, ("auto", "cpu", "cuda", "mps"))
-    _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    _choice("train.schedule", t.schedule, SCHEDULES)
     _choice("train.report_to", t.report_to, ("none", "tensorboard"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
     _choice("train.attention", t.attention, ("auto", "sdpa", "eager", "tunebench", "flash_attention_2"))

@@ -292,19 +292,14 @@ def measure_cpu_peak_tflops(dtype: str, threads: int, seconds: float = 1.0) -> f
 
 def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float:
     """The measured CPU peak, cached per (CPU, flags, threads, torch, dtype): measured once, a few seconds."""
-    import json
-    from pathlib import Path
+    from tunebench.jsonfile import read_json, update_json
 
     key = f"{hw.cpu_model}|{','.join(sorted(hw.cpu_flags & set(CPU_FEATURES)))}|{threads}|" \
           f"{hw.versions.get('torch')}|{dtype}"
-    path = Path(cache_file)
-    cache = json.loads(path.read_text()) if path.is_file() else {}
-    if key not in cache:
+    cache = read_json(cache_file)
+    if not isinstance(cache.get(key), (int, float)):
         cache[key] = measure_cpu_peak_tflops(dtype, threads)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
+        update_json(cache_file, key, cache[key])
     return float(cache[key])
 
 

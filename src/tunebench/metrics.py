@@ -1,4 +1,4 @@
-"""Run records: metrics.jsonl (one line per logged step), summary.json, peak memory."""
+"""Run records: metrics.jsonl (one line per logged step), peak memory, FLOPs per token and MFU."""
 
 from __future__ import annotations
 
@@ -88,12 +88,6 @@ def _rss_peak_mb() -> float:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def training_flops_per_token(matmul_params: int, trainable_params: int, n_layers: int, attn_width: int,

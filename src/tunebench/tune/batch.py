@@ -1,17 +1,19 @@
-"""`--batch-size auto`: measure candidate micro batches on the real model and keep the fastest.
+"""`--batch-size auto`: measure the micro batches that divide the effective batch, keep the fastest.
 
-The probing logic takes a step function, so it is tested with fakes; the job supplies the real
-one (forward + backward on the longest examples, so memory is the worst case).
+`probe` takes a step function, so it is tested with fakes; `micro_batch` runs it on the real
+model (the longest rows, so memory is the worst case) or reuses the cached probe.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+import torch
+
+from tunebench.errors import TunebenchError
+from tunebench.tune import Row, Shape, cached, store
+from tunebench.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_free_mb
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,6 @@ class Result:
 def candidates(effective_batch_size: int) -> list[int]:
     """Micro batches that divide the effective batch, so accumulation keeps it exact."""
     return [m for m in range(1, effective_batch_size + 1) if effective_batch_size % m == 0]
-
-
-StepFn = Callable[[int], tuple[float, float]]  # micro batch -> (tokens/s, peak memory MB)
 
 
 def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
@@ -80,39 +79,6 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
                   f"fastest measured: {best.tokens_per_s:,.0f} tokens/s of {len(ok)} that fit")
 
 
-def _entries(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}  # a damaged cache is remeasured, never trusted
-
-
-def cached_value(path: Path, key: str) -> dict | None:
-    """A measured decision cached per machine and run shape, so the next run starts at once."""
-    return _entries(path).get(key)
-
-
-def store_value(path: Path, key: str, value: dict) -> None:
-    data = _entries(path)
-    data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
-def cached(path: Path, key: str) -> Result | None:
-    entry = cached_value(path, key)
-    return Result.from_dict(entry) if entry else None
-
-
-def store(path: Path, key: str, result: Result) -> None:
-    store_value(path, key, result.to_dict())
-
-
 def format_table(result: Result) -> str:
     lines = ["  micro_batch  tokens/s   peak MB  status"]
     for p in result.probes:
@@ -121,3 +87,43 @@ def format_table(result: Result) -> str:
         mark = " <- chosen" if p.micro_batch_size == result.micro_batch_size else ""
         lines.append(f"  {p.micro_batch_size:>11}  {tps:>8}  {mem:>8}  {p.status}{mark}")
     return "\n".join(lines)
+
+
+def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
+                device: torch.device) -> tuple[int, list[Row], float]:
+    """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s."""
+    import psutil
+
+    key = shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size))
+    hit = cached(key)
+    result = Result.from_dict(hit["result"]) if hit and "result" in hit else None
+    source = "cached probe"
+    rows: list[Row] = []
+    if result is not None and hit.get("gradient_checkpointing"):
+        enable_checkpointing(step.model)  # the probe that chose this size needed it
+        rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it (cached probe)"))
+    if result is None:
+        source = "probed now"
+        sizes = [m for m in candidates(effective_batch_size) if m <= n_train] or [1]
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            baseline, budget = torch.cuda.memory_allocated(device) / 2**20, 0.92 * total / 2**20
+        else:
+            baseline = psutil.Process().memory_info().rss / 2**20
+            budget = baseline + memory_free_mb(device)
+        result = probe(step, sizes, budget, baseline, is_oom)
+        if result.micro_batch_size == 0 and shape.gradient_checkpointing == "auto":
+            free_after_oom(step.model)
+            enable_checkpointing(step.model)
+            result = probe(step, sizes, budget, baseline, is_oom)
+            rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it"))
+        if result.micro_batch_size == 0:
+            raise TunebenchError(
+                f"no micro batch fits in memory at --max-length {max_length}; lower --max-length, "
+                "use --quantization 4bit, or --gradient-checkpointing on"
+            )
+        store(key, {"result": result.to_dict(), "gradient_checkpointing": bool(rows)})
+    print(f"batch-size probe ({source}):\n{format_table(result)}")
+    rows.insert(0, ("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
+    speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)
+    return result.micro_batch_size, rows, speed

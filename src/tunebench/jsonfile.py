@@ -1,0 +1,45 @@
+"""The one reader and writer of tunebench's small JSON files (caches, plans, summaries).
+
+Writes are atomic (a temp file in the same directory, then a rename), so a killed process never
+leaves half a file; a damaged file reads as empty, so a cache is remeasured rather than trusted
+or crashed on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """The object in `path`, or {} when the file is missing, unreadable or not a JSON object."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=indent, default=str)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def update_json(path: str | Path, key: str, value: Any) -> None:
+    """Set one key of a JSON object file (a cache entry), keeping the others."""
+    data = read_json(path)
+    data[key] = value
+    write_json(path, data, indent=1)

@@ -1,0 +1,56 @@
+"""The optimizer and learning-rate schedule every training job uses."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: the last fifth of the steps decays (MiniCPM's recipe uses 10-20%)
+
+
+def fused_adamw(device: torch.device) -> bool:
+    return device.type in ("cuda", "cpu")
+
+
+def optimizer_row(device: torch.device, weight_decay: float) -> tuple[str, Any, str]:
+    decay = f"; weight decay {weight_decay:g} on matrices only (not norms, biases)" if weight_decay else ""
+    if fused_adamw(device):
+        return ("optimizer", "AdamW, fused", "one kernel for all parameters; on a CPU 5x faster than foreach "
+                                             "(80 vs 407 ms a step for 135M fp32 weights)" + decay)
+    return ("optimizer", "AdamW, foreach", f"tunebench uses torch's fused AdamW on CUDA and CPU, not {device.type}"
+            + decay)
+
+
+def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split as is standard: weight decay on >= 2-D weights (matmuls, embeddings)
+    only; norms' gains and biases are not pulled towards zero."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if rest:
+        groups.append({"params": rest, "weight_decay": 0.0})
+    return groups
+
+
+def adamw(model, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, fused where torch has the kernel: the optimizer step of full fine-tuning on a CPU runs
+    about 5x faster than the default foreach path (80 vs 407 ms for SmolLM2's 135M fp32 weights)."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, fused=fused_adamw(device) or None)
+
+
+def scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int):
+    """transformers' schedules: linear warm-up, then cosine, linear or constant, or warmup-stable-decay
+    (constant after warm-up, cosine down over the last WSD_DECAY_FRACTION of the steps)."""
+    from transformers import get_scheduler
+
+    if name == "constant":
+        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup_steps)
+    kwargs = None
+    if name == "warmup_stable_decay":
+        decay = max(1, math.ceil(WSD_DECAY_FRACTION * total_steps))
+        kwargs = {"num_decay_steps": min(decay, max(1, total_steps - warmup_steps))}
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
+                         scheduler_specific_kwargs=kwargs)

@@ -1,0 +1,187 @@
+"""What every training job does around the loop: the output directory, the settings table, signals,
+checkpoints and resume, the monitor, evaluation before and after, and the run's summary figures.
+
+A job builds its model, data and decisions, then hands them here; the loop itself is loop.train.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench import checkpoint, hardware, models
+from tunebench.errors import TunebenchError
+from tunebench.loop import Batch, Hooks, LoopSettings, LoopState, train
+from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, reset_peak_memory
+from tunebench.monitor import Monitor
+
+Row = tuple[str, Any, str]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def print_plan(rows: list[Row]) -> None:
+    width = max(len(r[0]) for r in rows)
+    value_width = min(22, max(len(str(r[1])) for r in rows))
+    print("settings:")
+    for setting, value, reason in rows:
+        print(f"  {setting:<{width}}  {value!s:<{value_width}}  {reason}")
+
+
+def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
+    """Check the output directory is writable, and never silently replace an earlier run in it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
+    earlier = [p for p in (path / "checkpoints", path / "metrics.jsonl", path / "summary.json") if p.exists()]
+    if not earlier or resume:
+        return
+    if not overwrite:
+        raise TunebenchError(
+            f"--output-dir '{path}' already holds a run ({earlier[0].name}); continue it with --resume auto, "
+            "replace it with --overwrite, or pick another --output-dir"
+        )
+    for p in earlier:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def apply_plan(plan: hardware.Plan) -> None:
+    torch.set_num_threads(plan.threads)
+    if plan.device == "cuda":
+        tf32 = bool(plan.value("tf32"))
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = bool(plan.value("cudnn_benchmark"))
+
+
+@dataclass
+class Outcome:
+    state: LoopState
+    wall_s: float  # the training loop's wall time
+    before: dict[str, float] | None  # eval before training (fresh runs only)
+    after: dict[str, float]
+    monitor: dict[str, float]
+    peak_memory_mb: float  # of the training loop
+
+
+def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: Callable[[LoopState], Batch | None],
+             evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
+             resume: str | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
+             after_eval: Callable[[int], dict[str, Any]] | None = None) -> Outcome:
+    """Resume if asked, evaluate, train to `settings.total_steps` with checkpoints, evaluate again.
+
+    Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
+    aborts). `after_eval(step)` adds fields to each eval record (sample generations, say).
+    """
+    state = LoopState()
+    ckpt_root = out / "checkpoints"
+    if resume:
+        found = checkpoint.find(resume, ckpt_root)
+        if found is None:
+            print(f"resume: no checkpoint under {ckpt_root}; starting from step 0")
+        else:
+            state = checkpoint.load(found, model, optimizer, scheduler, identity, scaler)
+            print(f"resume: continuing from {found} (step {state.step})")
+    metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if report_to == "tensorboard" else None)
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step (again to abort)")
+
+    def save(s: LoopState):
+        path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, save_total_limit, scaler)
+        metrics({"step": s.step, "checkpoint": str(path)})
+
+    def run_eval(step: int) -> dict[str, Any]:
+        record = dict(evaluate())
+        if after_eval:
+            record.update(after_eval(step))
+        return record
+
+    hooks = Hooks(log=metrics, evaluate=run_eval if evaluate else None, save=save,
+                  should_stop=lambda: stop["requested"])
+    before = run_eval(0) if evaluate and state.step == 0 else None
+    if before:
+        metrics({"step": 0, **before})
+        print(f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    device = settings.device
+    sampler = Monitor(out / "monitor.jsonl" if monitor else None,
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
+    wall = time.perf_counter()
+    try:
+        reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
+        with sampler:
+            state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
+        if not (settings.save_steps and state.step % settings.save_steps == 0):  # the loop did not just save it
+            save(state)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    wall = time.perf_counter() - wall
+    peak = peak_memory_mb(device)
+    after = run_eval(state.step) if evaluate else {}
+    if after:
+        metrics({"step": state.step, **after})
+    metrics.close()
+    return Outcome(state, wall, before, after, sampler.summary(), peak)
+
+
+def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: hardware.Hardware) -> dict[str, Any]:
+    """The summary figures every job reports: throughput over the measured steps (warm-up excluded),
+    real tokens, MFU against the device's peak, memory, losses."""
+    s = outcome.state
+    measured = s.measured_time_s or s.train_time_s
+    tokens_per_s = (s.measured_tokens or s.tokens) / measured if measured else None
+    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, plan.threads,
+                                             models.cache_dir() / "peak_flops.json")
+    return {
+        "device": plan.device, "precision": plan.precision,
+        "steps": s.step, "samples": s.samples, "tokens": s.tokens,
+        "duration_s": round(outcome.wall_s, 3), "train_time_s": round(s.train_time_s, 3),
+        "samples_per_s": s.samples / s.train_time_s if s.train_time_s else None,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops_per_token, "peak_tflops": peak, "peak_tflops_source": peak_source,
+        "mfu": mfu(flops_per_token, tokens_per_s, peak),
+        "data_wait_fraction": round(s.data_time_s / s.train_time_s, 4) if s.train_time_s else 0.0,
+        "peak_memory_mb": round(outcome.peak_memory_mb, 1),
+        **outcome.monitor,
+        "train_loss": float(np.mean(s.losses)) if s.losses else None,
+        "final_train_loss": s.losses[-1] if s.losses else None,
+        "eval_loss_before": outcome.before["eval_loss"] if outcome.before else None,
+        "eval_loss": outcome.after.get("eval_loss"), "perplexity": outcome.after.get("perplexity"),
+    }
+
+
+def report(summary: dict[str, Any], out: Path) -> None:
+    """The closing lines of a run."""
+    if summary["eval_loss"] is not None:
+        print(f"eval after training: loss {summary['eval_loss']:.4f}, perplexity {summary['perplexity']:.2f}")
+    if summary["data_wait_fraction"] > 0.1:
+        print(f"warning: input-bound: {100 * summary['data_wait_fraction']:.0f}% of step time went to producing "
+              "batches; lower --max-length padding waste or move tokenization off the hot path (see tunebench "
+              "bench-data)")
+    mfu_text = f"MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None \
+        else f"MFU n/a ({summary['peak_tflops_source']})"
+    print(f"{summary['steps']} steps in {summary['duration_s']:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real "
+          f"tokens/s, {mfu_text}; saved to {out}")

@@ -1,0 +1,83 @@
+"""`--compile auto`: compile the decoder blocks when measurement says it pays off over this run."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tunebench import hardware, models
+from tunebench.tune import Row, Shape, cached, store
+
+COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
+
+
+def warm_up_compiled(model, measure) -> float:
+    """Compile the blocks and run the first (compiling) probe; return its seconds beyond a steady probe's."""
+    models.compile_blocks(model)
+    t0 = time.perf_counter()
+    measure()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    measure()
+    return max(0.0, first - (time.perf_counter() - t0))
+
+
+def eager_vs_compiled(measure, rounds: int = 2) -> tuple[float, float]:
+    """Best (eager, compiled) tokens/s of the compiled model, measured in alternation so that a
+    shared machine's drift slows both alike (separate timings once showed a gain that was not there)."""
+    eager, compiled = [], []
+    for _ in range(rounds):
+        with torch.compiler.set_stance("force_eager"):
+            eager.append(measure())
+        compiled.append(measure())
+    return max(eager), max(compiled)
+
+
+def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
+         micro_batch_size: int, eager_speed: float | None = None) -> Row:
+    """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
+
+    The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
+    and caches them; later runs compile only if the time saved over the run beats the warm-up
+    with the compiler's disk cache warm. `eager_speed`, when the batch probe already timed this
+    micro batch, spares a probe for the run-length estimate.
+    """
+    if asked.value != "auto":
+        if asked.value:
+            models.compile_blocks(model)
+        return ("compile", asked.value, asked.reason)
+    if quantized:
+        return ("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
+    key = shape.key("compile", micro_batch_size=micro_batch_size)
+    hit = cached(key)
+    if hit is None:
+        run_s = run_tokens / (eager_speed or measure())
+        if run_s < COMPILE_MEASURE_MIN_S:
+            return ("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
+                                      "compile; --compile on to force")
+        cold = warm_up_compiled(model, measure)
+        torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
+        warm = warm_up_compiled(model, measure)
+        eager, compiled = eager_vs_compiled(measure)
+        hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
+        store(key, hit)
+        measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager, alternating; warm-up {cold:.0f} s, "
+                    f"{warm:.0f} s from cache")
+        if compiled > 1.03 * eager:
+            return ("compile", True, measured)
+        models.uncompile_blocks(model)
+        return ("compile", False, measured + ": no gain")
+    eager, compiled, warm = hit["eager"], hit["compiled"], hit["warmup_s"]
+    run_s = run_tokens / eager
+    saved = run_s * (1 - eager / compiled)
+    measured = f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager"
+    if compiled <= 1.03 * eager:
+        return ("compile", False, measured + ": no gain")
+    if saved <= warm:
+        return ("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
+                                  f"less than its {warm:.0f} s warm-up")
+    warm = warm_up_compiled(model, measure)
+    store(key, dict(hit, warmup_s=round(warm, 1)))
+    return ("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
+                             "warm-up")

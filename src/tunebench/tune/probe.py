@@ -1,0 +1,71 @@
+"""The probe step every measurement times: forward + backward on real rows, with no side effects.
+
+A probe must not change the run it measures: it runs in train mode (dropout on, compiled blocks
+traced for training, as the loop will run them), restores the RNG afterwards and leaves no
+gradient behind, so a run whose settings were measured gives the same losses and weights as the
+same run given those settings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from tunebench.loop import Batch, loss_sum, prepare
+from tunebench.metrics import peak_memory_mb, reset_peak_memory
+
+StepFn = Callable[[int], tuple[float, float]]  # micro batch -> (tokens/s, peak memory MB)
+
+
+def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autocast) -> StepFn:
+    """A step function for the measurements: `rows(size)` gives the collated batch to time."""
+
+    def step(size: int) -> tuple[float, float]:
+        batch = rows(size)
+        times = []
+        was_training = model.training
+        model.train()
+        reset_peak_memory(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for _ in range(3):
+                t0 = time.perf_counter()
+                b, n_loss, n_real = prepare(batch, device)
+                (loss_sum(model, b, autocast, device) / max(n_loss, 1)).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        # The best repeat: a busy machine only ever slows a step down, so the minimum is the steadiest.
+        return n_real / min(times[1:]), peak_memory_mb(device)
+
+    step.model = model  # type: ignore[attr-defined]
+    return step
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError)
+
+
+def free_after_oom(model) -> None:
+    """Drop what a step that ran out of memory left behind, so the next try starts where it did."""
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_initialized():  # hand the failed step's cached blocks back to the driver
+        torch.cuda.empty_cache()
+
+
+def memory_free_mb(device: torch.device) -> float:
+    """Memory a step may still allocate: free GPU memory, or 80% of available RAM (never into swap)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**20
+    import psutil
+
+    return 0.8 * psutil.virtual_memory().available / 2**20
+
+
+def enable_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
