@@ -61,6 +61,26 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
 ]
 
 
+PRETRAIN_OPTIONS = [
+    (("--data",), "data.train_file", "training text: file(s), comma-separated, or a directory"),
+    (("--tokenizer",), "data.tokenizer", "tokenizer directory (default: byte-level BPE trained on --data)"),
+    (("--output-dir",), "training.checkpoint_dir", "run directory (default runs/pretrain)"),
+    (("--max-steps",), "training.max_steps", "stop after this many optimizer steps"),
+    (("--batch-size",), "training.batch_size", "micro batch, or auto (measure those dividing --effective-batch-size)"),
+    (("--effective-batch-size",), "training.effective_batch_size", "blocks per optimizer step"),
+    (("--lr",), "training.learning_rate", "peak learning rate"),
+    (("--max-length",), "data.max_length", "tokens per block"),
+    (("--device",), "training.device", "auto (default) | cpu | cuda | mps"),
+    (("--precision",), "training.precision", "auto (default) | fp32 | bf16 | fp16"),
+    (("--compile",), "training.compile", "torch.compile: auto (default) | on | off"),
+    (("--attention",), "training.attention", "auto (fastest measured) | sdpa | eager | tunebench | flash_attention_2"),
+    (("--eval-steps",), "training.eval_steps", "validation loss and a sample every N steps"),
+    (("--save-steps",), "training.save_steps", "checkpoint every N steps"),
+    (("--seed",), "training.seed", "seed for initialisation, split and data order"),
+    (("--resume",), "training.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
+]
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit 2, like every other input error
         raise TunebenchError(f"{message}; see `{self.prog} --help`")
@@ -107,6 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", dest="train.progress", action="store_const", const=False,
                        default=argparse.SUPPRESS, help="no progress bar (logs only)")
     _add_debug(train)
+
+    pre = sub.add_parser("pretrain", help="train a causal LM from scratch (its own tokenizer, a config's architecture)",
+                         description="Pretrain a model from a YAML config (sections device, model, training, data, "
+                                     "in the CPU training guide's key names). Positional items: an optional "
+                                     "CONFIG.yaml and dotted overrides such as training.learning_rate=1e-3.")
+    pre.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    for flags, key, help_text in PRETRAIN_OPTIONS:
+        pre.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V")
+    for flag, key, value, help_text in (("--overwrite", "training.overwrite", True, "replace an earlier run"),
+                                        ("--no-progress", "training.progress", False, "no progress bar (logs only)")):
+        pre.add_argument(flag, dest=key, action="store_const", const=value, default=argparse.SUPPRESS, help=help_text)
+    _add_debug(pre)
+
+    tk = sub.add_parser("tokenizer", help="train a tokenizer on your corpus (Hugging Face tokenizers)")
+    tk_sub = tk.add_subparsers(dest="action", parser_class=_Parser, metavar="ACTION", required=True)
+    tt = tk_sub.add_parser("train", help="train and save a tokenizer directory (AutoTokenizer loads it)")
+    tt.add_argument("--data", nargs="+", required=True, help="text, JSONL, JSON, CSV or Parquet files, or directories")
+    tt.add_argument("--vocab-size", type=int, required=True, help="vocabulary size to reach")
+    tt.add_argument("--type", default="bpe", choices=["bpe", "unigram", "wordpiece", "char"],
+                    help="bpe (byte-level, default) | unigram | wordpiece | char")
+    tt.add_argument("-o", "--output-dir", required=True, help="where the tokenizer is saved")
+    tt.add_argument("--text-column", default="text", help="column of JSONL/CSV/Parquet records (default text)")
+    _add_debug(tt)
 
     for name, help_text in (("generate", "complete one prompt"), ("chat", "talk to a model in the terminal")):
         p = sub.add_parser(name, help=help_text)
@@ -178,12 +221,17 @@ def train_config(args: argparse.Namespace):
     from tunebench.config import load_config
 
     options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
+    configs, overrides = _items(args)
+    return load_config(configs[0] if configs else None, options, overrides, getattr(args, "profile", None))
+
+
+def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(config files, dotted overrides) among a job's positional items; one config file at most."""
     items = getattr(args, "items", [])
     configs = [i for i in items if "=" not in i]
     if len(configs) > 1:
         raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
-    return load_config(configs[0] if configs else None, options, [i for i in items if "=" in i],
-                       getattr(args, "profile", None))
+    return configs, [i for i in items if "=" in i]
 
 
 def run_job(args: argparse.Namespace) -> int:
@@ -191,6 +239,17 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.jobs import finetune
 
         finetune.run(train_config(args))
+    elif args.job == "pretrain":
+        from tunebench import pretrain_config
+        from tunebench.jobs import pretrain
+
+        configs, overrides = _items(args)
+        options = {k: v for k, v in vars(args).items() if "." in k}
+        pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
+    elif args.job == "tokenizer":
+        from tunebench.jobs import tokenizer
+
+        tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column)
     elif args.job == "generate":
         from tunebench.jobs.generate import generate
 
@@ -264,6 +323,8 @@ def _quiet_libraries(allow_download: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Writing model shards" bars on every save
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # advice about padding masks and lengths we already handle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
-        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) != "train"]
+        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) not in ("train", "pretrain")]
         if unknown:
             raise TunebenchError(f"unrecognized argument(s): {' '.join(unknown)}; see `tunebench {args.job or ''} --help`")
         if extra:

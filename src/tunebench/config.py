@@ -143,9 +143,10 @@ def _nearest(key: str) -> str:
     return f"; did you mean '{hit[0]}'?" if hit else "; run `tunebench train --help` for the valid keys"
 
 
-def _coerce(key: str, value: Any) -> Any:
-    """Turn a YAML/CLI value into the field's declared type, or raise naming the key."""
-    hint = typing.get_type_hints(_SECTION_TYPES[key.split(".")[0]])[key.split(".")[1]]
+def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
+    """Turn a YAML/CLI value into the declared type of field `key` (section.name) of `cls`, or raise naming the key."""
+    section, name = key.split(".")
+    hint = typing.get_type_hints(cls or _SECTION_TYPES[section])[name]
     args = typing.get_args(hint)
     optional = type(None) in args or (isinstance(hint, types.UnionType) and type(None) in args)
     base = next((a for a in args if a is not type(None)), hint) if args else hint

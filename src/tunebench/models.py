@@ -480,6 +480,14 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
     return loaded
 
 
+def position_limit(model) -> int | None:
+    """Tokens a model with learned position embeddings can see (GPT-2's n_positions); None for rotary ones."""
+    c = model.config
+    if getattr(c, "model_type", "") in ("gpt2", "gpt_bigcode", "gptj", "opt", "bloom") or hasattr(c, "n_positions"):
+        return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+    return None
+
+
 def flop_dims(model) -> tuple[int, int, int]:
     """(weights in matmuls, layers, attention width) of the base model, adapters excluded.
 

@@ -83,6 +83,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
     if len(train_idx) == 0:
         raise TunebenchError(f"no training rows left after the eval split of {len(data)} rows; add data or lower --eval-fraction")
+    limit = models.position_limit(loaded.model)
+    if limit is not None and cfg.data.max_length > limit:
+        raise TunebenchError(f"--max-length {cfg.data.max_length} exceeds the {limit} positions this model learned; "
+                             f"pass --max-length {limit} or less")
     model, autocast, method_rows = build_model(cfg, loaded, plan.precision, device)
     model.config.use_cache = False
     trainable, total = models.count_parameters(model)

@@ -1,0 +1,223 @@
+"""`tunebench pretrain`: train a causal LM from scratch. Reads top to bottom: check the inputs, plan
+the hardware, tokenizer and token blocks, build the model, decide the measured settings, train,
+save. The loop, the measured decisions and the run plumbing are the ones `train` uses."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench import arch, hardware, models, optim, runner, tune
+from tunebench.data import batching, blocks, text
+from tunebench.errors import TunebenchError
+from tunebench.jobs import tokenizer as tokenizer_job
+from tunebench.jsonfile import write_json
+from tunebench.loop import LoopSettings, LoopState, evaluate
+from tunebench.metrics import training_flops_per_token
+from tunebench.pretrain_config import PretrainConfig, dump_yaml
+from tunebench.tune import attention, batch, compiler
+from tunebench.tune.probe import enable_checkpointing, probe_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run(cfg: PretrainConfig) -> dict[str, Any]:
+    m, t, d = cfg.model, cfg.training, cfg.data
+    out = Path(t.checkpoint_dir)
+    for spec in cfg.data_files + ([d.validation_file] if d.validation_file else []):
+        if d.train_file and not text.files(spec):
+            raise TunebenchError(f"data file '{spec}' not found; check --data (data.train_file)")
+    if d.tokenizer and not Path(d.tokenizer).is_dir():
+        raise TunebenchError(f"data.tokenizer '{d.tokenizer}' is not a directory; point --tokenizer at the output "
+                             "of `tunebench tokenizer train`")
+    runner.prepare_output_dir(out, t.resume, t.overwrite)
+
+    # -- hardware plan
+    hw = hardware.detect()
+    plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile)
+    device = torch.device(plan.device)
+    runner.apply_plan(plan)
+    runner.seed_everything(t.seed)
+    autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
+
+    # -- tokenizer and token blocks (tokenized once, cached, memory-mapped)
+    tok, tok_source = load_or_train_tokenizer(cfg)
+    arch.check_vocab(m, tok)
+    threads = d.preprocessing_num_workers or plan.threads
+    tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir(), d.text_column, d.dataset_config, threads)
+    if d.validation_file:
+        train = blocks.cut(tokens, d.max_length)
+        val = blocks.cut(blocks.token_file([d.validation_file], tok, models.cache_dir(), d.text_column,
+                                           None, threads), d.max_length)
+    else:
+        train, val = blocks.split(blocks.cut(tokens, d.max_length), d.validation_split, t.seed, d.split)
+    if d.max_eval_blocks is not None:
+        val = val.subset(np.arange(min(len(val), d.max_eval_blocks)))
+    if len(train) == 0:
+        raise TunebenchError(f"the training data makes no block of {d.max_length} tokens; add text or lower "
+                             "data.max_length")
+
+    # -- model
+    model = arch.build(m, tok, t.seed).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    rows: list[tuple[str, Any, str]] = [(dd.setting, dd.value, dd.reason) for dd in plan.decisions
+                                        if dd.setting not in ("compile", "dataloader_workers", "pin_memory")]
+    rows.append(("architecture", type(model).__name__, "learned positions: GPT-2-style" if m.use_learned_pos_emb
+                 else "rotary positions, SwiGLU: Llama-style"))
+    rows.append(("weights", "fp32", "fp32 master weights" + (f"; {plan.precision} autocast for matmuls"
+                                                             if autocast else "")))
+    if m.gradient_checkpointing:
+        enable_checkpointing(model)
+        rows.append(("gradient_checkpointing", True, "model.gradient_checkpointing"))
+    rows.append(("dataloader", "in-process", "a batch is a slice of the memory-mapped token file"
+                 + (f"; dataloader_num_workers {t.dataloader_num_workers} not needed" if t.dataloader_num_workers
+                    else "")))
+
+    # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile
+    shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
+                       where(hw, plan, device), plan.precision, hw.versions.get("torch", ""), t.attention, "off",
+                       "on" if m.gradient_checkpointing else "off")
+    step = probe_step(model, lambda size: train.collate(range(min(size, len(train)))), device, autocast)
+    rows.append(attention.decide(model, t.attention, lambda: step(t.batch_size)[0], shape, t.batch_size,
+                                 d.max_length, plan.precision, device))
+    probed_speed = None
+    micro, effective = t.batch_size, cfg.effective_batch_size
+    if t.autotune_batch:
+        effective = t.effective_batch_size
+        micro, batch_rows, probed_speed = batch.micro_batch(step, shape, effective, len(train), d.max_length, device)
+        rows += batch_rows
+    else:
+        rows.append(("micro_batch_size", micro, "training.batch_size"))
+    accum = effective // micro
+    total_steps = t.max_steps or max(1, math.ceil(t.num_epochs * math.ceil(len(train) / micro) / accum))
+    compile_row = compiler.pick(model, plan.decision("compile"), False, lambda: step(micro)[0],
+                                total_steps * effective * d.max_length, shape, micro, probed_speed)
+    compiled = bool(compile_row[1])
+    warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
+    rows += [compile_row, optim.optimizer_row(device, t.weight_decay),
+             ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum} blocks of {d.max_length}"),
+             ("lr", f"{t.learning_rate:g}", f"{t.lr_scheduler} after {warmup} warm-up steps"),
+             ("total_steps", total_steps, "training.max_steps" if t.max_steps
+              else f"{t.num_epochs:g} epoch(s) of {len(train)} blocks")]
+    print(f"tokenizer: {tok_source} ({len(tok):,} tokens)")
+    print(f"data: {', '.join(cfg.data_files)}: {len(tokens):,} tokens, {len(train):,} train / {len(val):,} "
+          f"validation blocks of {d.max_length}")
+    print(f"model: {type(model).__name__}, {n_params:,} parameters")
+    runner.print_plan(rows)
+
+    # -- optimizer, schedule, records
+    optimizer = optim.adamw(model, t.learning_rate, t.weight_decay, device)
+    scheduler = optim.scheduler(optimizer, t.lr_scheduler, warmup, total_steps)
+    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "tokenizer": blocks.tokenizer_hash(tok),
+                "max_length": d.max_length, "micro_batch_size": micro, "grad_accum_steps": accum, "seed": t.seed,
+                "split": [d.split, d.validation_split, d.validation_file]}
+    dump_yaml(cfg, out / "config.yaml")
+    write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
+        {"setting": s, "value": v, "reason": r} for s, v, r in rows], "parameters": n_params})
+
+    # -- batches: a seeded order of blocks per epoch, a pure function of (seed, epoch, position)
+    train_idx = np.arange(len(train))
+    epochs: dict[int, list[list[int]]] = {}
+
+    def next_micro_batch(s: LoopState):
+        order = epochs.setdefault(s.epoch, batching.epoch_order(train_idx, micro, t.seed, s.epoch))
+        if s.batch_in_epoch >= len(order):
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            return next_micro_batch(s)
+        s.batch_in_epoch += 1
+        return train.collate(order[s.batch_in_epoch - 1])
+
+    eval_batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
+
+    def run_eval() -> dict[str, float]:
+        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+            return evaluate(model, eval_batches, device, autocast)
+
+    prompt = sample_prompt(t.sample_prompt, tok, val if len(val) else train)
+
+    def sample(step_: int) -> dict[str, str]:
+        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+            generated = generate_sample(model, tok, prompt, t.sample_tokens, t.seed, device)
+        print(f"\nsample at step {step_}: {generated!r}")
+        return {"sample": generated}
+
+    # -- train
+    settings = LoopSettings(total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
+                            device=device, autocast_dtype=autocast, logging_steps=t.logging_steps,
+                            eval_steps=t.eval_steps, save_steps=t.save_steps, progress=t.progress)
+    outcome = runner.run_loop(out, model, optimizer, scheduler, scaler, next_micro_batch,
+                              run_eval if eval_batches else None, settings, identity, t.resume, t.save_total_limit,
+                              t.report_to, t.monitor, after_eval=sample)
+
+    # -- outputs: a plain Hugging Face model directory
+    model.config.use_cache = True
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    matmul, layers, width = models.flop_dims(model)
+    fpt = training_flops_per_token(matmul, n_params, layers, width, d.max_length, full=True)
+    summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
+               **runner.figures(outcome, fpt, plan, hw), "micro_batch_size": micro, "grad_accum_steps": accum,
+               "effective_batch_size": effective, "max_length": d.max_length,
+               "sample": outcome.after.get("sample")}
+    write_json(out / "summary.json", summary)
+    runner.report(summary, out)
+    return summary
+
+
+def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
+    """The --precision a run asks hardware.plan for; `use_amp: true` wants 16-bit and refuses fp32."""
+    if request != "amp":
+        return request
+    auto = hardware.plan(device, "auto", hw).precision
+    if auto == "fp32":
+        raise TunebenchError("training.use_amp: true, but this device has no fast 16-bit arithmetic (a CPU without "
+                             "AVX512-BF16 or AMX); set use_amp: false (fp32)")
+    return auto
+
+
+def where(hw: hardware.Hardware, plan: hardware.Plan, device: torch.device) -> str:
+    return hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
+
+
+def load_or_train_tokenizer(cfg: PretrainConfig):
+    """The tokenizer data.tokenizer names, or a byte-level BPE trained once on the training data (cached)."""
+    d = cfg.data
+    if d.tokenizer:
+        return models.load_tokenizer(d.tokenizer), d.tokenizer
+    vocab = d.vocab_size or cfg.model.vocab_size
+    key = text.fingerprint(cfg.data_files, "bpe", vocab, d.text_column, tokenizer_job.FORMAT)
+    path = models.cache_dir() / "tokenizers" / key
+    if not (path / "tokenizer.json").exists():
+        print(f"training a byte-level BPE tokenizer ({vocab:,} tokens) on the training data (once)")
+        tokenizer_job.train(cfg.data_files, vocab, "bpe", path, d.text_column)
+    return models.load_tokenizer(str(path)), f"byte-level BPE trained on the data, cached in {path}"
+
+
+def sample_prompt(prompt: str | None, tok, source: blocks.Blocks) -> list[int]:
+    if prompt:
+        return tok(prompt, add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
+    return source.collate([0])["input_ids"][0, :8].tolist()
+
+
+@torch.no_grad()
+def generate_sample(model, tok, prompt: list[int], max_new_tokens: int, seed: int, device: torch.device) -> str:
+    """A sampled continuation of the fixed prompt, with its own seed: the run's RNG is left as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            ids = torch.tensor([prompt], device=device)
+            room = model.config.max_position_embeddings - len(prompt)  # learned positions end there
+            outputs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(max_new_tokens, room),
+                                     do_sample=True, temperature=0.8, top_k=50, use_cache=True,
+                                     pad_token_id=tok.pad_token_id)
+    finally:
+        model.train(was_training)
+    return tok.decode(outputs[0].tolist(), skip_special_tokens=True)
