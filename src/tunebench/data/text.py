@@ -18,7 +18,7 @@ PIECE_CHARS = 32_768  # plain text is handed on in pieces of about this size, cu
 TEXT_SUFFIXES = (".txt", ".md", ".text", "")
 
 
-def _plain(path: Path) -> Iterator[tuple[str, bool]]:
+def _plain(path: Path, piece_chars: int = PIECE_CHARS) -> Iterator[tuple[str, bool]]:
     buf: list[str] = []
     size = 0
     try:
@@ -26,7 +26,7 @@ def _plain(path: Path) -> Iterator[tuple[str, bool]]:
             for line in f:
                 buf.append(line)
                 size += len(line)
-                if size >= PIECE_CHARS:
+                if size >= piece_chars:
                     yield "".join(buf), False
                     buf, size = [], 0
     except UnicodeDecodeError as e:
@@ -92,8 +92,9 @@ def files(spec: str) -> list[Path]:
     return [path] if path.exists() else []
 
 
-def pieces(spec: str, column: str = "text", dataset_config: str | None = None) -> Iterator[tuple[str, bool]]:
-    """(text, ends_a_document) pieces of a corpus, in order."""
+def pieces(spec: str, column: str = "text", dataset_config: str | None = None,
+           piece_chars: int = PIECE_CHARS) -> Iterator[tuple[str, bool]]:
+    """(text, ends_a_document) pieces of a corpus, in order; plain text comes in pieces of about `piece_chars`."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or \
@@ -106,11 +107,11 @@ def pieces(spec: str, column: str = "text", dataset_config: str | None = None) -
         if not inner:
             raise TunebenchError(f"directory '{path}' holds no files; point --data at text or JSONL files")
         for p in inner:
-            yield from pieces(str(p), column)
+            yield from pieces(str(p), column, piece_chars=piece_chars)
         return
     if path.is_file():
         if path.suffix.lower() in TEXT_SUFFIXES:
-            yield from _plain(path)
+            yield from _plain(path, piece_chars)
         elif path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):
             yield from _records(path, column)
         else:

@@ -19,6 +19,9 @@ def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_toke
     tok, model = loaded.tokenizer, loaded.model
     text = _render(tok, messages, raw)
     enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    limit = models.position_limit(model)
+    if limit is not None:  # learned positions end there
+        max_new_tokens = max(0, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
     torch.manual_seed(seed)
     out = model.generate(
         **enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,

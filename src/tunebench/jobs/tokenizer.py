@@ -17,6 +17,7 @@ from tunebench.errors import TunebenchError
 TYPES = ("bpe", "unigram", "wordpiece", "char")
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 HELD_OUT_EVERY = 10  # every tenth piece is held out for bytes per token
+PIECE_CHARS = 2048  # plain text reaches the trainer in pieces of about this size
 HELD_OUT_MAX_CHARS = 2_000_000
 FORMAT = 1  # bump when training changes, to retrain tokenizers cached by `tunebench pretrain`
 
@@ -74,7 +75,7 @@ def train(data: list[str], vocab_size: int, kind: str = "bpe", output_dir: str |
     def corpus() -> Iterator[str]:
         held = 0
         for spec in data:
-            for i, (piece, _) in enumerate(text.pieces(spec, text_column)):
+            for i, (piece, _) in enumerate(text.pieces(spec, text_column, piece_chars=PIECE_CHARS)):
                 if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 and held < HELD_OUT_MAX_CHARS:
                     held_out.append(piece)
                     held += len(piece)

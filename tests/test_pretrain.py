@@ -1,0 +1,246 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tunebench import arch, pretrain_config, runner
+from tunebench.data import blocks
+from tunebench.errors import TunebenchError
+from tunebench.jobs import pretrain, tokenizer
+from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
+
+
+
+TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture
+def char_tok(tmp_path, corpus):
+    tokenizer.train([str(corpus)], 100, "char", tmp_path / "char-tok", quiet=True)
+    from tunebench.models import load_tokenizer
+
+    return load_tokenizer(str(tmp_path / "char-tok"))
+
+
+@pytest.mark.parametrize("kind,vocab,exact", [("bpe", 300, True), ("char", 100, True), ("unigram", 120, True),
+                                              ("wordpiece", 120, False)])
+def test_tokenizer_round_trip_and_reload(tmp_path, corpus, kind, vocab, exact):
+    from transformers import AutoTokenizer
+
+    result = tokenizer.train([str(corpus)], vocab, kind, tmp_path / kind, quiet=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path / kind)
+    assert len(tok) == result["vocab_size"] <= vocab
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
+    sample = "Line 5: the quick brown fox jumps over the lazy dog, 9 times.\n"
+    ids = tok(sample, add_special_tokens=False)["input_ids"]
+    decoded = tok.decode(ids)
+    if exact:
+        assert decoded == sample
+    else:  # WordPiece splits on whitespace and does not keep it
+        assert decoded.split() != sample.split() and "".join(decoded.split()) == "".join(sample.split())
+    assert tok.unk_token_id not in ids
+    if kind == "char":
+        assert len(ids) == len(sample) and result["bytes_per_token"] == 1.0
+        assert result["vocab_size"] == len(set(TEXT)) + 4  # every character once, plus the specials
+    else:
+        assert result["bytes_per_token"] > 1.2  # merged pieces compress the held-out text
+
+
+def test_tokenizer_refuses_a_vocabulary_below_its_alphabet(tmp_path, corpus):
+    with pytest.raises(TunebenchError, match="below byte-level BPE's 256 bytes"):
+        tokenizer.train([str(corpus)], 100, "bpe", tmp_path / "t", quiet=True)
+
+
+@pytest.mark.parametrize("settings", [
+    {},  # GPT-2-style, tied
+    {"tie_embeddings": False, "activation": "relu"},
+    {"use_learned_pos_emb": False, "activation": "swiglu", "dropout": 0.0, "use_bias": False},
+    {"use_learned_pos_emb": False, "activation": "swiglu", "dropout": 0.0, "use_bias": True, "tie_embeddings": False},
+])
+def test_parameter_count_matches_the_formula(char_tok, settings):
+    m = ModelConfig(vocab_size=100, d_model=32, n_heads=4, n_layers=3, d_ff=80, max_seq_len=48, **settings)
+    model = arch.build(m, char_tok, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == arch.parameter_count(m)
+    expected_type = "GPT2LMHeadModel" if m.use_learned_pos_emb else "LlamaForCausalLM"
+    assert type(model).__name__ == expected_type and model.training
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"model.d_model": 100, "model.n_heads": 3}, "not divisible by model.n_heads 3"),
+    ({"model.activation": "swiglu"}, "set use_learned_pos_emb: false"),
+    ({"model.use_learned_pos_emb": False}, "set activation: swiglu"),
+    ({"model.use_bias": False}, "GPT-2-style layers always have biases"),
+    ({"model.pre_norm": False}, "set pre_norm: true"),
+    ({"data.max_length": 1024}, "exceeds model.max_seq_len 512"),
+    ({"training.bf16": True, "training.fp16": True}, "set one of them"),
+    ({"data.pack_sequences": False}, "set pack_sequences: true"),
+    ({"training.learning_rat": 1e-3}, "did you mean 'training.learning_rate'"),
+    ({"training.batch_size": "auto"}, "needs training.effective_batch_size"),
+])
+def test_bad_settings_are_refused_with_the_fix(keys, message):
+    with pytest.raises(TunebenchError, match=message):
+        pretrain_config.load(options={"data.train_file": "x.txt", **keys})
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(char_tok):
+    with pytest.raises(TunebenchError, match="smaller than the tokenizer's .* set model.vocab_size to at least"):
+        arch.check_vocab(ModelConfig(vocab_size=10), char_tok)
+
+
+def test_use_amp_on_a_cpu_without_bf16_is_an_error_not_fp32():
+    from tunebench import hardware
+
+    hw = hardware.Hardware("old cpu", 2, 2, frozenset({"avx2"}), 8000, 8000, "Linux")
+    with pytest.raises(TunebenchError, match="use_amp: true.*set use_amp: false"):
+        pretrain.precision_for("amp", "cpu", hw)
+    bf16 = hardware.Hardware("new cpu", 2, 2, frozenset({"avx512_bf16"}), 8000, 8000, "Linux")
+    assert pretrain.precision_for("amp", "cpu", bf16) == "bf16"
+    assert TrainingConfig(use_amp=False).precision_request == "fp32"
+    assert TrainingConfig(bf16=True).precision_request == "bf16" and TrainingConfig().precision_request == "auto"
+
+
+@pytest.mark.parametrize("name", pretrain_config.shipped())
+def test_every_shipped_pretrain_config_loads_and_validates(name):
+    cfg = pretrain_config.load(name, {"data.train_file": "corpus.txt"})
+    assert cfg.model.d_model % cfg.model.n_heads == 0 and cfg.data.max_length <= cfg.model.max_seq_len
+    assert set(pretrain_config.shipped()) == {"cpu_small_model", "cpu_medium_model", "gpu_model"}
+    if name == "cpu_small_model":
+        m = cfg.model
+        assert (m.vocab_size, m.d_model, m.n_heads, m.n_layers, m.d_ff, m.max_seq_len) == (32000, 256, 4, 4, 1024, 512)
+    if name == "cpu_medium_model":
+        m = cfg.model
+        assert (m.vocab_size, m.d_model, m.n_heads, m.n_layers, m.d_ff, m.max_seq_len) == \
+            (50000, 768, 12, 12, 3072, 1024)
+
+
+def test_token_file_puts_eos_between_documents_and_is_cached(tmp_path, char_tok, monkeypatch):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "de", "f")))
+    tokens = blocks.token_file([str(docs)], char_tok, tmp_path / "cache")
+    eos = char_tok.eos_token_id
+    assert np.asarray(tokens).tolist() == [*char_tok("abc")["input_ids"], eos, *char_tok("de")["input_ids"], eos,
+                                           *char_tok("f")["input_ids"], eos]
+    monkeypatch.setattr(blocks, "_tokenize_to", lambda *a, **k: pytest.fail("re-tokenized a cached corpus"))
+    again = blocks.token_file([str(docs)], char_tok, tmp_path / "cache")
+    assert np.array_equal(tokens, again) and isinstance(again, np.memmap)
+
+
+def test_blocks_are_contiguous_and_splits_are_disjoint_and_cover(tmp_path, corpus, char_tok):
+    tokens = blocks.token_file([str(corpus)], char_tok, tmp_path / "cache")
+    every = blocks.cut(tokens, 64)
+    assert len(every) == len(tokens) // 64
+    batch = every.collate([0, 3])
+    assert torch.equal(batch["input_ids"][1], torch.from_numpy(np.asarray(tokens[192:256]).astype(np.int64)))
+    assert torch.equal(batch["labels"], batch["input_ids"]) and bool(batch["attention_mask"].all())
+    for mode in ("random", "tail"):
+        train, val = blocks.split(every, 0.1, seed=1, mode=mode)
+        assert len(val) == round(0.1 * len(every)) and len(train) + len(val) == len(every)
+        assert set(train.starts.tolist()).isdisjoint(val.starts.tolist())
+    train, val = blocks.split(every, 0.1, seed=1, mode="tail")
+    assert val.starts.min() > train.starts.max()  # the corpus's last tenth
+    a, _ = blocks.split(every, 0.1, seed=1, mode="random")
+    b, _ = blocks.split(every, 0.1, seed=1, mode="random")
+    c, _ = blocks.split(every, 0.1, seed=2, mode="random")
+    assert np.array_equal(a.starts, b.starts) and not np.array_equal(a.starts, c.starts)
+
+
+def _config(corpus, tok_dir, out, **training):
+    return PretrainConfig(
+        ModelConfig(vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=32, dropout=0.1,
+                    attention_dropout=0.0),
+        TrainingConfig(**{"batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 6, "learning_rate": 3e-3,
+                          "warmup_steps": 1, "checkpoint_dir": str(out), "progress": False, "eval_steps": 3,
+                          "save_steps": None, "sample_tokens": 8, "logging_steps": 1, "precision": "fp32",
+                          **training}),
+        DataConfig(train_file=str(corpus), tokenizer=str(tok_dir), max_length=32, max_eval_blocks=8))
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_pretrain_resume_after_sigterm_reproduces_losses_and_weights(tmp_path, corpus, char_tok):
+    from safetensors.torch import load_file
+
+    tok_dir = tmp_path / "char-tok"
+    full = pretrain.run(_config(corpus, tok_dir, tmp_path / "full"))
+    expected = _losses(tmp_path / "full")
+    assert len(expected) == 6 and full["eval_loss"] < full["eval_loss_before"]
+    evals = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+             if "eval_loss" in line]
+    assert all(isinstance(r["sample"], str) for r in evals)  # a generation at every eval
+
+    real_call = runner.MetricsWriter.__call__
+
+    def interrupt_at_3(self, record):
+        real_call(self, record)
+        if record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    runner.MetricsWriter.__call__ = interrupt_at_3
+    try:
+        with pytest.raises(TunebenchError, match="interrupted at step 3"):
+            pretrain.run(_config(corpus, tok_dir, tmp_path / "part"))
+    finally:
+        runner.MetricsWriter.__call__ = real_call
+    pretrain.run(_config(corpus, tok_dir, tmp_path / "part", resume="auto"))
+    assert _losses(tmp_path / "part") == expected
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("full", "part"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pretrained_output_loads_generates_and_fine_tunes(tmp_path, corpus, char_tok):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunebench.config import load_config
+    from tunebench.jobs import finetune
+
+    pretrain.run(_config(corpus, tmp_path / "char-tok", tmp_path / "pre", max_steps=2))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pre")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "pre")
+    out = model.generate(**tok("Line", return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == len("Line") + 5
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(8)))
+    summary = finetune.run(load_config(options={
+        "model.name": str(tmp_path / "pre"), "data.path": str(data), "data.max_length": 32, "train.max_steps": 1,
+        "data.template": "Q: {instruction}\nA: ",
+        "train.micro_batch_size": 2, "train.output_dir": str(tmp_path / "ft"), "train.progress": False}))
+    assert summary["steps"] == 1 and (tmp_path / "ft" / "adapter_model.safetensors").is_file()
+
+
+def test_cli_pretrain_refuses_bad_input_in_one_line(tmp_path):
+    env = dict(os.environ, TUNEBENCH_CACHE=str(tmp_path / "cache"))
+    for args, message in ((["cpu_small_model", "--data", str(tmp_path / "missing.txt")], "data file"),
+                          (["no_such_config"], "neither a YAML file nor a shipped config"),
+                          (["cpu_small_model", "data.dataset_name=someone/no-such-set"], "pass a local file")):
+        r = subprocess.run([sys.executable, "-m", "tunebench", "pretrain", *args, "--output-dir", str(tmp_path / "o")],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_readme_python_api_example_runs(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    assert scope["device"] in ("cpu", "cuda", "mps") and scope["summary"]["steps"] == 20
+    assert isinstance(scope["text"], str) and (tmp_path / "runs" / "api-demo" / "config.json").is_file()
