@@ -134,7 +134,7 @@ def test_fast_dropout_keeps_the_rate_and_the_expectation(compiled):
     assert (lanes - 0.9).abs().max() < 0.005
     assert abs(y.mean().item() - 1.0) < 0.004  # scaled so E[y] = x
     values = torch.unique(y).tolist()
-    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(d.scale)
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - round(0.1 * 65536) / 65536))
     assert torch.equal(d.eval()(x), x)  # identity at eval
     x = torch.randn(3, 7, requires_grad=True)  # odd sizes, and gradients flow through the mask
     out = models.FastDropout(0.5).train()(x)
@@ -146,6 +146,27 @@ def test_lora_dropout_modules_are_replaced(tiny):
     peft = models.add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"])
     drops = [m for m in peft.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and all(isinstance(m, models.FastDropout) and m.p == 0.1 for m in drops)
+
+
+def test_fast_dropout_swaps_every_plain_dropout_and_keeps_p():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=16,
+                                       resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3))
+    plain = [m for m in model.modules() if type(m) is torch.nn.Dropout and m.p > 0]
+    assert models.use_fast_dropout(model) == len(plain) == 1 + 2 * 3  # embeddings; per block attn, resid, mlp
+    assert not [m for m in model.modules() if type(m) is torch.nn.Dropout and m.p > 0]
+    assert model.transformer.h[0].attn.attn_dropout.p == 0.3 and model.transformer.drop.p == 0.2
+
+
+def test_tunebench_attention_drops_probabilities_at_the_asked_rate():
+    from tunebench import kernels
+
+    torch.manual_seed(0)
+    probs = torch.full((200, 64, 64), 1 / 64)
+    out = kernels.fast_dropout(probs, 0.25)
+    assert abs((out == 0).float().mean().item() - 0.25) < 0.005
+    assert abs(out.mean().item() - 1 / 64) < 1e-4  # the expectation is kept
 
 
 def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):

@@ -244,3 +244,14 @@ def test_readme_python_api_example_runs(tmp_path, monkeypatch):
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
     assert scope["device"] in ("cpu", "cuda", "mps") and scope["summary"]["steps"] == 20
     assert isinstance(scope["text"], str) and (tmp_path / "runs" / "api-demo" / "config.json").is_file()
+
+
+def test_cli_tokenizer_train_saves_and_reports(tmp_path, corpus):
+    r = subprocess.run([sys.executable, "-m", "tunebench", "tokenizer", "train", "--data", str(corpus), "--vocab-size",
+                        "300", "-o", str(tmp_path / "tok")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "bpe tokenizer: vocabulary 300" in r.stdout and "bytes per token" in r.stdout
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    r = subprocess.run([sys.executable, "-m", "tunebench", "tokenizer", "train", "--data", str(tmp_path / "nope.txt"),
+                        "--vocab-size", "300", "-o", str(tmp_path / "t2")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -322,20 +322,29 @@ class FastDropout(torch.nn.Dropout):
     and is used as is.
     """
 
-    def __init__(self, p: float):
-        super().__init__(p)
-        self.threshold = round(p * 65536) - 32768  # keep where the int16 uniform >= threshold
-        self.scale = 1.0 / (1.0 - round(p * 65536) / 65536)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         if x.device.type != "cpu":
             return super().forward(x)
-        n = x.numel()
-        words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
-        keep = words.view(torch.int16)[:n].view(x.shape) >= self.threshold
-        return x * keep * self.scale
+        from tunebench.kernels import fast_dropout
+
+        return fast_dropout(x, self.p)
+
+
+def use_fast_dropout(model, within: str | None = None) -> int:
+    """Swap every plain torch Dropout (under modules named `within`, when given) for FastDropout; return how many.
+
+    Modules that read `.p` (GPT-2's attention hands `attn_dropout.p` to the attention kernel) still
+    find it: FastDropout is a Dropout."""
+    swapped = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}"
+            if type(child) is torch.nn.Dropout and child.p > 0 and (within is None or within in full):
+                setattr(parent, name, FastDropout(child.p))
+                swapped += 1
+    return swapped
 
 
 def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
@@ -343,13 +352,7 @@ def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str
 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     peft = get_peft_model(model, config)
-    if dropout > 0:
-        for m in peft.modules():
-            drops = getattr(m, "lora_dropout", None)
-            if isinstance(drops, torch.nn.ModuleDict):
-                for name, d in drops.items():
-                    if type(d) is torch.nn.Dropout:
-                        drops[name] = FastDropout(d.p)
+    use_fast_dropout(peft, within="lora_dropout")
     return peft
 
 

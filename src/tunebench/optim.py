@@ -35,10 +35,11 @@ def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def adamw(model, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+def adamw(model, lr: float, weight_decay: float, device: torch.device,
+          betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
     """AdamW, fused where torch has the kernel: the optimizer step of full fine-tuning on a CPU runs
     about 5x faster than the default foreach path (80 vs 407 ms for SmolLM2's 135M fp32 weights)."""
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, fused=fused_adamw(device) or None)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused_adamw(device) or None)
 
 
 def scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int):

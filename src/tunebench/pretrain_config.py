@@ -59,6 +59,8 @@ class TrainingConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     optimizer: str = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999  # 0.99 suits small models and batches (nanoGPT's character-level recipe)
     gradient_accumulation_steps: int = 1
     use_amp: bool | None = None  # true: 16-bit autocast (bf16 where the hardware has it); false: fp32
     fp16: bool = False
@@ -260,6 +262,7 @@ def validate(cfg: PretrainConfig) -> None:
         raise TunebenchError("model.use_bias: false needs the Llama-style model (use_learned_pos_emb: false, "
                              "activation: swiglu); GPT-2-style layers always have biases")
     for name, p in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout),
+                    ("training.adam_beta1", t.adam_beta1), ("training.adam_beta2", t.adam_beta2),
                     ("data.validation_split", d.validation_split)):
         if not 0 <= p < 1:
             raise TunebenchError(f"{name} must be in [0, 1), got {p}")
