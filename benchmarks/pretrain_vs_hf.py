@@ -16,11 +16,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness  # benchmarks/harness.py: run as a script, this directory is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -77,7 +77,7 @@ def _flops(model, length: int) -> float:
 def worker_hf(args) -> dict:
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
     from tunebench import arch
 
@@ -92,14 +92,7 @@ def worker_hf(args) -> dict:
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.marks = []
-
-        def on_step_end(self, a, state, control, **kw):
-            self.marks.append(time.perf_counter())
-
-    clock = Clock()
+    clock = harness.step_clock()
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=t.batch_size, gradient_accumulation_steps=1,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
@@ -116,7 +109,7 @@ def worker_hf(args) -> dict:
     return {"side": "HF Trainer (bf16)", "steps": len(clock.marks), "duration_s": wall,
             "tokens_per_s": tokens / (clock.marks[-1] - clock.marks[skip - 1]),
             "val_loss": _val_loss(model, val, t.batch_size), "flops_per_token": _flops(model, cfg.data.max_length),
-            "peak_memory_mb": _peak_mb(), "parameters": sum(p.numel() for p in model.parameters())}
+            "peak_memory_mb": harness.peak_mb(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def worker_tunebench(args) -> dict:
@@ -132,26 +125,8 @@ def worker_tunebench(args) -> dict:
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
     return {"side": "tunebench pretrain", "steps": s["steps"], "duration_s": s["duration_s"],
             "tokens_per_s": s["tokens_per_s"], "val_loss": _val_loss(model, val, cfg.training.batch_size),
-            "flops_per_token": s["flops_per_token"], "peak_memory_mb": _peak_mb(), "parameters": s["parameters"],
+            "flops_per_token": s["flops_per_token"], "peak_memory_mb": harness.peak_mb(), "parameters": s["parameters"],
             "chosen": {k: chosen.get(k) for k in ("attention", "compile", "precision")}}
-
-
-def _peak_mb() -> float:
-    from tunebench.metrics import process_peak_mb
-
-    return process_peak_mb()
-
-
-def _spawn(argv: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, *argv, "--result", out], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"worker {argv} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return dict(json.loads(Path(out).read_text()), total_s=time.perf_counter() - start)
 
 
 def main() -> None:
@@ -189,7 +164,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {}
         for rep in range(args.repeats):
             for worker in ("hf", "tunebench"):
-                r = _spawn(["--worker", worker, *common])
+                r = harness.spawn(__file__, ["--worker", worker, *common])
                 runs.setdefault(r["side"], []).append(r)
                 mfu = r["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12)
                 print(f"  {config} run {rep + 1}: {r['side']:<20} {r['tokens_per_s']:7.0f} tokens/s  MFU "

@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness  # benchmarks/harness.py: run as a script, this directory is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 BITEXT = ROOT.parent / "shared" / "data" / "bitext-early-official-4514rows" / \
@@ -58,7 +58,7 @@ def _eval_loss(model, data, eval_idx, pad_id):
 def worker_peer(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     loaded, data, train_idx, eval_idx = _common(args)
     tok = loaded.tokenizer
@@ -71,14 +71,7 @@ def worker_peer(args) -> dict:
     real_tokens = [sum(r["attention_mask"]) for r in rows]
     model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", **LORA))
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.marks = []
-
-        def on_step_end(self, a, state, control, **kw):
-            self.marks.append(time.perf_counter())
-
-    clock = Clock()
+    clock = harness.step_clock()
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_train_epochs=1, learning_rate=2e-4, warmup_steps=0.03, lr_scheduler_type="cosine",
@@ -99,7 +92,7 @@ def worker_peer(args) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.peer_precision == "bf16"):
         eval_loss = _eval_loss(model, data, eval_idx, tok.pad_token_id)
     return {"side": f"HF Trainer+PEFT ({args.peer_precision})", "steps": steps, "duration_s": wall,
-            "tokens_per_s": measured_tokens / measured_time, "eval_loss": eval_loss, "peak_memory_mb": _peak_mb()}
+            "tokens_per_s": measured_tokens / measured_time, "eval_loss": eval_loss, "peak_memory_mb": harness.peak_mb()}
 
 
 def worker_tunebench(args) -> dict:
@@ -116,16 +109,9 @@ def worker_tunebench(args) -> dict:
     s = finetune.run(cfg)
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
     return {"side": "tunebench (auto)", "steps": s["steps"], "duration_s": s["duration_s"],
-            "tokens_per_s": s["tokens_per_s"], "eval_loss": s["eval_loss"], "peak_memory_mb": _peak_mb(),
+            "tokens_per_s": s["tokens_per_s"], "eval_loss": s["eval_loss"], "peak_memory_mb": harness.peak_mb(),
             "mfu": s["mfu"], "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile",
                                                                     "batch layout")}}
-
-
-def _peak_mb() -> float:
-    """The process's peak resident set, probes included (tunebench's probes reset the kernel's counter)."""
-    from tunebench.metrics import process_peak_mb
-
-    return process_peak_mb()
 
 
 def worker_sweep(args) -> dict:
@@ -179,21 +165,8 @@ def worker_sweep(args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     return {"side": args.side, "max_length": args.max_length, "micro_batch": args.micro_batch,
-            "s_per_step": float(np.median(times[1:])), "peak_memory_mb": _peak_mb(),
+            "s_per_step": float(np.median(times[1:])), "peak_memory_mb": harness.peak_mb(),
             "attention": "sdpa" if args.side == "peer" else row[1]}
-
-
-def _spawn(argv: list[str]) -> dict:
-    """Run one worker in its own process; its result, plus the process's whole wall time (`total_s`:
-    loading, tokenizing, probing and compiling included)."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, *argv, "--result", out], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"worker {argv} failed:\n{proc.stderr[-3000:]}")
-    return dict(json.loads(Path(out).read_text()), total_s=time.perf_counter() - start)
 
 
 def main() -> None:
@@ -231,8 +204,8 @@ def main() -> None:
                     argv = ["--worker", "sweep", "--side", side, "--max-length", str(length),
                             "--micro-batch", str(micro), "--model", args.model]
                     if side == "tunebench":
-                        _spawn([*argv, "--steps", "0"])
-                    r = _spawn(argv)
+                        harness.spawn(__file__, [*argv, "--steps", "0"])
+                    r = harness.spawn(__file__, argv)
                     print(f"{length:>10} {micro:>5} {side:>10} {r['attention']:>10} {r['s_per_step']:8.2f} "
                           f"{length * micro / r['s_per_step']:8.0f} {r['peak_memory_mb']:8.0f}")
         return
@@ -244,7 +217,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for worker, precision in plan:
             extra = ["--peer-precision", precision] if precision else []
-            r = _spawn(["--worker", worker, *extra, *common])
+            r = harness.spawn(__file__, ["--worker", worker, *extra, *common])
             runs.setdefault(r["side"], []).append(r)
             print(f"  run {rep + 1}: {r['side']:<28} {r['tokens_per_s']:8.0f} real tokens/s  "
                   f"eval loss {r['eval_loss']:.4f}  peak {r['peak_memory_mb']:.0f} MB  "

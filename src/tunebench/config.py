@@ -133,14 +133,19 @@ SYNONYMS = {
 
 
 def _nearest(key: str) -> str:
-    keys = all_keys()
-    key = ".".join(SYNONYMS.get(part, part) for part in key.split("."))
+    return nearest_key(key, all_keys(), SYNONYMS, "tunebench train --help")
+
+
+def nearest_key(key: str, keys: list[str], synonyms: dict[str, str], help_command: str) -> str:
+    """'; did you mean ...?' for an unknown dotted key: by the whole key, else by its last part (other
+    tools' names for a key, `synonyms`, count as that key)."""
+    key = ".".join(synonyms.get(part, part) for part in key.split("."))
     by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
-    by_leaf.update({alias: by_leaf[target] for alias, target in SYNONYMS.items() if target in by_leaf})
+    by_leaf.update({alias: by_leaf[target] for alias, target in synonyms.items() if target in by_leaf})
     hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.75) or [
         by_leaf[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.6)
     ]
-    return f"; did you mean '{hit[0]}'?" if hit else "; run `tunebench train --help` for the valid keys"
+    return f"; did you mean '{hit[0]}'?" if hit else f"; run `{help_command}` for the valid keys"
 
 
 def _coerce(key: str, value: Any, cls: type | None = None) -> Any:

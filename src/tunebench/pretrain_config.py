@@ -9,14 +9,13 @@ checked once, in `validate`, with a message that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tunebench.config import SCHEDULES, _coerce, parse_override, read_yaml
+from tunebench.config import SCHEDULES, _coerce, nearest_key, parse_override, read_yaml
 from tunebench.errors import TunebenchError
 
 ACTIVATIONS = ("gelu", "relu", "swish", "swiglu")
@@ -160,12 +159,7 @@ def all_keys() -> list[str]:
 
 
 def _nearest(key: str) -> str:
-    key = ".".join(ALIASES.get(part, part) for part in key.split("."))
-    keys = all_keys()
-    leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
-    hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.75) or [
-        leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)]
-    return f"; did you mean '{hit[0]}'?" if hit else "; see `tunebench pretrain --help` for the sections"
+    return nearest_key(key, all_keys(), ALIASES, "tunebench pretrain --help")
 
 
 def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:

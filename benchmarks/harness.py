@@ -1,0 +1,47 @@
+"""What the benchmarks share: a step clock for HF Trainer, the process's peak memory, and one worker
+per process (so that each side's peak memory and threads are its own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def step_clock():
+    """A TrainerCallback that records the time at the end of every optimizer step (`.marks`)."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+    return Clock()
+
+
+def peak_mb() -> float:
+    """The process's peak resident set, probes included (tunebench's probes reset the kernel's counter)."""
+    from tunebench.metrics import process_peak_mb
+
+    return process_peak_mb()
+
+
+def spawn(script: str, argv: list[str]) -> dict:
+    """Run one worker (`script` with `argv --result FILE`) in its own process; its result, plus the
+    process's whole wall time (`total_s`: loading, tokenizing, probing and compiling included)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, script, *argv, "--result", out], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {argv} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return dict(json.loads(Path(out).read_text()), total_s=time.perf_counter() - start)
