@@ -130,20 +130,22 @@ def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: C
                       gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
     wall = time.perf_counter()
     try:
-        reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
-        with sampler:
-            state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
-        if not (settings.save_steps and state.step % settings.save_steps == 0):  # the loop did not just save it
-            save(state)
+        try:
+            reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
+            with sampler:
+                state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
+            if not (settings.save_steps and state.step % settings.save_steps == 0):  # the loop did not just save it
+                save(state)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        wall = time.perf_counter() - wall
+        peak = peak_memory_mb(device)
+        after = run_eval(state.step) if evaluate else {}
+        if after:
+            metrics({"step": state.step, **after})
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-    wall = time.perf_counter() - wall
-    peak = peak_memory_mb(device)
-    after = run_eval(state.step) if evaluate else {}
-    if after:
-        metrics({"step": state.step, **after})
-    metrics.close()
+        metrics.close()
     return Outcome(state, wall, before, after, sampler.summary(), peak)
 
 
