@@ -42,9 +42,15 @@ def _column(path: Path, row: dict, column: str, line: int) -> str:
     return "" if value is None else str(value)
 
 
+def _opens_a_list(path: Path) -> bool:
+    """Whether a .json file is one JSON list (read whole) rather than JSON lines (streamed)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        return f.read(4096).lstrip()[:1] == "["
+
+
 def _records(path: Path, column: str) -> Iterator[tuple[str, bool]]:
     suffix = path.suffix.lower()
-    if suffix == ".jsonl" or suffix == ".json" and not path.read_text(encoding="utf-8", errors="replace")[:1] == "[":
+    if suffix == ".jsonl" or suffix == ".json" and not _opens_a_list(path):
         with path.open(encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
