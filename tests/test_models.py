@@ -206,3 +206,18 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
             torch.testing.assert_close(g_c[k], g_e[k], rtol=1e-3, atol=1e-5, msg=k)
     models.uncompile_blocks(peft)
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in peft.modules())
+
+
+@pytest.mark.parametrize("make,limit", [
+    (lambda t: t.GPT2Config(n_positions=64), 64),
+    (lambda t: t.OPTConfig(max_position_embeddings=96), 96),
+    (lambda t: t.LlamaConfig(max_position_embeddings=128), None),  # rotary: longer sequences still run
+    (lambda t: t.GPTJConfig(n_positions=256), None),  # rotary, though its config says n_positions
+    (lambda t: t.BloomConfig(), None),  # ALiBi
+])
+def test_position_limit_only_for_learned_position_tables(make, limit):
+    import types
+
+    import transformers
+
+    assert models.position_limit(types.SimpleNamespace(config=make(transformers))) == limit

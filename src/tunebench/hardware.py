@@ -296,11 +296,11 @@ def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float
 
     key = f"{hw.cpu_model}|{','.join(sorted(hw.cpu_flags & set(CPU_FEATURES)))}|{threads}|" \
           f"{hw.versions.get('torch')}|{dtype}"
-    cache = read_json(cache_file)
-    if not isinstance(cache.get(key), (int, float)):
-        cache[key] = measure_cpu_peak_tflops(dtype, threads)
-        update_json(cache_file, key, cache[key])
-    return float(cache[key])
+    peak = read_json(cache_file).get(key)
+    if not isinstance(peak, (int, float)):
+        peak = measure_cpu_peak_tflops(dtype, threads)
+        update_json(cache_file, key, peak)
+    return float(peak)
 
 
 def peak_tflops(device: str, precision: str, hw: Hardware, threads: int, cache_file) -> tuple[float | None, str]:

@@ -20,6 +20,7 @@ from tunebench.errors import TunebenchError
 from tunebench.kernels import cross_entropy_sum, linear_cross_entropy_sum
 
 Batch = dict[str, torch.Tensor]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a run's precision -> dtype
 
 
 @dataclass

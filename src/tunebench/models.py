@@ -483,10 +483,13 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
     return loaded
 
 
+LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")  # families with a learned position table (not rotary, ALiBi)
+
+
 def position_limit(model) -> int | None:
     """Tokens a model with learned position embeddings can see (GPT-2's n_positions); None for rotary ones."""
     c = model.config
-    if getattr(c, "model_type", "") in ("gpt2", "gpt_bigcode", "gptj", "opt", "bloom") or hasattr(c, "n_positions"):
+    if getattr(c, "model_type", "") in LEARNED_POSITIONS:
         return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
     return None
 

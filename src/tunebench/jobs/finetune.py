@@ -3,7 +3,6 @@ plan the hardware, load model and data, set up the method, decide the measured s
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,10 @@ from tunebench.data import batching
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
-from tunebench.loop import LoopSettings, LoopState, evaluate
+from tunebench.loop import DTYPES, LoopSettings, LoopState, evaluate
 from tunebench.metrics import training_flops_per_token
 from tunebench.tune import attention, batch, compiler, layout
 from tunebench.tune.probe import enable_checkpointing, probe_step
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
     """Apply the method. Returns (model, autocast dtype, reasons). Frozen bases live in the compute dtype."""
@@ -102,7 +98,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
     step = probe_step(model, lambda size: batching.collate(data, longest[:size], tok.pad_token_id), device, autocast)
     shape = tune.Shape(cfg.model.name, cfg.adapter.method, cfg.adapter.quantization, cfg.adapter.r,
-                       cfg.adapter.target_modules, cfg.data.max_length, where(hw, plan, device), plan.precision,
+                       cfg.adapter.target_modules, cfg.data.max_length, tune.where(hw, plan, device), plan.precision,
                        hw.versions.get("torch", ""), t.attention, t.liger, t.gradient_checkpointing)
     rows_probed = min(t.micro_batch_size, len(train_idx))
     # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
@@ -178,8 +174,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_batches = batching.eval_batches(data, eval_idx, t.micro_batch_size * 2, tok.pad_token_id)
 
     def run_eval() -> dict[str, float]:
-        # Eagerly: a compiled no-grad graph would cost a second warm-up for a few batches.
-        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+        with compiler.eagerly(compiled):
             return evaluate(model, eval_batches, device, autocast)
 
     # -- train
@@ -207,11 +202,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     write_json(out / "summary.json", summary)
     runner.report(summary, out)
     return summary
-
-
-def where(hw: hardware.Hardware, plan: hardware.Plan, device: torch.device) -> str:
-    """The machine a measurement holds for: the GPU, or the CPU at this run's thread count."""
-    return hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
 
 
 def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded) -> None:

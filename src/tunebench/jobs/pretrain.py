@@ -4,7 +4,6 @@ save. The loop, the measured decisions and the run plumbing are the ones `train`
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,11 @@ from tunebench.data import batching, blocks, text
 from tunebench.errors import TunebenchError
 from tunebench.jobs import tokenizer as tokenizer_job
 from tunebench.jsonfile import write_json
-from tunebench.loop import LoopSettings, LoopState, evaluate
+from tunebench.loop import DTYPES, LoopSettings, LoopState, evaluate
 from tunebench.metrics import training_flops_per_token
 from tunebench.pretrain_config import PretrainConfig, dump_yaml
 from tunebench.tune import attention, batch, compiler
 from tunebench.tune.probe import enable_checkpointing, probe_step
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def run(cfg: PretrainConfig) -> dict[str, Any]:
     m, t, d = cfg.model, cfg.training, cfg.data
@@ -83,7 +79,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
 
     # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile
     shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
-                       where(hw, plan, device), plan.precision, hw.versions.get("torch", ""), t.attention, "off",
+                       tune.where(hw, plan, device), plan.precision, hw.versions.get("torch", ""), t.attention, "off",
                        "on" if m.gradient_checkpointing else "off")
     step = probe_step(model, lambda size: train.collate(range(min(size, len(train)))), device, autocast)
     rows.append(attention.decide(model, t.attention, lambda: step(t.batch_size)[0], shape, t.batch_size,
@@ -139,13 +135,13 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     eval_batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
 
     def run_eval() -> dict[str, float]:
-        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+        with compiler.eagerly(compiled):
             return evaluate(model, eval_batches, device, autocast)
 
     prompt = sample_prompt(t.sample_prompt, tok, val if len(val) else train)
 
     def sample(step_: int) -> dict[str, str]:
-        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+        with compiler.eagerly(compiled):
             generated = generate_sample(model, tok, prompt, t.sample_tokens, t.seed, device)
         print(f"\nsample at step {step_}: {generated!r}")
         return {"sample": generated}
@@ -182,10 +178,6 @@ def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
         raise TunebenchError("training.use_amp: true, but this device has no fast 16-bit arithmetic (a CPU without "
                              "AVX512-BF16 or AMX); set use_amp: false (fp32)")
     return auto
-
-
-def where(hw: hardware.Hardware, plan: hardware.Plan, device: torch.device) -> str:
-    return hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
 
 
 def load_or_train_tokenizer(cfg: PretrainConfig):

@@ -39,6 +39,11 @@ class Shape:
         return f"{kind}|" + json.dumps({**asdict(self), **extra}, sort_keys=True, default=str)
 
 
+def where(hw, plan, device) -> str:
+    """The machine a measurement holds for: the GPU, or the CPU at this run's thread count."""
+    return hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
+
+
 def cache_file() -> Path:
     from tunebench.models import cache_dir
 

@@ -8,11 +8,11 @@ import torch
 
 from tunebench import kernels
 from tunebench.errors import TunebenchError
+from tunebench.loop import DTYPES
 from tunebench.tune import Row, Shape, cached, store
 from tunebench.tune.probe import free_after_oom, is_oom, memory_free_mb
 
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def candidates(device: torch.device, precision: str) -> tuple[str, ...]:
@@ -75,7 +75,7 @@ def fit(model, rows: int, length: int, precision: str, device: torch.device):
     """`too_big` for `pick`: a kernel whose kept attention weights would take over half the
     memory free now (the rest of the step needs room too) is not tried."""
     free = memory_free_mb(device)
-    itemsize = ITEMSIZE[precision]
+    itemsize = DTYPES[precision].itemsize
 
     def too_big(impl: str) -> str | None:
         need = kernels.saved_weights_mb(model.config, rows, length, impl, itemsize)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -10,6 +11,12 @@ from tunebench import hardware, models
 from tunebench.tune import Row, Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
+
+
+def eagerly(compiled: bool):
+    """Run a compiled model eagerly for what is not the training step (evaluation, sampling): a compiled
+    no-grad graph would cost a second warm-up for a few batches."""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
 def warm_up_compiled(model, measure) -> float:
