@@ -6,7 +6,7 @@ import signal
 import pytest
 import torch
 
-from tunebench import checkpoint, runner
+from tunebench import checkpoint, models, runner
 from tunebench.config import load_config
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
@@ -64,9 +64,23 @@ def _losses(out):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_resume_after_sigterm_reproduces_the_uninterrupted_losses(tmp_path, dataset, monkeypatch):
+def _weights(out):
+    from safetensors.torch import load_file
+
+    files = list(out.glob("*.safetensors"))
+    assert len(files) == 1, files
+    return load_file(files[0])
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # LoRA, padded rows
+    {"adapter.method": "full", "train.lr": 1e-3},  # fused AdamW state of every weight
+    {"data.packing": "on"},
+], ids=["lora", "full", "packed"])
+def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset, monkeypatch, extra):
+    """Killed at step 3 and resumed, a run ends with the same losses and the same weights, bit for bit."""
     full = tmp_path / "full"
-    finetune.run(_cfg(dataset, full))
+    finetune.run(_cfg(dataset, full, **extra))
     expected = _losses(full)
     assert len(expected) == 6
 
@@ -80,15 +94,19 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_losses(tmp_path, data
 
     monkeypatch.setattr(runner.MetricsWriter, "__call__", interrupt_at_3)
     with pytest.raises(TunebenchError, match="interrupted at step 3.*--resume auto") as e:
-        finetune.run(_cfg(dataset, part))
+        finetune.run(_cfg(dataset, part, **extra))
     assert e.value.exit_code == 130
     assert [p.name for p in checkpoint.list_checkpoints(part / "checkpoints")] == ["step-00000003"]
     monkeypatch.setattr(runner.MetricsWriter, "__call__", real_call)
-    finetune.run(_cfg(dataset, part, **{"train.resume": "auto"}))
+    finetune.run(_cfg(dataset, part, **extra, **{"train.resume": "auto"}))
     resumed = _losses(part)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
-        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
+        assert resumed[step] == expected[step], step
+    want, got = _weights(full), _weights(part)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_resume_refuses_other_settings(tmp_path, dataset):
@@ -264,30 +282,66 @@ def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
-def test_packed_and_unpacked_losses_match(tiny, attention):
+def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
+    """In train mode (dropout 0 in the tiny model), so the gradients a packed step applies are checked too."""
     from tunebench.loop import loss_sum, prepare
 
     from tunebench import kernels
 
     tok, data = _data()
     kernels.register()
-    tiny.model.set_attn_implementation(attention)
-    tiny.model.eval()
+    model = models.add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    model.base_model.model.set_attn_implementation(attention)
+    model.train()
     rows = [0, 1, 2, 3]
     unpacked, n_u, real_u = prepare(batching.collate(data, rows, tok.pad_token_id), torch.device("cpu"))
     packed, n_p, real_p = prepare(batching.collate_packed(data, rows, tok.pad_token_id, capacity=256),
                                   torch.device("cpu"))
     assert packed["input_ids"].shape[0] < unpacked["input_ids"].shape[0]  # really packed
     assert (n_p, real_p) == (n_u, real_u)
-    with torch.no_grad():
-        a = loss_sum(tiny.model, unpacked, None, torch.device("cpu")) / n_u
-        b = loss_sum(tiny.model, packed, None, torch.device("cpu")) / n_p
+
+    def loss_and_grads(batch, n):
+        model.zero_grad(set_to_none=True)
+        loss = loss_sum(model, batch, None, torch.device("cpu")) / n
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    a, grads_a = loss_and_grads(unpacked, n_u)
+    b, grads_b = loss_and_grads(packed, n_p)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert grads_a and grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
     # and packing really isolates examples: a wrong (continuous) position layout changes the loss
     leaky = dict(packed, position_ids=torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"]))
     with torch.no_grad():
-        c = loss_sum(tiny.model, leaky, None, torch.device("cpu")) / n_p
+        c = loss_sum(model, leaky, None, torch.device("cpu")) / n_p
     assert abs(c.item() - a.item()) > 1e-4
+
+
+def test_gradient_checkpointing_gives_the_same_losses_and_gradients(tiny):
+    from tunebench.loop import loss_sum, prepare
+    from tunebench.tune.probe import enable_checkpointing
+
+    tok, data = _data()
+    model = models.add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    model.train()
+    batch, n, _ = prepare(batching.collate(data, [0, 1, 2, 3], tok.pad_token_id), torch.device("cpu"))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = loss_sum(model, batch, None, torch.device("cpu")) / n
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain = loss_and_grads()
+    enable_checkpointing(model)
+    assert model.base_model.model.model.gradient_checkpointing
+    ckpt_loss, ckpt = loss_and_grads()
+    torch.testing.assert_close(ckpt_loss, plain_loss, rtol=1e-6, atol=1e-6)
+    assert plain and plain.keys() == ckpt.keys()
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
@@ -302,21 +356,40 @@ def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000001"]
 
 
-@pytest.mark.parametrize("method, precision", [("full", "bf16"), ("full", "fp32"), ("lora", "fp32")])
+def _cpu_has_bf16() -> bool:
+    from tunebench import hardware
+
+    return hardware.detect().cpu_bf16
+
+
+@pytest.mark.parametrize("method, precision", [
+    pytest.param("full", "bf16", marks=pytest.mark.skipif(
+        not _cpu_has_bf16(), reason="this CPU has no AVX512-BF16/AMX: tunebench refuses bf16 here (emulated, slow)")),
+    ("full", "fp32"), ("lora", "fp32")])
 def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precision):
+    """What a run saves is what it trained: reloaded, it gives the run's own final eval loss."""
+    from tunebench import models
+    from tunebench.data.tokenize import load_tokenized, split
+    from tunebench.loop import DTYPES, evaluate
+
     out = tmp_path / f"{method}-{precision}"
-    summary = finetune.run(_cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,
-                                                  "train.lr": 1e-3 if method == "full" else 1e-2}))
-    assert summary["eval_loss"] < summary["eval_loss_before"]
-    saved = "model.safetensors" if method == "full" else "adapter_model.safetensors"
-    assert (out / saved).is_file()
+    cfg = _cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,
+                                "train.lr": 1e-3 if method == "full" else 1e-2})
+    summary = finetune.run(cfg)
     plan = json.loads((out / "plan.json").read_text())
     assert {"setting": "precision", "value": precision, "reason": "asked for"} in plan["decisions"]
     if method == "full":
-        from tunebench import models
-
         reloaded = models.resolve(str(out))  # a full fine-tune is a plain HF directory
         assert type(reloaded.model).__name__ == "LlamaForCausalLM"
+    else:
+        reloaded = models.load_for_inference("tiny", str(out))
+    data = load_tokenized(cfg.data, reloaded.tokenizer, None)
+    _, eval_idx = split(len(data), cfg.data.eval_fraction, cfg.train.seed, None)
+    batches = batching.eval_batches(data, eval_idx, 4, reloaded.tokenizer.pad_token_id)
+    autocast = None if precision == "fp32" else DTYPES[precision]
+    again = evaluate(reloaded.model, batches, torch.device("cpu"), autocast)["eval_loss"]
+    assert again == pytest.approx(summary["eval_loss"], rel=1e-3 if autocast else 1e-5)
+    assert abs(summary["eval_loss"] - summary["eval_loss_before"]) > 1e-3  # and training changed the weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

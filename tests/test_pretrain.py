@@ -214,7 +214,7 @@ def test_pretrained_output_loads_generates_and_fine_tunes(tmp_path, corpus, char
     out = model.generate(**tok("Line", return_tensors="pt"), max_new_tokens=5, do_sample=False)
     assert out.shape[1] == len("Line") + 5
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(8)))
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(12)))
     summary = finetune.run(load_config(options={
         "model.name": str(tmp_path / "pre"), "data.path": str(data), "data.max_length": 32, "train.max_steps": 1,
         "data.template": "Q: {instruction}\nA: ",

@@ -81,25 +81,44 @@ def find(resume: str, root: Path) -> Path | None:
         found = list_checkpoints(root)
         return found[-1] if found else None
     path = Path(resume)
-    if not (path / STATE).is_file():
-        raise TunebenchError(f"--resume '{resume}' is not a tunebench checkpoint directory; use --resume auto")
+    if not (path / STATE).is_file() or not (path / TENSORS).is_file():
+        raise TunebenchError(f"--resume '{resume}' is not a tunebench checkpoint directory (no {STATE} and "
+                             f"{TENSORS}); name a checkpoints/step-N directory or use --resume auto")
     return path
 
 
-def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None) -> LoopState:
-    meta = json.loads((path / STATE).read_text())
-    changed = sorted(k for k in identity if meta["identity"].get(k) != identity[k])
+def check_identity(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's metadata, once the settings in `identity` are those it was made with."""
+    try:
+        meta = json.loads((path / STATE).read_text())
+        made_with = meta["identity"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TunebenchError(f"checkpoint {path} has an unreadable {STATE} ({e}); resume from another "
+                             "checkpoint or start a new --output-dir") from e
+    changed = sorted(k for k in identity if made_with.get(k) != identity[k])
     if changed:
         raise TunebenchError(
             f"checkpoint {path} was made with different {', '.join(changed)}; resume with the same settings "
             "or start a new --output-dir"
         )
+    return meta
+
+
+def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None) -> LoopState:
+    """Restore a checkpoint into a freshly built run. The schedule is the new run's (its length and peak
+    learning rate), at the checkpoint's step: resuming with a larger --max-steps trains on at the new
+    schedule's rate, not at the rate the old schedule ended on (0 after a finished cosine)."""
+    meta = check_identity(path, identity)
     blob = torch.load(path / TENSORS, map_location="cpu", weights_only=False)
     params = dict(model.named_parameters())
     for name, tensor in blob["trainable"].items():
         params[name].data.copy_(tensor)
     optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
+    base_lrs = list(scheduler.base_lrs)
+    scheduler.load_state_dict(blob["scheduler"])  # the step count; the schedule's shape stays the new run's
+    scheduler.base_lrs = base_lrs
+    scheduler.last_epoch -= 1
+    scheduler.step()  # sets each group's lr to the new schedule's value at this step
     if scaler is not None and blob["scaler"]:
         scaler.load_state_dict(blob["scaler"])
     _set_rng_state(blob["rng"])

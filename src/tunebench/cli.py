@@ -51,6 +51,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--max-grad-norm",), "train.max_grad_norm", "gradient clipping norm (default 1.0)"),
     (("--precision",), "train.precision", "auto (default) | fp32 | bf16 | fp16"),
     (("--device",), "train.device", "auto (default) | cpu | cuda | mps"),
+    (("--threads",), "train.threads",
+     "torch CPU threads (default: OMP_NUM_THREADS, else one per physical core this process may use)"),
     (("--seed",), "train.seed", "seed for data order, split and initialisation (default 42)"),
     (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default 1)"),
     (("--eval-steps",), "train.eval_steps", "eval loss every N steps (default: before and after training)"),
@@ -71,6 +73,7 @@ PRETRAIN_OPTIONS = [
     (("--lr",), "training.learning_rate", "peak learning rate"),
     (("--max-length",), "data.max_length", "tokens per block"),
     (("--device",), "training.device", "auto (default) | cpu | cuda | mps"),
+    (("--threads",), "training.threads", "torch CPU threads (default: OMP_NUM_THREADS, else the usable cores)"),
     (("--precision",), "training.precision", "auto (default) | fp32 | bf16 | fp16"),
     (("--compile",), "training.compile", "torch.compile: auto (default) | on | off"),
     (("--attention",), "training.attention", "auto (fastest measured) | sdpa | eager | tunebench | flash_attention_2"),
@@ -157,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the user message")
             p.add_argument("--raw", action="store_true", help="no chat template or prompt format")
+        p.add_argument("--template", default=None,
+                       help="prompt format, as train's --template (default: the one the run trained with)")
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         _add_debug(p)
@@ -172,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="auto (default: a GPU when present) | cpu | cuda | mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default: what training would pick on this device) | fp32 | bf16 | fp16")
     _add_debug(p)
 
     p = sub.add_parser("compare", help="run a matrix of experiments on the devices present; results CSV + report",
@@ -254,11 +263,12 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.jobs.generate import generate
 
         print(generate(args.model, args.adapter, args.prompt, args.max_new_tokens, args.temperature, args.raw,
-                       allow_download=args.allow_download))
+                       allow_download=args.allow_download, template=args.template))
     elif args.job == "chat":
         from tunebench.jobs.generate import chat
 
-        chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download)
+        chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download,
+             template=args.template)
     elif args.job == "merge":
         from tunebench.jobs.merge import merge
 
@@ -268,7 +278,8 @@ def run_job(args: argparse.Namespace) -> int:
 
         data = _data_config(args.data, args.max_length, args.max_samples)
         print(json.dumps(evaluate.run(args.model, args.adapter, data, args.batch_size,
-                                      allow_download=args.allow_download), indent=2))
+                                      allow_download=args.allow_download, device=args.device,
+                                      precision=args.precision), indent=2))
     elif args.job == "compare":
         from pathlib import Path
 

@@ -75,6 +75,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
+    threads: int | None = None  # torch's CPU threads; None: OMP_NUM_THREADS, else the physical cores this process may use
     compile: str = "auto"  # auto | on | off (torch.compile)
     attention: str = "auto"  # auto (the fastest measured) | sdpa | eager | tunebench | flash_attention_2 (CUDA, flash-attn)
     liger: str = "auto"  # auto (on a CUDA GPU when liger-kernel is installed and knows the model) | on | off
@@ -312,7 +313,7 @@ def validate(cfg: RunConfig) -> None:
         "train.save_total_limit": t.save_total_limit,
         "train.logging_steps": t.logging_steps,
     }
-    for opt in ("grad_accum_steps", "max_steps", "eval_steps", "save_steps"):
+    for opt in ("grad_accum_steps", "max_steps", "eval_steps", "save_steps", "threads"):
         if getattr(t, opt) is not None:
             positive[f"train.{opt}"] = getattr(t, opt)
     if d.max_samples is not None:

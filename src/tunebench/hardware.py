@@ -81,6 +81,8 @@ class Hardware:
     cuda_version: str | None = None
     driver_version: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
+    usable_cpus: int | None = None  # logical CPUs this process may run on (its affinity mask); None: all
+    cpu_quota: float | None = None  # CPUs' worth of time a cgroup quota allows (a container's --cpus); None: no quota
 
     @property
     def cpu_bf16(self) -> bool:
@@ -138,6 +140,45 @@ def _cpu_info() -> tuple[str, frozenset[str]]:
     return model or platform.processor() or platform.machine(), flags
 
 
+def parse_cpu_quota(cpu_max: str | None = None, cfs_quota: str | None = None, cfs_period: str | None = None):
+    """CPUs' worth of time a cgroup allows, from cgroup v2's cpu.max ("200000 100000", or "max 100000") or
+    v1's cpu.cfs_quota_us / cpu.cfs_period_us (-1: none). None when there is no quota."""
+    try:
+        if cpu_max is not None:
+            quota, period = cpu_max.split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if cfs_quota is not None and cfs_period is not None and int(cfs_quota) > 0:
+            return int(cfs_quota) / int(cfs_period)
+    except (ValueError, IndexError, ZeroDivisionError):
+        pass
+    return None
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The tightest CPU quota over this process's cgroup and its container root (Linux only)."""
+    from pathlib import Path
+
+    root = Path("/sys/fs/cgroup")
+    try:
+        own = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    except OSError:
+        own = []
+    quotas = []
+    for _, controllers, rel in own:
+        rel = rel.lstrip("/")
+        if controllers == "":  # cgroup v2
+            for d in {root / rel, root}:
+                if (d / "cpu.max").is_file():
+                    quotas.append(parse_cpu_quota((d / "cpu.max").read_text()))
+        elif "cpu" in controllers.split(","):
+            for d in {root / "cpu" / rel, root / "cpu", root / "cpu,cpuacct" / rel, root / "cpu,cpuacct"}:
+                if (d / "cpu.cfs_quota_us").is_file():
+                    quotas.append(parse_cpu_quota(None, (d / "cpu.cfs_quota_us").read_text(),
+                                                  (d / "cpu.cfs_period_us").read_text()))
+    found = [q for q in quotas if q]
+    return min(found) if found else None
+
+
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -185,6 +226,8 @@ def detect() -> Hardware:
         cuda_version=torch.version.cuda if gpus else None,
         driver_version=driver,
         versions=_versions(),
+        usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        cpu_quota=_cgroup_cpu_quota(),
     )
 
 
@@ -232,6 +275,32 @@ def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     return Decision("precision", "fp32", "CPU has no native bf16 (no AVX512-BF16 or AMX)")
 
 
+def _pick_threads(requested: int | None, hw: Hardware, omp_num_threads: str | None) -> Decision:
+    """Threads for torch's CPU work: asked for, else OMP_NUM_THREADS, else one per physical core this process
+    may actually use (its affinity mask and cgroup quota: a container limited to 2 CPUs on a 64-core host
+    must not start 64 threads that take turns)."""
+    allowed = hw.usable_cpus or hw.logical_cores
+    if requested is not None:
+        crowded = f"; more than the {allowed} CPUs this process may use: threads will take turns" \
+            if requested > allowed else ""
+        return Decision("torch_threads", requested, "asked for (--threads)" + crowded)
+    if omp_num_threads and omp_num_threads.strip():
+        first = omp_num_threads.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise TunebenchError(f"OMP_NUM_THREADS={omp_num_threads!r} is not a positive whole number; set it "
+                                 "to e.g. 4, or unset it to let tunebench pick")
+        return Decision("torch_threads", int(first), f"OMP_NUM_THREADS={first}")
+    cores = hw.physical_cores
+    reason = f"{cores} physical cores; hyper-threads add no matmul throughput"
+    if allowed < hw.logical_cores:  # affinity: about the same share of the physical cores
+        cores = max(1, min(cores, round(allowed * hw.physical_cores / hw.logical_cores)))
+        reason = f"CPU affinity allows {allowed} of {hw.logical_cores} CPUs: {cores} physical cores' worth"
+    if hw.cpu_quota is not None and int(hw.cpu_quota) < cores:
+        cores = max(1, int(hw.cpu_quota))
+        reason = f"the cgroup CPU quota allows {hw.cpu_quota:g} CPUs (of {hw.physical_cores} physical cores)"
+    return Decision("torch_threads", cores, reason)
+
+
 def _pick_compile(requested: str, device: str) -> Decision:
     if requested == "on":
         return Decision("compile", True, "asked for")
@@ -242,23 +311,20 @@ def _pick_compile(requested: str, device: str) -> Decision:
     return Decision("compile", "auto", "measured once the micro batch is chosen")
 
 
-def plan(device: str, precision: str, hw: Hardware, compile: str = "auto") -> Plan:
-    """Decide every hardware setting of a run, each with its reason; a forced impossible one raises."""
+def plan(device: str, precision: str, hw: Hardware, compile: str = "auto", threads: int | None = None,
+         env: dict[str, str] | None = None) -> Plan:
+    """Decide every hardware setting of a run, each with its reason; a forced impossible one raises.
+    `env` (default os.environ) is read for OMP_NUM_THREADS."""
     dev = _pick_device(device, hw)
     on = str(dev.value)
     prec = _pick_precision(precision, on, hw)
     gpu = hw.gpus[0] if on == "cuda" and hw.gpus else None
     decisions = [dev, prec]
-    decisions.append(Decision(
-        "torch_threads", hw.physical_cores,
-        f"{hw.physical_cores} physical cores; hyper-threads add no matmul throughput"))
+    decisions.append(_pick_threads(threads, hw, (os.environ if env is None else env).get("OMP_NUM_THREADS")))
     if gpu is not None:
         decisions.append(Decision("tf32", gpu.tf32, "Ampere+ runs fp32 matmuls on TF32 tensor cores" if gpu.tf32
                                   else f"{gpu.name} has no TF32"))
         decisions.append(Decision("cudnn_benchmark", False, "a transformer has no convolutions for cuDNN to tune"))
-    decisions.append(Decision(
-        "dataloader_workers", 0, "data is tokenized once and held in memory; the time spent on batches is "
-                                 "measured each run (data_wait_fraction) and flagged when it matters"))
     decisions.append(Decision("pin_memory", on == "cuda", "page-locked host batches copy to the GPU asynchronously"
                               if on == "cuda" else "no accelerator to copy to"))
     decisions.append(_pick_compile(compile, on))

@@ -31,7 +31,8 @@ class LoopState:
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     tokens: int = 0  # real (non-padding) tokens seen
-    samples: int = 0
+    samples: int = 0  # examples seen (a packed row holds several)
+    token_sq: int = 0  # sum over examples of length squared: tokens attend within their own example
     train_time_s: float = 0.0
     measured_tokens: int = 0  # tokens and time of the steps counted in throughput (warm-up excluded)
     measured_time_s: float = 0.0
@@ -54,11 +55,13 @@ class LoopSettings:
     save_steps: int | None = None
     warmup_steps_excluded: int = 2  # from throughput figures
     progress: bool = True
+    pin_memory: bool = False  # page-locked host batches, so copies to an accelerator overlap compute
 
 
 @dataclass
 class Hooks:
     log: Callable[[dict[str, Any]], None] = lambda record: None
+    step_done: Callable[[LoopState, float, int], None] = lambda state, seconds, positions: None  # after each step
     evaluate: Callable[[int], dict[str, float]] | None = None
     save: Callable[[LoopState], None] | None = None
     should_stop: Callable[[], bool] = lambda: False
@@ -119,12 +122,26 @@ def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None, device: to
     return cross_entropy_sum(picked, targets.index_select(0, keep))
 
 
-def prepare(batch: Batch, device: torch.device) -> tuple[Batch, int, int]:
-    """Move a collated batch to the device; return it with (loss tokens, real tokens) counted on the host."""
+def example_lengths(batch: Batch) -> torch.Tensor:
+    """(N,) length of every example in a collated host batch: one per row, or several per packed row
+    (an example ends where the next position restarts at 0, or where real tokens end)."""
+    real = batch["attention_mask"].bool()
+    if "position_ids" not in batch:
+        return real.sum(1)
+    positions = batch["position_ids"]
+    after = torch.nn.functional.pad(positions[:, 1:], (0, 1), value=0)  # the next position; 0 past the row's end
+    real_after = torch.nn.functional.pad(real[:, 1:], (0, 1), value=False)
+    ends = real & ((after == 0) | ~real_after)
+    return positions[ends] + 1
+
+
+def prepare(batch: Batch, device: torch.device, pin_memory: bool | None = None) -> tuple[Batch, int, int]:
+    """Move a collated batch to the device; return it with (loss tokens, real tokens) counted on the host.
+    `pin_memory` (default: on CUDA) page-locks the host copies so the transfers overlap compute."""
     flat = batch["labels"][:, 1:].reshape(-1)
     loss_index = torch.nonzero(flat != -100).squeeze(1)
     n_loss, n_real = int(loss_index.numel()), int(batch["attention_mask"].sum())
-    if device.type == "cuda":  # page-locked host memory lets the copies overlap with compute
+    if device.type == "cuda" if pin_memory is None else pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}
         loss_index = loss_index.pin_memory()
     non_blocking = device.type == "cuda"
@@ -186,7 +203,9 @@ def train(
                 micro.append(batch)
             if not micro:
                 break
-            prepared = [prepare(b, device) for b in micro]
+            lengths = torch.cat([example_lengths(b) for b in micro])
+            positions = sum(b["input_ids"].numel() for b in micro)
+            prepared = [prepare(b, device, settings.pin_memory) for b in micro]
             state.data_time_s += time.perf_counter() - t0
             step_loss_tokens = sum(n for _, n, _ in prepared)
             step_tokens = sum(n for _, _, n in prepared)
@@ -210,7 +229,8 @@ def train(
             scheduler.step()
             state.step += 1
             state.tokens += step_tokens
-            state.samples += sum(len(b["input_ids"]) for b in micro)
+            state.samples += len(lengths)
+            state.token_sq += int((lengths.long() ** 2).sum())
             loss_value = float(loss_acc)  # one host sync per optimizer step
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -234,6 +254,7 @@ def train(
                 })
             bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             bar.update(1)
+            hooks.step_done(state, dt, positions)
             if hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0 \
                     and state.step < settings.total_steps:
                 hooks.log({"step": state.step, **hooks.evaluate(state.step)})

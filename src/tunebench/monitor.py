@@ -37,7 +37,8 @@ class Monitor:
         mem = self._psutil.virtual_memory()
         row: dict[str, Any] = {
             "time": time.time(),
-            "cpu_percent": self._psutil.cpu_percent(interval=None),
+            "cpu_percent": self._psutil.cpu_percent(interval=None),  # of all CPUs together
+            "process_cpu_percent": self._proc.cpu_percent(interval=None),  # 100 per CPU this process keeps busy
             "process_rss_mb": self._proc.memory_info().rss / 2**20,
             "ram_used_mb": (mem.total - mem.available) / 2**20,
         }
@@ -51,7 +52,8 @@ class Monitor:
         return row
 
     def _run(self) -> None:
-        self._psutil.cpu_percent(interval=None)  # the first reading is meaningless; prime it
+        self._psutil.cpu_percent(interval=None)  # the first readings are meaningless; prime them
+        self._proc.cpu_percent(interval=None)
         f = self._path.open("a", encoding="utf-8") if self._path else None
         try:
             while not self._stop.wait(self._interval):
@@ -71,6 +73,15 @@ class Monitor:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def other_cpus(self, last_s: float = 10.0) -> float | None:
+        """CPUs' worth of time other processes used over the last `last_s` seconds (None before any sample)."""
+        recent = [r for r in self._samples if r["time"] >= time.time() - last_s] or self._samples[-1:]
+        if not recent:
+            return None
+        n = self._psutil.cpu_count() or 1
+        busy = [r["cpu_percent"] / 100 * n - r["process_cpu_percent"] / 100 for r in recent]
+        return max(0.0, sum(busy) / len(busy))
 
     def summary(self) -> dict[str, float]:
         if not self._samples:

@@ -47,6 +47,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda | mps (the YAML's top-level `device:` lands here)
+    threads: int | None = None  # torch's CPU threads; None: OMP_NUM_THREADS, else the usable physical cores
     batch_size: int = 8  # micro batch; `auto` measures the sizes that divide the effective batch
     autotune_batch: bool = False  # set by batch_size: auto
     effective_batch_size: int | None = None  # default: batch_size x gradient_accumulation_steps
@@ -231,7 +232,7 @@ def validate(cfg: PretrainConfig) -> None:
                 "training.batch_size": t.batch_size, "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
                 "training.logging_steps": t.logging_steps, "training.save_total_limit": t.save_total_limit,
                 "data.max_length": d.max_length, "training.sample_tokens": t.sample_tokens}
-    for opt in ("max_steps", "eval_steps", "save_steps", "effective_batch_size"):
+    for opt in ("max_steps", "eval_steps", "save_steps", "effective_batch_size", "threads"):
         if getattr(t, opt) is not None:
             positive[f"training.{opt}"] = getattr(t, opt)
     if d.max_eval_blocks is not None:

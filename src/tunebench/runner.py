@@ -62,6 +62,19 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def resume_point(resume: str | None, out: Path, identity: dict[str, Any]) -> Path | None:
+    """The checkpoint to continue from, checked before anything expensive: a path that is not a checkpoint,
+    or one made with other settings (`identity`: those known before the model loads), is refused here."""
+    if not resume:
+        return None
+    found = checkpoint.find(resume, out / "checkpoints")
+    if found is None:
+        print(f"resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
+        return None
+    checkpoint.check_identity(found, identity)
+    return found
+
+
 def apply_plan(plan: hardware.Plan) -> None:
     torch.set_num_threads(plan.threads)
     if plan.device == "cuda":
@@ -69,6 +82,49 @@ def apply_plan(plan: hardware.Plan) -> None:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
         torch.backends.cudnn.benchmark = bool(plan.value("cudnn_benchmark"))
+
+
+class SlowdownWatch:
+    """Says once when the loop runs far slower than the probe measured on this machine, with the likely
+    cause: OpenMP threads of two busy PyTorch processes on the same cores take turns (a LoRA run fell
+    from 911 to 221 tokens/s beside another one), and that should not pass silently.
+
+    Speed is counted in computed positions (padding included) over the last `window` steps, so padding
+    does not read as a slowdown; with no probe figure, the run's own fastest window is the reference.
+    """
+
+    def __init__(self, expected: float | None, other_cpus: Callable[[], float | None], threads: int,
+                 log: Callable[[dict[str, Any]], None], warmup: int = 2, window: int = 5, ratio: float = 0.5):
+        self.expected, self.other_cpus, self.threads, self.log = expected, other_cpus, threads, log
+        self.warmup, self.window, self.ratio = warmup, window, ratio
+        self.recent: list[tuple[float, int]] = []
+        self.best_own = 0.0
+        self.warned = False
+
+    def __call__(self, state: LoopState, seconds: float, positions: int) -> None:
+        if self.warned or state.step <= self.warmup:
+            return
+        self.recent = (self.recent + [(seconds, positions)])[-self.window:]
+        if len(self.recent) < self.window:
+            return
+        speed = sum(p for _, p in self.recent) / sum(t for t, _ in self.recent)
+        reference = self.expected or self.best_own
+        self.best_own = max(self.best_own, speed)
+        if not reference or speed >= self.ratio * reference:
+            return
+        self.warned = True
+        source = "the probe measured on this machine" if self.expected else "this run reached earlier"
+        others = self.other_cpus()
+        if others is not None and others >= 0.5:
+            cause = (f"other processes are keeping {others:.1f} CPUs busy beside this run's {self.threads} "
+                     "threads; stop them, or give each run fewer --threads")
+        else:
+            cause = ("no other process is busy" + (f" ({others:.1f} CPUs)" if others is not None else "")
+                     + ": look for thermal throttling, swapping, or a noisy neighbour on a shared host")
+        message = (f"slowdown: the last {self.window} steps ran at {speed:,.0f} positions/s, "
+                   f"{100 * speed / reference:.0f}% of the {reference:,.0f} {source}; {cause}")
+        print(f"\nwarning: {message}")
+        self.log({"step": state.step, "warning": message})
 
 
 @dataclass
@@ -83,22 +139,21 @@ class Outcome:
 
 def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: Callable[[LoopState], Batch | None],
              evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
-             resume: str | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
-             after_eval: Callable[[int], dict[str, Any]] | None = None) -> Outcome:
-    """Resume if asked, evaluate, train to `settings.total_steps` with checkpoints, evaluate again.
+             resume: Path | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
+             after_eval: Callable[[int], dict[str, Any]] | None = None,
+             probed_tokens_per_s: float | None = None) -> Outcome:
+    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train to `settings.total_steps` with checkpoints, evaluate again.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
     aborts). `after_eval(step)` adds fields to each eval record (sample generations, say).
+    `probed_tokens_per_s`, what the probe measured for this micro batch, is what the loop's speed is
+    watched against (see SlowdownWatch).
     """
     state = LoopState()
     ckpt_root = out / "checkpoints"
     if resume:
-        found = checkpoint.find(resume, ckpt_root)
-        if found is None:
-            print(f"resume: no checkpoint under {ckpt_root}; starting from step 0")
-        else:
-            state = checkpoint.load(found, model, optimizer, scheduler, identity, scaler)
-            print(f"resume: continuing from {found} (step {state.step})")
+        state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler)
+        print(f"resume: continuing from {resume} (step {state.step})")
     metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if report_to == "tensorboard" else None)
     stop = {"requested": False}
 
@@ -118,16 +173,18 @@ def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: C
             record.update(after_eval(step))
         return record
 
+    device = settings.device
+    sampler = Monitor(out / "monitor.jsonl" if monitor else None,
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
+    watch = SlowdownWatch(probed_tokens_per_s, sampler.other_cpus, torch.get_num_threads(), metrics,
+                          settings.warmup_steps_excluded)
     hooks = Hooks(log=metrics, evaluate=run_eval if evaluate else None, save=save,
-                  should_stop=lambda: stop["requested"])
+                  should_stop=lambda: stop["requested"], step_done=watch)
     before = run_eval(0) if evaluate and state.step == 0 else None
     if before:
         metrics({"step": 0, **before})
         print(f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    device = settings.device
-    sampler = Monitor(out / "monitor.jsonl" if monitor else None,
-                      gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
     wall = time.perf_counter()
     try:
         try:

@@ -6,9 +6,11 @@ with role "text"), so tokenization has one path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tunebench.config import DataConfig
+from tunebench.data import readers
 from tunebench.errors import TunebenchError
 
 Messages = list[dict[str, str]]
@@ -83,3 +85,36 @@ def records_to_messages(records: list[dict[str, Any]], cfg: DataConfig, source: 
             f"{', '.join(sorted(columns))}: name yours with --instruction-column / --response-column"
         )
     return fmt, [to_messages(r, fmt, cfg) for r in records]
+
+
+def is_empty(messages: Messages) -> bool:
+    """Nothing to learn from: no assistant reply with text, or (for prompt/response data) no prompt."""
+    if messages and messages[0]["role"] == "text":
+        return not messages[0]["content"].strip()
+    replies = [m for m in messages if m["role"] == "assistant" and m["content"].strip()]
+    prompts = [m for m in messages if m["role"] != "assistant" and m["content"].strip()]
+    return not replies or not prompts
+
+
+@dataclass
+class Examples:
+    fmt: str
+    messages: list[Messages]  # the usable rows, in file order
+    empty_rows: list[int]  # 1-based numbers of the rows dropped for an empty prompt or response
+
+    def describe_dropped(self) -> str:
+        shown = ", ".join(map(str, self.empty_rows[:5])) + (", ..." if len(self.empty_rows) > 5 else "")
+        total = len(self.messages) + len(self.empty_rows)
+        return f"{len(self.empty_rows)} of {total} rows dropped: empty prompt or response (row {shown})"
+
+
+def load_examples(cfg: DataConfig) -> Examples:
+    """Read, check and format a dataset: the part of data loading that needs no tokenizer, so that bad
+    data is refused before a model is loaded. Rows with nothing to learn from are dropped and counted."""
+    fmt, messages = records_to_messages(readers.read_records(cfg.path), cfg, cfg.path)
+    empty = [i for i, m in enumerate(messages, 1) if is_empty(m)]
+    kept = [m for m in messages if not is_empty(m)]
+    if not kept:
+        raise TunebenchError(f"dataset '{cfg.path}' has no usable rows: all {len(messages)} have an empty prompt "
+                             "or response; fill them in or point --data at another file")
+    return Examples(fmt, kept, empty)

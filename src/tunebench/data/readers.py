@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,40 @@ def _json_records(path: Path, text: str) -> list[Record]:
     return data
 
 
+def _csv_records(path: Path, text: str) -> list[Record]:
+    """Rows of a CSV file, refused at the first line that does not parse: the csv module's default
+    reading swallows everything after an unclosed quote into one field and trains on that."""
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    start = 1  # the line the current record begins on
+    try:
+        header = next(reader, [])
+        if not header:
+            return []
+        rows = []
+        start = reader.line_num + 1
+        for fields in reader:
+            if fields and len(fields) != len(header):
+                raise TunebenchError(
+                    f"dataset '{path}' line {start} has {len(fields)} fields, the header has {len(header)}; "
+                    "quote fields that contain commas (\"a, b\") and fix that line")
+            if fields:  # a blank line is no record
+                rows.append(dict(zip(header, fields)))
+            start = reader.line_num + 1
+    except csv.Error as e:
+        if "unexpected end of data" in str(e):
+            raise TunebenchError(f"dataset '{path}' line {start}: a quoted field opens there and never closes; "
+                                 "close the quote (write a literal quote as \"\")") from e
+        raise TunebenchError(f"dataset '{path}' line {start} is not valid CSV ({e}); fix that line's quoting") from e
+    return rows
+
+
 def read_records(spec: str) -> list[Record]:
     path = resolve_path(spec)
     if path.is_dir():
         return _read_hf_dir(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        text = _utf8(path)
-        rows = list(csv.DictReader(text.splitlines()))
+        rows = _csv_records(path, _utf8(path))
     elif suffix in (".json", ".jsonl"):
         rows = _json_records(path, _utf8(path))
     elif suffix == ".parquet":

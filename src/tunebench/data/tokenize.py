@@ -20,7 +20,7 @@ from tunebench.data import formats, readers
 from tunebench.errors import TunebenchError
 
 DEFAULT_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-FORMAT_VERSION = 1  # bump when tokenization changes, to invalidate caches
+FORMAT_VERSION = 2  # bump when tokenization changes, to invalidate caches
 
 
 @dataclass
@@ -83,6 +83,20 @@ def _segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tu
     return out
 
 
+def render_prompt(messages: formats.Messages, tokenizer, template: str = "auto") -> str:
+    """The text a model fine-tuned with `template` saw before each reply: what _segments puts ahead of
+    the response, so `generate` and `chat` prompt a fine-tune the way it was trained."""
+    custom = template not in ("auto", "chat")
+    if custom or not getattr(tokenizer, "chat_template", None):
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            return (template if custom else DEFAULT_PROMPT).format(instruction=messages[0]["content"])
+        from tunebench.models import CHAT_TEMPLATE
+
+        return tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def _fingerprint(path: Path, tokenizer, cfg: DataConfig) -> str:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stat = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
@@ -124,8 +138,10 @@ def tokenize_messages(
     )
 
 
-def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None) -> Tokenized:
-    """Read, format and tokenize a dataset, reusing the on-disk cache when nothing changed."""
+def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None,
+                   examples: formats.Examples | None = None) -> Tokenized:
+    """Read, format and tokenize a dataset (`examples`, when already read), reusing the on-disk cache
+    when nothing changed."""
     path = readers.resolve_path(cfg.path)
     cache_file = None
     if cache_root is not None:
@@ -133,8 +149,8 @@ def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None) -> Token
         if cache_file.exists():
             z = np.load(cache_file)
             return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]))
-    fmt, examples = formats.records_to_messages(readers.read_records(cfg.path), cfg, cfg.path)
-    data = tokenize_messages(examples, tokenizer, cfg, fmt)
+    examples = examples or formats.load_examples(cfg)
+    data = tokenize_messages(examples.messages, tokenizer, cfg, examples.fmt)
     if len(data) == 0:
         raise TunebenchError(
             f"dataset '{cfg.path}' is empty after tokenization: all {data.dropped} examples lost their response "

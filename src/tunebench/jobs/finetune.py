@@ -12,7 +12,7 @@ import torch
 
 from tunebench import hardware, models, optim, runner, tune
 from tunebench.config import RunConfig, dump_yaml, replace
-from tunebench.data import batching
+from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
@@ -61,13 +61,22 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
 def run(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     out = Path(t.output_dir)
-    runner.prepare_output_dir(out, t.resume, t.overwrite)
+
+    # -- every input checked before anything expensive: data, model, output directory, checkpoint
     if t.autotune_batch and t.grad_accum_steps is not None:
         raise TunebenchError("--batch-size auto derives --grad-accum from --effective-batch-size; drop --grad-accum")
+    examples = formats.load_examples(cfg.data)
+    if examples.empty_rows:
+        print(f"data: {examples.describe_dropped()}")
+    check_rows(len(examples.messages), cfg, len(examples.empty_rows), "empty")
+    models.check_spec(cfg.model.name, cfg.model.allow_download)
+    runner.prepare_output_dir(out, t.resume, t.overwrite)
+    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
+    resume_from = runner.resume_point(t.resume, out, identity)
 
     # -- hardware plan
     hw = hardware.detect()
-    plan = hardware.plan(t.device, t.precision, hw, t.compile)
+    plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
     device = torch.device(plan.device)
     runner.apply_plan(plan)
     runner.seed_everything(t.seed)
@@ -75,10 +84,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # -- model and data
     loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
     tok = loaded.tokenizer
-    data = load_tokenized(cfg.data, tok, models.cache_dir())
+    data = load_tokenized(cfg.data, tok, models.cache_dir(), examples)
+    check_rows(len(data), cfg, data.dropped, "left without a response by truncation at --max-length")
     train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
-    if len(train_idx) == 0:
-        raise TunebenchError(f"no training rows left after the eval split of {len(data)} rows; add data or lower --eval-fraction")
     limit = models.position_limit(loaded.model)
     if limit is not None and cfg.data.max_length > limit:
         raise TunebenchError(f"--max-length {cfg.data.max_length} exceeds the {limit} positions this model learned; "
@@ -147,8 +155,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     optimizer = optim.adamw(model, lr, t.weight_decay, device)
     scheduler = optim.scheduler(optimizer, t.schedule, int(t.warmup_ratio * total_steps), total_steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path,
-                "micro_batch_size": t.micro_batch_size, "grad_accum_steps": accum, "seed": t.seed}
+    identity |= {"micro_batch_size": t.micro_batch_size, "grad_accum_steps": accum}
     dump_yaml(cfg, out / "config.yaml")
     write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
         {"setting": s, "value": v, "reason": r} for s, v, r in rows], "trainable_parameters": trainable,
@@ -181,17 +188,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     settings = LoopSettings(
         total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
         autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=t.eval_steps,
-        save_steps=t.save_steps, progress=t.progress,
+        save_steps=t.save_steps, progress=t.progress, pin_memory=bool(plan.value("pin_memory")),
     )
     outcome = runner.run_loop(out, model, optimizer, scheduler, scaler, next_micro_batch,
-                              run_eval if eval_batches else None, settings, identity, t.resume, t.save_total_limit,
-                              t.report_to, t.monitor)
+                              run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
+                              t.report_to, t.monitor, probed_tokens_per_s=probed_speed)
 
     # -- outputs
     save_final(model, tok, out, cfg, loaded)
     matmul, layers, width = models.flop_dims(model)
     state = outcome.state
-    fpt = training_flops_per_token(matmul, trainable, layers, width, state.tokens / max(state.samples, 1),
+    # Attention over each example's own length (token-weighted), not the packed row's width.
+    fpt = training_flops_per_token(matmul, trainable, layers, width, state.token_sq / max(state.tokens, 1),
                                    cfg.adapter.method == "full")
     summary = {
         "model": cfg.model.name, "method": cfg.adapter.method, "quantization": cfg.adapter.quantization,
@@ -202,6 +210,19 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     write_json(out / "summary.json", summary)
     runner.report(summary, out)
     return summary
+
+
+def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:
+    """Refuse data too small for one optimizer step: fewer training rows than the effective batch would
+    repeat rows inside a step (one row trained 8 times as one 'batch' of 8)."""
+    d = cfg.data
+    train_idx, eval_idx = split(usable, d.eval_fraction, cfg.train.seed, d.max_samples, d.eval_samples)
+    if len(train_idx) < cfg.effective_batch_size:
+        held = f", {len(eval_idx)} held out for eval" if len(eval_idx) else ""
+        lost = f", {dropped} {why}" if dropped else ""
+        raise TunebenchError(
+            f"dataset '{d.path}' leaves {len(train_idx)} training row(s) ({usable} usable{lost}{held}), fewer than one "
+            f"effective batch of {cfg.effective_batch_size}; add rows or lower --effective-batch-size")
 
 
 def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded) -> None:

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import yaml
 
 from tunebench import models
+from tunebench.data.tokenize import render_prompt
 
 
-def _render(tokenizer, messages: list[dict[str, str]], raw: bool) -> str:
-    if raw or not getattr(tokenizer, "chat_template", None):
-        return messages[-1]["content"] if raw else f"### Instruction:\n{messages[-1]['content']}\n\n### Response:\n"
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def trained_template(*run_dirs: str | None) -> str:
+    """The prompt template (data.template) of the training run that wrote one of these directories;
+    "auto" when none did."""
+    for d in run_dirs:
+        path = Path(d) / "config.yaml" if d else None
+        if path is not None and path.is_file():
+            try:
+                template = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("data", {}).get("template")
+            except (yaml.YAMLError, AttributeError):
+                continue
+            if isinstance(template, str):
+                return template
+    return "auto"
 
 
 @torch.no_grad()
 def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_tokens: int = 128,
-             temperature: float = 0.0, raw: bool = False, seed: int = 0) -> str:
+             temperature: float = 0.0, raw: bool = False, seed: int = 0, template: str = "auto") -> str:
     tok, model = loaded.tokenizer, loaded.model
-    text = _render(tok, messages, raw)
+    text = messages[-1]["content"] if raw else render_prompt(messages, tok, template)
     enc = tok(text, return_tensors="pt", add_special_tokens=False)
     limit = models.position_limit(model)
     if limit is not None:  # learned positions end there
@@ -32,14 +45,17 @@ def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_toke
 
 
 def generate(model: str | None, adapter: str | None, prompt: str, max_new_tokens: int, temperature: float,
-             raw: bool, tokenizer: str | None = None, allow_download: bool = False) -> str:
+             raw: bool, tokenizer: str | None = None, allow_download: bool = False, template: str | None = None) -> str:
+    """One completion. The prompt format is `template`, else the one the run (adapter or model dir) trained with."""
     loaded = models.load_for_inference(model, adapter, tokenizer, allow_download)
-    return complete(loaded, [{"role": "user", "content": prompt}], max_new_tokens, temperature, raw)
+    return complete(loaded, [{"role": "user", "content": prompt}], max_new_tokens, temperature, raw,
+                    template=template or trained_template(adapter, model))
 
 
 def chat(model: str | None, adapter: str | None, max_new_tokens: int, temperature: float,
-         tokenizer: str | None = None, allow_download: bool = False) -> None:
+         tokenizer: str | None = None, allow_download: bool = False, template: str | None = None) -> None:
     loaded = models.load_for_inference(model, adapter, tokenizer, allow_download)
+    template = template or trained_template(adapter, model)
     print(f"chatting with {loaded.source}; an empty line or Ctrl-D ends, /reset clears the history")
     history: list[dict[str, str]] = []
     while True:
@@ -54,6 +70,6 @@ def chat(model: str | None, adapter: str | None, max_new_tokens: int, temperatur
             history = []
             continue
         history.append({"role": "user", "content": line})
-        reply = complete(loaded, history, max_new_tokens, temperature)
+        reply = complete(loaded, history, max_new_tokens, temperature, template=template)
         history.append({"role": "assistant", "content": reply})
         print(f"bot> {reply}")

@@ -32,10 +32,12 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         raise TunebenchError(f"data.tokenizer '{d.tokenizer}' is not a directory; point --tokenizer at the output "
                              "of `tunebench tokenizer train`")
     runner.prepare_output_dir(out, t.resume, t.overwrite)
+    resume_from = runner.resume_point(t.resume, out, {"model": cfg.to_dict()["model"], "data": cfg.data_files,
+                                                         "seed": t.seed})
 
     # -- hardware plan
     hw = hardware.detect()
-    plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile)
+    plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile, t.threads)
     device = torch.device(plan.device)
     runner.apply_plan(plan)
     runner.seed_everything(t.seed)
@@ -62,8 +64,11 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     model = arch.build(m, tok, t.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     fast_drops = models.use_fast_dropout(model) if device.type == "cpu" else 0
-    rows: list[tuple[str, Any, str]] = [(dd.setting, dd.value, dd.reason) for dd in plan.decisions
-                                        if dd.setting not in ("compile", "dataloader_workers", "pin_memory")]
+    pin = bool(plan.value("pin_memory")) and t.dataloader_pin_memory
+    rows: list[tuple[str, Any, str]] = [
+        (dd.setting, dd.value, dd.reason) if dd.setting != "pin_memory" or pin == dd.value
+        else ("pin_memory", False, "training.dataloader_pin_memory: false")
+        for dd in plan.decisions if dd.setting != "compile"]
     rows.append(("architecture", type(model).__name__, "learned positions: GPT-2-style" if m.use_learned_pos_emb
                  else "rotary positions, SwiGLU: Llama-style"))
     rows.append(("weights", "fp32", "fp32 master weights" + (f"; {plan.precision} autocast for matmuls"
@@ -149,10 +154,11 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     # -- train
     settings = LoopSettings(total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
                             device=device, autocast_dtype=autocast, logging_steps=t.logging_steps,
-                            eval_steps=t.eval_steps, save_steps=t.save_steps, progress=t.progress)
+                            eval_steps=t.eval_steps, save_steps=t.save_steps, progress=t.progress,
+                            pin_memory=pin)
     outcome = runner.run_loop(out, model, optimizer, scheduler, scaler, next_micro_batch,
-                              run_eval if eval_batches else None, settings, identity, t.resume, t.save_total_limit,
-                              t.report_to, t.monitor, after_eval=sample)
+                              run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
+                              t.report_to, t.monitor, after_eval=sample, probed_tokens_per_s=probed_speed)
 
     # -- outputs: a plain Hugging Face model directory
     model.config.use_cache = True

@@ -1,0 +1,106 @@
+"""checkpoint.py and bench_data on their own: atomic saves, exact restores, refusals that name the fix."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tunebench import checkpoint, models
+from tunebench.config import DataConfig
+from tunebench.data import batching
+from tunebench.data.tokenize import load_tokenized
+from tunebench.errors import TunebenchError
+from tunebench.jobs import bench_data
+from tunebench.loop import LoopState
+
+IDENTITY = {"model": "tiny", "seed": 1}
+
+
+def _run_parts(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)  # frozen: not part of a checkpoint
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def _step(model, opt, sched):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+def test_save_then_load_restores_weights_optimizer_schedule_rng_and_position(tmp_path):
+    model, opt, sched = _run_parts()
+    for _ in range(3):
+        _step(model, opt, sched)
+    state = LoopState(step=3, epoch=1, batch_in_epoch=2, tokens=99, losses=[1.0, 0.5, 0.25])
+    path = checkpoint.save(tmp_path, model, opt, sched, state, IDENTITY, keep=2)
+    after_save = (random.random(), np.random.rand(), torch.rand(1))
+    _step(model, opt, sched)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, sched2 = _run_parts(seed=5)  # other weights: everything trainable must come from the file
+    model2[0].weight.data.copy_(model[0].weight)  # the frozen base is the base model's, not the checkpoint's
+    restored = checkpoint.load(path, model2, opt2, sched2, IDENTITY)
+    assert restored == state
+    assert (random.random(), np.random.rand(), torch.rand(1)) == after_save
+    _step(model2, opt2, sched2)
+    for a, b in zip(expected, model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_save_leaves_the_earlier_checkpoints_and_no_partial_one(tmp_path, monkeypatch):
+    model, opt, sched = _run_parts()
+    checkpoint.save(tmp_path, model, opt, sched, LoopState(step=1), IDENTITY, keep=2)
+    real_save = torch.save
+
+    def disk_full(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, model, opt, sched, LoopState(step=2), IDENTITY, keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def test_only_the_newest_are_kept_and_incomplete_ones_are_not_listed(tmp_path):
+    model, opt, sched = _run_parts()
+    for step in range(1, 5):
+        checkpoint.save(tmp_path, model, opt, sched, LoopState(step=step), IDENTITY, keep=2)
+    (tmp_path / "step-00000009").mkdir()  # a directory without its files (copied by hand, say)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+    assert checkpoint.find("auto", tmp_path).name == "step-00000004"
+    assert checkpoint.find("auto", tmp_path / "none") is None
+
+
+def test_refusals_name_the_problem_and_the_fix(tmp_path):
+    model, opt, sched = _run_parts()
+    path = checkpoint.save(tmp_path, model, opt, sched, LoopState(step=1), IDENTITY, keep=2)
+    with pytest.raises(TunebenchError, match="not a tunebench checkpoint directory.*--resume auto"):
+        checkpoint.find(str(tmp_path / "step-00000009"), tmp_path)
+    with pytest.raises(TunebenchError, match="made with different seed.*same settings"):
+        checkpoint.check_identity(path, {"model": "tiny", "seed": 2})
+    (path / checkpoint.STATE).write_text("{not json")
+    with pytest.raises(TunebenchError, match="unreadable state.json"):
+        checkpoint.check_identity(path, IDENTITY)
+
+
+def test_bench_data_measures_whole_passes_over_the_data(tmp_path, dataset, capsys):
+    data = DataConfig(path=str(dataset), max_length=256)
+    result = bench_data.run("tiny", data, micro_batch_size=4, seconds=0.2)
+    tok = models.byte_tokenizer()
+    tokenized = load_tokenized(data, tok, None)
+    order = batching.epoch_order(np.arange(len(tokenized)), 4, 0, 0)
+    per_batch = sum(int(batching.collate(tokenized, b, tok.pad_token_id)["attention_mask"].sum())
+                    for b in order) / len(order)
+    assert result["rows"] == len(tokenized) == 12
+    assert result["tokens_per_s"] / result["batches_per_s"] == pytest.approx(per_batch, rel=0.01)
+    assert result["ms_per_batch"] == pytest.approx(1000 / result["batches_per_s"], rel=0.01)
+    assert list((models.cache_dir() / "tokenized").glob("*.npz"))  # the cached load read a real cache file
+    assert f"{dataset}: 12 rows" in capsys.readouterr().out
