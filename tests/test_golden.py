@@ -17,7 +17,7 @@ from tunebench.jobs import finetune
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "losses.json").read_text())
 
 
-@pytest.mark.parametrize("recipe, rel", [("lora", 2e-5), ("full", 2e-5), ("qlora", 2e-4)])
+@pytest.mark.parametrize("recipe, rel", [("lora", 1e-5), ("full", 1e-5), ("qlora", 1e-5)])  # measured: <= 2e-7
 def test_losses_match_hf_trainer_and_peft(tmp_path, dataset, recipe, rel):
     if recipe == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         pytest.skip("bitsandbytes is not installed")
