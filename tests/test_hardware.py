@@ -391,7 +391,6 @@ def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, data
 def test_every_shipped_profile_loads_and_validates(name):
     cfg = load_config(profile=name)
     assert cfg.train.autotune_batch
-    assert cfg.train.micro_batch_size * cfg.grad_accum_steps == cfg.effective_batch_size
     assert set(profiles()) == {"cpu", "gpu-8-12gb", "gpu-24gb", "gpu-80gb"}
 
 
