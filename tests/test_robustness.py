@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench import hardware, loop, models, runner
+from tunebench import hardware, loop, models, monitor, runner
 from tunebench.cli import main
 from tunebench.config import DataConfig, load_config
 from tunebench.data import batching, formats
@@ -162,13 +162,28 @@ def test_threads_asked_for_are_what_the_run_uses(tmp_path, dataset, monkeypatch)
     assert "dataloader_workers" not in settings  # nothing read it
 
 
+def test_other_load_sees_a_busy_process_beside_this_one():
+    import subprocess
+    import sys
+    import time
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        time.sleep(1.0)
+        _, busiest = monitor.other_load(own_threads=0)
+    finally:
+        spin.kill()
+    assert busiest is not None and f"(pid {spin.pid})" in busiest, busiest
+
+
 def _state(step):
     return loop.LoopState(step=step)
 
 
 def test_slowdown_is_said_once_with_the_other_processes_load(capsys):
     logged = []
-    watch = runner.SlowdownWatch(1000.0, lambda: 1.8, 2, logged.append, warmup=2, window=3)
+    watch = runner.SlowdownWatch(1000.0, lambda threads: (1.8, "python (pid 7) at 0.9 CPUs"), 2, logged.append,
+                                 warmup=2, window=3)
     for step in range(1, 7):
         watch(_state(step), 1.0, 900)  # at speed
     assert not logged
@@ -177,18 +192,19 @@ def test_slowdown_is_said_once_with_the_other_processes_load(capsys):
     assert len(logged) == 1
     message = logged[0]["warning"]
     assert "the last 3 steps ran at 467 positions/s, 47% of the 1,000 the probe measured" in message
-    assert "other processes are keeping 1.8 CPUs busy beside this run's 2 threads" in message
+    assert ("other processes want 1.8 CPUs beside this run's 2 threads (load average 3.8; busiest: python (pid 7) "
+            "at 0.9 CPUs)") in message
     assert "warning: slowdown" in capsys.readouterr().out
 
 
 def test_slowdown_without_a_probe_is_measured_against_the_runs_own_pace():
     logged = []
-    watch = runner.SlowdownWatch(None, lambda: 0.0, 2, logged.append, warmup=0, window=2)
+    watch = runner.SlowdownWatch(None, lambda threads: (0.0, None), 2, logged.append, warmup=0, window=2)
     for step, positions in enumerate([1000, 1000, 1000, 600, 600, 300, 300], 1):
         watch(_state(step), 1.0, positions)
     assert len(logged) == 1 and logged[0]["step"] == 6
     assert "450 positions/s, 45% of the 1,000 this run reached earlier" in logged[0]["warning"]
-    assert "no other process is busy (0.0 CPUs)" in logged[0]["warning"]
+    assert "no other process is busy (load average 2.0 for 2 threads)" in logged[0]["warning"]
 
 
 def test_example_lengths_of_packed_and_padded_batches():

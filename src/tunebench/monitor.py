@@ -74,15 +74,6 @@ class Monitor:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def other_cpus(self, last_s: float = 10.0) -> float | None:
-        """CPUs' worth of time other processes used over the last `last_s` seconds (None before any sample)."""
-        recent = [r for r in self._samples if r["time"] >= time.time() - last_s] or self._samples[-1:]
-        if not recent:
-            return None
-        n = self._psutil.cpu_count() or 1
-        busy = [r["cpu_percent"] / 100 * n - r["process_cpu_percent"] / 100 for r in recent]
-        return max(0.0, sum(busy) / len(busy))
-
     def summary(self) -> dict[str, float]:
         if not self._samples:
             return {}
@@ -95,3 +86,38 @@ class Monitor:
             else:
                 out[f"peak_{k}"] = round(max(values), 1)
         return out
+
+
+def other_load(own_threads: int, interval_s: float = 0.5) -> tuple[float | None, str | None]:
+    """(runnable threads beyond this run's own, the busiest other process) right now.
+
+    CPU shares cannot tell who is waiting: beside another busy process, this run's OpenMP threads
+    spin while they wait and still show as busy. The load average counts threads that want a CPU, so
+    what exceeds this run's threads is the others' demand. Linux and macOS; (None, None) elsewhere.
+    """
+    import os
+
+    import psutil
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None, None
+    me = os.getpid()
+    procs = [p for p in psutil.process_iter(["name"]) if p.pid != me]
+    for p in procs:
+        try:
+            p.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(interval_s)
+    usage = []
+    for p in procs:
+        try:
+            usage.append((p.cpu_percent(None), f"{p.info['name']} (pid {p.pid})"))
+        except psutil.Error:
+            pass
+    busiest = max(usage, default=None)
+    name = f"{busiest[1]} at {busiest[0] / 100:.1f} CPUs" if busiest and busiest[0] >= 10 else None
+    return max(0.0, load - own_threads), name
+

@@ -22,7 +22,7 @@ from tunebench import checkpoint, hardware, models
 from tunebench.errors import TunebenchError
 from tunebench.loop import Batch, Hooks, LoopSettings, LoopState, train
 from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, reset_peak_memory
-from tunebench.monitor import Monitor
+from tunebench.monitor import Monitor, other_load
 
 Row = tuple[str, Any, str]
 
@@ -93,9 +93,9 @@ class SlowdownWatch:
     does not read as a slowdown; with no probe figure, the run's own fastest window is the reference.
     """
 
-    def __init__(self, expected: float | None, other_cpus: Callable[[], float | None], threads: int,
+    def __init__(self, expected: float | None, other_load: Callable[[int], tuple[float | None, str | None]], threads: int,
                  log: Callable[[dict[str, Any]], None], warmup: int = 2, window: int = 5, ratio: float = 0.5):
-        self.expected, self.other_cpus, self.threads, self.log = expected, other_cpus, threads, log
+        self.expected, self.other_load, self.threads, self.log = expected, other_load, threads, log
         self.warmup, self.window, self.ratio = warmup, window, ratio
         self.recent: list[tuple[float, int]] = []
         self.best_own = 0.0
@@ -114,12 +114,14 @@ class SlowdownWatch:
             return
         self.warned = True
         source = "the probe measured on this machine" if self.expected else "this run reached earlier"
-        others = self.other_cpus()
+        others, busiest = self.other_load(self.threads)
         if others is not None and others >= 0.5:
-            cause = (f"other processes are keeping {others:.1f} CPUs busy beside this run's {self.threads} "
-                     "threads; stop them, or give each run fewer --threads")
+            cause = (f"other processes want {others:.1f} CPUs beside this run's {self.threads} threads (load "
+                     f"average {others + self.threads:.1f}" + (f"; busiest: {busiest}" if busiest else "")
+                     + "): stop them, or give each run fewer --threads")
         else:
-            cause = ("no other process is busy" + (f" ({others:.1f} CPUs)" if others is not None else "")
+            cause = ("no other process is busy" + (f" (load average {others + self.threads:.1f} for "
+                                                    f"{self.threads} threads)" if others is not None else "")
                      + ": look for thermal throttling, swapping, or a noisy neighbour on a shared host")
         message = (f"slowdown: the last {self.window} steps ran at {speed:,.0f} positions/s, "
                    f"{100 * speed / reference:.0f}% of the {reference:,.0f} {source}; {cause}")
@@ -176,7 +178,7 @@ def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: C
     device = settings.device
     sampler = Monitor(out / "monitor.jsonl" if monitor else None,
                       gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
-    watch = SlowdownWatch(probed_tokens_per_s, sampler.other_cpus, torch.get_num_threads(), metrics,
+    watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads(), metrics,
                           settings.warmup_steps_excluded)
     hooks = Hooks(log=metrics, evaluate=run_eval if evaluate else None, save=save,
                   should_stop=lambda: stop["requested"], step_done=watch)
