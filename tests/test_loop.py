@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tunebench import checkpoint, models, runner
-from tunebench.config import load_config
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
 from tunebench.config import DataConfig
@@ -16,7 +15,7 @@ from tunebench.jobs import finetune
 from tunebench.loop import Hooks, LoopSettings, LoopState, train
 from tunebench.models import byte_tokenizer
 
-from conftest import ROWS
+from conftest import ROWS, tiny_run_config
 
 
 def _data():
@@ -51,12 +50,7 @@ def test_accumulation_2x2_matches_batch_4(tiny):
         torch.testing.assert_close(pa, pb, atol=2e-6, rtol=1e-5)
 
 
-def _cfg(dataset, out, **extra):
-    options = {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "train.output_dir": str(out),
-               "train.micro_batch_size": 2, "train.effective_batch_size": 4, "train.max_steps": 6,
-               "train.progress": False, "train.lr": 1e-2, "data.eval_fraction": 0.2}
-    options.update(extra)
-    return load_config(options=options)
+_cfg = tiny_run_config
 
 
 def _losses(out):

@@ -9,22 +9,18 @@ import torch
 
 from tunebench import hardware, loop, models, monitor, runner
 from tunebench.cli import main
-from tunebench.config import DataConfig, load_config
+from tunebench.config import DataConfig
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import _segments, render_prompt
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.jobs.generate import trained_template
 
-from conftest import ROWS
+from conftest import ROWS, tiny_run_config
 
 
 def _cfg(data, out, **extra):
-    options = {"model.name": "tiny", "data.path": str(data), "data.max_length": 256, "train.output_dir": str(out),
-               "train.micro_batch_size": 2, "train.effective_batch_size": 4, "train.max_steps": 4,
-               "train.progress": False, "train.lr": 1e-2, "data.eval_fraction": 0.2}
-    options.update(extra)
-    return load_config(options=options)
+    return tiny_run_config(data, out, **{"train.max_steps": 4, **extra})
 
 
 def _csv(tmp_path, name, text):
