@@ -93,8 +93,9 @@ class SlowdownWatch:
     does not read as a slowdown; with no probe figure, the run's own fastest window is the reference.
     """
 
-    def __init__(self, expected: float | None, other_load: Callable[[int], tuple[float | None, str | None]], threads: int,
-                 log: Callable[[dict[str, Any]], None], warmup: int = 2, window: int = 5, ratio: float = 0.5):
+    def __init__(self, expected: float | None, other_load: Callable[[int], tuple[float | None, str | None]],
+                 threads: int, log: Callable[[dict[str, Any]], None], warmup: int = 2, window: int = 5,
+                 ratio: float = 0.5):
         self.expected, self.other_load, self.threads, self.log = expected, other_load, threads, log
         self.warmup, self.window, self.ratio = warmup, window, ratio
         self.recent: list[tuple[float, int]] = []
@@ -144,7 +145,8 @@ def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: C
              resume: Path | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
              after_eval: Callable[[int], dict[str, Any]] | None = None,
              probed_tokens_per_s: float | None = None) -> Outcome:
-    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train to `settings.total_steps` with checkpoints, evaluate again.
+    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train to `settings.total_steps`
+    with checkpoints, evaluate again.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
     aborts). `after_eval(step)` adds fields to each eval record (sample generations, say).
