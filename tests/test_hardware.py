@@ -364,6 +364,8 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
 def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, dataset, monkeypatch):
     from tunebench.jobs import finetune
 
+    # A cache of its own: an earlier test's measured choice for this shape would be reused, untried.
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
     # Free memory for one row of tiny's sdpa step but not for any kernel's T x T weights at 256 tokens.
     need = kernels.saved_weights_mb(models.resolve("tiny").model.config, 2, 256, "tunebench", 4)
     monkeypatch.setattr(attention, "memory_free_mb", lambda device: need)
