@@ -50,16 +50,9 @@ def _segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tu
     eos = tokenizer.eos_token or ""
     if messages and messages[0]["role"] == "text":
         return [(messages[0]["content"] + eos, True)]
-    custom = cfg.template not in ("auto", "chat")
-    use_chat = not custom and getattr(tokenizer, "chat_template", None)
-    if not use_chat and len(messages) == 2 and messages[0]["role"] == "user":
-        template = cfg.template if custom else DEFAULT_PROMPT
-        try:
-            prompt = template.format(instruction=messages[0]["content"])
-        except (KeyError, IndexError) as e:
-            raise TunebenchError(f"--template must contain {{instruction}} and no other fields, got {cfg.template!r}") from e
+    if len(messages) == 2 and (prompt := _instruction_prompt(messages[:1], tokenizer, cfg.template)) is not None:
         return [(prompt, all_tokens), (messages[1]["content"] + eos, True)]
-    if not use_chat:
+    if cfg.template not in ("auto", "chat") or not getattr(tokenizer, "chat_template", None):
         from tunebench.models import CHAT_TEMPLATE
 
         tokenizer.chat_template = CHAT_TEMPLATE  # multi-turn data on a tokenizer without one: ChatML
@@ -83,13 +76,26 @@ def _segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tu
     return out
 
 
+def _instruction_prompt(prompt_turns: formats.Messages, tokenizer, template: str) -> str | None:
+    """The prompt of a single user turn in the instruction format (a custom `template`, else
+    DEFAULT_PROMPT when the tokenizer has no chat template); None where a chat template renders it."""
+    custom = template not in ("auto", "chat")
+    if (not custom and getattr(tokenizer, "chat_template", None)) or len(prompt_turns) != 1 \
+            or prompt_turns[0]["role"] != "user":
+        return None
+    try:
+        return (template if custom else DEFAULT_PROMPT).format(instruction=prompt_turns[0]["content"])
+    except (KeyError, IndexError) as e:
+        raise TunebenchError(f"--template must contain {{instruction}} and no other fields, got {template!r}") from e
+
+
 def render_prompt(messages: formats.Messages, tokenizer, template: str = "auto") -> str:
     """The text a model fine-tuned with `template` saw before each reply: what _segments puts ahead of
     the response, so `generate` and `chat` prompt a fine-tune the way it was trained."""
-    custom = template not in ("auto", "chat")
-    if custom or not getattr(tokenizer, "chat_template", None):
-        if len(messages) == 1 and messages[0]["role"] == "user":
-            return (template if custom else DEFAULT_PROMPT).format(instruction=messages[0]["content"])
+    prompt = _instruction_prompt(messages, tokenizer, template)
+    if prompt is not None:
+        return prompt
+    if template not in ("auto", "chat") or not getattr(tokenizer, "chat_template", None):
         from tunebench.models import CHAT_TEMPLATE
 
         return tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
