@@ -227,13 +227,8 @@ def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = Fals
             str(path or spec), local_files_only=not allow_download, dtype=torch.float32
         )
         tok = load_tokenizer(tokenizer) if tokenizer else _hub_tokenizer(str(path or spec), allow_download)
-    except OSError as e:
-        if path is None:
-            raise TunebenchError(
-                f"model '{spec}' is not a preset ({', '.join(PRESETS)}), a local path, or in the Hugging Face "
-                f"cache, and tunebench runs offline; download it first (`hf download {spec}`) or pass --allow-download"
-            ) from e
-        raise TunebenchError(f"cannot load model from '{path}': {str(e).splitlines()[0]}") from e
+    except OSError as e:  # check_spec refused what it could tell without loading; this is the rest
+        raise TunebenchError(f"cannot load model from '{path or spec}': {str(e).splitlines()[0]}") from e
     return Loaded(model, tok, source, str(path) if path else None)
 
 
