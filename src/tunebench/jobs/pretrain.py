@@ -32,8 +32,8 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         raise TunebenchError(f"data.tokenizer '{d.tokenizer}' is not a directory; point --tokenizer at the output "
                              "of `tunebench tokenizer train`")
     runner.prepare_output_dir(out, t.resume, t.overwrite)
-    resume_from = runner.resume_point(t.resume, out, {"model": cfg.to_dict()["model"], "data": cfg.data_files,
-                                                         "seed": t.seed})
+    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
+    resume_from = runner.resume_point(t.resume, out, identity)
 
     # -- hardware plan
     hw = hardware.detect()
@@ -118,9 +118,8 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     optimizer = optim.adamw(model, t.learning_rate, t.weight_decay, device, (t.adam_beta1, t.adam_beta2))
     scheduler = optim.scheduler(optimizer, t.lr_scheduler, warmup, total_steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "tokenizer": blocks.tokenizer_hash(tok),
-                "max_length": d.max_length, "micro_batch_size": micro, "grad_accum_steps": accum, "seed": t.seed,
-                "split": [d.split, d.validation_split, d.validation_file]}
+    identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length, "micro_batch_size": micro,
+                 "grad_accum_steps": accum, "split": [d.split, d.validation_split, d.validation_file]}
     dump_yaml(cfg, out / "config.yaml")
     write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
         {"setting": s, "value": v, "reason": r} for s, v, r in rows], "parameters": n_params})
