@@ -112,8 +112,9 @@ def load_examples(cfg: DataConfig) -> Examples:
     """Read, check and format a dataset: the part of data loading that needs no tokenizer, so that bad
     data is refused before a model is loaded. Rows with nothing to learn from are dropped and counted."""
     fmt, messages = records_to_messages(readers.read_records(cfg.path), cfg, cfg.path)
-    empty = [i for i, m in enumerate(messages, 1) if is_empty(m)]
-    kept = [m for m in messages if not is_empty(m)]
+    flags = [is_empty(m) for m in messages]
+    empty = [i for i, flag in enumerate(flags, 1) if flag]
+    kept = [m for m, flag in zip(messages, flags) if not flag]
     if not kept:
         raise TunebenchError(f"dataset '{cfg.path}' has no usable rows: all {len(messages)} have an empty prompt "
                              "or response; fill them in or point --data at another file")
