@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
 from tunebench import models
+from tunebench.config import read_yaml
 from tunebench.data.tokenize import render_prompt
+from tunebench.errors import TunebenchError
 
 
 def trained_template(*run_dirs: str | None) -> str:
@@ -18,8 +19,8 @@ def trained_template(*run_dirs: str | None) -> str:
         path = Path(d) / "config.yaml" if d else None
         if path is not None and path.is_file():
             try:
-                template = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("data", {}).get("template")
-            except (yaml.YAMLError, AttributeError):
+                template = read_yaml(path).get("data", {}).get("template")
+            except (TunebenchError, AttributeError):  # not a run's config: look no further in it
                 continue
             if isinstance(template, str):
                 return template
