@@ -60,10 +60,10 @@ def _data(cfg):
 def _val_loss(model, val, micro: int) -> float:
     import torch
 
-    from tunebench.loop import evaluate
+    from tunebench.loop import CausalLMLoss, evaluate
 
     batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
-    return evaluate(model, batches, torch.device("cpu"), torch.bfloat16)["eval_loss"]
+    return evaluate(CausalLMLoss(model, torch.bfloat16), batches, torch.device("cpu"))["eval_loss"]
 
 
 def _flops(model, length: int) -> float:

@@ -50,9 +50,10 @@ def _eval_loss(model, data, eval_idx, pad_id):
     import torch
 
     from tunebench.data import batching
-    from tunebench.loop import evaluate
+    from tunebench.loop import CausalLMLoss, evaluate
 
-    return evaluate(model, batching.eval_batches(data, eval_idx, 8, pad_id), torch.device("cpu"), None)["eval_loss"]
+    return evaluate(CausalLMLoss(model), batching.eval_batches(data, eval_idx, 8, pad_id),
+                    torch.device("cpu"))["eval_loss"]
 
 
 def worker_peer(args) -> dict:

@@ -12,7 +12,7 @@ from tunebench.data.tokenize import tokenize_messages
 from tunebench.config import DataConfig
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
-from tunebench.loop import Hooks, LoopSettings, LoopState, train
+from tunebench.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
 from tunebench.models import byte_tokenizer
 
 from conftest import ROWS, tiny_run_config
@@ -33,7 +33,8 @@ def _one_step(model, batches):
     settings = LoopSettings(total_steps=1, grad_accum_steps=len(batches), max_grad_norm=1e9,
                             device=torch.device("cpu"), progress=False)
     logs = []
-    train(model, opt, sched, lambda s: queue.pop(0) if queue else None, LoopState(), settings, Hooks(log=logs.append))
+    train(CausalLMLoss(model), opt, sched, lambda s: queue.pop(0) if queue else None, LoopState(), settings,
+          Hooks(log=logs.append))
     return logs[-1]["loss"], logs[-1]["grad_norm"]
 
 
@@ -113,15 +114,19 @@ def test_resume_refuses_other_settings(tmp_path, dataset):
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, monkeypatch):
     import tunebench.loop as loop
 
-    real = loop.loss_sum
+    real, real_train = loop.CausalLMLoss.forward, runner.train
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
         value = real(*args, **kwargs)
-        return value * float("nan") if calls["n"] > 5 else value  # eval + steps 1-2 fine, then NaN
+        return value * float("nan") if calls["n"] > 4 else value  # steps 1-2 (2 micro-batches each) fine, then NaN
 
-    monkeypatch.setattr(loop, "loss_sum", poisoned)
+    def train_poisoned(*args, **kwargs):  # from the first training step on: probes and eval run clean
+        monkeypatch.setattr(loop.CausalLMLoss, "forward", poisoned)
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "train", train_poisoned)
     out = tmp_path / "nan"
     with pytest.raises(TunebenchError, match="loss became nan at step 3.*--lr"):
         finetune.run(_cfg(dataset, out, **{"train.save_steps": 2}))
@@ -364,7 +369,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
     """What a run saves is what it trained: reloaded, it gives the run's own final eval loss."""
     from tunebench import models
     from tunebench.data.tokenize import load_tokenized, split
-    from tunebench.loop import DTYPES, evaluate
+    from tunebench.loop import DTYPES, CausalLMLoss, evaluate
 
     out = tmp_path / f"{method}-{precision}"
     cfg = _cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,
@@ -381,7 +386,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
     _, eval_idx = split(len(data), cfg.data.eval_fraction, cfg.train.seed, None)
     batches = batching.eval_batches(data, eval_idx, 4, reloaded.tokenizer.pad_token_id)
     autocast = None if precision == "fp32" else DTYPES[precision]
-    again = evaluate(reloaded.model, batches, torch.device("cpu"), autocast)["eval_loss"]
+    again = evaluate(CausalLMLoss(reloaded.model, autocast), batches, torch.device("cpu"))["eval_loss"]
     assert again == pytest.approx(summary["eval_loss"], rel=1e-3 if autocast else 1e-5)
     assert abs(summary["eval_loss"] - summary["eval_loss_before"]) > 1e-3  # and training changed the weights
 

@@ -271,7 +271,7 @@ def test_eval_runs_on_the_planned_device_and_precision(tmp_path, dataset, capsys
 
     tokenized = load_tokenized(data, tok, None)
     batches = batching.eval_batches(tokenized, np.arange(len(tokenized)), 4, tok.pad_token_id)
-    direct = loop.evaluate(models.resolve("tiny").model, batches, torch.device("cpu"), None)
+    direct = loop.evaluate(loop.CausalLMLoss(models.resolve("tiny").model), batches, torch.device("cpu"))
     assert result["eval_loss"] == pytest.approx(direct["eval_loss"], rel=1e-6)
     assert main(["eval", "--model", "tiny", "--data", str(dataset), "--device", "cuda"]) == 2
     assert "--device cuda was asked for, but no CUDA GPU is visible" in capsys.readouterr().err

@@ -1,4 +1,11 @@
-"""Atomic checkpoints (temp dir, then rename) and exact resume: weights, optimizer, schedule, RNG, data position."""
+"""Atomic checkpoints (temp dir, then rename) and exact resume: weights, optimizer, schedule, RNG, data position.
+
+Under several ranks the checkpoint is the same files: the trainable weights and optimizer state are
+whole (DDP replicas agree; a sharded model's are gathered with torch.distributed.checkpoint's full
+state dicts), the data position counts global micro-steps, and each rank's RNG state is gathered
+into the one file. So a run saved by 2 ranks resumes on 1, or on 4, with the same global batches;
+only a rank's RNG stream (dropout masks) is new where the world size changed.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tunebench import distributed
+from tunebench.distributed import World
 from tunebench.errors import TunebenchError
 from tunebench.loop import LoopState
 
@@ -39,32 +48,37 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def save(
-    root: Path, model, optimizer, scheduler, state: LoopState, identity: dict[str, Any], keep: int, scaler=None
-) -> Path:
-    """Write checkpoints/step-N atomically and keep the newest `keep`."""
-    root.mkdir(parents=True, exist_ok=True)
+def save(root: Path, model, optimizer, scheduler, state: LoopState, identity: dict[str, Any], keep: int,
+         scaler=None, world: World = World()) -> Path:
+    """Write checkpoints/step-N atomically and keep the newest `keep`. Every rank calls it (gathering
+    weights and RNG states are collectives); rank 0 writes."""
     final = root / f"step-{state.step:08d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
-        torch.save(
-            {
-                "trainable": trainable_state(model),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler else None,
-                "rng": _rng_state(),
-            },
-            tmp / TENSORS,
-        )
-        (tmp / STATE).write_text(json.dumps({"loop": state.to_dict(), "identity": identity}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    weights, optim_state = distributed.full_state(model, optimizer, world)
+    rngs = distributed.gather(world, _rng_state())
+    if world.main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        try:
+            torch.save(
+                {
+                    "trainable": weights,
+                    "optimizer": optim_state,
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict() if scaler else None,
+                    "rng": rngs,  # one per rank
+                },
+                tmp / TENSORS,
+            )
+            (tmp / STATE).write_text(json.dumps({"loop": state.to_dict(), "identity": identity,
+                                                 "world_size": world.size}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier(world)  # no rank runs ahead of a checkpoint that is not yet on disk
     return final
 
 
@@ -104,16 +118,14 @@ def check_identity(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None) -> LoopState:
-    """Restore a checkpoint into a freshly built run. The schedule is the new run's (its length and peak
-    learning rate), at the checkpoint's step: resuming with a larger --max-steps trains on at the new
-    schedule's rate, not at the rate the old schedule ended on (0 after a finished cosine)."""
+def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None,
+         world: World = World()) -> LoopState:
+    """Restore a checkpoint into a freshly built run, on every rank. The schedule is the new run's (its
+    length and peak learning rate), at the checkpoint's step: resuming with a larger --max-steps trains
+    on at the new schedule's rate, not at the rate the old schedule ended on (0 after a finished cosine)."""
     meta = check_identity(path, identity)
     blob = torch.load(path / TENSORS, map_location="cpu", weights_only=False)
-    params = dict(model.named_parameters())
-    for name, tensor in blob["trainable"].items():
-        params[name].data.copy_(tensor)
-    optimizer.load_state_dict(blob["optimizer"])
+    distributed.load_full_state(model, optimizer, blob["trainable"], blob["optimizer"], world)
     base_lrs = list(scheduler.base_lrs)
     scheduler.load_state_dict(blob["scheduler"])  # the step count; the schedule's shape stays the new run's
     scheduler.base_lrs = base_lrs
@@ -121,5 +133,10 @@ def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scal
     scheduler.step()  # sets each group's lr to the new schedule's value at this step
     if scaler is not None and blob["scaler"]:
         scaler.load_state_dict(blob["scaler"])
-    _set_rng_state(blob["rng"])
+    rngs = blob["rng"] if isinstance(blob["rng"], list) else [blob["rng"]]
+    if len(rngs) == world.size:
+        _set_rng_state(rngs[world.rank])
+    elif world.main:
+        print(f"resume: the checkpoint was saved by {len(rngs)} rank(s), this run has {world.size}: each rank's "
+              "random stream (dropout masks) starts afresh; data order and weights continue exactly")
     return LoopState(**meta["loop"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -53,6 +54,10 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--device",), "train.device", "auto (default) | cpu | cuda | mps"),
     (("--threads",), "train.threads",
      "torch CPU threads (default: OMP_NUM_THREADS, else one per physical core this process may use)"),
+    (("--parallel",), "train.parallel",
+     "under torchrun / tunebench launch: auto (default: DDP; FSDP2 for full fine-tuning that does not fit a rank) "
+     "| ddp | fsdp"),
+    (("--backend",), "train.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
     (("--seed",), "train.seed", "seed for data order, split and initialisation (default 42)"),
     (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default 1)"),
     (("--eval-steps",), "train.eval_steps", "eval loss every N steps (default: before and after training)"),
@@ -79,6 +84,8 @@ PRETRAIN_OPTIONS = [
     (("--attention",), "training.attention", "auto (fastest measured) | sdpa | eager | tunebench | flash_attention_2"),
     (("--eval-steps",), "training.eval_steps", "validation loss and a sample every N steps"),
     (("--save-steps",), "training.save_steps", "checkpoint every N steps"),
+    (("--parallel",), "training.parallel", "under torchrun / tunebench launch: auto | ddp | fsdp"),
+    (("--backend",), "training.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
     (("--seed",), "training.seed", "seed for initialisation, split and data order"),
     (("--resume",), "training.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
 ]
@@ -143,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         pre.add_argument(flag, dest=key, action="store_const", const=value, default=argparse.SUPPRESS, help=help_text)
     _add_debug(pre)
 
+    la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",
+                        description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
+                                    "--nproc-per-node 2 -- train [options]. Each rank gets the usable cores divided "
+                                    "by the ranks on its machine as threads (unless OMP_NUM_THREADS is set).")
+    la.add_argument("--nproc-per-node", type=int, required=True, help="processes on this machine")
+    la.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
+    la.add_argument("--node-rank", type=int, default=0, help="this machine's place among them (default 0)")
+    la.add_argument("--rdzv-endpoint", default=None,
+                    help="HOST:PORT of the first machine, the same on every machine (c10d rendezvous); "
+                         "default: one machine, a free local port")
+    la.add_argument("--rdzv-id", default="tunebench", help="a name for this run, the same on every machine")
+    la.add_argument("job_args", nargs=argparse.REMAINDER, metavar="-- train|pretrain ...")
+    _add_debug(la)
+
     tk = sub.add_parser("tokenizer", help="train a tokenizer on your corpus (Hugging Face tokenizers)")
     tk_sub = tk.add_subparsers(dest="action", parser_class=_Parser, metavar="ACTION", required=True)
     tt = tk_sub.add_parser("train", help="train and save a tokenizer directory (AutoTokenizer loads it)")
@@ -198,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--retry-failed", action="store_true", help="rerun experiments whose row is oom/error")
+    p.add_argument("--nproc", default=None, metavar="N[,M...]",
+                   help="run every experiment on each of these numbers of processes (tunebench launch), e.g. 1,2")
     _add_debug(p)
 
     p = sub.add_parser("report", help="combine results CSVs into report.html and report.md")
@@ -255,6 +278,11 @@ def run_job(args: argparse.Namespace) -> int:
         configs, overrides = _items(args)
         options = {k: v for k, v in vars(args).items() if "." in k}
         pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
+    elif args.job == "launch":
+        from tunebench.jobs import launch
+
+        return launch.run(args.job_args, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                          args.rdzv_id)
     elif args.job == "tokenizer":
         from tunebench.jobs import tokenizer
 
@@ -291,8 +319,16 @@ def run_job(args: argparse.Namespace) -> int:
                                    "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}.items()
                  if v is not None}
         out = Path(args.output)
+        nproc = None
+        if args.nproc:
+            try:
+                nproc = [int(n) for n in args.nproc.split(",")]
+            except ValueError:
+                nproc = [0]
+            if min(nproc) < 1:
+                raise TunebenchError(f"--nproc {args.nproc}: give numbers of processes, 1 or more, such as 1,2")
         results = compare.run(args.matrix, str(out), args.runs_dir or str(out.parent / "runs"), args.repeats, extra,
-                              args.device, args.retry_failed)
+                              args.device, args.retry_failed, nproc)
         html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
         print(f"report: {html.resolve()}")
     elif args.job == "report":
@@ -326,7 +362,6 @@ def _need(flag: str):
 def _quiet_libraries(allow_download: bool) -> None:
     """Offline unless asked, and no library chatter that a user cannot act on."""
     import logging
-    import os
     import warnings
 
     if not allow_download:
@@ -357,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     except TunebenchError as e:
         if debug:
             raise
-        print(f"tunebench: error: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+        if not getattr(e, "echo", False):  # one console for all ranks: rank 0's refusals are said once
+            print(f"tunebench: error: {'' if rank == '0' else f'[rank {rank}] '}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         if debug:

@@ -76,6 +76,8 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
     threads: int | None = None  # torch's CPU threads; None: OMP_NUM_THREADS, else the physical cores this process may use
+    parallel: str = "auto"  # under torchrun: auto | ddp | fsdp (FSDP2 shards full fine-tuning)
+    backend: str = "auto"  # torch.distributed backend under torchrun: auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     compile: str = "auto"  # auto | on | off (torch.compile)
     attention: str = "auto"  # auto (the fastest measured) | sdpa | eager | tunebench | flash_attention_2 (CUDA, flash-attn)
     liger: str = "auto"  # auto (on a CUDA GPU when liger-kernel is installed and knows the model) | on | off
@@ -301,6 +303,8 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.schedule", t.schedule, SCHEDULES)
     _choice("train.report_to", t.report_to, ("none", "tensorboard"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
+    _choice("train.parallel", t.parallel, ("auto", "ddp", "fsdp"))
+    _choice("train.backend", t.backend, ("auto", "gloo", "nccl"))
     _choice("train.attention", t.attention, ("auto", "sdpa", "eager", "tunebench", "flash_attention_2"))
     _choice("train.liger", t.liger, ("auto", "on", "off"))
     _choice("train.gradient_checkpointing", t.gradient_checkpointing, ("auto", "on", "off"))

@@ -275,21 +275,25 @@ def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     return Decision("precision", "fp32", "CPU has no native bf16 (no AVX512-BF16 or AMX)")
 
 
-def _pick_threads(requested: int | None, hw: Hardware, omp_num_threads: str | None) -> Decision:
-    """Threads for torch's CPU work: asked for, else OMP_NUM_THREADS, else one per physical core this process
+def _pick_threads(requested: int | None, hw: Hardware, omp_num_threads: str | None, local_ranks: int = 1,
+                  launched_by_tunebench: bool = False) -> Decision:
+    """Threads for torch's CPU work: asked for, else OMP_NUM_THREADS, else the physical cores this process
     may actually use (its affinity mask and cgroup quota: a container limited to 2 CPUs on a 64-core host
-    must not start 64 threads that take turns)."""
+    must not start 64 threads that take turns), shared out among the ranks on this machine."""
     allowed = hw.usable_cpus or hw.logical_cores
     if requested is not None:
-        crowded = f"; more than the {allowed} CPUs this process may use: threads will take turns" \
-            if requested > allowed else ""
+        crowded = "" if requested * local_ranks <= allowed else \
+            f"; more than the {allowed} CPUs this process may use: threads will take turns" if local_ranks == 1 else \
+            f"; {local_ranks} ranks x {requested} is more than the {allowed} CPUs here: threads will take turns"
         return Decision("torch_threads", requested, "asked for (--threads)" + crowded)
-    if omp_num_threads and omp_num_threads.strip():
+    if omp_num_threads and omp_num_threads.strip() and not launched_by_tunebench:
         first = omp_num_threads.split(",")[0].strip()
         if not first.isdigit() or int(first) < 1:
             raise TunebenchError(f"OMP_NUM_THREADS={omp_num_threads!r} is not a positive whole number; set it "
                                  "to e.g. 4, or unset it to let tunebench pick")
-        return Decision("torch_threads", int(first), f"OMP_NUM_THREADS={first}")
+        torchrun = " (torchrun sets 1 when it is unset: use tunebench launch, or set it, for more)" \
+            if local_ranks > 1 and first == "1" else ""
+        return Decision("torch_threads", int(first), f"OMP_NUM_THREADS={first}{torchrun}")
     cores = hw.physical_cores
     reason = f"{cores} physical cores; hyper-threads add no matmul throughput"
     if allowed < hw.logical_cores:  # affinity: about the same share of the physical cores
@@ -298,7 +302,34 @@ def _pick_threads(requested: int | None, hw: Hardware, omp_num_threads: str | No
     if hw.cpu_quota is not None and int(hw.cpu_quota) < cores:
         cores = max(1, int(hw.cpu_quota))
         reason = f"the cgroup CPU quota allows {hw.cpu_quota:g} CPUs (of {hw.physical_cores} physical cores)"
+    if local_ranks > 1:
+        share = max(1, cores // local_ranks)
+        return Decision("torch_threads", share, f"{reason}, shared by {local_ranks} ranks on this machine: "
+                                                f"{cores} // {local_ranks}")
     return Decision("torch_threads", cores, reason)
+
+
+def pick_parallel(requested: str, method: str, parameters: int, world_size: int, memory_mb: float) -> Decision:
+    """How several ranks split the work. DDP keeps a whole replica (weights, gradients, AdamW moments:
+    ~16 bytes a trainable parameter in fp32) on every rank and is the fastest where that fits; FSDP2
+    shards all of it over the ranks, for full fine-tuning or pretraining of a model that does not fit
+    one rank's `memory_mb`. LoRA's trainable part is small: its frozen base is what fills memory,
+    and quantizing it (QLoRA) is the tool for that, so adapters always run under DDP."""
+    if world_size == 1 and requested != "fsdp":
+        return Decision("parallel", "none", "1 process")
+    if method in ("lora", "qlora"):
+        if requested == "fsdp":
+            raise TunebenchError(f"--parallel fsdp shards full fine-tuning and pretraining; {method} trains small "
+                                 "adapters: use --parallel ddp (or auto), and --method qlora to shrink the base")
+        return Decision("parallel", "ddp", f"{method}: a replica per rank, adapters' gradients averaged")
+    need = 16 * parameters / 2**20
+    if requested != "auto":
+        return Decision("parallel", requested, "asked for (--parallel)")
+    if need > 0.6 * memory_mb:
+        return Decision("parallel", "fsdp", f"a replica needs ~{need:,.0f} MB (weights, gradients, AdamW moments), "
+                                            f"over 60% of the {memory_mb:,.0f} MB one rank may use: shard it")
+    return Decision("parallel", "ddp", f"a replica (~{need:,.0f} MB with gradients and AdamW moments) fits each "
+                                       f"rank's {memory_mb:,.0f} MB: DDP, no gathering of weights per layer")
 
 
 def _pick_compile(requested: str, device: str) -> Decision:
@@ -314,13 +345,17 @@ def _pick_compile(requested: str, device: str) -> Decision:
 def plan(device: str, precision: str, hw: Hardware, compile: str = "auto", threads: int | None = None,
          env: dict[str, str] | None = None) -> Plan:
     """Decide every hardware setting of a run, each with its reason; a forced impossible one raises.
-    `env` (default os.environ) is read for OMP_NUM_THREADS."""
+    `env` (default os.environ) is read for OMP_NUM_THREADS and for torchrun's LOCAL_WORLD_SIZE (ranks
+    on this machine, which share its cores)."""
+    env = os.environ if env is None else env
     dev = _pick_device(device, hw)
     on = str(dev.value)
     prec = _pick_precision(precision, on, hw)
     gpu = hw.gpus[0] if on == "cuda" and hw.gpus else None
     decisions = [dev, prec]
-    decisions.append(_pick_threads(threads, hw, (os.environ if env is None else env).get("OMP_NUM_THREADS")))
+    local_ranks = int(env.get("LOCAL_WORLD_SIZE", "1")) if "RANK" in env else 1
+    decisions.append(_pick_threads(threads, hw, env.get("OMP_NUM_THREADS"), local_ranks,
+                                   env.get("TUNEBENCH_LAUNCHED") == "1"))
     if gpu is not None:
         decisions.append(Decision("tf32", gpu.tf32, "Ampere+ runs fp32 matmuls on TF32 tensor cores" if gpu.tf32
                                   else f"{gpu.name} has no TF32"))

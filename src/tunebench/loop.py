@@ -1,8 +1,9 @@
 """The one training loop every job uses. It knows nothing of the CLI, configs or jobs.
 
-One optimizer step = `grad_accum_steps` micro-batches. The loss is normalised by the number of
-loss tokens in the whole step, not per micro-batch, so accumulation 2 x micro batch 2 gives
-exactly the loss and gradients of micro batch 4.
+One optimizer step = `grad_accum_steps` micro-batches on each of the world's ranks. The loss is
+normalised by the number of loss tokens in the whole step, summed over micro-batches and ranks, not
+per micro-batch or per rank, so accumulation 2 x micro batch 2 gives exactly the loss and gradients
+of micro batch 4, and so do 2 ranks x micro batch 2, however unevenly the loss tokens fall.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tunebench import distributed
+from tunebench.distributed import World
 from tunebench.errors import TunebenchError
 from tunebench.kernels import cross_entropy_sum, linear_cross_entropy_sum
 
@@ -56,6 +59,7 @@ class LoopSettings:
     warmup_steps_excluded: int = 2  # from throughput figures
     progress: bool = True
     pin_memory: bool = False  # page-locked host batches, so copies to an accelerator overlap compute
+    world: World = World()
 
 
 @dataclass
@@ -68,8 +72,9 @@ class Hooks:
 
 
 class Interrupted(TunebenchError):
-    def __init__(self, step: int):
+    def __init__(self, step: int, world: World = World()):
         super().__init__(f"interrupted at step {step}; a checkpoint was saved: rerun with --resume auto", 130)
+        self.echo = not world.main  # every rank stops at this step; rank 0 says so
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -96,30 +101,47 @@ def body_and_head(model):
     return body, head
 
 
+class CausalLMLoss(torch.nn.Module):
+    """The training objective as a module: the sum of next-token cross-entropy over the loss positions
+    of one prepared micro-batch. This is what DDP and FSDP wrap. Their hooks (gradient sync, gathering
+    sharded weights) arm in the wrapped module's forward, so the loop calls this forward and never the
+    model's submodules directly: a loss computed beside the wrapper would silently never synchronise."""
+
+    def __init__(self, model, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = model
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        model, autocast_dtype = self.model, self.autocast_dtype
+        targets = batch["labels"][:, 1:].reshape(-1)
+        keep = batch["loss_index"]  # flat positions that carry loss, computed on the host: no sync
+        parts = body_and_head(model)
+        # No KV cache: training needs none, and transformers only reads packed rows without one.
+        inputs = {"input_ids": batch["input_ids"], "use_cache": False}
+        if "position_ids" in batch:  # packed rows: restarting positions give the block-diagonal mask
+            inputs["position_ids"] = batch["position_ids"]
+        # Otherwise no attention mask: rows are right-padded, so under the causal mask no real position
+        # sees a pad, and pad positions carry no loss. Attention kernels run their unmasked causal path.
+        with autocast(batch["input_ids"].device, autocast_dtype):
+            if parts is None:
+                logits = model(**inputs).logits  # (B, T, V)
+                picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
+            else:
+                body, head = parts
+                hidden = body(**inputs).last_hidden_state
+                rows = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (N, H)
+                if type(head) is torch.nn.Linear:  # head and loss in one: the (N, V) logits are never all held
+                    dtype = autocast_dtype or head.weight.dtype
+                    return linear_cross_entropy_sum(rows, head.weight, head.bias, targets.index_select(0, keep),
+                                                    dtype)
+                picked = head(rows)  # (N, V): a quantised or adapted head runs as itself
+        return cross_entropy_sum(picked, targets.index_select(0, keep))
+
+
 def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the loss positions of one micro-batch."""
-    targets = batch["labels"][:, 1:].reshape(-1)
-    keep = batch["loss_index"]  # flat positions that carry loss, computed on the host: no sync
-    parts = body_and_head(model)
-    # No KV cache: training needs none, and transformers only reads packed rows without one.
-    inputs = {"input_ids": batch["input_ids"], "use_cache": False}
-    if "position_ids" in batch:  # packed rows: restarting positions give the block-diagonal mask
-        inputs["position_ids"] = batch["position_ids"]
-    # Otherwise no attention mask: rows are right-padded, so under the causal mask no real position
-    # sees a pad, and pad positions carry no loss. Attention kernels run their unmasked causal path.
-    with autocast(device, autocast_dtype):
-        if parts is None:
-            logits = model(**inputs).logits  # (B, T, V)
-            picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
-        else:
-            body, head = parts
-            hidden = body(**inputs).last_hidden_state
-            rows = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (N, H)
-            if type(head) is torch.nn.Linear:  # head and loss in one: the (N, V) logits are never all held
-                dtype = autocast_dtype or head.weight.dtype
-                return linear_cross_entropy_sum(rows, head.weight, head.bias, targets.index_select(0, keep), dtype)
-            picked = head(rows)  # (N, V): a quantised or adapted head runs as itself
-    return cross_entropy_sum(picked, targets.index_select(0, keep))
+    """Sum of next-token cross-entropy over the loss positions of one micro-batch (of a plain, unwrapped model)."""
+    return CausalLMLoss(model, autocast_dtype)(batch)
 
 
 def example_lengths(batch: Batch) -> torch.Tensor:
@@ -151,24 +173,30 @@ def prepare(batch: Batch, device: torch.device, pin_memory: bool | None = None) 
 
 
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, autocast_dtype: torch.dtype | None) -> dict[str, float]:
-    """Token-weighted mean loss and perplexity over `batches` (collated, on the host)."""
-    was_training = model.training
-    model.eval()
+def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: World = World(),
+             split: bool = True) -> dict[str, float]:
+    """Token-weighted mean loss and perplexity over `batches` (collated, on the host). `objective` is a
+    CausalLMLoss; with `split`, each rank takes every world-size-th batch and the sums are added up
+    (a sharded model instead runs every batch on every rank: its forward is a collective)."""
+    was_training = objective.training
+    objective.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = 0
-    for batch in batches:
+    for batch in batches[world.rank::world.size] if split else batches:
         b, n_loss, _ = prepare(batch, device)
-        if n_loss:
-            total += loss_sum(model, b, autocast_dtype, device).double()
+        if n_loss or not split:
+            total += objective(b).double()
             count += n_loss
-    model.train(was_training)
-    loss = float(total) / max(count, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": count}
+    objective.train(was_training)
+    if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves the root's weights gathered
+        objective.reshard()
+    loss, count = distributed.all_sum([float(total), count], world) if split else (float(total), count)
+    loss = loss / max(count, 1)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
 
 
 def train(
-    model,
+    objective: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
     next_micro_batch: Callable[[LoopState], Batch | None],
@@ -179,16 +207,22 @@ def train(
 ) -> LoopState:
     """Run optimizer steps from `state.step` to `settings.total_steps`.
 
-    `next_micro_batch(state)` returns the collated micro-batch at the state's data position and
-    advances that position (epoch, batch_in_epoch), or returns None when the data is exhausted.
+    `objective` is a CausalLMLoss, or the DDP/FSDP module wrapping one. `next_micro_batch(state)`
+    returns this rank's collated micro-batch at the state's data position and advances that position
+    (epoch, batch_in_epoch), or returns None when the data is exhausted. Every rank must get the same
+    number of micro-batches per step (one with no loss tokens still runs: its backward joins the
+    gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
+    log the same figures and stop at the same step.
     """
     from tqdm.auto import tqdm
 
-    device = settings.device
-    params = [p for p in model.parameters() if p.requires_grad]
-    model.train()
-    bar = tqdm(total=settings.total_steps, initial=state.step, disable=not settings.progress, unit="step",
-               dynamic_ncols=True)
+    device, world = settings.device, settings.world
+    # The optimizer's parameters, not objective.parameters(): FSDP swaps a module's registered parameters
+    # for gathered copies while they are in use (its root's stay gathered after an eval forward).
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    objective.train()
+    bar = tqdm(total=settings.total_steps, initial=state.step, disable=not (settings.progress and world.main),
+               unit="step", dynamic_ncols=True)
     loss_acc = torch.zeros((), device=device)
     try:
         while state.step < settings.total_steps:
@@ -204,17 +238,23 @@ def train(
             if not micro:
                 break
             lengths = torch.cat([example_lengths(b) for b in micro])
+            lengths = lengths[lengths > 0]  # a rank's empty filler row is no example
             positions = sum(b["input_ids"].numel() for b in micro)
             prepared = [prepare(b, device, settings.pin_memory) for b in micro]
+            # One collective before the step: the loss is normalised by the loss tokens of all ranks.
+            step_loss_tokens, step_tokens, step_samples, step_sq = distributed.all_sum(
+                [sum(n for _, n, _ in prepared), sum(n for _, _, n in prepared), len(lengths),
+                 int((lengths.long() ** 2).sum())], world)
             state.data_time_s += time.perf_counter() - t0
-            step_loss_tokens = sum(n for _, n, _ in prepared)
-            step_tokens = sum(n for _, _, n in prepared)
+            # DDP and FSDP average gradients over ranks; the world-size factor turns that into the sum.
+            scale = world.size / max(step_loss_tokens, 1)
             loss_acc.zero_()
-            for b, n_loss, _ in prepared:
-                if n_loss == 0:
+            for i, (b, n_loss, _) in enumerate(prepared):
+                if n_loss == 0 and world.backend is None:
                     continue
-                loss = loss_sum(model, b, settings.autocast_dtype, device) / step_loss_tokens
-                (scaler.scale(loss) if scaler else loss).backward()
+                with distributed.gradient_sync(objective, enabled=i == len(prepared) - 1):
+                    loss = objective(b) * scale
+                    (scaler.scale(loss) if scaler else loss).backward()
                 loss_acc += loss.detach()
             if scaler:
                 scaler.unscale_(optimizer)
@@ -228,16 +268,19 @@ def train(
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             state.step += 1
-            state.tokens += step_tokens
-            state.samples += len(lengths)
-            state.token_sq += int((lengths.long() ** 2).sum())
-            loss_value = float(loss_acc)  # one host sync per optimizer step
+            state.tokens += int(step_tokens)
+            state.samples += int(step_samples)
+            state.token_sq += int(step_sq)
+            # One host sync per optimizer step; the second collective: the step's loss over all ranks.
+            loss_value, = distributed.all_sum([float(loss_acc) / world.size], world)
+            if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
+                grad_norm = grad_norm.full_tensor()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             state.train_time_s += dt
             if state.step > settings.warmup_steps_excluded:
-                state.measured_tokens += step_tokens
+                state.measured_tokens += int(step_tokens)
                 state.measured_time_s += dt
             if not math.isfinite(loss_value):
                 raise TunebenchError(
@@ -245,7 +288,8 @@ def train(
                     "(the last good checkpoint is kept)"
                 )
             state.losses.append(loss_value)
-            tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else step_tokens / dt
+            tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s \
+                else step_tokens / dt
             if state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
                 hooks.log({
                     "step": state.step, "epoch": state.epoch, "loss": loss_value, "lr": lr,
@@ -258,11 +302,11 @@ def train(
             if hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0 \
                     and state.step < settings.total_steps:
                 hooks.log({"step": state.step, **hooks.evaluate(state.step)})
-            stop = hooks.should_stop()
+            stop = distributed.all_sum([float(hooks.should_stop())], world)[0] > 0  # a signal to any rank stops all
             if hooks.save and ((settings.save_steps and state.step % settings.save_steps == 0) or stop):
                 hooks.save(state)
             if stop:
-                raise Interrupted(state.step)
+                raise Interrupted(state.step, world)
     finally:
         bar.close()
     return state

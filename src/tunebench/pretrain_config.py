@@ -48,6 +48,8 @@ class ModelConfig:
 class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda | mps (the YAML's top-level `device:` lands here)
     threads: int | None = None  # torch's CPU threads; None: OMP_NUM_THREADS, else the usable physical cores
+    parallel: str = "auto"  # under torchrun: auto | ddp | fsdp (FSDP2: weights, gradients and moments sharded)
+    backend: str = "auto"  # torch.distributed backend under torchrun: auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     batch_size: int = 8  # micro batch; `auto` measures the sizes that divide the effective batch
     autotune_batch: bool = False  # set by batch_size: auto
     effective_batch_size: int | None = None  # default: batch_size x gradient_accumulation_steps
@@ -272,6 +274,8 @@ def validate(cfg: PretrainConfig) -> None:
     _choice("training.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
     _choice("training.report_to", t.report_to, ("none", "tensorboard"))
     _choice("training.compile", t.compile, ("auto", "on", "off"))
+    _choice("training.parallel", t.parallel, ("auto", "ddp", "fsdp"))
+    _choice("training.backend", t.backend, ("auto", "gloo", "nccl"))
     _choice("training.attention", t.attention, ("auto", "sdpa", "eager", "tunebench", "flash_attention_2"))
     _choice("data.split", d.split, ("random", "tail"))
     if t.bf16 and t.fp16:

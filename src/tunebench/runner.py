@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import checkpoint, hardware, models
+from tunebench import checkpoint, distributed, hardware, models
+from tunebench.distributed import World
 from tunebench.errors import TunebenchError
-from tunebench.loop import Batch, Hooks, LoopSettings, LoopState, train
+from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, train
 from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, reset_peak_memory
 from tunebench.monitor import Monitor, other_load
 
@@ -62,6 +63,16 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def open_run(world: World, out: Path, resume: str | None, overwrite: bool, identity: dict[str, Any]) -> Path | None:
+    """prepare_output_dir and resume_point, on rank 0 only (the others must not delete or create the same
+    files); every rank gets the checkpoint to resume from, or the same refusal."""
+    def check() -> Path | None:
+        prepare_output_dir(out, resume, overwrite)
+        return resume_point(resume, out, identity)
+
+    return distributed.agree(world, check)
+
+
 def resume_point(resume: str | None, out: Path, identity: dict[str, Any]) -> Path | None:
     """The checkpoint to continue from, checked before anything expensive: a path that is not a checkpoint,
     or one made with other settings (`identity`: those known before the model loads), is refused here."""
@@ -73,6 +84,45 @@ def resume_point(resume: str | None, out: Path, identity: dict[str, Any]) -> Pat
         return None
     checkpoint.check_identity(found, identity)
     return found
+
+
+def micro_batches(order: Callable[[int], list[list[int]]], collate: Callable[[list[int]], Batch], world: World,
+                  micro_batch_size: int) -> Callable[[LoopState], Batch]:
+    """The loop's `next_micro_batch`. `order(epoch)` lists the epoch's global micro-steps (micro batch x
+    world size rows each, a pure function of seed and epoch); this rank collates its share. A short last
+    step can leave a rank no rows: it gets a filler row with no loss and no real tokens, because every
+    rank must run the same number of forward/backward passes for the gradient sync."""
+    epochs: dict[int, list[list[int]]] = {}
+
+    def next_micro_batch(s: LoopState) -> Batch:
+        steps = epochs.setdefault(s.epoch, order(s.epoch))
+        if s.batch_in_epoch >= len(steps):
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            return next_micro_batch(s)
+        rows = steps[s.batch_in_epoch]
+        s.batch_in_epoch += 1
+        mine = distributed.shard(rows, world, micro_batch_size)
+        if mine:
+            return collate(mine)
+        filler = collate(rows[:1])
+        return {**filler, "labels": torch.full_like(filler["labels"], -100),
+                "attention_mask": torch.zeros_like(filler["attention_mask"])}
+
+    return next_micro_batch
+
+
+def resumed_batch(resume: Path | None, world: World) -> tuple[int, int] | None:
+    """(micro batch per rank, accumulation) that continue checkpoint `resume` under this world size: its
+    rows per micro-step shared out over the ranks, so every optimizer step sees the same rows it would
+    have. None when not resuming."""
+    if resume is None:
+        return None
+    made = checkpoint.check_identity(resume, {})["identity"]
+    rows, accum = made["rows_per_micro_step"], made["grad_accum_steps"]
+    if rows % world.size:
+        raise TunebenchError(f"checkpoint {resume} took {rows} rows per micro-step, which {world.size} ranks cannot "
+                             f"share evenly; resume with a number of processes that divides {rows}")
+    return rows // world.size, accum
 
 
 def apply_plan(plan: hardware.Plan) -> None:
@@ -137,39 +187,64 @@ class Outcome:
     before: dict[str, float] | None  # eval before training (fresh runs only)
     after: dict[str, float]
     monitor: dict[str, float]
-    peak_memory_mb: float  # of the training loop
+    peak_memory_mb: float  # of the training loop, the largest of any rank
+    peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
 
 
-def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: Callable[[LoopState], Batch | None],
+def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str):
+    """(module the loop trains through, module evaluation runs through, whether evaluation splits the
+    batches over ranks). One process: the plain CausalLMLoss. DDP: wrapped for training; evaluation
+    runs the unwrapped copy, each rank a share. FSDP: sharded before the optimizer is built (it
+    replaces the parameters); its forward gathers weights, so every rank evaluates every batch."""
+    loss = CausalLMLoss(model, autocast_dtype)
+    if world.backend is None:
+        return loss, loss, False
+    if parallel == "fsdp":
+        distributed.shard_fsdp(loss, model, world, device)
+        return loss, loss, False
+    return distributed.wrap_ddp(loss, world, device), loss, True
+
+
+def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
+             next_micro_batch: Callable[[LoopState], Batch | None],
              evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
              resume: Path | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
              after_eval: Callable[[int], dict[str, Any]] | None = None,
              probed_tokens_per_s: float | None = None) -> Outcome:
-    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train to `settings.total_steps`
-    with checkpoints, evaluate again.
+    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train `objective_` (from
+    `objective`) to `settings.total_steps` with checkpoints, evaluate again.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
-    aborts). `after_eval(step)` adds fields to each eval record (sample generations, say).
+    aborts); under several ranks, a signal to any one stops all of them at the same step.
+    `after_eval(step)` adds fields to each eval record (sample generations, say).
     `probed_tokens_per_s`, what the probe measured for this micro batch, is what the loop's speed is
-    watched against (see SlowdownWatch).
+    watched against (see SlowdownWatch). Only rank 0 writes records and talks; every rank runs the
+    rest (evaluation and saving are collectives).
     """
+    world = settings.world
     state = LoopState()
     ckpt_root = out / "checkpoints"
     if resume:
-        state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler)
-        print(f"resume: continuing from {resume} (step {state.step})")
-    metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if report_to == "tensorboard" else None)
-    stop = {"requested": False}
+        state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler, world)
+        say(world, f"resume: continuing from {resume} (step {state.step})")
+    metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if report_to == "tensorboard" else None) \
+        if world.main else None
+    log = metrics or (lambda record: None)
+    stop = {"requested": False, "at": 0.0}
 
     def on_signal(signum, frame):
-        if stop["requested"]:
+        # torchrun passes the terminal's Ctrl-C on to its workers, which got it already: a repeat within a
+        # second is the same request, not the second one that aborts.
+        if stop["requested"] and time.monotonic() - stop["at"] > 1.0:
             raise KeyboardInterrupt
-        stop["requested"] = True
-        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step (again to abort)")
+        if not stop["requested"]:
+            stop["requested"], stop["at"] = True, time.monotonic()
+            print(f"\n{signal.Signals(signum).name}" + (f" (rank {world.rank})" if world.backend else "")
+                  + ": saving a checkpoint after this step (again to abort)")
 
     def save(s: LoopState):
-        path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, save_total_limit, scaler)
-        metrics({"step": s.step, "checkpoint": str(path)})
+        path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, save_total_limit, scaler, world)
+        log({"step": s.step, "checkpoint": str(path)})
 
     def run_eval(step: int) -> dict[str, Any]:
         record = dict(evaluate())
@@ -178,48 +253,61 @@ def run_loop(out: Path, model, optimizer, scheduler, scaler, next_micro_batch: C
         return record
 
     device = settings.device
-    sampler = Monitor(out / "monitor.jsonl" if monitor else None,
+    sampler = Monitor(out / "monitor.jsonl" if monitor and world.main else None,
                       gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
-    watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads(), metrics,
-                          settings.warmup_steps_excluded)
-    hooks = Hooks(log=metrics, evaluate=run_eval if evaluate else None, save=save,
+    watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size, log,
+                          settings.warmup_steps_excluded) if world.main else (lambda state, seconds, positions: None)
+    hooks = Hooks(log=log, evaluate=run_eval if evaluate else None, save=save,
                   should_stop=lambda: stop["requested"], step_done=watch)
     before = run_eval(0) if evaluate and state.step == 0 else None
     if before:
-        metrics({"step": 0, **before})
-        print(f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
+        log({"step": 0, **before})
+        say(world, f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     wall = time.perf_counter()
     try:
         try:
             reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
             with sampler:
-                state = train(model, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
+                state = train(objective_, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
             if not (settings.save_steps and state.step % settings.save_steps == 0):  # the loop did not just save it
                 save(state)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
         wall = time.perf_counter() - wall
-        peak = peak_memory_mb(device)
+        peaks = distributed.gather(world, peak_memory_mb(device))
         after = run_eval(state.step) if evaluate else {}
         if after:
-            metrics({"step": state.step, **after})
+            log({"step": state.step, **after})
     finally:
-        metrics.close()
-    return Outcome(state, wall, before, after, sampler.summary(), peak)
+        if metrics:
+            metrics.close()
+    peaks = peaks or [0.0]
+    return Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
 
 
-def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: hardware.Hardware) -> dict[str, Any]:
+def say(world: World, message: str) -> None:
+    """Print on rank 0 only: one console, not one copy per rank."""
+    if world.main:
+        print(message)
+
+
+def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: hardware.Hardware,
+            world: World = World()) -> dict[str, Any]:
     """The summary figures every job reports: throughput over the measured steps (warm-up excluded),
-    real tokens, MFU against the device's peak, memory, losses."""
+    real tokens of all ranks, MFU against the peak of all the devices the ranks use, memory, losses."""
     s = outcome.state
     measured = s.measured_time_s or s.train_time_s
     tokens_per_s = (s.measured_tokens or s.tokens) / measured if measured else None
-    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, plan.threads,
+    # One GPU per rank; on CPUs, the ranks of a machine share its cores: its peak at all their threads.
+    threads = plan.threads if plan.device == "cuda" else plan.threads * world.local_size
+    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, threads,
                                              models.cache_dir() / "peak_flops.json")
+    if peak is not None:
+        peak *= world.size if plan.device == "cuda" else world.nodes
     return {
-        "device": plan.device, "precision": plan.precision,
+        "device": plan.device, "precision": plan.precision, "world_size": world.size,
         "steps": s.step, "samples": s.samples, "tokens": s.tokens,
         "duration_s": round(outcome.wall_s, 3), "train_time_s": round(s.train_time_s, 3),
         "samples_per_s": s.samples / s.train_time_s if s.train_time_s else None,
@@ -228,6 +316,7 @@ def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: h
         "mfu": mfu(flops_per_token, tokens_per_s, peak),
         "data_wait_fraction": round(s.data_time_s / s.train_time_s, 4) if s.train_time_s else 0.0,
         "peak_memory_mb": round(outcome.peak_memory_mb, 1),
+        "peak_memory_mb_total": round(outcome.peak_memory_mb_total, 1),
         **outcome.monitor,
         "train_loss": float(np.mean(s.losses)) if s.losses else None,
         "final_train_loss": s.losses[-1] if s.losses else None,

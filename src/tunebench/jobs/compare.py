@@ -8,6 +8,7 @@ rerun skips what the CSV already holds, so an interrupted sweep resumes where it
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import os
@@ -28,7 +29,8 @@ MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
 
 # The results CSV schema, one row per run (documented in docs/RESULTS.md).
 SCHEMA = [
-    "experiment", "config", "repeat", "device", "device_name", "cores", "threads", "batch_size", "grad_accum",
+    "experiment", "config", "repeat", "device", "device_name", "cores", "processes", "threads", "batch_size",
+    "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
     "duration_seconds", "samples_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
     "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
@@ -41,6 +43,7 @@ class Experiment:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] | None = None  # None: every device present
+    nproc: int = 1  # processes (ranks) the run is launched on, through tunebench launch
 
 
 def matrix_path(spec: str) -> Path:
@@ -52,7 +55,8 @@ def matrix_path(spec: str) -> Path:
 
 
 def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:
-    """(base overrides, experiments) from a matrix YAML: `experiments:` (a list) and/or `grid:` (a product)."""
+    """(base overrides, experiments) from a matrix YAML: `experiments:` (a list) and/or `grid:` (a product).
+    `nproc` (an experiment's key beside `set`, or a grid dimension) is the number of processes."""
     raw = read_yaml(matrix_path(spec))
     unknown = set(raw) - {"base", "experiments", "grid", "description"}
     if unknown:
@@ -64,13 +68,15 @@ def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:
         if not isinstance(e, dict) or "name" not in e:
             raise TunebenchError(f"matrix {spec}: every experiment needs a name, got {e!r}")
         devices = tuple(e["devices"]) if e.get("devices") else None
-        experiments.append(Experiment(str(e["name"]), dict(e.get("set") or {}), devices))
+        experiments.append(Experiment(str(e["name"]), dict(e.get("set") or {}), devices,
+                                      _nproc(e.get("nproc", 1), spec)))
     grid = raw.get("grid") or {}
     if grid:
         keys = list(grid)
         for values in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
             name = "_".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
-            experiments.append(Experiment(name, dict(zip(keys, values))))
+            chosen = dict(zip(keys, values))
+            experiments.append(Experiment(name, chosen, None, _nproc(chosen.pop("nproc", 1), spec)))
     if not experiments:
         raise TunebenchError(f"matrix {spec} has no experiments; add an experiments list or a grid")
     for e in experiments:  # every experiment's settings are checked before anything runs
@@ -79,6 +85,18 @@ def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:
         except TunebenchError as err:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
     return base, experiments
+
+
+def _nproc(value: Any, spec: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TunebenchError(f"matrix {spec}: nproc must be a whole number of processes, 1 or more; got {value!r}")
+    return value
+
+
+def with_processes(experiments: list[Experiment], counts: list[int]) -> list[Experiment]:
+    """Every experiment at each process count (`--nproc 1,2`); a count above 1 is part of the name."""
+    return [dataclasses.replace(e, name=e.name if n == 1 else f"{e.name}_np{n}", nproc=n)
+            for e in experiments for n in counts]
 
 
 def devices_present() -> tuple[list[str], dict[str, str]]:
@@ -130,7 +148,8 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         f"{hw['cpu_model']} ({decided.get('torch_threads')} threads)"
     v = hw["versions"]
     return {
-        "device_name": device_name, "cores": hw["physical_cores"], "threads": decided.get("torch_threads"),
+        "device_name": device_name, "cores": hw["physical_cores"], "processes": s.get("world_size", 1),
+        "threads": decided.get("torch_threads"),
         "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
         "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s["quantization"],
         "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
@@ -150,8 +169,10 @@ def _failure(stderr: str) -> tuple[str, str]:
 
 
 def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, Any],
-        devices: list[str] | None = None, retry_failed: bool = False) -> Path:
+        devices: list[str] | None = None, retry_failed: bool = False, nproc: list[int] | None = None) -> Path:
     base, experiments = load_matrix(matrix)
+    if nproc:
+        experiments = with_processes(experiments, nproc)
     base.update(extra)
     present, absent = devices_present()
     for d in devices or []:
@@ -172,7 +193,8 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
         run_dir = Path(runs_dir) / f"{exp.name}-{device}-r{repeat}"
         settings = {**base, **exp.overrides, "train.device": device, "train.output_dir": str(run_dir),
                     "train.progress": False, "train.overwrite": True}  # a rerun replaces a failed attempt
-        argv = [sys.executable, "-m", "tunebench", "train", *(f"{k}={_yaml(v)}" for k, v in settings.items())]
+        launch = ["launch", "--nproc-per-node", str(exp.nproc), "--"] if exp.nproc > 1 else []
+        argv = [sys.executable, "-m", "tunebench", *launch, "train", *(f"{k}={_yaml(v)}" for k, v in settings.items())]
         t0 = time.perf_counter()
         run_dir.mkdir(parents=True, exist_ok=True)
         with (run_dir / "log.txt").open("w") as log:

@@ -10,7 +10,7 @@ from tunebench.config import DataConfig
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
-from tunebench.loop import DTYPES, evaluate
+from tunebench.loop import DTYPES, CausalLMLoss, evaluate
 
 
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
@@ -27,5 +27,5 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     on = torch.device(plan.device)
     loaded.model.to(on)
     autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
-    result = evaluate(loaded.model, batches, on, autocast)
+    result = evaluate(CausalLMLoss(loaded.model, autocast), batches, on)
     return {"model": loaded.source, "rows": len(idx), "device": plan.device, "precision": plan.precision, **result}

@@ -10,16 +10,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import hardware, models, optim, runner, tune
+from tunebench import distributed, hardware, models, optim, runner, tune
 from tunebench.config import RunConfig, dump_yaml, replace
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
-from tunebench.loop import DTYPES, LoopSettings, LoopState, evaluate
+from tunebench.loop import DTYPES, LoopSettings, evaluate
 from tunebench.metrics import training_flops_per_token
 from tunebench.tune import attention, batch, compiler, layout
-from tunebench.tune.probe import enable_checkpointing, probe_step
+from tunebench.tune.probe import enable_checkpointing, memory_free_mb, probe_step
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
     """Apply the method. Returns (model, autocast dtype, reasons). Frozen bases live in the compute dtype."""
@@ -70,21 +70,23 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         print(f"data: {examples.describe_dropped()}")
     check_rows(len(examples.messages), cfg, len(examples.empty_rows), "empty")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
-    runner.prepare_output_dir(out, t.resume, t.overwrite)
-    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
-    resume_from = runner.resume_point(t.resume, out, identity)
 
-    # -- hardware plan
+    # -- hardware plan, and the process group when torchrun started several ranks
     hw = hardware.detect()
     plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
-    device = torch.device(plan.device)
+    world = distributed.init(plan.device, t.backend)
+    device = distributed.device_for(world, plan.device)
+    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
+    resume_from = runner.open_run(world, out, t.resume, t.overwrite, identity)
+    effective, accum_asked = batch_plan(cfg, world)
     runner.apply_plan(plan)
     runner.seed_everything(t.seed)
 
-    # -- model and data
-    loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
-    tok = loaded.tokenizer
-    data = load_tokenized(cfg.data, tok, models.cache_dir(), examples)
+    # -- model and data (each machine's first rank fills the caches, its others read them)
+    with distributed.local_rank0_first(world):
+        loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
+        tok = loaded.tokenizer
+        data = load_tokenized(cfg.data, tok, models.cache_dir(), examples)
     check_rows(len(data), cfg, data.dropped, "left without a response by truncation at --max-length")
     train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
     limit = models.position_limit(loaded.model)
@@ -97,105 +99,128 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if trainable == 0:
         raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
 
-    # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile, layout
-    rows: list[tuple[str, Any, str]] = []
+    # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile, layout.
+    # Rank 0 measures; the other ranks take its answers (ranks never disagree, never race on the cache).
     if t.gradient_checkpointing == "on":
         enable_checkpointing(model)
-        rows.append(("gradient_checkpointing", True, "asked for"))
     lengths = data.lengths()
-    longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
-    step = probe_step(model, lambda size: batching.collate(data, longest[:size], tok.pad_token_id), device, autocast)
-    shape = tune.Shape(cfg.model.name, cfg.adapter.method, cfg.adapter.quantization, cfg.adapter.r,
-                       cfg.adapter.target_modules, cfg.data.max_length, tune.where(hw, plan, device), plan.precision,
-                       hw.versions.get("torch", ""), t.attention, t.liger, t.gradient_checkpointing)
-    rows_probed = min(t.micro_batch_size, len(train_idx))
-    # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
-    widest = cfg.data.max_length if cfg.data.packing != "off" else int(lengths[train_idx].max())
-    rows.append(attention.decide(model, t.attention, lambda: step(rows_probed)[0], shape, rows_probed, widest,
-                                 plan.precision, device))
-    probed_speed = None  # tokens/s of the chosen micro batch, when the batch probe measured it
-    if t.autotune_batch:
-        micro, batch_rows, probed_speed = batch.micro_batch(step, shape, t.effective_batch_size, len(train_idx),
-                                                            cfg.data.max_length, device)
-        cfg = replace(cfg, **{"train.micro_batch_size": micro})
-        t = cfg.train
-        rows += batch_rows
-    else:
-        rows.append(("micro_batch_size", t.micro_batch_size, "asked for"))
-    if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in rows):
-        rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
-    accum = cfg.grad_accum_steps
-    batch_layout, layout_reason = layout.decide(cfg.data.packing, lengths, train_idx, t.micro_batch_size, t.seed,
+    resumed = runner.resumed_batch(resume_from, world)
+
+    def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
+        rows: list[tuple[str, Any, str]] = []
+        if t.gradient_checkpointing == "on":
+            rows.append(("gradient_checkpointing", True, "asked for"))
+        longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
+        step = probe_step(model, lambda size: batching.collate(data, longest[:size], tok.pad_token_id), device,
+                          autocast)
+        shape = tune.Shape(cfg.model.name, cfg.adapter.method, cfg.adapter.quantization, cfg.adapter.r,
+                           cfg.adapter.target_modules, cfg.data.max_length, tune.where(hw, plan, device),
+                           plan.precision, hw.versions.get("torch", ""), t.attention, t.liger,
+                           t.gradient_checkpointing)
+        rows_probed = min(t.micro_batch_size, len(train_idx))
+        # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
+        widest = cfg.data.max_length if cfg.data.packing != "off" else int(lengths[train_idx].max())
+        rows.append(attention.decide(model, t.attention, lambda: step(rows_probed)[0], shape, rows_probed, widest,
+                                     plan.precision, device))
+        micro, speed = t.micro_batch_size, None  # speed: tokens/s of the chosen micro batch, when probed
+        if resumed:
+            micro = resumed[0]
+            rows.append(("micro_batch_size", micro, f"the checkpoint's rows per micro-step over {world.size} rank(s)"))
+        elif t.autotune_batch:
+            micro, batch_rows, speed = batch.micro_batch(step, shape, effective // world.size, len(train_idx),
+                                                         cfg.data.max_length, device, world.local_size)
+            rows += batch_rows
+        else:
+            rows.append(("micro_batch_size", micro, "asked for"))
+        if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in rows):
+            rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
+        accum = resumed[1] if resumed else accum_asked or effective // (micro * world.size)
+        run_tokens = steps_for(micro, accum) * micro * accum * world.size * float(np.mean(lengths[train_idx]))
+        compile_decision = plan.decision("compile") if parallel.value != "fsdp" else \
+            hardware.Decision("compile", False, "not combined with FSDP sharding here")
+        rows.append(compiler.pick(model, compile_decision, cfg.adapter.method == "qlora",
+                                  lambda: step(micro)[0], run_tokens, shape, micro, speed))
+        return rows, micro, speed
+
+    def steps_for(micro: int, accum: int) -> int:
+        micro_steps = math.ceil(len(train_idx) / (micro * world.size))  # global micro-steps per epoch
+        return t.max_steps or max(1, math.ceil(t.epochs * micro_steps / accum))
+
+    parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
+                                      memory_free_mb(device, world.local_size))
+    measured, micro, probed_speed = distributed.agree(world, measure)
+    if not world.main:
+        tune.apply(model, measured)
+    accum = resumed[1] if resumed else accum_asked or effective // (micro * world.size)
+    effective = micro * accum * world.size
+    cfg = replace(cfg, **{"train.micro_batch_size": micro})
+    t = cfg.train
+    batch_layout, layout_reason = layout.decide(cfg.data.packing, lengths, train_idx, micro * world.size, t.seed,
                                                 cfg.data.max_length)
-    rows.append(("batch layout", batch_layout, layout_reason))
-    lr, lr_reason = scaled_lr(t.lr, cfg.effective_batch_size, t.lr_scaling, t.lr_reference_batch)
-    micro_per_epoch = math.ceil(len(train_idx) / t.micro_batch_size)
-    total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / accum))
-    run_tokens = total_steps * cfg.effective_batch_size * float(np.mean(lengths[train_idx]))
-    compile_row = compiler.pick(model, plan.decision("compile"), cfg.adapter.method == "qlora",
-                               lambda: step(t.micro_batch_size)[0], run_tokens, shape, t.micro_batch_size,
-                               probed_speed)
-    compiled = bool(compile_row[1])
+    lr, lr_reason = scaled_lr(t.lr, effective, t.lr_scaling, t.lr_reference_batch)
+    total_steps = steps_for(micro, accum)
     planned = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"]
-    rows = planned + method_rows + rows + [
-        compile_row,
+    rows = planned + [("world", world.size, world.describe()), (parallel.setting, parallel.value, parallel.reason)] \
+        + method_rows + [r for r in measured if r[0] != "compile"] + [("batch layout", batch_layout, layout_reason)] \
+        + [r for r in measured if r[0] == "compile"] + [
         optim.optimizer_row(device, t.weight_decay),
-        ("grad_accum_steps", accum, f"effective batch {cfg.effective_batch_size} = {t.micro_batch_size} x {accum}"),
+        ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
+                                    + (f" x {world.size} ranks" if world.size > 1 else "")),
         ("lr", f"{lr:g}", lr_reason),
         ("total_steps", total_steps, "--max-steps" if t.max_steps else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
     ]
-    print(f"model: {loaded.source}")
-    print(f"data: {cfg.data.path} ({data.fmt}), {len(train_idx)} train / {len(eval_idx)} eval rows"
-          + (f"; {data.dropped} of {len(data) + data.dropped} rows dropped: no response left after truncation"
-             if data.dropped else ""))
-    print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
-    runner.print_plan(rows)
+    compiled = any(r[0] == "compile" and r[1] is True for r in measured)
+    if world.main:
+        print(f"model: {loaded.source}")
+        print(f"data: {cfg.data.path} ({data.fmt}), {len(train_idx)} train / {len(eval_idx)} eval rows"
+              + (f"; {data.dropped} of {len(data) + data.dropped} rows dropped: no response left after truncation"
+                 if data.dropped else ""))
+        print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
+        runner.print_plan(rows)
 
-    # -- optimizer, schedule, records
+    # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
+    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, parallel.value)
+    if world.backend is not None:
+        torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
     optimizer = optim.adamw(model, lr, t.weight_decay, device)
     scheduler = optim.scheduler(optimizer, t.schedule, int(t.warmup_ratio * total_steps), total_steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity |= {"micro_batch_size": t.micro_batch_size, "grad_accum_steps": accum}
-    dump_yaml(cfg, out / "config.yaml")
-    write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
-        {"setting": s, "value": v, "reason": r} for s, v, r in rows], "trainable_parameters": trainable,
-        "total_parameters": total, "model_source": loaded.source})
+    identity |= {"rows_per_micro_step": micro * world.size, "grad_accum_steps": accum}
+    if world.main:
+        dump_yaml(cfg, out / "config.yaml")
+        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
+            {"setting": s, "value": v, "reason": r} for s, v, r in rows], "trainable_parameters": trainable,
+            "total_parameters": total, "model_source": loaded.source})
 
-    # -- batches
-    packing = batch_layout == "packed"
+    # -- batches: each epoch's global micro-steps (micro x world rows), this rank's share of each
     group_lengths = lengths if batch_layout == "length-grouped" else None
-    epochs: dict[int, list[list[int]]] = {}
-
-    def next_micro_batch(s: LoopState):
-        order = epochs.setdefault(
-            s.epoch, batching.epoch_order(train_idx, t.micro_batch_size, t.seed, s.epoch, lengths=group_lengths))
-        if s.batch_in_epoch >= len(order):
-            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-            return next_micro_batch(s)
-        rows_ = order[s.batch_in_epoch]
-        s.batch_in_epoch += 1
-        if packing:
-            return batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)
-        return batching.collate(data, rows_, tok.pad_token_id)
-
-    eval_batches = batching.eval_batches(data, eval_idx, t.micro_batch_size * 2, tok.pad_token_id)
+    collate = (lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)) \
+        if batch_layout == "packed" else (lambda rows_: batching.collate(data, rows_, tok.pad_token_id))
+    next_micro_batch = runner.micro_batches(
+        lambda epoch: batching.epoch_order(train_idx, micro * world.size, t.seed, epoch, lengths=group_lengths),
+        collate, world, micro)
+    eval_batches = batching.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id)
 
     def run_eval() -> dict[str, float]:
         with compiler.eagerly(compiled):
-            return evaluate(model, eval_batches, device, autocast)
+            return evaluate(eval_objective, eval_batches, device, world, split_eval)
 
     # -- train
     settings = LoopSettings(
         total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
         autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=t.eval_steps,
-        save_steps=t.save_steps, progress=t.progress, pin_memory=bool(plan.value("pin_memory")),
+        save_steps=t.save_steps, progress=t.progress, pin_memory=bool(plan.value("pin_memory")), world=world,
     )
-    outcome = runner.run_loop(out, model, optimizer, scheduler, scaler, next_micro_batch,
+    outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
                               run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
                               t.report_to, t.monitor, probed_tokens_per_s=probed_speed)
 
-    # -- outputs
-    save_final(model, tok, out, cfg, loaded)
+    # -- outputs (rank 0 writes; a sharded model is gathered first, by every rank)
+    weights = distributed.full_weights(model, world) if parallel.value == "fsdp" else None
+    distributed.shutdown(world)
+    if not world.main:
+        return {}
+    save_final(model, tok, out, cfg, loaded, weights)
     matmul, layers, width = models.flop_dims(model)
     state = outcome.state
     # Attention over each example's own length (token-weighted), not the packed row's width.
@@ -203,13 +228,28 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                                    cfg.adapter.method == "full")
     summary = {
         "model": cfg.model.name, "method": cfg.adapter.method, "quantization": cfg.adapter.quantization,
-        **runner.figures(outcome, fpt, plan, hw),
-        "trainable_parameters": trainable, "micro_batch_size": t.micro_batch_size, "grad_accum_steps": accum,
-        "effective_batch_size": cfg.effective_batch_size, "max_length": cfg.data.max_length,
+        **runner.figures(outcome, fpt, plan, hw, world), "parallel": parallel.value,
+        "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
+        "effective_batch_size": effective, "max_length": cfg.data.max_length,
     }
     write_json(out / "summary.json", summary)
     runner.report(summary, out)
     return summary
+
+
+def batch_plan(cfg: RunConfig, world: distributed.World) -> tuple[int, int | None]:
+    """(effective batch, accumulation asked for or None). The effective batch is micro batch x accumulation
+    x world size; --effective-batch-size is kept at any world size, an explicit --grad-accum is taken as asked."""
+    t = cfg.train
+    if t.grad_accum_steps is not None:
+        return t.micro_batch_size * t.grad_accum_steps * world.size, t.grad_accum_steps
+    per_rank, left = divmod(t.effective_batch_size, world.size)
+    if left or (not t.autotune_batch and per_rank % t.micro_batch_size):
+        raise TunebenchError(
+            f"--effective-batch-size {t.effective_batch_size} is not a multiple of {world.size} rank(s)"
+            + ("" if t.autotune_batch else f" x --batch-size {t.micro_batch_size}")
+            + "; pick an effective batch that they divide, or another number of processes")
+    return t.effective_batch_size, None
 
 
 def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:
@@ -225,9 +265,10 @@ def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:
             f"effective batch of {cfg.effective_batch_size}; add rows or lower --effective-batch-size")
 
 
-def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded) -> None:
+def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded, weights: dict | None = None) -> None:
+    """The model (or adapter) and tokenizer; `weights`, a sharded model's gathered state dict."""
     if cfg.adapter.method == "full":
-        model.save_pretrained(out)
+        model.save_pretrained(out, state_dict=weights)
     else:
         model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
         model.save_pretrained(out, save_embedding_layers=False)  # "auto" would look the base up on the hub

@@ -11,16 +11,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import arch, hardware, models, optim, runner, tune
+from tunebench import arch, distributed, hardware, models, optim, runner, tune
 from tunebench.data import batching, blocks, text
 from tunebench.errors import TunebenchError
 from tunebench.jobs import tokenizer as tokenizer_job
 from tunebench.jsonfile import write_json
-from tunebench.loop import DTYPES, LoopSettings, LoopState, evaluate
+from tunebench.loop import DTYPES, LoopSettings, evaluate
 from tunebench.metrics import training_flops_per_token
 from tunebench.pretrain_config import PretrainConfig, dump_yaml
 from tunebench.tune import attention, batch, compiler
-from tunebench.tune.probe import enable_checkpointing, probe_step
+from tunebench.tune.probe import enable_checkpointing, memory_free_mb, probe_step
 
 def run(cfg: PretrainConfig) -> dict[str, Any]:
     m, t, d = cfg.model, cfg.training, cfg.data
@@ -31,27 +31,33 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     if d.tokenizer and not Path(d.tokenizer).is_dir():
         raise TunebenchError(f"data.tokenizer '{d.tokenizer}' is not a directory; point --tokenizer at the output "
                              "of `tunebench tokenizer train`")
-    runner.prepare_output_dir(out, t.resume, t.overwrite)
-    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
-    resume_from = runner.resume_point(t.resume, out, identity)
 
-    # -- hardware plan
+    # -- hardware plan, and the process group when torchrun started several ranks
     hw = hardware.detect()
     plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile, t.threads)
-    device = torch.device(plan.device)
+    world = distributed.init(plan.device, t.backend)
+    device = distributed.device_for(world, plan.device)
+    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
+    resume_from = runner.open_run(world, out, t.resume, t.overwrite, identity)
+    effective = cfg.effective_batch_size if t.effective_batch_size is None else t.effective_batch_size
+    if effective % world.size or (not t.autotune_batch and (effective // world.size) % t.batch_size):
+        raise TunebenchError(f"the effective batch {effective} is not a multiple of {world.size} rank(s)"
+                             + ("" if t.autotune_batch else f" x training.batch_size {t.batch_size}")
+                             + "; set training.effective_batch_size to one that they divide")
     runner.apply_plan(plan)
     runner.seed_everything(t.seed)
     autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
 
     # -- tokenizer and token blocks (tokenized once, cached, memory-mapped)
-    tok, tok_source = load_or_train_tokenizer(cfg)
-    arch.check_vocab(m, tok)
-    threads = d.preprocessing_num_workers or plan.threads
-    tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir(), d.text_column, d.dataset_config, threads)
-    if d.validation_file:
-        train = blocks.cut(tokens, d.max_length)
-        val = blocks.cut(blocks.token_file([d.validation_file], tok, models.cache_dir(), d.text_column,
-                                           None, threads), d.max_length)
+    with distributed.local_rank0_first(world):  # each machine's first rank fills the caches
+        tok, tok_source = load_or_train_tokenizer(cfg)
+        arch.check_vocab(m, tok)
+        threads = d.preprocessing_num_workers or plan.threads
+        tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir(), d.text_column, d.dataset_config, threads)
+        valid = blocks.token_file([d.validation_file], tok, models.cache_dir(), d.text_column, None, threads) \
+            if d.validation_file else None
+    if valid is not None:
+        train, val = blocks.cut(tokens, d.max_length), blocks.cut(valid, d.max_length)
     else:
         train, val = blocks.split(blocks.cut(tokens, d.max_length), d.validation_split, t.seed, d.split)
     if d.max_eval_blocks is not None:
@@ -82,69 +88,95 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
                  + (f"; dataloader_num_workers {t.dataloader_num_workers} not needed" if t.dataloader_num_workers
                     else "")))
 
-    # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile
-    shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
-                       tune.where(hw, plan, device), plan.precision, hw.versions.get("torch", ""), t.attention, "off",
-                       "on" if m.gradient_checkpointing else "off")
-    step = probe_step(model, lambda size: train.collate(range(min(size, len(train)))), device, autocast)
-    rows.append(attention.decide(model, t.attention, lambda: step(t.batch_size)[0], shape, t.batch_size,
-                                 d.max_length, plan.precision, device))
-    probed_speed = None
-    micro, effective = t.batch_size, cfg.effective_batch_size
-    if t.autotune_batch:
-        effective = t.effective_batch_size
-        micro, batch_rows, probed_speed = batch.micro_batch(step, shape, effective, len(train), d.max_length, device)
-        rows += batch_rows
-    else:
-        rows.append(("micro_batch_size", micro, "training.batch_size"))
-    accum = effective // micro
-    total_steps = t.max_steps or max(1, math.ceil(t.num_epochs * math.ceil(len(train) / micro) / accum))
-    compile_row = compiler.pick(model, plan.decision("compile"), False, lambda: step(micro)[0],
-                                total_steps * effective * d.max_length, shape, micro, probed_speed)
-    compiled = bool(compile_row[1])
+    # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile.
+    # Rank 0 measures; the other ranks take its answers (ranks never disagree, never race on the cache).
+    resumed = runner.resumed_batch(resume_from, world)
+    parallel = hardware.pick_parallel(t.parallel, "pretrain", n_params, world.size,
+                                      memory_free_mb(device, world.local_size))
+
+    def steps_for(micro: int, accum: int) -> int:
+        micro_steps = math.ceil(len(train) / (micro * world.size))  # global micro-steps per epoch
+        return t.max_steps or max(1, math.ceil(t.num_epochs * micro_steps / accum))
+
+    def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
+        shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
+                           tune.where(hw, plan, device), plan.precision, hw.versions.get("torch", ""), t.attention,
+                           "off", "on" if m.gradient_checkpointing else "off")
+        step = probe_step(model, lambda size: train.collate(range(min(size, len(train)))), device, autocast)
+        rows_ = [attention.decide(model, t.attention, lambda: step(t.batch_size)[0], shape, t.batch_size,
+                                  d.max_length, plan.precision, device)]
+        micro, speed = t.batch_size, None
+        if resumed:
+            micro = resumed[0]
+            rows_.append(("micro_batch_size", micro, f"the checkpoint's rows per micro-step over {world.size} rank(s)"))
+        elif t.autotune_batch:
+            micro, batch_rows, speed = batch.micro_batch(step, shape, effective // world.size, len(train),
+                                                         d.max_length, device, world.local_size)
+            rows_ += batch_rows
+        else:
+            rows_.append(("micro_batch_size", micro, "training.batch_size"))
+        accum = resumed[1] if resumed else effective // (micro * world.size)
+        compile_decision = plan.decision("compile") if parallel.value != "fsdp" else \
+            hardware.Decision("compile", False, "not combined with FSDP sharding here")
+        rows_.append(compiler.pick(model, compile_decision, False, lambda: step(micro)[0],
+                                   steps_for(micro, accum) * micro * accum * world.size * d.max_length, shape,
+                                   micro, speed))
+        return rows_, micro, speed
+
+    measured, micro, probed_speed = distributed.agree(world, measure)
+    if not world.main:
+        tune.apply(model, measured)
+    accum = resumed[1] if resumed else effective // (micro * world.size)
+    effective = micro * accum * world.size
+    total_steps = steps_for(micro, accum)
+    compiled = any(r[0] == "compile" and r[1] is True for r in measured)
     warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
-    rows += [compile_row, optim.optimizer_row(device, t.weight_decay),
-             ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum} blocks of {d.max_length}"),
+    rows += [("world", world.size, world.describe()), (parallel.setting, parallel.value, parallel.reason),
+             *measured, optim.optimizer_row(device, t.weight_decay),
+             ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
+              + (f" x {world.size} ranks" if world.size > 1 else "") + f" blocks of {d.max_length}"),
              ("lr", f"{t.learning_rate:g}", f"{t.lr_scheduler} after {warmup} warm-up steps"),
              ("total_steps", total_steps, "training.max_steps" if t.max_steps
               else f"{t.num_epochs:g} epoch(s) of {len(train)} blocks")]
-    print(f"tokenizer: {tok_source} ({len(tok):,} tokens)")
-    print(f"data: {', '.join(cfg.data_files)}: {len(tokens):,} tokens, {len(train):,} train / {len(val):,} "
-          f"validation blocks of {d.max_length}")
-    print(f"model: {type(model).__name__}, {n_params:,} parameters")
-    runner.print_plan(rows)
+    if world.main:
+        print(f"tokenizer: {tok_source} ({len(tok):,} tokens)")
+        print(f"data: {', '.join(cfg.data_files)}: {len(tokens):,} tokens, {len(train):,} train / {len(val):,} "
+              f"validation blocks of {d.max_length}")
+        print(f"model: {type(model).__name__}, {n_params:,} parameters")
+        runner.print_plan(rows)
 
-    # -- optimizer, schedule, records
+    # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
+    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, parallel.value)
+    if world.backend is not None:
+        torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
     optimizer = optim.adamw(model, t.learning_rate, t.weight_decay, device, (t.adam_beta1, t.adam_beta2))
     scheduler = optim.scheduler(optimizer, t.lr_scheduler, warmup, total_steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length, "micro_batch_size": micro,
-                 "grad_accum_steps": accum, "split": [d.split, d.validation_split, d.validation_file]}
-    dump_yaml(cfg, out / "config.yaml")
-    write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
-        {"setting": s, "value": v, "reason": r} for s, v, r in rows], "parameters": n_params})
+    identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
+                 "rows_per_micro_step": micro * world.size, "grad_accum_steps": accum,
+                 "split": [d.split, d.validation_split, d.validation_file]}
+    if world.main:
+        dump_yaml(cfg, out / "config.yaml")
+        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
+            {"setting": s, "value": v, "reason": r} for s, v, r in rows], "parameters": n_params})
 
-    # -- batches: a seeded order of blocks per epoch, a pure function of (seed, epoch, position)
+    # -- batches: a seeded order of blocks per epoch, a pure function of (seed, epoch, position); each
+    # global micro-step holds micro x world blocks, this rank's share of them
     train_idx = np.arange(len(train))
-    epochs: dict[int, list[list[int]]] = {}
-
-    def next_micro_batch(s: LoopState):
-        order = epochs.setdefault(s.epoch, batching.epoch_order(train_idx, micro, t.seed, s.epoch))
-        if s.batch_in_epoch >= len(order):
-            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-            return next_micro_batch(s)
-        s.batch_in_epoch += 1
-        return train.collate(order[s.batch_in_epoch - 1])
-
+    next_micro_batch = runner.micro_batches(
+        lambda epoch: batching.epoch_order(train_idx, micro * world.size, t.seed, epoch), train.collate, world, micro)
     eval_batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
 
     def run_eval() -> dict[str, float]:
         with compiler.eagerly(compiled):
-            return evaluate(model, eval_batches, device, autocast)
+            return evaluate(eval_objective, eval_batches, device, world, split_eval)
 
     prompt = sample_prompt(t.sample_prompt, tok, val if len(val) else train)
 
     def sample(step_: int) -> dict[str, str]:
+        # Rank 0 alone, on its whole replica; a sharded model's blocks are not whole on any rank.
+        if not world.main or parallel.value == "fsdp":
+            return {}
         with compiler.eagerly(compiled):
             generated = generate_sample(model, tok, prompt, t.sample_tokens, t.seed, device)
         print(f"\nsample at step {step_}: {generated!r}")
@@ -154,19 +186,23 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     settings = LoopSettings(total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
                             device=device, autocast_dtype=autocast, logging_steps=t.logging_steps,
                             eval_steps=t.eval_steps, save_steps=t.save_steps, progress=t.progress,
-                            pin_memory=pin)
-    outcome = runner.run_loop(out, model, optimizer, scheduler, scaler, next_micro_batch,
+                            pin_memory=pin, world=world)
+    outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
                               run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
                               t.report_to, t.monitor, after_eval=sample, probed_tokens_per_s=probed_speed)
 
-    # -- outputs: a plain Hugging Face model directory
+    # -- outputs: a plain Hugging Face model directory (rank 0 writes; a sharded model is gathered first)
+    weights = distributed.full_weights(model, world) if parallel.value == "fsdp" else None
+    distributed.shutdown(world)
+    if not world.main:
+        return {}
     model.config.use_cache = True
-    model.save_pretrained(out)
+    model.save_pretrained(out, state_dict=weights)
     tok.save_pretrained(out)
     matmul, layers, width = models.flop_dims(model)
     fpt = training_flops_per_token(matmul, n_params, layers, width, d.max_length, full=True)
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
-               **runner.figures(outcome, fpt, plan, hw), "micro_batch_size": micro, "grad_accum_steps": accum,
+               **runner.figures(outcome, fpt, plan, hw, world), "parallel": parallel.value, "micro_batch_size": micro, "grad_accum_steps": accum,
                "effective_batch_size": effective, "max_length": d.max_length,
                "sample": outcome.after.get("sample")}
     write_json(out / "summary.json", summary)

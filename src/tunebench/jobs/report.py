@@ -278,7 +278,7 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
     }
 
 
-COLUMNS = ["experiment", "device_name", "config", "batch_size", "grad_accum", "quantization", "precision",
+COLUMNS = ["experiment", "device_name", "processes", "config", "batch_size", "grad_accum", "quantization", "precision",
            "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu", "status"]
 
 

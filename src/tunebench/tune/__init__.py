@@ -56,3 +56,19 @@ def cached(key: str) -> dict | None:
 
 def store(key: str, value: dict) -> None:
     update_json(cache_file(), key, value)
+
+
+def apply(model, rows: list[Row]) -> None:
+    """Apply decisions rank 0 measured (its settings rows) to this rank's copy of the model, without
+    measuring: the attention kernel, gradient checkpointing, compiled blocks."""
+    from tunebench import kernels, models
+    from tunebench.tune.probe import enable_checkpointing
+
+    for setting, value, _ in rows:
+        if setting == "attention":
+            kernels.register()
+            model.set_attn_implementation(value)
+        elif setting == "gradient_checkpointing" and value is True:
+            enable_checkpointing(model)
+        elif setting == "compile" and value is True:
+            models.compile_blocks(model)

@@ -90,11 +90,13 @@ def format_table(result: Result) -> str:
 
 
 def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
-                device: torch.device) -> tuple[int, list[Row], float]:
-    """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s."""
+                device: torch.device, ranks_sharing: int = 1) -> tuple[int, list[Row], float]:
+    """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s.
+    `effective_batch_size` is one rank's share; `ranks_sharing` ranks split this machine's RAM."""
     import psutil
 
-    key = shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size))
+    key = shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size),
+                    **({"ranks_sharing": ranks_sharing} if ranks_sharing > 1 else {}))
     hit = cached(key)
     result = Result.from_dict(hit["result"]) if hit and "result" in hit else None
     source = "cached probe"
@@ -110,7 +112,7 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
             baseline, budget = torch.cuda.memory_allocated(device) / 2**20, 0.92 * total / 2**20
         else:
             baseline = psutil.Process().memory_info().rss / 2**20
-            budget = baseline + memory_free_mb(device)
+            budget = baseline + memory_free_mb(device, ranks_sharing)
         result = probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and shape.gradient_checkpointing == "auto":
             free_after_oom(step.model)

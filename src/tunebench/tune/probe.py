@@ -56,13 +56,14 @@ def free_after_oom(model) -> None:
         torch.cuda.empty_cache()
 
 
-def memory_free_mb(device: torch.device) -> float:
-    """Memory a step may still allocate: free GPU memory, or 80% of available RAM (never into swap)."""
+def memory_free_mb(device: torch.device, ranks_sharing: int = 1) -> float:
+    """Memory a step may still allocate: free GPU memory, or 80% of available RAM (never into swap),
+    split evenly between the ranks that share this machine's RAM."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] / 2**20
     import psutil
 
-    return 0.8 * psutil.virtual_memory().available / 2**20
+    return 0.8 * psutil.virtual_memory().available / 2**20 / ranks_sharing
 
 
 def enable_checkpointing(model) -> None:

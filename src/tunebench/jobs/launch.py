@@ -1,0 +1,57 @@
+"""`tunebench launch`: a tunebench job on several processes (and machines) through torchrun itself
+(torch.distributed.run), not a launcher of our own. What it adds: one line per failure instead of
+torchrun's tracebacks, and threads per rank split from the cores this process may use, where
+torchrun would set OMP_NUM_THREADS=1 for every rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tunebench import distributed, hardware
+from tunebench.errors import TunebenchError
+
+JOBS = ("train", "pretrain")
+
+
+def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+        rdzv_endpoint: str | None = None, rdzv_id: str = "tunebench") -> int:
+    if job_args[:1] == ["--"]:
+        job_args = job_args[1:]
+    if not job_args or job_args[0] not in JOBS:
+        raise TunebenchError("launch runs a training job: tunebench launch --nproc-per-node 2 -- train [options] "
+                             "(or -- pretrain ...)")
+    if nproc_per_node < 1 or nnodes < 1:
+        raise TunebenchError(f"--nproc-per-node ({nproc_per_node}) and --nnodes ({nnodes}) must be 1 or more")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise TunebenchError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, an address every node can reach "
+                             "(the first node's), the same on every node")
+    if not 0 <= node_rank < nnodes:
+        raise TunebenchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+    if "OMP_NUM_THREADS" not in os.environ:  # the ranks split the cores themselves (see hardware.plan)
+        threads = hardware.plan("cpu", "fp32", hardware.detect(), env={"RANK": "0",
+                                "LOCAL_WORLD_SIZE": str(nproc_per_node)}).threads
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ[distributed.LAUNCH_MARK] = "1"
+    args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes)]
+    if rdzv_endpoint:
+        args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                 "--rdzv-id", rdzv_id]
+    else:
+        args += ["--standalone"]  # one machine: a rendezvous on a free local port
+    args += ["-m", "tunebench", *job_args]
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    try:
+        torchrun(parse_args(args))
+    except ChildFailedError as e:
+        # Each rank has printed its own one-line error; say which ones failed, and exit as the first to fail
+        # did (torchrun then stops the others, so theirs is its SIGTERM).
+        codes = ", ".join(f"rank {rank} exit {f.exitcode}" for rank, f in sorted(e.failures.items()))
+        first = e.get_first_failure()[1].exitcode
+        print(f"tunebench: launch: {codes}", file=sys.stderr)
+        return first if isinstance(first, int) and first > 0 else 1
+    return 0

@@ -1,0 +1,282 @@
+"""Several processes on torch.distributed (gloo, on this CPU): each test launches real ranks through
+torchrun or `tunebench launch` and compares them with one process at the same global batch.
+
+fp32, dropout 0, fixed kernels, so 2 ranks x micro batch 2 and 1 process x micro batch 4 compute the
+same sums in a different order: losses and weights agree to float rounding, not bit for bit.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tunebench import hardware, runner
+from tunebench.distributed import World
+
+ROWS = [{"instruction": f"question {i}{' and more words' * (i % 4)}", "response": f"answer {i}" + " yes" * (i % 5)}
+        for i in range(20)]  # uneven lengths: ranks hold unequal numbers of loss tokens
+TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(300))
+PRETRAIN_MODEL = """model:
+  vocab_size: 100
+  d_model: 32
+  n_heads: 4
+  n_layers: 2
+  d_ff: 64
+  max_seq_len: 32
+  dropout: 0.0
+  attention_dropout: 0.0
+"""
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def _tunebench(args, nproc=1, check=True, torchrun=False, timeout=300):
+    """Run `tunebench ARGS` in 1 process, or on `nproc` ranks through tunebench launch (or torchrun itself)."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "tunebench", *args]
+    elif torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "tunebench", *args]
+    else:
+        cmd = [sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", str(nproc), "--", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
+    return done
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _weights(out):
+    files = list(out.glob("*.safetensors"))
+    assert len(files) == 1, files
+    return load_file(files[0])
+
+
+def _same(a, b, rel=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=rel), k
+
+
+def _same_weights(a, b, degenerate=()):
+    """Equal to float rounding. `degenerate`: tensors (by name suffix) holding directions whose gradient is
+    zero by construction (attention's key bias: softmax ignores a shift), where Adam's first steps move by
+    +-lr on the sign of rounding noise; the model computes the same function either way."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if not k.endswith(degenerate):
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.fixture
+def rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _train_args(data, out, micro, effective=8, **extra):
+    args = ["train", "--model", "tiny", "--data", str(data), "--output-dir", str(out), "--batch-size", str(micro),
+            "--effective-batch-size", str(effective), "--eval-fraction", "0.2", "--max-length", "128",
+            "--precision", "fp32", "--lora-dropout", "0", "--attention", "sdpa", "--compile", "off", "--lr", "1e-2", "--schedule", "constant", "--warmup-ratio", "0", "--no-progress",
+            "--max-steps", "3", "--threads", "1"]
+    for k, v in {"packing": "off", **extra}.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def test_two_lora_ranks_match_one_process_and_one_big_batch(tmp_path, rows):
+    """2 ranks x micro 2 x accumulation 2 (no_sync on the first micro-batch) == 1 process x micro 4 x 2 ==
+    1 process x micro 8: same losses, same adapter. Rows have unequal lengths, so the ranks' loss-token
+    counts differ: averaging per-rank means would give another gradient. Packed rows: a length-grouped
+    order would depend on the micro batch, and only the rows' order must be the same."""
+    one = tmp_path / "one"
+    _tunebench(_train_args(rows, one, 4, packing="on"))
+    big = tmp_path / "big"
+    _tunebench(_train_args(rows, big, 8, packing="on"))
+    two = tmp_path / "two"
+    launched = _tunebench(_train_args(rows, two, 2, packing="on"), nproc=2, torchrun=True)
+    _same(_losses(two), _losses(one))
+    _same(_losses(two), _losses(big))
+    _same_weights(_weights(two), _weights(one))
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["grad_accum_steps"] == 2 and summary["effective_batch_size"] == 8
+    # Not two copies each on all the data: the ranks together saw exactly the one process's tokens.
+    assert summary["tokens"] == json.loads((one / "summary.json").read_text())["tokens"]
+    plan = {d["setting"]: d for d in json.loads((two / "plan.json").read_text())["decisions"]}
+    assert plan["world"]["value"] == 2 and "backend gloo" in plan["world"]["reason"]
+    assert plan["parallel"]["value"] == "ddp"
+    assert "effective batch 8 = 2 x 2 x 2 ranks" in plan["grad_accum_steps"]["reason"]
+    assert launched.stdout.count("settings:") == 1  # rank 0 alone talks
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_pretrain_on_two_ranks_matches_one_process(tmp_path, parallel):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    tok = tmp_path / "tok"
+    _tunebench(["tokenizer", "train", "--data", str(corpus), "--vocab-size", "100", "--type", "char", "-o", str(tok)])
+    config = tmp_path / "tiny.yaml"
+    config.write_text(PRETRAIN_MODEL)
+
+    def args(out, micro):
+        return ["pretrain", str(config), "--data", str(corpus), "--tokenizer", str(tok), "--output-dir", str(out),
+                "--max-length", "32", "--batch-size", str(micro), "--effective-batch-size", "8", "--max-steps", "3",
+                "--precision", "fp32", "--attention", "sdpa", "--compile", "off", "--threads", "1",
+                "--eval-steps", "100", "--lr", "3e-3", "--parallel", parallel, "data.max_eval_blocks=8",
+                "training.warmup_steps=0", "training.lr_scheduler=constant", "training.logging_steps=1",
+                "--no-progress"]
+
+    _tunebench(args(tmp_path / "one", 4))
+    _tunebench(args(tmp_path / "two", 2), nproc=2)
+    _same(_losses(tmp_path / "two"), _losses(tmp_path / "one"))
+    assert len(_losses(tmp_path / "one")) == 3
+    _same_weights(_weights(tmp_path / "two"), _weights(tmp_path / "one"), degenerate=("attn.c_attn.bias",))
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two")]
+    assert summaries[1]["parallel"] == parallel and summaries[1]["world_size"] == 2
+    assert summaries[1]["eval_loss"] == pytest.approx(summaries[0]["eval_loss"], rel=1e-5)
+
+
+def test_a_run_saved_by_two_ranks_resumes_on_one_and_the_reverse(tmp_path, rows):
+    """Constant learning rate, so 2 steps then 2 more == 4 steps straight (the schedule is the new run's)."""
+    straight = tmp_path / "straight"
+    _tunebench(_train_args(rows, straight, 4, max_steps=4))
+    expected = _losses(straight)
+
+    a = tmp_path / "two-then-one"
+    _tunebench(_train_args(rows, a, 2, max_steps=2), nproc=2)
+    resumed = _tunebench(_train_args(rows, a, "auto", max_steps=4, resume="auto"))
+    assert "the checkpoint's rows per micro-step over 1 rank(s)" in resumed.stdout
+    assert "saved by 2 rank(s), this run has 1" in resumed.stdout
+
+    b = tmp_path / "one-then-two"
+    _tunebench(_train_args(rows, b, 4, max_steps=2))
+    _tunebench(_train_args(rows, b, "auto", max_steps=4, resume="auto"), nproc=2)
+    for out in (a, b):
+        _same(_losses(out), expected)
+        _same_weights(_weights(out), _weights(straight))
+    assert json.loads((b / "summary.json").read_text())["micro_batch_size"] == 2
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, rows):
+    import psutil
+
+    out = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", "2", "--",
+           *_train_args(rows, out, 2, max_steps=10000, eval_fraction=0.5)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "metrics.jsonl").exists() or not _losses(out):
+            time.sleep(0.5)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if p.environ().get("RANK") == "1"]
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted at step" in stderr
+    saved = sorted((out / "checkpoints").glob("step-*"))
+    assert len(saved) == 1
+    state = json.loads((saved[0] / "state.json").read_text())
+    assert state["loop"]["step"] == max(_losses(out)) and state["world_size"] == 2
+    assert (saved[0] / "training_state.pt").is_file()
+
+
+def test_bad_input_under_launch_is_one_line_from_rank_0(tmp_path, rows):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    done = _tunebench(_train_args(rows, out, 2), nproc=2, check=False)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tunebench: error:")]
+    assert done.returncode == 2
+    assert len(errors) == 1 and "already holds a run" in errors[0] and "--overwrite" in errors[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_effective_batch_that_the_ranks_cannot_share_is_refused(tmp_path, rows):
+    done = _tunebench(_train_args(rows, tmp_path / "o", 2, effective=6), nproc=2, check=False)
+    assert done.returncode == 2
+    assert "--effective-batch-size 6 is not a multiple of 2 rank(s) x --batch-size 2" in done.stderr
+
+
+def _shares(n_rows, micro, world_size, epoch=0):
+    """Each rank's micro-batches of one epoch, as runner.micro_batches builds them."""
+    data = np.arange(n_rows)
+
+    def collate(rows_):
+        ids = torch.tensor(rows_)[:, None]
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    from tunebench.data.batching import epoch_order
+    from tunebench.loop import LoopState
+
+    shares = []
+    for rank in range(world_size):
+        world = World(rank, world_size, rank, world_size, "gloo")
+        take = runner.micro_batches(lambda e: epoch_order(data, micro * world_size, 7, e), collate, world, micro)
+        state = LoopState(epoch=epoch)
+        steps = len(epoch_order(data, micro * world_size, 7, epoch))
+        shares.append([take(state) for _ in range(steps)])
+    return shares
+
+
+@pytest.mark.parametrize("n_rows, micro, world_size", [(16, 2, 2), (11, 2, 2), (10, 3, 4), (5, 2, 4)])
+def test_shards_are_disjoint_cover_the_epoch_and_keep_ranks_in_step(n_rows, micro, world_size):
+    shares = _shares(n_rows, micro, world_size)
+    assert len({len(s) for s in shares}) == 1  # every rank runs the same number of micro-batches
+    seen = []
+    for share in shares:
+        for batch in share:
+            real = batch["attention_mask"].bool()[:, 0]
+            seen += batch["input_ids"][real, 0].tolist()
+            if not real.any():  # a filler: no real tokens, no loss
+                assert (batch["labels"] == -100).all()
+    assert sorted(seen) == list(range(n_rows))  # disjoint and covering
+
+    def ids(shares_):
+        return [[b["input_ids"][:, 0].tolist() for b in share] for share in shares_]
+
+    assert ids(_shares(n_rows, micro, world_size, epoch=1)) != ids(shares)  # a new order each epoch
+
+
+@pytest.mark.parametrize("local_ranks, omp, launched, threads, why", [
+    (1, None, False, 8, "8 physical cores"),
+    (4, None, False, 2, "shared by 4 ranks on this machine: 8 // 4"),
+    (16, None, False, 1, "8 // 16"),
+    (2, "1", False, 1, "torchrun sets 1 when it is unset"),
+    (2, "4", True, 4, "shared by 2 ranks"),  # tunebench launch set OMP_NUM_THREADS itself: the split decides
+])
+def test_threads_per_rank_split_the_usable_cores(local_ranks, omp, launched, threads, why):
+    hw = hardware.Hardware(cpu_model="test", physical_cores=8, logical_cores=16, cpu_flags=frozenset(),
+                           ram_total_mb=64_000, ram_available_mb=60_000, os="Linux", usable_cpus=16)
+    decision = hardware._pick_threads(None, hw, omp, local_ranks, launched)
+    assert decision.value == threads and why in decision.reason
+
+
+def test_parallel_auto_shards_what_does_not_fit_and_keeps_adapters_on_ddp():
+    assert hardware.pick_parallel("auto", "full", 10_000_000, 2, 10_000).value == "ddp"  # ~153 MB of 10 GB
+    assert hardware.pick_parallel("auto", "pretrain", 1_000_000_000, 2, 10_000).value == "fsdp"
+    assert hardware.pick_parallel("auto", "lora", 1_000_000_000, 2, 10_000).value == "ddp"
+    assert hardware.pick_parallel("auto", "full", 10, 1, 10).value == "none"
+    from tunebench.errors import TunebenchError
+
+    with pytest.raises(TunebenchError, match="--parallel ddp"):
+        hardware.pick_parallel("fsdp", "lora", 10, 2, 10)
