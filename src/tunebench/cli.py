@@ -359,6 +359,14 @@ def _need(flag: str):
     raise TunebenchError(f"{flag} is required for this job")
 
 
+def _leave_process_group() -> None:
+    """A rank leaving on an error still closes its process group: exiting with gloo's connections open
+    aborts the process (SIGABRT) when its peer has closed its side first."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _quiet_libraries(allow_download: bool) -> None:
     """Offline unless asked, and no library chatter that a user cannot act on."""
     import logging
@@ -388,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.job is None:
             parser.print_help()
             return 2
-        return run_job(args)
+        try:
+            return run_job(args)
+        finally:
+            _leave_process_group()
     except TunebenchError as e:
         if debug:
             raise

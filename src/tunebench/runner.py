@@ -111,18 +111,29 @@ def micro_batches(order: Callable[[int], list[list[int]]], collate: Callable[[li
     return next_micro_batch
 
 
-def resumed_batch(resume: Path | None, world: World) -> tuple[int, int] | None:
+def resumed_batch(resume: Path | None, world: World, micro_asked: int | None,
+                  accum_asked: int | None) -> tuple[int, int] | None:
     """(micro batch per rank, accumulation) that continue checkpoint `resume` under this world size: its
     rows per micro-step shared out over the ranks, so every optimizer step sees the same rows it would
-    have. None when not resuming."""
+    have. None when not resuming. A micro batch or accumulation asked for (None: auto) that differs
+    is refused, not replaced."""
     if resume is None:
         return None
     made = checkpoint.check_identity(resume, {})["identity"]
-    rows, accum = made["rows_per_micro_step"], made["grad_accum_steps"]
+    rows = made.get("rows_per_micro_step", made.get("micro_batch_size"))  # the latter: a single-process run's
+    accum = made.get("grad_accum_steps")
+    if not isinstance(rows, int) or not isinstance(accum, int):
+        raise TunebenchError(f"checkpoint {resume} does not record its batch layout; resume from another "
+                             "checkpoint or start a new --output-dir")
     if rows % world.size:
         raise TunebenchError(f"checkpoint {resume} took {rows} rows per micro-step, which {world.size} ranks cannot "
                              f"share evenly; resume with a number of processes that divides {rows}")
-    return rows // world.size, accum
+    micro = rows // world.size
+    if (micro_asked not in (None, micro)) or (accum_asked not in (None, accum)):
+        raise TunebenchError(f"checkpoint {resume} continues at micro batch {micro} x accumulation {accum} on "
+                             f"{world.size} rank(s) ({rows} rows per micro-step); pass --batch-size {micro} (or "
+                             "auto) and drop --grad-accum, or start a new --output-dir")
+    return micro, accum
 
 
 def apply_plan(plan: hardware.Plan) -> None:

@@ -79,6 +79,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
     resume_from = runner.open_run(world, out, t.resume, t.overwrite, identity)
     effective, accum_asked = batch_plan(cfg, world)
+    resumed = runner.resumed_batch(resume_from, world, None if t.autotune_batch else t.micro_batch_size,
+                                   t.grad_accum_steps)
     runner.apply_plan(plan)
     runner.seed_everything(t.seed)
 
@@ -104,7 +106,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if t.gradient_checkpointing == "on":
         enable_checkpointing(model)
     lengths = data.lengths()
-    resumed = runner.resumed_batch(resume_from, world)
 
     def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
         rows: list[tuple[str, Any, str]] = []

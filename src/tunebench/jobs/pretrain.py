@@ -39,6 +39,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     device = distributed.device_for(world, plan.device)
     identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
     resume_from = runner.open_run(world, out, t.resume, t.overwrite, identity)
+    resumed = runner.resumed_batch(resume_from, world, None if t.autotune_batch else t.batch_size, None)
     effective = cfg.effective_batch_size if t.effective_batch_size is None else t.effective_batch_size
     if effective % world.size or (not t.autotune_batch and (effective // world.size) % t.batch_size):
         raise TunebenchError(f"the effective batch {effective} is not a multiple of {world.size} rank(s)"
@@ -90,7 +91,6 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
 
     # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile.
     # Rank 0 measures; the other ranks take its answers (ranks never disagree, never race on the cache).
-    resumed = runner.resumed_batch(resume_from, world)
     parallel = hardware.pick_parallel(t.parallel, "pretrain", n_params, world.size,
                                       memory_free_mb(device, world.local_size))
 
