@@ -55,3 +55,18 @@ def tiny_run_config(data, out, **extra):
                "train.progress": False, "train.lr": 1e-2, "data.eval_fraction": 0.2}
     options.update(extra)
     return load_config(options=options)
+
+
+def run_losses(out) -> dict[int, float]:
+    """{step: training loss} from a run directory's metrics.jsonl."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def run_weights(out):
+    """The tensors of the one safetensors file a run saved (its adapter or model)."""
+    from safetensors.torch import load_file
+
+    files = list(out.glob("*.safetensors"))
+    assert len(files) == 1, files
+    return load_file(files[0])

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from conftest import run_losses, run_weights
 from tunebench import hardware, runner
 from tunebench.distributed import World
 
@@ -56,15 +56,7 @@ def _tunebench(args, nproc=1, check=True, torchrun=False, timeout=300):
     return done
 
 
-def _losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def _weights(out):
-    files = list(out.glob("*.safetensors"))
-    assert len(files) == 1, files
-    return load_file(files[0])
+_losses, _weights = run_losses, run_weights
 
 
 def _same(a, b, rel=1e-5):
@@ -123,6 +115,22 @@ def test_two_lora_ranks_match_one_process_and_one_big_batch(tmp_path, rows):
     assert plan["parallel"]["value"] == "ddp"
     assert "effective batch 8 = 2 x 2 x 2 ranks" in plan["grad_accum_steps"]["reason"]
     assert launched.stdout.count("settings:") == 1  # rank 0 alone talks
+
+
+def test_full_fine_tuning_sharded_by_fsdp_matches_one_process(tmp_path, rows):
+    """FSDP2 shards the weights, gradients and AdamW moments; the run is the one process's run."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    _tunebench(_train_args(rows, one, 4, method="full", lr="1e-3"))
+    _tunebench(_train_args(rows, two, 2, method="full", lr="1e-3", parallel="fsdp"), nproc=2)
+    _same(_losses(two), _losses(one))
+    _same_weights(_weights(two), _weights(one))
+    plan = {d["setting"]: d for d in json.loads((two / "plan.json").read_text())["decisions"]}
+    assert plan["parallel"]["value"] == "fsdp" and plan["compile"]["value"] is False
+    from tunebench import models
+
+    reloaded = models.resolve(str(two))  # a whole, loadable model directory, not shards
+    assert sum(p.numel() for p in reloaded.model.parameters()) == json.loads(
+        (two / "summary.json").read_text())["trainable_parameters"]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -15,7 +15,7 @@ from tunebench.jobs import finetune
 from tunebench.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
 from tunebench.models import byte_tokenizer
 
-from conftest import ROWS, tiny_run_config
+from conftest import ROWS, run_losses, run_weights, tiny_run_config
 
 
 def _data():
@@ -54,17 +54,7 @@ def test_accumulation_2x2_matches_batch_4(tiny):
 _cfg = tiny_run_config
 
 
-def _losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def _weights(out):
-    from safetensors.torch import load_file
-
-    files = list(out.glob("*.safetensors"))
-    assert len(files) == 1, files
-    return load_file(files[0])
+_losses, _weights = run_losses, run_weights
 
 
 @pytest.mark.parametrize("extra", [

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_losses
 from tunebench import arch, pretrain_config, runner
 from tunebench.data import blocks
 from tunebench.errors import TunebenchError
@@ -167,9 +168,7 @@ def _config(corpus, tok_dir, out, **training):
         DataConfig(train_file=str(corpus), tokenizer=str(tok_dir), max_length=32, max_eval_blocks=8))
 
 
-def _losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+_losses = run_losses
 
 
 def test_pretrain_resume_after_sigterm_reproduces_losses_and_weights(tmp_path, corpus, char_tok):
