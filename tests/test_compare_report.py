@@ -79,6 +79,27 @@ def test_matrix_is_checked_before_anything_runs(tmp_path, dataset):
         assert any(e.name == "auto" for e in experiments)
 
 
+def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("grid:\n  train.micro_batch_size: [2]\n  nproc: [1, 2]\n"
+                    "experiments:\n  - {name: pair, nproc: 2, set: {train.micro_batch_size: 1}}\n")
+    experiments = compare.load_matrix(str(grid))[1]
+    assert [(e.name, e.nproc, e.overrides) for e in experiments] == [
+        ("pair", 2, {"train.micro_batch_size": 1}),
+        ("micro_batch_size=2_nproc=1", 1, {"train.micro_batch_size": 2}),
+        ("micro_batch_size=2_nproc=2", 2, {"train.micro_batch_size": 2})]
+    grid.write_text("experiments:\n  - {name: x, nproc: 0}\n")
+    with pytest.raises(TunebenchError, match="nproc must be a whole number"):
+        compare.load_matrix(str(grid))
+
+    # --nproc 2 runs each experiment on 2 ranks (tunebench launch) and records it.
+    out = tmp_path / "results.csv"
+    compare.run(str(_matrix(tmp_path, dataset)), str(out), str(tmp_path / "runs"), 1, {}, nproc=[2])
+    (row,) = _rows(out)
+    assert row["experiment"] == "bs2_ga2_np2" and row["status"] == "ok", row["message"]
+    assert row["processes"] == "2" and row["effective_batch"] == "8"  # --grad-accum 2 as asked, x 2 ranks
+
+
 def test_foreign_csv_is_not_appended_to(tmp_path, dataset):
     other = tmp_path / "other.csv"
     other.write_text("a,b\n1,2\n")
