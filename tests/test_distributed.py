@@ -52,7 +52,7 @@ def _tunebench(args, nproc=1, check=True, torchrun=False, timeout=300):
         cmd = [sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", str(nproc), "--", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
     if check and done.returncode != 0:
-        raise AssertionError(f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
+        raise AssertionError(f"exit {done.returncode}\nstderr: {done.stderr[-6000:]}\nstdout: {done.stdout[-2000:]}")
     return done
 
 
@@ -117,6 +117,15 @@ def test_two_lora_ranks_match_one_process_and_one_big_batch(tmp_path, rows):
     assert launched.stdout.count("settings:") == 1  # rank 0 alone talks
 
 
+def test_qlora_ranks_match_one_process(tmp_path, rows):
+    """DDP over a 4-bit frozen base: every rank quantizes the same weights; only the adapters sync."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    _tunebench(_train_args(rows, one, 4, method="qlora", quantization="4bit", packing="on"))
+    _tunebench(_train_args(rows, two, 2, method="qlora", quantization="4bit", packing="on"), nproc=2)
+    _same(_losses(two), _losses(one))
+    _same_weights(_weights(two), _weights(one))
+
+
 def test_full_fine_tuning_sharded_by_fsdp_matches_one_process(tmp_path, rows):
     """FSDP2 shards the weights, gradients and AdamW moments; the run is the one process's run."""
     one, two = tmp_path / "one", tmp_path / "two"
@@ -135,6 +144,8 @@ def test_full_fine_tuning_sharded_by_fsdp_matches_one_process(tmp_path, rows):
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_pretrain_on_two_ranks_matches_one_process(tmp_path, parallel):
+    """Including a checkpoint saved and resumed under the same parallelism (FSDP: gathered, then
+    sharded again on load)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     tok = tmp_path / "tok"
@@ -151,7 +162,9 @@ def test_pretrain_on_two_ranks_matches_one_process(tmp_path, parallel):
                 "--no-progress"]
 
     _tunebench(args(tmp_path / "one", 4))
-    _tunebench(args(tmp_path / "two", 2), nproc=2)
+    # Two ranks stop after 2 steps and resume (same world, same parallel) for the third.
+    _tunebench([*args(tmp_path / "two", 2), "--max-steps", "2"], nproc=2)
+    _tunebench([*args(tmp_path / "two", 2), "--resume", "auto"], nproc=2)
     _same(_losses(tmp_path / "two"), _losses(tmp_path / "one"))
     assert len(_losses(tmp_path / "one")) == 3
     _same_weights(_weights(tmp_path / "two"), _weights(tmp_path / "one"), degenerate=("attn.c_attn.bias",))
