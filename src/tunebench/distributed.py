@@ -73,8 +73,15 @@ def init(device_type: str, backend: str = "auto") -> World:
 
 
 def shutdown(world: World) -> None:
+    """Leave the process group together, and free it while the interpreter is alive. A gloo group last
+    released at interpreter exit (a DDP reducer still holding it) can abort the process there
+    ("terminate called without an active exception"), so callers drop their DDP module first."""
     if world.backend is not None and dist.is_initialized():
+        import gc
+
+        dist.barrier()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def device_for(world: World, device_type: str) -> torch.device:

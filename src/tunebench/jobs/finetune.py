@@ -218,6 +218,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     # -- outputs (rank 0 writes; a sharded model is gathered first, by every rank)
     weights = distributed.full_weights(model, world) if parallel.value == "fsdp" else None
+    del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
     distributed.shutdown(world)
     if not world.main:
         return {}

@@ -193,6 +193,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
 
     # -- outputs: a plain Hugging Face model directory (rank 0 writes; a sharded model is gathered first)
     weights = distributed.full_weights(model, world) if parallel.value == "fsdp" else None
+    del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
     distributed.shutdown(world)
     if not world.main:
         return {}
