@@ -145,7 +145,7 @@ def worker_sweep(args) -> dict:
         b, n, _ = prepare(batch, torch.device("cpu"))
 
         def step():
-            (loss_sum(model, b, None, torch.device("cpu")) / n).backward()
+            (loss_sum(model, b, None) / n).backward()
 
         def measure():
             t0 = time.perf_counter()

@@ -211,7 +211,7 @@ def test_loss_sum_equals_the_models_own_loss_and_gradients(tied):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     tok, data = _data()
     b, n, _ = prepare(batching.collate(data, [0, 1], tok.pad_token_id), torch.device("cpu"))
-    (loss_sum(model, b, None, torch.device("cpu")) / n).backward()
+    (loss_sum(model, b, None) / n).backward()
     ours = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     ref = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
@@ -232,7 +232,7 @@ def test_linear_cross_entropy_keeps_no_logits_between_forward_and_backward(tiny,
     b, n, _ = prepare(batching.collate(data, [0, 1], tok.pad_token_id), torch.device("cpu"))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        loss = loss_sum(tiny.model, b, None, torch.device("cpu"))
+        loss = loss_sum(tiny.model, b, None)
     assert n > 0 and loss.requires_grad
     assert saved and not [s for s in saved if s and s[-1] == vocab], saved
 
@@ -240,7 +240,7 @@ def test_linear_cross_entropy_keeps_no_logits_between_forward_and_backward(tiny,
     real = kernels._cross_entropy_rows
     monkeypatch.setattr(kernels, "_cross_entropy_rows", lambda x, t, grad, rows: grads.append(grad) or real(x, t, grad, rows))
     with torch.no_grad():
-        loss_sum(tiny.model, b, None, torch.device("cpu"))
+        loss_sum(tiny.model, b, None)
     assert grads and all(g is None for g in grads)
 
 
@@ -261,7 +261,7 @@ def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
         model.set_attn_implementation(impl)
         model.zero_grad(set_to_none=True)
         b, n, _ = prepare(batching.collate(data, batch_rows, tok.pad_token_id), torch.device("cpu"))
-        loss = loss_sum(model, b, None, torch.device("cpu"))
+        loss = loss_sum(model, b, None)
         loss.backward()
         return loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -299,7 +299,7 @@ def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
 
     def loss_and_grads(batch, n):
         model.zero_grad(set_to_none=True)
-        loss = loss_sum(model, batch, None, torch.device("cpu")) / n
+        loss = loss_sum(model, batch, None) / n
         loss.backward()
         return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -312,7 +312,7 @@ def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
     # and packing really isolates examples: a wrong (continuous) position layout changes the loss
     leaky = dict(packed, position_ids=torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"]))
     with torch.no_grad():
-        c = loss_sum(model, leaky, None, torch.device("cpu")) / n_p
+        c = loss_sum(model, leaky, None) / n_p
     assert abs(c.item() - a.item()) > 1e-4
 
 
@@ -327,7 +327,7 @@ def test_gradient_checkpointing_gives_the_same_losses_and_gradients(tiny):
 
     def loss_and_grads():
         model.zero_grad(set_to_none=True)
-        loss = loss_sum(model, batch, None, torch.device("cpu")) / n
+        loss = loss_sum(model, batch, None) / n
         loss.backward()
         return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 

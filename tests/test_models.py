@@ -83,15 +83,15 @@ def test_bf16_frozen_base_matches_fp32_lora(tiny):
     x = _ids()
     batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}
     b, n, _ = prepare(batch, torch.device("cpu"))
-    fp32 = loss_sum(peft, b, None, torch.device("cpu")) / n
+    fp32 = loss_sum(peft, b, None) / n
     peft.get_base_model().to(torch.bfloat16)
     for name, p in peft.named_parameters():
         if "lora_" in name:
             p.data = p.data.float()  # adapters stay fp32, as build_model keeps them
-    bf16 = loss_sum(peft, b, None, torch.device("cpu")) / n
+    bf16 = loss_sum(peft, b, None) / n
     assert abs(bf16.item() - fp32.item()) / fp32.item() < 1e-2
     models.compute_adapters_in(peft)  # the training path: bf16 adapter matmuls under autocast, fp32 weights
-    autocast = loss_sum(peft, b, torch.bfloat16, torch.device("cpu")) / n
+    autocast = loss_sum(peft, b, torch.bfloat16) / n
     assert abs(autocast.item() - fp32.item()) / fp32.item() < 1e-2
     autocast.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for name, p in peft.named_parameters()
@@ -111,13 +111,13 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
     batch, n, _ = prepare({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}, torch.device("cpu"))
     peft.eval()
     with torch.no_grad():
-        loss_sum(peft, batch, None, torch.device("cpu"))  # an eval pass, as before training
+        loss_sum(peft, batch, None)  # an eval pass, as before training
     peft.train()
     with torch.no_grad():  # make B non-zero so A receives gradient
         for name, p in peft.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    (loss_sum(peft, batch, None, torch.device("cpu")) / n).backward()
+    (loss_sum(peft, batch, None) / n).backward()
     first = [p for name, p in peft.named_parameters() if "layers.0." in name and "lora_A" in name]
     assert first and all(p.grad is not None and p.grad.abs().sum() > 0 for p in first)
 
@@ -183,7 +183,7 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
         peft.zero_grad(set_to_none=True)
         x = _ids(shape=(2, width))
         b, n, _ = prepare({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}, torch.device("cpu"))
-        loss = loss_sum(peft, b, None, torch.device("cpu")) / n
+        loss = loss_sum(peft, b, None) / n
         loss.backward()
         return loss.detach(), {k: p.grad.clone() for k, p in peft.named_parameters() if p.requires_grad}
 

@@ -44,10 +44,6 @@ def _set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def save(root: Path, model, optimizer, scheduler, state: LoopState, identity: dict[str, Any], keep: int,
          scaler=None, world: World = World()) -> Path:
     """Write checkpoints/step-N atomically and keep the newest `keep`. Every rank calls it (gathering

@@ -140,16 +140,6 @@ def gather(world: World, value: T) -> list[T] | None:
     return out
 
 
-def scatter(world: World, values: list[T] | None) -> T:
-    """Rank r receives `values[r]` from rank 0."""
-    if world.backend is None:
-        assert values is not None
-        return values[0]
-    out: list[Any] = [None]
-    dist.scatter_object_list(out, values if world.main else None, src=0)
-    return out[0]
-
-
 @contextlib.contextmanager
 def local_rank0_first(world: World):
     """Local rank 0 runs the body (tokenizing into the cache, say) before the other ranks on its machine

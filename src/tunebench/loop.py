@@ -139,7 +139,7 @@ class CausalLMLoss(torch.nn.Module):
         return cross_entropy_sum(picked, targets.index_select(0, keep))
 
 
-def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """Sum of next-token cross-entropy over the loss positions of one micro-batch (of a plain, unwrapped model)."""
     return CausalLMLoss(model, autocast_dtype)(batch)
 

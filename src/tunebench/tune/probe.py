@@ -32,7 +32,7 @@ def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autoca
             for _ in range(3):
                 t0 = time.perf_counter()
                 b, n_loss, n_real = prepare(batch, device)
-                (loss_sum(model, b, autocast, device) / max(n_loss, 1)).backward()
+                (loss_sum(model, b, autocast) / max(n_loss, 1)).backward()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
