@@ -6,6 +6,7 @@ A job builds its model, data and decisions, then hands them here; the loop itsel
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 import signal
@@ -109,6 +110,21 @@ def micro_batches(order: Callable[[int], list[list[int]]], collate: Callable[[li
                 "attention_mask": torch.zeros_like(filler["attention_mask"])}
 
     return next_micro_batch
+
+
+def total_steps(rows: int, micro_batch_size: int, grad_accum_steps: int, world: World, epochs: float,
+                max_steps: int | None) -> int:
+    """Optimizer steps of a run: `max_steps`, else `epochs` over `rows`, counted in global micro-steps
+    (micro batch x world size rows each)."""
+    micro_steps = math.ceil(rows / (micro_batch_size * world.size))
+    return max_steps or max(1, math.ceil(epochs * micro_steps / grad_accum_steps))
+
+
+def compile_decision(plan: hardware.Plan, parallel: str) -> hardware.Decision:
+    """What compiler.pick is asked: the plan's, except under FSDP sharding, where it is off."""
+    if parallel == "fsdp":
+        return hardware.Decision("compile", False, "not combined with FSDP sharding here")
+    return plan.decision("compile")
 
 
 def resumed_batch(resume: Path | None, world: World, micro_asked: int | None,

@@ -135,24 +135,25 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             rows.append(("micro_batch_size", micro, "asked for"))
         if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in rows):
             rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
-        accum = resumed[1] if resumed else accum_asked or effective // (micro * world.size)
+        accum = accum_for(micro)
         run_tokens = steps_for(micro, accum) * micro * accum * world.size * float(np.mean(lengths[train_idx]))
-        compile_decision = plan.decision("compile") if parallel.value != "fsdp" else \
-            hardware.Decision("compile", False, "not combined with FSDP sharding here")
-        rows.append(compiler.pick(model, compile_decision, cfg.adapter.method == "qlora",
-                                  lambda: step(micro)[0], run_tokens, shape, micro, speed))
+        rows.append(compiler.pick(model, runner.compile_decision(plan, parallel.value),
+                                  cfg.adapter.method == "qlora", lambda: step(micro)[0], run_tokens, shape, micro,
+                                  speed))
         return rows, micro, speed
 
+    def accum_for(micro: int) -> int:
+        return resumed[1] if resumed else accum_asked or effective // (micro * world.size)
+
     def steps_for(micro: int, accum: int) -> int:
-        micro_steps = math.ceil(len(train_idx) / (micro * world.size))  # global micro-steps per epoch
-        return t.max_steps or max(1, math.ceil(t.epochs * micro_steps / accum))
+        return runner.total_steps(len(train_idx), micro, accum, world, t.epochs, t.max_steps)
 
     parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
                                       memory_free_mb(device, world.local_size))
     measured, micro, probed_speed = distributed.agree(world, measure)
     if not world.main:
         tune.apply(model, measured)
-    accum = resumed[1] if resumed else accum_asked or effective // (micro * world.size)
+    accum = accum_for(micro)
     effective = micro * accum * world.size
     cfg = replace(cfg, **{"train.micro_batch_size": micro})
     t = cfg.train

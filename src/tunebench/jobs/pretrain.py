@@ -4,7 +4,6 @@ save. The loop, the measured decisions and the run plumbing are the ones `train`
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +93,11 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     parallel = hardware.pick_parallel(t.parallel, "pretrain", n_params, world.size,
                                       memory_free_mb(device, world.local_size))
 
+    def accum_for(micro: int) -> int:
+        return resumed[1] if resumed else effective // (micro * world.size)
+
     def steps_for(micro: int, accum: int) -> int:
-        micro_steps = math.ceil(len(train) / (micro * world.size))  # global micro-steps per epoch
-        return t.max_steps or max(1, math.ceil(t.num_epochs * micro_steps / accum))
+        return runner.total_steps(len(train), micro, accum, world, t.num_epochs, t.max_steps)
 
     def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
         shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
@@ -115,10 +116,9 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
             rows_ += batch_rows
         else:
             rows_.append(("micro_batch_size", micro, "training.batch_size"))
-        accum = resumed[1] if resumed else effective // (micro * world.size)
-        compile_decision = plan.decision("compile") if parallel.value != "fsdp" else \
-            hardware.Decision("compile", False, "not combined with FSDP sharding here")
-        rows_.append(compiler.pick(model, compile_decision, False, lambda: step(micro)[0],
+        accum = accum_for(micro)
+        rows_.append(compiler.pick(model, runner.compile_decision(plan, parallel.value), False,
+                                   lambda: step(micro)[0],
                                    steps_for(micro, accum) * micro * accum * world.size * d.max_length, shape,
                                    micro, speed))
         return rows_, micro, speed
@@ -126,7 +126,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     measured, micro, probed_speed = distributed.agree(world, measure)
     if not world.main:
         tune.apply(model, measured)
-    accum = resumed[1] if resumed else effective // (micro * world.size)
+    accum = accum_for(micro)
     effective = micro * accum * world.size
     total_steps = steps_for(micro, accum)
     compiled = any(r[0] == "compile" and r[1] is True for r in measured)
@@ -203,7 +203,8 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     matmul, layers, width = models.flop_dims(model)
     fpt = training_flops_per_token(matmul, n_params, layers, width, d.max_length, full=True)
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
-               **runner.figures(outcome, fpt, plan, hw, world), "parallel": parallel.value, "micro_batch_size": micro, "grad_accum_steps": accum,
+               **runner.figures(outcome, fpt, plan, hw, world), "parallel": parallel.value,
+               "micro_batch_size": micro, "grad_accum_steps": accum,
                "effective_batch_size": effective, "max_length": d.max_length,
                "sample": outcome.after.get("sample")}
     write_json(out / "summary.json", summary)
