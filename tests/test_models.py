@@ -221,3 +221,17 @@ def test_position_limit_only_for_learned_position_tables(make, limit):
     import transformers
 
     assert models.position_limit(types.SimpleNamespace(config=make(transformers))) == limit
+
+
+def test_a_gpt2_tokenizer_directory_loads_the_whole_vocabulary():
+    """vocab.json + merges.txt (GPT-2's files in ../shared/data): transformers 5's constructor, handed the
+    file names, built an empty tokenizer that turned every text into no tokens."""
+    from conftest import SHARED
+
+    path = SHARED / "gpt2-tokenizer"
+    if not (path / "vocab.json").is_file():
+        pytest.skip(f"GPT-2's tokenizer is not at {path} (../shared/data absent)")
+    tok = models.load_tokenizer(str(path))
+    assert len(tok) == 50257
+    assert tok("hello world")["input_ids"] == [31373, 995]
+    assert tok.pad_token == tok.eos_token == "<|endoftext|>"

@@ -95,7 +95,9 @@ def load_tokenizer(spec: str):
     if p.is_dir() and (p / "vocab.json").exists() and (p / "merges.txt").exists() and not (
         p / "tokenizer_config.json"
     ).exists():
-        tok = GPT2TokenizerFast(vocab_file=str(p / "vocab.json"), merges_file=str(p / "merges.txt"))
+        # from_pretrained reads the files by their standard names; transformers 5's constructor takes the
+        # vocabulary itself, and given file names it built an empty tokenizer that encoded nothing.
+        tok = GPT2TokenizerFast.from_pretrained(str(p), local_files_only=True)
     else:
         try:
             tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
