@@ -53,6 +53,37 @@ def test_save_then_load_restores_weights_optimizer_schedule_rng_and_position(tmp
         assert torch.equal(a, b)
 
 
+class _QuantizedLinear(torch.nn.Linear):
+    """Saves entries that are not attributes beside its weights, as bitsandbytes' 8-bit layers do ('SCB')."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "SCB"] = torch.ones(self.out_features)
+        destination[prefix + "weight_format"] = torch.tensor(0)
+
+
+def test_a_frozen_layer_with_extra_state_dict_entries_saves_and_resumes(tmp_path):
+    """torch.distributed.checkpoint looks every state-dict key up as an attribute; an 8-bit QLoRA run's
+    first save on a GPU failed on 'SCB'. A checkpoint holds the trainable state alone."""
+    def parts(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(_QuantizedLinear(4, 4), torch.nn.Linear(4, 2))
+        model[0].weight.requires_grad_(False)
+        model[0].bias.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    model, opt, sched = parts(0)
+    _step(model, opt, sched)
+    path = checkpoint.save(tmp_path, model, opt, sched, LoopState(step=1), IDENTITY, keep=1)
+    assert "SCB" in "".join(model.state_dict())  # the layer still saves them outside a checkpoint
+    model2, opt2, sched2 = parts(1)
+    model2[0].load_state_dict(model[0].state_dict(), strict=False)
+    checkpoint.load(path, model2, opt2, sched2, IDENTITY)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_failed_save_leaves_the_earlier_checkpoints_and_no_partial_one(tmp_path, monkeypatch):
     model, opt, sched = _run_parts()
     checkpoint.save(tmp_path, model, opt, sched, LoopState(step=1), IDENTITY, keep=2)

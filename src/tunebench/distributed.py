@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -199,8 +200,9 @@ def full_state(model: torch.nn.Module, optimizer, world: World) -> tuple[dict | 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     options = _state_options(cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    with _frozen_extras_hidden(model):
+        weights = get_model_state_dict(model, options=options)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
     if not world.main:
         return None, None
     clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731 - not views of live weights
@@ -215,8 +217,28 @@ def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_stat
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     options = _state_options(strict=False)
-    set_model_state_dict(model, weights, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    with _frozen_extras_hidden(model):
+        set_model_state_dict(model, weights, options=options)
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+@contextlib.contextmanager
+def _frozen_extras_hidden(model: torch.nn.Module):
+    """Frozen layers that add their own entries to a state dict save only their parameters and buffers
+    meanwhile. bitsandbytes' 8-bit layers add 'SCB' and 'weight_format', which are not attributes, and
+    torch.distributed.checkpoint looks every key up as one (AttributeError on the first save of an 8-bit
+    QLoRA run on a GPU). A checkpoint holds trainable state only; the frozen base is rebuilt on resume."""
+    plain = torch.nn.Module._save_to_state_dict
+    hidden = [m for m in model.modules() if type(m)._save_to_state_dict is not plain
+              and any(True for _ in m.parameters(recurse=False))
+              and not any(p.requires_grad for p in m.parameters(recurse=False))]
+    for m in hidden:
+        m._save_to_state_dict = types.MethodType(plain, m)
+    try:
+        yield
+    finally:
+        for m in hidden:
+            del m._save_to_state_dict
 
 
 def shard_fsdp(root: torch.nn.Module, model: torch.nn.Module, world: World, device: torch.device) -> None:
