@@ -497,3 +497,40 @@ def test_probe_step_runs_in_train_mode_and_restores_the_mode(tiny):
     assert seen and all(seen) and not model.training  # probed in train mode, left as found
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_probe_step_that_runs_out_of_memory_leaves_no_gradient_behind(tiny):
+    """A CUDA OOM can strike part-way through the backward, after some gradients were written; the
+    batch probe goes on to a smaller size, and the run's first step must not add those stale gradients."""
+    from tunebench.tune.probe import probe_step
+
+    tok, data = _data()
+    model = tiny.model
+    model.eval()
+
+    def out_of_memory_midway(grad):  # the first layer's gradient is reached last: the head's are written
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    handle = model.model.layers[0].self_attn.q_proj.weight.register_hook(out_of_memory_midway)
+    step = probe_step(model, lambda size: batching.collate(data, list(range(size)), tok.pad_token_id),
+                      torch.device("cpu"), None)
+    with pytest.raises(torch.OutOfMemoryError):
+        step(2)
+    handle.remove()
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.training
+
+
+def test_the_gpu_probe_budget_counts_only_free_memory_as_room(monkeypatch):
+    """Memory other processes (or this one) already hold is not room for the probe: the budget is what is
+    held plus 92% of what is free, with the allocator's unused cached blocks counted as free. (On the
+    H100 a budget of 92% of the whole card made micro batch 1 'over budget' beside a 76 GiB tenant.)"""
+    from tunebench.tune import probe
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 77 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 78 * gib)
+    baseline, budget = probe.memory_budget_mb(torch.device("cuda", 0))
+    assert baseline == 77 * 1024
+    assert budget == pytest.approx(77 * 1024 + 0.92 * 4 * 1024)

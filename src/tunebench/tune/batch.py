@@ -13,7 +13,7 @@ import torch
 
 from tunebench.errors import TunebenchError
 from tunebench.tune import Row, Shape, cached, store
-from tunebench.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_free_mb
+from tunebench.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_budget_mb
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,6 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
                 device: torch.device, ranks_sharing: int = 1) -> tuple[int, list[Row], float]:
     """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s.
     `effective_batch_size` is one rank's share; `ranks_sharing` ranks split this machine's RAM."""
-    import psutil
 
     key = shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size),
                     **({"ranks_sharing": ranks_sharing} if ranks_sharing > 1 else {}))
@@ -107,12 +106,7 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
     if result is None:
         source = "probed now"
         sizes = [m for m in candidates(effective_batch_size) if m <= n_train] or [1]
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            baseline, budget = torch.cuda.memory_allocated(device) / 2**20, 0.92 * total / 2**20
-        else:
-            baseline = psutil.Process().memory_info().rss / 2**20
-            budget = baseline + memory_free_mb(device, ranks_sharing)
+        baseline, budget = memory_budget_mb(device, ranks_sharing)
         result = probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and shape.gradient_checkpointing == "auto":
             free_after_oom(step.model)

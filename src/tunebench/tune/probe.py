@@ -28,16 +28,18 @@ def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autoca
         was_training = model.training
         model.train()
         reset_peak_memory(device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for _ in range(3):
-                t0 = time.perf_counter()
-                b, n_loss, n_real = prepare(batch, device)
-                (loss_sum(model, b, autocast) / max(n_loss, 1)).backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    b, n_loss, n_real = prepare(batch, device)
+                    (loss_sum(model, b, autocast) / max(n_loss, 1)).backward()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+        finally:  # also after an OOM part-way through a backward: its gradients must not reach the run's first step
+            model.zero_grad(set_to_none=True)
+            model.train(was_training)
         # The best repeat: a busy machine only ever slows a step down, so the minimum is the steadiest.
         return n_real / min(times[1:]), peak_memory_mb(device)
 
@@ -57,13 +59,30 @@ def free_after_oom(model) -> None:
 
 
 def memory_free_mb(device: torch.device, ranks_sharing: int = 1) -> float:
-    """Memory a step may still allocate: free GPU memory, or 80% of available RAM (never into swap),
-    split evenly between the ranks that share this machine's RAM."""
+    """Memory a step may still allocate: free GPU memory (the driver's free memory plus blocks this
+    process's allocator holds unused), or 80% of available RAM (never into swap), split evenly
+    between the ranks that share this machine's RAM."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2**20
+        free = torch.cuda.mem_get_info(device)[0]
+        return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) / 2**20
     import psutil
 
     return 0.8 * psutil.virtual_memory().available / 2**20 / ranks_sharing
+
+
+def memory_budget_mb(device: torch.device, ranks_sharing: int = 1) -> tuple[float, float]:
+    """(baseline, budget) for the batch probe: what the process holds now, and the peak a step may reach.
+
+    On a GPU the budget is what is held plus 92% of what is still free: memory held by other
+    processes (or by this one before the probe) is never counted as room, and 8% is left for the
+    allocator's fragmentation."""
+    if device.type == "cuda":
+        baseline = torch.cuda.memory_allocated(device) / 2**20
+        return baseline, baseline + 0.92 * memory_free_mb(device)
+    import psutil
+
+    baseline = psutil.Process().memory_info().rss / 2**20
+    return baseline, baseline + memory_free_mb(device, ranks_sharing)
 
 
 def enable_checkpointing(model) -> None:
