@@ -1,15 +1,21 @@
 """tunebench vs HF Trainer + PEFT: real tokens/s, peak memory and eval loss, same machine, same run.
 
 The peer is the reference study's recipe rebuilt with HF Trainer + PEFT: LoRA r=8, alpha=16,
-dropout 0.1 on q_proj/v_proj, micro batch 4 x accumulation 2, max_length 128, padded to
-max_length, DataCollatorForLanguageModeling. tunebench runs with its defaults (auto settings)
-at the same LoRA settings, effective batch 8 and max_length 128. Both train one epoch on the
-same rows; both final adapters are scored by one evaluator on the same held-out rows (loss on
-response tokens). Runs alternate peer / tunebench, each in its own process.
+dropout 0.1 on the attention projections (q_proj/v_proj; GPT-2's fused c_attn), micro batch 4 x
+accumulation 2, max_length 128, padded to max_length, DataCollatorForLanguageModeling. tunebench
+runs with its defaults (auto settings) at the same LoRA settings, effective batch 8 and max_length
+128. Both train the same epochs on the same rows; both final adapters are scored by one evaluator
+on the same held-out rows (loss on response tokens). Runs alternate tunebench / peer, each in its
+own process, on the GPU when there is one (bf16 both), else on the CPU.
 
     python benchmarks/vs_hf_trainer.py                   # SmolLM2, Bitext sample (or built-in data)
     python benchmarks/vs_hf_trainer.py --repeats 2 --fp32-peer
     python benchmarks/vs_hf_trainer.py --sweep           # time/memory vs sequence length and micro batch
+    # a GPU, GPT-2 124M (the study's model), then a GPU-sized setting: the peer at tunebench's probed
+    # micro batch, padding to the longest row of its batch and grouping rows by length
+    python benchmarks/vs_hf_trainer.py --model gpt2-124m --tokenizer ../shared/data/gpt2-tokenizer
+    python benchmarks/vs_hf_trainer.py --model gpt2-124m --tokenizer ../shared/data/gpt2-tokenizer \
+        --max-length 512 --effective-batch 64 --peer-micro same --peer-padding longest --samples 4514 --epochs 3
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from pathlib import Path
 import harness  # benchmarks/harness.py: run as a script, this directory is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
-BITEXT = ROOT.parent / "shared" / "data" / "bitext-early-official-4514rows" / \
-    "Bitext_Sample_Customer_Support_Training_Dataset.csv"
-LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+SHARED = Path(os.environ.get("TUNEBENCH_SHARED_DATA") or ROOT.parent / "shared" / "data")
+BITEXT = SHARED / "bitext-early-official-4514rows" / "Bitext_Sample_Customer_Support_Training_Dataset.csv"
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1}  # on the model family's attention projections (auto)
 
 
 def _common(args):
@@ -39,21 +45,33 @@ def _common(args):
     from tunebench.data.tokenize import load_tokenized, split
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    loaded = models.resolve(args.model)
+    loaded = models.resolve(args.model, args.tokenizer)
     cfg = DataConfig(path=args.data, max_length=args.max_length)
     data = load_tokenized(cfg, loaded.tokenizer, models.cache_dir())
     train_idx, eval_idx = split(len(data), 0.05, 42, args.samples)
     return loaded, data, train_idx, eval_idx
 
 
-def _eval_loss(model, data, eval_idx, pad_id):
+def _device(args) -> str:
+    import torch
+
+    return args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _eval_loss(model, data, eval_idx, pad_id, device):
     import torch
 
     from tunebench.data import batching
     from tunebench.loop import CausalLMLoss, evaluate
 
     return evaluate(CausalLMLoss(model), batching.eval_batches(data, eval_idx, 8, pad_id),
-                    torch.device("cpu"))["eval_loss"]
+                    torch.device(device))["eval_loss"]
+
+
+def _gpu_peak_mb(device: str) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
 
 
 def worker_peer(args) -> dict:
@@ -61,39 +79,58 @@ def worker_peer(args) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
+    from tunebench import models
+
+    device = _device(args)
     loaded, data, train_idx, eval_idx = _common(args)
     tok = loaded.tokenizer
     # The study's preprocessing: the whole text, padded to max_length; the collator masks padding.
+    # --peer-padding longest leaves rows unpadded: the collator pads each batch to its longest row.
     rows = []
     for i in train_idx.tolist():
         ids = data.example(i)[0].tolist()
-        rows.append({"input_ids": ids + [tok.pad_token_id] * (args.max_length - len(ids)),
-                     "attention_mask": [1] * len(ids) + [0] * (args.max_length - len(ids))})
-    real_tokens = [sum(r["attention_mask"]) for r in rows]
-    model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+        pad = args.max_length - len(ids) if args.peer_padding == "max_length" else 0
+        rows.append({"input_ids": ids + [tok.pad_token_id] * pad, "attention_mask": [1] * len(ids) + [0] * pad})
+    modules, _ = models.target_modules(loaded.model, "auto")
+    model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
+    micro = args.peer_micro_batch
+    accum = args.effective_batch // micro
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    batch_tokens: list[int] = []  # real tokens of each micro batch, in the order the Trainer takes them
+
+    def collate(features):
+        batch = collator(features)
+        batch_tokens.append(int(batch["attention_mask"].sum()))
+        return batch
 
     clock = harness.step_clock()
+    fields = TrainingArguments.__dataclass_fields__
+    grouping = {"train_sampling_strategy": "group_by_length"} if args.peer_padding == "longest" and \
+        "train_sampling_strategy" in fields else {}
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_train_epochs=1, learning_rate=2e-4, warmup_steps=0.03, lr_scheduler_type="cosine",
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+        num_train_epochs=args.epochs, learning_rate=2e-4, warmup_steps=0.03, lr_scheduler_type="cosine",
         logging_steps=1000, save_strategy="no", report_to=[], bf16=args.peer_precision == "bf16",
-        use_cpu=True, dataloader_num_workers=0, seed=42, disable_tqdm=True,
+        use_cpu=device == "cpu", dataloader_num_workers=0, seed=42, disable_tqdm=True, **grouping,
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=rows,
-                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[clock])
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=collate, callbacks=[clock])
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     steps = len(clock.marks)
     skip = 2  # warm-up steps excluded, as tunebench does
-    per_step = 8
-    measured_tokens = sum(real_tokens[(skip * per_step):])
+    measured_tokens = sum(batch_tokens[skip * accum:])  # the loader may run one batch ahead: a batch at most
     measured_time = clock.marks[-1] - clock.marks[skip - 1]
+    gpu_peak = _gpu_peak_mb(device)
     model.eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.peer_precision == "bf16"):
-        eval_loss = _eval_loss(model, data, eval_idx, tok.pad_token_id)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=args.peer_precision == "bf16"):
+        eval_loss = _eval_loss(model, data, eval_idx, tok.pad_token_id, device)
     return {"side": f"HF Trainer+PEFT ({args.peer_precision})", "steps": steps, "duration_s": wall,
-            "tokens_per_s": measured_tokens / measured_time, "eval_loss": eval_loss, "peak_memory_mb": harness.peak_mb()}
+            "tokens_per_s": measured_tokens / measured_time, "eval_loss": eval_loss, "peak_memory_mb": harness.peak_mb(),
+            "gpu_peak_memory_mb": gpu_peak, "micro_batch_size": micro, "grad_accum_steps": accum,
+            "padding": args.peer_padding, "grouping": bool(grouping)}
 
 
 def worker_tunebench(args) -> dict:
@@ -102,17 +139,21 @@ def worker_tunebench(args) -> dict:
 
     out = tempfile.mkdtemp()
     cfg = load_config(options={
-        "model.name": args.model, "data.path": args.data, "data.max_length": args.max_length,
-        "data.max_samples": args.samples, "train.output_dir": out, "train.progress": False,
+        "model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
+        "data.max_length": args.max_length, "data.max_samples": args.samples, "train.output_dir": out,
+        "train.progress": False, "train.device": _device(args), "train.epochs": args.epochs,
         "adapter.r": LORA["r"], "adapter.lora_alpha": LORA["lora_alpha"], "adapter.lora_dropout": LORA["lora_dropout"],
-        "adapter.target_modules": ",".join(LORA["target_modules"]), "train.effective_batch_size": 8,
+        "adapter.target_modules": "auto", "train.effective_batch_size": args.effective_batch,
     })
     s = finetune.run(cfg)
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
     return {"side": "tunebench (auto)", "steps": s["steps"], "duration_s": s["duration_s"],
             "tokens_per_s": s["tokens_per_s"], "eval_loss": s["eval_loss"], "peak_memory_mb": harness.peak_mb(),
-            "mfu": s["mfu"], "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile",
-                                                                    "batch layout")}}
+            "gpu_peak_memory_mb": s["peak_memory_mb"] if s["device"] == "cuda" else None,
+            "mfu": s["mfu"], "peak_tflops_source": s["peak_tflops_source"], "device": s["device"],
+            "micro_batch_size": s["micro_batch_size"], "grad_accum_steps": s["grad_accum_steps"],
+            "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile", "batch layout",
+                                                  "target_modules", "precision")}}
 
 
 def worker_sweep(args) -> dict:
@@ -125,11 +166,12 @@ def worker_sweep(args) -> dict:
     from tunebench.loop import loss_sum, prepare
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    loaded = models.resolve(args.model)
+    loaded = models.resolve(args.model, args.tokenizer)
+    modules, _ = models.target_modules(loaded.model, "auto")
     ids = torch.randint(10, 40000, (args.micro_batch, args.max_length), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if args.side == "peer":
-        model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+        model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
         model.train()
 
         def step():
@@ -140,7 +182,7 @@ def worker_sweep(args) -> dict:
         from tunebench.tune import attention
 
         base = loaded.model.to(torch.bfloat16)
-        model = models.add_lora(base, LORA["r"], LORA["lora_alpha"], LORA["lora_dropout"], LORA["target_modules"])
+        model = models.add_lora(base, LORA["r"], LORA["lora_alpha"], LORA["lora_dropout"], modules)
         model.train()
         b, n, _ = prepare(batch, torch.device("cpu"))
 
@@ -154,7 +196,7 @@ def worker_sweep(args) -> dict:
 
         # The kernel probe runs in a process of its own (--steps 0) and is read back from the cache
         # here, so that its O(T^2) kernels do not set this process's peak memory.
-        shape = tune.Shape(args.model, "lora", "none", LORA["r"], ",".join(LORA["target_modules"]), args.max_length,
+        shape = tune.Shape(args.model, "lora", "none", LORA["r"], ",".join(modules), args.max_length,
                            f"sweep, micro batch {args.micro_batch}", "bf16", torch.__version__, "auto", "off", "off")
         row = attention.pick(model, "auto", measure, shape,
                              attention.fit(model, args.micro_batch, args.max_length, "bf16", torch.device("cpu")))
@@ -178,6 +220,16 @@ def main() -> None:
                    help="rows used (95%% train, 5%% eval); the default makes a run of a few minutes, long "
                         "enough for tunebench's compile decision to be measured rather than skipped")
     p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (gpt2-124m where SmolLM2's is absent)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: the GPU when present")
+    p.add_argument("--effective-batch", type=int, default=8)
+    p.add_argument("--epochs", type=float, default=1)
+    p.add_argument("--peer-micro", default="4",
+                   help="the peer's micro batch (accumulation makes up the effective batch); 'same': tunebench's "
+                        "probed micro batch of the same repeat")
+    p.add_argument("--peer-padding", default="max_length", choices=["max_length", "longest"],
+                   help="max_length: the study's; longest: pad each batch to its longest row, grouped by length")
+    p.add_argument("--save", default=None, help="write every run's raw result and the medians to this JSON file")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fp32-peer", action="store_true", help="also run the study's fp32 recipe")
     p.add_argument("--sweep", action="store_true", help="time and memory vs max_length and micro batch")
@@ -185,6 +237,7 @@ def main() -> None:
     p.add_argument("--peer-precision", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--micro-batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--peer-micro-batch", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -195,7 +248,9 @@ def main() -> None:
         return
 
     common = ["--model", args.model, "--data", args.data, "--samples", str(args.samples),
-              "--max-length", str(args.max_length)]
+              "--max-length", str(args.max_length), "--device", args.device, "--epochs", str(args.epochs),
+              "--effective-batch", str(args.effective_batch), "--peer-padding", args.peer_padding,
+              *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
     if args.sweep:
         print(f"{'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} {'tok/s':>8} "
               f"{'peak MB':>8}")
@@ -211,35 +266,58 @@ def main() -> None:
                           f"{length * micro / r['s_per_step']:8.0f} {r['peak_memory_mb']:8.0f}")
         return
 
-    print(f"model {args.model}, data {args.data}, {args.samples} rows, max_length {args.max_length}, "
-          f"{os.cpu_count()} CPUs; runs alternate, each in its own process")
+    import torch
+
+    where = torch.cuda.get_device_name(0) if _device(args) == "cuda" else f"{os.cpu_count()} CPUs"
+    print(f"model {args.model}, data {args.data}, {args.samples} rows, max_length {args.max_length}, effective "
+          f"batch {args.effective_batch}, {args.epochs:g} epoch(s), on {where}; runs alternate, each in its own process")
     runs: dict[str, list[dict]] = {}
-    plan = [("peer", "bf16"), ("tunebench", None)] + ([("peer", "fp32")] if args.fp32_peer else [])
+    plan = [("tunebench", None), ("peer", "bf16")] + ([("peer", "fp32")] if args.fp32_peer else [])
     for rep in range(args.repeats):
         for worker, precision in plan:
             extra = ["--peer-precision", precision] if precision else []
+            if worker == "peer":
+                micro = runs["tunebench (auto)"][-1]["micro_batch_size"] if args.peer_micro == "same" \
+                    else int(args.peer_micro)
+                extra += ["--peer-micro-batch", str(micro)]
             r = harness.spawn(__file__, ["--worker", worker, *extra, *common])
             runs.setdefault(r["side"], []).append(r)
+            gpu = f"  GPU peak {r['gpu_peak_memory_mb']:.0f} MB" if r.get("gpu_peak_memory_mb") else ""
             print(f"  run {rep + 1}: {r['side']:<28} {r['tokens_per_s']:8.0f} real tokens/s  "
-                  f"eval loss {r['eval_loss']:.4f}  peak {r['peak_memory_mb']:.0f} MB  "
+                  f"eval loss {r['eval_loss']:.4f}  peak RSS {r['peak_memory_mb']:.0f} MB{gpu}  "
+                  f"micro {r['micro_batch_size']} x {r['grad_accum_steps']}  "
                   f"train {r['duration_s']:.0f} s, process {r['total_s']:.0f} s"
                   + (f"  {r['chosen']}" if "chosen" in r else ""))
-    keys = ("tokens_per_s", "eval_loss", "peak_memory_mb", "total_s")
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
+    keys = ("tokens_per_s", "eval_loss", "peak_memory_mb", "total_s", "gpu_peak_memory_mb")
+    med = {side: {k: statistics.median(r[k] for r in rs) if rs[0].get(k) is not None else None for k in keys}
+           for side, rs in runs.items()}
+    tb_runs = runs["tunebench (auto)"]
     tb = med["tunebench (auto)"]
+    mfus = [r["mfu"] for r in tb_runs if r.get("mfu") is not None]
+    tb["mfu"] = statistics.median(mfus) if mfus else None
     print("\nmedians")
     for side, m in med.items():
-        print(f"  {side:<28} {m['tokens_per_s']:8.0f} tok/s  eval loss {m['eval_loss']:.4f}  "
-              f"peak {m['peak_memory_mb']:.0f} MB  process {m['total_s']:.0f} s")
-    mfu = statistics.median(r["mfu"] for r in runs["tunebench (auto)"] if r.get("mfu") is not None)
-    print(f"  tunebench MFU {100 * mfu:.1f}% (of this CPU's measured matmul peak)")
+        # The same model and real tokens: the peer's MFU is tunebench's scaled by the tokens/s ratio.
+        if side != "tunebench (auto)" and tb["mfu"] is not None:
+            m["mfu"] = tb["mfu"] * m["tokens_per_s"] / tb["tokens_per_s"]
+        mfu = f"  MFU {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else ""
+        gpu = f"  GPU peak {m['gpu_peak_memory_mb']:.0f} MB" if m["gpu_peak_memory_mb"] else ""
+        print(f"  {side:<28} {m['tokens_per_s']:8.0f} tok/s{mfu}  eval loss {m['eval_loss']:.4f}  "
+              f"peak RSS {m['peak_memory_mb']:.0f} MB{gpu}  process {m['total_s']:.0f} s")
+    if tb["mfu"] is not None:
+        print(f"  MFU against {tb_runs[0]['peak_tflops_source']}")
     for side, m in med.items():
         if side == "tunebench (auto)":
             continue
         ratio = tb["tokens_per_s"] / m["tokens_per_s"]
         loss_gap = (tb["eval_loss"] - m["eval_loss"]) / m["eval_loss"]
-        print(f"ratio vs {side}: {ratio:.2f}x real tokens/s; eval loss {100 * loss_gap:+.1f}% "
+        memory = f"; GPU memory {tb['gpu_peak_memory_mb'] / m['gpu_peak_memory_mb']:.2f}x" \
+            if tb["gpu_peak_memory_mb"] and m["gpu_peak_memory_mb"] else ""
+        print(f"ratio vs {side}: {ratio:.2f}x real tokens/s{memory}; eval loss {100 * loss_gap:+.1f}% "
               f"({'within' if loss_gap <= 0.02 else 'NOT within'} 2%)")
+    if args.save:
+        Path(args.save).write_text(json.dumps({"args": vars(args), "device": where, "runs": runs, "medians": med},
+                                              indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout; TUNEBENCH_SHARED_DATA points elsewhere (a GPU machine's carried copy).
+SHARED = Path(os.environ.get("TUNEBENCH_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 BITEXT = SHARED / "bitext-early-official-4514rows" / "Bitext_Sample_Customer_Support_Training_Dataset.csv"
 
 ROWS = [

@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="runs per experiment; the report uses medians")
     p.add_argument("--device", action="append", choices=["cpu", "cuda", "mps"], help="limit to these devices")
     p.add_argument("--model", default=None, help="model for every experiment (default: the matrix's, else SmolLM2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for every experiment (the gpt2-124m preset's, say, where SmolLM2's is absent)")
     p.add_argument("--data", default=None, help="dataset for every experiment")
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
@@ -315,7 +317,7 @@ def run_job(args: argparse.Namespace) -> int:
 
         if args.repeats < 1:
             raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
-        extra = {k: v for k, v in {"model.name": args.model, "data.path": args.data,
+        extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
                                    "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}.items()
                  if v is not None}
         out = Path(args.output)

@@ -1,0 +1,270 @@
+"""The CUDA paths, run for real on a GPU: the precision and TF32 decisions, the batch probe backing off
+from a real CUDA OOM, QLoRA 4-bit and 8-bit steps, fp16 with a GradScaler, fused AdamW, eval and a
+resume that reproduces the losses, `tunebench hw`, the GPU monitor, and `tunebench compare` on the
+study's GPU configurations. Every test is marked `gpu` and skips where no CUDA GPU is visible.
+
+    python -m pytest -m gpu tests/test_gpu.py
+
+GPT-2 124M runs need GPT-2's tokenizer from ../shared/data (or TUNEBENCH_SHARED_DATA) and skip without it;
+QLoRA needs bitsandbytes, and Liger / flash-attn tests run only where those packages are installed.
+"""
+
+import csv
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tunebench import checkpoint, hardware, optim, runner
+from tunebench.errors import TunebenchError
+from tunebench.jobs import finetune
+
+from conftest import SHARED, run_losses, run_weights, tiny_run_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
+
+GPT2_TOKENIZER = SHARED / "gpt2-tokenizer"
+
+
+@pytest.fixture
+def gpt2_tokenizer() -> str:
+    if not (GPT2_TOKENIZER / "vocab.json").is_file():
+        pytest.skip(f"GPT-2's tokenizer is not at {GPT2_TOKENIZER}: point TUNEBENCH_SHARED_DATA at shared/data")
+    return str(GPT2_TOKENIZER)
+
+
+def cuda_config(data, out, model="tiny", tokenizer=None, **extra):
+    """tiny_run_config on the GPU (6 steps of micro 2 x accumulation 2), compile off unless asked."""
+    options = {"train.device": "cuda", "train.compile": "off", "model.name": model}
+    if tokenizer:
+        options["model.tokenizer"] = tokenizer
+    if model != "tiny":
+        options["train.lr"] = 1e-3
+    return tiny_run_config(data, out, **{**options, **extra})
+
+
+def _summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def _plan(out):
+    return {d["setting"]: (d["value"], d["reason"]) for d in json.loads((out / "plan.json").read_text())["decisions"]}
+
+
+def test_plan_picks_bf16_and_tf32_on_ampere_or_newer_with_reasons():
+    hw = hardware.detect()
+    gpu = hw.gpus[0]
+    plan = hardware.plan("auto", "auto", hw)
+    assert plan.device == "cuda" and gpu.name in plan.decision("device").reason
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        runner.apply_plan(plan)
+        if gpu.capability >= (8, 0):
+            assert plan.precision == "bf16" and "bf16 tensor cores" in plan.decision("precision").reason
+            assert plan.value("tf32") is True and "TF32" in plan.decision("tf32").reason
+            assert torch.backends.cuda.matmul.allow_tf32 is True
+        else:
+            assert plan.precision == "fp16" and "GradScaler" in plan.decision("precision").reason
+            assert plan.value("tf32") is False
+        assert plan.value("pin_memory") is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_hw_names_the_gpu_its_memory_capability_and_datasheet_peak():
+    out = subprocess.run([sys.executable, "-m", "tunebench", "hw"], capture_output=True, text=True, check=True).stdout
+    props = torch.cuda.get_device_properties(0)
+    assert props.name in out
+    assert f"{props.total_memory // 2**20 / 1024:.1f} GiB" in out
+    assert f"sm_{props.major}{props.minor}" in out
+    precision = "bf16" if props.major >= 8 else "fp16"
+    peak = hardware.gpu_peak_tflops(props.name, precision)
+    if peak is None:
+        assert "is not in the peak table" in out
+    else:
+        assert f"{peak:.2f} TFLOP/s ({props.name} {precision} datasheet peak)" in out
+
+
+def test_fused_adamw_runs_on_the_gpu():
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = optim.adamw(model, 1e-2, 0.01, torch.device("cuda"))
+    assert opt.defaults["fused"] is True
+    before = model.weight.detach().clone()
+    model(torch.randn(8, 64, device="cuda")).square().mean().backward()
+    opt.step()
+    assert not torch.equal(before, model.weight)
+    assert opt.state[model.weight]["exp_avg"].is_cuda
+
+
+RESUME_CASES = {
+    "tiny-lora-bf16": ("tiny", {}),
+    "gpt2-lora-bf16": ("gpt2-124m", {}),
+    "tiny-full-fp16": ("tiny", {"adapter.method": "full", "train.precision": "fp16", "train.lr": 1e-3}),
+    "gpt2-full-bf16": ("gpt2-124m", {"adapter.method": "full", "train.lr": 1e-4}),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset, monkeypatch, request, case):
+    """Killed at step 3 and resumed on the GPU, a run gives the uninterrupted run's losses: the CUDA RNG
+    (dropout), the fused AdamW state and, under fp16, the GradScaler's scale come back from the checkpoint."""
+    model, extra = RESUME_CASES[case]
+    tok = request.getfixturevalue("gpt2_tokenizer") if model == "gpt2-124m" else None
+    straight = tmp_path / "straight"
+    finetune.run(cuda_config(dataset, straight, model, tok, **extra))
+    expected = run_losses(straight)
+    s = _summary(straight)
+    assert s["device"] == "cuda" and s["steps"] == 6
+    assert s["precision"] == extra.get("train.precision", "bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    assert s["eval_loss"] is not None and s["eval_loss"] == s["eval_loss"]  # evaluated, and not NaN
+    assert s["peak_memory_mb"] > 0
+    if hardware.gpu_peak_tflops(torch.cuda.get_device_name(0), s["precision"]):
+        assert 0 < s["mfu"] < 1
+    assert _plan(straight)["optimizer"][0] == "AdamW, fused"
+
+    part = tmp_path / "part"
+    real_call = runner.MetricsWriter.__call__
+
+    def interrupt_at_3(self, record):
+        real_call(self, record)
+        if record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runner.MetricsWriter, "__call__", interrupt_at_3)
+    with pytest.raises(TunebenchError, match="interrupted at step 3"):
+        finetune.run(cuda_config(dataset, part, model, tok, **extra))
+    monkeypatch.setattr(runner.MetricsWriter, "__call__", real_call)
+    [saved] = checkpoint.list_checkpoints(part / "checkpoints")
+    blob = torch.load(saved / checkpoint.TENSORS, weights_only=False)
+    assert blob["rng"][0]["cuda"]  # the GPU's dropout stream continues where it stopped
+    if extra.get("train.precision") == "fp16":
+        assert blob["scaler"] and blob["scaler"]["scale"] > 0
+    else:
+        assert blob["scaler"] is None
+    finetune.run(cuda_config(dataset, part, model, tok, **extra, **{"train.resume": "auto"}))
+    resumed = run_losses(part)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):  # the same kernels on the same inputs; atomics in a backward may round apart
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-3, abs=1e-4), step
+    want, got = run_weights(straight), run_weights(part)
+    for name in want:
+        torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-3)
+
+
+def _long_rows(path, n):
+    """`n` rows whose responses fill any max_length up to 1,024 GPT-2 tokens."""
+    path.write_text("".join(json.dumps({"instruction": f"question {i}", "response": " ".join(
+        f"word{(i * 7 + j) % 997}" for j in range(600))}) + "\n" for i in range(n)))
+    return path
+
+
+def test_batch_probe_backs_off_from_a_real_cuda_oom_and_keeps_the_effective_batch(tmp_path, gpt2_tokenizer, capsys,
+                                                                                   monkeypatch):
+    """All but a few GiB of the GPU is taken, so the probe's larger micro batches hit a real CUDA OOM; it
+    keeps the fastest size that ran, accumulation makes up the effective batch, and the run trains.
+    The probe's budget is lifted to the whole card: left alone, its prediction stops before the size
+    that would not fit (that path is tested on CPU), and this test is about the OOM itself."""
+    from tunebench.tune import batch
+
+    monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
+        torch.cuda.memory_allocated(device) / 2**20, torch.cuda.mem_get_info(device)[1] / 2**20))
+    data = _long_rows(tmp_path / "long.jsonl", 80)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    headroom = 3 * 2**30
+    if free < headroom + 2**30:
+        pytest.skip(f"only {free / 2**30:.1f} GiB free on the GPU")
+    blocker = torch.empty(free - headroom, dtype=torch.uint8, device="cuda")
+    try:
+        out = tmp_path / "oom"
+        summary = finetune.run(cuda_config(data, out, "gpt2-124m", gpt2_tokenizer, **{
+            "data.max_length": 512, "train.micro_batch_size": "auto", "train.effective_batch_size": 64,
+            "train.max_steps": 2, "data.eval_fraction": 0.05}))
+    finally:
+        del blocker
+        torch.cuda.empty_cache()
+    printed = capsys.readouterr().out
+    probe_table = printed[printed.index("batch-size probe"):]
+    assert " oom" in probe_table, probe_table
+    micro = summary["micro_batch_size"]
+    assert 1 <= micro < 64
+    assert micro * summary["grad_accum_steps"] == summary["effective_batch_size"] == 64
+    assert summary["steps"] == 2 and summary["samples"] == 128
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+@pytest.mark.parametrize("model", ["tiny", "gpt2-124m"])
+def test_qlora_trains_on_the_gpu(tmp_path, dataset, request, bits, model):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
+    tok = request.getfixturevalue("gpt2_tokenizer") if model == "gpt2-124m" else None
+    out = tmp_path / "q"
+    s = finetune.run(cuda_config(dataset, out, model, tok, **{
+        "adapter.method": "qlora", "adapter.quantization": bits, "train.max_steps": 3}))
+    losses = run_losses(out)
+    assert s["quantization"] == bits and len(losses) == 3
+    assert all(v == v and v < 100 for v in losses.values())
+    assert s["eval_loss"] == s["eval_loss"]
+    lora_b = [t for n, t in run_weights(out).items() if "lora_B" in n]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # zero at the start: the adapters learned
+
+
+def test_monitor_records_gpu_utilisation_and_memory(tmp_path):
+    from tunebench.monitor import Monitor
+
+    path = tmp_path / "monitor.jsonl"
+    a = torch.randn(4096, 4096, device="cuda")
+    with Monitor(path, interval_s=0.2, gpu_indices=(0,)) as m:
+        start = time.time()
+        while time.time() - start < 2.0:
+            a @ a
+        torch.cuda.synchronize()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows and all("gpu0_util_percent" in r and "gpu0_memory_mb" in r for r in rows), rows[:2]
+    assert max(r["gpu0_util_percent"] for r in rows) > 50
+    assert max(r["gpu0_memory_mb"] for r in rows) > 64  # the 64 MiB matrix, at least
+    summary = m.summary()
+    assert summary["mean_gpu0_util_percent"] > 0 and summary["peak_gpu0_memory_mb"] > 64
+
+
+def test_compare_runs_the_studys_gpu_configurations(tmp_path, gpt2_tokenizer):
+    results = tmp_path / "results.csv"
+    proc = subprocess.run([sys.executable, "-m", "tunebench", "compare", "--matrix", "study", "--device", "cuda",
+                           "--model", "gpt2-124m", "--tokenizer", gpt2_tokenizer, "--data", "builtin:customer-support",
+                           "--max-samples", "96", "--max-steps", "4", "--output", str(results)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["experiment"]: r for r in csv.DictReader(results.open())}
+    expected = {"bs1_ga8", "bs2_ga4", "bs4_ga2", "bs8_ga1", "bs8_ga1_8bit", "bs8_ga1_4bit", "auto"}
+    assert set(rows) == expected
+    quantized_ok = importlib.util.find_spec("bitsandbytes") is not None
+    for name, r in rows.items():
+        if "bit" in name and not quantized_ok:
+            assert r["status"] == "error" and "bitsandbytes" in r["message"]
+            continue
+        assert r["status"] == "ok", (name, r["message"])
+        assert r["device"] == "cuda" and torch.cuda.get_device_name(0) in r["device_name"]
+        assert int(r["effective_batch"]) == 8 and int(r["batch_size"]) * int(r["grad_accum"]) == 8
+        assert float(r["tokens_per_s"]) > 0 and float(r["peak_memory_mb"]) > 0
+    assert rows["bs8_ga1_4bit"]["status"] != "ok" or rows["bs8_ga1_4bit"]["quantization"] == "4bit"
+    assert (tmp_path / "report" / "report.html").is_file()
+
+
+def test_liger_kernels_when_installed(tmp_path, dataset):
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
+    out = tmp_path / "liger"
+    finetune.run(cuda_config(dataset, out, **{"train.liger": "on", "train.max_steps": 2}))
+    assert _plan(out)["liger"][0] is True
+
+
+def test_flash_attention_when_installed(tmp_path, dataset):
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    out = tmp_path / "flash"
+    finetune.run(cuda_config(dataset, out, **{"train.attention": "flash_attention_2", "train.max_steps": 2}))
+    assert _plan(out)["attention"][0] == "flash_attention_2"
