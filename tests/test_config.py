@@ -40,7 +40,7 @@ def test_bad_types_and_values():
     with pytest.raises(TunebenchError, match="micro_batch_size.*positive"):
         load_config(options={"train.micro_batch_size": "0"})
     with pytest.raises(TunebenchError, match="is not one of"):
-        load_config(options={"adapter.method": "dora"})
+        load_config(options={"adapter.method": "adalora"})
 
 
 def test_batch_settings_that_cannot_agree_are_refused():

@@ -21,6 +21,7 @@ from tunebench.errors import TunebenchError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
+METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
 SCHEDULES = ("cosine", "linear", "constant", "warmup_stable_decay")  # names of transformers.get_scheduler's
 
 
@@ -51,12 +52,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    method: str = "lora"  # lora | qlora | full
-    r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.1
-    target_modules: str = "auto"  # auto | comma-separated module names | all-linear
-    quantization: str = "none"  # none | 4bit | 8bit
+    method: str = "lora"  # lora | qlora | dora | ia3 | loha | lokr | prefix | prompt | full
+    r: int = 8  # rank: lora, qlora, dora, loha, lokr
+    lora_alpha: int = 16  # scaling alpha: lora, qlora, dora, loha, lokr
+    lora_dropout: float = 0.1  # lora, qlora, dora
+    target_modules: str = "auto"  # auto | comma-separated module names | all-linear (the weight methods)
+    quantization: str = "none"  # none | 4bit | 8bit (lora/qlora)
+    num_virtual_tokens: int = 20  # prefix, prompt
+    prompt_init_text: str | None = None  # prompt: start the virtual tokens from this text's embeddings
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("data.format", d.format, ("auto", "instruction", "alpaca", "chat", "text"))
     _choice("data.train_on", d.train_on, ("response", "all"))
     _choice("data.packing", d.packing, ("auto", "on", "off"))
-    _choice("adapter.method", a.method, ("lora", "qlora", "full"))
+    _choice("adapter.method", a.method, METHODS)
     _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
     _choice("train.device", t.device, ("auto", "cpu", "cuda", "mps"))
@@ -339,6 +342,14 @@ def validate(cfg: RunConfig) -> None:
         )
     if a.method == "qlora" and a.quantization == "none":
         raise TunebenchError("--method qlora needs --quantization 4bit or 8bit")
+    if a.quantization != "none" and a.method not in ("lora", "qlora"):
+        raise TunebenchError(f"--quantization {a.quantization} is QLoRA's: use --method qlora, or --quantization none "
+                             f"with --method {a.method}")
+    if a.num_virtual_tokens <= 0:
+        raise TunebenchError(f"adapter.num_virtual_tokens must be 1 or more, got {a.num_virtual_tokens}")
+    if a.method in ("prefix", "prompt") and d.packing == "on":
+        raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
+                             "separate them); use --packing auto or off")
     if t.grad_accum_steps is not None and t.effective_batch_size != TrainConfig.effective_batch_size:
         if t.micro_batch_size * t.grad_accum_steps != t.effective_batch_size:
             raise TunebenchError(

@@ -89,6 +89,9 @@ def body_and_head(model):
     Running the head only on positions that carry loss skips the logits (and their gradient) of
     prompt and padding positions: with a 49k vocabulary that is a fifth of the model's FLOPs.
     """
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        return None  # prefix and prompt tuning add their virtual tokens in the PEFT model's own forward
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     c = inner.config
     if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) or getattr(
@@ -126,6 +129,7 @@ class CausalLMLoss(torch.nn.Module):
         with autocast(batch["input_ids"].device, autocast_dtype):
             if parts is None:
                 logits = model(**inputs).logits  # (B, T, V)
+                logits = logits[:, -batch["input_ids"].shape[1]:]  # prompt tuning's virtual tokens come first
                 picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
             else:
                 body, head = parts

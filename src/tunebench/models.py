@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -365,13 +366,72 @@ def use_fast_dropout(model, within: str | None = None) -> int:
     return swapped
 
 
-def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
-    from peft import LoraConfig, get_peft_model
+PROMPT_METHODS = ("prefix", "prompt")  # virtual tokens, not weights: nothing to merge, no packed rows
+WEIGHT_METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr")  # adapters on the base's linear layers
+PEFT_METHODS = WEIGHT_METHODS + PROMPT_METHODS
 
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
-    peft = get_peft_model(model, config)
-    use_fast_dropout(peft, within="lora_dropout")
-    return peft
+
+def peft_config(a, model, modules: list[str] | str | None):
+    """The PEFT config of adapter settings `a` (an AdapterConfig); `modules` from `target_modules`, or
+    None for the methods that pick their own (IA3 on `auto`: PEFT's per-architecture defaults)."""
+    import peft
+
+    common = {"task_type": "CAUSAL_LM"}
+    if a.method in ("lora", "qlora", "dora"):
+        return peft.LoraConfig(r=a.r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, target_modules=modules,
+                               use_dora=a.method == "dora", **common)
+    if a.method == "loha":
+        return peft.LoHaConfig(r=a.r, alpha=a.lora_alpha, target_modules=modules, **common)
+    if a.method == "lokr":
+        return peft.LoKrConfig(r=a.r, alpha=a.lora_alpha, target_modules=modules, **common)
+    if a.method == "ia3":
+        from peft.utils import TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD
+
+        model_type = getattr(model.config, "model_type", "")
+        if modules is None and model_type not in FEEDFORWARD:
+            raise TunebenchError(f"IA3 has no default modules for model type '{model_type}'; pass --target-modules "
+                                 f"with some of: {', '.join(linear_module_names(model))}")
+        feedforward = None if modules is None else [m for m in FEEDFORWARD.get(model_type, []) if m in modules]
+        return peft.IA3Config(target_modules=modules, feedforward_modules=feedforward, **common)
+    if a.method == "prefix":
+        return peft.PrefixTuningConfig(num_virtual_tokens=a.num_virtual_tokens, **common)
+    if a.method == "prompt":
+        return peft.PromptTuningConfig(num_virtual_tokens=a.num_virtual_tokens, **common)
+    raise TunebenchError(f"adapter.method '{a.method}' is not a PEFT method; pick one of {', '.join(PEFT_METHODS)}")
+
+
+def add_adapter(model, a, modules: list[str] | str | None, tokenizer=None):
+    """Wrap `model` in the PEFT method of adapter settings `a`; the base stays frozen."""
+    from peft import get_peft_model
+
+    wrapped = get_peft_model(model, peft_config(a, model, modules))
+    if a.method in ("lora", "qlora", "dora"):
+        use_fast_dropout(wrapped, within="lora_dropout")
+    if a.method == "prompt" and a.prompt_init_text:
+        init_prompt_from_text(wrapped, tokenizer, a.prompt_init_text)
+    return wrapped
+
+
+def init_prompt_from_text(model, tokenizer, text: str) -> None:
+    """Start prompt tuning's virtual tokens from the embeddings of `text`, repeated to fill them.
+
+    What PEFT's `prompt_tuning_init="TEXT"` does, by hand: PEFT loads the tokenizer again by name from
+    disk or the hub, and tunebench's may come from a GGUF file or a preset that neither holds."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise TunebenchError("--prompt-init-text has no tokens; give some words, or leave it out for a random start")
+    encoder = model.prompt_encoder[model.active_adapter]
+    n = encoder.embedding.weight.shape[0]
+    ids = (ids * math.ceil(n / len(ids)))[:n]
+    with torch.no_grad():
+        words = model.get_input_embeddings()(torch.tensor(ids, device=encoder.embedding.weight.device))
+        encoder.embedding.weight.copy_(words.to(encoder.embedding.weight.dtype))
+
+
+def is_prompt_learning(model) -> bool:
+    """A PEFT model whose adapter is virtual tokens (prefix or prompt tuning): it runs through its own forward."""
+    config = getattr(model, "active_peft_config", None)
+    return bool(getattr(config, "is_prompt_learning", False))
 
 
 def apply_liger(model, requested: str, device_type: str) -> tuple[str, Any, str]:

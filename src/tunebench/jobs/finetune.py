@@ -45,14 +45,24 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
         rows.append(("base weights", precision, "the run's precision" if precision == "fp32"
                      else "frozen: no fp32 master copy needed"))
     rows.append(models.apply_liger(model, cfg.train.liger, device.type))  # on the base, before the adapters
-    modules, why = models.target_modules(model, a.target_modules)
-    rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
-    model = models.add_lora(model, a.r, a.lora_alpha, a.lora_dropout, modules)
+    modules = None
+    if a.method in models.PROMPT_METHODS:
+        rows.append(("virtual_tokens", a.num_virtual_tokens, f"{a.method} tuning: trained "
+                     + ("key/value prefixes in every layer" if a.method == "prefix" else "input embeddings")
+                     + (f", started from {a.prompt_init_text!r}" if a.method == "prompt" and a.prompt_init_text else "")))
+    elif a.method == "ia3" and a.target_modules == "auto":
+        rows.append(("target_modules", "auto", "PEFT's IA3 defaults for this architecture (attention keys/values "
+                                               "and the feed-forward output)"))
+    else:
+        modules, why = models.target_modules(model, a.target_modules)
+        rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
+    model = models.add_adapter(model, a, modules, loaded.tokenizer)
     model.to(device)
-    if a.method == "lora" and precision != "fp32":
-        models.compute_adapters_in(model)
-        rows.append(("adapters", f"fp32 + {precision} autocast", "fp32 master weights, low-precision matmuls: "
-                                                                  "no fp32 copies of activations per LoRA layer"))
+    if a.method != "qlora" and precision != "fp32":
+        if a.method in ("lora", "dora"):
+            models.compute_adapters_in(model)
+        rows.append(("adapters", f"fp32 + {precision} autocast", "fp32 master weights, low-precision matmuls"
+                     + (": no fp32 copies of activations per adapted layer" if a.method in ("lora", "dora") else "")))
         return model, compute, rows
     rows.append(("adapters", "fp32", "fp32 weights and compute"))
     return model, None, rows
@@ -114,7 +124,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
         step = probe_step(model, lambda size: batching.collate(data, longest[:size], tok.pad_token_id), device,
                           autocast)
-        shape = tune.Shape(cfg.model.name, cfg.adapter.method, cfg.adapter.quantization, cfg.adapter.r,
+        shape = tune.Shape(cfg.model.name, cfg.adapter.method, cfg.adapter.quantization,
+                           cfg.adapter.num_virtual_tokens if cfg.adapter.method in models.PROMPT_METHODS else cfg.adapter.r,
                            cfg.adapter.target_modules, cfg.data.max_length, tune.where(hw, plan, device),
                            plan.precision, hw.versions.get("torch", ""), t.attention, t.liger,
                            t.gradient_checkpointing)
@@ -157,8 +168,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     effective = micro * accum * world.size
     cfg = replace(cfg, **{"train.micro_batch_size": micro})
     t = cfg.train
-    batch_layout, layout_reason = layout.decide(cfg.data.packing, lengths, train_idx, micro * world.size, t.seed,
-                                                cfg.data.max_length)
+    batch_layout, layout_reason = layout.decide(
+        "off" if cfg.adapter.method in models.PROMPT_METHODS else cfg.data.packing, lengths, train_idx,
+        micro * world.size, t.seed, cfg.data.max_length)
+    if cfg.adapter.method in models.PROMPT_METHODS and cfg.data.packing == "auto":
+        layout_reason += f"; not packed: {cfg.adapter.method} tuning drops the position ids that separate packed rows"
     lr, lr_reason = scaled_lr(t.lr, effective, t.lr_scaling, t.lr_reference_batch)
     total_steps = steps_for(micro, accum)
     planned = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"]

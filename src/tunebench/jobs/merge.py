@@ -1,7 +1,8 @@
-"""`tunebench merge`: fold a LoRA adapter into its base and save a plain safetensors HF directory."""
+"""`tunebench merge`: fold an adapter (LoRA, DoRA, IA3, LoHa, LoKr) into its base and save a plain safetensors HF directory."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tunebench import models
@@ -12,6 +13,11 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise TunebenchError(f"--output-dir '{out}' is not empty; merging never overwrites, pick a new directory")
+    config = Path(adapter) / "adapter_config.json"
+    peft_type = json.loads(config.read_text()).get("peft_type", "") if config.is_file() else ""
+    if peft_type in ("PREFIX_TUNING", "PROMPT_TUNING"):
+        raise TunebenchError(f"'{adapter}' is {peft_type.lower().replace('_', ' ')}: virtual tokens, no weights to fold "
+                             "into the base; use it as it is with --adapter (generate, chat, eval)")
     loaded = models.load_for_inference(model, adapter, None, allow_download)
     merged = loaded.model.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)

@@ -278,8 +278,9 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
     }
 
 
-COLUMNS = ["experiment", "device_name", "processes", "config", "batch_size", "grad_accum", "quantization", "precision",
-           "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu", "status"]
+COLUMNS = ["experiment", "device_name", "processes", "config", "method", "batch_size", "grad_accum", "quantization",
+           "precision", "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
+           "trainable_params", "status"]
 
 
 DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4}
@@ -290,6 +291,8 @@ def _cell(run: Run, key: str) -> str:
         return run.config
     if key == "mfu" and run.num("mfu") is not None:
         return f"{100 * run.num('mfu'):.1f}%"
+    if key == "trainable_params" and run.num(key) is not None:
+        return f"{int(run.num(key)):,}"
     if key in DIGITS and run.num(key) is not None:
         return _fmt(run.num(key), DIGITS[key])
     return run.row.get(key) or ""
