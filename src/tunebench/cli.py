@@ -44,6 +44,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "prompt tuning: start the virtual tokens from this text's embeddings (default: random)"),
     (("--epochs", "--num_epochs"), "train.epochs", "passes over the training rows (default 1)"),
     (("--max-steps",), "train.max_steps", "stop after this many optimizer steps (overrides --epochs)"),
+    (("--max-tokens",), "train.max_tokens",
+     "a token budget: train the steps that see about this many real tokens (overrides --epochs)"),
     (("--batch-size", "--batch_size"), "train.micro_batch_size",
      "micro batch size, or auto (default): measure the sizes that divide the effective batch, keep the fastest"),
     (("--grad-accum", "--gradient_accumulation_steps"), "train.grad_accum_steps",
@@ -64,7 +66,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--backend",), "train.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
     (("--seed",), "train.seed", "seed for data order, split and initialisation (default 42)"),
     (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default 1)"),
-    (("--eval-steps",), "train.eval_steps", "eval loss every N steps (default: before and after training)"),
+    (("--eval-steps",), "train.eval_steps",
+     "eval loss every N steps, or below 1 a share of the steps (0.25: 4 evals; default: before and after training)"),
     (("--save-steps", "--save_steps"), "train.save_steps", "checkpoint every N steps (default: at the end)"),
     (("--save-total-limit",), "train.save_total_limit", "keep the newest N checkpoints (default 2)"),
     (("--resume",), "train.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
@@ -77,6 +80,7 @@ PRETRAIN_OPTIONS = [
     (("--tokenizer",), "data.tokenizer", "tokenizer directory (default: byte-level BPE trained on --data)"),
     (("--output-dir",), "training.checkpoint_dir", "run directory (default runs/pretrain)"),
     (("--max-steps",), "training.max_steps", "stop after this many optimizer steps"),
+    (("--max-tokens",), "training.max_tokens", "a token budget: train the steps that see about this many tokens"),
     (("--batch-size",), "training.batch_size", "micro batch, or auto (measure those dividing --effective-batch-size)"),
     (("--effective-batch-size",), "training.effective_batch_size", "blocks per optimizer step"),
     (("--lr",), "training.learning_rate", "peak learning rate"),
@@ -86,7 +90,8 @@ PRETRAIN_OPTIONS = [
     (("--precision",), "training.precision", "auto (default) | fp32 | bf16 | fp16"),
     (("--compile",), "training.compile", "torch.compile: auto (default) | on | off"),
     (("--attention",), "training.attention", "auto (fastest measured) | sdpa | eager | tunebench | flash_attention_2"),
-    (("--eval-steps",), "training.eval_steps", "validation loss and a sample every N steps"),
+    (("--eval-steps",), "training.eval_steps",
+     "validation loss and a sample every N steps, or below 1 a share of the steps (0.25: 4 evals)"),
     (("--save-steps",), "training.save_steps", "checkpoint every N steps"),
     (("--parallel",), "training.parallel", "under torchrun / tunebench launch: auto | ddp | fsdp"),
     (("--backend",), "training.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
@@ -153,6 +158,35 @@ def build_parser() -> argparse.ArgumentParser:
                                         ("--no-progress", "training.progress", False, "no progress bar (logs only)")):
         pre.add_argument(flag, dest=key, action="store_const", const=value, default=argparse.SUPPRESS, help=help_text)
     _add_debug(pre)
+
+    tu = sub.add_parser("tune", help="hyperparameter search (Optuna) over train or pretrain runs",
+                        description="Search the options a space file names, one tunebench train|pretrain process "
+                                    "per trial, judged by eval loss at an equal token budget. Positional items: an "
+                                    "optional CONFIG.yaml and dotted overrides, as for the job. Rerunning the same "
+                                    "command resumes the study.")
+    tu.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    tu.add_argument("--space", required=True,
+                    help="YAML of options to search (key: [choices] or key: {low, high, log, step}), or a shipped "
+                         "space's name (customer_support_lora)")
+    tu.add_argument("--trials", type=int, default=10, help="trials the study should hold (default 10)")
+    tu.add_argument("--job", dest="job_kind", default="train", choices=["train", "pretrain"],
+                    help="what a trial runs (default train)")
+    tu.add_argument("--sampler", default="tpe", choices=["tpe", "random"], help="Optuna sampler (default tpe)")
+    tu.add_argument("--pruner", default="median", choices=["median", "none"],
+                    help="stop trials whose eval loss is worse than the median of earlier trials at the same point")
+    length = tu.add_mutually_exclusive_group()
+    length.add_argument("--budget-tokens", type=int, default=None,
+                        help="every trial trains on about this many real tokens, whatever its batch size")
+    length.add_argument("--max-steps", type=int, default=None, help="every trial runs this many optimizer steps")
+    tu.add_argument("-o", "--output-dir", default="runs/tune",
+                    help="study database, trials, results.csv, best.yaml, report/ (default runs/tune)")
+    tu.add_argument("--storage", default=None,
+                    help="Optuna storage URL shared by several machines, e.g. postgresql://user:pw@host/db "
+                         "(default: sqlite in the output directory)")
+    tu.add_argument("--study-name", default="tunebench", help="the study's name in the storage (default tunebench)")
+    tu.add_argument("--device", default=None, choices=["cpu", "cuda", "mps"], help="device of every trial")
+    tu.add_argument("--seed", type=int, default=42, help="the sampler's seed (default 42)")
+    _add_debug(tu)
 
     la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",
                         description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
@@ -284,6 +318,15 @@ def run_job(args: argparse.Namespace) -> int:
         configs, overrides = _items(args)
         options = {k: v for k, v in vars(args).items() if "." in k}
         pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
+    elif args.job == "tune":
+        from tunebench.config import parse_override
+        from tunebench.jobs import search
+
+        configs, overrides = _items(args)
+        search.run(args.job_kind, configs[0] if configs else None,
+                   dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
+                   args.sampler, args.pruner, args.budget_tokens, args.max_steps, args.storage, args.study_name,
+                   args.device, args.seed)
     elif args.job == "launch":
         from tunebench.jobs import launch
 
@@ -394,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
-        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) not in ("train", "pretrain")]
+        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) not in ("train", "pretrain", "tune")]
         if unknown:
             raise TunebenchError(f"unrecognized argument(s): {' '.join(unknown)}; see `tunebench {args.job or ''} --help`")
         if extra:

@@ -67,6 +67,7 @@ class TrainConfig:
     output_dir: str = "runs/latest"
     epochs: float = 1.0
     max_steps: int | None = None
+    max_tokens: int | None = None  # a token budget: the steps that train on about this many real tokens
     micro_batch_size: int = 4
     autotune_batch: bool = True  # measure candidate micro batches, keep the fastest (off once a size is given)
     grad_accum_steps: int | None = None  # derived from effective_batch_size when unset
@@ -90,7 +91,7 @@ class TrainConfig:
     monitor: bool = True  # background sampler of CPU/RAM/GPU use
     seed: int = 42
     logging_steps: int = 1
-    eval_steps: int | None = None  # None: eval at the end only
+    eval_steps: float | None = None  # every N steps; below 1, a share of the run's steps (0.25: 4 evals); None: at the end
     save_steps: int | None = None  # None: checkpoint only at the end and on interrupt
     save_total_limit: int = 2
     resume: str | None = None  # auto | PATH to a checkpoint directory
@@ -320,7 +321,9 @@ def validate(cfg: RunConfig) -> None:
         "train.save_total_limit": t.save_total_limit,
         "train.logging_steps": t.logging_steps,
     }
-    for opt in ("grad_accum_steps", "max_steps", "eval_steps", "save_steps", "threads"):
+    if t.max_steps is not None and t.max_tokens is not None:
+        raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
+    for opt in ("grad_accum_steps", "max_steps", "max_tokens", "eval_steps", "save_steps", "threads"):
         if getattr(t, opt) is not None:
             positive[f"train.{opt}"] = getattr(t, opt)
     if d.max_samples is not None:

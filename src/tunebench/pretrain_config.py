@@ -57,6 +57,7 @@ class TrainingConfig:
     weight_decay: float = 0.1
     num_epochs: float = 1.0
     max_steps: int | None = None
+    max_tokens: int | None = None  # a token budget: the steps that train on about this many tokens
     lr_scheduler: str = "cosine"  # cosine | linear | constant | warmup_stable_decay
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
@@ -70,7 +71,7 @@ class TrainingConfig:
     precision: str = "auto"  # tunebench's own key: auto | fp32 | bf16 | fp16 (the three above override it)
     save_steps: int | None = 500
     save_total_limit: int = 3
-    eval_steps: int | None = 500
+    eval_steps: float | None = 500  # every N steps; below 1, a share of the run's steps (0.25: 4 evals)
     logging_steps: int = 10
     max_grad_norm: float = 1.0
     dataloader_num_workers: int = 0
@@ -234,7 +235,9 @@ def validate(cfg: PretrainConfig) -> None:
                 "training.batch_size": t.batch_size, "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
                 "training.logging_steps": t.logging_steps, "training.save_total_limit": t.save_total_limit,
                 "data.max_length": d.max_length, "training.sample_tokens": t.sample_tokens}
-    for opt in ("max_steps", "eval_steps", "save_steps", "effective_batch_size", "threads"):
+    if t.max_steps is not None and t.max_tokens is not None:
+        raise TunebenchError("training.max_steps and training.max_tokens both set the run's length; give one of them")
+    for opt in ("max_steps", "max_tokens", "eval_steps", "save_steps", "effective_batch_size", "threads"):
         if getattr(t, opt) is not None:
             positive[f"training.{opt}"] = getattr(t, opt)
     if d.max_eval_blocks is not None:

@@ -113,11 +113,23 @@ def micro_batches(order: Callable[[int], list[list[int]]], collate: Callable[[li
 
 
 def total_steps(rows: int, micro_batch_size: int, grad_accum_steps: int, world: World, epochs: float,
-                max_steps: int | None) -> int:
-    """Optimizer steps of a run: `max_steps`, else `epochs` over `rows`, counted in global micro-steps
-    (micro batch x world size rows each)."""
+                max_steps: int | None, max_tokens: int | None = None, tokens_per_row: float = 1.0) -> int:
+    """Optimizer steps of a run: `max_steps`; else the steps whose rows hold about `max_tokens` real tokens
+    (`tokens_per_row` on average), so runs with different batch sizes see the same data; else `epochs`
+    over `rows`, counted in global micro-steps (micro batch x world size rows each)."""
+    if max_steps:
+        return max_steps
+    if max_tokens:
+        return max(1, round(max_tokens / (micro_batch_size * grad_accum_steps * world.size * tokens_per_row)))
     micro_steps = math.ceil(rows / (micro_batch_size * world.size))
-    return max_steps or max(1, math.ceil(epochs * micro_steps / grad_accum_steps))
+    return max(1, math.ceil(epochs * micro_steps / grad_accum_steps))
+
+
+def every(steps: float | None, total: int) -> int | None:
+    """`eval_steps` as a step count: N steps, or below 1 that share of the run's `total` steps (HF Trainer's rule)."""
+    if steps is None:
+        return None
+    return max(1, round(steps * total)) if steps < 1 else int(steps)
 
 
 def compile_decision(plan: hardware.Plan, parallel: str) -> hardware.Decision:

@@ -151,12 +151,12 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "device_name": device_name, "cores": hw["physical_cores"], "processes": s.get("world_size", 1),
         "threads": decided.get("torch_threads"),
         "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
-        "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s["quantization"],
+        "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s.get("quantization", "none"),
         "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
         "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"],
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
         "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
-        "trainable_params": s.get("trainable_parameters"),
+        "trainable_params": s.get("trainable_parameters") or s.get("parameters"),
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
         "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),
     }
@@ -192,30 +192,55 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
         eta = f", ETA {_clock(statistics.mean(elapsed) * (len(todo) - k + 1))}" if elapsed else ""
         print(f"[{k}/{len(todo)}] {exp.name} on {device}, repeat {repeat}{eta}", flush=True)
         run_dir = Path(runs_dir) / f"{exp.name}-{device}-r{repeat}"
-        settings = {**base, **exp.overrides, "train.device": device, "train.output_dir": str(run_dir),
-                    "train.progress": False, "train.overwrite": True}  # a rerun replaces a failed attempt
-        launch = ["launch", "--nproc-per-node", str(exp.nproc), "--"] if exp.nproc > 1 else []
-        argv = [sys.executable, "-m", "tunebench", *launch, "train", *(f"{k}={_yaml(v)}" for k, v in settings.items())]
         t0 = time.perf_counter()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with (run_dir / "log.txt").open("w") as log:
-            proc = subprocess.run(argv, stdout=log, stderr=subprocess.PIPE, text=True)
-            log.write(proc.stderr)
+        proc = start("train", {**base, **exp.overrides}, run_dir, device, exp.nproc)
+        proc.wait()
         elapsed.append(time.perf_counter() - t0)
-        row: dict[str, Any] = {"experiment": exp.name, "config": exp.name, "repeat": repeat, "device": device,
-                               "hostname": socket.gethostname(), "run_dir": str(run_dir),
-                               "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        if proc.returncode == 0 and (run_dir / "summary.json").is_file():
-            row.update(_row_from_run(run_dir, device), status="ok")
+        row = finish(proc, run_dir, device) | {"experiment": exp.name, "config": exp.name, "repeat": repeat}
+        if row["status"] == "ok":
             print(f"    {row['duration_seconds']:.1f} s, {row['tokens_per_s'] or 0:,.0f} tokens/s, "
                   f"micro batch {row['batch_size']} x {row['grad_accum']}")
         else:
-            status, message = _failure(proc.stderr)
-            row.update(status=status, message=message)
-            print(f"    {status}: {message}")
+            print(f"    {row['status']}: {row['message']}")
         append_row(results, row)
     print(f"results: {results}")
     return results
+
+
+# Each job's keys for what the runner sets on every run.
+RUN_KEYS = {"train": {"device": "train.device", "output_dir": "train.output_dir", "progress": "train.progress",
+                      "overwrite": "train.overwrite"},
+            "pretrain": {"device": "training.device", "output_dir": "training.checkpoint_dir",
+                         "progress": "training.progress", "overwrite": "training.overwrite"}}
+
+
+def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None = None, nproc: int = 1,
+          config: str | None = None) -> subprocess.Popen:
+    """Start one `tunebench train|pretrain` run in its own process (`launch` for several ranks), its
+    output in run_dir/log.txt. A rerun replaces what a failed attempt left in run_dir."""
+    keys = RUN_KEYS[job]
+    settings = {**settings, keys["output_dir"]: str(run_dir), keys["progress"]: False, keys["overwrite"]: True}
+    if device is not None:
+        settings[keys["device"]] = device
+    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
+    argv = [sys.executable, "-m", "tunebench", *launch, job, *([config] if config else []),
+            *(f"{k}={_yaml(v)}" for k, v in settings.items())]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "log.txt").open("w") as log, (run_dir / "stderr.txt").open("w") as err:
+        return subprocess.Popen(argv, stdout=log, stderr=err, text=True)
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]:
+    """The results row of a finished run: its figures, or its status (oom, error) and last line."""
+    row: dict[str, Any] = {"device": device, "hostname": socket.gethostname(), "run_dir": str(run_dir),
+                           "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    stderr = (run_dir / "stderr.txt").read_text(errors="replace")
+    with (run_dir / "log.txt").open("a") as log:
+        log.write(stderr)
+    if proc.returncode == 0 and (run_dir / "summary.json").is_file():
+        return row | _row_from_run(run_dir, device) | {"status": "ok"}
+    status, message = _failure(stderr)
+    return row | {"status": status, "message": message}
 
 
 def _clock(seconds: float) -> str:

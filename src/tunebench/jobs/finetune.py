@@ -157,7 +157,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         return resumed[1] if resumed else accum_asked or effective // (micro * world.size)
 
     def steps_for(micro: int, accum: int) -> int:
-        return runner.total_steps(len(train_idx), micro, accum, world, t.epochs, t.max_steps)
+        return runner.total_steps(len(train_idx), micro, accum, world, t.epochs, t.max_steps, t.max_tokens,
+                                  float(np.mean(lengths[train_idx])))
 
     parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
                                       memory_free_mb(device, world.local_size))
@@ -183,7 +184,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
                                     + (f" x {world.size} ranks" if world.size > 1 else "")),
         ("lr", f"{lr:g}", lr_reason),
-        ("total_steps", total_steps, "--max-steps" if t.max_steps else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
+        ("total_steps", total_steps, "--max-steps" if t.max_steps else
+         f"--max-tokens {t.max_tokens:,} at {float(np.mean(lengths[train_idx])):.1f} real tokens a row" if t.max_tokens
+         else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
     ]
     compiled = any(r[0] == "compile" and r[1] is True for r in measured)
     if world.main:
@@ -224,7 +227,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # -- train
     settings = LoopSettings(
         total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
-        autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=t.eval_steps,
+        autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=runner.every(t.eval_steps, total_steps),
         save_steps=t.save_steps, progress=t.progress, pin_memory=bool(plan.value("pin_memory")), world=world,
     )
     outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,

@@ -97,7 +97,8 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         return resumed[1] if resumed else effective // (micro * world.size)
 
     def steps_for(micro: int, accum: int) -> int:
-        return runner.total_steps(len(train), micro, accum, world, t.num_epochs, t.max_steps)
+        return runner.total_steps(len(train), micro, accum, world, t.num_epochs, t.max_steps, t.max_tokens,
+                                  d.max_length)
 
     def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
         shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
@@ -137,6 +138,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
               + (f" x {world.size} ranks" if world.size > 1 else "") + f" blocks of {d.max_length}"),
              ("lr", f"{t.learning_rate:g}", f"{t.lr_scheduler} after {warmup} warm-up steps"),
              ("total_steps", total_steps, "training.max_steps" if t.max_steps
+              else f"training.max_tokens {t.max_tokens:,} in blocks of {d.max_length}" if t.max_tokens
               else f"{t.num_epochs:g} epoch(s) of {len(train)} blocks")]
     if world.main:
         print(f"tokenizer: {tok_source} ({len(tok):,} tokens)")
@@ -185,7 +187,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     # -- train
     settings = LoopSettings(total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
                             device=device, autocast_dtype=autocast, logging_steps=t.logging_steps,
-                            eval_steps=t.eval_steps, save_steps=t.save_steps, progress=t.progress,
+                            eval_steps=runner.every(t.eval_steps, total_steps), save_steps=t.save_steps, progress=t.progress,
                             pin_memory=pin, world=world)
     outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
                               run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,

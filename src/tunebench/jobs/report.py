@@ -330,11 +330,12 @@ def charts(r: dict) -> list[tuple[str, bytes]]:
 
 
 def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
-          baseline_config: str | None = None) -> Path:
+          baseline_config: str | None = None, extra_charts: list[tuple[str, bytes]] = ()) -> Path:
+    """report.md and a self-contained report.html; `extra_charts` (name, PNG) follow the standard ones."""
     r = build(paths, baseline_device, baseline_config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pngs = charts(r)
+    pngs = charts(r) + list(extra_charts)
     sections = _sections(r)
 
     md = ["# tunebench report", "", f"Sources: {', '.join(paths)}", "", "## Findings", ""]

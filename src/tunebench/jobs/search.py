@@ -1,0 +1,380 @@
+"""`tunebench tune`: hyperparameter search over `train` or `pretrain` runs, on Optuna.
+
+Optuna does the searching: its samplers (TPE, random), its median pruner and its storage (an SQLite
+file in the output directory, or any RDB URL that several machines share). tunebench runs each trial
+as its own `tunebench train|pretrain` process through compare's runner, so a crash or an OOM is a
+failed trial and not a dead search, and judges every trial by its validation loss at an equal token
+budget. What tunebench adds by hand is only that runner loop: Optuna's `optimize` would call the
+objective in this process, and a trial here is another process that reports its evals as it goes.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tunebench.config import read_yaml
+from tunebench.errors import TunebenchError
+from tunebench.jobs import compare
+
+SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
+EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
+KEYS = {  # per job: the keys tune sets on every trial
+    "train": {"budget": "train.max_tokens", "steps": "train.max_steps", "eval": "train.eval_steps"},
+    "pretrain": {"budget": "training.max_tokens", "steps": "training.max_steps", "eval": "training.eval_steps"},
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    key: str
+    choices: tuple | None = None  # a list in the space: categorical
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    integer: bool = False
+
+    def suggest(self, trial) -> Any:
+        if self.choices is not None:
+            return trial.suggest_categorical(self.key, list(self.choices))
+        if self.integer:
+            return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
+
+    def corners(self) -> list[Any]:
+        """Values that every choice of this parameter's range is checked with before anything runs."""
+        if self.choices is not None:
+            return list(self.choices)
+        return [int(self.low), int(self.high)] if self.integer else [self.low, self.high]
+
+
+def space_path(spec: str) -> Path:
+    path = Path(spec) if spec.endswith((".yaml", ".yml")) else SPACES_DIR / f"{spec}.yaml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
+        raise TunebenchError(f"search space '{spec}' not found; pass a YAML file or one of: {shipped}")
+    return path
+
+
+def load_space(spec: str) -> list[Param]:
+    """`key: [a, b, c]` (a choice) or `key: {low, high[, log][, step]}` (a range; whole numbers make it an int range)."""
+    raw = read_yaml(space_path(spec))
+    if not raw:
+        raise TunebenchError(f"search space '{spec}' names no options; add e.g. 'train.lr: {{low: 1e-5, high: 1e-3, log: true}}'")
+    params = []
+    for key, value in raw.items():
+        if isinstance(value, list):
+            if not value or any(isinstance(v, (list, dict)) for v in value):
+                raise TunebenchError(f"search space '{spec}': '{key}' needs a list of plain values, got {value!r}")
+            params.append(Param(str(key), choices=tuple(value)))
+            continue
+        if not isinstance(value, dict) or not {"low", "high"} <= set(value):
+            raise TunebenchError(f"search space '{spec}': '{key}' must be a list of values or "
+                                 "{low: ..., high: ...[, log: true][, step: ...]}")
+        extra = set(value) - {"low", "high", "log", "step"}
+        if extra:
+            raise TunebenchError(f"search space '{spec}': '{key}' has unknown field(s) {', '.join(sorted(extra))}; "
+                                 "use low, high, log, step")
+        try:
+            low, high = float(value["low"]), float(value["high"])
+            step = float(value["step"]) if value.get("step") is not None else None
+        except (TypeError, ValueError) as e:
+            raise TunebenchError(f"search space '{spec}': '{key}' needs numbers for low, high and step") from e
+        log = bool(value.get("log", False))
+        if not low < high:
+            raise TunebenchError(f"search space '{spec}': '{key}' needs low < high, got {low:g} and {high:g}")
+        if log and low <= 0:
+            raise TunebenchError(f"search space '{spec}': '{key}' is log-scaled, so low must be above 0")
+        integer = all(isinstance(value.get(k), int) and not isinstance(value.get(k), bool)
+                      for k in ("low", "high") + (("step",) if step is not None else ()))
+        params.append(Param(str(key), low=low, high=high, log=log, step=step, integer=integer))
+    return params
+
+
+def load_job_config(job: str, config: str | None, settings: dict[str, Any]):
+    if job == "train":
+        from tunebench.config import load_config
+
+        return load_config(config, settings)
+    from tunebench import pretrain_config
+
+    return pretrain_config.load(config, settings)
+
+
+def check(job: str, config: str | None, base: dict[str, Any], params: list[Param]) -> None:
+    """Every parameter's every choice (each range's ends) is a valid run with the base settings,
+    checked here, before a trial starts."""
+    keys = set(base)
+    for p in params:
+        if p.key in keys:
+            raise TunebenchError(f"'{p.key}' is both searched and set (by tune itself or on the command line); "
+                                 "drop one of them")
+        for value in p.corners():
+            try:
+                cfg = load_job_config(job, config, {**base, p.key: value})
+            except TunebenchError as e:
+                raise TunebenchError(f"search space: {p.key}={value!r} is not a valid run: {e}") from e
+    cfg = load_job_config(job, config, base)
+    if job == "train" and cfg.data.eval_fraction == 0:
+        raise TunebenchError("tune judges trials by their eval loss, and data.eval_fraction is 0; hold some rows out "
+                             "(e.g. data.eval_fraction=0.05)")
+
+
+def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str) -> str:
+    """What makes a study the same search: a rerun with another space, config or budget is refused."""
+    if config and job == "pretrain":
+        from tunebench import pretrain_config
+
+        config = str(pretrain_config.config_path(config))
+    text = json.dumps({"job": job, "config": Path(config).read_text() if config else None,
+                       "base": {k: str(v) for k, v in sorted(base.items())},
+                       "space": space_path(space).read_text()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def counted(trial) -> bool:
+    """A trial that counts towards --trials: finished, pruned or failed; not one cut short by Ctrl-C."""
+    import optuna
+
+    S = optuna.trial.TrialState
+    return trial.state in (S.COMPLETE, S.PRUNED) or (trial.state == S.FAIL and not trial.user_attrs.get("interrupted"))
+
+
+def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: str, seed: int, mark: str):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage or f"sqlite:///{(out / 'study.sqlite').resolve()}"
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=seed),
+                "random": lambda: optuna.samplers.RandomSampler(seed=seed)}
+    # A trial's first eval is its first quarter: judge it from there on, once 2 trials have finished.
+    pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+               "none": lambda: optuna.pruners.NopPruner()}
+    try:
+        study = optuna.create_study(storage=url, study_name=name, direction="minimize", load_if_exists=True,
+                                    sampler=samplers[sampler](), pruner=pruners[pruner]())
+    except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable database: one line, before any trial
+        raise TunebenchError(f"cannot open the study storage '{url}': {str(e).splitlines()[0]}; check --storage") from e
+    held = study.user_attrs.get("fingerprint")
+    if held is None:
+        study.set_user_attr("fingerprint", mark)
+    elif held != mark:
+        raise TunebenchError(f"the study '{name}' in {url} was a search with another space, config or budget; "
+                             "pass another --output-dir or --study-name to start a new one")
+    return study
+
+
+def trial_settings(params: dict[str, Any]) -> str:
+    return " ".join(f"{k.rsplit('.', 1)[-1]}={v:.3g}" if isinstance(v, float) else f"{k.rsplit('.', 1)[-1]}={v}"
+                    for k, v in params.items())
+
+
+def evals_of(run_dir: Path, seen: int) -> tuple[list[tuple[int, float]], int]:
+    """New (eval index 1..EVALS, loss) records in a running trial's metrics.jsonl after the first `seen` lines."""
+    path = run_dir / "metrics.jsonl"
+    plan = run_dir / "plan.json"
+    if not path.is_file() or not plan.is_file():
+        return [], seen
+    lines = path.read_text().splitlines()
+    complete = lines if path.read_text().endswith("\n") else lines[:-1]  # a line being written waits
+    total = next((d["value"] for d in json.loads(plan.read_text())["decisions"] if d["setting"] == "total_steps"), None)
+    found = []
+    for line in complete[seen:]:
+        record = json.loads(line)
+        if "eval_loss" in record and record["step"] > 0 and total:
+            found.append((max(1, round(EVALS * record["step"] / int(total))), record["eval_loss"]))
+    return found, len(complete)
+
+
+def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], params: list[Param], out: Path,
+              device: str | None) -> dict[str, Any]:
+    """One trial: its process, its evals reported to the pruner as they appear; returns its results row."""
+    import optuna
+
+    chosen = {p.key: p.suggest(trial) for p in params}
+    run_dir = out / "trials" / f"trial-{trial.number:03d}"
+    print(f"trial {trial.number}: {trial_settings(chosen)}", flush=True)
+    t0 = time.perf_counter()
+    proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)
+    seen, pruned_at = 0, None
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            found, seen = evals_of(run_dir, seen)
+            for index, loss in found:
+                if index >= EVALS:  # the final eval is the trial's result, not a point to stop it at
+                    continue
+                trial.report(loss, index)
+                if trial.should_prune():
+                    pruned_at = (index, loss)
+                    proc.send_signal(signal.SIGTERM)  # the run checkpoints and stops
+                    proc.wait()
+                    break
+    except BaseException:  # Ctrl-C or SIGTERM: the trial stops with a checkpoint, the study records why
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+        trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        raise
+    summary = run_dir / "summary.json"
+    used = json.loads(summary.read_text()).get("device") if proc.returncode == 0 and summary.is_file() else None
+    row = compare.finish(proc, run_dir, used or device or "auto")
+    if row["status"] == "ok":
+        found, seen = evals_of(run_dir, seen)
+        for index, loss in found:
+            if index < EVALS:
+                trial.report(loss, index)
+    row |= {"experiment": f"trial-{trial.number}", "config": trial_settings(chosen), "repeat": 1}
+    if pruned_at is not None:
+        row |= {"status": "pruned", "message": f"pruned at eval {pruned_at[0]} of {EVALS}: loss {pruned_at[1]:.4f}, "
+                                               "worse than the median of earlier trials there"}
+    trial.set_user_attr("row", {k: v for k, v in row.items() if v is not None})
+    trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 1))
+    if row["status"] == "ok" and row.get("eval_loss") is not None:
+        trial.set_user_attr("config", (run_dir / "config.yaml").read_text())
+        study.tell(trial, float(row["eval_loss"]))
+        print(f"  eval loss {float(row['eval_loss']):.4f}, {float(row['tokens_per_s'] or 0):,.0f} tokens/s, "
+              f"{trial.user_attrs['wall_s']:.0f} s", flush=True)
+    elif row["status"] == "pruned":
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        print(f"  {row['message']}", flush=True)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        print(f"  failed ({row['status']}): {row.get('message') or 'no eval loss'}", flush=True)
+    return row
+
+
+def write_results(study, path: Path) -> None:
+    """Every counted trial's row, in compare's CSV schema, rewritten whole (from the study, so a shared
+    database gives every machine the whole search)."""
+    rows = [t.user_attrs["row"] for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+            if counted(t) and "row" in t.user_attrs]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=compare.SCHEMA)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: row.get(k, "") for k in compare.SCHEMA})
+    os.replace(tmp, path)
+
+
+def write_best(study, job: str, out: Path) -> Path | None:
+    """The best trial's whole configuration as a YAML that `tunebench train|pretrain` runs as is."""
+    import optuna
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if "config" in t.user_attrs]
+    if not done:
+        return None
+    best = min(done, key=lambda t: t.value)
+    cfg = yaml.safe_load(best.user_attrs["config"])
+    section, key = ("train", "output_dir") if job == "train" else ("training", "checkpoint_dir")
+    cfg[section].update({key: str(out / "best-run"), "overwrite": False, "resume": None, "progress": True})
+    path = out / "best.yaml"
+    header = (f"# tunebench tune: the best of {len(done)} finished trial(s), trial {best.number}, eval loss "
+              f"{best.value:.4f}\n# {trial_settings(best.params)}\n# run it: tunebench {job} {path}\n")
+    path.write_text(header + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def charts(study) -> list[tuple[str, bytes]]:
+    """Optuna's own plots: the optimisation history, parameter importances, and the loss against each
+    parameter. A plot that needs more finished trials than there are is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as ov
+
+    from tunebench.jobs.report import _png
+
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna marks its matplotlib backend experimental
+        for name, plot in (("optimization_history", ov.plot_optimization_history),
+                           ("param_importances", ov.plot_param_importances), ("loss_vs_params", ov.plot_slice)):
+            try:
+                axes = plot(study)
+            except (ValueError, RuntimeError, ZeroDivisionError):
+                continue
+            first = axes.flat[0] if hasattr(axes, "flat") else axes
+            fig = first.figure
+            if not fig.get_axes() or not any(a.has_data() for a in fig.get_axes()):
+                plt.close(fig)
+                continue
+            out.append((name, _png(fig)))
+    return out
+
+
+def run(job: str, config: str | None, overrides: dict[str, Any], space: str, trials: int, out_dir: str,
+        sampler: str = "tpe", pruner: str = "median", budget_tokens: int | None = None, max_steps: int | None = None,
+        storage: str | None = None, study_name: str = "tunebench", device: str | None = None, seed: int = 42) -> dict:
+    if trials < 1:
+        raise TunebenchError(f"--trials must be 1 or more, got {trials}")
+    if budget_tokens is not None and budget_tokens < 1:
+        raise TunebenchError(f"--budget-tokens must be 1 or more, got {budget_tokens}")
+    keys = KEYS[job]
+    base = dict(overrides)
+    if budget_tokens is not None and max_steps is not None:
+        raise TunebenchError("--budget-tokens and --max-steps both set a trial's length; give one of them")
+    if budget_tokens is not None:
+        base |= {keys["budget"]: budget_tokens, keys["steps"]: None}
+    elif max_steps is not None:
+        base |= {keys["steps"]: max_steps, keys["budget"]: None}
+    base[keys["eval"]] = 1 / EVALS
+    params = load_space(space)
+    check(job, config, base, params)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    study = open_study(out, storage, study_name, sampler, pruner, seed, fingerprint(job, config, base, space))
+
+    def finished() -> int:
+        return sum(counted(t) for t in study.get_trials(deepcopy=False))
+
+    done = finished()
+    print(f"study '{study_name}' ({storage or out / 'study.sqlite'}): {done} of {trials} trials already done"
+          + (", resuming" if done else ""), flush=True)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        while finished() < trials:
+            run_trial(study, study.ask(), job, config, base, params, out, device)
+            write_results(study, out / "results.csv")
+    except KeyboardInterrupt:
+        write_results(study, out / "results.csv")
+        raise TunebenchError("interrupted: the running trial is marked so and will be run again; rerun the same "
+                             "command to resume the search", 130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    write_results(study, out / "results.csv")
+    best_path = write_best(study, job, out)
+    summary: dict[str, Any] = {"trials": finished(), "results": str(out / "results.csv"), "best_yaml": None}
+    if best_path is None:
+        print("no trial finished with an eval loss; see the trials' log.txt under " + str(out / "trials"))
+        return summary
+    from tunebench.jobs import report
+
+    html = report.write([str(out / "results.csv")], str(out / "report"), extra_charts=charts(study))
+    best = study.best_trial
+    summary |= {"best_trial": best.number, "best_eval_loss": best.value, "best_params": best.params,
+                "best_yaml": str(best_path), "report": str(html)}
+    print(f"best: trial {best.number}, eval loss {best.value:.4f} ({trial_settings(best.params)})")
+    print(f"best configuration: {best_path}  (tunebench {job} {best_path})")
+    print(f"results: {out / 'results.csv'}; report: {html.resolve()}")
+    return summary
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+

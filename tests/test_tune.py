@@ -1,0 +1,145 @@
+"""`tunebench tune`: the search space, and a search that runs trials as processes, resumes, survives a
+crashing trial, and writes a best YAML that reproduces its trial."""
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tunebench.config import load_config
+from tunebench.errors import TunebenchError
+from tunebench.jobs import finetune, search
+
+
+def _space(tmp_path, text):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_space_holds_choices_and_ranges(tmp_path):
+    params = {p.key: p for p in search.load_space(_space(tmp_path, """
+train.lr: {low: 1.0e-5, high: 1.0e-3, log: true}
+adapter.r: [4, 8, 16]
+train.warmup_ratio: {low: 0.0, high: 0.1}
+train.effective_batch_size: {low: 4, high: 16, step: 4}
+"""))}
+    assert params["train.lr"].log and not params["train.lr"].integer and params["train.lr"].low == 1e-5
+    assert params["adapter.r"].choices == (4, 8, 16)
+    assert params["train.effective_batch_size"].integer and params["train.effective_batch_size"].step == 4
+    assert not params["train.warmup_ratio"].integer
+    shipped = search.load_space("customer_support_lora")
+    search.check("train", None, {}, shipped)  # every choice of the shipped space is a valid run
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train.lr: {low: 1.0e-3, high: 1.0e-5}", "needs low < high"),
+    ("train.lr: {low: 0, high: 1.0e-3, log: true}", "low must be above 0"),
+    ("train.lr: {low: 0.1, high: 0.2, scale: log}", "unknown field"),
+    ("train.lr: 0.001", "must be a list of values"),
+    ("adapter.r: []", "needs a list of plain values"),
+    ("", "names no options"),
+])
+def test_a_bad_space_is_one_line_that_names_the_key(tmp_path, text, message):
+    with pytest.raises(TunebenchError, match=message):
+        search.load_space(_space(tmp_path, text))
+
+
+def test_every_choice_is_checked_before_any_trial(tmp_path):
+    with pytest.raises(TunebenchError, match=r"adapter.method='adalora' is not a valid run"):
+        search.check("train", None, {}, search.load_space(_space(tmp_path, "adapter.method: [lora, adalora]")))
+    with pytest.raises(TunebenchError, match="unknown config key 'train.learning_rat'"):
+        search.check("train", None, {}, search.load_space(_space(tmp_path, "train.learning_rat: [0.1]")))
+    with pytest.raises(TunebenchError, match="both searched and set"):
+        search.check("train", None, {"train.lr": 1e-3}, search.load_space(_space(tmp_path, "train.lr: [0.1]")))
+    with pytest.raises(TunebenchError, match="eval_fraction is 0"):
+        search.check("train", None, {"data.eval_fraction": 0}, search.load_space(_space(tmp_path, "train.lr: [0.1]")))
+    with pytest.raises(TunebenchError, match="not found"):
+        search.load_space("no_such_space")
+
+
+def _base(dataset):
+    return {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "data.eval_fraction": 0.2,
+            "train.micro_batch_size": 2}
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_trial(tmp_path, dataset):
+    space = _space(tmp_path, "train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}\ntrain.effective_batch_size: [2, 4]\n")
+    out = tmp_path / "tune"
+    args = ["--space", space, "--budget-tokens", "160", "-o", str(out), "--sampler", "random", "--pruner", "none"]
+    items = [f"{k}={v}" for k, v in _base(dataset).items()]
+    # First run: SIGTERM while the second trial runs; the first is kept, the second is marked interrupted.
+    proc = subprocess.Popen([sys.executable, "-m", "tunebench", "tune", *items, *args, "--trials", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "trials" / "trial-001" / "log.txt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout + stderr
+    assert "rerun the same command to resume" in stderr
+    assert [r["experiment"] for r in _rows(out / "results.csv")] == ["trial-0"]
+
+    # The same command again resumes: one trial done, one to run (the interrupted one does not count).
+    overrides = dict(_base(dataset))
+    summary = search.run("train", None, overrides, space, 2, str(out), "random", "none", 160)
+    assert summary["trials"] == 2
+    rows = _rows(out / "results.csv")
+    assert [r["experiment"] for r in rows] == ["trial-0", "trial-2"] and {r["status"] for r in rows} == {"ok"}
+    # Equal token budget: a trial at effective batch 2 runs twice the steps of one at 4, on the same rows.
+    assert {int(r["samples"]) for r in rows} == {int(rows[0]["samples"])}
+    again = search.run("train", None, overrides, space, 2, str(out), "random", "none", 160)  # nothing left to do
+    assert again["best_trial"] == summary["best_trial"] and not (out / "trials" / "trial-003").exists()
+    assert (out / "report" / "report.html").is_file() and (out / "report" / "optimization_history.png").is_file()
+
+    best = next(r for r in rows if r["experiment"] == f"trial-{summary['best_trial']}")
+    assert float(best["eval_loss"]) == pytest.approx(summary["best_eval_loss"])
+    cfg = load_config(summary["best_yaml"])  # runs as is
+    assert cfg.train.output_dir == str(out / "best-run")
+    rerun = finetune.run(cfg)
+    assert rerun["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-4)
+
+    with pytest.raises(TunebenchError, match="another space"):  # same directory, another search
+        search.run("train", None, overrides, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out))
+
+
+def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path, dataset, capsys):
+    out = tmp_path / "tune"
+    base = dict(_base(dataset), **{"model.name": str(tmp_path / "no-such-model")})
+    summary = search.run("train", None, base, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out), "random",
+                         "none", max_steps=2)
+    rows = _rows(out / "results.csv")
+    assert [r["status"] for r in rows] == ["error", "error"] and "no-such-model" in rows[0]["message"]
+    assert summary["trials"] == 2 and summary["best_yaml"] is None and not (out / "best.yaml").exists()
+    assert "failed (error)" in capsys.readouterr().out
+
+
+def test_the_cli_refuses_a_budget_and_steps_together(tmp_path):
+    from tunebench.cli import main
+
+    assert main(["tune", "--space", "customer_support_lora", "--budget-tokens", "10", "--max-steps", "2"]) == 2
+
+
+def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
+    """The pruner compares trials at the same share of their budget, whatever their step counts."""
+    run = tmp_path / "trial"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"decisions": [{"setting": "total_steps", "value": 12}]}))
+    lines = [{"step": 0, "eval_loss": 3.0}, {"step": 1, "loss": 2.9}, {"step": 3, "eval_loss": 2.5},
+             {"step": 6, "eval_loss": 2.2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 9, "eval_l')
+    found, seen = search.evals_of(run, 0)
+    assert found == [(1, 2.5), (2, 2.2)] and seen == 4  # before training: not a point; a half-written line waits
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('oss": 2.0}\n')
+    assert search.evals_of(run, seen) == ([(3, 2.0)], 5)
