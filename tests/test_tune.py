@@ -122,6 +122,11 @@ def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path,
     assert [r["status"] for r in rows] == ["error", "error"] and "no-such-model" in rows[0]["message"]
     assert summary["trials"] == 2 and summary["best_yaml"] is None and not (out / "best.yaml").exists()
     assert "failed (error)" in capsys.readouterr().out
+    # Three in a row failing alike is a setting every trial shares: the search stops and says so.
+    with pytest.raises(TunebenchError, match="the last 3 trials all failed the same way"):
+        search.run("train", None, base, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 6, str(out), "random",
+                   "none", max_steps=2)
+    assert len(_rows(out / "results.csv")) == 5
 
 
 def test_the_cli_refuses_a_budget_and_steps_together(tmp_path):
@@ -143,3 +148,26 @@ def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
     with (run / "metrics.jsonl").open("a") as f:
         f.write('oss": 2.0}\n')
     assert search.evals_of(run, seen) == ([(3, 2.0)], 5)
+
+
+def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
+    from tunebench import pretrain_config
+    from tunebench.jobs import pretrain, tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n"
+                              for i in range(400)))
+    tokenizer.train([str(corpus)], 100, "char", tmp_path / "tok", quiet=True)
+    base = {"data.train_file": str(corpus), "data.tokenizer": str(tmp_path / "tok"), "model.vocab_size": 100,
+            "model.d_model": 32, "model.n_heads": 4, "model.n_layers": 1, "model.d_ff": 64, "model.max_seq_len": 32,
+            "data.max_length": 32, "data.max_eval_blocks": 8, "training.batch_size": 2,
+            "training.precision": "fp32"}
+    space = _space(tmp_path, "training.learning_rate: {low: 1.0e-3, high: 1.0e-2, log: true}\n")
+    summary = search.run("pretrain", None, base, space, 2, str(tmp_path / "tune"), "random", "none",
+                         budget_tokens=32 * 2 * 8)
+    rows = _rows(tmp_path / "tune" / "results.csv")
+    assert [r["status"] for r in rows] == ["ok", "ok"] and {r["steps"] for r in rows} == {"8"}
+    assert {r["method"] for r in rows} == {"pretrain"} and int(rows[0]["trainable_params"]) > 0
+    cfg = pretrain_config.load(summary["best_yaml"])
+    assert cfg.training.checkpoint_dir == str(tmp_path / "tune" / "best-run")
+    assert pretrain.run(cfg)["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-4)

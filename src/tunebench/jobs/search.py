@@ -28,6 +28,7 @@ from tunebench.errors import TunebenchError
 from tunebench.jobs import compare
 
 SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
+SAME_FAILURES = 3  # trials in a row failing with one message: a setting they share is wrong, not a choice
 EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
 KEYS = {  # per job: the keys tune sets on every trial
     "train": {"budget": "train.max_tokens", "steps": "train.max_steps", "eval": "train.eval_steps"},
@@ -347,10 +348,15 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
     print(f"study '{study_name}' ({storage or out / 'study.sqlite'}): {done} of {trials} trials already done"
           + (", resuming" if done else ""), flush=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    failures: list[str] = []  # this process's trials' failures, while none has succeeded
     try:
         while finished() < trials:
-            run_trial(study, study.ask(), job, config, base, params, out, device)
+            row = run_trial(study, study.ask(), job, config, base, params, out, device)
             write_results(study, out / "results.csv")
+            failures = failures + [row.get("message", "")] if row["status"] in ("error", "oom") else []
+            if len(failures) >= SAME_FAILURES and len(set(failures)) == 1 and finished() < trials:
+                raise TunebenchError(f"the last {len(failures)} trials all failed the same way ({failures[0]}); "
+                                     "fix that and rerun the same command to go on with the search")
     except KeyboardInterrupt:
         write_results(study, out / "results.csv")
         raise TunebenchError("interrupted: the running trial is marked so and will be run again; rerun the same "
