@@ -412,6 +412,13 @@ def add_adapter(model, a, modules: list[str] | str | None, tokenizer=None):
     return wrapped
 
 
+def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
+    """LoRA with these settings on `modules`: add_adapter's shorthand."""
+    from tunebench.config import AdapterConfig
+
+    return add_adapter(model, AdapterConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), modules)
+
+
 def init_prompt_from_text(model, tokenizer, text: str) -> None:
     """Start prompt tuning's virtual tokens from the embeddings of `text`, repeated to fill them.
 
