@@ -243,6 +243,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 PROFILES_DIR = Path(__file__).parent / "configs" / "profiles"
 
 
+def shipped_yaml(spec: str, directory: Path, what: str) -> Path:
+    """A YAML file, or the name of one shipped in `directory` (a matrix, a search space)."""
+    path = Path(spec) if spec.endswith((".yaml", ".yml")) else directory / f"{spec}.yaml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
+        raise TunebenchError(f"{what} '{spec}' not found; pass a YAML file or one of: {shipped}")
+    return path
+
+
 def profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tunebench.config import load_config, read_yaml
+from tunebench.config import load_config, read_yaml, shipped_yaml
 from tunebench.errors import TunebenchError
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
@@ -47,11 +47,7 @@ class Experiment:
 
 
 def matrix_path(spec: str) -> Path:
-    path = Path(spec) if spec.endswith((".yaml", ".yml")) else MATRICES_DIR / f"{spec}.yaml"
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in MATRICES_DIR.glob("*.yaml")))
-        raise TunebenchError(f"matrix '{spec}' not found; pass a YAML file or one of: {shipped}")
-    return path
+    return shipped_yaml(spec, MATRICES_DIR, "matrix")
 
 
 def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from tunebench.config import read_yaml
+from tunebench.config import read_yaml, shipped_yaml
 from tunebench.errors import TunebenchError
 from tunebench.jobs import compare
 
@@ -61,11 +61,7 @@ class Param:
 
 
 def space_path(spec: str) -> Path:
-    path = Path(spec) if spec.endswith((".yaml", ".yml")) else SPACES_DIR / f"{spec}.yaml"
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
-        raise TunebenchError(f"search space '{spec}' not found; pass a YAML file or one of: {shipped}")
-    return path
+    return shipped_yaml(spec, SPACES_DIR, "search space")
 
 
 def load_space(spec: str) -> list[Param]:
