@@ -61,7 +61,9 @@ _losses, _weights = run_losses, run_weights
     {},  # LoRA, padded rows
     {"adapter.method": "full", "train.lr": 1e-3},  # fused AdamW state of every weight
     {"data.packing": "on"},
-], ids=["lora", "full", "packed"])
+    {"adapter.method": "prefix", "adapter.num_virtual_tokens": 4},  # virtual tokens: PEFT's own forward
+    {"adapter.method": "dora"},  # LoRA plus learned magnitudes
+], ids=["lora", "full", "packed", "prefix", "dora"])
 def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset, monkeypatch, extra):
     """Killed at step 3 and resumed, a run ends with the same losses and the same weights, bit for bit."""
     full = tmp_path / "full"

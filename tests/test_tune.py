@@ -96,6 +96,11 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
     assert summary["trials"] == 2
     rows = _rows(out / "results.csv")
     assert [r["experiment"] for r in rows] == ["trial-0", "trial-2"] and {r["status"] for r in rows} == {"ok"}
+    import optuna
+
+    study = optuna.load_study(study_name="tunebench", storage=f"sqlite:///{out / 'study.sqlite'}")
+    interrupted, rerun_trial = study.trials[1], study.trials[2]
+    assert interrupted.user_attrs["interrupted"] and rerun_trial.params == interrupted.params  # run again
     # Equal token budget: a trial at effective batch 2 runs twice the steps of one at 4, on the same rows.
     assert {int(r["samples"]) for r in rows} == {int(rows[0]["samples"])}
     again = search.run("train", None, overrides, space, 2, str(out), "random", "none", 160)  # nothing left to do

@@ -183,8 +183,8 @@ def evals_of(run_dir: Path, seen: int) -> tuple[list[tuple[int, float]], int]:
     plan = run_dir / "plan.json"
     if not path.is_file() or not plan.is_file():
         return [], seen
-    lines = path.read_text().splitlines()
-    complete = lines if path.read_text().endswith("\n") else lines[:-1]  # a line being written waits
+    text = path.read_text()
+    complete = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]  # a line being written waits
     total = next((d["value"] for d in json.loads(plan.read_text())["decisions"] if d["setting"] == "total_steps"), None)
     found = []
     for line in complete[seen:]:
@@ -218,11 +218,13 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
                     proc.send_signal(signal.SIGTERM)  # the run checkpoints and stops
                     proc.wait()
                     break
-    except BaseException:  # Ctrl-C or SIGTERM: the trial stops with a checkpoint, the study records why
+    except BaseException as e:  # the trial's process never outlives the search
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # it stops with a checkpoint
             proc.wait()
-        trial.set_user_attr("interrupted", True)
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C or SIGTERM: not counted; its choices run next time
+            trial.set_user_attr("interrupted", True)
+            study.enqueue_trial(trial.params)
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         raise
     summary = run_dir / "summary.json"
