@@ -127,3 +127,18 @@ def test_the_shipped_methods_matrix_runs_and_reports(tmp_path, dataset):
     assert params["prompt"] == 20 * models.resolve("tiny").model.config.hidden_size  # 20 virtual token embeddings
     report.write([str(out)], str(tmp_path / "report"))
     assert f"{params['dora']:,}" in (tmp_path / "report" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["prefix", "prompt", "ia3"])
+def test_generate_and_eval_load_each_methods_adapter(tmp_path, dataset, method):
+    from tunebench.jobs import evaluate, generate
+
+    out = tmp_path / method
+    finetune.run(tiny_run_config(dataset, out, **{"adapter.method": method, "adapter.num_virtual_tokens": 4,
+                                                   "train.precision": "fp32", "train.max_steps": 1}))
+    text = generate.generate(None, str(out), "hi", 4, 0.0, raw=True)
+    assert isinstance(text, str) and text
+    data = load_config(options={"data.path": str(dataset), "data.max_length": 256}).data
+    scored = evaluate.run(None, str(out), data, 4, precision="fp32")
+    base = evaluate.run("tiny", None, data, 4, precision="fp32")
+    assert 0 < scored["eval_loss"] < 20 and scored["eval_loss"] != pytest.approx(base["eval_loss"], abs=1e-6)  # applied
