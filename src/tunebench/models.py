@@ -367,8 +367,7 @@ def use_fast_dropout(model, within: str | None = None) -> int:
 
 
 PROMPT_METHODS = ("prefix", "prompt")  # virtual tokens, not weights: nothing to merge, no packed rows
-WEIGHT_METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr")  # adapters on the base's linear layers
-PEFT_METHODS = WEIGHT_METHODS + PROMPT_METHODS
+PEFT_METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr") + PROMPT_METHODS
 
 
 def peft_config(a, model, modules: list[str] | str | None):
@@ -433,12 +432,6 @@ def init_prompt_from_text(model, tokenizer, text: str) -> None:
     with torch.no_grad():
         words = model.get_input_embeddings()(torch.tensor(ids, device=encoder.embedding.weight.device))
         encoder.embedding.weight.copy_(words.to(encoder.embedding.weight.dtype))
-
-
-def is_prompt_learning(model) -> bool:
-    """A PEFT model whose adapter is virtual tokens (prefix or prompt tuning): it runs through its own forward."""
-    config = getattr(model, "active_peft_config", None)
-    return bool(getattr(config, "is_prompt_learning", False))
 
 
 def apply_liger(model, requested: str, device_type: str) -> tuple[str, Any, str]:
