@@ -71,3 +71,22 @@ def run_weights(out):
     files = list(out.glob("*.safetensors"))
     assert len(files) == 1, files
     return load_file(files[0])
+
+
+@pytest.fixture(scope="session")
+def chromium() -> tuple[str, str]:
+    """(chromium, chromedriver): Debian's headless browser and its driver, installed when missing; the
+    test skips with the reason only when they cannot be installed."""
+    import shutil
+    import subprocess
+
+    def found():
+        return (shutil.which("chromium") or shutil.which("chromium-browser")), shutil.which("chromedriver")
+
+    if not all(found()) and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"], capture_output=True,
+                       timeout=900)
+    browser, driver = found()
+    if not (browser and driver):
+        pytest.skip("headless Chromium could not be installed (apt-get install chromium chromium-driver)")
+    return browser, driver

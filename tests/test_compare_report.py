@@ -1,5 +1,4 @@
 import csv
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -144,11 +143,9 @@ def test_report_errors():
         report.build([str(STUDY)], baseline_device="TPU")
 
 
-@pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")),
-                    reason="headless Chromium is not installed (apt-get install chromium)")
-def test_html_report_renders_its_charts_in_headless_chromium(tmp_path):
+def test_html_report_renders_its_charts_in_headless_chromium(tmp_path, chromium):
     html = report.write([str(STUDY)], str(tmp_path / "rep"))
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    browser = chromium[0]
     js = ("[...document.images].filter(i => i.complete && i.naturalWidth > 100).length + ' images ok; ' + "
           "document.querySelectorAll('table').length + ' tables'")
     page = tmp_path / "probe.html"

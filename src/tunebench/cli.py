@@ -188,6 +188,23 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--seed", type=int, default=42, help="the sampler's seed (default 42)")
     _add_debug(tu)
 
+    sv = sub.add_parser("serve", help="web app: chat with models and runs, compare two blind (A/B)",
+                        description="A Gradio app (the web extra): a chat tab, a blind A/B tab whose votes go to an "
+                                    "SQLite file, and the A/B results. Offline; models load once, on first use.")
+    sv.add_argument("--model", action="append", default=[], help="a base model spec or model directory (repeatable; "
+                                                                   "default: SmolLM2 when nothing else is given)")
+    sv.add_argument("--adapter", action="append", default=[], help="a training run directory (repeatable)")
+    sv.add_argument("--port", type=int, default=7860)
+    sv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to be reached from other machines")
+    sv.add_argument("--ab-db", default="tunebench-ab.sqlite", help="A/B votes database (default ./tunebench-ab.sqlite)")
+    sv.add_argument("--prompts", default=None, help="a prompt set (JSONL or CSV) for the A/B tab")
+    sv.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+    _add_debug(sv)
+
+    ab = sub.add_parser("ab-report", help="win rates of the A/B votes that tunebench serve stored")
+    ab.add_argument("path", nargs="?", default="tunebench-ab.sqlite", help="the --ab-db of tunebench serve")
+    _add_debug(ab)
+
     la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",
                         description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
                                     "--nproc-per-node 2 -- train [options]. Each rank gets the usable cores divided "
@@ -327,6 +344,16 @@ def run_job(args: argparse.Namespace) -> int:
                    dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
                    args.sampler, args.pruner, args.budget_tokens, args.max_steps, args.storage, args.study_name,
                    args.device, args.seed)
+    elif args.job == "serve":
+        from tunebench.models import SMOLLM2
+        from tunebench.web import app
+
+        app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
+                  args.prompts, args.allow_download)
+    elif args.job == "ab-report":
+        from tunebench.web import store
+
+        print(store.report(args.path))
     elif args.job == "launch":
         from tunebench.jobs import launch
 

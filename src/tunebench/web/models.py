@@ -1,0 +1,168 @@
+"""What `tunebench serve` offers: base models and run directories, each loaded once and shared by
+every browser session, and streamed generation with its tokens/s. No Gradio here: tested on its own."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tunebench import models
+from tunebench.errors import TunebenchError
+
+
+@dataclass(frozen=True)
+class Entry:
+    label: str  # what the page shows and the A/B database stores
+    model: str | None  # a base model spec, or a model directory (merged, full fine-tune, pretrained)
+    adapter: str | None  # a run directory holding a PEFT adapter
+
+
+def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = False) -> list[Entry]:
+    """The choices, checked before anything loads: every run directory must hold a model or an adapter."""
+    out: list[Entry] = []
+    for spec in model_specs:
+        models.check_spec(spec, allow_download)
+        out.append(Entry(f"base: {spec}", spec, None))
+    for d in run_dirs:
+        p = Path(d)
+        if (p / "adapter_config.json").is_file():
+            method = json.loads((p / "adapter_config.json").read_text()).get("peft_type", "adapter").lower()
+            out.append(Entry(f"run: {d} ({method.replace('_', ' ')})", None, d))
+        elif (p / "config.json").is_file():
+            out.append(Entry(f"model: {d}", d, None))
+        else:
+            raise TunebenchError(f"'{d}' holds no model (no adapter_config.json or config.json); point --adapter at "
+                                 "a finished training, merge or pretraining --output-dir")
+    labels = [e.label for e in out]
+    if len(set(labels)) != len(labels):
+        raise TunebenchError("the same model or run is listed twice; list each once")
+    return out
+
+
+class Registry:
+    """Models load on first use, once, whatever the number of sessions asking; one generation runs at a
+    time (two at once would only split the same cores, and the tokens/s shown would be wrong)."""
+
+    def __init__(self, choices: list[Entry], allow_download: bool = False):
+        self.choices = {e.label: e for e in choices}
+        self.allow_download = allow_download
+        self._loaded: dict[str, tuple[models.Loaded, str]] = {}
+        self._load_lock = threading.Lock()
+        self.generate_lock = threading.Lock()
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.choices)
+
+    def get(self, label: str) -> tuple[models.Loaded, str]:
+        """(the loaded model, its prompt template)."""
+        from tunebench.jobs.generate import trained_template
+
+        if label not in self.choices:
+            raise TunebenchError(f"no model named {label!r} is served; pick one of the list")
+        with self._load_lock:
+            if label not in self._loaded:
+                e = self.choices[label]
+                loaded = models.load_for_inference(e.model, e.adapter, None, self.allow_download)
+                self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
+            return self._loaded[label]
+
+
+@dataclass
+class Reply:
+    text: str
+    new_tokens: int = 0
+    seconds: float = 0.0
+    done: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
+           temperature: float = 0.7, top_p: float = 0.9, seed: int = 0) -> Iterator[Reply]:
+    """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
+    (new tokens over the time from the call, prompt processing included)."""
+    from transformers import TextIteratorStreamer
+
+    from tunebench.data.tokenize import render_prompt
+
+    loaded, template = registry.get(label)
+    tok, model = loaded.tokenizer, loaded.model
+    enc = tok(render_prompt(messages, tok, template), return_tensors="pt", add_special_tokens=False)
+    limit = models.position_limit(model)
+    if limit is not None:  # learned positions end there
+        max_new_tokens = max(1, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True, timeout=600)
+    sampling = temperature > 0
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                torch.manual_seed(seed)
+                result["ids"] = model.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=sampling,
+                    temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = e
+            streamer.end()
+
+    with registry.generate_lock:
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        text = ""
+        for piece in streamer:
+            text += piece
+            yield Reply(text.strip())
+        worker.join()
+        seconds = time.perf_counter() - t0
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    new = int(result["ids"].shape[1] - enc["input_ids"].shape[1])  # type: ignore[union-attr]
+    yield Reply(text.strip(), new, seconds, done=True)
+
+
+PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a JSONL or CSV file (a `prompt`, `instruction`, `question`, `text` or `input` field,
+    else the first text field), such as a dataset's held-out rows."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TunebenchError(f"prompt file '{p}' cannot be read ({getattr(e, 'strerror', None) or e}); "
+                             "check the path") from e
+    rows: list[dict] = []
+    try:
+        if p.suffix.lower() in (".jsonl", ".json"):
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        elif p.suffix.lower() == ".csv":
+            rows = list(csv.DictReader(text.splitlines()))
+        else:
+            raise TunebenchError(f"prompt file '{p}' is neither .jsonl nor .csv; give one of those")
+    except (json.JSONDecodeError, csv.Error) as e:
+        raise TunebenchError(f"prompt file '{p}' does not parse ({e}); fix the file") from e
+    prompts = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        key = next((k for k in PROMPT_COLUMNS if isinstance(row.get(k), str) and row[k].strip()), None)
+        key = key or next((k for k, v in row.items() if isinstance(v, str) and v.strip()), None)
+        if key:
+            prompts.append(row[key].strip())
+    if not prompts:
+        raise TunebenchError(f"prompt file '{p}' holds no prompts; give rows with a prompt or instruction field")
+    return prompts

@@ -1,0 +1,165 @@
+"""The A/B vote store: one SQLite file, safe for concurrent writers, and the win rates it reports.
+
+Plain sqlite3 (no web dependency): `tunebench ab-report` and the tests read it without Gradio. Each
+vote is one short `BEGIN IMMEDIATE` transaction on its own connection, in WAL mode with a busy
+timeout, so two people voting at once (threads of one server, or two servers on one file) both land.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tunebench.errors import TunebenchError
+
+VOTES = ("a", "b", "tie", "both_bad")
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS votes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    model_a TEXT NOT NULL,  -- the model shown as "A"
+    model_b TEXT NOT NULL,  -- the model shown as "B"
+    answer_a TEXT NOT NULL,
+    answer_b TEXT NOT NULL,
+    vote TEXT NOT NULL CHECK (vote IN ('a', 'b', 'tie', 'both_bad')),
+    settings TEXT NOT NULL  -- generation settings, JSON
+)"""
+
+
+def connect(path: str | Path) -> sqlite3.Connection:
+    con = sqlite3.connect(str(path), timeout=30, isolation_level=None)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA busy_timeout=30000")
+    return con
+
+
+def open_store(path: str | Path) -> Path:
+    """Create the database (or check an existing one) at start-up; a one-line error when it cannot be used."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        con = connect(p)
+        try:
+            con.execute(SCHEMA)
+            con.execute("SELECT id, prompt, model_a, model_b, answer_a, answer_b, vote, settings FROM votes LIMIT 1")
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        raise TunebenchError(f"--ab-db '{p}' is not a usable A/B database ({e}); pass another path") from e
+    except OSError as e:
+        raise TunebenchError(f"--ab-db '{p}' cannot be created ({e.strerror}); pass a writable path") from e
+    return p
+
+
+def record(path: str | Path, prompt: str, model_a: str, model_b: str, answer_a: str, answer_b: str, vote: str,
+           settings: dict) -> int:
+    """Store one vote; returns its id."""
+    if vote not in VOTES:
+        raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
+    con = connect(path)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        cur = con.execute(
+            "INSERT INTO votes (created, prompt, model_a, model_b, answer_a, answer_b, vote, settings) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (datetime.now(timezone.utc).isoformat(timespec="seconds"), prompt, model_a, model_b, answer_a, answer_b,
+             vote, json.dumps(settings, sort_keys=True)))
+        con.execute("COMMIT")
+        return int(cur.lastrowid)
+    finally:
+        con.close()
+
+
+def wilson(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% by default): sound at small n and near 0 or 1,
+    where the normal approximation leaves [0, 1]."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+@dataclass(frozen=True)
+class Pair:
+    first: str  # the pair's models in name order
+    second: str
+    first_wins: int
+    second_wins: int
+    ties: int
+    both_bad: int
+
+    @property
+    def votes(self) -> int:
+        return self.first_wins + self.second_wins + self.ties + self.both_bad
+
+    @property
+    def judged(self) -> int:
+        """Votes that compare the two: wins and ties ("both bad" says nothing about which is better)."""
+        return self.first_wins + self.second_wins + self.ties
+
+    @property
+    def win_rate(self) -> float | None:
+        """`first`'s share of the judged votes, a tie counting half."""
+        return (self.first_wins + self.ties / 2) / self.judged if self.judged else None
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson(self.first_wins + self.ties / 2, self.judged)
+
+
+def pairs(path: str | Path) -> list[Pair]:
+    """Every pair of models that met, with its votes, whichever side each was shown on."""
+    if not Path(path).is_file():
+        raise TunebenchError(f"A/B database '{path}' not found; pass the --ab-db that tunebench serve wrote")
+    con = connect(path)
+    try:
+        rows = con.execute("SELECT model_a, model_b, vote FROM votes").fetchall()
+    except sqlite3.DatabaseError as e:
+        raise TunebenchError(f"'{path}' is not an A/B database ({e})") from e
+    finally:
+        con.close()
+    counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for a, b, vote in rows:
+        first, second = sorted((a, b))
+        c = counts[(first, second)]
+        if vote == "tie":
+            c[2] += 1
+        elif vote == "both_bad":
+            c[3] += 1
+        else:
+            winner = a if vote == "a" else b
+            c[0 if winner == first else 1] += 1
+    return [Pair(f, s, *c) for (f, s), c in sorted(counts.items())]
+
+
+def table(path: str | Path) -> tuple[list[str], list[list[str]]]:
+    """The results view (and `tunebench ab-report`): header and one row per pair."""
+    head = ["model", "vs", "votes", "wins", "losses", "ties", "both bad", "win rate", "95% interval"]
+    rows = []
+    for p in pairs(path):
+        rate = "-" if p.win_rate is None else f"{100 * p.win_rate:.1f}%"
+        low, high = p.interval
+        ci = "-" if not p.judged else f"{100 * low:.1f}% - {100 * high:.1f}%"
+        rows.append([p.first, p.second, str(p.votes), str(p.first_wins), str(p.second_wins), str(p.ties),
+                     str(p.both_bad), rate, ci])
+    return head, rows
+
+
+def report(path: str | Path) -> str:
+    head, rows = table(path)
+    if not rows:
+        return f"{path}: no votes yet"
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    total = sum(int(r[2]) for r in rows)
+    return "\n".join([f"{path}: {total} vote(s); win rate of the first model, a tie counting half, Wilson 95% "
+                      "interval", line(head), *map(line, rows)])

@@ -1,0 +1,233 @@
+"""`tunebench serve` and `tunebench ab-report`: the A/B store, the app's handlers, the app over HTTP,
+and a real browser voting in the A/B tab."""
+
+import json
+import multiprocessing
+import random
+import threading
+import time
+import urllib.request
+
+import pytest
+from conftest import tiny_run_config
+
+from tunebench.errors import TunebenchError
+from tunebench.web import store
+
+gr = pytest.importorskip("gradio", reason="the web app needs gradio (pip install -e '.[web]')")
+
+from tunebench.web import app, models  # noqa: E402
+
+
+def _vote(db, a, b, vote):
+    store.record(db, "p", a, b, "answer a", "answer b", vote, {"temperature": 0.7})
+
+
+def test_the_store_reports_each_pair_whichever_side_its_models_were_shown_on(tmp_path):
+    db = store.open_store(tmp_path / "ab.sqlite")
+    for a, b, vote in [("base", "tuned", "b"), ("tuned", "base", "a"), ("base", "tuned", "tie"),
+                       ("tuned", "base", "both_bad"), ("base", "tuned", "a"), ("x", "tuned", "a")]:
+        _vote(db, a, b, vote)
+    pairs = {(p.first, p.second): p for p in store.pairs(db)}
+    tuned = pairs[("base", "tuned")]
+    assert (tuned.first_wins, tuned.second_wins, tuned.ties, tuned.both_bad, tuned.votes) == (1, 2, 1, 1, 5)
+    assert tuned.win_rate == pytest.approx(1.5 / 4)  # base: one win and a half of the tie, of 4 judged votes
+    assert pairs[("tuned", "x")].second_wins == 1
+    text = store.report(db)
+    assert "6 vote(s)" in text and "37.5%" in text
+    with pytest.raises(ValueError):
+        _vote(db, "a", "b", "maybe")
+    row = json.loads(store.connect(db).execute("SELECT settings FROM votes LIMIT 1").fetchone()[0])
+    assert row == {"temperature": 0.7}
+
+
+def test_the_wilson_interval_on_a_known_case():
+    low, high = store.wilson(8, 10)  # the textbook case: 8 of 10, 95%
+    assert (round(low, 4), round(high, 4)) == (0.4902, 0.9433)
+    assert store.wilson(0, 0) == (0.0, 1.0)
+    low, high = store.wilson(0, 5)
+    assert low == 0.0 and 0.43 < high < 0.44
+
+
+def _writer(db, n, name):
+    for i in range(n):
+        _vote(db, name, "other", random.choice(store.VOTES))
+
+
+def test_concurrent_writers_lose_no_vote(tmp_path):
+    db = store.open_store(tmp_path / "ab.sqlite")
+    threads = [threading.Thread(target=_writer, args=(db, 25, f"t{k}")) for k in range(4)]
+    procs = [multiprocessing.get_context("spawn").Process(target=_writer, args=(db, 25, f"p{k}")) for k in range(2)]
+    for w in threads + procs:
+        w.start()
+    for w in threads + procs:
+        w.join()
+    assert all(p.exitcode == 0 for p in procs)
+    assert sum(p.votes for p in store.pairs(db)) == 150
+
+
+def test_bad_input_is_one_line_before_any_model_loads(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TunebenchError, match="holds no model"):
+        app.serve(["tiny"], [str(tmp_path / "empty")], port=0, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    with pytest.raises(TunebenchError, match="prompt file .* cannot be read"):
+        app.serve(["tiny"], [], port=0, ab_db=str(tmp_path / "ab.sqlite"), prompts=str(tmp_path / "none.jsonl"),
+                  block=False)
+    (tmp_path / "notdb.sqlite").write_text("not a database, just text that is long enough" * 40)
+    with pytest.raises(TunebenchError, match="not a usable A/B database"):
+        app.serve(["tiny"], [], port=0, ab_db=str(tmp_path / "notdb.sqlite"), block=False)
+    with socket_in_use() as port, pytest.raises(TunebenchError, match=f"port {port} .* in use"):
+        app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+
+
+class socket_in_use:
+    def __enter__(self):
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        self.s.listen(1)
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.s.close()
+
+
+def test_prompt_sets_read_jsonl_and_csv(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"instruction": "one"}\n{"prompt": "two", "x": 1}\n{"other": "three"}\n')
+    (tmp_path / "p.csv").write_text("flags,instruction,response\nB,how do I cancel?,like so\n")
+    assert models.load_prompts(tmp_path / "p.jsonl") == ["one", "two", "three"]
+    assert models.load_prompts(tmp_path / "p.csv") == ["how do I cancel?"]
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(TunebenchError, match="does not parse"):
+        models.load_prompts(tmp_path / "bad.jsonl")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A tiny LoRA run to serve beside its base."""
+    from tunebench.jobs import finetune
+
+    root = tmp_path_factory.mktemp("serve")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"question {i}", "response": f"answer {i}"}) + "\n"
+                            for i in range(12)))
+    out = root / "tuned"
+    finetune.run(tiny_run_config(data, out, **{"train.max_steps": 2}))
+    return str(out)
+
+
+def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
+    registry = models.Registry(models.entries(["tiny"], [tuned]))
+    assert registry.get(registry.labels[0]) is registry.get(registry.labels[0])  # loaded once
+    history, status = list(app.chat_turn(registry, registry.labels[1], "hello", [], 0.7, 0.9, 8))[-1]
+    assert history[0] == {"role": "user", "content": "hello"} and history[1]["role"] == "assistant"
+    assert "tokens/s" in status
+    db = store.open_store(tmp_path / "ab.sqlite")
+    shown = set()
+    for seed in range(8):  # the order is random: both orders show up
+        *_, (answer_a, answer_b, status, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1],
+                                                                  "hi there", 0.7, 0.9, 8, random.Random(seed))
+        shown.add(state["model_a"])
+        assert state["answer_a"] == answer_a and "Which answer is better?" in status
+    assert shown == set(registry.labels)
+    message, state = app.ab_vote(db, "b", state)
+    assert f"A was {state['model_a']}" in message and state["voted"]
+    with pytest.raises(gr.Error):
+        app.ab_vote(db, "a", state)  # one vote per pair of answers
+    (pair,) = store.pairs(db)
+    winner = state["model_b"]
+    assert (pair.first_wins if winner == pair.first else pair.second_wins) == 1
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
+    port = _free_port()
+    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read().decode()
+        assert "<title>tunebench</title>" in page or "tunebench" in page
+        config = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=30).read())
+        labels = {c.get("props", {}).get("label") for c in config["components"]}
+        assert {"Model 1", "Model 2", "Prompt", "A", "B"} <= labels
+    finally:
+        served.close()
+
+
+def _browser(chromium):
+    pytest.importorskip("selenium", reason="the browser test drives Chromium through selenium")
+    from selenium import webdriver
+
+    opts = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1100",
+                 "--disable-dev-shm-usage"):
+        opts.add_argument(flag)
+    opts.binary_location = chromium[0]
+    return webdriver.Chrome(options=opts, service=webdriver.ChromeService(chromium[1]))
+
+
+def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, chromium):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = _browser(chromium)
+    port = _free_port()
+    db = tmp_path / "ab.sqlite"
+    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(db), block=False)
+    wait = WebDriverWait(browser, 60)
+
+    def tab(name):
+        wait.until(lambda d: any(b.text.strip() == name for b in d.find_elements(By.CSS_SELECTOR, "button[role=tab]")))
+        next(b for b in browser.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text.strip() == name).click()
+        time.sleep(1)
+        browser.save_screenshot(str(tmp_path / f"{name.replace('/', '')}.png"))
+
+    def button(text):
+        return wait.until(ec.element_to_be_clickable(
+            (By.XPATH, f"//button[normalize-space()='{text}' and not(@role='tab')]")))
+
+    try:
+        browser.get(f"http://127.0.0.1:{port}/")
+        tab("Chat")
+        tab("A/B")
+        box = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "textarea[placeholder^='Type a prompt']")))
+        box.send_keys("How do I cancel my order?")
+        button("Get answers").click()
+        wait.until(lambda d: "Which answer is better?" in d.page_source)
+        button("A is better").click()
+        wait.until(lambda d: "Vote #1 stored" in d.page_source)
+        browser.save_screenshot(str(tmp_path / "voted.png"))
+        tab("A/B results")
+        wait.until(lambda d: "1" in d.page_source and "base: tiny" in d.page_source)
+    finally:
+        browser.quit()
+        served.close()
+    (pair,) = store.pairs(db)
+    assert pair.votes == 1 and pair.first_wins + pair.second_wins == 1
+    prompt, = store.connect(db).execute("SELECT prompt FROM votes").fetchone()
+    assert prompt == "How do I cancel my order?"
+    for shot in ("Chat", "AB", "voted", "AB results"):
+        assert (tmp_path / f"{shot}.png").stat().st_size > 10_000
+
+
+def test_the_cli_reports_votes_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from tunebench.cli import main
+
+    db = store.open_store(tmp_path / "ab.sqlite")
+    _vote(db, "base", "tuned", "b")
+    assert main(["ab-report", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "1 vote(s)" in out and "base" in out and "0.0%" in out
+    assert main(["ab-report", str(tmp_path / "none.sqlite")]) != 0
+    (tmp_path / "empty").mkdir()
+    assert main(["serve", "--adapter", str(tmp_path / "empty"), "--ab-db", str(tmp_path / "x.sqlite")]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "holds no model" in err and "Traceback" not in err
