@@ -106,7 +106,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                 chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
                 chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
                 chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
-            chatbot = gr.Chatbot(label="Conversation", height=380)
+            chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy", "copy_all"])  # no share: offline
             chat_history = gr.State([])
             with gr.Row():
                 chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5)
@@ -125,6 +125,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
             chat_box.submit(on_chat, chat_inputs, chat_outputs)
             chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
             chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+            chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
 
         with gr.Tab("A/B", id="ab"):
             gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
