@@ -246,15 +246,16 @@ def _shares(n_rows, micro, world_size, epoch=0):
         ids = torch.tensor(rows_)[:, None]
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
-    from tunebench.data.batching import epoch_order
+    from tunebench.data.batching import epoch_steps
     from tunebench.loop import LoopState
 
-    shares = []
+    shares, accum = [], 2
     for rank in range(world_size):
         world = World(rank, world_size, rank, world_size, "gloo")
-        take = runner.micro_batches(lambda e: epoch_order(data, micro * world_size, 7, e), collate, world, micro)
+        take = runner.micro_batches(lambda e: epoch_steps(data, micro * world_size * accum, 7, e), collate, world,
+                                    micro, accum)
         state = LoopState(epoch=epoch)
-        steps = len(epoch_order(data, micro * world_size, 7, epoch))
+        steps = len(epoch_steps(data, micro * world_size * accum, 7, epoch)) * accum
         shares.append([take(state) for _ in range(steps)])
     return shares
 

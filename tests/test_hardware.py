@@ -164,8 +164,8 @@ class FakeCompiler:
     def __init__(self, monkeypatch, eager=100.0, compiled=150.0, warmups=(0.3, 0.1)):
         self.eager, self.compiled, self.warmups = eager, compiled, list(warmups)
         self.on, self.fresh, self.forced_eager, self.compiles, self.measured = False, False, False, 0, 0
-        monkeypatch.setattr(models, "compile_blocks", self.compile)
-        monkeypatch.setattr(models, "uncompile_blocks", lambda model: setattr(self, "on", False))
+        monkeypatch.setattr(compiler, "compile_blocks", self.compile)
+        monkeypatch.setattr(compiler, "uncompile_blocks", lambda model: setattr(self, "on", False))
         monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
         monkeypatch.setattr(torch.compiler, "set_stance", self.stance)
 

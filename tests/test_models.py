@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from tunebench import models
+from tunebench.tune import compiler
 from tunebench.errors import TunebenchError
 
 
@@ -189,7 +190,7 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
 
     eager = [loss_and_grads(w) for w in (12, 17)]
     names = sorted(n for n, _ in peft.named_parameters())
-    assert models.compile_blocks(peft) == 2  # tiny's two decoder layers
+    assert compiler.compile_blocks(peft) == 2  # tiny's two decoder layers
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -204,7 +205,7 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
         torch.testing.assert_close(l_c, l_e, rtol=1e-4, atol=1e-5)
         for k in g_e:
             torch.testing.assert_close(g_c[k], g_e[k], rtol=1e-3, atol=1e-5, msg=k)
-    models.uncompile_blocks(peft)
+    compiler.uncompile_blocks(peft)
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in peft.modules())
 
 

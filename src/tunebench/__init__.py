@@ -17,5 +17,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tunebench' has no attribute {name!r}")
 
 # Whether the user chose torch's compiler cache: read now, because torch writes its /tmp default
-# into the environment the first time it looks (`models.compile_blocks` moves it next to ours).
+# into the environment the first time it looks (`compiler.compile_blocks` moves it next to ours).
 USER_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" in os.environ

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from tunebench.errors import TunebenchError
+from tunebench.runplan import BatchAsk
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
@@ -110,17 +112,18 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def grad_accum_steps(self) -> int:
-        """Accumulation steps, derived from the effective batch unless set explicitly."""
+    def batch_ask(self) -> BatchAsk:
+        """What the batch options ask for (runplan holds the rule): an explicit --grad-accum with a micro
+        batch sets the effective batch, unless --effective-batch-size is given too."""
         t = self.train
-        if t.grad_accum_steps is not None:
-            return t.grad_accum_steps
-        return max(1, t.effective_batch_size // t.micro_batch_size)
+        explicit_effective = t.grad_accum_steps is None or t.effective_batch_size != TrainConfig.effective_batch_size
+        return BatchAsk(t.effective_batch_size if explicit_effective else None,
+                        None if t.autotune_batch else t.micro_batch_size, t.grad_accum_steps)
 
     @property
     def effective_batch_size(self) -> int:
-        return self.train.micro_batch_size * self.grad_accum_steps
+        """Rows per optimizer step in one process."""
+        return self.batch_ask().effective_for(1)
 
 
 _SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, "train": TrainConfig}
@@ -155,10 +158,17 @@ def nearest_key(key: str, keys: list[str], synonyms: dict[str, str], help_comman
     return f"; did you mean '{hit[0]}'?" if hit else f"; run `{help_command}` for the valid keys"
 
 
+ON_OFF = ("auto", "on", "off")
+
+
 def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
-    """Turn a YAML/CLI value into the declared type of field `key` (section.name) of `cls`, or raise naming the key."""
+    """Turn a YAML/CLI value into the declared type of field `key` (section.name) of `cls`, or raise naming the key.
+
+    Strict on purpose: a value that only looks right (a list for a number, `true` for a step count,
+    an infinite learning rate) is refused here, at load, with the fix, never carried into a run."""
     section, name = key.split(".")
-    hint = typing.get_type_hints(cls or _SECTION_TYPES[section])[name]
+    cls = cls or _SECTION_TYPES[section]
+    hint = typing.get_type_hints(cls)[name]
     args = typing.get_args(hint)
     optional = type(None) in args or (isinstance(hint, types.UnionType) and type(None) in args)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
@@ -166,6 +176,9 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
         if optional:
             return None
         raise TunebenchError(f"config key '{key}' cannot be empty; give it a {base.__name__} value")
+    if isinstance(value, (list, tuple, dict, set)):
+        raise TunebenchError(f"config key '{key}' takes one {base.__name__} value, got a "
+                             f"{type(value).__name__} ({_short(value)}); give a single value")
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -175,19 +188,49 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
             if str(value).lower() in {"false", "0", "no", "off"}:
                 return False
             raise ValueError
+        if isinstance(value, bool):  # YAML reads on/off/yes/no/true/false as booleans
+            default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+            if base is str and default in ON_OFF:
+                return "on" if value else "off"
+            raise TunebenchError(f"config key '{key}' got the boolean {value!r}, which is not a {base.__name__}"
+                                 + ("; quote it ('yes', 'on') if you meant the text" if base is str
+                                    else "; give a number"))
         if base is int:
-            if isinstance(value, float) and not value.is_integer():
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
                 raise ValueError
-            return int(float(value)) if isinstance(value, str) else int(value)
+            if abs(number) > 2**62:
+                raise OverflowError
+            return int(number)
         if base is float:
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise TunebenchError(f"config key '{key}' got {value!r}; it must be a finite number")
+            return number
         if base is str:
-            return str(value)
-    except (TypeError, ValueError):
+            return value if isinstance(value, str) else str(value)
+    except (TypeError, ValueError, OverflowError):
         pass
     else:
         return value
-    raise TunebenchError(f"config key '{key}' got {value!r}, which is not a {base.__name__}; fix the value")
+    raise TunebenchError(f"config key '{key}' got {_short(value)}, which is not a {base.__name__}; fix the value")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_types(cfg: Any, sections: dict[str, type]) -> None:
+    """Each field of a config built in Python (the API) holds its declared type and a finite number:
+    what `_coerce` guarantees for YAML and the command line."""
+    for section in sections:
+        part = getattr(cfg, section)
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if _coerce(f"{section}.{f.name}", value, type(part)) != value:
+                raise TunebenchError(f"config key '{section}.{f.name}' holds {_short(value)}; give a "
+                                     f"{type(_coerce(f'{section}.{f.name}', value, type(part))).__name__}")
 
 
 def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
@@ -204,12 +247,29 @@ def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
     tree[parts[0]][parts[1]] = _coerce(key, value)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader without aliases to lists or mappings: five nested ones grow a few lines into
+    megabytes (a "billion laughs" file); an alias to a plain value stays allowed."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            if isinstance(self.anchors.get(event.anchor), (yaml.MappingNode, yaml.SequenceNode)):
+                raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor} repeats a list or mapping, "
+                                                  "which tunebench does not expand", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def load_yaml_text(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise TunebenchError(f"config file '{p}' not found; check the path")
     try:
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        loaded = load_yaml_text(p.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TunebenchError(f"config file '{p}' is not valid YAML ({first}); fix the syntax") from e
@@ -237,7 +297,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise TunebenchError(f"override '{text}' must look like section.key=value, e.g. train.lr=1e-4")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), load_yaml_text(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise TunebenchError(f"override '{text}' has a value that is not valid YAML; quote it") from e
 
 
 PROFILES_DIR = Path(__file__).parent / "configs" / "profiles"
@@ -305,6 +368,7 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
+    check_types(cfg, _SECTION_TYPES)
     d, a, t = cfg.data, cfg.adapter, cfg.train
     _choice("data.format", d.format, ("auto", "instruction", "alpaca", "chat", "text"))
     _choice("data.train_on", d.train_on, ("response", "all"))
@@ -344,6 +408,15 @@ def validate(cfg: RunConfig) -> None:
         raise TunebenchError(f"train.epochs must be positive, got {t.epochs}; pass --epochs 1 or more")
     if t.lr <= 0:
         raise TunebenchError(f"train.lr must be positive, got {t.lr}; pass e.g. --lr 2e-4")
+    if not 0 <= t.warmup_ratio <= 1:
+        raise TunebenchError(f"train.warmup_ratio must be in [0, 1], got {t.warmup_ratio}; pass e.g. --warmup-ratio 0.03")
+    if t.weight_decay < 0:
+        raise TunebenchError(f"train.weight_decay must be 0 or more, got {t.weight_decay}")
+    if t.max_grad_norm <= 0:
+        raise TunebenchError(f"train.max_grad_norm must be positive, got {t.max_grad_norm}; pass e.g. 1.0")
+    if t.lr_reference_batch <= 0:
+        raise TunebenchError(f"train.lr_reference_batch must be 1 or more, got {t.lr_reference_batch}")
+    check_threads(t.threads, "--threads")
     if not 0 <= a.lora_dropout < 1:
         raise TunebenchError(f"adapter.lora_dropout must be in [0, 1), got {a.lora_dropout}")
     if not 0 <= d.eval_fraction < 1:
@@ -362,17 +435,19 @@ def validate(cfg: RunConfig) -> None:
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
-    if t.grad_accum_steps is not None and t.effective_batch_size != TrainConfig.effective_batch_size:
-        if t.micro_batch_size * t.grad_accum_steps != t.effective_batch_size:
-            raise TunebenchError(
-                f"--batch-size {t.micro_batch_size} x --grad-accum {t.grad_accum_steps} != "
-                f"--effective-batch-size {t.effective_batch_size}; set only two of the three"
-            )
-    elif t.grad_accum_steps is None and t.effective_batch_size % t.micro_batch_size:
-        raise TunebenchError(
-            f"--effective-batch-size {t.effective_batch_size} is not a multiple of --batch-size "
-            f"{t.micro_batch_size}; pick a micro batch that divides it or set --grad-accum"
-        )
+    cfg.batch_ask().check(1)
+
+
+def check_threads(threads: int | None, flag: str) -> None:
+    """More threads than the CPUs this process may use only makes them take turns: refused."""
+    import os
+
+    if threads is None or not hasattr(os, "sched_getaffinity"):
+        return
+    allowed = len(os.sched_getaffinity(0))
+    if threads > allowed:
+        raise TunebenchError(f"{flag} {threads} is more than the {allowed} CPUs this process may use; pass "
+                             f"{flag} {allowed} or less (or leave it unset to use the physical cores)")
 
 
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:

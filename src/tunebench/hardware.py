@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
 
 from tunebench.errors import TunebenchError
 
@@ -95,10 +96,11 @@ class Hardware:
         return d
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """One row of a run's settings table: every decision, measured or planned, is one of these."""
+
     setting: str
-    value: object
+    value: Any
     reason: str
 
 
@@ -116,7 +118,7 @@ class Plan:
         return next(d for d in self.decisions if d.setting == setting)
 
     def to_dict(self) -> dict:
-        return {"decisions": [asdict(d) for d in self.decisions]}
+        return {"decisions": [d._asdict() for d in self.decisions]}
 
 
 def parse_cpuinfo(text: str) -> tuple[str | None, frozenset[str]]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tunebench.errors import TunebenchError
+from tunebench.hardware import Decision
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -442,7 +443,7 @@ def apply_liger(model, requested: str, device_type: str) -> tuple[str, Any, str]
     tunebench runs the head and loss as one chunked function already (`kernels.linear_cross_entropy_sum`).
     """
     if requested == "off":
-        return ("liger", False, "off, as asked")
+        return Decision("liger", False, "off, as asked")
     why_not = None
     model_type = getattr(model.config, "model_type", None)
     if device_type != "cuda":
@@ -458,44 +459,11 @@ def apply_liger(model, requested: str, device_type: str) -> tuple[str, Any, str]
     if why_not:
         if requested == "on":
             raise TunebenchError(f"--liger on cannot be honoured: {why_not}; use --liger auto or off")
-        return ("liger", False, why_not)
+        return Decision("liger", False, why_not)
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
-    return ("liger", True, f"Liger RMSNorm, RoPE and SwiGLU kernels for {model_type}"
+    return Decision("liger", True, f"Liger RMSNorm, RoPE and SwiGLU kernels for {model_type}"
                            + (" (asked for)" if requested == "on" else ""))
-
-
-def compile_blocks(model) -> int:
-    """Compile each repeated block (the decoder layers) in place; return how many.
-
-    Regional compilation: every layer runs one compiled graph, so the warm-up is that of one layer
-    (seconds, or about 30 s on 2 CPU cores the first time) rather than minutes for the whole
-    model, and parameter names, hence checkpoints, are unchanged. Shapes are dynamic, so
-    length-grouped batches of any width reuse the graph.
-    """
-    import tunebench
-
-    # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
-    # run's warm-up is the short, cached one that pick_compile has on record.
-    if not tunebench.USER_INDUCTOR_CACHE:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
-    return _compile_repeated(model)
-
-
-def _compile_repeated(model) -> int:
-    from accelerate.utils.other import is_repeated_blocks
-
-    if is_repeated_blocks(model):
-        for block in model:
-            block.compile(dynamic=True)
-        return len(model)
-    return sum(_compile_repeated(child) for child in model.children())
-
-
-def uncompile_blocks(model) -> None:
-    for m in model.modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
-            m._compiled_call_impl = None  # what nn.Module.compile set; the module runs eagerly again
 
 
 def compute_adapters_in(model) -> None:
@@ -562,6 +530,40 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
 
 
 LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")  # families with a learned position table (not rotary, ALiBi)
+
+
+def check_length(spec: str, max_length: int, allow_download: bool = False) -> None:
+    """Refuse --max-length beyond the positions a model was trained for, from its config alone (before
+    any weights load): a learned position table has no row past it, and rotary positions past it were
+    never seen in training (quality falls apart without a RoPE-scaling fine-tune of its own)."""
+    limit, kind = _positions(spec, allow_download)
+    if limit is not None and max_length > limit:
+        raise TunebenchError(f"--max-length {max_length} exceeds the {limit} positions this model learned "
+                             f"({kind}); pass --max-length {limit} or less")
+
+
+def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
+    if spec == "tiny":
+        return _tiny()[0].config.max_position_embeddings, "rotary positions"
+    if spec == "gpt2-124m":
+        return 1024, "learned positions"
+    try:
+        if spec == SMOLLM2 or spec.endswith(".gguf"):
+            from gguf import GGUFReader
+
+            reader = GGUFReader(str(_smollm2_gguf() if spec == SMOLLM2 else spec))
+            arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+            field_ = reader.fields.get(f"{arch}.context_length")
+            return (int(field_.parts[-1][0]) if field_ else None), "the GGUF's context length"
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(spec, local_files_only=not allow_download)
+    except (OSError, ValueError, KeyError):
+        return None, ""  # the load says what is wrong
+    if getattr(config, "model_type", "") in LEARNED_POSITIONS:
+        return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None), \
+            "learned positions"
+    return getattr(config, "max_position_embeddings", None), "rotary positions"
 
 
 def position_limit(model) -> int | None:

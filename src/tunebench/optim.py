@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tunebench.hardware import Decision
+
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: the last fifth of the steps decays (MiniCPM's recipe uses 10-20%)
 
 
@@ -17,9 +19,9 @@ def fused_adamw(device: torch.device) -> bool:
 def optimizer_row(device: torch.device, weight_decay: float) -> tuple[str, Any, str]:
     decay = f"; weight decay {weight_decay:g} on matrices only (not norms, biases)" if weight_decay else ""
     if fused_adamw(device):
-        return ("optimizer", "AdamW, fused", "one kernel for all parameters; on a CPU 5x faster than foreach "
+        return Decision("optimizer", "AdamW, fused", "one kernel for all parameters; on a CPU 5x faster than foreach "
                                              "(80 vs 407 ms a step for 135M fp32 weights)" + decay)
-    return ("optimizer", "AdamW, foreach", f"tunebench uses torch's fused AdamW on CUDA and CPU, not {device.type}"
+    return Decision("optimizer", "AdamW, foreach", f"tunebench uses torch's fused AdamW on CUDA and CPU, not {device.type}"
             + decay)
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-from tunebench.config import SCHEDULES, _coerce, nearest_key, parse_override, read_yaml
+from tunebench.config import SCHEDULES, _coerce, check_threads, check_types, nearest_key, parse_override, read_yaml
 from tunebench.errors import TunebenchError
+from tunebench.runplan import BatchAsk
 
 ACTIVATIONS = ("gelu", "relu", "swish", "swiglu")
 
@@ -135,16 +136,17 @@ class PretrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def grad_accum_steps(self) -> int:
+    def batch_ask(self) -> BatchAsk:
+        """What the batch keys ask for (runplan holds the rule): the effective batch is
+        training.effective_batch_size, else batch_size x gradient_accumulation_steps, at any world size."""
         t = self.training
-        if t.effective_batch_size is not None:
-            return max(1, t.effective_batch_size // t.batch_size)
-        return t.gradient_accumulation_steps
+        effective = t.effective_batch_size or t.batch_size * t.gradient_accumulation_steps
+        return BatchAsk(effective, None if t.autotune_batch else t.batch_size, None,
+                        ("training.effective_batch_size", "training.batch_size", "training.gradient_accumulation_steps"))
 
     @property
     def effective_batch_size(self) -> int:
-        return self.training.batch_size * self.grad_accum_steps
+        return self.batch_ask().effective_for(1)
 
     @property
     def data_files(self) -> list[str]:
@@ -229,6 +231,7 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 
 
 def validate(cfg: PretrainConfig) -> None:
+    check_types(cfg, SECTIONS)
     m, t, d = cfg.model, cfg.training, cfg.data
     positive = {"model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
                 "model.n_layers": m.n_layers, "model.d_ff": m.d_ff, "model.max_seq_len": m.max_seq_len,
@@ -291,9 +294,14 @@ def validate(cfg: PretrainConfig) -> None:
     if t.autotune_batch and t.effective_batch_size is None:
         raise TunebenchError("training.batch_size auto needs training.effective_batch_size (the micro batches "
                              "measured are those that divide it)")
-    if t.effective_batch_size is not None and t.effective_batch_size % t.batch_size and not t.autotune_batch:
-        raise TunebenchError(f"training.effective_batch_size {t.effective_batch_size} is not a multiple of "
-                             f"training.batch_size {t.batch_size}")
+    cfg.batch_ask().check(1)
+    if not 0 <= t.warmup_ratio <= 1:
+        raise TunebenchError(f"training.warmup_ratio must be in [0, 1], got {t.warmup_ratio}")
+    if t.warmup_steps < 0 or t.weight_decay < 0 or t.dataloader_num_workers < 0:
+        raise TunebenchError("training.warmup_steps, weight_decay and dataloader_num_workers must be 0 or more")
+    if t.max_grad_norm <= 0 or m.init_std <= 0 or m.layer_norm_eps <= 0:
+        raise TunebenchError("training.max_grad_norm, model.init_std and model.layer_norm_eps must be positive")
+    check_threads(t.threads, "training.threads (--threads)")
 
 
 def dump_yaml(cfg: PretrainConfig, path: str | Path) -> None:

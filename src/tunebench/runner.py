@@ -6,9 +6,7 @@ A job builds its model, data and decisions, then hands them here; the loop itsel
 
 from __future__ import annotations
 
-import math
 import random
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -19,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import checkpoint, distributed, hardware, models
+from tunebench import checkpoint, distributed, hardware
+from tunebench.data import batching
 from tunebench.distributed import World
-from tunebench.errors import TunebenchError
 from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, train
-from tunebench.metrics import MetricsWriter, mfu, peak_memory_mb, reset_peak_memory
+from tunebench.metrics import MetricsWriter, peak_memory_mb, reset_peak_memory
 from tunebench.monitor import Monitor, other_load
 
 Row = tuple[str, Any, str]
@@ -35,94 +33,33 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def print_plan(rows: list[Row]) -> None:
-    width = max(len(r[0]) for r in rows)
-    value_width = min(22, max(len(str(r[1])) for r in rows))
-    print("settings:")
-    for setting, value, reason in rows:
-        print(f"  {setting:<{width}}  {value!s:<{value_width}}  {reason}")
-
-
-def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
-    """Check the output directory is writable, and never silently replace an earlier run in it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
-    earlier = [p for p in (path / "checkpoints", path / "metrics.jsonl", path / "summary.json") if p.exists()]
-    if not earlier or resume:
-        return
-    if not overwrite:
-        raise TunebenchError(
-            f"--output-dir '{path}' already holds a run ({earlier[0].name}); continue it with --resume auto, "
-            "replace it with --overwrite, or pick another --output-dir"
-        )
-    for p in earlier:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-
-def open_run(world: World, out: Path, resume: str | None, overwrite: bool, identity: dict[str, Any]) -> Path | None:
-    """prepare_output_dir and resume_point, on rank 0 only (the others must not delete or create the same
-    files); every rank gets the checkpoint to resume from, or the same refusal."""
-    def check() -> Path | None:
-        prepare_output_dir(out, resume, overwrite)
-        return resume_point(resume, out, identity)
-
-    return distributed.agree(world, check)
-
-
-def resume_point(resume: str | None, out: Path, identity: dict[str, Any]) -> Path | None:
-    """The checkpoint to continue from, checked before anything expensive: a path that is not a checkpoint,
-    or one made with other settings (`identity`: those known before the model loads), is refused here."""
-    if not resume:
-        return None
-    found = checkpoint.find(resume, out / "checkpoints")
-    if found is None:
-        print(f"resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
-        return None
-    checkpoint.check_identity(found, identity)
-    return found
-
-
-def micro_batches(order: Callable[[int], list[list[int]]], collate: Callable[[list[int]], Batch], world: World,
-                  micro_batch_size: int) -> Callable[[LoopState], Batch]:
-    """The loop's `next_micro_batch`. `order(epoch)` lists the epoch's global micro-steps (micro batch x
-    world size rows each, a pure function of seed and epoch); this rank collates its share. A short last
-    step can leave a rank no rows: it gets a filler row with no loss and no real tokens, because every
-    rank must run the same number of forward/backward passes for the gradient sync."""
+def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[list[int]], Batch], world: World,
+                  micro_batch_size: int, grad_accum_steps: int) -> Callable[[LoopState], Batch]:
+    """The loop's `next_micro_batch`. `steps(epoch)` lists the epoch's optimizer steps (a pure function
+    of seed, epoch and effective batch: batching.epoch_steps); each is cut into `grad_accum_steps`
+    global micro-steps of micro batch x world size rows, and this rank collates its share. The data
+    position (epoch, batch_in_epoch) counts global micro-steps. A short last step can leave a rank no
+    rows: it gets a filler row with no loss and no real tokens, because every rank must run the same
+    number of forward/backward passes for the gradient sync (one process skips it)."""
     epochs: dict[int, list[list[int]]] = {}
 
     def next_micro_batch(s: LoopState) -> Batch:
-        steps = epochs.setdefault(s.epoch, order(s.epoch))
-        if s.batch_in_epoch >= len(steps):
+        order = epochs.setdefault(s.epoch, steps(s.epoch))
+        if s.batch_in_epoch >= len(order) * grad_accum_steps:
+            epochs.pop(s.epoch, None)
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
             return next_micro_batch(s)
-        rows = steps[s.batch_in_epoch]
+        k, j = divmod(s.batch_in_epoch, grad_accum_steps)
+        rows = batching.micro_steps(order[k], micro_batch_size * world.size, grad_accum_steps)[j]
         s.batch_in_epoch += 1
         mine = distributed.shard(rows, world, micro_batch_size)
         if mine:
             return collate(mine)
-        filler = collate(rows[:1])
+        filler = collate(order[k][:1])
         return {**filler, "labels": torch.full_like(filler["labels"], -100),
                 "attention_mask": torch.zeros_like(filler["attention_mask"])}
 
     return next_micro_batch
-
-
-def total_steps(rows: int, micro_batch_size: int, grad_accum_steps: int, world: World, epochs: float,
-                max_steps: int | None, max_tokens: int | None = None, tokens_per_row: float = 1.0) -> int:
-    """Optimizer steps of a run: `max_steps`; else the steps whose rows hold about `max_tokens` real tokens
-    (`tokens_per_row` on average), so runs with different batch sizes see the same data; else `epochs`
-    over `rows`, counted in global micro-steps (micro batch x world size rows each)."""
-    if max_steps:
-        return max_steps
-    if max_tokens:
-        return max(1, round(max_tokens / (micro_batch_size * grad_accum_steps * world.size * tokens_per_row)))
-    micro_steps = math.ceil(rows / (micro_batch_size * world.size))
-    return max(1, math.ceil(epochs * micro_steps / grad_accum_steps))
 
 
 def every(steps: float | None, total: int) -> int | None:
@@ -137,31 +74,6 @@ def compile_decision(plan: hardware.Plan, parallel: str) -> hardware.Decision:
     if parallel == "fsdp":
         return hardware.Decision("compile", False, "not combined with FSDP sharding here")
     return plan.decision("compile")
-
-
-def resumed_batch(resume: Path | None, world: World, micro_asked: int | None,
-                  accum_asked: int | None) -> tuple[int, int] | None:
-    """(micro batch per rank, accumulation) that continue checkpoint `resume` under this world size: its
-    rows per micro-step shared out over the ranks, so every optimizer step sees the same rows it would
-    have. None when not resuming. A micro batch or accumulation asked for (None: auto) that differs
-    is refused, not replaced."""
-    if resume is None:
-        return None
-    made = checkpoint.check_identity(resume, {})["identity"]
-    rows = made.get("rows_per_micro_step", made.get("micro_batch_size"))  # the latter: a single-process run's
-    accum = made.get("grad_accum_steps")
-    if not isinstance(rows, int) or not isinstance(accum, int):
-        raise TunebenchError(f"checkpoint {resume} does not record its batch layout; resume from another "
-                             "checkpoint or start a new --output-dir")
-    if rows % world.size:
-        raise TunebenchError(f"checkpoint {resume} took {rows} rows per micro-step, which {world.size} ranks cannot "
-                             f"share evenly; resume with a number of processes that divides {rows}")
-    micro = rows // world.size
-    if (micro_asked not in (None, micro)) or (accum_asked not in (None, accum)):
-        raise TunebenchError(f"checkpoint {resume} continues at micro batch {micro} x accumulation {accum} on "
-                             f"{world.size} rank(s) ({rows} rows per micro-step); pass --batch-size {micro} (or "
-                             "auto) and drop --grad-accum, or start a new --output-dir")
-    return micro, accum
 
 
 def apply_plan(plan: hardware.Plan) -> None:
@@ -330,49 +242,3 @@ def say(world: World, message: str) -> None:
     """Print on rank 0 only: one console, not one copy per rank."""
     if world.main:
         print(message)
-
-
-def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: hardware.Hardware,
-            world: World = World()) -> dict[str, Any]:
-    """The summary figures every job reports: throughput over the measured steps (warm-up excluded),
-    real tokens of all ranks, MFU against the peak of all the devices the ranks use, memory, losses."""
-    s = outcome.state
-    measured = s.measured_time_s or s.train_time_s
-    tokens_per_s = (s.measured_tokens or s.tokens) / measured if measured else None
-    # One GPU per rank; on CPUs, the ranks of a machine share its cores: its peak at all their threads.
-    threads = plan.threads if plan.device == "cuda" else plan.threads * world.local_size
-    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, threads,
-                                             models.cache_dir() / "peak_flops.json")
-    if peak is not None:
-        peak *= world.size if plan.device == "cuda" else world.nodes
-    return {
-        "device": plan.device, "precision": plan.precision, "world_size": world.size,
-        "steps": s.step, "samples": s.samples, "tokens": s.tokens,
-        "duration_s": round(outcome.wall_s, 3), "train_time_s": round(s.train_time_s, 3),
-        "samples_per_s": s.samples / s.train_time_s if s.train_time_s else None,
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token": flops_per_token, "peak_tflops": peak, "peak_tflops_source": peak_source,
-        "mfu": mfu(flops_per_token, tokens_per_s, peak),
-        "data_wait_fraction": round(s.data_time_s / s.train_time_s, 4) if s.train_time_s else 0.0,
-        "peak_memory_mb": round(outcome.peak_memory_mb, 1),
-        "peak_memory_mb_total": round(outcome.peak_memory_mb_total, 1),
-        **outcome.monitor,
-        "train_loss": float(np.mean(s.losses)) if s.losses else None,
-        "final_train_loss": s.losses[-1] if s.losses else None,
-        "eval_loss_before": outcome.before["eval_loss"] if outcome.before else None,
-        "eval_loss": outcome.after.get("eval_loss"), "perplexity": outcome.after.get("perplexity"),
-    }
-
-
-def report(summary: dict[str, Any], out: Path) -> None:
-    """The closing lines of a run."""
-    if summary["eval_loss"] is not None:
-        print(f"eval after training: loss {summary['eval_loss']:.4f}, perplexity {summary['perplexity']:.2f}")
-    if summary["data_wait_fraction"] > 0.1:
-        print(f"warning: input-bound: {100 * summary['data_wait_fraction']:.0f}% of step time went to producing "
-              "batches; lower --max-length padding waste or move tokenization off the hot path (see tunebench "
-              "bench-data)")
-    mfu_text = f"MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None \
-        else f"MFU n/a ({summary['peak_tflops_source']})"
-    print(f"{summary['steps']} steps in {summary['duration_s']:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real "
-          f"tokens/s, {mfu_text}; saved to {out}")

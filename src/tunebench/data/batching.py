@@ -10,30 +10,47 @@ from tunebench.data.tokenize import Tokenized
 IGNORE = -100
 
 
-GROUP_SPAN = 32  # micro-batches per length-sorted group
+GROUP_SPAN = 32  # optimizer steps per length-sorted group
 
 
-def epoch_order(indices: np.ndarray, micro_batch_size: int, seed: int, epoch: int, shuffle: bool = True,
-                lengths: np.ndarray | None = None):
-    """The micro-batches (lists of example indices) of one epoch; the same (seed, epoch) gives the same order.
+def epoch_steps(indices: np.ndarray, effective_batch_size: int, seed: int, epoch: int, shuffle: bool = True,
+                lengths: np.ndarray | None = None) -> list[list[int]]:
+    """The optimizer steps of one epoch (lists of example indices, `effective_batch_size` rows each, the
+    last one maybe shorter): a pure function of (seed, epoch, effective batch), so the micro batch,
+    accumulation and world size (speed decisions) only split a step's rows and never change them.
 
-    With `lengths`, batches are length-grouped: the shuffled rows are cut into spans of GROUP_SPAN
-    micro-batches, each span is sorted by length before it is cut into batches, and the batches are
-    shuffled, so rows of a batch have similar lengths (little padding) while the order stays random.
-    The order depends on nothing but its arguments, so a resumed run can skip to any batch.
+    With `lengths`, steps are length-grouped: the shuffled rows are cut into spans of GROUP_SPAN
+    steps, each span is sorted by length before it is cut into steps, and the steps are shuffled;
+    every step's rows stay sorted longest first, so its micro-batches pad little.
     """
     idx = np.asarray(indices)
     rng = np.random.default_rng([seed, epoch])
     if shuffle:
         idx = idx[rng.permutation(len(idx))]
     if lengths is not None:
-        span = GROUP_SPAN * micro_batch_size
+        span = GROUP_SPAN * effective_batch_size
         idx = np.concatenate([sorted(idx[i : i + span], key=lambda k: -lengths[k]) for i in range(0, len(idx), span)]) \
             if len(idx) else idx
-    batches = [idx[i : i + micro_batch_size].tolist() for i in range(0, len(idx), micro_batch_size)]
+    steps = [idx[i : i + effective_batch_size].tolist() for i in range(0, len(idx), effective_batch_size)]
     if lengths is not None and shuffle:
-        batches = [batches[k] for k in rng.permutation(len(batches))]
-    return batches
+        steps = [steps[k] for k in rng.permutation(len(steps))]
+    return steps
+
+
+def micro_steps(step: list[int], rows_per_micro_step: int, grad_accum_steps: int) -> list[list[int]]:
+    """One optimizer step's rows cut into its `grad_accum_steps` global micro-steps (micro batch x world
+    size rows each, in order); a short last step of an epoch leaves the later ones empty."""
+    return [step[k * rows_per_micro_step : (k + 1) * rows_per_micro_step] for k in range(grad_accum_steps)]
+
+
+def epoch_order(indices: np.ndarray, micro_batch_size: int, seed: int, epoch: int, shuffle: bool = True,
+                lengths: np.ndarray | None = None, effective_batch_size: int | None = None) -> list[list[int]]:
+    """The micro-batches of one epoch in order: its steps (see epoch_steps; by default one micro batch
+    each) cut into micro-batches, empty ones left out (the batch-layout and data benchmarks count these)."""
+    effective = effective_batch_size or micro_batch_size
+    accum = -(-effective // micro_batch_size)
+    return [m for step in epoch_steps(indices, effective, seed, epoch, shuffle, lengths)
+            for m in micro_steps(step, micro_batch_size, accum) if m]
 
 
 def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.Tensor]:

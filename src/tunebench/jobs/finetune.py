@@ -10,15 +10,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import distributed, hardware, models, optim, runner, tune
-from tunebench.config import RunConfig, dump_yaml, replace
+from tunebench import distributed, hardware, models, optim, rundir, runner, runplan, tune
+from tunebench import summary as summary_
+from tunebench.config import RunConfig, dump_yaml
+from tunebench.hardware import Decision
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
 from tunebench.loop import DTYPES, LoopSettings, evaluate
 from tunebench.metrics import training_flops_per_token
-from tunebench.tune import attention, batch, compiler, layout
+from tunebench.tune import compiler, layout
 from tunebench.tune.probe import enable_checkpointing, memory_free_mb, probe_step
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
@@ -73,25 +75,26 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     out = Path(t.output_dir)
 
     # -- every input checked before anything expensive: data, model, output directory, checkpoint
-    if t.autotune_batch and t.grad_accum_steps is not None:
-        raise TunebenchError("--batch-size auto derives --grad-accum from --effective-batch-size; drop --grad-accum")
     examples = formats.load_examples(cfg.data)
     if examples.empty_rows:
         print(f"data: {examples.describe_dropped()}")
     check_rows(len(examples.messages), cfg, len(examples.empty_rows), "empty")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
+    models.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
 
     # -- hardware plan, and the process group when torchrun started several ranks
     hw = hardware.detect()
-    plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
-    world = distributed.init(plan.device, t.backend)
-    device = distributed.device_for(world, plan.device)
+    hw_plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
+    world = distributed.init(hw_plan.device, t.backend)
+    device = distributed.device_for(world, hw_plan.device)
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
-    resume_from = runner.open_run(world, out, t.resume, t.overwrite, identity)
-    effective, accum_asked = batch_plan(cfg, world)
-    resumed = runner.resumed_batch(resume_from, world, None if t.autotune_batch else t.micro_batch_size,
-                                   t.grad_accum_steps)
-    runner.apply_plan(plan)
+    resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
+    ask = cfg.batch_ask()
+    effective = ask.check(world.size)
+    resumed = runplan.resumed_batch(resume_from, world.size, ask.micro, t.grad_accum_steps)
+    if resumed:
+        effective = resumed[0] * resumed[1] * world.size
+    runner.apply_plan(hw_plan)
     runner.seed_everything(t.seed)
 
     # -- model and data (each machine's first rank fills the caches, its others read them)
@@ -101,11 +104,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         data = load_tokenized(cfg.data, tok, models.cache_dir(), examples)
     check_rows(len(data), cfg, data.dropped, "left without a response by truncation at --max-length")
     train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
-    limit = models.position_limit(loaded.model)
-    if limit is not None and cfg.data.max_length > limit:
-        raise TunebenchError(f"--max-length {cfg.data.max_length} exceeds the {limit} positions this model learned; "
-                             f"pass --max-length {limit} or less")
-    model, autocast, method_rows = build_model(cfg, loaded, plan.precision, device)
+    model, autocast, method_rows = build_model(cfg, loaded, hw_plan.precision, device)
     model.config.use_cache = False
     trainable, total = models.count_parameters(model)
     if trainable == 0:
@@ -116,126 +115,97 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if t.gradient_checkpointing == "on":
         enable_checkpointing(model)
     lengths = data.lengths()
+    tokens_per_row = float(np.mean(lengths[train_idx]))
+    steps = runplan.total_steps(len(train_idx), effective, t.epochs, t.max_steps, t.max_tokens, tokens_per_row)
+    parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
+                                      memory_free_mb(device, world.local_size))
 
-    def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
-        rows: list[tuple[str, Any, str]] = []
-        if t.gradient_checkpointing == "on":
-            rows.append(("gradient_checkpointing", True, "asked for"))
+    def measure() -> runplan.Measured:
         longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
         step = probe_step(model, lambda size: batching.collate(data, longest[:size], tok.pad_token_id), device,
                           autocast)
-        shape = tune.Shape(cfg.model.name, cfg.adapter.method, cfg.adapter.quantization,
-                           cfg.adapter.num_virtual_tokens if cfg.adapter.method in models.PROMPT_METHODS else cfg.adapter.r,
-                           cfg.adapter.target_modules, cfg.data.max_length, tune.where(hw, plan, device),
-                           plan.precision, hw.versions.get("torch", ""), t.attention, t.liger,
-                           t.gradient_checkpointing)
-        rows_probed = min(t.micro_batch_size, len(train_idx))
-        # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
-        widest = cfg.data.max_length if cfg.data.packing != "off" else int(lengths[train_idx].max())
-        rows.append(attention.decide(model, t.attention, lambda: step(rows_probed)[0], shape, rows_probed, widest,
-                                     plan.precision, device))
-        micro, speed = t.micro_batch_size, None  # speed: tokens/s of the chosen micro batch, when probed
-        if resumed:
-            micro = resumed[0]
-            rows.append(("micro_batch_size", micro, f"the checkpoint's rows per micro-step over {world.size} rank(s)"))
-        elif t.autotune_batch:
-            micro, batch_rows, speed = batch.micro_batch(step, shape, effective // world.size, len(train_idx),
-                                                         cfg.data.max_length, device, world.local_size)
-            rows += batch_rows
-        else:
-            rows.append(("micro_batch_size", micro, "asked for"))
-        if t.gradient_checkpointing == "auto" and not any(r[0] == "gradient_checkpointing" for r in rows):
-            rows.append(("gradient_checkpointing", False, "the batch fits without recomputation"))
-        accum = accum_for(micro)
-        run_tokens = steps_for(micro, accum) * micro * accum * world.size * float(np.mean(lengths[train_idx]))
-        rows.append(compiler.pick(model, runner.compile_decision(plan, parallel.value),
-                                  cfg.adapter.method == "qlora", lambda: step(micro)[0], run_tokens, shape, micro,
-                                  speed))
-        return rows, micro, speed
+        a = cfg.adapter
+        shape = tune.Shape(cfg.model.name, a.method, a.quantization,
+                           a.num_virtual_tokens if a.method in models.PROMPT_METHODS else a.r, a.target_modules,
+                           cfg.data.max_length, tune.where(hw, hw_plan, device), hw_plan.precision,
+                           hw.versions.get("torch", ""), t.attention, t.liger, t.gradient_checkpointing)
+        return runplan.measure(
+            model, step, shape, world_size=world.size, device=device, precision=hw_plan.precision,
+            attention_asked=t.attention, attention_rows=min(ask.micro or t.micro_batch_size, len(train_idx)),
+            # Packed rows fill max_length, so a kernel must fit that, not just the longest example.
+            widest=cfg.data.max_length if cfg.data.packing != "off" else int(lengths[train_idx].max()),
+            effective=effective, resumed=resumed, micro_asked=ask.micro, asked_reason="asked for",
+            n_train=len(train_idx), max_length=cfg.data.max_length, checkpointing=t.gradient_checkpointing,
+            compile_asked=runner.compile_decision(hw_plan, parallel.value), quantized=a.method == "qlora",
+            run_tokens=lambda micro, accum: steps * effective * tokens_per_row, local_ranks=world.local_size)
 
-    def accum_for(micro: int) -> int:
-        return resumed[1] if resumed else accum_asked or effective // (micro * world.size)
-
-    def steps_for(micro: int, accum: int) -> int:
-        return runner.total_steps(len(train_idx), micro, accum, world, t.epochs, t.max_steps, t.max_tokens,
-                                  float(np.mean(lengths[train_idx])))
-
-    parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
-                                      memory_free_mb(device, world.local_size))
-    measured, micro, probed_speed = distributed.agree(world, measure)
+    measured = distributed.agree(world, measure)
     if not world.main:
-        tune.apply(model, measured)
-    accum = accum_for(micro)
-    effective = micro * accum * world.size
-    cfg = replace(cfg, **{"train.micro_batch_size": micro})
-    t = cfg.train
-    batch_layout, layout_reason = layout.decide(
-        "off" if cfg.adapter.method in models.PROMPT_METHODS else cfg.data.packing, lengths, train_idx,
-        micro * world.size, t.seed, cfg.data.max_length)
-    if cfg.adapter.method in models.PROMPT_METHODS and cfg.data.packing == "auto":
+        tune.apply(model, list(measured.decisions))
+    micro = measured.micro_batch_size
+    accum = resumed[1] if resumed else runplan.accumulation(effective, micro, world.size)
+    prompt_method = cfg.adapter.method in models.PROMPT_METHODS
+    batch_layout, layout_reason = layout.decide("off" if prompt_method else cfg.data.packing, lengths, train_idx,
+                                                micro * world.size, t.seed, cfg.data.max_length, effective)
+    if prompt_method and cfg.data.packing == "auto":
         layout_reason += f"; not packed: {cfg.adapter.method} tuning drops the position ids that separate packed rows"
     lr, lr_reason = scaled_lr(t.lr, effective, t.lr_scaling, t.lr_reference_batch)
-    total_steps = steps_for(micro, accum)
-    planned = [(d.setting, d.value, d.reason) for d in plan.decisions if d.setting != "compile"]
-    rows = planned + [("world", world.size, world.describe()), (parallel.setting, parallel.value, parallel.reason)] \
-        + method_rows + [r for r in measured if r[0] != "compile"] + [("batch layout", batch_layout, layout_reason)] \
-        + [r for r in measured if r[0] == "compile"] + [
-        optim.optimizer_row(device, t.weight_decay),
-        ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
-                                    + (f" x {world.size} ranks" if world.size > 1 else "")),
-        ("lr", f"{lr:g}", lr_reason),
-        ("total_steps", total_steps, "--max-steps" if t.max_steps else
-         f"--max-tokens {t.max_tokens:,} at {float(np.mean(lengths[train_idx])):.1f} real tokens a row" if t.max_tokens
-         else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows"),
-    ]
-    compiled = any(r[0] == "compile" and r[1] is True for r in measured)
+    plan = runplan.make(hw_plan, world, parallel, measured, effective, accum, steps, [
+        *[d for d in hw_plan.decisions if d.setting != "compile"], Decision("world", world.size, world.describe()),
+        parallel, *method_rows, *[d for d in measured.decisions if d.setting != "compile"],
+        Decision("batch layout", batch_layout, layout_reason), *[d for d in measured.decisions if d.setting == "compile"],
+        optim.optimizer_row(device, t.weight_decay), runplan.batch_row(effective, micro, accum, world.size),
+        Decision("lr", f"{lr:g}", lr_reason),
+        Decision("total_steps", steps, "--max-steps" if t.max_steps else
+                 f"--max-tokens {t.max_tokens:,} at {tokens_per_row:.1f} real tokens a row" if t.max_tokens
+                 else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows, {effective} a step")])
     if world.main:
         print(f"model: {loaded.source}")
         print(f"data: {cfg.data.path} ({data.fmt}), {len(train_idx)} train / {len(eval_idx)} eval rows"
               + (f"; {data.dropped} of {len(data) + data.dropped} rows dropped: no response left after truncation"
                  if data.dropped else ""))
         print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
-        runner.print_plan(rows)
+        summary_.print_plan(plan.decisions)
 
     # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
-    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, parallel.value)
+    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, plan.parallel)
     if world.backend is not None:
         torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
     optimizer = optim.adamw(model, lr, t.weight_decay, device)
-    scheduler = optim.scheduler(optimizer, t.schedule, int(t.warmup_ratio * total_steps), total_steps)
+    scheduler = optim.scheduler(optimizer, t.schedule, int(t.warmup_ratio * steps), steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
     identity |= {"rows_per_micro_step": micro * world.size, "grad_accum_steps": accum}
     if world.main:
-        dump_yaml(cfg, out / "config.yaml")
-        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
-            {"setting": s, "value": v, "reason": r} for s, v, r in rows], "trainable_parameters": trainable,
-            "total_parameters": total, "model_source": loaded.source})
+        dump_yaml(cfg, out / "config.yaml")  # the configuration as asked (auto stays auto); plan.json: what it became
+        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": plan.to_json(),
+                                       "trainable_parameters": trainable, "total_parameters": total,
+                                       "model_source": loaded.source})
 
-    # -- batches: each epoch's global micro-steps (micro x world rows), this rank's share of each
+    # -- batches: each epoch's optimizer steps (seed, epoch, effective batch), split into this rank's micro-batches
     group_lengths = lengths if batch_layout == "length-grouped" else None
     collate = (lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)) \
         if batch_layout == "packed" else (lambda rows_: batching.collate(data, rows_, tok.pad_token_id))
     next_micro_batch = runner.micro_batches(
-        lambda epoch: batching.epoch_order(train_idx, micro * world.size, t.seed, epoch, lengths=group_lengths),
-        collate, world, micro)
+        lambda epoch: batching.epoch_steps(train_idx, effective, t.seed, epoch, lengths=group_lengths),
+        collate, world, micro, accum)
     eval_batches = batching.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id)
 
     def run_eval() -> dict[str, float]:
-        with compiler.eagerly(compiled):
+        with compiler.eagerly(plan.compile):
             return evaluate(eval_objective, eval_batches, device, world, split_eval)
 
     # -- train
     settings = LoopSettings(
-        total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
-        autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=runner.every(t.eval_steps, total_steps),
-        save_steps=t.save_steps, progress=t.progress, pin_memory=bool(plan.value("pin_memory")), world=world,
+        total_steps=steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
+        autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=runner.every(t.eval_steps, steps),
+        save_steps=t.save_steps, progress=t.progress, pin_memory=bool(hw_plan.value("pin_memory")), world=world,
     )
     outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
                               run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
-                              t.report_to, t.monitor, probed_tokens_per_s=probed_speed)
+                              t.report_to, t.monitor, probed_tokens_per_s=plan.probed_tokens_per_s)
 
     # -- outputs (rank 0 writes; a sharded model is gathered first, by every rank)
-    weights = distributed.full_weights(model, world) if parallel.value == "fsdp" else None
+    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
     del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
     distributed.shutdown(world)
     if not world.main:
@@ -248,28 +218,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                                    cfg.adapter.method == "full")
     summary = {
         "model": cfg.model.name, "method": cfg.adapter.method, "quantization": cfg.adapter.quantization,
-        **runner.figures(outcome, fpt, plan, hw, world), "parallel": parallel.value,
+        **summary_.figures(outcome, fpt, hw_plan, hw, world), "parallel": plan.parallel,
         "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
         "effective_batch_size": effective, "max_length": cfg.data.max_length,
     }
     write_json(out / "summary.json", summary)
-    runner.report(summary, out)
+    summary_.report(summary, out)
     return summary
-
-
-def batch_plan(cfg: RunConfig, world: distributed.World) -> tuple[int, int | None]:
-    """(effective batch, accumulation asked for or None). The effective batch is micro batch x accumulation
-    x world size; --effective-batch-size is kept at any world size, an explicit --grad-accum is taken as asked."""
-    t = cfg.train
-    if t.grad_accum_steps is not None:
-        return t.micro_batch_size * t.grad_accum_steps * world.size, t.grad_accum_steps
-    per_rank, left = divmod(t.effective_batch_size, world.size)
-    if left or (not t.autotune_batch and per_rank % t.micro_batch_size):
-        raise TunebenchError(
-            f"--effective-batch-size {t.effective_batch_size} is not a multiple of {world.size} rank(s)"
-            + ("" if t.autotune_batch else f" x --batch-size {t.micro_batch_size}")
-            + "; pick an effective batch that they divide, or another number of processes")
-    return t.effective_batch_size, None
 
 
 def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:

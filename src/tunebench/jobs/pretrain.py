@@ -10,15 +10,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import arch, distributed, hardware, models, optim, runner, tune
+from tunebench import arch, distributed, hardware, models, optim, rundir, runner, runplan, tune
+from tunebench import summary as summary_
 from tunebench.data import batching, blocks, text
 from tunebench.errors import TunebenchError
+from tunebench.hardware import Decision
 from tunebench.jobs import tokenizer as tokenizer_job
 from tunebench.jsonfile import write_json
 from tunebench.loop import DTYPES, LoopSettings, evaluate
 from tunebench.metrics import training_flops_per_token
 from tunebench.pretrain_config import PretrainConfig, dump_yaml
-from tunebench.tune import attention, batch, compiler
+from tunebench.tune import compiler
 from tunebench.tune.probe import enable_checkpointing, memory_free_mb, probe_step
 
 def run(cfg: PretrainConfig) -> dict[str, Any]:
@@ -33,26 +35,25 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
 
     # -- hardware plan, and the process group when torchrun started several ranks
     hw = hardware.detect()
-    plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile, t.threads)
-    world = distributed.init(plan.device, t.backend)
-    device = distributed.device_for(world, plan.device)
+    hw_plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile, t.threads)
+    world = distributed.init(hw_plan.device, t.backend)
+    device = distributed.device_for(world, hw_plan.device)
     identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
-    resume_from = runner.open_run(world, out, t.resume, t.overwrite, identity)
-    resumed = runner.resumed_batch(resume_from, world, None if t.autotune_batch else t.batch_size, None)
-    effective = cfg.effective_batch_size if t.effective_batch_size is None else t.effective_batch_size
-    if effective % world.size or (not t.autotune_batch and (effective // world.size) % t.batch_size):
-        raise TunebenchError(f"the effective batch {effective} is not a multiple of {world.size} rank(s)"
-                             + ("" if t.autotune_batch else f" x training.batch_size {t.batch_size}")
-                             + "; set training.effective_batch_size to one that they divide")
-    runner.apply_plan(plan)
+    resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
+    ask = cfg.batch_ask()
+    effective = ask.check(world.size)
+    resumed = runplan.resumed_batch(resume_from, world.size, ask.micro, None)
+    if resumed:
+        effective = resumed[0] * resumed[1] * world.size
+    runner.apply_plan(hw_plan)
     runner.seed_everything(t.seed)
-    autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
+    autocast = None if hw_plan.precision == "fp32" else DTYPES[hw_plan.precision]
 
     # -- tokenizer and token blocks (tokenized once, cached, memory-mapped)
     with distributed.local_rank0_first(world):  # each machine's first rank fills the caches
         tok, tok_source = load_or_train_tokenizer(cfg)
         arch.check_vocab(m, tok)
-        threads = d.preprocessing_num_workers or plan.threads
+        threads = d.preprocessing_num_workers or hw_plan.threads
         tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir(), d.text_column, d.dataset_config, threads)
         valid = blocks.token_file([d.validation_file], tok, models.cache_dir(), d.text_column, None, threads) \
             if d.validation_file else None
@@ -70,131 +71,110 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     model = arch.build(m, tok, t.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     fast_drops = models.use_fast_dropout(model) if device.type == "cpu" else 0
-    pin = bool(plan.value("pin_memory")) and t.dataloader_pin_memory
-    rows: list[tuple[str, Any, str]] = [
-        (dd.setting, dd.value, dd.reason) if dd.setting != "pin_memory" or pin == dd.value
-        else ("pin_memory", False, "training.dataloader_pin_memory: false")
-        for dd in plan.decisions if dd.setting != "compile"]
-    rows.append(("architecture", type(model).__name__, "learned positions: GPT-2-style" if m.use_learned_pos_emb
-                 else "rotary positions, SwiGLU: Llama-style"))
-    rows.append(("weights", "fp32", "fp32 master weights" + (f"; {plan.precision} autocast for matmuls"
-                                                             if autocast else "")))
+    pin = bool(hw_plan.value("pin_memory")) and t.dataloader_pin_memory
+    rows = [dd if dd.setting != "pin_memory" or pin == dd.value
+            else Decision("pin_memory", False, "training.dataloader_pin_memory: false")
+            for dd in hw_plan.decisions if dd.setting != "compile"]
+    rows.append(Decision("architecture", type(model).__name__, "learned positions: GPT-2-style"
+                         if m.use_learned_pos_emb else "rotary positions, SwiGLU: Llama-style"))
+    rows.append(Decision("weights", "fp32", "fp32 master weights" + (f"; {hw_plan.precision} autocast for matmuls"
+                                                                     if autocast else "")))
     if fast_drops:
-        rows.append(("dropout", f"fast x{fast_drops}", "16-bit random draws: a quarter of torch's CPU dropout cost"))
+        rows.append(Decision("dropout", f"fast x{fast_drops}",
+                             "16-bit random draws: a quarter of torch's CPU dropout cost"))
     if m.gradient_checkpointing:
         enable_checkpointing(model)
-        rows.append(("gradient_checkpointing", True, "model.gradient_checkpointing"))
-    rows.append(("dataloader", "in-process", "a batch is a slice of the memory-mapped token file"
-                 + (f"; dataloader_num_workers {t.dataloader_num_workers} not needed" if t.dataloader_num_workers
-                    else "")))
+    rows.append(Decision("dataloader", "in-process", "a batch is a slice of the memory-mapped token file"
+                         + (f"; dataloader_num_workers {t.dataloader_num_workers} not needed"
+                            if t.dataloader_num_workers else "")))
 
     # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile.
     # Rank 0 measures; the other ranks take its answers (ranks never disagree, never race on the cache).
+    steps = runplan.total_steps(len(train), effective, t.num_epochs, t.max_steps, t.max_tokens, d.max_length)
     parallel = hardware.pick_parallel(t.parallel, "pretrain", n_params, world.size,
                                       memory_free_mb(device, world.local_size))
+    checkpointing = "on" if m.gradient_checkpointing else "off"
 
-    def accum_for(micro: int) -> int:
-        return resumed[1] if resumed else effective // (micro * world.size)
-
-    def steps_for(micro: int, accum: int) -> int:
-        return runner.total_steps(len(train), micro, accum, world, t.num_epochs, t.max_steps, t.max_tokens,
-                                  d.max_length)
-
-    def measure() -> tuple[list[tuple[str, Any, str]], int, float | None]:
+    def measure() -> runplan.Measured:
         shape = tune.Shape(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None, d.max_length,
-                           tune.where(hw, plan, device), plan.precision, hw.versions.get("torch", ""), t.attention,
-                           "off", "on" if m.gradient_checkpointing else "off")
+                           tune.where(hw, hw_plan, device), hw_plan.precision, hw.versions.get("torch", ""),
+                           t.attention, "off", checkpointing)
         step = probe_step(model, lambda size: train.collate(range(min(size, len(train)))), device, autocast)
-        rows_ = [attention.decide(model, t.attention, lambda: step(t.batch_size)[0], shape, t.batch_size,
-                                  d.max_length, plan.precision, device)]
-        micro, speed = t.batch_size, None
-        if resumed:
-            micro = resumed[0]
-            rows_.append(("micro_batch_size", micro, f"the checkpoint's rows per micro-step over {world.size} rank(s)"))
-        elif t.autotune_batch:
-            micro, batch_rows, speed = batch.micro_batch(step, shape, effective // world.size, len(train),
-                                                         d.max_length, device, world.local_size)
-            rows_ += batch_rows
-        else:
-            rows_.append(("micro_batch_size", micro, "training.batch_size"))
-        accum = accum_for(micro)
-        rows_.append(compiler.pick(model, runner.compile_decision(plan, parallel.value), False,
-                                   lambda: step(micro)[0],
-                                   steps_for(micro, accum) * micro * accum * world.size * d.max_length, shape,
-                                   micro, speed))
-        return rows_, micro, speed
+        return runplan.measure(
+            model, step, shape, world_size=world.size, device=device, precision=hw_plan.precision,
+            attention_asked=t.attention, attention_rows=t.batch_size, widest=d.max_length, effective=effective,
+            resumed=resumed, micro_asked=ask.micro, asked_reason="training.batch_size", n_train=len(train),
+            max_length=d.max_length, checkpointing=checkpointing,
+            compile_asked=runner.compile_decision(hw_plan, parallel.value), quantized=False,
+            run_tokens=lambda micro, accum: steps * effective * d.max_length, local_ranks=world.local_size)
 
-    measured, micro, probed_speed = distributed.agree(world, measure)
+    measured = distributed.agree(world, measure)
     if not world.main:
-        tune.apply(model, measured)
-    accum = accum_for(micro)
-    effective = micro * accum * world.size
-    total_steps = steps_for(micro, accum)
-    compiled = any(r[0] == "compile" and r[1] is True for r in measured)
-    warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
-    rows += [("world", world.size, world.describe()), (parallel.setting, parallel.value, parallel.reason),
-             *measured, optim.optimizer_row(device, t.weight_decay),
-             ("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
-              + (f" x {world.size} ranks" if world.size > 1 else "") + f" blocks of {d.max_length}"),
-             ("lr", f"{t.learning_rate:g}", f"{t.lr_scheduler} after {warmup} warm-up steps"),
-             ("total_steps", total_steps, "training.max_steps" if t.max_steps
-              else f"training.max_tokens {t.max_tokens:,} in blocks of {d.max_length}" if t.max_tokens
-              else f"{t.num_epochs:g} epoch(s) of {len(train)} blocks")]
+        tune.apply(model, list(measured.decisions))
+    micro = measured.micro_batch_size
+    accum = resumed[1] if resumed else runplan.accumulation(effective, micro, world.size)
+    warmup = t.warmup_steps or int(t.warmup_ratio * steps)
+    plan = runplan.make(hw_plan, world, parallel, measured, effective, accum, steps, [
+        *rows, Decision("world", world.size, world.describe()), parallel, *measured.decisions,
+        optim.optimizer_row(device, t.weight_decay),
+        runplan.batch_row(effective, micro, accum, world.size, f" blocks of {d.max_length}"),
+        Decision("lr", f"{t.learning_rate:g}", f"{t.lr_scheduler} after {warmup} warm-up steps"),
+        Decision("total_steps", steps, "training.max_steps" if t.max_steps
+                 else f"training.max_tokens {t.max_tokens:,} in blocks of {d.max_length}" if t.max_tokens
+                 else f"{t.num_epochs:g} epoch(s) of {len(train)} blocks")])
     if world.main:
         print(f"tokenizer: {tok_source} ({len(tok):,} tokens)")
         print(f"data: {', '.join(cfg.data_files)}: {len(tokens):,} tokens, {len(train):,} train / {len(val):,} "
               f"validation blocks of {d.max_length}")
         print(f"model: {type(model).__name__}, {n_params:,} parameters")
-        runner.print_plan(rows)
+        summary_.print_plan(plan.decisions)
 
     # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
-    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, parallel.value)
+    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, plan.parallel)
     if world.backend is not None:
         torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
     optimizer = optim.adamw(model, t.learning_rate, t.weight_decay, device, (t.adam_beta1, t.adam_beta2))
-    scheduler = optim.scheduler(optimizer, t.lr_scheduler, warmup, total_steps)
+    scheduler = optim.scheduler(optimizer, t.lr_scheduler, warmup, steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
     identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
                  "rows_per_micro_step": micro * world.size, "grad_accum_steps": accum,
                  "split": [d.split, d.validation_split, d.validation_file]}
     if world.main:
         dump_yaml(cfg, out / "config.yaml")
-        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": [
-            {"setting": s, "value": v, "reason": r} for s, v, r in rows], "parameters": n_params})
+        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": plan.to_json(), "parameters": n_params})
 
-    # -- batches: a seeded order of blocks per epoch, a pure function of (seed, epoch, position); each
-    # global micro-step holds micro x world blocks, this rank's share of them
-    train_idx = np.arange(len(train))
+    # -- batches: each epoch's optimizer steps of blocks (seed, epoch, effective batch), this rank's share of each
     next_micro_batch = runner.micro_batches(
-        lambda epoch: batching.epoch_order(train_idx, micro * world.size, t.seed, epoch), train.collate, world, micro)
+        lambda epoch: batching.epoch_steps(np.arange(len(train)), effective, t.seed, epoch), train.collate, world,
+        micro, accum)
     eval_batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
 
     def run_eval() -> dict[str, float]:
-        with compiler.eagerly(compiled):
+        with compiler.eagerly(plan.compile):
             return evaluate(eval_objective, eval_batches, device, world, split_eval)
 
     prompt = sample_prompt(t.sample_prompt, tok, val if len(val) else train)
 
     def sample(step_: int) -> dict[str, str]:
         # Rank 0 alone, on its whole replica; a sharded model's blocks are not whole on any rank.
-        if not world.main or parallel.value == "fsdp":
+        if not world.main or plan.parallel == "fsdp":
             return {}
-        with compiler.eagerly(compiled):
+        with compiler.eagerly(plan.compile):
             generated = generate_sample(model, tok, prompt, t.sample_tokens, t.seed, device)
         print(f"\nsample at step {step_}: {generated!r}")
         return {"sample": generated}
 
     # -- train
-    settings = LoopSettings(total_steps=total_steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
+    settings = LoopSettings(total_steps=steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
                             device=device, autocast_dtype=autocast, logging_steps=t.logging_steps,
-                            eval_steps=runner.every(t.eval_steps, total_steps), save_steps=t.save_steps, progress=t.progress,
-                            pin_memory=pin, world=world)
+                            eval_steps=runner.every(t.eval_steps, steps), save_steps=t.save_steps,
+                            progress=t.progress, pin_memory=pin, world=world)
     outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
                               run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
-                              t.report_to, t.monitor, after_eval=sample, probed_tokens_per_s=probed_speed)
+                              t.report_to, t.monitor, after_eval=sample, probed_tokens_per_s=plan.probed_tokens_per_s)
 
     # -- outputs: a plain Hugging Face model directory (rank 0 writes; a sharded model is gathered first)
-    weights = distributed.full_weights(model, world) if parallel.value == "fsdp" else None
+    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
     del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
     distributed.shutdown(world)
     if not world.main:
@@ -205,12 +185,12 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     matmul, layers, width = models.flop_dims(model)
     fpt = training_flops_per_token(matmul, n_params, layers, width, d.max_length, full=True)
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
-               **runner.figures(outcome, fpt, plan, hw, world), "parallel": parallel.value,
+               **summary_.figures(outcome, fpt, hw_plan, hw, world), "parallel": plan.parallel,
                "micro_batch_size": micro, "grad_accum_steps": accum,
                "effective_batch_size": effective, "max_length": d.max_length,
                "sample": outcome.after.get("sample")}
     write_json(out / "summary.json", summary)
-    runner.report(summary, out)
+    summary_.report(summary, out)
     return summary
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from tunebench.jsonfile import read_json, update_json
 
-Row = tuple[str, Any, str]
+from tunebench.hardware import Decision as Row  # noqa: E402 - the one type of a settings row
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ def store(key: str, value: dict) -> None:
 def apply(model, rows: list[Row]) -> None:
     """Apply decisions rank 0 measured (its settings rows) to this rank's copy of the model, without
     measuring: the attention kernel, gradient checkpointing, compiled blocks."""
-    from tunebench import kernels, models
+    from tunebench import kernels
+    from tunebench.tune.compiler import compile_blocks
     from tunebench.tune.probe import enable_checkpointing
 
     for setting, value, _ in rows:
@@ -71,4 +72,4 @@ def apply(model, rows: list[Row]) -> None:
         elif setting == "gradient_checkpointing" and value is True:
             enable_checkpointing(model)
         elif setting == "compile" and value is True:
-            models.compile_blocks(model)
+            compile_blocks(model)

@@ -43,7 +43,7 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
             raise TunebenchError(f"--attention {requested} cannot run here: it needs a CUDA GPU, bf16 or fp16, and "
                                  "the flash-attn package; use --attention auto")
         model.set_attn_implementation(requested)
-        return ("attention", requested, "asked for")
+        return Row("attention", requested, "asked for")
     key = shape.key("attention", candidates=candidates)
     hit = cached(key)
     if hit is None or too_big(hit["value"]):
@@ -68,7 +68,7 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
                                             + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())}
         store(key, hit)
     model.set_attn_implementation(hit["value"])
-    return ("attention", hit["value"], hit["reason"])
+    return Row("attention", hit["value"], hit["reason"])
 
 
 def fit(model, rows: int, length: int, precision: str, device: torch.device):

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tunebench import runplan
 from tunebench.errors import TunebenchError
 from tunebench.tune import Row, Shape, cached, store
 from tunebench.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_budget_mb
@@ -37,11 +38,6 @@ class Result:
     @staticmethod
     def from_dict(d: dict) -> Result:
         return Result(d["micro_batch_size"], tuple(Probe(**p) for p in d["probes"]), d["reason"])
-
-
-def candidates(effective_batch_size: int) -> list[int]:
-    """Micro batches that divide the effective batch, so accumulation keeps it exact."""
-    return [m for m in range(1, effective_batch_size + 1) if effective_batch_size % m == 0]
 
 
 def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
@@ -105,7 +101,7 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
         rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it (cached probe)"))
     if result is None:
         source = "probed now"
-        sizes = [m for m in candidates(effective_batch_size) if m <= n_train] or [1]
+        sizes = runplan.micro_candidates(effective_batch_size, 1, n_train)
         baseline, budget = memory_budget_mb(device, ranks_sharing)
         result = probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and shape.gradient_checkpointing == "auto":
@@ -120,6 +116,6 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
             )
         store(key, {"result": result.to_dict(), "gradient_checkpointing": bool(rows)})
     print(f"batch-size probe ({source}):\n{format_table(result)}")
-    rows.insert(0, ("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
+    rows.insert(0, Row("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
     speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)
     return result.micro_batch_size, rows, speed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -21,7 +22,7 @@ def eagerly(compiled: bool):
 
 def warm_up_compiled(model, measure) -> float:
     """Compile the blocks and run the first (compiling) probe; return its seconds beyond a steady probe's."""
-    models.compile_blocks(model)
+    compile_blocks(model)
     t0 = time.perf_counter()
     measure()
     first = time.perf_counter() - t0
@@ -52,16 +53,16 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
     """
     if asked.value != "auto":
         if asked.value:
-            models.compile_blocks(model)
-        return ("compile", asked.value, asked.reason)
+            compile_blocks(model)
+        return Row("compile", asked.value, asked.reason)
     if quantized:
-        return ("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
+        return Row("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
     key = shape.key("compile", micro_batch_size=micro_batch_size)
     hit = cached(key)
     if hit is None:
         run_s = run_tokens / (eager_speed or measure())
         if run_s < COMPILE_MEASURE_MIN_S:
-            return ("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
+            return Row("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
         cold = warm_up_compiled(model, measure)
         torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
@@ -72,19 +73,52 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
         measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager, alternating; warm-up {cold:.0f} s, "
                     f"{warm:.0f} s from cache")
         if compiled > 1.03 * eager:
-            return ("compile", True, measured)
-        models.uncompile_blocks(model)
-        return ("compile", False, measured + ": no gain")
+            return Row("compile", True, measured)
+        uncompile_blocks(model)
+        return Row("compile", False, measured + ": no gain")
     eager, compiled, warm = hit["eager"], hit["compiled"], hit["warmup_s"]
     run_s = run_tokens / eager
     saved = run_s * (1 - eager / compiled)
     measured = f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager"
     if compiled <= 1.03 * eager:
-        return ("compile", False, measured + ": no gain")
+        return Row("compile", False, measured + ": no gain")
     if saved <= warm:
-        return ("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
+        return Row("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
                                   f"less than its {warm:.0f} s warm-up")
     warm = warm_up_compiled(model, measure)
     store(key, dict(hit, warmup_s=round(warm, 1)))
-    return ("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
+    return Row("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
                              "warm-up")
+
+
+def compile_blocks(model) -> int:
+    """Compile each repeated block (the decoder layers) in place; return how many.
+
+    Regional compilation: every layer runs one compiled graph, so the warm-up is that of one layer
+    (seconds, or about 30 s on 2 CPU cores the first time) rather than minutes for the whole
+    model, and parameter names, hence checkpoints, are unchanged. Shapes are dynamic, so
+    length-grouped batches of any width reuse the graph.
+    """
+    import tunebench
+
+    # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
+    # run's warm-up is the short, cached one that pick has on record.
+    if not tunebench.USER_INDUCTOR_CACHE:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
+    return _compile_repeated(model)
+
+
+def _compile_repeated(model) -> int:
+    from accelerate.utils.other import is_repeated_blocks
+
+    if is_repeated_blocks(model):
+        for block in model:
+            block.compile(dynamic=True)
+        return len(model)
+    return sum(_compile_repeated(child) for child in model.children())
+
+
+def uncompile_blocks(model) -> None:
+    for m in model.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None  # what nn.Module.compile set; the module runs eagerly again
