@@ -90,3 +90,53 @@ def chromium() -> tuple[str, str]:
     if not (browser and driver):
         pytest.skip("headless Chromium could not be installed (apt-get install chromium chromium-driver)")
     return browser, driver
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory) -> str:
+    """A real PostgreSQL server on loopback for the session, in a cluster of its own (Debian's
+    postgresql, installed when missing), as a URL with a password; skips with the reason only when the
+    server or the psycopg driver cannot be had."""
+    import glob
+    import shutil
+    import socket
+    import subprocess
+
+    def binaries():
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+        return Path(found[-1]).parent if found else None
+
+    if binaries() is None and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], capture_output=True, timeout=900)
+    bin_dir = binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL could not be installed (apt-get install postgresql)")
+    try:
+        import psycopg  # noqa: F401 - the driver SQLAlchemy (Optuna's storage) uses for postgresql:// URLs
+    except ImportError:
+        pytest.skip("the psycopg driver is not installed (pip install 'psycopg[binary]', in the test extra)")
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="tunebench-pg-"))  # pytest's own tmp dirs are closed to the postgres user
+    data, pwfile = root / "data", root / "pw"
+    pwfile.write_text("s3cret\n")
+    as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # the server refuses root
+    if as_postgres:
+        shutil.chown(root, "postgres")
+        shutil.chown(pwfile, "postgres")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([*as_postgres, str(bin_dir / "initdb"), "-D", str(data), "-U", "tb", "--pwfile", str(pwfile),
+                    "--auth=scram-sha-256"], check=True, capture_output=True, timeout=300)
+    started = subprocess.run([*as_postgres, str(bin_dir / "pg_ctl"), "-D", str(data), "-w", "-l", str(root / "log"),
+                              "-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"],
+                             capture_output=True, text=True, timeout=300)
+    if started.returncode:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"PostgreSQL did not start: {started.stderr.strip()[-300:]}")
+    yield f"postgresql://tb:s3cret@127.0.0.1:{port}/postgres"
+    subprocess.run([*as_postgres, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"],
+                   capture_output=True, timeout=120)
+    shutil.rmtree(root, ignore_errors=True)

@@ -223,9 +223,10 @@ def test_length_grouped_order_has_little_padding_and_is_reproducible():
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 200, size=640)
     idx = np.arange(640)
-    plain = batching.epoch_order(idx, 8, 0, 0)
-    grouped = batching.epoch_order(idx, 8, 0, 0, lengths=lengths)
-    assert grouped == batching.epoch_order(idx, 8, 0, 0, lengths=lengths)
+    # micro-batches of 2 out of steps of 16: sorting a step by length pairs neighbours in length
+    plain = batching.epoch_order(idx, 2, 0, 0, effective_batch_size=16)
+    grouped = batching.epoch_order(idx, 2, 0, 0, lengths=lengths, effective_batch_size=16)
+    assert grouped == batching.epoch_order(idx, 2, 0, 0, lengths=lengths, effective_batch_size=16)
     assert sorted(sum(grouped, [])) == list(range(640))  # every row once
     assert batching.padding_fraction(lengths, grouped) < 0.5 * batching.padding_fraction(lengths, plain)
-    assert grouped != batching.epoch_order(idx, 8, 0, 1, lengths=lengths)  # reshuffled per epoch
+    assert grouped != batching.epoch_order(idx, 2, 0, 1, lengths=lengths, effective_batch_size=16)  # per epoch

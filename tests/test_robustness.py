@@ -113,7 +113,6 @@ def _hw(physical=8, logical=16, usable=None, quota=None):
     (_hw(), None, {}, 8, "8 physical cores"),
     (_hw(), None, {"OMP_NUM_THREADS": "3"}, 3, "OMP_NUM_THREADS=3"),
     (_hw(), 5, {"OMP_NUM_THREADS": "3"}, 5, "asked for (--threads)"),
-    (_hw(), 20, {}, 20, "more than the 16 CPUs this process may use"),
     (_hw(usable=4), None, {}, 2, "CPU affinity allows 4 of 16 CPUs"),
     (_hw(physical=64, logical=64, quota=2.0), None, {}, 2, "cgroup CPU quota allows 2 CPUs"),
     (_hw(physical=64, logical=64, quota=0.5), None, {}, 1, "cgroup CPU quota allows 0.5 CPUs"),
@@ -121,6 +120,12 @@ def _hw(physical=8, logical=16, usable=None, quota=None):
 def test_threads_follow_the_request_the_environment_affinity_and_quota(hw, asked, env, threads, reason):
     d = hardware.plan("cpu", "fp32", hw, threads=asked, env=env).decision("torch_threads")
     assert d.value == threads and reason in d.reason
+
+
+def test_more_threads_than_usable_cpus_is_refused():
+    with pytest.raises(TunebenchError, match="--threads 20 is more than the 16 CPUs this process may use; pass "
+                                             "--threads 16 or less"):
+        hardware.plan("cpu", "fp32", _hw(), threads=20, env={})
 
 
 def test_a_bad_omp_num_threads_is_refused():

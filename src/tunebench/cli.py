@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -182,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="study database, trials, results.csv, best.yaml, report/ (default runs/tune)")
     tu.add_argument("--storage", default=None,
                     help="Optuna storage URL shared by several machines, e.g. postgresql://user:pw@host/db "
-                         "(default: sqlite in the output directory)")
+                         "(default: $TUNEBENCH_STORAGE, which keeps the password out of `ps`; else sqlite in the "
+                         "output directory). Printed with the password hidden")
     tu.add_argument("--study-name", default="tunebench", help="the study's name in the storage (default tunebench)")
     tu.add_argument("--device", default=None, choices=["cpu", "cuda", "mps"], help="device of every trial")
     tu.add_argument("--seed", type=int, default=42, help="the sampler's seed (default 42)")
@@ -314,13 +316,17 @@ def train_config(args: argparse.Namespace):
     return load_config(configs[0] if configs else None, options, overrides, getattr(args, "profile", None))
 
 
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
 def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(config files, dotted overrides) among a job's positional items; one config file at most."""
     items = getattr(args, "items", [])
-    configs = [i for i in items if "=" not in i]
+    overrides = [i for i in items if OVERRIDE.match(i)]  # key=value; a path may hold '=' (runs/compile=on/...)
+    configs = [i for i in items if i not in overrides]
     if len(configs) > 1:
         raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
-    return configs, [i for i in items if "=" in i]
+    return configs, overrides
 
 
 def run_job(args: argparse.Namespace) -> int:
@@ -342,7 +348,8 @@ def run_job(args: argparse.Namespace) -> int:
         configs, overrides = _items(args)
         search.run(args.job_kind, configs[0] if configs else None,
                    dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
-                   args.sampler, args.pruner, args.budget_tokens, args.max_steps, args.storage, args.study_name,
+                   args.sampler, args.pruner, args.budget_tokens, args.max_steps,
+                   args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name,
                    args.device, args.seed)
     elif args.job == "serve":
         from tunebench.models import SMOLLM2

@@ -114,10 +114,10 @@ class RunConfig:
 
     def batch_ask(self) -> BatchAsk:
         """What the batch options ask for (runplan holds the rule): an explicit --grad-accum with a micro
-        batch sets the effective batch, unless --effective-batch-size is given too."""
+        batch is taken as asked (effective = micro x accumulation x world size, HF Trainer's reading of
+        per-device batch and accumulation); otherwise --effective-batch-size is kept at any world size."""
         t = self.train
-        explicit_effective = t.grad_accum_steps is None or t.effective_batch_size != TrainConfig.effective_batch_size
-        return BatchAsk(t.effective_batch_size if explicit_effective else None,
+        return BatchAsk(t.effective_batch_size if t.grad_accum_steps is None else None,
                         None if t.autotune_batch else t.micro_batch_size, t.grad_accum_steps)
 
     @property
@@ -158,7 +158,8 @@ def nearest_key(key: str, keys: list[str], synonyms: dict[str, str], help_comman
     return f"; did you mean '{hit[0]}'?" if hit else f"; run `{help_command}` for the valid keys"
 
 
-ON_OFF = ("auto", "on", "off")
+ON_OFF_FIELDS = ("compile", "packing", "liger", "gradient_checkpointing")  # auto | on | off, in both schemas
+TYPE_WORDS = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
 
 
 def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
@@ -175,9 +176,9 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
     if value is None or (isinstance(value, str) and value.lower() in {"none", "null"} and base is not str):
         if optional:
             return None
-        raise TunebenchError(f"config key '{key}' cannot be empty; give it a {base.__name__} value")
+        raise TunebenchError(f"config key '{key}' cannot be empty; give it {TYPE_WORDS.get(base, base.__name__)}")
     if isinstance(value, (list, tuple, dict, set)):
-        raise TunebenchError(f"config key '{key}' takes one {base.__name__} value, got a "
+        raise TunebenchError(f"config key '{key}' takes one value ({TYPE_WORDS.get(base, base.__name__)}), got a "
                              f"{type(value).__name__} ({_short(value)}); give a single value")
     try:
         if base is bool:
@@ -189,10 +190,9 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
                 return False
             raise ValueError
         if isinstance(value, bool):  # YAML reads on/off/yes/no/true/false as booleans
-            default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
-            if base is str and default in ON_OFF:
+            if base is str and name in ON_OFF_FIELDS:
                 return "on" if value else "off"
-            raise TunebenchError(f"config key '{key}' got the boolean {value!r}, which is not a {base.__name__}"
+            raise TunebenchError(f"config key '{key}' got the boolean {value!r}, which is not {TYPE_WORDS[base]}"
                                  + ("; quote it ('yes', 'on') if you meant the text" if base is str
                                     else "; give a number"))
         if base is int:
@@ -213,7 +213,8 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
         pass
     else:
         return value
-    raise TunebenchError(f"config key '{key}' got {_short(value)}, which is not a {base.__name__}; fix the value")
+    raise TunebenchError(f"config key '{key}' got {_short(value)}, which is not {TYPE_WORDS.get(base, base.__name__)}; "
+                         "fix the value")
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -229,8 +230,8 @@ def check_types(cfg: Any, sections: dict[str, type]) -> None:
         for f in dataclasses.fields(part):
             value = getattr(part, f.name)
             if _coerce(f"{section}.{f.name}", value, type(part)) != value:
-                raise TunebenchError(f"config key '{section}.{f.name}' holds {_short(value)}; give a "
-                                     f"{type(_coerce(f'{section}.{f.name}', value, type(part))).__name__}")
+                raise TunebenchError(f"config key '{section}.{f.name}' holds {_short(value)} as "
+                                     f"{type(value).__name__}; give {_coerce(f'{section}.{f.name}', value, type(part))!r}")
 
 
 def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
@@ -435,6 +436,10 @@ def validate(cfg: RunConfig) -> None:
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
+    if t.grad_accum_steps is not None and not t.autotune_batch and t.effective_batch_size not in (
+            TrainConfig.effective_batch_size, t.micro_batch_size * t.grad_accum_steps):
+        raise TunebenchError(f"--batch-size {t.micro_batch_size} x --grad-accum {t.grad_accum_steps} != "
+                             f"--effective-batch-size {t.effective_batch_size}; set only two of the three")
     cfg.batch_ask().check(1)
 
 

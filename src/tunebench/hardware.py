@@ -284,8 +284,10 @@ def _pick_threads(requested: int | None, hw: Hardware, omp_num_threads: str | No
     must not start 64 threads that take turns), shared out among the ranks on this machine."""
     allowed = hw.usable_cpus or hw.logical_cores
     if requested is not None:
+        if requested > allowed:
+            raise TunebenchError(f"--threads {requested} is more than the {allowed} CPUs this process may use; pass "
+                                 f"--threads {allowed} or less (or leave it unset to use the physical cores)")
         crowded = "" if requested * local_ranks <= allowed else \
-            f"; more than the {allowed} CPUs this process may use: threads will take turns" if local_ranks == 1 else \
             f"; {local_ranks} ranks x {requested} is more than the {allowed} CPUs here: threads will take turns"
         return Decision("torch_threads", requested, "asked for (--threads)" + crowded)
     if omp_num_threads and omp_num_threads.strip() and not launched_by_tunebench:

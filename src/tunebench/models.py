@@ -64,13 +64,16 @@ def byte_tokenizer():
     return fast
 
 
+TINY_POSITIONS = 512
+
+
 def _tiny(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = byte_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_POSITIONS,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )
@@ -544,9 +547,9 @@ def check_length(spec: str, max_length: int, allow_download: bool = False) -> No
 
 def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
     if spec == "tiny":
-        return _tiny()[0].config.max_position_embeddings, "rotary positions"
+        return TINY_POSITIONS, "rotary positions"
     if spec == "gpt2-124m":
-        return 1024, "learned positions"
+        return 1024, "learned positions"  # GPT2Config's n_positions
     try:
         if spec == SMOLLM2 or spec.endswith(".gguf"):
             from gguf import GGUFReader

@@ -36,7 +36,7 @@ class BatchAsk:
     def check(self, world_size: int = 1) -> int:
         """The effective batch, or a refusal naming the flags the user set and the fix."""
         eff_flag, micro_flag, accum_flag = self.flags
-        if self.micro is None and self.accum is not None and self.effective is not None:
+        if self.micro is None and self.accum is not None:
             raise TunebenchError(f"{micro_flag} auto derives {accum_flag} from {eff_flag}; drop {accum_flag}")
         if self.micro is not None and self.accum is not None and self.effective is not None \
                 and self.micro * self.accum * world_size != self.effective:
@@ -44,14 +44,13 @@ class BatchAsk:
                                  + (f" x {world_size} ranks" if world_size > 1 else "")
                                  + f" != {eff_flag} {self.effective}; set only two of the three")
         effective = self.effective_for(world_size)
-        if effective % world_size:
-            raise TunebenchError(f"{eff_flag} {effective} is not a multiple of {world_size} rank(s); pick an "
-                                 "effective batch that they divide, or another number of processes")
-        if self.micro is not None and (effective // world_size) % self.micro:
-            ranks = f" x {world_size} rank(s)" if world_size > 1 else ""
-            raise TunebenchError(f"{eff_flag} {effective} is not a multiple of {micro_flag} {self.micro}{ranks}; "
-                                 f"pick a micro batch that divides it, leave {micro_flag} on auto, or set "
-                                 f"{accum_flag}")
+        ranks = f"{world_size} rank(s)" if world_size > 1 else ""
+        if effective % world_size or (self.micro is not None and (effective // world_size) % self.micro):
+            by = " x ".join(filter(None, (ranks, f"{micro_flag} {self.micro}" if self.micro is not None else "")))
+            raise TunebenchError(f"{eff_flag} {effective} is not a multiple of {by}; pick "
+                                 + (f"a micro batch that divides it, leave {micro_flag} on auto, or set {accum_flag}"
+                                    if world_size == 1 else "an effective batch that they divide, or another "
+                                                            "number of processes"))
         return effective
 
 

@@ -10,30 +10,20 @@ from tunebench.data.tokenize import Tokenized
 IGNORE = -100
 
 
-GROUP_SPAN = 32  # optimizer steps per length-sorted group
-
-
 def epoch_steps(indices: np.ndarray, effective_batch_size: int, seed: int, epoch: int, shuffle: bool = True,
                 lengths: np.ndarray | None = None) -> list[list[int]]:
     """The optimizer steps of one epoch (lists of example indices, `effective_batch_size` rows each, the
     last one maybe shorter): a pure function of (seed, epoch, effective batch), so the micro batch,
-    accumulation and world size (speed decisions) only split a step's rows and never change them.
-
-    With `lengths`, steps are length-grouped: the shuffled rows are cut into spans of GROUP_SPAN
-    steps, each span is sorted by length before it is cut into steps, and the steps are shuffled;
-    every step's rows stay sorted longest first, so its micro-batches pad little.
+    accumulation, world size and row layout (speed decisions) only split a step's rows and never change
+    them. With `lengths` (the length-grouped layout), each step's rows are sorted longest first, so the
+    micro-batches it is cut into pad little; which rows a step holds stays the same.
     """
     idx = np.asarray(indices)
-    rng = np.random.default_rng([seed, epoch])
     if shuffle:
-        idx = idx[rng.permutation(len(idx))]
-    if lengths is not None:
-        span = GROUP_SPAN * effective_batch_size
-        idx = np.concatenate([sorted(idx[i : i + span], key=lambda k: -lengths[k]) for i in range(0, len(idx), span)]) \
-            if len(idx) else idx
+        idx = idx[np.random.default_rng([seed, epoch]).permutation(len(idx))]
     steps = [idx[i : i + effective_batch_size].tolist() for i in range(0, len(idx), effective_batch_size)]
-    if lengths is not None and shuffle:
-        steps = [steps[k] for k in rng.permutation(len(steps))]
+    if lengths is not None:
+        steps = [sorted(step, key=lambda k: -lengths[k]) for step in steps]
     return steps
 
 

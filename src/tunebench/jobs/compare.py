@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import itertools
 import json
 import os
+import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -50,37 +53,87 @@ def matrix_path(spec: str) -> Path:
     return shipped_yaml(spec, MATRICES_DIR, "matrix")
 
 
+EXPERIMENT_KEYS = ("name", "set", "devices", "nproc", "description")
+DEVICES = ("cpu", "cuda", "mps")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,@-]{0,119}$")  # a file name in the runs directory
+
+
 def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:
     """(base overrides, experiments) from a matrix YAML: `experiments:` (a list) and/or `grid:` (a product).
-    `nproc` (an experiment's key beside `set`, or a grid dimension) is the number of processes."""
+    `nproc` (an experiment's key beside `set`, or a grid dimension) is the number of processes.
+    Everything is checked before anything runs: known keys only, devices a list of known ones,
+    unique names that are safe as directory names, and every experiment's settings a valid run."""
     raw = read_yaml(matrix_path(spec))
     unknown = set(raw) - {"base", "experiments", "grid", "description"}
     if unknown:
         raise TunebenchError(f"matrix {spec}: unknown section(s) {', '.join(sorted(unknown))}; "
                              "use base, experiments, grid")
-    base = dict(raw.get("base") or {})
+    base = _mapping(raw.get("base"), f"matrix {spec}: base")
     experiments = []
+    if not isinstance(raw.get("experiments") or [], list):
+        raise TunebenchError(f"matrix {spec}: experiments must be a list of {{name: ..., set: {{...}}}}")
     for e in raw.get("experiments") or []:
         if not isinstance(e, dict) or "name" not in e:
             raise TunebenchError(f"matrix {spec}: every experiment needs a name, got {e!r}")
-        devices = tuple(e["devices"]) if e.get("devices") else None
-        experiments.append(Experiment(str(e["name"]), dict(e.get("set") or {}), devices,
-                                      _nproc(e.get("nproc", 1), spec)))
-    grid = raw.get("grid") or {}
+        name = str(e["name"])
+        extra = sorted(set(e) - set(EXPERIMENT_KEYS))
+        if extra:
+            hint = difflib.get_close_matches(extra[0], EXPERIMENT_KEYS, n=1)
+            raise TunebenchError(f"matrix {spec}, experiment '{name}': unknown key '{extra[0]}'"
+                                 + (f"; did you mean '{hint[0]}'?" if hint else f"; use {', '.join(EXPERIMENT_KEYS)}"))
+        if not SAFE_NAME.match(name):
+            raise TunebenchError(f"matrix {spec}: experiment name {name!r} must be letters, digits and ._=+,@- "
+                                 "(it names a directory under the runs directory), starting with a letter or digit")
+        experiments.append(Experiment(name, _mapping(e.get("set"), f"matrix {spec}, experiment '{name}': set"),
+                                      _devices(e.get("devices"), spec, name), _nproc(e.get("nproc", 1), spec)))
+    grid = _mapping(raw.get("grid"), f"matrix {spec}: grid")
     if grid:
         keys = list(grid)
         for values in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
-            name = "_".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
+            name = "_".join(f"{k.rsplit('.', 1)[-1]}={_name_part(v)}" for k, v in zip(keys, values))
             chosen = dict(zip(keys, values))
             experiments.append(Experiment(name, chosen, None, _nproc(chosen.pop("nproc", 1), spec)))
     if not experiments:
         raise TunebenchError(f"matrix {spec} has no experiments; add an experiments list or a grid")
+    unique_names(experiments, spec)
     for e in experiments:  # every experiment's settings are checked before anything runs
         try:
             load_config(options={**base, **e.overrides})
         except TunebenchError as err:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
     return base, experiments
+
+
+def unique_names(experiments: list[Experiment], spec: str) -> None:
+    seen: set[str] = set()
+    for e in experiments:
+        if e.name in seen:
+            raise TunebenchError(f"matrix {spec}: two experiments are named '{e.name}' (their results and run "
+                                 "directories would collide); give each a name of its own")
+        seen.add(e.name)
+
+
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TunebenchError(f"{what} must be a mapping of dotted keys to values (e.g. train.lr: 1e-4), got {value!r}")
+    return dict(value)
+
+
+def _devices(value: Any, spec: str, name: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or any(d not in DEVICES for d in value):
+        raise TunebenchError(f"matrix {spec}, experiment '{name}': devices must be a list drawn from "
+                             f"{', '.join(DEVICES)} (e.g. devices: [cuda]), got {value!r}")
+    return tuple(value)
+
+
+def _name_part(value: Any) -> str:
+    """A grid value as it reads in an experiment's name, made safe as a directory name."""
+    text = ("on" if value else "off") if isinstance(value, bool) else str(value)
+    return re.sub(r"[^A-Za-z0-9._+,@-]+", "-", text).strip("-.") or "x"
 
 
 def _nproc(value: Any, spec: str) -> int:
@@ -91,8 +144,10 @@ def _nproc(value: Any, spec: str) -> int:
 
 def with_processes(experiments: list[Experiment], counts: list[int]) -> list[Experiment]:
     """Every experiment at each process count (`--nproc 1,2`); a count above 1 is part of the name."""
-    return [dataclasses.replace(e, name=e.name if n == 1 else f"{e.name}_np{n}", nproc=n)
-            for e in experiments for n in counts]
+    out = [dataclasses.replace(e, name=e.name if n == 1 else f"{e.name}_np{n}", nproc=n)
+           for e in experiments for n in counts]
+    unique_names(out, "with --nproc")
+    return out
 
 
 def devices_present() -> tuple[list[str], dict[str, str]]:
@@ -171,6 +226,11 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
     if nproc:
         experiments = with_processes(experiments, nproc)
     base.update(extra)
+    for e in experiments:  # the command line's settings with each experiment's, before anything runs
+        try:
+            load_config(options={**base, **e.overrides})
+        except TunebenchError as err:
+            raise TunebenchError(f"experiment '{e.name}' with the command line's settings: {err}") from err
     present, absent = devices_present()
     for d in devices or []:
         if d not in present:
@@ -184,13 +244,32 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
     print(f"{len(jobs)} experiments on {', '.join(usable)}; "
           f"{len(jobs) - len(todo)} already in {results}, {len(todo)} to run")
     elapsed: list[float] = []
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        _run_all(todo, base, runs_dir, results, elapsed)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"results: {results}")
+    return results
+
+
+def raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _run_all(todo, base: dict[str, Any], runs_dir: str, results: Path, elapsed: list[float]) -> None:
     for k, (exp, device, repeat) in enumerate(todo, 1):
         eta = f", ETA {_clock(statistics.mean(elapsed) * (len(todo) - k + 1))}" if elapsed else ""
         print(f"[{k}/{len(todo)}] {exp.name} on {device}, repeat {repeat}{eta}", flush=True)
         run_dir = Path(runs_dir) / f"{exp.name}-{device}-r{repeat}"
         t0 = time.perf_counter()
         proc = start("train", {**base, **exp.overrides}, run_dir, device, exp.nproc)
-        proc.wait()
+        try:
+            proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run checkpoints and stops with us
+            stop(proc)
+            raise TunebenchError(f"interrupted: {exp.name} stopped with a checkpoint in {run_dir}; rerun the same "
+                                 "command to go on with the experiments not yet in the results", 130) from None
         elapsed.append(time.perf_counter() - t0)
         row = finish(proc, run_dir, device) | {"experiment": exp.name, "config": exp.name, "repeat": repeat}
         if row["status"] == "ok":
@@ -199,8 +278,6 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
         else:
             print(f"    {row['status']}: {row['message']}")
         append_row(results, row)
-    print(f"results: {results}")
-    return results
 
 
 # Each job's keys for what the runner sets on every run.
@@ -210,20 +287,80 @@ RUN_KEYS = {"train": {"device": "train.device", "output_dir": "train.output_dir"
                          "progress": "training.progress", "overwrite": "training.overwrite"}}
 
 
+def load_job_config(job: str, config: str | None, settings: dict[str, Any]):
+    """The whole configuration of one `train` or `pretrain` run: its config file (if any) under `settings`."""
+    if job == "train":
+        return load_config(config, settings)
+    from tunebench import pretrain_config
+
+    return pretrain_config.load(config, settings)
+
+
+def write_job_config(job: str, cfg, path: Path) -> None:
+    """The resolved configuration as the YAML file a child run loads: values, not retyped strings, so
+    what it runs is what was asked (a test round-trips the awkward ones)."""
+    if job == "train":
+        from tunebench.config import dump_yaml
+    else:
+        from tunebench.pretrain_config import dump_yaml
+    dump_yaml(cfg, path)
+
+
 def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None = None, nproc: int = 1,
           config: str | None = None) -> subprocess.Popen:
     """Start one `tunebench train|pretrain` run in its own process (`launch` for several ranks), its
-    output in run_dir/log.txt. A rerun replaces what a failed attempt left in run_dir."""
+    output in run_dir/log.txt. The child gets its whole configuration as a file (run_dir/asked.yaml),
+    runs in a process group of its own that `stop` ends, and is sent SIGTERM (it checkpoints and stops)
+    if this process dies first. A rerun replaces what a failed attempt left in run_dir."""
     keys = RUN_KEYS[job]
     settings = {**settings, keys["output_dir"]: str(run_dir), keys["progress"]: False, keys["overwrite"]: True}
     if device is not None:
         settings[keys["device"]] = device
-    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
-    argv = [sys.executable, "-m", "tunebench", *launch, job, *([config] if config else []),
-            *(f"{k}={_yaml(v)}" for k, v in settings.items())]
+    cfg = load_job_config(job, config, settings)
     run_dir.mkdir(parents=True, exist_ok=True)
+    asked = run_dir / "asked.yaml"
+    write_job_config(job, cfg, asked)
+    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
+    argv = [sys.executable, "-m", "tunebench", *launch, job, str(asked)]
     with (run_dir / "log.txt").open("w") as log, (run_dir / "stderr.txt").open("w") as err:
-        return subprocess.Popen(argv, stdout=log, stderr=err, text=True)
+        return subprocess.Popen(argv, stdout=log, stderr=err, text=True, start_new_session=True,
+                                preexec_fn=_die_with_parent(os.getpid()))
+
+
+def _die_with_parent(parent: int):
+    """Linux's parent-death signal for a child: SIGTERM when the process that started it dies, even by
+    kill -9, so no run outlives its compare or tune (elsewhere a no-op: `stop` still ends it)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setup() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """End a run started by `start`, with its whole process group (launch's ranks too): SIGTERM, which
+    saves a checkpoint, then SIGKILL if it has not ended after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]:
@@ -244,5 +381,3 @@ def _clock(seconds: float) -> str:
     return f"{m}m{s:02d}s"
 
 
-def _yaml(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

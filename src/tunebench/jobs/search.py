@@ -13,7 +13,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import os
+import re
 import signal
 import time
 import warnings
@@ -28,6 +30,7 @@ from tunebench.errors import TunebenchError
 from tunebench.jobs import compare
 
 SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
+MAX_DUPLICATES = 30  # proposals in a row that repeat earlier trials: the space is exhausted
 SAME_FAILURES = 3  # trials in a row failing with one message: a setting they share is wrong, not a choice
 EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
 KEYS = {  # per job: the keys tune sets on every trial
@@ -88,7 +91,15 @@ def load_space(spec: str) -> list[Param]:
             step = float(value["step"]) if value.get("step") is not None else None
         except (TypeError, ValueError) as e:
             raise TunebenchError(f"search space '{spec}': '{key}' needs numbers for low, high and step") from e
-        log = bool(value.get("log", False))
+        log = value.get("log", False)
+        if not isinstance(log, bool):
+            raise TunebenchError(f"search space '{spec}': '{key}' log must be true or false, got {log!r}")
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise TunebenchError(f"search space '{spec}': '{key}' needs finite low and high, got {low:g} and {high:g}")
+        if step is not None and (log or not math.isfinite(step) or step <= 0):
+            raise TunebenchError(f"search space '{spec}': '{key}' " + (
+                "cannot have both step and log: Optuna samples a log range continuously; drop one" if log
+                else f"step must be a positive finite number, got {step:g}"))
         if not low < high:
             raise TunebenchError(f"search space '{spec}': '{key}' needs low < high, got {low:g} and {high:g}")
         if log and low <= 0:
@@ -97,16 +108,6 @@ def load_space(spec: str) -> list[Param]:
                       for k in ("low", "high") + (("step",) if step is not None else ()))
         params.append(Param(str(key), low=low, high=high, log=log, step=step, integer=integer))
     return params
-
-
-def load_job_config(job: str, config: str | None, settings: dict[str, Any]):
-    if job == "train":
-        from tunebench.config import load_config
-
-        return load_config(config, settings)
-    from tunebench import pretrain_config
-
-    return pretrain_config.load(config, settings)
 
 
 def check(job: str, config: str | None, base: dict[str, Any], params: list[Param]) -> None:
@@ -119,10 +120,10 @@ def check(job: str, config: str | None, base: dict[str, Any], params: list[Param
                                  "drop one of them")
         for value in p.corners():
             try:
-                cfg = load_job_config(job, config, {**base, p.key: value})
+                cfg = compare.load_job_config(job, config, {**base, p.key: value})
             except TunebenchError as e:
                 raise TunebenchError(f"search space: {p.key}={value!r} is not a valid run: {e}") from e
-    cfg = load_job_config(job, config, base)
+    cfg = compare.load_job_config(job, config, base)
     if job == "train" and cfg.data.eval_fraction == 0:
         raise TunebenchError("tune judges trials by their eval loss, and data.eval_fraction is 0; hold some rows out "
                              "(e.g. data.eval_fraction=0.05)")
@@ -141,11 +142,20 @@ def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str) 
 
 
 def counted(trial) -> bool:
-    """A trial that counts towards --trials: finished, pruned or failed; not one cut short by Ctrl-C."""
+    """A trial that counts towards --trials: finished, pruned, or failed with a result row (its run
+    failed); not one cut short by Ctrl-C, left stale by a killed search, or dropped as a duplicate."""
     import optuna
 
     S = optuna.trial.TrialState
-    return trial.state in (S.COMPLETE, S.PRUNED) or (trial.state == S.FAIL and not trial.user_attrs.get("interrupted"))
+    return trial.state in (S.COMPLETE, S.PRUNED) or (trial.state == S.FAIL and "row" in trial.user_attrs)
+
+
+HEARTBEAT_S, GRACE_S = 10, 60  # a RUNNING trial whose search has not said it is alive for GRACE_S is stale
+
+
+def hide_password(url: str) -> str:
+    """A storage URL fit to print: postgresql://user:***@host/db."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
 def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: str, seed: int, mark: str):
@@ -153,23 +163,58 @@ def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: 
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage or f"sqlite:///{(out / 'study.sqlite').resolve()}"
+    shown = hide_password(url)
     samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=seed),
                 "random": lambda: optuna.samplers.RandomSampler(seed=seed)}
     # A trial's first eval is its first quarter: judge it from there on, once 2 trials have finished.
     pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
                "none": lambda: optuna.pruners.NopPruner()}
     try:
-        study = optuna.create_study(storage=url, study_name=name, direction="minimize", load_if_exists=True,
+        # Heartbeats: a search killed with -9 leaves its trial RUNNING; the next search marks it failed
+        # (not counted) and runs its choices again.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.x
+            rdb = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                             heartbeat_stale_trial_callback=_run_again)
+        study = optuna.create_study(storage=rdb, study_name=name, direction="minimize", load_if_exists=True,
                                     sampler=samplers[sampler](), pruner=pruners[pruner]())
     except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable database: one line, before any trial
-        raise TunebenchError(f"cannot open the study storage '{url}': {str(e).splitlines()[0]}; check --storage") from e
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TunebenchError(f"cannot open the study storage '{shown}': {message.replace(url, shown)}; "
+                             "check --storage") from None
+    _fail_stale(study)
     held = study.user_attrs.get("fingerprint")
     if held is None:
         study.set_user_attr("fingerprint", mark)
     elif held != mark:
-        raise TunebenchError(f"the study '{name}' in {url} was a search with another space, config or budget; "
+        raise TunebenchError(f"the study '{name}' in {shown} was a search with another space, config or budget; "
                              "pass another --output-dir or --study-name to start a new one")
     return study
+
+
+def _fail_stale(study) -> None:
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # in Optuna since 2.9
+        optuna.storages.fail_stale_trials(study)
+
+
+def _run_again(study, trial) -> None:
+    """A stale trial's choices run again first (Optuna's heartbeat marked it failed)."""
+    study.enqueue_trial(trial.params)
+
+
+def duplicate_of(study, trial) -> int | None:
+    """The number of an earlier trial with the same choices that ran, runs or is queued to run, if any:
+    two searches on one study (or a sampler that repeats itself) never run a choice twice."""
+    import optuna
+
+    S = optuna.trial.TrialState
+    for other in study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE, S.PRUNED, S.FAIL)):
+        if other.number < trial.number and other.params == trial.params and (other.state != S.FAIL or counted(other)):
+            return other.number
+    return None
 
 
 def trial_settings(params: dict[str, Any]) -> str:
@@ -194,34 +239,55 @@ def evals_of(run_dir: Path, seen: int) -> tuple[list[tuple[int, float]], int]:
     return found, len(complete)
 
 
+def _follow(proc, trial, run_dir: Path) -> tuple[int, tuple[int, float] | None]:
+    """Report a running trial's evals to the pruner as they appear; stop it (with a checkpoint) when
+    pruned. Returns (metrics lines read, (eval index, loss) it was pruned at, or None)."""
+    seen = 0
+    while proc.poll() is None:
+        time.sleep(0.5)
+        found, seen = evals_of(run_dir, seen)
+        for index, loss in found:
+            if index >= EVALS:  # the final eval is the trial's result, not a point to stop it at
+                continue
+            trial.report(loss, index)
+            if trial.should_prune():
+                compare.stop(proc)
+                return seen, (index, loss)
+    return seen, None
+
+
 def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], params: list[Param], out: Path,
-              device: str | None) -> dict[str, Any]:
-    """One trial: its process, its evals reported to the pruner as they appear; returns its results row."""
+              device: str | None) -> dict[str, Any] | None:
+    """One trial: its process, its evals reported to the pruner as they appear; returns its results row
+    (None: its choices duplicate an earlier trial's, so it did not run)."""
     import optuna
 
-    chosen = {p.key: p.suggest(trial) for p in params}
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    try:
+        chosen = {p.key: p.suggest(trial) for p in params}
+        earlier = duplicate_of(study, trial)
+        if earlier is None and not isinstance(study._storage, optuna.storages.InMemoryStorage):
+            time.sleep(0.3)  # another search's choice made at the same moment has landed by now
+            earlier = duplicate_of(study, trial)
+    except BaseException:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)  # never left RUNNING
+        raise
+    if earlier is not None:
+        trial.set_user_attr("duplicate_of", earlier)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return None
     run_dir = out / "trials" / f"trial-{trial.number:03d}"
     print(f"trial {trial.number}: {trial_settings(chosen)}", flush=True)
     t0 = time.perf_counter()
-    proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)
-    seen, pruned_at = 0, None
+    seen, pruned_at, proc = 0, None, None
     try:
-        while proc.poll() is None:
-            time.sleep(0.5)
-            found, seen = evals_of(run_dir, seen)
-            for index, loss in found:
-                if index >= EVALS:  # the final eval is the trial's result, not a point to stop it at
-                    continue
-                trial.report(loss, index)
-                if trial.should_prune():
-                    pruned_at = (index, loss)
-                    proc.send_signal(signal.SIGTERM)  # the run checkpoints and stops
-                    proc.wait()
-                    break
-    except BaseException as e:  # the trial's process never outlives the search
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # it stops with a checkpoint
-            proc.wait()
+        with get_heartbeat_thread(trial._trial_id, study._storage):  # Optuna's own, as its optimize() keeps
+            proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)
+            seen, pruned_at = _follow(proc, trial, run_dir)
+    except BaseException as e:  # the trial's process never outlives the search, and the trial never stays RUNNING
+        if proc is not None:
+            compare.stop(proc)  # it stops with a checkpoint
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C or SIGTERM: not counted; its choices run next time
             trial.set_user_attr("interrupted", True)
             study.enqueue_trial(trial.params)
@@ -343,13 +409,32 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
         return sum(counted(t) for t in study.get_trials(deepcopy=False))
 
     done = finished()
-    print(f"study '{study_name}' ({storage or out / 'study.sqlite'}): {done} of {trials} trials already done"
+    print(f"study '{study_name}' ({hide_password(storage) if storage else out / 'study.sqlite'}): {done} of {trials} "
+          "trials already done"
           + (", resuming" if done else ""), flush=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     failures: list[str] = []  # this process's trials' failures, while none has succeeded
     try:
+        duplicates = 0
         while finished() < trials:
-            row = run_trial(study, study.ask(), job, config, base, params, out, device)
+            import optuna
+
+            _fail_stale(study)  # another search's trial whose process died: run it again
+            with warnings.catch_warnings():  # we keep the heartbeat ourselves, as optimize() would
+                warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+                trial = study.ask()
+            row = run_trial(study, trial, job, config, base, params, out, device)
+            if row is None:
+                if any(t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)):
+                    time.sleep(2.0)  # what is left may be running elsewhere: its end may finish the study
+                    continue
+                duplicates += 1
+                if duplicates >= MAX_DUPLICATES:
+                    raise TunebenchError(f"the sampler proposed {duplicates} choices in a row that earlier trials "
+                                         f"already ran: the space has no untried choice left for {trials} trials; "
+                                         "widen the space or ask for fewer --trials")
+                continue
+            duplicates = 0
             write_results(study, out / "results.csv")
             failures = failures + [row.get("message", "")] if row["status"] in ("error", "oom") else []
             if len(failures) >= SAME_FAILURES and len(set(failures)) == 1 and finished() < trials:

@@ -68,6 +68,9 @@ def train(data: list[str], vocab_size: int, kind: str = "bpe", output_dir: str |
     for spec in data:
         if not text.files(spec) and spec.startswith((".", "/", "~")):
             raise TunebenchError(f"data file '{spec}' not found; check --data")
+    if not any(piece.strip() for spec in data for piece, _ in text.pieces(spec, text_column, piece_chars=PIECE_CHARS)):
+        raise TunebenchError(f"--data {' '.join(data)} holds no text to learn a vocabulary from (column "
+                             f"'{text_column}' for records); point --data at a corpus, or set --text-column")
     out = Path(output_dir)
     tok, trainer = build(kind, vocab_size)
     held_out: list[str] = []
