@@ -10,17 +10,17 @@ only a rank's RNG stream (dropout masks) is new where the world size changed.
 from __future__ import annotations
 
 import json
-import os
+import pickle
 import random
 import shutil
-import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tunebench import distributed
+from tunebench import distributed, durable
 from tunebench.distributed import World
 from tunebench.errors import TunebenchError
 from tunebench.loop import LoopState
@@ -30,15 +30,23 @@ TENSORS = "training_state.pt"
 
 
 def _rng_state() -> dict[str, Any]:
-    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain numbers, so a checkpoint loads with weights_only=True
+    (no pickled objects: a shared --resume directory cannot run code)."""
+    version, mt, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": [version, list(mt), gauss], "torch": torch.get_rng_state(),
+           "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached": float(cached)}}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
 
 
 def _set_rng_state(s: dict[str, Any]) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    version, mt, gauss = s["python"]
+    random.setstate((version, tuple(mt), gauss))
+    n = s["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -52,9 +60,7 @@ def save(root: Path, model, optimizer, scheduler, state: LoopState, identity: di
     weights, optim_state = distributed.full_state(model, optimizer, world)
     rngs = distributed.gather(world, _rng_state())
     if world.main:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-        try:
+        with durable.atomic_dir(final) as tmp:  # flushed to disk before the rename, and the rename too
             torch.save(
                 {
                     "trainable": weights,
@@ -67,12 +73,7 @@ def save(root: Path, model, optimizer, scheduler, state: LoopState, identity: di
             )
             (tmp / STATE).write_text(json.dumps({"loop": state.to_dict(), "identity": identity,
                                                  "world_size": world.size}, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for old in list_checkpoints(root)[:-keep]:
+        for old in list_checkpoints(root)[:-keep]:  # only once the new one is durable
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier(world)  # no rank runs ahead of a checkpoint that is not yet on disk
     return final
@@ -86,15 +87,44 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def find(resume: str, root: Path) -> Path | None:
-    """The checkpoint `--resume` names: `auto` -> the newest under root (None if there is none)."""
+    """The checkpoint `--resume` names: `auto` -> the newest under root that loads (None if there is
+    none); a newer one that does not (a power loss mid-write, a truncated file) is skipped, and said so."""
     if resume == "auto":
-        found = list_checkpoints(root)
-        return found[-1] if found else None
+        for path in reversed(list_checkpoints(root)):
+            problem = damaged(path)
+            if problem is None:
+                return path
+            print(f"resume: skipping {path.name}: {problem}")
+        return None
     path = Path(resume)
     if not (path / STATE).is_file() or not (path / TENSORS).is_file():
         raise TunebenchError(f"--resume '{resume}' is not a tunebench checkpoint directory (no {STATE} and "
                              f"{TENSORS}); name a checkpoints/step-N directory or use --resume auto")
+    problem = damaged(path)
+    if problem:
+        raise TunebenchError(f"--resume '{resume}': {problem}; name an older checkpoint or use --resume auto")
     return path
+
+
+def damaged(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None: its state file must parse and its tensor file
+    (a zip archive) must pass its checksums. Reads the files, loads nothing."""
+    try:
+        json.loads((path / STATE).read_text())["loop"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {STATE} is unreadable"
+    try:
+        with zipfile.ZipFile(path / TENSORS) as z:
+            bad = z.testzip()
+    except (OSError, zipfile.BadZipFile):
+        return f"its {TENSORS} is truncated or not a checkpoint"
+    return f"its {TENSORS} fails its checksum ({bad})" if bad else None
+
+
+def clean_stale(root: Path) -> None:
+    """Remove half-written checkpoints (.tmp-*) that a process killed mid-save left behind."""
+    for p in durable.clean_stale(root):
+        print(f"checkpoints: removed {p.name}, left by a save that never finished")
 
 
 def check_identity(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +150,12 @@ def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scal
     length and peak learning rate), at the checkpoint's step: resuming with a larger --max-steps trains
     on at the new schedule's rate, not at the rate the old schedule ended on (0 after a finished cosine)."""
     meta = check_identity(path, identity)
-    blob = torch.load(path / TENSORS, map_location="cpu", weights_only=False)
+    try:
+        blob = torch.load(path / TENSORS, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise TunebenchError(f"checkpoint {path} holds pickled Python objects, which could run code when loaded; "
+                             "tunebench refuses it (its own checkpoints hold tensors and numbers only): resume from "
+                             "a checkpoint you made, or start a new --output-dir") from None
     distributed.load_full_state(model, optimizer, blob["trainable"], blob["optimizer"], world)
     base_lrs = list(scheduler.base_lrs)
     scheduler.load_state_dict(blob["scheduler"])  # the step count; the schedule's shape stays the new run's

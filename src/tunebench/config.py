@@ -456,4 +456,7 @@ def check_threads(threads: int | None, flag: str) -> None:
 
 
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    from tunebench.durable import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

@@ -1,17 +1,17 @@
 """The one reader and writer of tunebench's small JSON files (caches, plans, summaries).
 
-Writes are atomic (a temp file in the same directory, then a rename), so a killed process never
-leaves half a file; a damaged file reads as empty, so a cache is remeasured rather than trusted
+Writes are atomic and durable (durable.atomic_file: a temp file flushed to disk, then a rename), so a
+killed process or a power loss never leaves half a file; a damaged file reads as empty, so a cache is remeasured rather than trusted
 or crashed on.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from tunebench.durable import atomic_file
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
@@ -25,17 +25,10 @@ def read_json(path: str | Path) -> dict[str, Any]:
 
 
 def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with atomic_file(path) as tmp:
+        with tmp.open("w", encoding="utf-8") as f:
             json.dump(data, f, indent=indent, default=str)
             f.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def update_json(path: str | Path, key: str, value: Any) -> None:

@@ -10,12 +10,15 @@ from typing import Any
 
 import torch
 
+from tunebench.durable import repair_tail
+
 
 class MetricsWriter:
     """Appends one JSON object per line and flushes, so a killed run keeps what it logged."""
 
     def __init__(self, path: Path, tensorboard_dir: Path | None = None):
         self.path = path
+        repair_tail(path)  # a resumed run appends after a torn last line, not onto it
         self._f = path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard_dir is not None:
@@ -42,8 +45,23 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(records, lines skipped): a torn line (a kill or a full disk mid-write) is skipped and counted,
+    never a crash."""
+    records, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
 
 
 _earlier_windows_mb = 0.0  # the CPU's peak resident set in windows closed by reset_peak_memory

@@ -305,4 +305,7 @@ def validate(cfg: PretrainConfig) -> None:
 
 
 def dump_yaml(cfg: PretrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    from tunebench.durable import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

@@ -21,6 +21,7 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
+    checkpoint.clean_stale(path / "checkpoints")
     earlier = [p for p in (path / "checkpoints", path / "metrics.jsonl", path / "summary.json") if p.exists()]
     if not earlier or resume:
         return

@@ -14,10 +14,10 @@ from tunebench.metrics import mfu
 from tunebench.runner import Outcome
 
 
-def print_plan(rows: list[Decision] | tuple[Decision, ...]) -> None:
-    width = max(len(r[0]) for r in rows)
-    value_width = min(22, max(len(str(r[1])) for r in rows))
-    print("settings:")
+def print_plan(rows: list[Decision] | tuple[Decision, ...], title: str = "settings:") -> None:
+    width = max(len(r.setting) for r in rows)
+    value_width = min(22, max(len(str(r.value)) for r in rows))
+    print(title)
     for setting, value, reason in rows:
         print(f"  {setting:<{width}}  {value!s:<{value_width}}  {reason}")
 

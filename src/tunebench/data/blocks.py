@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tunebench.data import text
+from tunebench.durable import fsync_path, umask_mode
 from tunebench.errors import TunebenchError
 
 FORMAT_VERSION = 1
@@ -99,7 +100,10 @@ def _tokenize_to(path: Path, specs, tokenizer, column, dataset_config, dtype, th
                         batch, size = [], 0
             if batch:
                 flush()
+        os.chmod(tmp, umask_mode())
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
         Path(tmp).unlink(missing_ok=True)
         if old is None:

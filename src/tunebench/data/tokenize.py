@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from tunebench.config import DataConfig
 from tunebench.data import formats, readers
+from tunebench.durable import atomic_file
 from tunebench.errors import TunebenchError
 
 DEFAULT_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -153,8 +153,12 @@ def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None,
     if cache_root is not None:
         cache_file = cache_root / "tokenized" / f"{_fingerprint(path, tokenizer, cfg)}.npz"
         if cache_file.exists():
-            z = np.load(cache_file)
-            return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]))
+            try:
+                with np.load(cache_file) as z:
+                    return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]))
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # torn or damaged
+                print(f"data: the tokenized cache {cache_file.name} does not load ({type(e).__name__}); "
+                      "tokenizing again")
     examples = examples or formats.load_examples(cfg)
     data = tokenize_messages(examples.messages, tokenizer, cfg, examples.fmt)
     if len(data) == 0:
@@ -163,11 +167,8 @@ def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None,
             f"to truncation at --max-length {cfg.max_length}; raise --max-length or shorten the prompts"
         )
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_file.parent, suffix=".npz")
-        os.close(fd)
-        np.savez(tmp, ids=data.ids, mask=data.mask, offsets=data.offsets, fmt=data.fmt, dropped=data.dropped)
-        os.replace(tmp, cache_file)
+        with atomic_file(cache_file, suffix=".npz") as tmp:
+            np.savez(tmp, ids=data.ids, mask=data.mask, offsets=data.offsets, fmt=data.fmt, dropped=data.dropped)
     return data
 
 

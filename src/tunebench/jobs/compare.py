@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.config import load_config, read_yaml, shipped_yaml
+from tunebench.durable import repair_tail
 from tunebench.errors import TunebenchError
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
@@ -166,19 +167,38 @@ def devices_present() -> tuple[list[str], dict[str, str]]:
 
 
 def read_done(path: Path, ok_only: bool = False) -> set[tuple[str, str, int]]:
-    """(experiment, device, repeat) of the rows already written; with ok_only, of the successful ones."""
+    """(experiment, device, repeat) of the rows already written; with ok_only, of the successful ones.
+    A damaged row (a torn write, a hand edit) is skipped and counted: it reruns rather than crashing."""
     if not path.is_file() or path.stat().st_size == 0:
         return set()
-    with path.open(newline="", encoding="utf-8") as f:
+    done, bad = set(), 0
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames != SCHEMA:
             raise TunebenchError(f"'{path}' has another column layout than this tunebench writes; "
                                  "pass a new --output file")
-        return {(r["experiment"], r["device"], int(r["repeat"])) for r in reader if not ok_only or r["status"] == "ok"}
+        for r in reader:
+            try:
+                if None in r or any(r.get(k) is None for k in SCHEMA) or r["status"] not in STATUSES:
+                    raise ValueError
+                key = (r["experiment"], r["device"], int(r["repeat"]))
+            except (ValueError, TypeError):
+                bad += 1
+                continue
+            if not ok_only or r["status"] == "ok":
+                done.add(key)
+    if bad:
+        print(f"{path}: skipped {bad} damaged row(s); their experiments run again")
+    return done
+
+
+STATUSES = ("ok", "oom", "error", "pruned")
 
 
 def append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append one row and make it durable before the next experiment starts."""
+    """Append one row and make it durable before the next experiment starts; a torn last row (a kill or
+    a full disk mid-write) is cut off first, so the new row never glues onto it."""
+    repair_tail(path)
     new = not path.is_file() or path.stat().st_size == 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", newline="", encoding="utf-8") as f:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from tunebench import hardware
+from tunebench import hardware, runplan, summary
+from tunebench.config import load_config
+from tunebench.hardware import Decision
 from tunebench.models import cache_dir
 
 
@@ -28,8 +30,12 @@ def run(as_json: bool = False) -> dict:
         print("MPS       available")
     print("versions  " + ", ".join(f"{k} {v}" for k, v in hw.versions.items()))
     print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
-    print("recommended:")
-    width = max(len(d.setting) for d in plan.decisions)
-    for d in plan.decisions:
-        print(f"  {d.setting:<{width}}  {d.value!s:<6} {d.reason}")
+    # The batch as `tunebench train` would plan it on defaults, by the rule every run uses (runplan).
+    effective = load_config().batch_ask().check(1)
+    sizes = runplan.micro_candidates(effective, 1, effective)
+    rows = [*plan.decisions, Decision("micro_batch_size", "auto", f"measured on the run's model: {', '.join(map(str, sizes))} "
+                                      f"(the divisors of the effective batch {effective})"),
+            Decision("effective_batch_size", effective, "--effective-batch-size default; = micro x accumulation "
+                                                        "x ranks")]
+    summary.print_plan(rows, "recommended:")
     return record

@@ -10,13 +10,13 @@ import base64
 import csv
 import html
 import io
-import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunebench.errors import TunebenchError
+from tunebench.metrics import read_jsonl
 
 
 @dataclass
@@ -233,7 +233,7 @@ def loss_chart(runs: list[Run]) -> bytes | None:
         metrics = Path(run_dir) / "metrics.jsonl" if run_dir else None
         if not r.ok or metrics is None or not metrics.is_file():
             continue
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows, _ = read_jsonl(metrics)
         pts = [(x["step"], x["loss"]) for x in rows if "loss" in x]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r.device} {r.config}", linewidth=1)

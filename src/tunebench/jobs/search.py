@@ -14,7 +14,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 import re
 import signal
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import yaml
 
 from tunebench.config import read_yaml, shipped_yaml
+from tunebench.durable import atomic_file
 from tunebench.errors import TunebenchError
 from tunebench.jobs import compare
 
@@ -326,13 +326,11 @@ def write_results(study, path: Path) -> None:
     database gives every machine the whole search)."""
     rows = [t.user_attrs["row"] for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
             if counted(t) and "row" in t.user_attrs]
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
+    with atomic_file(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=compare.SCHEMA)
         w.writeheader()
         for row in rows:
             w.writerow({k: row.get(k, "") for k in compare.SCHEMA})
-    os.replace(tmp, path)
 
 
 def write_best(study, job: str, out: Path) -> Path | None:
@@ -350,7 +348,8 @@ def write_best(study, job: str, out: Path) -> Path | None:
     path = out / "best.yaml"
     header = (f"# tunebench tune: the best of {len(done)} finished trial(s), trial {best.number}, eval loss "
               f"{best.value:.4f}\n# {trial_settings(best.params)}\n# run it: tunebench {job} {path}\n")
-    path.write_text(header + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    with atomic_file(path) as tmp:
+        tmp.write_text(header + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
     return path
 
 

@@ -1,0 +1,109 @@
+"""Writes that survive a kill and a power loss: a temp file or directory beside the target, flushed to
+disk (fsync), given the user's umask (mkstemp would leave it 0600), renamed over the target, and the
+directory entry flushed too. Without the fsyncs, a rename can reach the disk before the data it names,
+and a power loss leaves an empty `step-N` where a checkpoint was."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def umask_mode(directory: bool = False) -> int:
+    """The mode a plain open()/mkdir() would give under this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temp path beside `path`; once the block ends without error it is flushed, given the
+    umask's mode and renamed over `path`. On an error (or Ctrl-C) the temp file is removed."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, umask_mode())
+        fsync_path(tmp)
+        os.replace(tmp, p)
+        fsync_path(p.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, prefix: str = ".tmp-") -> Iterator[Path]:
+    """The same for a directory (a checkpoint): every file in it and the directory itself flushed before
+    the rename; a directory already at `path` is replaced."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=p.parent, prefix=prefix))
+    try:
+        yield tmp
+        os.chmod(tmp, umask_mode(directory=True))
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                os.chmod(f, umask_mode())
+                fsync_path(f)
+        fsync_path(tmp)
+        if p.exists():
+            shutil.rmtree(p)
+        os.replace(tmp, p)
+        fsync_path(p.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def clean_stale(directory: str | Path, prefix: str = ".tmp-") -> list[Path]:
+    """Remove what a process killed mid-write left behind (temp files or directories named `prefix*`)."""
+    removed = []
+    for p in Path(directory).glob(f"{prefix}*") if Path(directory).is_dir() else []:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def repair_tail(path: str | Path) -> bool:
+    """Cut a line-oriented file (CSV, JSONL) back to its last newline, so an append after a torn write
+    starts a row of its own instead of gluing onto half a row. True when something was cut."""
+    p = Path(path)
+    if not p.is_file() or p.stat().st_size == 0:
+        return False
+    with p.open("rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return False
+        # find the last newline, reading backwards in blocks
+        end, keep = size, 0
+        while end > 0:
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            at = block.rfind(b"\n")
+            if at >= 0:
+                keep = start + at + 1
+                break
+            end = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return True

@@ -1,0 +1,162 @@
+"""Nothing lost, nothing trusted that should not be: checkpoints load without pickle, writes survive a
+kill or a power loss, and torn files are repaired or skipped rather than crashed on."""
+
+import json
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tunebench import checkpoint, durable
+from tunebench.errors import TunebenchError
+from tunebench.jobs import compare, finetune
+from tunebench.metrics import MetricsWriter, read_jsonl
+
+from conftest import run_losses, tiny_run_config
+
+
+def test_rng_states_round_trip_as_tensors_and_numbers():
+    state = checkpoint._rng_state()
+    draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    checkpoint._set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
+    allowed = (torch.Tensor, int, float, str, list, dict, type(None))
+
+    def plain(x):
+        return isinstance(x, allowed) and all(plain(v) for v in (x.values() if isinstance(x, dict) else
+                                                               x if isinstance(x, list) else []))
+    assert plain(state)
+
+
+def test_a_checkpoint_carrying_a_pickled_object_is_refused(tmp_path, dataset):
+    out = tmp_path / "run"
+    finetune.run(tiny_run_config(dataset, out, **{"train.max_steps": 2, "train.save_steps": 1}))
+    newest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
+    blob = torch.load(newest / checkpoint.TENSORS, weights_only=True)  # ours load without pickle
+    blob["payload"] = __import__("argparse").Namespace(cmd="touch /tmp/pwned")  # any object = code on load
+    torch.save(blob, newest / checkpoint.TENSORS)
+    with pytest.raises(TunebenchError, match="holds pickled Python objects"):
+        finetune.run(tiny_run_config(dataset, out, **{"train.max_steps": 3, "train.resume": str(newest)}))
+
+
+def test_files_follow_the_umask(tmp_path, dataset):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "run"
+        finetune.run(tiny_run_config(dataset, out, **{"train.max_steps": 1}))
+    finally:
+        os.umask(old)
+    for path in (out / "summary.json", out / "plan.json", out / "config.yaml",
+                 *checkpoint.list_checkpoints(out / "checkpoints")[-1].iterdir()):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+    assert stat.S_IMODE(checkpoint.list_checkpoints(out / "checkpoints")[-1].stat().st_mode) == 0o755
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_stale_temp_dirs(tmp_path, dataset, capsys):
+    extra = {"train.max_steps": 6, "train.save_steps": 1, "train.save_total_limit": 3}
+    straight = tmp_path / "straight"
+    finetune.run(tiny_run_config(dataset, straight, **extra))
+    cut = tmp_path / "cut"
+    finetune.run(tiny_run_config(dataset, cut, **extra))
+    step4, step5, step6 = checkpoint.list_checkpoints(cut / "checkpoints")
+    __import__("shutil").rmtree(step6)  # as if the run had died after step 5's save
+    tensors = step5 / checkpoint.TENSORS
+    tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])  # a power loss mid-write
+    stale = cut / "checkpoints" / ".tmp-killed"
+    stale.mkdir()
+    (stale / checkpoint.TENSORS).write_bytes(b"\0" * 1024)
+    capsys.readouterr()
+    finetune.run(tiny_run_config(dataset, cut, **{**extra, "train.resume": "auto"}))
+    said = capsys.readouterr().out
+    assert f"resume: skipping {step5.name}: its {checkpoint.TENSORS} is truncated" in said
+    assert f"continuing from {step4}" in said and not stale.exists()
+    assert run_losses(cut)[5] == run_losses(straight)[5] and run_losses(cut)[6] == run_losses(straight)[6]
+
+
+def test_a_kill_storm_during_checkpoint_writes_still_resumes_exactly(tmp_path, dataset):
+    """Kill -9 a run that checkpoints every step, three times at different moments, resuming each time,
+    then truncate the newest checkpoint: the run still ends with the straight run's losses."""
+    args = ["--model", "tiny", "--data", str(dataset), "--max-length", "256", "--batch-size", "2",
+            "--effective-batch-size", "4", "--lr", "1e-2", "--eval-fraction", "0.2", "--save-steps", "1",
+            "--max-steps", "12", "--compile", "off", "--attention", "sdpa", "--no-progress", "train.save_total_limit=3"]
+
+    def train(out, *more):
+        return subprocess.Popen([sys.executable, "-m", "tunebench", "train", *args, "--output-dir", str(out), *more],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    straight = tmp_path / "straight"
+    assert train(straight).wait(300) == 0
+    out = tmp_path / "stormy"
+    rng = random.Random(3)
+    for attempt in range(3):
+        proc = train(out, *(["--resume", "auto"] if attempt else []))
+        ckpts = out / "checkpoints"
+        end = time.monotonic() + 120
+        while time.monotonic() < end and len(checkpoint.list_checkpoints(ckpts)) < 1 + attempt:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.6))  # somewhere in the next steps and their saves
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    newest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
+    (newest / checkpoint.TENSORS).write_bytes((newest / checkpoint.TENSORS).read_bytes()[:100])
+    final = train(out, "--resume", "auto")
+    assert final.wait(300) == 0, final.stderr.read()[-2000:]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert run_losses(out) == run_losses(straight)
+
+
+def test_a_corrupt_tokenized_cache_is_recomputed(tmp_path, dataset, capsys):
+    from tunebench import models
+    from tunebench.config import load_config
+    from tunebench.data.tokenize import load_tokenized
+
+    cfg = load_config(options={"data.path": str(dataset), "data.max_length": 64}).data
+    tok = models.byte_tokenizer()
+    first = load_tokenized(cfg, tok, tmp_path)
+    (cache,) = (tmp_path / "tokenized").glob("*.npz")
+    cache.write_bytes(cache.read_bytes()[:40])
+    again = load_tokenized(cfg, tok, tmp_path)
+    assert "does not load" in capsys.readouterr().out
+    assert np.array_equal(again.ids, first.ids) and len(list((tmp_path / "tokenized").iterdir())) == 1
+    assert np.array_equal(load_tokenized(cfg, tok, tmp_path).ids, first.ids)  # the rewritten cache loads
+
+
+def test_a_torn_results_row_is_cut_before_the_next_and_skipped_when_read(tmp_path, capsys):
+    path = tmp_path / "results.csv"
+    row = {"experiment": "a", "device": "cpu", "repeat": 1, "status": "ok"}
+    compare.append_row(path, row)
+    with path.open("a") as f:
+        f.write("b,b,1,cpu,Intel")  # a kill mid-row
+    compare.append_row(path, {**row, "experiment": "c"})
+    assert compare.read_done(path) == {("a", "cpu", 1), ("c", "cpu", 1)}
+    with path.open("a") as f:
+        f.write("d,d,x,cpu" + "," * (len(compare.SCHEMA) - 4) + "\n")  # a whole line, but not a row
+    assert compare.read_done(path) == {("a", "cpu", 1), ("c", "cpu", 1)}
+    assert "skipped 1 damaged row(s)" in capsys.readouterr().out
+
+
+def test_a_torn_metrics_line_is_repaired_on_append_and_skipped_when_read(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + '{"step": 2, "lo')
+    assert read_jsonl(path) == ([{"step": 1, "loss": 2.0}], 1)
+    writer = MetricsWriter(path)
+    writer({"step": 2, "loss": 1.5})
+    writer.close()
+    assert read_jsonl(path) == ([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}], 0)
+
+
+def test_repair_tail_cuts_only_a_partial_last_line(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("a\nb\n")
+    assert not durable.repair_tail(path) and path.read_text() == "a\nb\n"
+    path.write_text("a\nb\nc")
+    assert durable.repair_tail(path) and path.read_text() == "a\nb\n"
+    path.write_text("no newline at all")
+    assert durable.repair_tail(path) and path.read_text() == ""
