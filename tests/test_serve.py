@@ -131,8 +131,9 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
         shown.add(state["model_a"])
         assert state["answer_a"] == answer_a and "Which answer is better?" in status
     assert shown == set(registry.labels)
+    assert "tokens/s" not in status  # blind: a speed would name the model before the vote
     message, state = app.ab_vote(db, "b", state)
-    assert f"A was {state['model_a']}" in message and state["voted"]
+    assert f"A was {state['model_a']}" in message and state["voted"] and "tokens/s" in message  # revealed
     with pytest.raises(gr.Error):
         app.ab_vote(db, "a", state)  # one vote per pair of answers
     (pair,) = store.pairs(db)
@@ -181,7 +182,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
     browser = _browser(chromium)
     port = _free_port()
     db = tmp_path / "ab.sqlite"
-    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(db), block=False)
+    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(db), block=False, auth="ann:s3cret")
     wait = WebDriverWait(browser, 60)
 
     def tab(name):
@@ -196,14 +197,29 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
 
     try:
         browser.get(f"http://127.0.0.1:{port}/")
+        password = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "input[type=password]")))
+        browser.save_screenshot(str(tmp_path / "login.png"))
+        assert "Vote" not in browser.page_source  # nothing of the app before the login
+        for secret in ("wrong", "s3cret"):
+            browser.get(f"http://127.0.0.1:{port}/")
+            password = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "input[type=password]")))
+            browser.find_elements(By.CSS_SELECTOR, "input[type=text], input:not([type])")[0].send_keys("ann")
+            password.send_keys(secret)
+            button("Login").click()
+            if secret == "wrong":
+                wait.until(lambda d: "incorrect" in d.page_source.lower())
         tab("Chat")
         tab("A/B")
         box = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "textarea[placeholder^='Type a prompt']")))
         box.send_keys("How do I cancel my order?")
         button("Get answers").click()
         wait.until(lambda d: "Which answer is better?" in d.page_source)
-        button("A is better").click()
+        assert "tokens/s" not in browser.find_element(By.TAG_NAME, "body").text  # blind until the vote
+        from selenium.webdriver import ActionChains
+
+        ActionChains(browser).double_click(button("A is better")).perform()  # two fast clicks, one vote
         wait.until(lambda d: "Vote #1 stored" in d.page_source)
+        time.sleep(2)  # the second click's handler has answered too
         browser.save_screenshot(str(tmp_path / "voted.png"))
         tab("A/B results")
         wait.until(lambda d: "1" in d.page_source and "base: tiny" in d.page_source)
@@ -214,7 +230,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
     assert pair.votes == 1 and pair.first_wins + pair.second_wins == 1
     prompt, = store.connect(db).execute("SELECT prompt FROM votes").fetchone()
     assert prompt == "How do I cancel my order?"
-    for shot in ("Chat", "AB", "voted", "AB results"):
+    for shot in ("login", "Chat", "AB", "voted", "AB results"):
         assert (tmp_path / f"{shot}.png").stat().st_size > 10_000
 
 
@@ -231,3 +247,100 @@ def test_the_cli_reports_votes_and_refuses_bad_input_in_one_line(tmp_path, capsy
     assert main(["serve", "--adapter", str(tmp_path / "empty"), "--ab-db", str(tmp_path / "x.sqlite")]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "holds no model" in err and "Traceback" not in err
+
+
+def test_a_pair_takes_one_vote_however_fast_the_clicks(tmp_path, tuned):
+    registry = models.Registry(models.entries(["tiny"], [tuned]))
+    db = store.open_store(tmp_path / "ab.sqlite")
+    *_, (_, _, _, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi", 0.7, 0.9, 4)
+    results = []
+    barrier = threading.Barrier(4)
+
+    def click(vote):
+        barrier.wait()  # the same state, as two clicks before the first reply would give
+        try:
+            results.append(app.ab_vote(db, vote, dict(state))[0])
+        except gr.Error:
+            results.append("refused")
+
+    threads = [threading.Thread(target=click, args=(v,)) for v in ("a", "b", "a", "tie")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(r == "refused" for r in results) == [False, True, True, True]
+    assert store.pairs(db)[0].votes == 1
+
+
+def test_requests_past_the_limits_or_the_context_are_refused(tuned):
+    registry = models.Registry(models.entries(["tiny"], []))
+    label = registry.labels[0]
+    with pytest.raises(models.TooLong, match="the limit is 8,000"):
+        list(models.stream(registry, label, [{"role": "user", "content": "x" * 9000}]))
+    long_chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": "y" * 7000} for i in range(5)]
+    with pytest.raises(models.TooLong, match="over the 32,000 a chat may reach"):
+        list(models.stream(registry, label, long_chat))
+    with pytest.raises(models.TooLong, match="this model sees 512"):  # tiny: 512 rotary positions
+        list(models.stream(registry, label, [{"role": "user", "content": "z" * 600}]))
+    gpt2 = models.Registry(models.entries(["gpt2-124m"], []))  # learned positions: past 1024 there is no row
+    with pytest.raises(models.TooLong, match="this model sees 1,024"):
+        list(models.stream(gpt2, gpt2.labels[0], [{"role": "user", "content": "word " * 1500}]))
+    with pytest.raises(gr.Error, match="the limit is"):  # the handler says it to the visitor in one line
+        list(app.chat_turn(registry, label, "x" * 9000, [], 0.7, 0.9, 8))
+
+
+def test_a_closed_stream_stops_its_generation_and_frees_the_lock():
+    registry = models.Registry(models.entries(["tiny"], []))
+    label = registry.labels[0]
+    before = threading.active_count()
+    replies = models.stream(registry, label, [{"role": "user", "content": "hello"}], max_new_tokens=512,
+                            temperature=0.0)
+    next(replies)  # generating now
+    t0 = time.perf_counter()
+    replies.close()  # the browser went away
+    assert registry.generate_lock.acquire(blocking=False), "the lock was kept by a finished request"
+    registry.generate_lock.release()
+    assert threading.active_count() == before and time.perf_counter() - t0 < 30  # no generation left running
+    *_, done = models.stream(registry, label, [{"role": "user", "content": "hello"}], max_new_tokens=4)
+    assert done.done and done.new_tokens <= 4  # and the server serves on
+
+
+def test_an_exposed_server_needs_a_login_unless_refused_on_purpose(tmp_path, capsys):
+    from tunebench.cli import main
+
+    with pytest.raises(TunebenchError, match="--host 0.0.0.0 lets other machines in, and no --auth is set"):
+        app.check_exposure("0.0.0.0", None, False)
+    app.check_exposure("0.0.0.0", ("u", "p"), False)
+    app.check_exposure("0.0.0.0", None, True)
+    app.check_exposure("127.0.0.1", None, False)
+    assert app.parse_auth("ann:se:cret") == ("ann", "se:cret")
+    for bad in ("nopassword", ":x", "x:"):
+        with pytest.raises(TunebenchError, match="USER:PASSWORD"):
+            app.parse_auth(bad)
+    assert main(["serve", "--host", "0.0.0.0", "--model", "tiny", "--ab-db", str(tmp_path / "x.sqlite")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--no-auth" in err and not (tmp_path / "x.sqlite").exists()
+
+
+def test_an_upload_is_read_once_and_removed(tmp_path):
+    upload = tmp_path / "prompts.jsonl"
+    upload.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    assert app.read_upload(str(upload)) == ["one", "two"] and not upload.exists()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("")
+    with pytest.raises(gr.Error):
+        app.read_upload(str(bad))
+    assert not bad.exists()
+
+
+def test_serving_places_the_model_as_training_would(monkeypatch):
+    from tunebench import hardware
+    from tunebench import models as base_models
+
+    gpu = hardware.Hardware("cpu", 8, 16, frozenset(), 8000, 8000, "Linux",
+                            gpus=(hardware.GPU(0, "NVIDIA H100 80GB HBM3", 81_000, (9, 0)),))
+    assert base_models.inference_plan("auto", "auto", gpu)[:2] == ("cuda", "bf16")
+    assert base_models.inference_plan("cpu", "fp32", gpu)[:2] == ("cpu", "fp32")
+    placed = []
+    monkeypatch.setattr(base_models, "place", lambda loaded, device, precision: placed.append((device, precision)))
+    registry = models.Registry(models.entries(["tiny"], []), device="cpu", precision="fp32")
+    registry.get(registry.labels[0])
+    assert placed == [("cpu", "fp32")]

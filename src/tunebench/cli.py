@@ -197,10 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "default: SmolLM2 when nothing else is given)")
     sv.add_argument("--adapter", action="append", default=[], help="a training run directory (repeatable)")
     sv.add_argument("--port", type=int, default=7860)
-    sv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to be reached from other machines")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="0.0.0.0 to be reached from other machines (then --auth, or --no-auth on purpose)")
     sv.add_argument("--ab-db", default="tunebench-ab.sqlite", help="A/B votes database (default ./tunebench-ab.sqlite)")
     sv.add_argument("--prompts", default=None, help="a prompt set (JSONL or CSV) for the A/B tab")
     sv.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+    sv.add_argument("--auth", default=None, metavar="USER:PASS",
+                    help="a login for the page (default: $TUNEBENCH_AUTH, which keeps the password out of `ps`); "
+                         "required with a --host other machines can reach")
+    sv.add_argument("--no-auth", action="store_true", help="serve a non-loopback --host without a login, on purpose")
+    _placement_options(sv)
     _add_debug(sv)
 
     ab = sub.add_parser("ab-report", help="win rates of the A/B votes that tunebench serve stored")
@@ -242,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt format, as train's --template (default: the one the run trained with)")
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        _placement_options(p)
         _add_debug(p)
 
     p = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
@@ -302,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _placement_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="auto (default: a GPU when present) | cpu | cuda | mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default: what training would pick on this device) | fp32 | bf16 | fp16")
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
     p.add_argument("--adapter", default=None, help="a training --output-dir holding a LoRA adapter")
@@ -356,7 +370,8 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.web import app
 
         app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
-                  args.prompts, args.allow_download)
+                  args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
+                  no_auth=args.no_auth, device=args.device, precision=args.precision)
     elif args.job == "ab-report":
         from tunebench.web import store
 
@@ -374,12 +389,13 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.jobs.generate import generate
 
         print(generate(args.model, args.adapter, args.prompt, args.max_new_tokens, args.temperature, args.raw,
-                       allow_download=args.allow_download, template=args.template))
+                       allow_download=args.allow_download, template=args.template, device=args.device,
+                       precision=args.precision))
     elif args.job == "chat":
         from tunebench.jobs.generate import chat
 
         chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download,
-             template=args.template)
+             template=args.template, device=args.device, precision=args.precision)
     elif args.job == "merge":
         from tunebench.jobs.merge import merge
 

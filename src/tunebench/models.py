@@ -532,6 +532,32 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
     return loaded
 
 
+INFERENCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def inference_plan(device: str = "auto", precision: str = "auto", hw=None) -> tuple[str, str, str]:
+    """(device, precision, reason) a model is served on: what a training run would pick on this machine
+    (a GPU when present, bf16 where the hardware has it), or what was asked (refused when impossible)."""
+    from tunebench import hardware
+
+    plan = hardware.plan(device, precision, hw or hardware.detect(), "off")
+    return plan.device, plan.precision, f"{plan.decision('device').reason}; {plan.decision('precision').reason}"
+
+
+def place(loaded: Loaded, device: str = "auto", precision: str = "auto") -> torch.device:
+    """Put a loaded model on the device and in the precision of `inference_plan`; returns the device its
+    inputs go to."""
+    on, prec, _ = inference_plan(device, precision)
+    loaded.model.to(torch.device(on), dtype=INFERENCE_DTYPES[prec])
+    return torch.device(on)
+
+
+def context_limit(model) -> int | None:
+    """Positions a model can attend over: learned positions (GPT-2's n_positions) or the rotary context
+    it was trained for (max_position_embeddings)."""
+    return position_limit(model) or getattr(model.config, "max_position_embeddings", None)
+
+
 LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")  # families with a learned position table (not rotary, ALiBi)
 
 

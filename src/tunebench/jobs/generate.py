@@ -32,7 +32,7 @@ def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_toke
              temperature: float = 0.0, raw: bool = False, seed: int = 0, template: str = "auto") -> str:
     tok, model = loaded.tokenizer, loaded.model
     text = messages[-1]["content"] if raw else render_prompt(messages, tok, template)
-    enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
     limit = models.position_limit(model)
     if limit is not None:  # learned positions end there
         max_new_tokens = max(0, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
@@ -42,22 +42,29 @@ def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_toke
         temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
     )
-    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tok.decode(out[0, enc["input_ids"].shape[1]:].cpu(), skip_special_tokens=True).strip()
 
 
 def generate(model: str | None, adapter: str | None, prompt: str, max_new_tokens: int, temperature: float,
-             raw: bool, tokenizer: str | None = None, allow_download: bool = False, template: str | None = None) -> str:
-    """One completion. The prompt format is `template`, else the one the run (adapter or model dir) trained with."""
+             raw: bool, tokenizer: str | None = None, allow_download: bool = False, template: str | None = None,
+             device: str = "auto", precision: str = "auto") -> str:
+    """One completion. The prompt format is `template`, else the one the run (adapter or model dir) trained with.
+    The model runs on the device and in the precision training would pick (or those asked)."""
+    models.inference_plan(device, precision)  # an impossible request is refused before the model loads
     loaded = models.load_for_inference(model, adapter, tokenizer, allow_download)
+    models.place(loaded, device, precision)
     return complete(loaded, [{"role": "user", "content": prompt}], max_new_tokens, temperature, raw,
                     template=template or trained_template(adapter, model))
 
 
 def chat(model: str | None, adapter: str | None, max_new_tokens: int, temperature: float,
-         tokenizer: str | None = None, allow_download: bool = False, template: str | None = None) -> None:
+         tokenizer: str | None = None, allow_download: bool = False, template: str | None = None,
+         device: str = "auto", precision: str = "auto") -> None:
+    models.inference_plan(device, precision)
     loaded = models.load_for_inference(model, adapter, tokenizer, allow_download)
+    on = models.place(loaded, device, precision)
     template = template or trained_template(adapter, model)
-    print(f"chatting with {loaded.source}; an empty line or Ctrl-D ends, /reset clears the history")
+    print(f"chatting with {loaded.source} on {on}; an empty line or Ctrl-D ends, /reset clears the history")
     history: list[dict[str, str]] = []
     while True:
         try:

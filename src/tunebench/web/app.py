@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import random
 import socket
+import uuid
 from pathlib import Path
 
 from tunebench.errors import TunebenchError
 from tunebench.web import store
-from tunebench.web.models import Registry, entries, load_prompts, stream
+from tunebench.web.models import MAX_PROMPT_CHARS, Registry, entries, load_prompts, stream
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
 
@@ -39,11 +40,14 @@ def chat_turn(registry: Registry, label: str, message: str, history: list[dict],
     if not message.strip():
         raise gr.Error("Type a message first.")
     history = list(history or []) + [{"role": "user", "content": message.strip()}]
-    for reply in stream(registry, label, history, int(max_new_tokens), float(temperature), float(top_p)):
-        shown = history + [{"role": "assistant", "content": reply.text}]
-        status = (f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s"
-                  if reply.done else "generating ...")
-        yield shown, status
+    try:
+        for reply in stream(registry, label, history, int(max_new_tokens), float(temperature), float(top_p)):
+            shown = history + [{"role": "assistant", "content": reply.text}]
+            status = (f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s"
+                      if reply.done else "generating ...")
+            yield shown, status
+    except TunebenchError as e:  # too long, an unknown model: said to the visitor; anything else stays server-side
+        raise gr.Error(str(e)) from None
 
 
 def ab_answers(registry: Registry, first: str, second: str, prompt: str, temperature: float, top_p: float,
@@ -62,17 +66,21 @@ def ab_answers(registry: Registry, first: str, second: str, prompt: str, tempera
     seed = (rng or random).randrange(2**31)  # one seed for both sides: the models, not the dice, differ
     answers = {"a": "", "b": ""}
     speeds = {}
-    for side, label in (("a", a), ("b", b)):
-        for reply in stream(registry, label, messages, settings["max_new_tokens"], settings["temperature"],
-                            settings["top_p"], seed):
-            answers[side] = reply.text
-            if reply.done:
-                speeds[side] = reply.tokens_per_s
-            yield answers["a"], answers["b"], f"answering as {side.upper()} ...", None
+    try:
+        for side, label in (("a", a), ("b", b)):
+            for reply in stream(registry, label, messages, settings["max_new_tokens"], settings["temperature"],
+                                settings["top_p"], seed):
+                answers[side] = reply.text
+                if reply.done:
+                    speeds[side] = reply.tokens_per_s
+                yield answers["a"], answers["b"], f"answering as {side.upper()} ...", None
+    except TunebenchError as e:
+        raise gr.Error(str(e)) from None
+    # Speeds stay hidden until the vote: an adapter is slower than its base, so a speed names the model.
     state = {"prompt": prompt.strip(), "model_a": a, "model_b": b, "answer_a": answers["a"],
-             "answer_b": answers["b"], "settings": settings, "voted": False}
-    yield (answers["a"], answers["b"],
-           f"Which answer is better? (A {speeds['a']:.1f} tokens/s, B {speeds['b']:.1f} tokens/s)", state)
+             "answer_b": answers["b"], "settings": settings, "speeds": speeds, "pair_id": uuid.uuid4().hex,
+             "voted": False}
+    yield answers["a"], answers["b"], "Which answer is better?", state
 
 
 def ab_vote(db: Path, vote: str, state: dict | None) -> tuple[str, dict | None]:
@@ -83,10 +91,29 @@ def ab_vote(db: Path, vote: str, state: dict | None) -> tuple[str, dict | None]:
         raise gr.Error("Generate two answers first.")
     if state.get("voted"):
         raise gr.Error("This pair is already voted on; generate new answers.")
-    vote_id = store.record(db, state["prompt"], state["model_a"], state["model_b"], state["answer_a"],
-                           state["answer_b"], vote, state["settings"])
-    return (f"Vote #{vote_id} stored: {VOTE_LABELS[vote]}. A was {state['model_a']}, B was {state['model_b']}.",
-            dict(state, voted=True))
+    try:  # two fast clicks run two handlers on the same state: the store takes one vote per pair
+        vote_id = store.record(db, state["prompt"], state["model_a"], state["model_b"], state["answer_a"],
+                               state["answer_b"], vote, state["settings"], state.get("pair_id"))
+    except store.AlreadyVoted:
+        raise gr.Error("This pair is already voted on; generate new answers.") from None
+    speeds = state.get("speeds", {})
+    shown = "".join(f", {side.upper()} {speeds[side]:.1f} tokens/s" for side in ("a", "b") if side in speeds)
+    return (f"Vote #{vote_id} stored: {VOTE_LABELS[vote]}. A was {state['model_a']}, B was {state['model_b']}"
+            + (f" ({shown[2:]})" if shown else "") + ".", dict(state, voted=True))
+
+
+def read_upload(file) -> list[str]:
+    """The prompts of an uploaded prompt set (its size is bounded by launch's max_file_size); the upload is
+    deleted once read, so uploads never pile up in the server's temp dir."""
+    import gradio as gr
+
+    path = Path(file if isinstance(file, str) else file.name)
+    try:
+        return load_prompts(path)
+    except TunebenchError as e:
+        raise gr.Error(str(e)) from None
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def results_rows(db: Path) -> list[list[str]]:
@@ -106,10 +133,13 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                 chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
                 chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
                 chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
-            chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy", "copy_all"])  # no share: offline
+            # Plain text, not Markdown: a reply cannot make the browser fetch a remote image (offline; no tracking).
+            chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy", "copy_all"],  # no share: offline
+                                 render_markdown=False, sanitize_html=True)
             chat_history = gr.State([])
             with gr.Row():
-                chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5)
+                chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5,
+                                      max_length=MAX_PROMPT_CHARS)
                 chat_send = gr.Button("Send", variant="primary", scale=1)
                 chat_clear = gr.Button("Clear", scale=1)
             chat_status = gr.Markdown("")
@@ -147,7 +177,8 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                         next_prompt = gr.Button("Next prompt from the set")
                         set_status = gr.Markdown(f"{len(prompts)} prompts loaded" if prompts
                                                  else "No prompt set loaded")
-            ab_prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Type a prompt, or take the next from the set")
+            ab_prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Type a prompt, or take the next from the set",
+                                   max_length=MAX_PROMPT_CHARS)
             ab_go = gr.Button("Get answers", variant="primary")
             with gr.Row():
                 answer_a = gr.Textbox(label="A", lines=8, interactive=False)
@@ -160,10 +191,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
             def on_file(file):
                 if file is None:
                     return gr.update(), -1, gr.update()
-                try:
-                    loaded = load_prompts(file if isinstance(file, str) else file.name)
-                except TunebenchError as e:
-                    raise gr.Error(str(e)) from e
+                loaded = read_upload(file)
                 return loaded, -1, f"{len(loaded)} prompts loaded"
 
             def on_next(items, index):
@@ -193,12 +221,39 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
     return app
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+QUEUE_SIZE = 16  # requests waiting for a generation; more are turned away rather than queued for hours
+MAX_UPLOAD = "1mb"  # a prompt set is text: a megabyte is thousands of prompts
+
+
+def parse_auth(auth: str | None) -> tuple[str, str] | None:
+    if auth is None:
+        return None
+    user, sep, password = auth.partition(":")
+    if not sep or not user or not password:
+        raise TunebenchError("--auth (or TUNEBENCH_AUTH) must look like USER:PASSWORD, both non-empty")
+    return user, password
+
+
+def check_exposure(host: str, auth: tuple[str, str] | None, no_auth: bool) -> None:
+    """A server other machines can reach needs a login, unless the user says in so many words that it does not."""
+    if host not in LOOPBACK and auth is None and not no_auth:
+        raise TunebenchError(f"--host {host} lets other machines in, and no --auth is set; pass --auth USER:PASS (or "
+                             "set TUNEBENCH_AUTH, which keeps the password out of `ps`), or --no-auth to serve "
+                             "without a login on purpose")
+    if auth is not None and no_auth:
+        raise TunebenchError("--auth and --no-auth contradict each other; give one")
+
+
 def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", port: int = 7860,
           ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None, allow_download: bool = False,
-          block: bool = True):
-    """Check every input (models, port, database, prompt file), then start the app; returns it."""
+          block: bool = True, auth: str | None = None, no_auth: bool = False, device: str = "auto",
+          precision: str = "auto"):
+    """Check every input (exposure, models, port, database, prompt file), then start the app; returns it."""
     import importlib.util
 
+    credentials = parse_auth(auth)
+    check_exposure(host, credentials, no_auth)
     if importlib.util.find_spec("gradio") is None:
         raise TunebenchError("tunebench serve needs the web extra: pip install -e '.[web]' (./run serve installs "
                              "it on first use)")
@@ -207,10 +262,14 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     prompt_list = load_prompts(prompts) if prompts else None
     db = store.open_store(ab_db)
     check_port(host, port)
-    registry = Registry(choices, allow_download)
+    registry = Registry(choices, allow_download, device, precision)
     app = build(registry, db, prompt_list)
-    app.queue(default_concurrency_limit=4)
-    print(f"tunebench serve: {len(choices)} model(s), votes in {db}; http://{host}:{port}", flush=True)
+    app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
+    print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "
+          f"({registry.placement}), votes in {db}; http://{host}:{port}"
+          + (f" (login: {credentials[0]})" if credentials else " (no login)"), flush=True)
+    # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
+    # the visitor.
     app.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=True, share=False,
-               show_error=True)
+               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD)
     return app

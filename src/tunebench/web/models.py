@@ -50,9 +50,11 @@ class Registry:
     """Models load on first use, once, whatever the number of sessions asking; one generation runs at a
     time (two at once would only split the same cores, and the tokens/s shown would be wrong)."""
 
-    def __init__(self, choices: list[Entry], allow_download: bool = False):
+    def __init__(self, choices: list[Entry], allow_download: bool = False, device: str = "auto",
+                 precision: str = "auto"):
         self.choices = {e.label: e for e in choices}
         self.allow_download = allow_download
+        self.device, self.precision, self.placement = models.inference_plan(device, precision)
         self._loaded: dict[str, tuple[models.Loaded, str]] = {}
         self._load_lock = threading.Lock()
         self.generate_lock = threading.Lock()
@@ -71,6 +73,7 @@ class Registry:
             if label not in self._loaded:
                 e = self.choices[label]
                 loaded = models.load_for_inference(e.model, e.adapter, None, self.allow_download)
+                models.place(loaded, self.device, self.precision)
                 self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
             return self._loaded[label]
 
@@ -87,21 +90,61 @@ class Reply:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+MAX_NEW_TOKENS = 512  # per answer, whatever a client sends: the page's slider stops there too
+MAX_PROMPT_CHARS = 8_000  # a message, and a whole conversation's text at 4x that
+
+
+class TooLong(TunebenchError):
+    """A request the server refuses for its size (said to the client, not a crash)."""
+
+
+def check_request(messages: list[dict[str, str]]) -> None:
+    """Bound what one visitor can ask for before anything is tokenized: the browser's own limits are
+    only advice, so the server checks again."""
+    if any(not isinstance(m.get("content"), str) for m in messages):
+        raise TooLong("every message must be text")
+    if len(messages[-1]["content"]) > MAX_PROMPT_CHARS:
+        raise TooLong(f"the message is {len(messages[-1]['content']):,} characters; the limit is {MAX_PROMPT_CHARS:,}")
+    total = sum(len(m["content"]) for m in messages)
+    if total > 4 * MAX_PROMPT_CHARS:
+        raise TooLong(f"the conversation holds {total:,} characters, over the {4 * MAX_PROMPT_CHARS:,} a chat may "
+                      "reach; clear it and start again")
+
+
+class _Stop:
+    """transformers' StoppingCriteria protocol: stop generating once the client has gone away."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
            temperature: float = 0.7, top_p: float = 0.9, seed: int = 0) -> Iterator[Reply]:
     """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
-    (new tokens over the time from the call, prompt processing included)."""
-    from transformers import TextIteratorStreamer
+    (new tokens over the time from the call, prompt processing included). A conversation that does not
+    fit the model's context is refused; a consumer that stops reading (a closed tab) stops the
+    generation, and the generation lock is held until it has really stopped."""
+    from transformers import StoppingCriteriaList, TextIteratorStreamer
 
     from tunebench.data.tokenize import render_prompt
 
+    check_request(messages)
+    max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
     loaded, template = registry.get(label)
     tok, model = loaded.tokenizer, loaded.model
-    enc = tok(render_prompt(messages, tok, template), return_tensors="pt", add_special_tokens=False)
-    limit = models.position_limit(model)
-    if limit is not None:  # learned positions end there
-        max_new_tokens = max(1, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
+    enc = tok(render_prompt(messages, tok, template), return_tensors="pt", add_special_tokens=False).to(model.device)
+    n_prompt = enc["input_ids"].shape[1]
+    limit = models.context_limit(model)
+    if limit is not None:
+        if n_prompt >= limit:
+            raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
+                          "shorten the prompt")
+        max_new_tokens = min(max_new_tokens, limit - n_prompt)
     streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True, timeout=600)
+    stop = threading.Event()
     sampling = temperature > 0
     result: dict[str, object] = {}
 
@@ -112,7 +155,8 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
                 result["ids"] = model.generate(
                     **enc, max_new_tokens=max_new_tokens, do_sample=sampling,
                     temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
-                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer)
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer,
+                    stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             result["error"] = e
             streamer.end()
@@ -122,14 +166,17 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
         text = ""
-        for piece in streamer:
-            text += piece
-            yield Reply(text.strip())
-        worker.join()
+        try:
+            for piece in streamer:
+                text += piece
+                yield Reply(text.strip())
+        finally:  # also when the consumer closes this generator (GeneratorExit): no orphan generation
+            stop.set()
+            worker.join()
         seconds = time.perf_counter() - t0
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
-    new = int(result["ids"].shape[1] - enc["input_ids"].shape[1])  # type: ignore[union-attr]
+    new = int(result["ids"].shape[1] - n_prompt)  # type: ignore[union-attr]
     yield Reply(text.strip(), new, seconds, done=True)
 
 

@@ -48,6 +48,10 @@ def open_store(path: str | Path) -> Path:
         try:
             con.execute(SCHEMA)
             con.execute("SELECT id, prompt, model_a, model_b, answer_a, answer_b, vote, settings FROM votes LIMIT 1")
+            if "pair_id" not in {row[1] for row in con.execute("PRAGMA table_info(votes)")}:
+                con.execute("ALTER TABLE votes ADD COLUMN pair_id TEXT")  # a store from before one vote per pair
+            # One vote per answer pair, enforced where two fast clicks (two handler threads) meet: here.
+            con.execute("CREATE UNIQUE INDEX IF NOT EXISTS votes_pair ON votes(pair_id)")
         finally:
             con.close()
     except sqlite3.DatabaseError as e:
@@ -57,19 +61,27 @@ def open_store(path: str | Path) -> Path:
     return p
 
 
+class AlreadyVoted(ValueError):
+    """This answer pair has its vote already."""
+
+
 def record(path: str | Path, prompt: str, model_a: str, model_b: str, answer_a: str, answer_b: str, vote: str,
-           settings: dict) -> int:
-    """Store one vote; returns its id."""
+           settings: dict, pair_id: str | None = None) -> int:
+    """Store one vote; returns its id. A second vote for the same `pair_id` raises AlreadyVoted."""
     if vote not in VOTES:
         raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
     con = connect(path)
     try:
         con.execute("BEGIN IMMEDIATE")
-        cur = con.execute(
-            "INSERT INTO votes (created, prompt, model_a, model_b, answer_a, answer_b, vote, settings) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (datetime.now(timezone.utc).isoformat(timespec="seconds"), prompt, model_a, model_b, answer_a, answer_b,
-             vote, json.dumps(settings, sort_keys=True)))
+        try:
+            cur = con.execute(
+                "INSERT INTO votes (created, prompt, model_a, model_b, answer_a, answer_b, vote, settings, pair_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (datetime.now(timezone.utc).isoformat(timespec="seconds"), prompt, model_a, model_b, answer_a,
+                 answer_b, vote, json.dumps(settings, sort_keys=True), pair_id))
+        except sqlite3.IntegrityError:
+            con.execute("ROLLBACK")
+            raise AlreadyVoted(f"answer pair {pair_id} already has its vote") from None
         con.execute("COMMIT")
         return int(cur.lastrowid)
     finally:
