@@ -35,7 +35,7 @@ def test_unknown_yaml_section(tmp_path):
 
 
 def test_bad_types_and_values():
-    with pytest.raises(TunebenchError, match="not a int"):
+    with pytest.raises(TunebenchError, match="not a whole number"):
         load_config(options={"train.micro_batch_size": "four"})
     with pytest.raises(TunebenchError, match="micro_batch_size.*positive"):
         load_config(options={"train.micro_batch_size": "0"})

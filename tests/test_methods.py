@@ -136,8 +136,10 @@ def test_generate_and_eval_load_each_methods_adapter(tmp_path, dataset, method):
     out = tmp_path / method
     finetune.run(tiny_run_config(dataset, out, **{"adapter.method": method, "adapter.num_virtual_tokens": 4,
                                                    "train.precision": "fp32", "train.max_steps": 1}))
+    # A broken prefix/prompt path raises inside generate (virtual tokens, past key values); what a random
+    # tiny model says (possibly only special tokens, decoded to '') is not the point.
     text = generate.generate(None, str(out), "hi", 4, 0.0, raw=True)
-    assert isinstance(text, str) and text
+    assert isinstance(text, str)
     data = load_config(options={"data.path": str(dataset), "data.max_length": 256}).data
     scored = evaluate.run(None, str(out), data, 4, precision="fp32")
     base = evaluate.run("tiny", None, data, 4, precision="fp32")

@@ -158,6 +158,10 @@ def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
         config = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=30).read())
         labels = {c.get("props", {}).get("label") for c in config["components"]}
         assert {"Model 1", "Model 2", "Prompt", "A", "B"} <= labels
+        (chatbot,) = [c["props"] for c in config["components"] if c.get("props", {}).get("label") == "Conversation"]
+        assert chatbot["render_markdown"] is False  # a reply's ![](http://...) is text, not a fetch
+        assert served.show_error is False and served.max_file_size == 2**20  # launch's hardening
+        assert served._queue.max_size == app.QUEUE_SIZE
     finally:
         served.close()
 

@@ -169,19 +169,25 @@ def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: 
     # A trial's first eval is its first quarter: judge it from there on, once 2 trials have finished.
     pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
                "none": lambda: optuna.pruners.NopPruner()}
-    try:
-        # Heartbeats: a search killed with -9 leaves its trial RUNNING; the next search marks it failed
-        # (not counted) and runs its choices again.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.x
-            rdb = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                             heartbeat_stale_trial_callback=_run_again)
-        study = optuna.create_study(storage=rdb, study_name=name, direction="minimize", load_if_exists=True,
-                                    sampler=samplers[sampler](), pruner=pruners[pruner]())
-    except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable database: one line, before any trial
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TunebenchError(f"cannot open the study storage '{shown}': {message.replace(url, shown)}; "
-                             "check --storage") from None
+    for attempt in range(4):
+        try:
+            # Heartbeats: a search killed with -9 leaves its trial RUNNING; the next search marks it failed
+            # (not counted) and runs its choices again.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: since 2.x
+                rdb = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                                 heartbeat_stale_trial_callback=_run_again)
+            study = optuna.create_study(storage=rdb, study_name=name, direction="minimize", load_if_exists=True,
+                                        sampler=samplers[sampler](), pruner=pruners[pruner]())
+            break
+        except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable database: one line, before any trial
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            # Two searches starting together race to create the same tables or study: the loser tries again.
+            if attempt < 3 and any(k in message for k in ("already exists", "duplicate key", "UNIQUE constraint")):
+                time.sleep(1.0 + attempt)
+                continue
+            raise TunebenchError(f"cannot open the study storage '{shown}': {message.replace(url, shown)}; "
+                                 "check --storage") from None
     _fail_stale(study)
     held = study.user_attrs.get("fingerprint")
     if held is None:
@@ -190,6 +196,30 @@ def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: 
         raise TunebenchError(f"the study '{name}' in {shown} was a search with another space, config or budget; "
                              "pass another --output-dir or --study-name to start a new one")
     return study
+
+
+def exhausted(study, params: list[Param]) -> bool:
+    """Every choice of an all-list space has run (or is running): nothing is left to propose."""
+    if any(p.choices is None for p in params):
+        return False
+    total = math.prod(len(set(p.choices)) for p in params)
+    seen = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False)
+            if t.params and (t.state.name in ("RUNNING", "COMPLETE", "PRUNED") or counted(t))}
+    return len(seen) >= total
+
+
+def _exhausted_error(study, trials: int) -> TunebenchError:
+    """Why no trial is left to run: every trial failed alike (a shared setting is wrong), or the space is used up."""
+    import optuna
+
+    S = optuna.trial.TrialState
+    ran = [t for t in study.get_trials(deepcopy=False) if counted(t)]
+    failed = {t.user_attrs["row"].get("message", "") for t in ran if t.state == S.FAIL}
+    if ran and len(failed) == 1 and all(t.state == S.FAIL for t in ran):
+        return TunebenchError(f"the last {len(ran)} trials all failed the same way ({failed.pop()}), and the space "
+                              "has no other choice to try; fix that and rerun the same command")
+    return TunebenchError(f"every choice of the space has run: it has no untried choice left for {trials} trials; "
+                          "widen the space or ask for fewer --trials")
 
 
 def _fail_stale(study) -> None:
@@ -428,10 +458,8 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
                     time.sleep(2.0)  # what is left may be running elsewhere: its end may finish the study
                     continue
                 duplicates += 1
-                if duplicates >= MAX_DUPLICATES:
-                    raise TunebenchError(f"the sampler proposed {duplicates} choices in a row that earlier trials "
-                                         f"already ran: the space has no untried choice left for {trials} trials; "
-                                         "widen the space or ask for fewer --trials")
+                if duplicates >= MAX_DUPLICATES or exhausted(study, params):
+                    raise _exhausted_error(study, trials)
                 continue
             duplicates = 0
             write_results(study, out / "results.csv")
