@@ -312,8 +312,10 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     t0 = time.perf_counter()
     seen, pruned_at, proc = 0, None, None
     try:
+        if hasattr(study._storage, "record_heartbeat"):  # alive from the start, before the heartbeat thread's first beat
+            study._storage.record_heartbeat(trial._trial_id)
+        proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)  # forked before any thread
         with get_heartbeat_thread(trial._trial_id, study._storage):  # Optuna's own, as its optimize() keeps
-            proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)
             seen, pruned_at = _follow(proc, trial, run_dir)
     except BaseException as e:  # the trial's process never outlives the search, and the trial never stays RUNNING
         if proc is not None:
