@@ -312,7 +312,7 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     t0 = time.perf_counter()
     seen, pruned_at, proc = 0, None, None
     try:
-        if hasattr(study._storage, "record_heartbeat"):  # alive from the start, before the heartbeat thread's first beat
+        if hasattr(study._storage, "record_heartbeat"):  # alive before the thread's first beat
             study._storage.record_heartbeat(trial._trial_id)
         proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)  # forked before any thread
         with get_heartbeat_thread(trial._trial_id, study._storage):  # Optuna's own, as its optimize() keeps
