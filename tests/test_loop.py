@@ -6,7 +6,7 @@ import signal
 import pytest
 import torch
 
-from tunebench import checkpoint, models, runner
+from tunebench import checkpoint, inference, models, runner
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
 from tunebench.config import DataConfig
@@ -381,7 +381,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
         reloaded = models.resolve(str(out))  # a full fine-tune is a plain HF directory
         assert type(reloaded.model).__name__ == "LlamaForCausalLM"
     else:
-        reloaded = models.load_for_inference("tiny", str(out))
+        reloaded = inference.load_for_inference("tiny", str(out))
     data = load_tokenized(cfg.data, reloaded.tokenizer, None)
     _, eval_idx = split(len(data), cfg.data.eval_fraction, cfg.train.seed, None)
     batches = batching.eval_batches(data, eval_idx, 4, reloaded.tokenizer.pad_token_id)

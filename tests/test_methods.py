@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_run_config
 
-from tunebench import models
+from tunebench import inference, models
 from tunebench.config import load_config
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
@@ -60,7 +60,7 @@ def test_weight_methods_merge_into_the_base(tmp_path, dataset, method):
     out = tmp_path / method
     finetune.run(tiny_run_config(dataset, out, **{"adapter.method": method, "train.precision": "fp32",
                                                    "train.max_steps": 2}))
-    adapted = _logits(models.load_for_inference(None, str(out)).model)
+    adapted = _logits(inference.load_for_inference(None, str(out)).model)
     merged = merge(str(out), str(tmp_path / "merged"))
     from transformers import AutoModelForCausalLM
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tunebench import models
+from tunebench import inference, models
 from tunebench.tune import compiler
 from tunebench.errors import TunebenchError
 
@@ -221,7 +221,7 @@ def test_position_limit_only_for_learned_position_tables(make, limit):
 
     import transformers
 
-    assert models.position_limit(types.SimpleNamespace(config=make(transformers))) == limit
+    assert inference.position_limit(types.SimpleNamespace(config=make(transformers))) == limit
 
 
 def test_a_gpt2_tokenizer_directory_loads_the_whole_vocabulary():

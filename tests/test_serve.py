@@ -337,14 +337,14 @@ def test_an_upload_is_read_once_and_removed(tmp_path):
 
 def test_serving_places_the_model_as_training_would(monkeypatch):
     from tunebench import hardware
-    from tunebench import models as base_models
+    from tunebench import inference
 
     gpu = hardware.Hardware("cpu", 8, 16, frozenset(), 8000, 8000, "Linux",
                             gpus=(hardware.GPU(0, "NVIDIA H100 80GB HBM3", 81_000, (9, 0)),))
-    assert base_models.inference_plan("auto", "auto", gpu)[:2] == ("cuda", "bf16")
-    assert base_models.inference_plan("cpu", "fp32", gpu)[:2] == ("cpu", "fp32")
+    assert inference.placement("auto", "auto", gpu)[:2] == ("cuda", "bf16")
+    assert inference.placement("cpu", "fp32", gpu)[:2] == ("cpu", "fp32")
     placed = []
-    monkeypatch.setattr(base_models, "place", lambda loaded, device, precision: placed.append((device, precision)))
+    monkeypatch.setattr(inference, "place", lambda loaded, device, precision: placed.append((device, precision)))
     registry = models.Registry(models.entries(["tiny"], []), device="cpu", precision="fp32")
     registry.get(registry.labels[0])
     assert placed == [("cpu", "fp32")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebench import hardware, models, runner
+from tunebench import hardware, inference, models, runner
 from tunebench.config import DataConfig
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
@@ -18,7 +18,7 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     examples = formats.load_examples(data)  # bad data is refused before the model loads
     plan = hardware.plan(device, precision, hardware.detect(), "off")
     runner.apply_plan(plan)
-    loaded = models.load_for_inference(model, adapter, None, allow_download)
+    loaded = inference.load_for_inference(model, adapter, None, allow_download)
     tokenized = load_tokenized(data, loaded.tokenizer, models.cache_dir(), examples)
     idx, _ = split(len(tokenized), 0.0, seed, data.max_samples)
     if len(idx) == 0:

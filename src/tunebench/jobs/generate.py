@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tunebench import models
+from tunebench import inference, models
 from tunebench.config import read_yaml
 from tunebench.data.tokenize import render_prompt
 from tunebench.errors import TunebenchError
@@ -33,7 +33,7 @@ def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_toke
     tok, model = loaded.tokenizer, loaded.model
     text = messages[-1]["content"] if raw else render_prompt(messages, tok, template)
     enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    limit = models.position_limit(model)
+    limit = inference.position_limit(model)
     if limit is not None:  # learned positions end there
         max_new_tokens = max(0, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
     torch.manual_seed(seed)
@@ -50,9 +50,9 @@ def generate(model: str | None, adapter: str | None, prompt: str, max_new_tokens
              device: str = "auto", precision: str = "auto") -> str:
     """One completion. The prompt format is `template`, else the one the run (adapter or model dir) trained with.
     The model runs on the device and in the precision training would pick (or those asked)."""
-    models.inference_plan(device, precision)  # an impossible request is refused before the model loads
-    loaded = models.load_for_inference(model, adapter, tokenizer, allow_download)
-    models.place(loaded, device, precision)
+    on, prec, _ = inference.placement(device, precision)  # an impossible request is refused before loading
+    loaded = inference.load_for_inference(model, adapter, tokenizer, allow_download)
+    inference.place(loaded, on, prec)
     return complete(loaded, [{"role": "user", "content": prompt}], max_new_tokens, temperature, raw,
                     template=template or trained_template(adapter, model))
 
@@ -60,9 +60,9 @@ def generate(model: str | None, adapter: str | None, prompt: str, max_new_tokens
 def chat(model: str | None, adapter: str | None, max_new_tokens: int, temperature: float,
          tokenizer: str | None = None, allow_download: bool = False, template: str | None = None,
          device: str = "auto", precision: str = "auto") -> None:
-    models.inference_plan(device, precision)
-    loaded = models.load_for_inference(model, adapter, tokenizer, allow_download)
-    on = models.place(loaded, device, precision)
+    on, prec, _ = inference.placement(device, precision)
+    loaded = inference.load_for_inference(model, adapter, tokenizer, allow_download)
+    on = inference.place(loaded, on, prec)
     template = template or trained_template(adapter, model)
     print(f"chatting with {loaded.source} on {on}; an empty line or Ctrl-D ends, /reset clears the history")
     history: list[dict[str, str]] = []

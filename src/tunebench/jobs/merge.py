@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tunebench import models
+from tunebench import inference
 from tunebench.errors import TunebenchError
 
 
@@ -18,7 +18,7 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
     if peft_type in ("PREFIX_TUNING", "PROMPT_TUNING"):
         raise TunebenchError(f"'{adapter}' is {peft_type.lower().replace('_', ' ')}: virtual tokens, no weights to fold "
                              "into the base; use it as it is with --adapter (generate, chat, eval)")
-    loaded = models.load_for_inference(model, adapter, None, allow_download)
+    loaded = inference.load_for_inference(model, adapter, None, allow_download)
     merged = loaded.model.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tunebench import models
+from tunebench import inference, models
 from tunebench.errors import TunebenchError
 
 
@@ -54,7 +54,7 @@ class Registry:
                  precision: str = "auto"):
         self.choices = {e.label: e for e in choices}
         self.allow_download = allow_download
-        self.device, self.precision, self.placement = models.inference_plan(device, precision)
+        self.device, self.precision, self.placement = inference.placement(device, precision)
         self._loaded: dict[str, tuple[models.Loaded, str]] = {}
         self._load_lock = threading.Lock()
         self.generate_lock = threading.Lock()
@@ -72,8 +72,8 @@ class Registry:
         with self._load_lock:
             if label not in self._loaded:
                 e = self.choices[label]
-                loaded = models.load_for_inference(e.model, e.adapter, None, self.allow_download)
-                models.place(loaded, self.device, self.precision)
+                loaded = inference.load_for_inference(e.model, e.adapter, None, self.allow_download)
+                inference.place(loaded, self.device, self.precision)
                 self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
             return self._loaded[label]
 
@@ -137,7 +137,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     tok, model = loaded.tokenizer, loaded.model
     enc = tok(render_prompt(messages, tok, template), return_tensors="pt", add_special_tokens=False).to(model.device)
     n_prompt = enc["input_ids"].shape[1]
-    limit = models.context_limit(model)
+    limit = inference.context_limit(model)
     if limit is not None:
         if n_prompt >= limit:
             raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
