@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -436,17 +437,14 @@ def validate(cfg: RunConfig) -> None:
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
-    if t.grad_accum_steps is not None and not t.autotune_batch and t.effective_batch_size not in (
-            TrainConfig.effective_batch_size, t.micro_batch_size * t.grad_accum_steps):
-        raise TunebenchError(f"--batch-size {t.micro_batch_size} x --grad-accum {t.grad_accum_steps} != "
-                             f"--effective-batch-size {t.effective_batch_size}; set only two of the three")
     cfg.batch_ask().check(1)
+    if t.grad_accum_steps is not None and t.effective_batch_size != TrainConfig.effective_batch_size:
+        # all three given: they must agree here too (at world 1), by the same rule
+        BatchAsk(t.effective_batch_size, cfg.batch_ask().micro, t.grad_accum_steps).check(1)
 
 
 def check_threads(threads: int | None, flag: str) -> None:
     """More threads than the CPUs this process may use only makes them take turns: refused."""
-    import os
-
     if threads is None or not hasattr(os, "sched_getaffinity"):
         return
     allowed = len(os.sched_getaffinity(0))

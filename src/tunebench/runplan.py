@@ -104,6 +104,14 @@ def resumed_batch(resume: Path | None, world_size: int, micro_asked: int | None,
     return micro, accum
 
 
+def effective_to_run(ask: BatchAsk, resume: Path | None, world_size: int) -> tuple[int, tuple[int, int] | None]:
+    """(effective batch, the checkpoint's (micro, accumulation) or None): what was asked, unless a checkpoint
+    being resumed fixes the batch it continues with (see resumed_batch)."""
+    effective = ask.check(world_size)
+    resumed = resumed_batch(resume, world_size, ask.micro, ask.accum)
+    return (resumed[0] * resumed[1] * world_size if resumed else effective), resumed
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """Every decision of a run, frozen: what the settings table prints, plan.json records and the
@@ -136,6 +144,7 @@ class Measured:
 
     decisions: tuple[Decision, ...]  # attention, gradient checkpointing, micro batch, compile
     micro_batch_size: int
+    grad_accum_steps: int
     tokens_per_s: float | None
 
     @property
@@ -168,11 +177,10 @@ def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str
 def measure(model, step, shape, *, world_size: int, device, precision: str, attention_asked: str,
             attention_rows: int, widest: int, effective: int, resumed: tuple[int, int] | None,
             micro_asked: int | None, asked_reason: str, n_train: int, max_length: int, checkpointing: str,
-            compile_asked: Decision, quantized: bool, run_tokens: Callable[[int, int], float],
-            local_ranks: int = 1) -> Measured:
+            compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1) -> Measured:
     """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
     batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
-    `run_tokens(micro, accum)` the tokens the whole run will compute (compile pays off over those)."""
+    `run_tokens` the tokens the whole run will compute (compile pays off over those)."""
     from tunebench.tune import attention, batch, compiler
 
     rows: list[Decision] = []
@@ -188,9 +196,9 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
     if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = resumed[1] if resumed else accumulation(effective, micro, world_size)
-    rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens(micro, accum),
-                              shape, micro, speed))
-    return Measured(tuple(rows), micro, speed)
+    rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens, shape, micro,
+                              speed))
+    return Measured(tuple(rows), micro, accum, speed)
 
 
 def make(hw_plan, world, parallel: Decision, measured: Measured, effective: int, accum: int, steps: int,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import distributed, hardware, models, optim, rundir, runner, runplan, tune
+from tunebench import distributed, hardware, inference, models, optim, rundir, runner, runplan, tune
 from tunebench import summary as summary_
 from tunebench.config import RunConfig, dump_yaml
 from tunebench.hardware import Decision
@@ -80,7 +80,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         print(f"data: {examples.describe_dropped()}")
     check_rows(len(examples.messages), cfg, len(examples.empty_rows), "empty")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
-    models.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
+    inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
 
     # -- hardware plan, and the process group when torchrun started several ranks
     hw = hardware.detect()
@@ -90,10 +90,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
     resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
     ask = cfg.batch_ask()
-    effective = ask.check(world.size)
-    resumed = runplan.resumed_batch(resume_from, world.size, ask.micro, t.grad_accum_steps)
-    if resumed:
-        effective = resumed[0] * resumed[1] * world.size
+    effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
     runner.apply_plan(hw_plan)
     runner.seed_everything(t.seed)
 
@@ -137,13 +134,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             effective=effective, resumed=resumed, micro_asked=ask.micro, asked_reason="asked for",
             n_train=len(train_idx), max_length=cfg.data.max_length, checkpointing=t.gradient_checkpointing,
             compile_asked=runner.compile_decision(hw_plan, parallel.value), quantized=a.method == "qlora",
-            run_tokens=lambda micro, accum: steps * effective * tokens_per_row, local_ranks=world.local_size)
+            run_tokens=steps * effective * tokens_per_row, local_ranks=world.local_size)
 
     measured = distributed.agree(world, measure)
     if not world.main:
         tune.apply(model, list(measured.decisions))
-    micro = measured.micro_batch_size
-    accum = resumed[1] if resumed else runplan.accumulation(effective, micro, world.size)
+    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     prompt_method = cfg.adapter.method in models.PROMPT_METHODS
     batch_layout, layout_reason = layout.decide("off" if prompt_method else cfg.data.packing, lengths, train_idx,
                                                 micro * world.size, t.seed, cfg.data.max_length, effective)

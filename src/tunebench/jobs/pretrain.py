@@ -41,10 +41,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
     resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
     ask = cfg.batch_ask()
-    effective = ask.check(world.size)
-    resumed = runplan.resumed_batch(resume_from, world.size, ask.micro, None)
-    if resumed:
-        effective = resumed[0] * resumed[1] * world.size
+    effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
     runner.apply_plan(hw_plan)
     runner.seed_everything(t.seed)
     autocast = None if hw_plan.precision == "fp32" else DTYPES[hw_plan.precision]
@@ -106,13 +103,12 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
             resumed=resumed, micro_asked=ask.micro, asked_reason="training.batch_size", n_train=len(train),
             max_length=d.max_length, checkpointing=checkpointing,
             compile_asked=runner.compile_decision(hw_plan, parallel.value), quantized=False,
-            run_tokens=lambda micro, accum: steps * effective * d.max_length, local_ranks=world.local_size)
+            run_tokens=steps * effective * d.max_length, local_ranks=world.local_size)
 
     measured = distributed.agree(world, measure)
     if not world.main:
         tune.apply(model, list(measured.decisions))
-    micro = measured.micro_batch_size
-    accum = resumed[1] if resumed else runplan.accumulation(effective, micro, world.size)
+    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     warmup = t.warmup_steps or int(t.warmup_ratio * steps)
     plan = runplan.make(hw_plan, world, parallel, measured, effective, accum, steps, [
         *rows, Decision("world", world.size, world.describe()), parallel, *measured.decisions,
