@@ -59,17 +59,18 @@ DEVICES = ("cpu", "cuda", "mps")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,@-]{0,119}$")  # a file name in the runs directory
 
 
-def load_matrix(spec: str) -> tuple[dict[str, Any], list[Experiment]]:
+def load_matrix(spec: str, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Experiment]]:
     """(base overrides, experiments) from a matrix YAML: `experiments:` (a list) and/or `grid:` (a product).
     `nproc` (an experiment's key beside `set`, or a grid dimension) is the number of processes.
     Everything is checked before anything runs: known keys only, devices a list of known ones,
-    unique names that are safe as directory names, and every experiment's settings a valid run."""
+    unique names that are safe as directory names, and every experiment's settings (with `extra`, the
+    command line's, on top of the base) a valid run."""
     raw = read_yaml(matrix_path(spec))
     unknown = set(raw) - {"base", "experiments", "grid", "description"}
     if unknown:
         raise TunebenchError(f"matrix {spec}: unknown section(s) {', '.join(sorted(unknown))}; "
                              "use base, experiments, grid")
-    base = _mapping(raw.get("base"), f"matrix {spec}: base")
+    base = _mapping(raw.get("base"), f"matrix {spec}: base") | dict(extra or {})  # the command line's on top
     experiments = []
     if not isinstance(raw.get("experiments") or [], list):
         raise TunebenchError(f"matrix {spec}: experiments must be a list of {{name: ..., set: {{...}}}}")
@@ -242,15 +243,9 @@ def _failure(stderr: str) -> tuple[str, str]:
 
 def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, Any],
         devices: list[str] | None = None, retry_failed: bool = False, nproc: list[int] | None = None) -> Path:
-    base, experiments = load_matrix(matrix)
+    base, experiments = load_matrix(matrix, extra)
     if nproc:
         experiments = with_processes(experiments, nproc)
-    base.update(extra)
-    for e in experiments:  # the command line's settings with each experiment's, before anything runs
-        try:
-            load_config(options={**base, **e.overrides})
-        except TunebenchError as err:
-            raise TunebenchError(f"experiment '{e.name}' with the command line's settings: {err}") from err
     present, absent = devices_present()
     for d in devices or []:
         if d not in present:

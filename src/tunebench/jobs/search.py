@@ -204,7 +204,7 @@ def exhausted(study, params: list[Param]) -> bool:
         return False
     total = math.prod(len(set(p.choices)) for p in params)
     seen = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False)
-            if t.params and (t.state.name in ("RUNNING", "COMPLETE", "PRUNED") or counted(t))}
+            if t.params and holds_its_choice(t)}
     return len(seen) >= total
 
 
@@ -235,14 +235,17 @@ def _run_again(study, trial) -> None:
     study.enqueue_trial(trial.params)
 
 
-def duplicate_of(study, trial) -> int | None:
-    """The number of an earlier trial with the same choices that ran, runs or is queued to run, if any:
-    two searches on one study (or a sampler that repeats itself) never run a choice twice."""
-    import optuna
+def holds_its_choice(trial) -> bool:
+    """A trial whose choices are taken: running, finished, pruned, or failed with a result row (a stale,
+    interrupted or duplicate trial gives its choices back)."""
+    return trial.state.name == "RUNNING" or counted(trial)
 
-    S = optuna.trial.TrialState
-    for other in study.get_trials(deepcopy=False, states=(S.RUNNING, S.COMPLETE, S.PRUNED, S.FAIL)):
-        if other.number < trial.number and other.params == trial.params and (other.state != S.FAIL or counted(other)):
+
+def duplicate_of(study, trial) -> int | None:
+    """The number of an earlier trial with the same choices that ran or runs, if any: two searches on one
+    study (or a sampler that repeats itself) never run a choice twice."""
+    for other in study.get_trials(deepcopy=False):
+        if other.number < trial.number and other.params == trial.params and holds_its_choice(other):
             return other.number
     return None
 
