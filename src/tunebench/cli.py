@@ -256,6 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, help="new directory for the merged model")
     _add_debug(p)
 
+    p = sub.add_parser("export", help="a run's model, adapter merged, as GGUF (llama.cpp), Ollama or a HF directory")
+    p.add_argument("run_dir", help="a training or pretraining run's --output-dir")
+    p.add_argument("--format", default="gguf", help="gguf (default) | ollama (GGUF + Modelfile) | hf (merged directory)")
+    p.add_argument("--quant", default=None,
+                   help="gguf/ollama: f32 | f16 (default) | bf16 | q8_0 | q5_1 | q5_0 | q4_1 | q4_0; hf: f32 (default) | f16 | bf16")
+    p.add_argument("-o", "--output", default=None,
+                   help="the file (gguf) or new directory (ollama, hf); default RUN_DIR/export/...")
+    p.add_argument("--allow-download", action="store_true", help="let the base model come from the hub")
+    _add_debug(p)
+
     p = sub.add_parser("eval", help="loss and perplexity on a dataset")
     _model_options(p)
     p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
@@ -400,6 +410,10 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.jobs.merge import merge
 
         merge(args.adapter or _need("--adapter"), args.output_dir, args.model, args.allow_download)
+    elif args.job == "export":
+        from tunebench.jobs.export import export
+
+        export(args.run_dir, args.format, args.quant, args.output, args.allow_download)
     elif args.job == "eval":
         from tunebench.jobs import evaluate
 

@@ -1,0 +1,307 @@
+"""`tunebench export RUN_DIR`: a training run's model, its adapter merged in, as a GGUF file (llama.cpp),
+an Ollama model (GGUF + Modelfile) or a merged Hugging Face directory (transformers, vLLM).
+
+refuse bad input (nothing loaded, nothing written) -> load and merge -> write beside the target ->
+read the file back with an independent reader and compare logits -> move it into place -> report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tunebench import gguf_export, inference, models
+from tunebench.config import read_yaml
+from tunebench.durable import atomic_dir, atomic_file
+from tunebench.errors import TunebenchError
+
+FORMATS = ("gguf", "ollama", "hf")
+HF_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# Held-out prompts for the logit check: none is in the built-in data, and they cover digits, code, and
+# text outside ASCII, where tokenizers and quantization go wrong first.
+CHECK_PROMPTS = ("How do I cancel order 84213 and get a refund?", "Write a Python function that reverses a list.",
+                 "Résumé: 3 ans d'expérience, à Zürich.", "The capital of France is")
+# Top-1 agreement the read-back must reach, per tensor type; the quantized ones follow llama.cpp's own
+# perplexity tables: 8-bit is near lossless, 4- and 5-bit change some near-tied choices.
+MIN_AGREEMENT = {"f32": 1.0, "f16": 0.97, "bf16": 0.9, "q8_0": 0.9, "q5_1": 0.75, "q5_0": 0.75, "q4_1": 0.6,
+                 "q4_0": 0.6}
+F32_MAX_DIFF = 1e-3  # f32 stores the weights as they are: only summation order differs
+
+
+@dataclass(frozen=True)
+class Source:
+    run_dir: Path
+    adapter: bool  # a PEFT adapter over a base model; else a full model directory
+    base: str  # the spec the weights load from (the base model for an adapter)
+
+
+def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: str | None = None,
+           allow_download: bool = False) -> Path:
+    # 1. Everything a user can get wrong, before any weight is read or any file written.
+    if fmt not in FORMATS:
+        raise TunebenchError(f"--format '{fmt}' is not one of {', '.join(FORMATS)}")
+    quant = check_quant(fmt, quant)
+    source = find_source(run_dir)
+    config = base_config(source, allow_download)
+    if fmt != "hf":
+        gguf_export.check_config(config)
+    target = output_path(source.run_dir, fmt, quant, output)
+    name = model_name(source.run_dir)
+
+    # 2. The model as it will run: the adapter folded into its (dequantised, fp32) base.
+    loaded = inference.load_for_inference(None if source.adapter else str(source.run_dir),
+                                          str(source.run_dir) if source.adapter else None,
+                                          allow_download=allow_download)
+    model = loaded.model.merge_and_unload() if source.adapter else loaded.model
+    model = model.float().eval()
+    tokenizer = loaded.tokenizer
+    raw = trained_on_text(source.run_dir)
+    template = None if raw else chat_template(tokenizer, _trained_template(source.run_dir))
+    if fmt != "hf":
+        gguf_export.pre_tokenizer(tokenizer)  # refused here, not after minutes of writing
+
+    # 3. Written beside the target and moved into place only once the read-back agrees with the model;
+    # SIGTERM ends it like Ctrl-C, so no half-written file (or new empty directory) is left either way.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with _new_parents(target):
+            if fmt == "hf":
+                return _export_hf(model, tokenizer, target, quant, template)
+            if fmt == "ollama":
+                with atomic_dir(target) as tmp:
+                    gguf_file = tmp / f"{name}-{quant}.gguf"
+                    written, agreement = _write_gguf(model, tokenizer, gguf_file, quant, template, name)
+                    modelfile = write_modelfile(tmp, gguf_file, tokenizer, template, inference.context_limit(model))
+                gguf_file, modelfile = target / gguf_file.name, target / modelfile.name
+            else:
+                with atomic_file(target, suffix=".gguf") as tmp:
+                    written, agreement = _write_gguf(model, tokenizer, tmp, quant, template, name)
+                gguf_file = target
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"wrote {gguf_file} ({_mb(written.bytes)}): {config.model_type} in {quant}, tokenizer "
+          f"({len(tokenizer)} tokens, EOS {tokenizer.eos_token!r}) and "
+          f"{'no prompt format (trained on plain text)' if raw else 'the prompt format the run trained with'}")
+    if written.fallbacks:
+        print(f"  {len(written.fallbacks)} tensor(s) written f16: rows not a whole number of {quant} blocks "
+              f"({', '.join(written.fallbacks[:3])}{', ...' if len(written.fallbacks) > 3 else ''})")
+    print(agreement.line(quant))
+    if fmt == "ollama":
+        print(f"wrote {modelfile}; load it with:\n  ollama create {name} -f {modelfile}\n  ollama run {name}")
+        return target
+    print(f"run it with:\n  llama-cli -m {gguf_file}")
+    return gguf_file
+
+
+def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, name: str):
+    written = gguf_export.write(model, tokenizer, path, quant, template, name)
+    return written, compare(model, gguf_export.read_back(path, model.config), tokenizer, template, quant)
+
+
+def _export_hf(model, tokenizer, target: Path, quant: str, template: str | None) -> Path:
+    with atomic_dir(target) as tmp:
+        _write_hf(model, tokenizer, tmp, quant, template)
+        agreement = compare(model, _load_hf(tmp), tokenizer, template, quant)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    print(f"wrote {target} ({_mb(size)}): the merged model in {quant} with its tokenizer and prompt format; "
+          "AutoModelForCausalLM.from_pretrained and vLLM load it")
+    print(agreement.line(quant))
+    return target
+
+
+@contextlib.contextmanager
+def _new_parents(target: Path):
+    """Directories made on the way to `target` are removed again if the export fails."""
+    missing = [p for p in reversed(target.parents) if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for p in reversed(missing):
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only while empty
+        raise
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def check_quant(fmt: str, quant: str | None) -> str:
+    allowed = tuple(HF_DTYPES) if fmt == "hf" else tuple(gguf_export.QUANTS)
+    quant = quant or ("f32" if fmt == "hf" else "f16")
+    if quant.lower() not in allowed:
+        extra = "; the k-quants (q4_k_m ...) need llama.cpp's llama-quantize on the f16 file" \
+            if quant.lower().startswith(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")) else ""
+        raise TunebenchError(f"--quant '{quant}' is not one of {', '.join(allowed)} for --format {fmt}{extra}")
+    return quant.lower()
+
+
+def find_source(run_dir: str) -> Source:
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise TunebenchError(f"'{run_dir}' is not a directory; pass a training run's --output-dir")
+    adapter = d / "adapter_config.json"
+    if adapter.is_file():
+        peft_type = json.loads(adapter.read_text()).get("peft_type", "")
+        if peft_type in ("PREFIX_TUNING", "PROMPT_TUNING", "P_TUNING"):
+            raise TunebenchError(f"'{run_dir}' is {peft_type.lower().replace('_', ' ')}: virtual tokens, no weights "
+                                 "to fold into the base, so no runtime can load it as one model; use it with "
+                                 "tunebench generate/chat/serve --adapter, or train LoRA to export")
+        if not any(d.glob("adapter_model.*")):
+            raise TunebenchError(f"'{run_dir}' has an adapter config but no adapter weights; the run did not "
+                                 "finish: resume it with `tunebench train --resume auto` first")
+        return Source(d, True, inference.base_of(str(d)))
+    if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+        return Source(d, False, str(d))
+    raise TunebenchError(f"'{run_dir}' holds no model (no adapter_config.json, no config.json with weights); "
+                         "pass a finished training run's --output-dir")
+
+
+def base_config(source: Source, allow_download: bool):
+    """The architecture's config, read without loading weights."""
+    from transformers import AutoConfig, GPT2Config
+
+    base = source.base
+    if base == "tiny":
+        return models._tiny()[0].config
+    if base == "gpt2-124m":
+        return GPT2Config()
+    if base == models.SMOLLM2:
+        base = str(models.smollm2_dir())
+    elif base.endswith(".gguf"):
+        base = str(models.resolve(base).path)
+    try:
+        return AutoConfig.from_pretrained(base, local_files_only=not allow_download)
+    except (OSError, ValueError) as e:
+        raise TunebenchError(f"cannot read the model config of '{base}' ({type(e).__name__}); the run's base "
+                             "model has moved: pass it with --allow-download or restore it") from e
+
+
+def output_path(run_dir: Path, fmt: str, quant: str, output: str | None) -> Path:
+    """Where the export goes (refused if something is already there, or a parent is a file)."""
+    name = model_name(run_dir)
+    default = {"gguf": f"{name}-{quant}.gguf", "ollama": f"ollama-{quant}", "hf": f"hf-{quant}"}[fmt]
+    target = Path(output) if output else run_dir / "export" / default
+    if fmt == "gguf" and target.suffix != ".gguf":
+        raise TunebenchError(f"-o '{target}' should end in .gguf (llama.cpp and Ollama look for it)")
+    if target.exists():
+        raise TunebenchError(f"'{target}' exists; exports never overwrite: pass -o with a new path")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise TunebenchError(f"-o '{target}' is under '{parent}', which is a file; pick a path in a directory")
+            break
+    return target
+
+
+def model_name(run_dir: Path) -> str:
+    """The run directory's name as Ollama accepts a model name (lower case, letters, digits, . _ -)."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", run_dir.resolve().name.lower()).strip("-._")
+    return name or "tunebench-model"
+
+
+def trained_on_text(run_dir: Path) -> bool:
+    """A `tunebench pretrain` run: plain text, no prompt format around it."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return False
+    cfg = read_yaml(path)
+    return isinstance(cfg.get("model"), dict) and "n_layers" in cfg["model"]
+
+
+def _trained_template(run_dir: Path) -> str:
+    from tunebench.jobs.generate import trained_template
+
+    return trained_template(str(run_dir))
+
+
+def chat_template(tokenizer, template: str) -> str:
+    """The Jinja chat template that makes a runtime prompt the model as `tunebench generate` does
+    (tokenize.render_prompt): the tokenizer's own when the run used it, else the run's --template (or the
+    default instruction format) turned into one."""
+    from tunebench.data.tokenize import DEFAULT_PROMPT
+
+    if template in ("auto", "chat") and getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    return gguf_export.instruction_template(DEFAULT_PROMPT if template in ("auto", "chat") else template)
+
+
+def render(tokenizer, template: str | None, user: str) -> str:
+    """One user message as the exported model is prompted with it."""
+    if template is None:
+        return user
+    return tokenizer.apply_chat_template([{"role": "user", "content": user}], chat_template=template,
+                                         tokenize=False, add_generation_prompt=True)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    max_diff: float  # largest |logit difference| over every position of the check prompts
+    top1: float  # share of positions whose most likely next token is the same
+    positions: int
+
+    def line(self, quant: str) -> str:
+        return (f"checked: read back, {self.positions} positions of {len(CHECK_PROMPTS)} held-out prompts give the "
+                f"merged model's next token {self.top1:.1%} of the time (needed {MIN_AGREEMENT[quant]:.0%} at "
+                f"{quant}), max logit difference {self.max_diff:.3g}")
+
+
+@torch.no_grad()
+def compare(model, back, tokenizer, template: str | None, quant: str) -> Agreement:
+    """Logits of the merged model and of what was written, on the check prompts; refused when the written
+    file disagrees more than its tensor type explains (so it never reaches its final name)."""
+    diffs, same, total = [], 0, 0
+    vocab = model.get_input_embeddings().weight.shape[0]
+    for prompt in CHECK_PROMPTS:
+        ids = tokenizer(render(tokenizer, template, prompt), return_tensors="pt", add_special_tokens=False).input_ids
+        ids = ids[:, -min(ids.shape[1], inference.context_limit(model) or ids.shape[1]):]
+        a, b = model(ids).logits[0, :, :vocab], back(ids).logits[0, :, :vocab]  # (T, V)
+        diffs.append((a - b).abs().max().item())
+        same += (a.argmax(-1) == b.argmax(-1)).sum().item()
+        total += ids.shape[1]
+    agreement = Agreement(max(diffs), same / total, total)
+    if agreement.top1 < MIN_AGREEMENT[quant] or (quant == "f32" and agreement.max_diff > F32_MAX_DIFF):
+        raise TunebenchError(f"the written file does not reproduce the model: {agreement.line(quant)}; nothing "
+                             "was kept. Rerun with --debug and report it")
+    return agreement
+
+
+def write_modelfile(directory: Path, gguf_file: Path, tokenizer, template: str | None, context: int | None) -> Path:
+    """Ollama's Modelfile: the GGUF, the prompt format as a Go TEMPLATE, EOS as the stop word and the
+    defaults `tunebench generate` uses (greedy)."""
+    go = "{{ .Prompt }}" if template is None else gguf_export.ollama_template(
+        lambda user: render(tokenizer, template, user))
+    lines = [f"FROM ./{gguf_file.name}", f'TEMPLATE """{go}"""']
+    if tokenizer.eos_token:
+        lines.append(f"PARAMETER stop {json.dumps(tokenizer.eos_token)}")
+    lines.append("PARAMETER temperature 0")
+    if context:
+        lines.append(f"PARAMETER num_ctx {context}")
+    path = directory / "Modelfile"
+    with atomic_file(path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _write_hf(model, tokenizer, out: Path, quant: str, template: str | None) -> None:
+    model.to(HF_DTYPES[quant]).save_pretrained(out, safe_serialization=True)
+    model.float()
+    if template is not None:
+        tokenizer.chat_template = template  # so transformers and vLLM prompt it as training did
+    tokenizer.save_pretrained(out)
+
+
+def _load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
