@@ -92,6 +92,35 @@ def chromium() -> tuple[str, str]:
     return browser, driver
 
 
+# llama.cpp's Python package ships only as source: built once with the machine's compiler (minutes), then
+# pip's wheel cache has it. GGML_NATIVE=OFF so a cached wheel runs on any x86-64 CPU, not only the builder's.
+LLAMA_CPP_CMAKE = "-DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF"
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama-cpp-python (llama.cpp itself, from Python), installed when missing; the test skips with the
+    reason only when it cannot be built."""
+    import importlib
+    import os
+    import subprocess
+    import sys
+
+    try:
+        return importlib.import_module("llama_cpp")
+    except ImportError:
+        pass
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        "llama-cpp-python"], capture_output=True, text=True, timeout=3600,
+                       env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    try:
+        importlib.invalidate_caches()
+        return importlib.import_module("llama_cpp")
+    except ImportError:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"llama-cpp-python could not be built here (pip install llama-cpp-python: {tail})")
+
+
 @pytest.fixture(scope="session")
 def postgres(tmp_path_factory) -> str:
     """A real PostgreSQL server on loopback for the session, in a cluster of its own (Debian's

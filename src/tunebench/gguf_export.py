@@ -14,6 +14,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -28,6 +29,7 @@ QUANTS = {
 }
 SUPPORTED = {"llama": "Llama family (SmolLM2, Llama-style `tunebench pretrain` models)",
              "gpt2": "GPT-2 family (gpt2-124m, GPT-2-style `tunebench pretrain` models)"}
+NARROW = {getattr(gguf.GGMLQuantizationType, QUANTS[q][0]) for q in ("q5_1", "q5_0", "q4_1", "q4_0")}
 GPT2_GELU = ("gelu_new", "gelu_pytorch_tanh")  # llama.cpp's gpt2 graph applies GELU's tanh form
 
 
@@ -80,8 +82,9 @@ def pre_tokenizer(tokenizer) -> str:
     if byte_level is None or byte_level.get("add_prefix_space"):
         raise TunebenchError(f"the tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}) is not GPT-2's "
                              "byte-level split; GGUF export writes byte-level BPE tokenizers only")
-    if not model.get("merges") and kinds == ["ByteLevel"]:
-        return "gpt-2"  # one token per byte: how text is split before merging changes no id
+    if not model.get("merges"):
+        raise TunebenchError("the tokenizer has no BPE merges (one token per byte, like the `tiny` preset's), and "
+                             "GGUF cannot hold an empty merge list; train one with `tunebench tokenizer train`")
     if kinds == ["ByteLevel"] and byte_level.get("use_regex", True):
         return "gpt-2"
     if kinds == ["Digits", "ByteLevel"] and pieces[0].get("individual_digits") and byte_level.get("use_regex", True):
@@ -138,8 +141,6 @@ class Written:
 
 def write(model, tokenizer, path: Path, quant: str, chat_template: str | None, name: str) -> Written:
     """Write `model` (a transformers LlamaForCausalLM or GPT2LMHeadModel) and its tokenizer to `path`."""
-    import gguf
-
     arch = check_config(model.config)
     pre = pre_tokenizer(tokenizer)
     tensor_type, file_type = (getattr(gguf.GGMLQuantizationType, QUANTS[quant][0]),
@@ -183,7 +184,6 @@ def write(model, tokenizer, path: Path, quant: str, chat_template: str | None, n
 def _add_vocab(w, tokenizer, n_vocab: int, pre: str, chat_template: str | None) -> None:
     import tempfile
 
-    import gguf
 
     # The token list as llama.cpp's converter builds it: ids the tokenizer lacks are unused padding rows,
     # special added tokens are control tokens.
@@ -210,8 +210,6 @@ def _add_vocab(w, tokenizer, n_vocab: int, pre: str, chat_template: str | None) 
     with tempfile.TemporaryDirectory() as d:  # SpecialVocab reads the merges from a saved tokenizer.json
         tokenizer.save_pretrained(d)
         special = gguf.SpecialVocab(d, load_merges=True, n_vocab=n_vocab)
-    if not special.merges:
-        w.add_token_merges([])  # llama.cpp refuses a BPE vocabulary without the key, even when it is empty
     special.special_token_ids = {k: v for k, v in {
         "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "unk": tokenizer.unk_token_id,
         "pad": tokenizer.pad_token_id}.items() if v is not None}
@@ -229,7 +227,6 @@ def permute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _add_tensors(w, model, arch: str, tensor_type) -> list[str]:
-    import gguf
     from transformers.pytorch_utils import Conv1D
 
     c = model.config
@@ -255,6 +252,10 @@ def _add_tensors(w, model, arch: str, tensor_type) -> list[str]:
         # Norms, biases and GPT-2's position table stay f32, as llama.cpp's converter keeps them: they are
         # small, and llama.cpp adds them in f32.
         kind = gguf.GGMLQuantizationType.F32 if data.ndim < 2 or name == "position_embd.weight" else tensor_type
+        if kind in NARROW and name in ("token_embd.weight", "output.weight"):
+            # the output projection (the embedding, when tied) decides every next token; llama-quantize keeps
+            # it at 6 bits for its 4- and 5-bit types, and the nearest gguf.quants has is 8
+            kind = gguf.GGMLQuantizationType.Q8_0
         try:
             packed = gguf.quants.quantize(data, kind)
         except gguf.QuantError:  # rows not a whole number of the quant's blocks

@@ -53,6 +53,8 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
         gguf_export.check_config(config)
     target = output_path(source.run_dir, fmt, quant, output)
     name = model_name(source.run_dir)
+    if fmt != "hf" and (source.run_dir / "tokenizer_config.json").is_file():
+        gguf_export.pre_tokenizer(models.load_tokenizer(str(source.run_dir)))  # before minutes of loading
 
     # 2. The model as it will run: the adapter folded into its (dequantised, fp32) base.
     loaded = inference.load_for_inference(None if source.adapter else str(source.run_dir),
@@ -64,7 +66,7 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     raw = trained_on_text(source.run_dir)
     template = None if raw else chat_template(tokenizer, _trained_template(source.run_dir))
     if fmt != "hf":
-        gguf_export.pre_tokenizer(tokenizer)  # refused here, not after minutes of writing
+        gguf_export.pre_tokenizer(tokenizer)  # a base model's tokenizer (the run saved none): before writing
 
     # 3. Written beside the target and moved into place only once the read-back agrees with the model;
     # SIGTERM ends it like Ctrl-C, so no half-written file (or new empty directory) is left either way.
@@ -268,7 +270,7 @@ def compare(model, back, tokenizer, template: str | None, quant: str) -> Agreeme
     agreement = Agreement(max(diffs), same / total, total)
     if agreement.top1 < MIN_AGREEMENT[quant] or (quant == "f32" and agreement.max_diff > F32_MAX_DIFF):
         raise TunebenchError(f"the written file does not reproduce the model: {agreement.line(quant)}; nothing "
-                             "was kept. Rerun with --debug and report it")
+                             "was kept. Export at a wider --quant (q8_0, f16), and report it if f16 fails", exit_code=1)
     return agreement
 
 

@@ -1,0 +1,261 @@
+"""tunebench export: GGUF that llama.cpp runs as tunebench does, Ollama's Modelfile, a merged HF directory."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tunebench import cli, gguf_export, inference, models
+from tunebench.config import load_config
+from tunebench.data.tokenize import render_prompt
+from tunebench.errors import TunebenchError
+from tunebench.jobs import export, finetune, generate, pretrain, tokenizer
+from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
+
+TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))
+TEMPLATE = 'Q ({{"json": 1}} {{% raw %}}): {instruction}\n"A": '  # braces, Jinja syntax, quotes and a newline
+PROMPTS = ("What is 7 plus one?", "Line 12: the quick brown fox, 84213 times.")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A GPT-2-style and a Llama-style `tunebench pretrain` run on a trained byte-level BPE tokenizer, and a
+    LoRA fine-tune of the Llama-style one with an awkward --template."""
+    root = tmp_path_factory.mktemp("export")
+    (root / "corpus.txt").write_text(TEXT)
+    tokenizer.train([str(root / "corpus.txt")], 300, "bpe", root / "tok", quiet=True)
+    for family, learned in (("gpt2", True), ("llama", False)):
+        m = ModelConfig(vocab_size=300, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=64, dropout=0.0,
+                        attention_dropout=0.0, use_learned_pos_emb=learned, activation="gelu" if learned else "swiglu",
+                        use_bias=learned)
+        pretrain.run(PretrainConfig(m, TrainingConfig(
+            batch_size=4, gradient_accumulation_steps=1, max_steps=30, learning_rate=3e-3, warmup_steps=1,
+            checkpoint_dir=str(root / family), progress=False, eval_steps=100, save_steps=None, logging_steps=10,
+            precision="fp32"), DataConfig(train_file=str(root / "corpus.txt"), tokenizer=str(root / "tok"),
+                                          max_length=64, max_eval_blocks=4)))
+    data = root / "sft.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"What is {i} plus one?", "response": f"It is {i + 1}."}) + "\n"
+                            for i in range(40)))
+    for method in ("lora", "dora", "ia3", "loha", "lokr"):
+        finetune.run(load_config(options={
+            "model.name": str(root / "llama"), "data.path": str(data), "data.max_length": 64, "train.max_steps": 8,
+            "data.template": TEMPLATE, "train.micro_batch_size": 4, "train.output_dir": str(root / method),
+            "train.progress": False, "train.lr": 1e-2, "adapter.method": method, "train.compile": "off"}))
+    return root
+
+
+def _listing(path):
+    return sorted(str(p) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "ia3", "loha", "lokr"])
+def test_every_weight_method_exports_exactly_at_f32(runs, tmp_path, method, capsys):
+    """The GGUF read back by transformers' own GGUF loader gives the unmerged adapter model's logits: the
+    merge, the tensor names, Q/K's rotary row order and the metadata all hold."""
+    path = export.export(str(runs / method), "gguf", "f32", str(tmp_path / "m.gguf"))
+    assert "max logit difference" in capsys.readouterr().out
+    unmerged = inference.load_for_inference(None, str(runs / method)).model
+    back = gguf_export.read_back(path)
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, unmerged(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_wrong_rotary_row_order_is_caught_and_nothing_is_kept(runs, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_export, "permute_rotary", lambda w, n_head: w)
+    with pytest.raises(TunebenchError, match="does not reproduce the model") as e:
+        export.export(str(runs / "lora"), "gguf", "f16", str(tmp_path / "out" / "m.gguf"))
+    assert e.value.exit_code == 1 and _listing(tmp_path) == []
+
+
+def test_grouped_query_attention_exports_exactly(runs, tmp_path):
+    """9 query heads over 3 key/value heads, as SmolLM2: K is permuted with its own head count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = models.load_tokenizer(str(runs / "tok"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=64,
+                                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id))
+    model.save_pretrained(tmp_path / "gqa")
+    tok.save_pretrained(tmp_path / "gqa")
+    path = export.export(str(tmp_path / "gqa"), "gguf", "f32")
+    assert path == tmp_path / "gqa" / "export" / "gqa-f32.gguf"
+    ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(gguf_export.read_back(path)(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, "### Instruction:\n{instruction}\n\n### Response:\n", "{instruction}"])
+def test_the_exported_chat_template_prompts_as_training_did(runs, template):
+    tok = models.load_tokenizer(str(runs / "tok"))
+    messages = [{"role": "user", "content": "Hi {there} {% if %}"}]
+    jinja = gguf_export.instruction_template(template)
+    assert (tok.apply_chat_template(messages, chat_template=jinja, tokenize=False, add_generation_prompt=True)
+            == render_prompt(messages, tok, template))
+
+
+# A quantized file may pick the other of two next tokens whose logits were this close in the model itself
+# (the check's max logit difference at q8_0 on these models is ~0.02); no gap may be wider.
+MAX_TIE = {"f16": 0.01, "q8_0": 0.1}
+
+
+@torch.no_grad()
+def _a_near_tie_split_them(loaded, ids, theirs, tie):
+    """Where llama.cpp's greedy tokens leave the merged model's, the model itself was all but tied."""
+    logits = loaded.model(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:-1]  # (len(theirs), V)
+    ours = logits.argmax(-1).tolist()
+    split = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    gap = (logits[split, ours[split]] - logits[split, theirs[split]]).item()
+    assert gap <= tie, f"llama.cpp chose token {theirs[split]} at step {split}, {gap:.3f} below the model's choice"
+
+
+def _greedy(llm, ids, n):
+    """llama.cpp's greedy tokens after `ids`, up to `n`, ending at its end-of-generation token."""
+    llm.reset()
+    out = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+        if t == llm.token_eos() or len(out) == n:
+            break
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("run,quant", [("lora", "f16"), ("lora", "q8_0"), ("gpt2", "f16"), ("gpt2", "q8_0")])
+def test_llama_cpp_tokenizes_and_generates_as_tunebench(runs, tmp_path, llama_cpp, run, quant):
+    """llama.cpp itself loads the file, tokenizes the prompt (in the trained format) to the same ids, and
+    its greedy tokens are tunebench generate's on the merged model."""
+    path = export.export(str(runs / run), "gguf", quant, str(tmp_path / f"{run}.gguf"))
+    loaded = inference.load_for_inference(None, str(runs / run)) if run == "lora" else \
+        inference.load_for_inference(str(runs / run), None)
+    if run == "lora":
+        loaded.model = loaded.model.merge_and_unload()
+    template = generate.trained_template(str(runs / run))
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False)
+    try:
+        for prompt in PROMPTS:
+            text = prompt if run == "gpt2" else render_prompt([{"role": "user", "content": prompt}], loaded.tokenizer,
+                                                              template)
+            ids = loaded.tokenizer(text, add_special_tokens=False).input_ids
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+            ours = generate.complete(loaded, [{"role": "user", "content": text}], max_new_tokens=10, raw=True)
+            theirs = _greedy(llm, ids, 10)
+            assert theirs, "llama.cpp generated nothing"
+            if loaded.tokenizer.decode(theirs, skip_special_tokens=True).strip() != ours:
+                _a_near_tie_split_them(loaded, ids, theirs, MAX_TIE[quant])
+    finally:
+        llm.close()
+
+
+def test_smollm2_lora_round_trip_runs_in_llama_cpp(tmp_path, llama_cpp):
+    """The default model (SmolLM2, a Q4_1 GGUF in) with a LoRA adapter, out as q8_0 GGUF: llama.cpp
+    tokenizes SmolLM2's chat template to the same ids, greedy-decodes the same reply and stops at EOS."""
+    from peft import LoraConfig, get_peft_model
+
+    loaded = models.resolve(models.SMOLLM2)
+    model = get_peft_model(loaded.model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False))  # B != 0: the merge changes weights
+    model.peft_config["default"].base_model_name_or_path = loaded.path
+    model.save_pretrained(tmp_path / "run")
+    loaded.tokenizer.save_pretrained(tmp_path / "run")
+    path = export.export(str(tmp_path / "run"), "gguf", "q8_0")
+    merged = inference.load_for_inference(None, str(tmp_path / "run"))
+    merged.model = merged.model.merge_and_unload()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = render_prompt(messages, merged.tokenizer)
+    ids = merged.tokenizer(text, add_special_tokens=False).input_ids
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        theirs = _greedy(llm, ids, 8)
+    finally:
+        llm.close()
+    ours = merged.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=merged.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    assert theirs == [t for t in ours if t != merged.tokenizer.eos_token_id][:len(theirs)] and len(theirs) >= 4
+
+
+def test_ollama_format_writes_the_gguf_and_a_modelfile(runs, tmp_path, capsys):
+    out = export.export(str(runs / "lora"), "ollama", "q8_0", str(tmp_path / "ollama"))
+    said = capsys.readouterr().out
+    modelfile = (out / "Modelfile").read_text()
+    assert f"ollama create lora -f {out / 'Modelfile'}" in said
+    assert "FROM ./lora-q8_0.gguf" in modelfile and (out / "lora-q8_0.gguf").is_file()
+    assert 'PARAMETER stop "</s>"' in modelfile and "PARAMETER num_ctx 64" in modelfile
+    go = modelfile.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    tok = models.load_tokenizer(str(runs / "lora"))
+    expected = render_prompt([{"role": "user", "content": "Hi"}], tok, TEMPLATE)
+    # Go's own escape for a literal {{ is {{ "{{" }}: undo it, and fill .Prompt as Ollama does
+    filled = go.replace('{{ "{{" }}', "{{").replace("{{ .Prompt }}", "Hi").replace("{{ .Response }}", "")
+    assert filled == expected
+
+
+def test_hf_format_is_the_merged_model_with_its_prompt_format(runs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = export.export(str(runs / "lora"), "hf", None, str(tmp_path / "hf"))
+    merged = inference.load_for_inference(None, str(runs / "lora")).model
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+    tok = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        render_prompt(messages, tok, TEMPLATE)
+
+
+def test_an_interrupted_export_leaves_nothing(runs, tmp_path, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_export, "read_back", interrupted)
+    for fmt, target in (("gguf", tmp_path / "new" / "deeper" / "m.gguf"), ("ollama", tmp_path / "o")):
+        with pytest.raises(KeyboardInterrupt):
+            export.export(str(runs / "gpt2"), fmt, "f16", str(target))
+    assert _listing(tmp_path) == []
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, capsys):
+    from peft import PrefixTuningConfig, get_peft_model
+    from transformers import OPTConfig, OPTForCausalLM
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    opt = OPTForCausalLM(OPTConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                   num_attention_heads=2, word_embed_proj_dim=16))
+    opt.save_pretrained(tmp_path / "opt")
+    prefix = get_peft_model(models.resolve(str(runs / "llama")).model,
+                            PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    prefix.save_pretrained(tmp_path / "prefix")
+    cases = [
+        ([str(tmp_path / "empty")], "holds no model"),
+        ([str(tmp_path / "opt")], "architecture 'opt' cannot be exported to GGUF yet; supported: llama"),
+        ([str(runs / "lora"), "-o", str(tmp_path / "a-file" / "m.gguf")], "which is a file"),
+        ([str(runs / "lora"), "--quant", "q4_k_m"], "the k-quants (q4_k_m ...) need llama.cpp's llama-quantize"),
+        ([str(runs / "lora"), "--quant", "q3"], "--quant 'q3' is not one of f32, f16"),
+        ([str(runs / "lora"), "--format", "onnx"], "--format 'onnx' is not one of gguf, ollama, hf"),
+        ([str(tmp_path / "prefix")], "prefix tuning: virtual tokens, no weights to fold"),
+    ]
+    before = _listing(tmp_path), _listing(runs)
+    capsys.readouterr()
+    for args, message in cases:
+        assert cli.main(["export", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert (_listing(tmp_path), _listing(runs)) == before
+
+
+def test_cli_export_prints_size_and_the_check(runs, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tunebench", "export", str(runs / "gpt2"), "--quant", "q8_0", "-o",
+                        str(tmp_path / "g.gguf")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {tmp_path / 'g.gguf'} (" in r.stdout and "MiB): gpt2 in q8_0" in r.stdout
+    assert "no prompt format (trained on plain text)" in r.stdout
+    assert "held-out prompts give the merged model's next token" in r.stdout
+    assert f"llama-cli -m {tmp_path / 'g.gguf'}" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tunebench", "export", str(runs / "gpt2"), "--quant", "q8_0", "-o",
+                        str(tmp_path / "g.gguf")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "exists; exports never overwrite" in r.stderr
