@@ -15,7 +15,7 @@ from tunebench.jobs import export, finetune, generate, pretrain, tokenizer
 from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))
-TEMPLATE = 'Q ({{"json": 1}} {{% raw %}}): {instruction}\n"A": '  # braces, Jinja syntax, quotes and a newline
+TEMPLATE = 'Q ({{{{"json": 1}}}} {{% raw %}}): {instruction}\n"A": '  # braces, Jinja syntax, quotes and a newline
 PROMPTS = ("What is 7 plus one?", "Line 12: the quick brown fox, 84213 times.")
 
 
@@ -188,8 +188,8 @@ def test_ollama_format_writes_the_gguf_and_a_modelfile(runs, tmp_path, capsys):
     tok = models.load_tokenizer(str(runs / "lora"))
     expected = render_prompt([{"role": "user", "content": "Hi"}], tok, TEMPLATE)
     # Go's own escape for a literal {{ is {{ "{{" }}: undo it, and fill .Prompt as Ollama does
-    filled = go.replace('{{ "{{" }}', "{{").replace("{{ .Prompt }}", "Hi").replace("{{ .Response }}", "")
-    assert filled == expected
+    prompt, after_reply = go.split("{{ .Response }}")
+    assert prompt.replace('{{ "{{" }}', "{{").replace("{{ .Prompt }}", "Hi") == expected and after_reply == "</s>"
 
 
 def test_hf_format_is_the_merged_model_with_its_prompt_format(runs, tmp_path):

@@ -120,13 +120,14 @@ def _jinja_text(text: str) -> str:
     return f"{{{{ {json.dumps(text, ensure_ascii=False)} }}}}" if text else ""
 
 
-def ollama_template(render) -> str:
+def ollama_template(render, eos: str) -> str:
     """The Modelfile TEMPLATE (a Go template) for a prompt format given as `render(user_text) -> prompt`:
-    the text around the user's message, found by rendering a marker, with `.Prompt` in its place."""
+    the text around the user's message, found by rendering a marker, with `.Prompt` in its place. What
+    follows `.Response` closes a reply in the history Ollama renders for the next turn, as EOS did in training."""
     marker = "\x00tunebench\x00"
     before, after = render(marker).split(marker)
     go = lambda s: s.replace("{{", '{{ "{{" }}')  # noqa: E731 - Go's own escape for a literal {{
-    return f"{go(before)}{{{{ .Prompt }}}}{go(after)}{{{{ .Response }}}}"
+    return f"{go(before)}{{{{ .Prompt }}}}{go(after)}{{{{ .Response }}}}{go(eos)}"
 
 
 # --- the file -------------------------------------------------------------------------------------

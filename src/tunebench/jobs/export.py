@@ -278,7 +278,7 @@ def write_modelfile(directory: Path, gguf_file: Path, tokenizer, template: str |
     """Ollama's Modelfile: the GGUF, the prompt format as a Go TEMPLATE, EOS as the stop word and the
     defaults `tunebench generate` uses (greedy)."""
     go = "{{ .Prompt }}" if template is None else gguf_export.ollama_template(
-        lambda user: render(tokenizer, template, user))
+        lambda user: render(tokenizer, template, user), tokenizer.eos_token or "")
     lines = [f"FROM ./{gguf_file.name}", f'TEMPLATE """{go}"""']
     if tokenizer.eos_token:
         lines.append(f"PARAMETER stop {json.dumps(tokenizer.eos_token)}")
