@@ -214,7 +214,7 @@ def test_example_lengths_of_packed_and_padded_batches():
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 40, size=9)
     ids = rng.integers(0, 50, size=int(lengths.sum())).astype(np.int32)
-    data = Tokenized(ids, np.ones_like(ids, dtype=np.int8), np.concatenate([[0], np.cumsum(lengths)]), "text", 0)
+    data = Tokenized(ids, np.ones_like(ids, dtype=np.int8), np.concatenate([[0], np.cumsum(lengths)]), "text", 0, np.arange(len(lengths)))
     rows = list(range(9))
     packed = batching.collate_packed(data, rows, 0, capacity=64)
     assert packed["input_ids"].shape[0] < 9

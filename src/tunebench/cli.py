@@ -69,6 +69,9 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default 1)"),
     (("--eval-steps",), "train.eval_steps",
      "eval loss every N steps, or below 1 a share of the steps (0.25: 4 evals; default: before and after training)"),
+    (("--eval-generate",), "train.eval_generate",
+     "at the end, answer N held-out rows and score them: ROUGE-L, chrF, exact match (GSM8K), EOS rate (default 0)"),
+    (("--eval-max-new-tokens",), "train.eval_max_new_tokens", "the cap on each of those answers (default 128)"),
     (("--save-steps", "--save_steps"), "train.save_steps", "checkpoint every N steps (default: at the end)"),
     (("--save-total-limit",), "train.save_total_limit", "keep the newest N checkpoints (default 2)"),
     (("--resume",), "train.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
@@ -266,8 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-download", action="store_true", help="let the base model come from the hub")
     _add_debug(p)
 
-    p = sub.add_parser("eval", help="loss and perplexity on a dataset")
-    _model_options(p)
+    p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, ...)")
+    p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
+    p.add_argument("--adapter", action="append", default=None,
+                   help="a training --output-dir; give several to compare them on the same rows")
+    p.add_argument("--base", action="store_true", help="also evaluate the adapters' base model, for a base vs tuned table")
+    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+    p.add_argument("--generate", type=int, default=0,
+                   help="answer N held-out rows (greedy, the run's prompt format) and score them")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="the cap on each answer (default 128)")
+    p.add_argument("--output-dir", default="eval-results",
+                   help="where the answers (answers-MODEL.jsonl) and scores.json go (default eval-results)")
     p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None)
@@ -417,10 +429,34 @@ def run_job(args: argparse.Namespace) -> int:
     elif args.job == "eval":
         from tunebench.jobs import evaluate
 
+        from pathlib import Path
+
+        from tunebench.inference import base_of
+        from tunebench.jsonfile import write_json
+
         data = _data_config(args.data, args.max_length, args.max_samples)
-        print(json.dumps(evaluate.run(args.model, args.adapter, data, args.batch_size,
-                                      allow_download=args.allow_download, device=args.device,
-                                      precision=args.precision), indent=2))
+        adapters = args.adapter or [None]
+        if args.base and adapters == [None]:
+            raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
+        chosen = [("base", args.model or base_of(adapters[0]), None)] if args.base else []
+        chosen += [(evaluate.label_of(args.model, a), args.model, a) for a in adapters]
+        labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
+                  for i, (label, _, _) in enumerate(chosen)]
+        out = Path(args.output_dir)
+        results = [(label, evaluate.run(
+            model, adapter, data, args.batch_size, allow_download=args.allow_download, device=args.device,
+            precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
+            answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
+            for label, (_, model, adapter) in zip(labels, chosen)]
+        if args.generate:
+            write_json(out / "scores.json", {label: r for label, r in results})
+        if len(results) == 1:
+            print(json.dumps(results[0][1], indent=2))
+        else:
+            print(evaluate.side_by_side(results))
+        if args.generate:
+            print(f"answers and scores in {out}/ (answers-MODEL.jsonl, scores.json); generated for "
+                  f"{results[0][1]['generated_from']}")
     elif args.job == "compare":
         from pathlib import Path
 

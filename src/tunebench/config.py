@@ -96,6 +96,8 @@ class TrainConfig:
     logging_steps: int = 1
     eval_steps: float | None = None  # every N steps; below 1, a share of the run's steps (0.25: 4 evals); None: at the end
     save_steps: int | None = None  # None: checkpoint only at the end and on interrupt
+    eval_generate: int = 0  # at the end, answer this many held-out rows and score them (tunebench.quality)
+    eval_max_new_tokens: int = 128  # the cap on each of those answers
     save_total_limit: int = 2
     resume: str | None = None  # auto | PATH to a checkpoint directory
     overwrite: bool = False  # replace an earlier run in output_dir (never implied)
@@ -398,6 +400,9 @@ def validate(cfg: RunConfig) -> None:
     }
     if t.max_steps is not None and t.max_tokens is not None:
         raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
+    if t.eval_generate < 0:
+        raise TunebenchError(f"train.eval_generate (--eval-generate) must be 0 or more, got {t.eval_generate}")
+    positive["train.eval_max_new_tokens (--eval-max-new-tokens)"] = t.eval_max_new_tokens
     for opt in ("grad_accum_steps", "max_steps", "max_tokens", "eval_steps", "save_steps", "threads"):
         if getattr(t, opt) is not None:
             positive[f"train.{opt}"] = getattr(t, opt)

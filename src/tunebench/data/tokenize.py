@@ -20,7 +20,7 @@ from tunebench.durable import atomic_file
 from tunebench.errors import TunebenchError
 
 DEFAULT_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-FORMAT_VERSION = 2  # bump when tokenization changes, to invalidate caches
+FORMAT_VERSION = 3  # bump when tokenization changes, to invalidate caches
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Tokenized:
     offsets: np.ndarray  # (N_examples + 1,) int64
     fmt: str
     dropped: int  # examples with no loss token left after truncation
+    rows: np.ndarray  # (N_examples,) int64: the example (its index in Examples.messages) each one came from
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -122,8 +123,8 @@ def tokenize_messages(
     segments = [_segments(m, tokenizer, cfg) for m in examples]
     flat = [text for seg in segments for text, _ in seg]
     encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
-    ids, masks, offsets, dropped, k = [], [], [0], 0, 0
-    for seg in segments:
+    ids, masks, offsets, dropped, k, rows = [], [], [0], 0, 0, []
+    for row, seg in enumerate(segments):
         ex_ids: list[int] = []
         ex_mask: list[int] = []
         for _, trainable in seg:
@@ -138,9 +139,10 @@ def tokenize_messages(
         ids += ex_ids
         masks += ex_mask
         offsets.append(offsets[-1] + len(ex_ids))
+        rows.append(row)
     return Tokenized(
         np.asarray(ids, dtype=np.int32), np.asarray(masks, dtype=np.int8), np.asarray(offsets, dtype=np.int64),
-        fmt, dropped,
+        fmt, dropped, np.asarray(rows, dtype=np.int64),
     )
 
 
@@ -155,7 +157,7 @@ def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None,
         if cache_file.exists():
             try:
                 with np.load(cache_file) as z:
-                    return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]))
+                    return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]), z["rows"])
             except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # torn or damaged
                 print(f"data: the tokenized cache {cache_file.name} does not load ({type(e).__name__}); "
                       "tokenizing again")
@@ -168,7 +170,8 @@ def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None,
         )
     if cache_file is not None:
         with atomic_file(cache_file, suffix=".npz") as tmp:
-            np.savez(tmp, ids=data.ids, mask=data.mask, offsets=data.offsets, fmt=data.fmt, dropped=data.dropped)
+            np.savez(tmp, ids=data.ids, mask=data.mask, offsets=data.offsets, fmt=data.fmt, dropped=data.dropped,
+                     rows=data.rows)
     return data
 
 

@@ -37,6 +37,7 @@ SCHEMA = [
     "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
     "duration_seconds", "samples_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
+    "rougeL", "chrf", "exact_match", "eos_rate",  # task quality (train.eval_generate > 0; tunebench.quality)
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
 ]
@@ -228,6 +229,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"],
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
         "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
+        **{k: s.get(k) for k in ("rougeL", "chrf", "exact_match", "eos_rate")},
         "trainable_params": s.get("trainable_parameters") or s.get("parameters"),
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
         "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),

@@ -1,12 +1,17 @@
 """`tunebench eval`: token-weighted loss and perplexity of a model (with an optional adapter) on a dataset,
-on the device and in the precision a training run would pick (or those asked for)."""
+and with `--generate N` the task itself: answers generated for N held-out rows in the run's prompt format,
+scored (tunebench.quality). Several models (`--base`, `--adapter A --adapter B`) give one table, on the
+same rows. Runs on the device and in the precision a training run would pick (or those asked for)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 
-from tunebench import hardware, inference, models, runner
-from tunebench.config import DataConfig
+from tunebench import hardware, inference, models, quality, runner
+from tunebench.config import DataConfig, read_yaml
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
@@ -14,7 +19,15 @@ from tunebench.loop import DTYPES, CausalLMLoss, evaluate
 
 
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
-        allow_download: bool = False, device: str = "auto", precision: str = "auto") -> dict:
+        allow_download: bool = False, device: str = "auto", precision: str = "auto", generate: int = 0,
+        max_new_tokens: int = 128, answers: Path | None = None, split_of: str | None = None,
+        template: str | None = None) -> dict:
+    """Loss (and, with `generate`, task scores) of one model. `split_of`: the run directory whose held-out
+    rows and prompt format the answers use (default: the adapter's, or the model's when it is a run);
+    `template` overrides that prompt format."""
+    if generate < 0 or max_new_tokens < 1:
+        raise TunebenchError(f"--generate must be 0 or more and --max-new-tokens 1 or more, got {generate} and "
+                             f"{max_new_tokens}")
     examples = formats.load_examples(data)  # bad data is refused before the model loads
     plan = hardware.plan(device, precision, hardware.detect(), "off")
     runner.apply_plan(plan)
@@ -28,4 +41,51 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     loaded.model.to(on)
     autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
     result = evaluate(CausalLMLoss(loaded.model, autocast), batches, on)
-    return {"model": loaded.source, "rows": len(idx), "device": plan.device, "precision": plan.precision, **result}
+    out = {"model": loaded.source, "rows": len(idx), "device": plan.device, "precision": plan.precision, **result}
+    if generate:
+        from tunebench.jobs.generate import trained_template
+
+        rows, where = held_out(examples, tokenized, data, split_of or adapter or model)
+        if plan.precision != "fp32":
+            loaded.model.to(DTYPES[plan.precision])
+        template = template or trained_template(adapter, split_of, model)
+        scores = quality.evaluate_task(loaded, rows[:generate], template, max_new_tokens,
+                                       answers or Path("answers.jsonl"), seed)
+        out.update(generated=min(generate, len(rows)), generated_from=where, **scores)
+    return out
+
+
+def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: str | None) -> tuple[list, str]:
+    """The rows to generate for: a training run's own held-out rows (its seed and eval fraction) when this is
+    its data, else every row of the dataset (none of it was trained on)."""
+    config = Path(run_dir) / "config.yaml" if run_dir else None
+    if config is not None and config.is_file():
+        cfg = read_yaml(config)
+        d, t = cfg.get("data", {}), cfg.get("train", {})
+        if isinstance(d, dict) and d.get("path") and Path(str(d["path"])).resolve() == Path(data.path).resolve():
+            _, eval_idx = split(len(tokenized), float(d.get("eval_fraction", 0.0)), int(t.get("seed", 42)),
+                                d.get("max_samples"), d.get("eval_samples"))
+            if len(eval_idx) == 0:
+                raise TunebenchError(f"'{run_dir}' held no rows out of '{data.path}' (eval_fraction 0): its answers "
+                                     "there would be to training rows; pass --data with other rows")
+            return [examples.messages[tokenized.rows[i]] for i in eval_idx], f"the held-out rows of {run_dir}"
+    return list(examples.messages), f"the rows of {data.path}"
+
+
+COLUMNS = (("rows", "{:d}"), ("eval_loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("rougeL", "{:.1f}"),
+           ("chrf", "{:.1f}"), ("exact_match", "{:.1f}"), ("eos_rate", "{:.0f}%"), ("answer_tokens", "{:.1f}"),
+           ("gen_tokens_per_s", "{:.1f}"))
+
+
+def side_by_side(results: list[tuple[str, dict]]) -> str:
+    """One row per model, the columns any of them has."""
+    shown = [(k, f) for k, f in COLUMNS if any(r.get(k) is not None for _, r in results)]
+    head = ["model"] + [k for k, _ in shown]
+    body = [[label] + [("-" if r.get(k) is None else f.format(r[k])) for k, f in shown] for label, r in results]
+    widths = [max(len(str(row[i])) for row in [head] + body) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body)
+
+
+def label_of(model: str | None, adapter: str | None) -> str:
+    name = Path(adapter).name if adapter else (model or models.SMOLLM2)
+    return re.sub(r"[^\w.-]+", "-", str(name)).strip("-") or "model"

@@ -101,6 +101,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         data = load_tokenized(cfg.data, tok, models.cache_dir(), examples)
     check_rows(len(data), cfg, data.dropped, "left without a response by truncation at --max-length")
     train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
+    if t.eval_generate and (len(eval_idx) == 0 or data.fmt == "text"):
+        raise TunebenchError("--eval-generate answers held-out prompt/response rows, and this run holds none out "
+                             f"({'plain text' if data.fmt == 'text' else 'eval_fraction 0'}); set --eval-fraction "
+                             "above 0 on instruction, alpaca or chat data, or drop --eval-generate")
     model, autocast, method_rows = build_model(cfg, loaded, hw_plan.precision, device)
     model.config.use_cache = False
     trainable, total = models.count_parameters(model)
@@ -116,6 +120,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     steps = runplan.total_steps(len(train_idx), effective, t.epochs, t.max_steps, t.max_tokens, tokens_per_row)
     parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
                                       memory_free_mb(device, world.local_size))
+    if t.eval_generate and parallel == "fsdp":
+        raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
+                             "`tunebench eval --adapter OUT --generate N` after training instead")
 
     def measure() -> runplan.Measured:
         longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
@@ -218,9 +225,28 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
         "effective_batch_size": effective, "max_length": cfg.data.max_length,
     }
+    if t.eval_generate:
+        summary.update(task_scores(model, tok, [examples.messages[data.rows[i]] for i in eval_idx[:t.eval_generate]],
+                                   cfg, out))
     write_json(out / "summary.json", summary)
     summary_.report(summary, out)
     return summary
+
+
+@torch.no_grad()
+def task_scores(model, tok, rows: list, cfg: RunConfig, out: Path) -> dict[str, Any]:
+    """The trained model's answers to held-out rows, scored (ROUGE-L, chrF, exact match, EOS rate), in the
+    run's own prompt format; the answers go to eval_answers.jsonl."""
+    from tunebench import quality
+
+    compiler.uncompile_blocks(model)
+    model.eval()
+    model.config.use_cache = True
+    scores = quality.evaluate_task(models.Loaded(model, tok, "", None), rows, cfg.data.template,
+                                   cfg.train.eval_max_new_tokens, out / "eval_answers.jsonl", cfg.train.seed)
+    shown = ", ".join(f"{k} {v}" for k, v in scores.items() if v is not None)
+    print(f"answers to {len(rows)} held-out rows: {shown} (each in {out / 'eval_answers.jsonl'})")
+    return scores
 
 
 def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:

@@ -224,6 +224,55 @@ def batch_chart(cells) -> bytes | None:
     return _png(fig)
 
 
+# The quality axis: the first task metric the runs have (higher is better), else eval loss (lower is).
+QUALITY = (("rougeL", "ROUGE-L", True), ("exact_match", "exact match (%)", True), ("chrf", "chrF", True),
+           ("eval_loss", "eval loss (lower is better)", False))
+
+
+def quality_points(cells) -> tuple[str, str, bool, list[tuple[str, float, float]]]:
+    """(metric, its label, higher is better, [(device: config, tokens/s, quality)]) over every cell that has both."""
+    for key, label, higher in QUALITY:
+        pts = [(f"{device}: {config}", cell.median("tokens_per_s"), cell.median(key))
+               for device, by in cells.items() for config, cell in by.items()
+               if cell.median("tokens_per_s") is not None and cell.median(key) is not None]
+        if pts:
+            return key, label, higher, pts
+    return "", "", True, []
+
+
+def pareto_front(points: list[tuple[str, float, float]], higher: bool) -> list[tuple[str, float, float]]:
+    """The points no other point beats on both speed and quality (at least as good on both, better on one),
+    fastest first."""
+    def better(a, b):  # a dominates b
+        q_ge = a[2] >= b[2] if higher else a[2] <= b[2]
+        q_gt = a[2] > b[2] if higher else a[2] < b[2]
+        return a[1] >= b[1] and q_ge and (a[1] > b[1] or q_gt)
+
+    return sorted((p for p in points if not any(better(o, p) for o in points)), key=lambda p: -p[1])
+
+
+def quality_chart(cells) -> bytes | None:
+    """Each configuration and device a point (tokens/s, quality); the Pareto front joined and marked, so a
+    faster configuration that answers worse is read together with its speed."""
+    key, label, higher, pts = quality_points(cells)
+    if len(pts) < 2:
+        return None
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    front = pareto_front(pts, higher)
+    ax.scatter([p[1] for p in pts], [p[2] for p in pts], color="#999999", label="configuration")
+    ax.plot([p[1] for p in front], [p[2] for p in front], marker="o", color="#d62728", label="Pareto front")
+    for name, x, y in pts:
+        ax.annotate(name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    if not higher:
+        ax.invert_yaxis()  # better is up either way
+    ax.set_xlabel("throughput (real tokens/s)")
+    ax.set_ylabel(label)
+    ax.set_title(f"Quality vs speed ({key})")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
 def loss_chart(runs: list[Run]) -> bytes | None:
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -280,10 +329,11 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
 
 COLUMNS = ["experiment", "device_name", "processes", "config", "method", "batch_size", "grad_accum", "quantization",
            "precision", "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
-           "trainable_params", "status"]
+           "rougeL", "chrf", "exact_match", "eos_rate", "trainable_params", "status"]
 
 
-DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4}
+DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4,
+          "rougeL": 1, "chrf": 1, "exact_match": 1, "eos_rate": 0}
 
 
 def _cell(run: Run, key: str) -> str:
@@ -323,6 +373,7 @@ def charts(r: dict) -> list[tuple[str, bytes]]:
         ("final_loss", bar_chart(r["cells"], "final_train_loss", "Final training loss", "loss")),
         ("batch_effect", batch_chart(r["cells"])),
         ("loss_curves", loss_chart(r["runs"])),
+        ("quality_vs_speed", quality_chart(r["cells"])),
     ]:
         if png:
             out.append((name, png))
