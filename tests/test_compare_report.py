@@ -18,6 +18,8 @@ def _matrix(tmp_path, dataset, extra=""):
   data.max_length: 256
   train.max_steps: 2
   train.effective_batch_size: 4
+  train.eval_generate: 2
+  train.eval_max_new_tokens: 4
 experiments:
   - {{name: bs2_ga2, set: {{train.micro_batch_size: 2, train.grad_accum_steps: 2}}}}
   - {{name: gpu_only, devices: [cuda], set: {{train.micro_batch_size: 4}}}}
@@ -42,6 +44,8 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     assert ok["status"] == "ok" and ok["device"] == "cpu" and ok["batch_size"] == "2" and ok["grad_accum"] == "2"
     for key in ("duration_seconds", "tokens_per_s", "peak_memory_mb", "eval_loss", "final_train_loss", "steps"):
         assert float(ok[key]) > 0, key
+    assert float(ok["eos_rate"]) in (0, 50, 100) and 0 <= float(ok["rougeL"]) <= 100 and ok["exact_match"] == ""
+    assert float(ok["chrf"]) >= 0
     assert by["broken"]["status"] == "error" and "not a HF directory" in by["broken"]["message"]
     assert "[2/2]" in capsys.readouterr().out
 

@@ -1,0 +1,159 @@
+"""Task-level evaluation: metrics as the libraries compute them, the EOS rate, held-out rows, base vs tuned,
+the columns compare writes and the quality-vs-speed chart."""
+
+import json
+
+import pytest
+import torch
+
+from tunebench import cli, quality
+from tunebench.config import load_config
+from tunebench.jobs import finetune, report
+
+PAIRS = [("The refund was sent to your card.", "Your refund has been sent to your card."),
+         ("Please reset your password from the login page.", "You can reset the password on the login page."),
+         ("", "An empty answer scores zero."), ("Exactly the same.", "Exactly the same.")]
+
+
+def _answers(pairs, stopped=None):
+    return [quality.Answer("p", ref, hyp, 5, True if stopped is None else stopped[i])
+            for i, (hyp, ref) in enumerate(pairs)]
+
+
+def test_rouge_l_and_chrf_are_the_libraries_own_values():
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    scores = quality.score(_answers(PAIRS), 1.0)
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    rouge = sum(scorer.score(ref, hyp)["rougeL"].fmeasure for hyp, ref in PAIRS) / len(PAIRS)
+    assert scores["rougeL"] == round(100 * rouge, 2)
+    assert scores["chrf"] == round(sacrebleu.corpus_chrf([h for h, _ in PAIRS], [[r for _, r in PAIRS]]).score, 2)
+    assert 0 < scores["rougeL"] < 100 and scores["exact_match"] is None  # not GSM8K-style references
+    assert quality.score(_answers([("Exactly the same.", "Exactly the same.")]), 1.0)["rougeL"] == 100.0
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"), ("#### 1,250", "1250"), ("The answer is $18.", "18"),
+    ("So she has 3.50 dollars left", "3.5"), ("5 apples and then 7.0", "7"), ("no number here", None),
+])
+def test_the_final_answer_is_read_as_gsm8k_and_lm_eval_read_it(text, expected):
+    assert quality.final_answer(text) == expected
+
+
+def test_exact_match_on_gsm8k_style_references():
+    pairs = [("She pays 5 + 3 = 8 dollars. #### 8", "5+3=8\n#### 8"), ("The total is 1,250.", "#### 1250"),
+             ("It is 7", "#### 6")]
+    assert quality.score(_answers(pairs), 1.0)["exact_match"] == round(100 * 2 / 3, 2)
+
+
+def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
+    """Row 1 ends with EOS inside the cap; row 2 fills the cap without it."""
+    tok, eos = tiny.tokenizer, tiny.tokenizer.eos_token_id
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+
+    def fake_generate(input_ids, attention_mask, max_new_tokens, **kwargs):
+        assert max_new_tokens == 3 and kwargs["do_sample"] is False and kwargs["eos_token_id"] == eos
+        new = torch.tensor([[a, eos, tok.pad_token_id], [a, b, a]])
+        return torch.cat([input_ids, new], dim=1)
+
+    monkeypatch.setattr(tiny.model, "generate", fake_generate)
+    rows = [[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a"}],
+            [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "aba"}]]
+    answers, _ = quality.generate_answers(tiny, rows, "auto", max_new_tokens=3)
+    assert [(x.answer, x.tokens, x.stopped) for x in answers] == [("a", 2, True), ("aba", 3, False)]
+    scores = quality.score(answers, 0.5)
+    assert scores["eos_rate"] == 50.0 and scores["answer_tokens"] == 2.5 and scores["gen_tokens_per_s"] == 10.0
+    assert tok.padding_side == "right"  # put back after left-padded generation
+
+
+def test_plain_text_rows_have_nothing_to_score(tiny):
+    with pytest.raises(Exception, match="no prompt/response rows"):
+        quality.generate_answers(tiny, [[{"role": "text", "content": "hello"}]], "auto", 4)
+
+
+@pytest.fixture
+def tuned(tmp_path, dataset):
+    out = tmp_path / "run"
+    summary = finetune.run(load_config(options={
+        "model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "train.max_steps": 2,
+        "train.micro_batch_size": 4, "train.output_dir": str(out), "train.progress": False,
+        "data.eval_fraction": 0.25, "train.eval_generate": 3, "train.eval_max_new_tokens": 6}))
+    return out, summary
+
+
+def test_training_scores_its_held_out_rows_at_the_end(tuned, dataset):
+    out, summary = tuned
+    for key in ("rougeL", "chrf", "eos_rate", "answer_tokens", "gen_tokens_per_s"):
+        assert summary[key] is not None and json.loads((out / "summary.json").read_text())[key] == summary[key]
+    lines = [json.loads(line) for line in (out / "eval_answers.jsonl").read_text().splitlines()]
+    assert lines[0]["scores"]["rougeL"] == summary["rougeL"] and len(lines) == 4
+    train_prompts = {r["instruction"] for r in map(json.loads, dataset.read_text().splitlines())}
+    assert all(any(q in line["prompt"] for q in train_prompts) for line in lines[1:])
+    assert all(line["tokens"] <= 6 for line in lines[1:])
+
+
+def test_eval_base_vs_tuned_is_one_table_on_the_same_held_out_rows(tuned, dataset, tmp_path, capsys):
+    out, _ = tuned
+    code = cli.main(["eval", "--adapter", str(out), "--base", "--data", str(dataset), "--max-length", "256",
+                     "--generate", "3", "--max-new-tokens", "6", "--output-dir", str(tmp_path / "ev")])
+    assert code == 0
+    said = capsys.readouterr().out
+    header, base_row, tuned_row = said.splitlines()[:3]
+    assert header.split()[:4] == ["model", "rows", "eval_loss", "perplexity"] and "rougeL" in header
+    assert base_row.startswith("base ") and tuned_row.startswith("run ")
+    assert f"generated for the held-out rows of {out}" in said
+    answers = {name: [json.loads(x) for x in (tmp_path / "ev" / f"answers-{name}.jsonl").read_text().splitlines()[1:]]
+               for name in ("base", "run")}
+    assert [a["prompt"] for a in answers["base"]] == [a["prompt"] for a in answers["run"]]
+    held = [json.loads(x)["prompt"] for x in (out / "eval_answers.jsonl").read_text().splitlines()[1:]]
+    assert [a["prompt"] for a in answers["run"]] == held  # the rows training held out, in its format
+    scores = json.loads((tmp_path / "ev" / "scores.json").read_text())
+    assert set(scores) == {"base", "run"} and scores["run"]["generated"] == 3
+
+
+def test_eval_generate_refuses_bad_counts(dataset, capsys):
+    assert cli.main(["eval", "--model", "tiny", "--data", str(dataset), "--generate", "-1"]) == 2
+    assert "--generate must be 0 or more" in capsys.readouterr().err
+    assert cli.main(["eval", "--model", "tiny", "--base"]) == 2
+    assert "--base compares a base model with its adapters" in capsys.readouterr().err
+
+
+def test_train_eval_generate_without_held_out_rows_is_refused_before_loading(dataset, tmp_path):
+    from tunebench.errors import TunebenchError
+
+    with pytest.raises(TunebenchError, match="holds none out"):
+        finetune.run(load_config(options={
+            "model.name": "tiny", "data.path": str(dataset), "train.output_dir": str(tmp_path / "o"),
+            "data.eval_fraction": 0.0, "train.eval_generate": 2, "train.max_steps": 1}))
+
+
+def test_pareto_front_and_the_quality_chart():
+    pts = [("a", 100.0, 30.0), ("b", 200.0, 20.0), ("c", 150.0, 10.0), ("d", 200.0, 25.0), ("e", 50.0, 30.0)]
+    assert [p[0] for p in report.pareto_front(pts, higher=True)] == ["d", "a"]
+    # eval loss: lower is better
+    assert [p[0] for p in report.pareto_front(pts, higher=False)] == ["b", "c"]
+
+    class Cell:
+        def __init__(self, tps, rouge):
+            self.values = {"tokens_per_s": tps, "rougeL": rouge}
+
+        def median(self, key):
+            return self.values.get(key)
+
+    cells = {"cpu": {"bs1": Cell(100.0, 30.0), "bs4": Cell(200.0, 20.0)}, "cuda": {"bs4": Cell(900.0, 29.0)}}
+    key, label, higher, points = report.quality_points(cells)
+    assert key == "rougeL" and higher and len(points) == 3
+    png = report.quality_chart(cells)
+    assert png.startswith(b"\x89PNG")
+
+
+def test_rows_keep_the_example_they_came_from_past_truncation(tmp_path, tiny):
+    """Tokenized.rows maps each kept example to its row, so held-out rows are found after drops."""
+    from tunebench.data.tokenize import tokenize_messages
+
+    cfg = load_config(options={"data.max_length": 8, "data.template": "{instruction}"}).data
+    rows = [[{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "long prompt"}],
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]]
+    data = tokenize_messages(rows, tiny.tokenizer, cfg, "instruction")
+    assert data.dropped == 1 and data.rows.tolist() == [1]
