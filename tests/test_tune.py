@@ -2,6 +2,7 @@
 crashing trial, and writes a best YAML that reproduces its trial."""
 
 import csv
+import re
 import json
 import signal
 import subprocess
@@ -177,3 +178,30 @@ def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
     cfg = pretrain_config.load(summary["best_yaml"])
     assert cfg.training.checkpoint_dir == str(tmp_path / "tune" / "best-run")
     assert pretrain.run(cfg)["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-4)
+
+
+def test_a_task_metric_objective_is_maximized_over_the_trials_answers(tmp_path, dataset, capsys):
+    space = _space(tmp_path, "train.lr: [0.001, 0.01]\n")
+    out = tmp_path / "tune"
+    summary = search.run("train", None, {**_base(dataset), "train.eval_max_new_tokens": 4}, space, 2, str(out),
+                         "random", "auto", max_steps=2, objective="rougeL")
+    said = capsys.readouterr().out
+    assert "objective: rougeL of each trial's answers to 16 held-out rows (maximized); pruner none" in said
+    rows = _rows(out / "results.csv")
+    scores = {int(r["experiment"].split("-")[1]): float(r["rougeL"]) for r in rows}
+    assert len(scores) == 2 and summary["best_rougeL"] == max(scores.values())
+    assert scores[summary["best_trial"]] == max(scores.values())
+    assert f"rougeL {summary['best_rougeL']:.4f}" in (out / "best.yaml").read_text()
+    assert (out / "trials" / f"trial-{summary['best_trial']:03d}" / "eval_answers.jsonl").is_file()
+
+
+@pytest.mark.parametrize("job,pruner,extra,message", [
+    ("train", "median", {}, "--pruner median stops trials by their eval loss"),
+    ("pretrain", "auto", {}, "`tune --job pretrain` runs do not have"),
+    ("train", "auto", {"train.eval_generate": 0}, "train.eval_generate is 0"),
+])
+def test_a_task_objective_that_cannot_work_is_refused(tmp_path, dataset, job, pruner, extra, message):
+    with pytest.raises(TunebenchError, match=re.escape(message)):
+        search.run(job, None, {**_base(dataset), **extra}, _space(tmp_path, "train.lr: [0.001]\n"), 1,
+                   str(tmp_path / "t"), "random", pruner, max_steps=1, objective="rougeL")
+    assert not (tmp_path / "t").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -176,8 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--job", dest="job_kind", default="train", choices=["train", "pretrain"],
                     help="what a trial runs (default train)")
     tu.add_argument("--sampler", default="tpe", choices=["tpe", "random"], help="Optuna sampler (default tpe)")
-    tu.add_argument("--pruner", default="median", choices=["median", "none"],
-                    help="stop trials whose eval loss is worse than the median of earlier trials at the same point")
+    tu.add_argument("--pruner", default="auto", choices=["auto", "median", "none"],
+                    help="median: stop trials whose eval loss is worse than the median of earlier trials at the same "
+                         "point; auto (default): median for --objective eval_loss, none for a task metric")
+    tu.add_argument("--objective", default="eval_loss", choices=["eval_loss", "rougeL", "chrf", "exact_match"],
+                    help="what a trial is judged by: eval_loss (default, minimized) or a task metric of its answers "
+                         "to held-out rows (maximized; train.eval_generate rows, default 16)")
     length = tu.add_mutually_exclusive_group()
     length.add_argument("--budget-tokens", type=int, default=None,
                         help="every trial trains on about this many real tokens, whatever its batch size")
@@ -254,9 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
         _placement_options(p)
         _add_debug(p)
 
-    p = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
-    _model_options(p)
-    p.add_argument("--output-dir", required=True, help="new directory for the merged model")
+    p = sub.add_parser("merge", help="merge an adapter into its base model, or combine several LoRA adapters into one")
+    p.add_argument("--model", default=None, help="base model (default: the adapter's base)")
+    p.add_argument("--adapter", action="append", default=None,
+                   help="a training --output-dir; give several to combine them into one adapter")
+    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+    p.add_argument("--output-dir", required=True,
+                   help="new directory for the merged model (one adapter) or the combined adapter (several)")
+    p.add_argument("--weights", default=None, help="several adapters: comma-separated weights (default equal, 1/n)")
+    p.add_argument("--combination", default="linear",
+                   help="several adapters: linear (default) | cat | ties | dare_ties | magnitude_prune (PEFT's)")
+    p.add_argument("--density", type=float, default=None,
+                   help="ties, dare_ties, magnitude_prune: the share of each adapter's weights kept (0-1)")
     _add_debug(p)
 
     p = sub.add_parser("export", help="a run's model, adapter merged, as GGUF (llama.cpp), Ollama or a HF directory")
@@ -386,7 +400,7 @@ def run_job(args: argparse.Namespace) -> int:
                    dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
                    args.sampler, args.pruner, args.budget_tokens, args.max_steps,
                    args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name,
-                   args.device, args.seed)
+                   args.device, args.seed, args.objective)
     elif args.job == "serve":
         from tunebench.models import SMOLLM2
         from tunebench.web import app
@@ -421,7 +435,14 @@ def run_job(args: argparse.Namespace) -> int:
     elif args.job == "merge":
         from tunebench.jobs.merge import merge
 
-        merge(args.adapter or _need("--adapter"), args.output_dir, args.model, args.allow_download)
+        adapters = args.adapter or _need("--adapter")
+        if len(adapters) == 1:
+            merge(adapters[0], args.output_dir, args.model, args.allow_download)
+        else:
+            from tunebench.jobs.merge import combine
+
+            combine(adapters, args.output_dir, _weights(args.weights), args.combination, args.density, args.model,
+                    args.allow_download)
     elif args.job == "export":
         from tunebench.jobs.export import export
 
@@ -502,6 +523,18 @@ def _data_config(path: str | None, max_length: int | None, max_samples: int | No
 
     options = {"data.path": path, "data.max_length": max_length, "data.max_samples": max_samples}
     return load_config(options={k: v for k, v in options.items() if v is not None}).data
+
+
+def _weights(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise TunebenchError(f"--weights must be comma-separated numbers such as 0.6,0.4, got {text!r}") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise TunebenchError(f"--weights must be finite numbers, got {text!r}")
+    return weights
 
 
 def _need(flag: str):

@@ -1,12 +1,21 @@
-"""`tunebench merge`: fold an adapter (LoRA, DoRA, IA3, LoHa, LoKr) into its base and save a plain safetensors HF directory."""
+"""`tunebench merge`: fold an adapter (LoRA, DoRA, IA3, LoHa, LoKr) into its base and save a plain safetensors HF
+directory; or, given several LoRA adapters of one base, combine them into one adapter with PEFT's
+add_weighted_adapter (linear, cat, ties, dare_ties, magnitude_prune), which generate, chat, serve, eval and
+export load like any run."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import yaml
+
 from tunebench import inference
+from tunebench.durable import atomic_dir
 from tunebench.errors import TunebenchError
+
+COMBINATIONS = ("linear", "cat", "ties", "dare_ties", "magnitude_prune")
+NEEDS_DENSITY = ("ties", "dare_ties", "magnitude_prune")
 
 
 def merge(adapter: str, output_dir: str, model: str | None = None, allow_download: bool = False) -> Path:
@@ -25,3 +34,75 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
     loaded.tokenizer.save_pretrained(out)
     print(f"merged {loaded.source} into {out}")
     return out
+
+
+def combine(adapters: list[str], output_dir: str, weights: list[float] | None = None, combination: str = "linear",
+            density: float | None = None, model: str | None = None, allow_download: bool = False) -> Path:
+    """Several LoRA adapters of one base as one new adapter directory."""
+    from tunebench.jobs.generate import trained_template
+
+    out = Path(output_dir)
+    weights = weights or [1.0 / len(adapters)] * len(adapters)
+    check_combination(adapters, out, weights, combination, density)
+    templates = {trained_template(a) for a in adapters}
+    if len(templates) > 1:
+        raise TunebenchError(f"the adapters were trained with different prompt formats ({', '.join(map(repr, templates))}); "
+                             "a combined adapter answers one format: combine adapters trained with the same --template")
+    bases = {_resolved(inference.base_of(a)) for a in adapters}
+    if len(bases) > 1 and model is None:
+        raise TunebenchError(f"the adapters were trained on different base models ({', '.join(sorted(bases))}); "
+                             "only adapters of one base combine")
+
+    names = [f"adapter_{i}" for i in range(len(adapters))]
+    loaded = inference.load_for_inference(model, adapters[0], None, allow_download)  # the base, loaded once
+    peft_model = loaded.model
+    for name, path in zip(names, adapters):
+        peft_model.load_adapter(path, adapter_name=name)
+    extra = {"density": density} if combination in NEEDS_DENSITY else {}
+    peft_model.delete_adapter("default")
+    peft_model.add_weighted_adapter(names, weights, "default", combination_type=combination, **extra)
+    for name in names:
+        peft_model.delete_adapter(name)
+    with atomic_dir(out) as tmp:
+        peft_model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        # what generate, eval and export read from a run directory: its base and its prompt format
+        (tmp / "config.yaml").write_text(yaml.safe_dump({
+            "model": {"name": inference.base_of(adapters[0])}, "data": {"template": templates.pop()},
+            "combined": {"adapters": [str(Path(a).resolve()) for a in adapters], "weights": weights,
+                         "combination": combination, **extra}}, sort_keys=False))
+    print(f"combined {len(adapters)} adapters ({combination}, weights {', '.join(f'{w:g}' for w in weights)}"
+          f"{f', density {density:g}' if density is not None else ''}) into {out}")
+    return out
+
+
+def _resolved(spec: str) -> str:
+    return str(Path(spec).resolve()) if Path(spec).exists() else spec
+
+
+def check_combination(adapters: list[str], out: Path, weights: list[float], combination: str,
+                      density: float | None) -> None:
+    """Everything PEFT would refuse late, or a user could get wrong, refused before a model loads."""
+    if combination not in COMBINATIONS:
+        raise TunebenchError(f"--combination '{combination}' is not one of {', '.join(COMBINATIONS)}")
+    if len(weights) != len(adapters):
+        raise TunebenchError(f"--weights gives {len(weights)} weight(s) for {len(adapters)} adapters; give one each")
+    if combination in NEEDS_DENSITY and (density is None or not 0 < density <= 1):
+        raise TunebenchError(f"--combination {combination} keeps a share of each adapter's weights: pass "
+                             f"--density between 0 and 1 (PEFT's examples use 0.2), got {density}")
+    if out.exists() and any(out.iterdir()):
+        raise TunebenchError(f"--output-dir '{out}' is not empty; merging never overwrites, pick a new directory")
+    ranks = set()
+    for a in adapters:
+        config = Path(a) / "adapter_config.json"
+        if not config.is_file():
+            raise TunebenchError(f"'{a}' holds no adapter_config.json; point --adapter at a training run's --output-dir")
+        c = json.loads(config.read_text())
+        if c.get("peft_type") != "LORA" or c.get("use_dora"):
+            kind = "DORA" if c.get("use_dora") else c.get("peft_type")
+            raise TunebenchError(f"'{a}' is a {kind} adapter; PEFT combines LoRA adapters only (train with "
+                                 "--method lora or qlora)")
+        ranks.add(c.get("r"))
+    if combination != "cat" and len(ranks) > 1:
+        raise TunebenchError(f"--combination {combination} needs adapters of one rank, these have r = "
+                             f"{', '.join(map(str, sorted(ranks)))}; use --combination cat (ranks add up)")

@@ -33,6 +33,10 @@ SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
 MAX_DUPLICATES = 30  # proposals in a row that repeat earlier trials: the space is exhausted
 SAME_FAILURES = 3  # trials in a row failing with one message: a setting they share is wrong, not a choice
 EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
+# What a trial is judged by: eval loss (lower is better, judged while it runs), or a task metric of its
+# answers to held-out rows at the end (train.eval_generate; higher is better).
+OBJECTIVES = {"eval_loss": "minimize", "rougeL": "maximize", "chrf": "maximize", "exact_match": "maximize"}
+TASK_ROWS = 16  # held-out rows a trial answers when the objective is a task metric and train.eval_generate is unset
 KEYS = {  # per job: the keys tune sets on every trial
     "train": {"budget": "train.max_tokens", "steps": "train.max_steps", "eval": "train.eval_steps"},
     "pretrain": {"budget": "training.max_tokens", "steps": "training.max_steps", "eval": "training.eval_steps"},
@@ -129,7 +133,7 @@ def check(job: str, config: str | None, base: dict[str, Any], params: list[Param
                              "(e.g. data.eval_fraction=0.05)")
 
 
-def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str) -> str:
+def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str, objective: str = "eval_loss") -> str:
     """What makes a study the same search: a rerun with another space, config or budget is refused."""
     if config and job == "pretrain":
         from tunebench import pretrain_config
@@ -137,7 +141,8 @@ def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str) 
         config = str(pretrain_config.config_path(config))
     text = json.dumps({"job": job, "config": Path(config).read_text() if config else None,
                        "base": {k: str(v) for k, v in sorted(base.items())},
-                       "space": space_path(space).read_text()}, sort_keys=True)
+                       "space": space_path(space).read_text(),
+                       **({"objective": objective} if objective != "eval_loss" else {})}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -158,7 +163,8 @@ def hide_password(url: str) -> str:
     return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
-def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: str, seed: int, mark: str):
+def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: str, seed: int, mark: str,
+               direction: str = "minimize"):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -177,7 +183,7 @@ def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: 
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: since 2.x
                 rdb = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                                                  heartbeat_stale_trial_callback=_run_again)
-            study = optuna.create_study(storage=rdb, study_name=name, direction="minimize", load_if_exists=True,
+            study = optuna.create_study(storage=rdb, study_name=name, direction=direction, load_if_exists=True,
                                         sampler=samplers[sampler](), pruner=pruners[pruner]())
             break
         except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable database: one line, before any trial
@@ -272,12 +278,15 @@ def evals_of(run_dir: Path, seen: int) -> tuple[list[tuple[int, float]], int]:
     return found, len(complete)
 
 
-def _follow(proc, trial, run_dir: Path) -> tuple[int, tuple[int, float] | None]:
-    """Report a running trial's evals to the pruner as they appear; stop it (with a checkpoint) when
-    pruned. Returns (metrics lines read, (eval index, loss) it was pruned at, or None)."""
+def _follow(proc, trial, run_dir: Path, report: bool = True) -> tuple[int, tuple[int, float] | None]:
+    """Report a running trial's evals to the pruner as they appear (when the objective is the eval loss);
+    stop it (with a checkpoint) when pruned. Returns (metrics lines read, (eval index, loss) it was pruned
+    at, or None)."""
     seen = 0
     while proc.poll() is None:
         time.sleep(0.5)
+        if not report:
+            continue
         found, seen = evals_of(run_dir, seen)
         for index, loss in found:
             if index >= EVALS:  # the final eval is the trial's result, not a point to stop it at
@@ -290,7 +299,7 @@ def _follow(proc, trial, run_dir: Path) -> tuple[int, tuple[int, float] | None]:
 
 
 def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], params: list[Param], out: Path,
-              device: str | None) -> dict[str, Any] | None:
+              device: str | None, objective: str = "eval_loss") -> dict[str, Any] | None:
     """One trial: its process, its evals reported to the pruner as they appear; returns its results row
     (None: its choices duplicate an earlier trial's, so it did not run)."""
     import optuna
@@ -319,7 +328,7 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
             study._storage.record_heartbeat(trial._trial_id)
         proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)  # forked before any thread
         with get_heartbeat_thread(trial._trial_id, study._storage):  # Optuna's own, as its optimize() keeps
-            seen, pruned_at = _follow(proc, trial, run_dir)
+            seen, pruned_at = _follow(proc, trial, run_dir, objective == "eval_loss")
     except BaseException as e:  # the trial's process never outlives the search, and the trial never stays RUNNING
         if proc is not None:
             compare.stop(proc)  # it stops with a checkpoint
@@ -331,7 +340,7 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     summary = run_dir / "summary.json"
     used = json.loads(summary.read_text()).get("device") if proc.returncode == 0 and summary.is_file() else None
     row = compare.finish(proc, run_dir, used or device or "auto")
-    if row["status"] == "ok":
+    if row["status"] == "ok" and objective == "eval_loss":
         found, seen = evals_of(run_dir, seen)
         for index, loss in found:
             if index < EVALS:
@@ -342,10 +351,15 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
                                                "worse than the median of earlier trials there"}
     trial.set_user_attr("row", {k: v for k, v in row.items() if v is not None})
     trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 1))
-    if row["status"] == "ok" and row.get("eval_loss") is not None:
+    if row["status"] == "ok" and row.get(objective) in (None, ""):
+        row |= {"status": "error", "message": f"the run reported no {objective}"
+                + ("" if objective != "exact_match" else ": the references are not GSM8K-style (#### answer)")}
+        trial.set_user_attr("row", {k: v for k, v in row.items() if v is not None})
+    if row["status"] == "ok":
         trial.set_user_attr("config", (run_dir / "config.yaml").read_text())
-        study.tell(trial, float(row["eval_loss"]))
-        print(f"  eval loss {float(row['eval_loss']):.4f}, {float(row['tokens_per_s'] or 0):,.0f} tokens/s, "
+        study.tell(trial, float(row[objective]))
+        shown = "" if objective == "eval_loss" else f"{objective} {float(row[objective]):.2f}, "
+        print(f"  {shown}eval loss {float(row['eval_loss']):.4f}, {float(row['tokens_per_s'] or 0):,.0f} tokens/s, "
               f"{trial.user_attrs['wall_s']:.0f} s", flush=True)
     elif row["status"] == "pruned":
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -376,13 +390,13 @@ def write_best(study, job: str, out: Path) -> Path | None:
             if "config" in t.user_attrs]
     if not done:
         return None
-    best = min(done, key=lambda t: t.value)
+    best = (max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min)(done, key=lambda t: t.value)
     cfg = yaml.safe_load(best.user_attrs["config"])
     section, key = ("train", "output_dir") if job == "train" else ("training", "checkpoint_dir")
     cfg[section].update({key: str(out / "best-run"), "overwrite": False, "resume": None, "progress": True})
     path = out / "best.yaml"
-    header = (f"# tunebench tune: the best of {len(done)} finished trial(s), trial {best.number}, eval loss "
-              f"{best.value:.4f}\n# {trial_settings(best.params)}\n# run it: tunebench {job} {path}\n")
+    header = (f"# tunebench tune: the best of {len(done)} finished trial(s), trial {best.number}, "
+              f"{study.user_attrs.get('objective', 'eval_loss')} {best.value:.4f}\n# {trial_settings(best.params)}\n# run it: tunebench {job} {path}\n")
     with atomic_file(path) as tmp:
         tmp.write_text(header + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
     return path
@@ -418,8 +432,16 @@ def charts(study) -> list[tuple[str, bytes]]:
 
 
 def run(job: str, config: str | None, overrides: dict[str, Any], space: str, trials: int, out_dir: str,
-        sampler: str = "tpe", pruner: str = "median", budget_tokens: int | None = None, max_steps: int | None = None,
-        storage: str | None = None, study_name: str = "tunebench", device: str | None = None, seed: int = 42) -> dict:
+        sampler: str = "tpe", pruner: str = "auto", budget_tokens: int | None = None, max_steps: int | None = None,
+        storage: str | None = None, study_name: str = "tunebench", device: str | None = None, seed: int = 42,
+        objective: str = "eval_loss") -> dict:
+    if objective not in OBJECTIVES:
+        raise TunebenchError(f"--objective '{objective}' is not one of {', '.join(OBJECTIVES)}")
+    if pruner == "auto":  # the median pruner compares eval losses mid-run; a task metric exists only at the end
+        pruner = "median" if objective == "eval_loss" else "none"
+    elif pruner == "median" and objective != "eval_loss":
+        raise TunebenchError(f"--pruner median stops trials by their eval loss while they run, and {objective} is "
+                             "known only at a trial's end; use --pruner none (the default for a task objective)")
     if trials < 1:
         raise TunebenchError(f"--trials must be 1 or more, got {trials}")
     if budget_tokens is not None and budget_tokens < 1:
@@ -433,11 +455,23 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
     elif max_steps is not None:
         base |= {keys["steps"]: max_steps, keys["budget"]: None}
     base[keys["eval"]] = 1 / EVALS
+    if objective != "eval_loss":
+        if job != "train":
+            raise TunebenchError(f"--objective {objective} scores answers to prompts, which `tune --job pretrain` "
+                                 "runs do not have; use --objective eval_loss")
+        if base.get("train.eval_generate") == 0:
+            raise TunebenchError(f"--objective {objective} needs answers to score, and train.eval_generate is 0; "
+                                 f"leave it unset ({TASK_ROWS} rows) or give a number")
+        base.setdefault("train.eval_generate", TASK_ROWS)
+        print(f"objective: {objective} of each trial's answers to {base['train.eval_generate']} held-out rows "
+              f"(maximized); pruner {pruner}")
     params = load_space(space)
     check(job, config, base, params)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    study = open_study(out, storage, study_name, sampler, pruner, seed, fingerprint(job, config, base, space))
+    study = open_study(out, storage, study_name, sampler, pruner, seed,
+                       fingerprint(job, config, base, space, objective), OBJECTIVES[objective])
+    study.set_user_attr("objective", objective)
 
     def finished() -> int:
         return sum(counted(t) for t in study.get_trials(deepcopy=False))
@@ -457,7 +491,7 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
             with warnings.catch_warnings():  # we keep the heartbeat ourselves, as optimize() would
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
                 trial = study.ask()
-            row = run_trial(study, trial, job, config, base, params, out, device)
+            row = run_trial(study, trial, job, config, base, params, out, device, objective)
             if row is None:
                 if any(t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)):
                     time.sleep(2.0)  # what is left may be running elsewhere: its end may finish the study
@@ -482,15 +516,15 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
     best_path = write_best(study, job, out)
     summary: dict[str, Any] = {"trials": finished(), "results": str(out / "results.csv"), "best_yaml": None}
     if best_path is None:
-        print("no trial finished with an eval loss; see the trials' log.txt under " + str(out / "trials"))
+        print(f"no trial finished with {objective}; see the trials' log.txt under " + str(out / "trials"))
         return summary
     from tunebench.jobs import report
 
     html = report.write([str(out / "results.csv")], str(out / "report"), extra_charts=charts(study))
     best = study.best_trial
-    summary |= {"best_trial": best.number, "best_eval_loss": best.value, "best_params": best.params,
-                "best_yaml": str(best_path), "report": str(html)}
-    print(f"best: trial {best.number}, eval loss {best.value:.4f} ({trial_settings(best.params)})")
+    summary |= {"best_trial": best.number, f"best_{objective}": best.value, "best_params": best.params,
+                "best_yaml": str(best_path), "report": str(html), "objective": objective}
+    print(f"best: trial {best.number}, {objective.replace('_', ' ')} {best.value:.4f} ({trial_settings(best.params)})")
     print(f"best configuration: {best_path}  (tunebench {job} {best_path})")
     print(f"results: {out / 'results.csv'}; report: {html.resolve()}")
     return summary
