@@ -19,8 +19,9 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "preset (smollm2-135m-instruct [default], gpt2-124m, tiny), hub id, HF directory or .gguf file"),
     (("--tokenizer",), "model.tokenizer", "tokenizer directory or id, when not the model's own"),
     (("--data", "--dataset"), "data.path",
-     "CSV, JSON, JSONL, Parquet or saved datasets dir (default: built-in customer-support sample)"),
-    (("--format",), "data.format", "auto | instruction | alpaca | chat | text (default auto: from the columns)"),
+     "CSV, JSON, JSONL, Parquet or saved datasets dir (default: built-in customer-support sample); several "
+     "--data FILE:WEIGHT train on a mixture"),
+    (("--format",), "data.format", "auto | instruction | alpaca | question | chat | text (default auto: from the columns)"),
     (("--instruction-column",), "data.instruction_column", "prompt column of instruction data (default instruction)"),
     (("--response-column",), "data.response_column", "answer column of instruction data (default response)"),
     (("--template",), "data.template",
@@ -125,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "dotted overrides such as train.lr=1e-4.")
     train.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
     for flags, key, help_text in TRAIN_OPTIONS:
-        train.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V")
+        # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
+        train.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
+                           **({"action": "append"} if key == "data.path" else {}))
     train.add_argument("--profile", default=None, metavar="NAME",
                        help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
     train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
@@ -362,6 +365,14 @@ def train_config(args: argparse.Namespace):
     from tunebench.config import load_config
 
     options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
+    if isinstance(options.get("data.path"), list):
+        from tunebench.config import parse_source
+
+        given = options.pop("data.path")
+        if len(given) == 1 and parse_source(given[0])[1] is None:
+            options["data.path"] = given[0]
+        else:
+            options["data.sources"] = given
     configs, overrides = _items(args)
     return load_config(configs[0] if configs else None, options, overrides, getattr(args, "profile", None))
 

@@ -38,7 +38,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = BUILTIN_DATA
-    format: str = "auto"  # auto | instruction | alpaca | chat | text
+    format: str = "auto"  # auto | instruction | alpaca | question (question+answer, GSM8K) | chat | text
     instruction_column: str = "instruction"
     input_column: str = "input"
     response_column: str = "response"
@@ -51,6 +51,9 @@ class DataConfig:
     max_samples: int | None = None
     eval_fraction: float = 0.05
     eval_samples: int | None = None  # cap on eval rows (after the split)
+    # several datasets in one run: ((path, mixture weight), ...); each is formatted and split on its own,
+    # and training draws from them in proportion to the weights. Empty: `path` alone.
+    sources: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
+        return d
 
     def batch_ask(self) -> BatchAsk:
         """What the batch options ask for (runplan holds the rule): an explicit --grad-accum with a micro
@@ -172,6 +177,8 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
     an infinite learning rate) is refused here, at load, with the fix, never carried into a run."""
     section, name = key.split(".")
     cls = cls or _SECTION_TYPES[section]
+    if key == "data.sources":
+        return _sources(value)
     hint = typing.get_type_hints(cls)[name]
     args = typing.get_args(hint)
     optional = type(None) in args or (isinstance(hint, types.UnionType) and type(None) in args)
@@ -223,6 +230,47 @@ def _coerce(key: str, value: Any, cls: type | None = None) -> Any:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_source(text: str) -> tuple[str, float | None]:
+    """'support.csv:0.7' -> ('support.csv', 0.7); a path whose last ':' is not followed by a number keeps it."""
+    path, sep, tail = str(text).rpartition(":")
+    try:
+        return (path, float(tail)) if sep and path else (str(text), None)
+    except ValueError:
+        return str(text), None
+
+
+def _sources(value: Any) -> tuple[tuple[str, float], ...]:
+    """data.sources as YAML ([{path, weight}], [[path, weight]]) or the command line (['a.csv:0.7', ...])."""
+    if value in (None, "", [], ()):
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, dict) and set(item) <= {"path", "weight"} and "path" in item:
+            path, weight = str(item["path"]), item.get("weight", 1.0)
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            path, weight = str(item[0]), item[1]
+        elif isinstance(item, str):
+            path, weight = parse_source(item)
+            weight = 1.0 if weight is None else weight
+        else:
+            raise TunebenchError(f"data.sources entry {_short(item)} is not a path with a weight; give "
+                                 "{path: FILE, weight: 0.7} in YAML or --data FILE:0.7")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, str)):
+            raise TunebenchError(f"data.sources weight of '{path}' must be a number, got {_short(weight)}")
+        try:
+            weight = float(weight)
+        except ValueError:
+            raise TunebenchError(f"data.sources weight of '{path}' must be a number, got {weight!r}") from None
+        if not (math.isfinite(weight) and weight > 0) or not path:
+            raise TunebenchError(f"data.sources needs a path and a weight above 0 for each dataset, got "
+                                 f"'{path}' with {weight}")
+        out.append((path, weight))
+    if len({p for p, _ in out}) != len(out):
+        raise TunebenchError("data.sources names a dataset twice; give each once, with its weight")
+    return tuple(out)
 
 
 def check_types(cfg: Any, sections: dict[str, type]) -> None:
@@ -374,7 +422,10 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 def validate(cfg: RunConfig) -> None:
     check_types(cfg, _SECTION_TYPES)
     d, a, t = cfg.data, cfg.adapter, cfg.train
-    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "chat", "text"))
+    if d.sources and d.path != BUILTIN_DATA:
+        raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
+                             "(--data FILE:WEIGHT once per dataset)")
+    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "question", "chat", "text"))
     _choice("data.train_on", d.train_on, ("response", "all"))
     _choice("data.packing", d.packing, ("auto", "on", "off"))
     _choice("adapter.method", a.method, METHODS)

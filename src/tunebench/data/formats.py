@@ -26,6 +26,8 @@ def detect(columns: set[str], cfg: DataConfig) -> str:
         return "instruction"
     if "instruction" in columns and "output" in columns:
         return "alpaca"
+    if "question" in columns and "answer" in columns:
+        return "question"  # GSM8K, and most QA sets
     if cfg.text_column in columns:
         return "text"
     raise TunebenchError(
@@ -40,6 +42,7 @@ def required_columns(fmt: str, cfg: DataConfig) -> tuple[str, ...]:
     return {
         "instruction": (cfg.instruction_column, cfg.response_column),
         "alpaca": ("instruction", "output"),
+        "question": ("question", "answer"),
         "chat": (),  # messages or conversations, checked per record
         "text": (cfg.text_column,),
     }[fmt]
@@ -61,6 +64,9 @@ def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
         if extra.strip():
             prompt = f"{prompt}\n\n{extra}"
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(record["output"])}]
+    if fmt == "question":
+        return [{"role": "user", "content": _text(record["question"])},
+                {"role": "assistant", "content": _text(record["answer"])}]
     if fmt == "text":
         return [{"role": "text", "content": _text(record[cfg.text_column])}]
     turns = record.get(cfg.messages_column, record.get("conversations"))

@@ -14,8 +14,8 @@ from tunebench import distributed, hardware, inference, models, optim, rundir, r
 from tunebench import summary as summary_
 from tunebench.config import RunConfig, dump_yaml
 from tunebench.hardware import Decision
-from tunebench.data import batching, formats
-from tunebench.data.tokenize import load_tokenized, split
+from tunebench.data import batching, mixture
+from tunebench.data.tokenize import split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
 from tunebench.loop import DTYPES, LoopSettings, evaluate
@@ -75,10 +75,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     out = Path(t.output_dir)
 
     # -- every input checked before anything expensive: data, model, output directory, checkpoint
-    examples = formats.load_examples(cfg.data)
-    if examples.empty_rows:
-        print(f"data: {examples.describe_dropped()}")
-    check_rows(len(examples.messages), cfg, len(examples.empty_rows), "empty")
+    parts = mixture.parts(cfg.data)  # one dataset, or each of data.sources with its weight
+    for part in parts:
+        if part.examples.empty_rows:
+            print(f"data{'' if len(parts) == 1 else ' ' + part.name}: {part.examples.describe_dropped()}")
+    check_rows(sum(len(p.examples.messages) for p in parts), cfg, sum(len(p.examples.empty_rows) for p in parts),
+               "empty")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
 
@@ -87,7 +89,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     hw_plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
     world = distributed.init(hw_plan.device, t.backend)
     device = distributed.device_for(world, hw_plan.device)
-    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "data": cfg.data.path, "seed": t.seed}
+    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": t.seed,
+                "data": cfg.data.path if not cfg.data.sources else [list(s) for s in cfg.data.sources]}
     resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
     ask = cfg.batch_ask()
     effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
@@ -98,9 +101,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with distributed.local_rank0_first(world):
         loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
         tok = loaded.tokenizer
-        data = load_tokenized(cfg.data, tok, models.cache_dir(), examples)
+        data, spans, messages = mixture.tokenize(parts, tok, models.cache_dir())
     check_rows(len(data), cfg, data.dropped, "left without a response by truncation at --max-length")
-    train_idx, eval_idx = split(len(data), cfg.data.eval_fraction, t.seed, cfg.data.max_samples, cfg.data.eval_samples)
+    train_parts, eval_parts = mixture.splits(spans, cfg.data, t.seed)
+    train_idx = train_parts[0] if len(parts) == 1 else mixture.mixture(train_parts, [p.weight for p in parts], t.seed)
+    eval_idx = np.concatenate(eval_parts)
+    if len(parts) > 1:
+        print("data: " + ", ".join(f"{p.name} {p.weight:.0%} of the training rows ({len(tr)} rows, {len(ev)} held out)"
+                                   for p, tr, ev in zip(parts, train_parts, eval_parts)))
     if t.eval_generate and (len(eval_idx) == 0 or data.fmt == "text"):
         raise TunebenchError("--eval-generate answers held-out prompt/response rows, and this run holds none out "
                              f"({'plain text' if data.fmt == 'text' else 'eval_fraction 0'}); set --eval-fraction "
@@ -164,7 +172,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                  else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows, {effective} a step")])
     if world.main:
         print(f"model: {loaded.source}")
-        print(f"data: {cfg.data.path} ({data.fmt}), {len(train_idx)} train / {len(eval_idx)} eval rows"
+        print(f"data: {' + '.join(p.config.path for p in parts)} ({data.fmt}), {len(train_idx)} train / "
+              f"{len(eval_idx)} eval rows"
               + (f"; {data.dropped} of {len(data) + data.dropped} rows dropped: no response left after truncation"
                  if data.dropped else ""))
         print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
@@ -191,11 +200,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     next_micro_batch = runner.micro_batches(
         lambda epoch: batching.epoch_steps(train_idx, effective, t.seed, epoch, lengths=group_lengths),
         collate, world, micro, accum)
-    eval_batches = batching.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id)
+    eval_sets = [(p.name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id))
+                 for p, e in zip(parts, eval_parts) if len(e)]
+    eval_batches = [b for _, batches in eval_sets for b in batches]
 
     def run_eval() -> dict[str, float]:
         with compiler.eagerly(plan.compile):
-            return evaluate(eval_objective, eval_batches, device, world, split_eval)
+            return per_source([(name, evaluate(eval_objective, batches, device, world, split_eval))
+                               for name, batches in eval_sets])
 
     # -- train
     settings = LoopSettings(
@@ -225,25 +237,48 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
         "effective_batch_size": effective, "max_length": cfg.data.max_length,
     }
+    summary.update({k: v for k, v in outcome.after.items() if k.startswith("eval_loss/")})
     if t.eval_generate:
-        summary.update(task_scores(model, tok, [examples.messages[data.rows[i]] for i in eval_idx[:t.eval_generate]],
-                                   cfg, out))
+        groups = [(p.name, [messages[data.rows[i]] for i in e[:t.eval_generate]]) for p, e in zip(parts, eval_parts)]
+        summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, out))
     write_json(out / "summary.json", summary)
     summary_.report(summary, out)
     return summary
 
 
+def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
+    """One dataset's eval as it is; several: the overall loss over all their held-out tokens, and each
+    dataset's own as eval_loss/<name>."""
+    if len(results) == 1:
+        return results[0][1]
+    tokens = sum(r["eval_tokens"] for _, r in results)
+    loss = sum(r["eval_loss"] * r["eval_tokens"] for _, r in results) / max(tokens, 1)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens,
+            **{f"eval_loss/{name}": r["eval_loss"] for name, r in results}}
+
+
 @torch.no_grad()
-def task_scores(model, tok, rows: list, cfg: RunConfig, out: Path) -> dict[str, Any]:
-    """The trained model's answers to held-out rows, scored (ROUGE-L, chrF, exact match, EOS rate), in the
-    run's own prompt format; the answers go to eval_answers.jsonl."""
+def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out: Path) -> dict[str, Any]:
+    """The trained model's answers to each dataset's held-out rows, scored (ROUGE-L, chrF, exact match, EOS
+    rate) in the run's own prompt format: overall, and per dataset (rougeL/<name>, ...) when there are
+    several. The answers go to eval_answers.jsonl."""
     from tunebench import quality
 
     compiler.uncompile_blocks(model)
     model.eval()
     model.config.use_cache = True
-    scores = quality.evaluate_task(models.Loaded(model, tok, "", None), rows, cfg.data.template,
-                                   cfg.train.eval_max_new_tokens, out / "eval_answers.jsonl", cfg.train.seed)
+    rows = [r for _, group in groups for r in group]
+    answers, seconds = quality.generate_answers(models.Loaded(model, tok, "", None), rows, cfg.data.template,
+                                                cfg.train.eval_max_new_tokens, seed=cfg.train.seed)
+    scores = quality.score(answers, seconds)
+    if len(groups) > 1:
+        start = 0
+        for name, group in groups:
+            part = quality.score(answers[start:start + len(group)], seconds * len(group) / len(rows))
+            scores |= {f"{k}/{name}": v for k, v in part.items()
+                       if k in ("rougeL", "chrf", "exact_match", "eos_rate") and v is not None}
+            start += len(group)
+    quality.write_answers(out / "eval_answers.jsonl", answers, scores)
     shown = ", ".join(f"{k} {v}" for k, v in scores.items() if v is not None)
     print(f"answers to {len(rows)} held-out rows: {shown} (each in {out / 'eval_answers.jsonl'})")
     return scores
