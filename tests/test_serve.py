@@ -348,3 +348,27 @@ def test_serving_places_the_model_as_training_would(monkeypatch):
     registry = models.Registry(models.entries(["tiny"], []), device="cpu", precision="fp32")
     registry.get(registry.labels[0])
     assert placed == [("cpu", "fp32")]
+
+
+def test_runs_of_one_base_share_it_and_answer_as_if_loaded_alone(tuned, tmp_path):
+    """Two LoRA runs of one base are two named adapters on one loaded model; each answers as it does
+    when it is the only one served."""
+    from tunebench.jobs import finetune
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"ask {i}", "response": f"reply {i}"}) + "\n" for i in range(12)))
+    other = tmp_path / "other"
+    finetune.run(tiny_run_config(data, other, **{"train.max_steps": 3, "train.seed": 7, "train.lr": 0.05}))
+    both = models.Registry(models.entries(["tiny"], [tuned, str(other)]))
+
+    def reply(registry, label):
+        *_, done = models.stream(registry, label, [{"role": "user", "content": "question 3"}], max_new_tokens=12,
+                                 temperature=0)
+        return done.text
+
+    answers = {label: reply(both, label) for label in both.labels[1:] * 2}  # switching back and forth
+    assert both.bases_loaded() == 1  # one base, shared by both runs
+    for run, label in zip([tuned, str(other)], both.labels[1:]):
+        alone = models.Registry(models.entries([], [run]))
+        assert reply(alone, alone.labels[0]) == answers[label]
+    assert answers[both.labels[1]] != answers[both.labels[2]]

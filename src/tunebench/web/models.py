@@ -56,6 +56,10 @@ class Registry:
         self.allow_download = allow_download
         self.device, self.precision, self.placement = inference.placement(device, precision)
         self._loaded: dict[str, tuple[models.Loaded, str]] = {}
+        # Adapters of one base and one PEFT type share one loaded base, as PEFT's named adapters: the
+        # base's memory once, whatever the number of runs served; `activate` picks one before generating.
+        self._shared: dict[tuple[str, str], models.Loaded] = {}
+        self._adapter_name: dict[str, str] = {}
         self._load_lock = threading.Lock()
         self.generate_lock = threading.Lock()
 
@@ -72,10 +76,44 @@ class Registry:
         with self._load_lock:
             if label not in self._loaded:
                 e = self.choices[label]
-                loaded = inference.load_for_inference(e.model, e.adapter, None, self.allow_download)
-                inference.place(loaded, self.device, self.precision)
+                group = _group(e)
+                if group in self._shared:  # its base is loaded: add the adapter to it, by name
+                    shared = self._shared[group]
+                    name = f"run_{len(self._adapter_name)}"
+                    shared.model.load_adapter(e.adapter, adapter_name=name)
+                    shared.model.eval()  # a newly loaded adapter's modules start in training mode
+                    inference.place(shared, self.device, self.precision)
+                    loaded = models.Loaded(shared.model, models.load_tokenizer(e.adapter)
+                                           if (Path(e.adapter) / "tokenizer_config.json").is_file() else shared.tokenizer,
+                                           f"{shared.source.split(' + adapter ')[0]} + adapter {e.adapter}", None)
+                else:
+                    loaded = inference.load_for_inference(e.model, e.adapter, None, self.allow_download)
+                    inference.place(loaded, self.device, self.precision)
+                    name = "default"
+                    if group is not None:
+                        self._shared[group] = loaded
+                if group is not None:
+                    self._adapter_name[label] = name
                 self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
             return self._loaded[label]
+
+    def activate(self, label: str) -> None:
+        """Point a shared base at this run's adapter (called with generate_lock held)."""
+        if label in self._adapter_name:
+            self._loaded[label][0].model.set_adapter(self._adapter_name[label])
+
+    def bases_loaded(self) -> int:
+        """Distinct model objects in memory (a shared base counts once)."""
+        return len({id(loaded.model) for loaded, _ in self._loaded.values()})
+
+
+def _group(e: Entry) -> tuple[str, str] | None:
+    """(base model, PEFT type) of an adapter entry: the runs that can share a loaded base; None otherwise."""
+    if e.adapter is None or e.model is not None:
+        return None
+    peft_type = json.loads((Path(e.adapter) / "adapter_config.json").read_text()).get("peft_type", "")
+    base = inference.base_of(e.adapter)
+    return (str(Path(base).resolve()) if Path(base).exists() else base), peft_type
 
 
 @dataclass
@@ -162,6 +200,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
             streamer.end()
 
     with registry.generate_lock:
+        registry.activate(label)
         t0 = time.perf_counter()
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
