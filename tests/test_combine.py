@@ -52,6 +52,15 @@ def test_the_cli_combines_and_refuses_what_peft_would(two, tmp_path, capsys):
     assert cli.main(["merge", "--adapter", a, "--adapter", b, "--weights", "0.6,0.4", "--output-dir",
                      str(tmp_path / "ok")]) == 0
     assert "combined 2 adapters (linear, weights 0.6, 0.4)" in capsys.readouterr().out
+    data = str(two / "d.jsonl")
+    assert cli.main(["merge", "--adapter", a, "--adapter", b, "--output-dir", str(tmp_path / "ev"),
+                     "--eval-data", data, "--eval-data", data, "--eval-rows", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[-3].split() == ["task", "(data)", "metric", "its", "adapter", "combined"]
+    assert [line.split()[:2] for line in table[-2:]] == [["d.jsonl", "rougeL"]] * 2
+    assert cli.main(["merge", "--adapter", a, "--adapter", b, "--output-dir", str(tmp_path / "no"),
+                     "--eval-data", data]) == 2
+    assert "--eval-data gives 1 dataset(s) for 2 adapters" in capsys.readouterr().err
     cases = [
         (["--weights", "1"], "gives 1 weight(s) for 2 adapters"),
         (["--weights", "0.5,x"], "comma-separated numbers"),

@@ -274,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several adapters: linear (default) | cat | ties | dare_ties | magnitude_prune (PEFT's)")
     p.add_argument("--density", type=float, default=None,
                    help="ties, dare_ties, magnitude_prune: the share of each adapter's weights kept (0-1)")
+    p.add_argument("--eval-data", action="append", default=None,
+                   help="several adapters: each one's task data, in --adapter order; prints each task's metric "
+                        "from its own adapter and from the combined one")
+    p.add_argument("--eval-rows", type=int, default=16, help="rows of each --eval-data answered (default 16)")
     _add_debug(p)
 
     p = sub.add_parser("export", help="a run's model, adapter merged, as GGUF (llama.cpp), Ollama or a HF directory")
@@ -452,8 +456,22 @@ def run_job(args: argparse.Namespace) -> int:
         else:
             from tunebench.jobs.merge import combine
 
-            combine(adapters, args.output_dir, _weights(args.weights), args.combination, args.density, args.model,
-                    args.allow_download)
+            from tunebench.jobs.merge import before_and_after
+
+            if args.eval_data and len(args.eval_data) != len(adapters):
+                raise TunebenchError(f"--eval-data gives {len(args.eval_data)} dataset(s) for {len(adapters)} adapters; "
+                                     "give one per adapter, in the same order")
+            if args.eval_rows < 1:
+                raise TunebenchError(f"--eval-rows must be 1 or more, got {args.eval_rows}")
+            if args.eval_data:  # refused now if unreadable, not after the combination
+                from tunebench.data import formats
+
+                for path in args.eval_data:
+                    formats.load_examples(_data_config(path, None))
+            out = combine(adapters, args.output_dir, _weights(args.weights), args.combination, args.density,
+                          args.model, args.allow_download)
+            if args.eval_data:
+                print(before_and_after(adapters, out, args.eval_data, args.eval_rows))
     elif args.job == "export":
         from tunebench.jobs.export import export
 

@@ -76,6 +76,29 @@ def combine(adapters: list[str], output_dir: str, weights: list[float] | None = 
     return out
 
 
+def before_and_after(adapters: list[str], combined: Path, eval_data: list[str], rows: int = 16,
+                     max_new_tokens: int = 64) -> str:
+    """Each task's metric (exact match on GSM8K-style data, else ROUGE-L) from its own adapter and from the
+    combined one, on the same rows: what combining cost or gained each task."""
+    from tunebench import quality
+    from tunebench.config import load_config
+    from tunebench.data import formats
+    from tunebench.jobs.generate import trained_template
+
+    template = trained_template(str(combined))
+    lines = ["task (data)                 metric       its adapter   combined"]
+    for adapter, path in zip(adapters, eval_data):
+        examples = formats.load_examples(load_config(options={"data.path": path}).data).messages[:rows]
+        scores = []
+        for run in (adapter, str(combined)):
+            loaded = inference.load_for_inference(None, run)
+            answers, seconds = quality.generate_answers(loaded, examples, template, max_new_tokens)
+            scores.append(quality.score(answers, seconds))
+        metric = "exact_match" if scores[0]["exact_match"] is not None else "rougeL"
+        lines.append(f"{Path(path).name[:27]:<28}{metric:<13}{scores[0][metric]:>11.1f}{scores[1][metric]:>11.1f}")
+    return "\n".join(lines)
+
+
 def _resolved(spec: str) -> str:
     return str(Path(spec).resolve()) if Path(spec).exists() else spec
 
