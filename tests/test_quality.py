@@ -157,3 +157,43 @@ def test_rows_keep_the_example_they_came_from_past_truncation(tmp_path, tiny):
             [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]]
     data = tokenize_messages(rows, tiny.tokenizer, cfg, "instruction")
     assert data.dropped == 1 and data.rows.tolist() == [1]
+
+
+@pytest.fixture
+def gsm8k_file(tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": f"Tom has {i} apples and buys 2 more. How many?",
+                                        "answer": f"{i}+2={i + 2}\n#### {i + 2:,}"}) + "\n" for i in range(998, 1004)))
+    return path
+
+
+def test_lm_eval_runs_its_gsm8k_task_offline_over_a_local_file(gsm8k_file, tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is in the test extra; pip install 'tunebench[lm-eval]'")
+    assert cli.main(["eval", "--model", "tiny", "--lm-eval", "gsm8k_local", "--data", str(gsm8k_file),
+                     "--lm-eval-limit", "2", "--output-dir", str(tmp_path / "out")]) == 0
+    saved = json.loads((tmp_path / "out" / "tiny" / "lm_eval.json").read_text())
+    scores = saved["results"]["gsm8k_local"]
+    assert scores["sample_len"] == 2 and 0 <= scores["exact_match,flexible-extract"] <= 1
+    samples = [json.loads(x) for x in (tmp_path / "out" / "tiny" / "lm_eval_samples.jsonl").read_text().splitlines()]
+    assert sorted({s["target"] for s in samples}) == ["998+2=1000\n#### 1,000", "999+2=1001\n#### 1,001"]
+    assert '"label": "tiny"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("says,expected", [("so 1000 + 0 = 1,000.\n#### 1,000", 1.0), ("#### 999", 0.0)])
+def test_the_local_gsm8k_task_scores_a_right_answer_as_lm_eval_does(gsm8k_file, tmp_path, monkeypatch, says, expected):
+    pytest.importorskip("lm_eval", reason="lm-eval is in the test extra; pip install 'tunebench[lm-eval]'")
+    from lm_eval.models.huggingface import HFLM
+
+    from tunebench.jobs import evaluate
+
+    monkeypatch.setattr(HFLM, "generate_until", lambda self, requests, disable_tqdm=False: [says for _ in requests])
+    result = evaluate.lm_eval("tiny", None, "gsm8k_local", str(gsm8k_file), limit=1)
+    assert result["lm_eval"]["gsm8k_local"]["exact_match,strict-match"] == expected
+
+
+def test_lm_eval_refusals(gsm8k_file, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is in the test extra")
+    assert cli.main(["eval", "--model", "tiny", "--lm-eval", "gsm8k_local"]) == 2
+    assert "pass it with --data FILE" in capsys.readouterr().err
+    assert cli.main(["eval", "--model", "tiny", "--lm-eval", "no_such_task", "--data", str(gsm8k_file)]) == 2
+    assert "lm-eval knows no task no_such_task" in capsys.readouterr().err

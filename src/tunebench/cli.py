@@ -301,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="the cap on each answer (default 128)")
     p.add_argument("--output-dir", default="eval-results",
                    help="where the answers (answers-MODEL.jsonl) and scores.json go (default eval-results)")
+    p.add_argument("--lm-eval", default=None, metavar="TASKS",
+                   help="run lm-evaluation-harness tasks (comma-separated) on the merged model instead; "
+                        "gsm8k_local reads --data, a GSM8K-style JSONL (pip install 'tunebench[lm-eval]')")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="documents per task (default all)")
+    p.add_argument("--lm-eval-include", default=None, help="a directory of your own lm-eval task YAMLs")
     p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None)
@@ -493,6 +498,13 @@ def run_job(args: argparse.Namespace) -> int:
         labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
                   for i, (label, _, _) in enumerate(chosen)]
         out = Path(args.output_dir)
+        if args.lm_eval:
+            for label, (_, model, adapter) in zip(labels, chosen):
+                result = evaluate.lm_eval(model, adapter, args.lm_eval, args.data, args.lm_eval_limit,
+                                          args.lm_eval_include, args.batch_size, args.device, args.precision,
+                                          args.allow_download, out / label)
+                print(json.dumps({"label": label, **result}, indent=2))
+            return 0
         results = [(label, evaluate.run(
             model, adapter, data, args.batch_size, allow_download=args.allow_download, device=args.device,
             precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,

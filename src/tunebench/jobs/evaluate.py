@@ -5,6 +5,7 @@ same rows. Runs on the device and in the precision a training run would pick (or
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -89,3 +90,62 @@ def side_by_side(results: list[tuple[str, dict]]) -> str:
 def label_of(model: str | None, adapter: str | None) -> str:
     name = Path(adapter).name if adapter else (model or models.SMOLLM2)
     return re.sub(r"[^\w.-]+", "-", str(name)).strip("-") or "model"
+
+
+LM_EVAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "lm_eval"  # tunebench's local tasks
+
+
+def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None = None, limit: int | None = None,
+            include: str | None = None, batch_size: int = 8, device: str = "auto", precision: str = "auto",
+            allow_download: bool = False, output: Path | None = None) -> dict:
+    """EleutherAI's lm-evaluation-harness on the merged model: its tasks, prompts, filters and metrics.
+    tunebench's local tasks (gsm8k_local) read `data` instead of downloading a dataset; `include` adds a
+    directory of your own task YAMLs."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise TunebenchError("--lm-eval needs EleutherAI's lm-evaluation-harness: pip install 'tunebench[lm-eval]' "
+                             "(or pip install lm-eval)")
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    local = {p.stem for p in LM_EVAL_TASKS.glob("*.yaml")}
+    if any(n in local for n in names) and not (data and Path(data).is_file()):
+        raise TunebenchError(f"the local task(s) {', '.join(n for n in names if n in local)} read a GSM8K-style JSONL: "
+                             "pass it with --data FILE")
+    if limit is not None and limit < 1:
+        raise TunebenchError(f"--lm-eval-limit must be 1 or more, got {limit}")
+    if include and not Path(include).is_dir():
+        raise TunebenchError(f"--lm-eval-include '{include}' is not a directory of task YAMLs")
+    on, prec, _ = inference.placement(device, precision)
+    loaded = inference.load_for_inference(model, adapter, None, allow_download)
+    if adapter:
+        loaded.model = loaded.model.merge_and_unload()
+    inference.place(loaded, on, prec)
+
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for task in LM_EVAL_TASKS.glob("*.yaml"):  # the local tasks, with the data file filled in
+            text = task.read_text().replace("DATA_FILE", json.dumps(str(Path(data).resolve())) if data else "null")
+            (Path(tmp) / task.name).write_text(text)
+        manager = TaskManager(include_path=[tmp] + ([include] if include else []))
+        unknown = [n for n in names if n not in manager.all_tasks]
+        if unknown:
+            raise TunebenchError(f"lm-eval knows no task {', '.join(unknown)}; tunebench's local ones: "
+                                 f"{', '.join(sorted(local))}; or pass --lm-eval-include DIR with your task YAMLs")
+        lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size, device=on)
+        result = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, log_samples=True)
+    scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.startswith("alias")}
+              for task, metrics in result["results"].items()}
+    if output is not None:  # the scores, and every sample's target and answer, for a person to read
+        from tunebench.durable import atomic_file
+        from tunebench.jsonfile import write_json
+
+        write_json(output / "lm_eval.json", {"model": loaded.source, "results": scores})
+        with atomic_file(output / "lm_eval_samples.jsonl") as tmp:
+            tmp.write_text("".join(json.dumps({"task": task, "target": s.get("target"), "response": s.get("resps"),
+                                               "filtered": s.get("filtered_resps")}, default=str) + "\n"
+                                   for task, samples in result.get("samples", {}).items() for s in samples))
+    return {"model": loaded.source, "lm_eval": scores}
