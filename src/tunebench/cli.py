@@ -27,7 +27,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--template",), "data.template",
      "auto (the tokenizer's chat template if any) or a prompt such as '### Q:\\n{instruction}\\n### A:\\n'"),
     (("--train-on",), "data.train_on", "response (loss on answers only, default) | all"),
-    (("--max-samples",), "data.max_samples", "use a seeded random subset of this many rows"),
+    (("--max-samples", "--max_samples"), "data.max_samples", "use a seeded random subset of this many rows"),
     (("--max-length", "--max_length"), "data.max_length", "truncate examples to this many tokens (default 128)"),
     (("--packing",), "data.packing",
      "auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off: may still "
@@ -84,7 +84,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
 PRETRAIN_OPTIONS = [
     (("--data",), "data.train_file", "training text: file(s), comma-separated, or a directory"),
     (("--tokenizer",), "data.tokenizer", "tokenizer directory (default: byte-level BPE trained on --data)"),
-    (("--output-dir",), "training.checkpoint_dir", "run directory (default runs/pretrain)"),
+    (("--output-dir", "--output_dir"), "training.checkpoint_dir", "run directory (default runs/pretrain)"),
     (("--max-steps",), "training.max_steps", "stop after this many optimizer steps"),
     (("--max-tokens",), "training.max_tokens", "a token budget: train the steps that see about this many tokens"),
     (("--batch-size",), "training.batch_size", "micro batch, or auto (measure those dividing --effective-batch-size)"),
@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "in the CPU training guide's key names). Positional items: an optional "
                                      "CONFIG.yaml and dotted overrides such as training.learning_rate=1e-3.")
     pre.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    pre.add_argument("--config", dest="config_file", default=None, metavar="CONFIG.yaml",
+                     help="the config (as the CPU training guide's scripts/train.py --config); same as the positional")
     for flags, key, help_text in PRETRAIN_OPTIONS:
         pre.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V")
     for flag, key, value, help_text in (("--overwrite", "training.overwrite", True, "replace an earlier run"),
@@ -338,8 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(p)
 
     p = sub.add_parser("report", help="combine results CSVs into report.html and report.md")
-    p.add_argument("results", nargs="+", help="results CSVs (from any machines)")
-    p.add_argument("-o", "--output-dir", default="runs/report")
+    p.add_argument("results", nargs="*", help="results CSVs (from any machines)")
+    p.add_argument("--results_csv", "--results-csv", dest="results_csv", action="append", default=[],
+                   help="a results CSV (the study's generate_comparison_report.py spelling); repeatable")
+    p.add_argument("-o", "--output-dir", "--output_dir", default=None,
+                   help="where report.html/.md go (default runs/report; for a run directory, RUN_DIR/report)")
     p.add_argument("--baseline-device", default=None, help="device name speedups are measured against (default: slowest)")
     p.add_argument("--baseline-config", default=None, help="configuration speedups are measured against (default: first)")
     _add_debug(p)
@@ -353,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hw", help="this machine's hardware and the settings tunebench would pick")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--text", nargs="?", const="system_info.txt", default=None, metavar="FILE",
+                   help="write the study's system_info.txt (date, CPU, GPU, CUDA, versions; default that name)")
     _add_debug(p)
     return parser
 
@@ -383,7 +390,14 @@ def train_config(args: argparse.Namespace):
         else:
             options["data.sources"] = given
     configs, overrides = _items(args)
-    return load_config(configs[0] if configs else None, options, overrides, getattr(args, "profile", None))
+    profile = getattr(args, "profile", None)
+    hydra = [o for o in overrides if o.startswith("hardware=")]  # the guide's Hydra-style `hardware=gpu_4090`
+    if hydra:
+        if profile is not None or len(hydra) > 1:
+            raise TunebenchError("give the hardware profile once (--profile NAME or hardware=NAME)")
+        profile = hydra[0].split("=", 1)[1]
+        overrides = [o for o in overrides if o not in hydra]
+    return load_config(configs[0] if configs else None, options, overrides, profile)
 
 
 OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
@@ -409,6 +423,10 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.jobs import pretrain
 
         configs, overrides = _items(args)
+        if args.config_file:
+            if configs:
+                raise TunebenchError(f"two configs given ({args.config_file} with --config, and {configs[0]}); give one")
+            configs = [args.config_file]
         options = {k: v for k, v in vars(args).items() if "." in k}
         pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
     elif args.job == "tune":
@@ -543,9 +561,24 @@ def run_job(args: argparse.Namespace) -> int:
         html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
         print(f"report: {html.resolve()}")
     elif args.job == "report":
-        from tunebench.jobs import report
+        from pathlib import Path
 
-        html = report.write(args.results, args.output_dir, args.baseline_device, args.baseline_config)
+        from tunebench.jobs import report, run_report
+
+        args.output_dir_given = args.output_dir is not None
+        args.output_dir = args.output_dir or "runs/report"
+        results = args.results + args.results_csv
+        if not results:
+            raise TunebenchError("report needs results: give CSVs (or --results_csv FILE), or a run directory")
+        runs = [r for r in results if Path(r).is_dir()]
+        if runs:  # the picture of each run: its own report, in RUN_DIR/report unless --output-dir says
+            if len(runs) != len(results):
+                raise TunebenchError("give results CSVs or run directories, not both")
+            for r in runs:
+                out = Path(args.output_dir) / Path(r).resolve().name if args.output_dir_given else None
+                print(f"report: {run_report.write(r, out).resolve()}")
+            return 0
+        html = report.write(results, args.output_dir, args.baseline_device, args.baseline_config)
         print(f"report: {html.resolve()}")
     elif args.job == "bench-data":
         from tunebench.jobs import bench_data
@@ -554,7 +587,7 @@ def run_job(args: argparse.Namespace) -> int:
     elif args.job == "hw":
         from tunebench.jobs import hw
 
-        hw.run(as_json=args.json)
+        hw.run(as_json=args.json, text=args.text)
     return 0
 
 

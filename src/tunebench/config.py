@@ -371,10 +371,18 @@ def profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
+# The performance guide's hardware profiles (configs/hardware/*.yaml, chosen with `hardware=gpu_4090`), by
+# the memory class of tunebench's own.
+PROFILE_ALIASES = {"gpu_4090": "gpu-24gb", "gpu_3090": "gpu-24gb", "gpu_low_mem": "gpu-8-12gb", "gpu_a100": "gpu-80gb",
+                   "gpu_h100": "gpu-80gb"}
+
+
 def profile_path(name: str) -> Path:
+    name = PROFILE_ALIASES.get(name, name)
     path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise TunebenchError(f"unknown --profile '{name}'; shipped profiles: {', '.join(profiles())}")
+        raise TunebenchError(f"unknown --profile '{name}'; shipped profiles: {', '.join(profiles())} (and the guide's "
+                             f"{', '.join(PROFILE_ALIASES)})")
     return path
 
 

@@ -204,10 +204,15 @@ def shipped() -> list[str]:
 def config_path(spec: str | Path) -> Path:
     """A YAML path, or the name of a shipped config (cpu_small_model, cpu_medium_model, gpu_model)."""
     path = Path(spec)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.exists():
         return path
-    if (SHIPPED_DIR / f"{spec}.yaml").is_file():
-        return SHIPPED_DIR / f"{spec}.yaml"
+    if (SHIPPED_DIR / f"{path.stem}.yaml").is_file() and (path.suffix in ("", ".yaml", ".yml")):
+        # the guide's `--config configs/cpu_small_model.yaml`: its file by name, shipped with tunebench
+        if path.suffix:
+            print(f"config: {spec} is not here; using tunebench's shipped {path.stem} ({SHIPPED_DIR / path.name})")
+        return SHIPPED_DIR / f"{path.stem}.yaml"
+    if path.suffix in (".yaml", ".yml"):
+        return path
     raise TunebenchError(f"config '{spec}' is neither a YAML file nor a shipped config ({', '.join(shipped())})")
 
 

@@ -40,6 +40,7 @@ def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: h
         "steps": s.step, "samples": s.samples, "tokens": s.tokens,
         "duration_s": round(outcome.wall_s, 3), "train_time_s": round(s.train_time_s, 3),
         "samples_per_s": s.samples / s.train_time_s if s.train_time_s else None,
+        "it_per_s": s.step / s.train_time_s if s.train_time_s else None,  # optimizer steps, as the study counts them
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token, "peak_tflops": peak, "peak_tflops_source": peak_source,
         "mfu": mfu(flops_per_token, tokens_per_s, peak),

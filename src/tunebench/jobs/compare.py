@@ -36,7 +36,7 @@ SCHEMA = [
     "experiment", "config", "repeat", "device", "device_name", "cores", "processes", "threads", "batch_size",
     "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
-    "duration_seconds", "samples_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
+    "duration_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
     "rougeL", "chrf", "exact_match", "eos_rate",  # task quality (train.eval_generate > 0; tunebench.quality)
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
@@ -226,7 +226,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
         "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s.get("quantization", "none"),
         "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
-        "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"],
+        "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"], "it_per_s": s.get("it_per_s"),
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
         "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
         **{k: s.get(k) for k in ("rougeL", "chrf", "exact_match", "eos_rate")},
@@ -387,10 +387,24 @@ def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]
     stderr = (run_dir / "stderr.txt").read_text(errors="replace")
     with (run_dir / "log.txt").open("a") as log:
         log.write(stderr)
+    keep_record(run_dir)
     if proc.returncode == 0 and (run_dir / "summary.json").is_file():
         return row | _row_from_run(run_dir, device) | {"status": "ok"}
     status, message = _failure(stderr)
     return row | {"status": status, "message": message}
+
+
+def keep_record(run_dir: Path) -> None:
+    """Beside each run: the study's system_info.txt, and the run's own report (its loss, throughput, CPU
+    and memory over time), which compare's report links to. A run that logged nothing gets neither."""
+    from tunebench.durable import atomic_file
+    from tunebench.jobs import hw, run_report
+
+    if not run_report.is_run(run_dir):
+        return
+    with atomic_file(run_dir / "system_info.txt") as tmp:
+        tmp.write_text(hw.system_info(*hw.machine()))
+    run_report.write(run_dir)
 
 
 def _clock(seconds: float) -> str:

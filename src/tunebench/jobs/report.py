@@ -348,6 +348,12 @@ def _cell(run: Run, key: str) -> str:
     return run.row.get(key) or ""
 
 
+def run_report_of(run: Run) -> str:
+    """The path of the run's own report (tunebench report RUN_DIR), where compare wrote one."""
+    path = Path(run.row.get("run_dir") or "") / "report" / "report.html"
+    return str(path.resolve()) if run.row.get("run_dir") and path.is_file() else ""
+
+
 def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     stats = r["stats"]
     summary = [[d, str(s["configs"]), _fmt(s["mean_duration_s"], 2), f"{s['fastest'][0]} ({_fmt(s['fastest'][1], 0)})",
@@ -355,12 +361,12 @@ def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 _fmt(s["max_peak_memory_mb"], 0), f"{r['device_speedups'][d]:.2f}x"] for d, s in stats.items()]
     configs = list(dict.fromkeys(c for by in r["cells"].values() for c in by))
     cfg_rows = [[d] + [f"{sp[c]:.2f}x" if c in sp else "" for c in configs] for d, sp in r["config_speedups"].items()]
-    all_rows = [[_cell(run, k) for k in COLUMNS] for run in r["runs"]]
+    all_rows = [[_cell(run, k) for k in COLUMNS] + [run_report_of(run)] for run in r["runs"]]
     return [
         ("Per-device summary", ["device", "configs", "mean duration (s)", "fastest (s)", "slowest (s)",
                                 "mean tokens/s", "peak MB", f"speedup vs {r['baseline_device']}"], summary),
         (f"Speedup of each configuration vs {r['baseline_config']}", ["device"] + configs, cfg_rows),
-        ("All runs", COLUMNS, all_rows),
+        ("All runs", COLUMNS + ["run report"], all_rows),
     ]
 
 
@@ -378,6 +384,12 @@ def charts(r: dict) -> list[tuple[str, bytes]]:
         if png:
             out.append((name, png))
     return out
+
+
+def _html_cell(text: str) -> str:
+    if text.endswith("report.html") and Path(text).is_file():  # a run's own report: a link to it
+        return f"<a href='{html.escape(Path(text).as_uri())}'>open</a>"
+    return html.escape(text)
 
 
 def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
@@ -411,7 +423,7 @@ def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
     for title, head, rows in sections:
         parts.append(f"<h2>{esc(title)}</h2><div style='overflow-x:auto'><table><tr>"
                      + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts += ["<tr>" + "".join(f"<td>{_html_cell(c)}</td>" for c in row) + "</tr>" for row in rows]
         parts.append("</table></div>")
     parts.append("<h2>Charts</h2>")
     for name, png in pngs:

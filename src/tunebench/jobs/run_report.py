@@ -1,0 +1,188 @@
+"""`tunebench report RUN_DIR`: the picture of one run. Its loss (train and eval), learning rate and
+tokens/s by step (metrics.jsonl); CPU, RAM and, where present, GPU use over time (monitor.jsonl); the
+memory report; every setting with the reason it was chosen (plan.json); and the summary (summary.json).
+Written as report.md and a self-contained report.html, as compare's report is."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from tunebench.errors import TunebenchError
+from tunebench.jobs.report import _figure, _png
+
+
+def is_run(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "metrics.jsonl").is_file()
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file; a torn last line (a killed run) is left out."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _line_chart(series: list[tuple[str, list[float], list[float], dict]], title: str, xlabel: str, ylabel: str,
+                twin: list[tuple[str, list[float], list[float], dict]] = (), twin_label: str = "") -> bytes | None:
+    if not any(xs for _, xs, _, _ in series):
+        return None
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, xs, ys, style in series:
+        if xs:
+            ax.plot(xs, ys, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if twin:
+        other = ax.twinx()
+        for label, xs, ys, style in twin:
+            if xs:
+                other.plot(xs, ys, label=label, **style)
+        other.set_ylabel(twin_label)
+        h2, l2 = other.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="best")
+    return _png(fig)
+
+
+def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, bytes]]:
+    """(name, caption, PNG) of every chart the run's records allow."""
+    steps = [r for r in metrics if "loss" in r and "step" in r]
+    evals = [r for r in metrics if "eval_loss" in r]
+    t0 = monitor[0]["time"] if monitor else 0.0
+    at = [r["time"] - t0 for r in monitor]
+    gpus = sorted({k.split("_")[0] for r in monitor for k in r if k.startswith("gpu") and k.endswith("_util_percent")})
+    out = [
+        ("loss", "Training loss per step, and eval loss where it was measured", _line_chart(
+            [("train loss", [r["step"] for r in steps], [r["loss"] for r in steps], {}),
+             ("eval loss", [r["step"] for r in evals], [r["eval_loss"] for r in evals],
+              {"marker": "o", "linestyle": "--"})],
+            "Loss", "optimizer step", "loss")),
+        ("learning_rate", "The learning rate each step used", _line_chart(
+            [("lr", [r["step"] for r in steps if "lr" in r], [r["lr"] for r in steps if "lr" in r], {})],
+            "Learning rate", "optimizer step", "lr")),
+        ("tokens_per_s", "Real (non-padding) tokens per second, step by step", _line_chart(
+            [("tokens/s", [r["step"] for r in steps if r.get("tokens_per_s")],
+              [r["tokens_per_s"] for r in steps if r.get("tokens_per_s")], {})],
+            "Throughput", "optimizer step", "tokens/s")),
+        ("cpu", "CPU use over the run: all CPUs (100% = every core busy) and this process (100% = one core)",
+         _line_chart([("all CPUs %", at, [r.get("cpu_percent", 0) for r in monitor], {}),
+                      ("this process %", at, [r.get("process_cpu_percent", 0) for r in monitor], {})],
+                     "CPU", "seconds", "%")),
+        ("memory", "Memory over the run: this process's resident memory (RSS, which counts the memory-mapped "
+                   "weights) and the system's RAM in use (psutil's 'used': without the file cache those pages "
+                   "live in, so it can sit below the RSS)",
+         _line_chart([("process RSS MB", at, [r.get("process_rss_mb", 0) for r in monitor], {}),
+                      ("system RAM used MB", at, [r.get("ram_used_mb", 0) for r in monitor], {})],
+                     "Memory", "seconds", "MB")),
+    ]
+    for g in gpus:
+        out.append((f"{g}", f"{g.upper()}: utilisation and memory over the run", _line_chart(
+            [("utilisation %", at, [r.get(f"{g}_util_percent", 0) for r in monitor], {})], g.upper(), "seconds", "%",
+            twin=[("memory MB", at, [r.get(f"{g}_memory_mb", 0) for r in monitor], {"color": "tab:red"})],
+            twin_label="MB")))
+    return [(name, caption, png) for name, caption, png in out if png]
+
+
+def memory_report(summary: dict, plan: dict, monitor: list[dict]) -> list[list[str]]:
+    """The hardware guide's MemoryTracker.report(): current (at the end), peak, total, utilisation."""
+    hw = plan.get("hardware", {})
+    total = hw.get("ram_total_mb")
+    rows = []
+    if monitor:
+        last = monitor[-1]
+        peak_rss = max(r.get("process_rss_mb", 0) for r in monitor)
+        peak_ram = max(r.get("ram_used_mb", 0) for r in monitor)
+        rows += [["process RSS", f"{last.get('process_rss_mb', 0):,.0f} MB", f"{peak_rss:,.0f} MB",
+                  f"{total:,.0f} MB" if total else "", f"{100 * peak_rss / total:.1f}%" if total else ""],
+                 ["system RAM used", f"{last.get('ram_used_mb', 0):,.0f} MB", f"{peak_ram:,.0f} MB",
+                  f"{total:,.0f} MB" if total else "", f"{100 * peak_ram / total:.1f}%" if total else ""]]
+        for g in hw.get("gpus", []):
+            key = f"gpu{g['index']}_memory_mb"
+            if any(key in r for r in monitor):
+                peak = max(r.get(key, 0) for r in monitor)
+                rows.append([f"GPU {g['index']} ({g['name']})", f"{last.get(key, 0):,.0f} MB", f"{peak:,.0f} MB",
+                             f"{g['memory_mb']:,.0f} MB", f"{100 * peak / g['memory_mb']:.1f}%"])
+    if summary.get("peak_memory_mb") is not None:
+        rows.append(["training loop peak (summary.json)", "", f"{summary['peak_memory_mb']:,.0f} MB", "", ""])
+    return rows
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    return "" if v is None else str(v)
+
+
+def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    run = Path(run_dir)
+    if not is_run(run):
+        raise TunebenchError(f"'{run}' is not a run directory (no metrics.jsonl); pass a train or pretrain "
+                             "--output-dir, or results CSVs")
+    metrics, monitor = _jsonl(run / "metrics.jsonl"), _jsonl(run / "monitor.jsonl")
+    summary, plan = _json(run / "summary.json"), _json(run / "plan.json")
+    out = Path(out_dir) if out_dir else run / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = charts(metrics, monitor)
+    sections = [
+        ("Memory", ["", "current (end)", "peak", "total", "peak / total"], memory_report(summary, plan, monitor)),
+        ("Settings, and why", ["setting", "value", "reason"],
+         [[d["setting"], _value(d["value"]), d["reason"]] for d in plan.get("decisions", [])]),
+        ("Summary", ["figure", "value"], [[k, _value(v)] for k, v in summary.items()]),
+    ]
+    state = "finished" if summary else "not finished (no summary.json yet): what it has logged so far"
+    title = f"tunebench run: {run.resolve().name}"
+
+    md = [f"# {title}", "", f"Run directory: {run.resolve()} ({state})", ""]
+    for name, caption, png in pngs:
+        (out / f"{name}.png").write_bytes(png)
+        md += [f"![{name}]({name}.png)", "", f"*{caption}*", ""]
+    for heading, head, rows in sections:
+        if rows:
+            md += [f"## {heading}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            md += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows] + [""]
+    (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+
+    esc = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>",
+             "body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;"
+             "margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;"
+             "vertical-align:top}th{background:#f0f0f0}figure{margin:1em 0}figcaption{color:#555;font-size:13px}"
+             "img{max-width:100%}.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:1em}",
+             f"</style></head><body><h1>{esc(title)}</h1><p>Run directory: <code>{esc(str(run.resolve()))}</code> "
+             f"({esc(state)})</p><div class='grid'>"]
+    for name, caption, png in pngs:
+        parts.append(f"<figure><img id='{name}' alt='{esc(caption)}' "
+                     f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+                     f"<figcaption>{esc(caption)}</figcaption></figure>")
+    parts.append("</div>")
+    for heading, head, rows in sections:
+        if rows:
+            parts.append(f"<h2>{esc(heading)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
+            parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows]
+            parts.append("</table>")
+    parts.append("</body></html>")
+    (out / "report.html").write_text("\n".join(parts), encoding="utf-8")
+    return out / "report.html"

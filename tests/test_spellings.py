@@ -1,0 +1,114 @@
+"""The documents' own spellings: what the study's scripts, the CPU training guide and the performance
+guides tell a user to type works as written."""
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from tunebench import cli, config, pretrain_config
+from tunebench.jobs import compare, hw
+
+STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"
+
+
+def test_report_takes_the_studys_results_csv_and_output_dir(tmp_path, capsys):
+    # generate_comparison_report.py --results_csv cpu_gpu_comparison/timing_results.csv --output_dir ...
+    assert cli.main(["report", "--results_csv", str(STUDY), "--output_dir", str(tmp_path / "rep")]) == 0
+    assert (tmp_path / "rep" / "report.html").is_file()
+    assert cli.main(["report"]) == 2 and "give CSVs (or --results_csv FILE)" in capsys.readouterr().err
+
+
+def test_pretrain_takes_the_guides_config_and_output_dir(monkeypatch, tmp_path, capsys):
+    # python scripts/train.py --config configs/cpu_small_model.yaml --output_dir ./output/cpu_small
+    seen = {}
+    monkeypatch.setattr("tunebench.jobs.pretrain.run", lambda cfg: seen.setdefault("cfg", cfg))
+    (tmp_path / "corpus.txt").write_text("some text to learn from\n" * 50)
+    assert cli.main(["pretrain", "--config", "configs/cpu_small_model.yaml", "--output_dir",
+                     str(tmp_path / "cpu_small"), "--data", str(tmp_path / "corpus.txt")]) == 0
+    cfg = seen["cfg"]
+    assert cfg.training.checkpoint_dir == str(tmp_path / "cpu_small")
+    assert cfg == pretrain_config.load("cpu_small_model", {"training.checkpoint_dir": str(tmp_path / "cpu_small"),
+                                                           "data.train_file": str(tmp_path / "corpus.txt")})
+    assert "using tunebench's shipped cpu_small_model" in capsys.readouterr().out
+    assert cli.main(["pretrain", "cpu_small_model", "--config", "cpu_medium_model"]) == 2
+
+
+def test_train_takes_max_samples_with_an_underscore():
+    args = cli.build_parser().parse_args(["train", "--max_samples", "1000", "--output_dir", "x"])
+    cfg = cli.train_config(args)
+    assert cfg.data.max_samples == 1000 and cfg.train.output_dir == "x"
+
+
+@pytest.mark.parametrize("guide,ours", [("gpu_4090", "gpu-24gb"), ("gpu_3090", "gpu-24gb"),
+                                        ("gpu_low_mem", "gpu-8-12gb"), ("cpu", "cpu")])
+def test_the_guides_hardware_profiles_and_its_hydra_override(guide, ours):
+    by_flag = cli.train_config(cli.build_parser().parse_args(["train", "--profile", guide]))
+    by_hydra = cli.train_config(cli.build_parser().parse_args(["train", f"hardware={guide}"]))
+    assert by_flag == by_hydra == config.load_config(profile=ours)
+    with pytest.raises(Exception, match="give the hardware profile once"):
+        cli.train_config(cli.build_parser().parse_args(["train", "--profile", "cpu", f"hardware={guide}"]))
+
+
+def test_hw_recommends_a_command_and_writes_system_info(tmp_path, capsys):
+    assert cli.main(["hw"]) == 0
+    said = capsys.readouterr().out
+    profile, _ = hw.profile_for(__import__("tunebench.hardware", fromlist=["detect"]).detect())
+    assert f"tunebench train --profile {profile} --precision " in said and "--batch-size auto" in said
+    assert cli.main(["hw", "--text", str(tmp_path / "system_info.txt")]) == 0
+    text = (tmp_path / "system_info.txt").read_text()
+    for key in ("date: ", "cpu: ", "ram: ", "cuda: ", "torch: ", "transformers: ", "recommended precision: "):
+        assert key in text, key
+
+
+def test_it_per_s_is_steps_over_training_time(tmp_path, dataset):
+    compare.run(str(_matrix(tmp_path, dataset)), str(tmp_path / "r.csv"), str(tmp_path / "runs"), 1, {})
+    with open(tmp_path / "r.csv", newline="") as f:
+        row = next(csv.DictReader(f))
+    assert float(row["it_per_s"]) == pytest.approx(int(row["steps"]) / float(row["duration_seconds"]), rel=1e-2)
+
+
+def _matrix(tmp_path, dataset):
+    m = tmp_path / "m.yaml"
+    m.write_text(f"base: {{model.name: tiny, data.path: {dataset}, train.max_steps: 2, train.effective_batch_size: 4}}\n"
+                 "experiments:\n  - {name: bs4, set: {train.micro_batch_size: 4}}\n")
+    return m
+
+
+def test_a_run_draws_its_own_picture(tmp_path, dataset, capsys):
+    """tunebench report RUN_DIR: loss, lr, tokens/s, CPU and memory charts, the memory report, the settings
+    with reasons and the summary; compare writes one per run and links it from its own report."""
+    compare.run(str(_matrix(tmp_path, dataset)), str(tmp_path / "r.csv"), str(tmp_path / "runs"), 1, {})
+    run_dir = next((tmp_path / "runs").glob("*/"))
+    html = (run_dir / "report" / "report.html").read_text()
+    for chart in ("loss", "learning_rate", "tokens_per_s"):  # this run is too short for the 1 s monitor
+        assert f"id='{chart}'" in html, chart
+    for section in ("Memory", "Settings, and why", "Summary", "micro_batch_size", "peak / total"):
+        assert section in html, section
+    assert "date: " in (run_dir / "system_info.txt").read_text()
+    assert cli.main(["report", str(tmp_path / "r.csv"), "-o", str(tmp_path / "rep")]) == 0
+    assert (run_dir / "report" / "report.html").resolve().as_uri() in (tmp_path / "rep" / "report.html").read_text()
+    assert cli.main(["report", str(run_dir), "-o", str(tmp_path / "one")]) == 0
+    assert (tmp_path / "one" / run_dir.name / "report.html").is_file()
+
+
+def test_a_run_report_draws_gpus_and_survives_a_torn_line(tmp_path):
+    import json
+
+    from tunebench.jobs import run_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3 - i / 10, "lr": 1e-3,
+                                                           "tokens_per_s": 100 + i}) + "\n" for i in range(1, 6))
+                                       + '{"step": 6, "lo')
+    (run / "monitor.jsonl").write_text("".join(json.dumps({"time": 100.0 + i, "cpu_percent": 50, "process_rss_mb": 900,
+                                                           "ram_used_mb": 2000, "gpu0_util_percent": 80 + i,
+                                                           "gpu0_memory_mb": 5000}) + "\n" for i in range(4)))
+    (run / "plan.json").write_text(json.dumps({"hardware": {"ram_total_mb": 16000, "gpus": [
+        {"index": 0, "name": "NVIDIA H100", "memory_mb": 81000}]}, "decisions": []}))
+    html = run_report.write(run).read_text()
+    for chart in ("loss", "learning_rate", "tokens_per_s", "cpu", "memory", "gpu0"):
+        assert f"id='{chart}'" in html, chart
+    assert "NVIDIA H100" in html and "not finished" in html
+    assert "6.2%" in html  # GPU memory peak 5000 of 81000 MB
