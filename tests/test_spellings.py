@@ -112,3 +112,128 @@ def test_a_run_report_draws_gpus_and_survives_a_torn_line(tmp_path):
         assert f"id='{chart}'" in html, chart
     assert "NVIDIA H100" in html and "not finished" in html
     assert "6.2%" in html  # GPU memory peak 5000 of 81000 MB
+
+
+def test_the_guides_python_api_as_written(tmp_path):
+    from tunebench import DataConfig, ModelConfig, TrainingConfig
+    from tunebench.pretrain_config import PretrainConfig, validate
+
+    config = TrainingConfig(device="cuda", force_cpu=True)
+    assert config.get_effective_device() == "cpu"
+    assert TrainingConfig(device="cpu").get_effective_device() == "cpu"
+    training_config = TrainingConfig(report_to=["tensorboard"], logging_dir=str(tmp_path / "logs"),
+                                      dataloader_prefetch_factor=2, distributed_backend="gloo")
+    training_config.batch_size = 1  # the configs are mutable, as the guide's are
+    assert training_config.report_to == "tensorboard" and training_config.batch_size == 1
+    base_config = PretrainConfig(ModelConfig(), training_config, DataConfig(cache_dir=str(tmp_path / "cache")))
+    config = base_config.copy()
+    setattr(config.training, "learning_rate", 1e-3)  # the guide's search loop
+    assert base_config.training.learning_rate == 3e-4 and config.training.learning_rate == 1e-3
+    validate(config)
+    with pytest.raises(Exception, match="disagree"):
+        validate(PretrainConfig(training=TrainingConfig(backend="nccl", distributed_backend="gloo")))
+    with pytest.raises(Exception, match="not supported"):
+        TrainingConfig(report_to=["wandb"])
+
+
+def test_force_cpu_prefetch_and_cache_dir_reach_the_run(tmp_path, capsys):
+    """A tiny pretraining run with the guide's settings: force_cpu and the prefetch factor are in the
+    settings table with their reasons, the token cache is in cache_dir."""
+    from tunebench import DataConfig, ModelConfig, TrainingConfig, pretrain, train_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 300)
+    train_tokenizer([str(corpus)], vocab_size=300, output_dir=tmp_path / "tok")
+    pretrain(ModelConfig(vocab_size=300, d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=32, dropout=0.0),
+             TrainingConfig(device="cuda", force_cpu=True, max_steps=2, batch_size=2, dataloader_prefetch_factor=2,
+                            checkpoint_dir=str(tmp_path / "run"), progress=False, save_steps=None, eval_steps=None,
+                            precision="fp32"),
+             DataConfig(train_file=str(corpus), tokenizer=str(tmp_path / "tok"), max_length=32,
+                        cache_dir=str(tmp_path / "cache")))
+    said = capsys.readouterr().out
+    assert "training.force_cpu: the CPU, whatever device 'cuda' says" in said
+    assert "dataloader_prefetch_factor 2 not needed" in said
+    assert any((tmp_path / "cache").rglob("*")), "the token cache went elsewhere"
+
+
+def test_the_guides_example_pipeline_runs(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "examples" / "train_small_model.py"), "--steps", "8",
+                        "--output-dir", str(tmp_path / "small"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for line in ("tokenizer: ", "device: cpu", "pretrained: eval loss", "fine-tuned: eval loss", "pretrained says:",
+                 "fine-tuned says:"):
+        assert line in r.stdout, line
+    assert (tmp_path / "small" / "lora" / "adapter_model.safetensors").is_file()
+
+
+def test_a_failed_compile_falls_back_to_eager_with_the_reason(tmp_path, dataset, monkeypatch):
+    """The guide's "Compilation failed": the run goes on eagerly, and the settings table says why."""
+    import json
+
+    from tunebench.config import load_config
+    from tunebench.jobs import finetune
+    from tunebench.tune import compiler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Compilation failed: no working C compiler found")
+
+    def compile_blocks(model, mode="default"):
+        assert mode == "reduce-overhead"  # --compile-mode reaches the compiler
+        for layer in model.base_model.model.model.layers:
+            layer._compiled_call_impl = broken
+        return len(model.base_model.model.model.layers)
+
+    monkeypatch.setattr(compiler, "compile_blocks", compile_blocks)
+    summary = finetune.run(load_config(options={
+        "model.name": "tiny", "data.path": str(dataset), "train.max_steps": 2, "train.micro_batch_size": 4,
+        "train.output_dir": str(tmp_path / "run"), "train.progress": False, "train.compile": "on",
+        "train.compile_mode": "reduce-overhead"}))
+    assert summary["steps"] == 2
+    row = next(d for d in json.loads((tmp_path / "run" / "plan.json").read_text())["decisions"]
+               if d["setting"] == "compile")
+    assert row["value"] is False and "compiling failed (RuntimeError: Compilation failed: no working C" in row["reason"]
+    assert "running eagerly" in row["reason"]
+
+
+def test_prepare_writes_seeded_splits_and_says_what_it_dropped(tmp_path, capsys):
+    import json
+
+    from tunebench import models
+
+    rows = [{"instruction": f"question {i}", "response": "answer " + "x" * (i * 3)} for i in range(40)]
+    rows += [{"instruction": "question 3", "response": "answer " + "x" * 9},  # a duplicate of row 3
+             {"instruction": "", "response": "no prompt"}]
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # prepare_custom_dataset.py --dataset_name ... --max_samples 1000 --output_dir ./small_dataset
+    assert cli.main(["prepare", "--data", str(src), "--max_samples", "30", "--output_dir", str(tmp_path / "small"),
+                     "--model", "tiny", "--max-length", "64"]) == 0
+    said = capsys.readouterr().out
+    summary = json.loads((tmp_path / "small" / "summary.json").read_text())
+    assert summary["kept"] == 40 and summary["dropped"] == {"empty prompt or response": 1,
+                                                             "duplicate of an earlier row": 1}
+    train = [json.loads(x) for x in (tmp_path / "small" / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(x) for x in (tmp_path / "small" / "eval.jsonl").read_text().splitlines()]
+    assert (len(train), len(held)) == (27, 3) and not {r["instruction"] for r in train} & {r["instruction"] for r in held}
+    tok = models.tokenizer_for("tiny")
+    from tunebench.config import load_config
+    from tunebench.data.tokenize import tokenize_messages
+
+    cfg = load_config(options={"data.max_length": 10**9}).data
+    lengths = tokenize_messages([[{"role": "user", "content": r["instruction"]},
+                                  {"role": "assistant", "content": r["response"]}] for r in train + held],
+                                tok, cfg, "instruction").lengths()
+    assert summary["rows_over_max_length"] == int((lengths > 64).sum()) > 0
+    assert summary["tokens_per_row"]["max"] == int(lengths.max())
+    assert "1 empty prompt or response, 1 duplicate of an earlier row" in said and "exceed --max-length 64" in said
+    again = tmp_path / "again"
+    assert cli.main(["prepare", "--data", str(src), "--max_samples", "30", "--output_dir", str(again),
+                     "--model", "tiny", "--max-length", "64"]) == 0
+    assert (again / "train.jsonl").read_text() == (tmp_path / "small" / "train.jsonl").read_text()  # seeded
+    assert cli.main(["prepare", "--dataset_name", "no/such-dataset", "--output_dir", str(tmp_path / "x")]) == 2
+    assert "is not in the Hugging Face cache" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -95,6 +95,7 @@ PRETRAIN_OPTIONS = [
     (("--threads",), "training.threads", "torch CPU threads (default: OMP_NUM_THREADS, else the usable cores)"),
     (("--precision",), "training.precision", "auto (default) | fp32 | bf16 | fp16"),
     (("--compile",), "training.compile", "torch.compile: auto (default) | on | off"),
+    (("--compile-mode",), "training.compile_mode", "torch.compile's mode: default | reduce-overhead | max-autotune"),
     (("--attention",), "training.attention", "auto (fastest measured) | sdpa | eager | tunebench | flash_attention_2"),
     (("--eval-steps",), "training.eval_steps",
      "validation loss and a sample every N steps, or below 1 a share of the steps (0.25: 4 evals)"),
@@ -133,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
     train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
                        help="torch.compile: auto (default) | on | off")
+    train.add_argument("--compile-mode", dest="train.compile_mode", default=argparse.SUPPRESS, metavar="V",
+                       help="torch.compile's mode: default | reduce-overhead | max-autotune")
     train.add_argument("--attention", dest="train.attention", default=argparse.SUPPRESS, metavar="V",
                        help="attention kernel: auto (the fastest measured of sdpa, eager, tunebench and, on a CUDA GPU "
                             "with flash-attn installed, flash_attention_2) | sdpa | eager | tunebench | flash_attention_2")
@@ -280,6 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several adapters: each one's task data, in --adapter order; prints each task's metric "
                         "from its own adapter and from the combined one")
     p.add_argument("--eval-rows", type=int, default=16, help="rows of each --eval-data answered (default 16)")
+    _add_debug(p)
+
+    p = sub.add_parser("prepare", help="a dataset -> seeded train/held-out JSONL files, with a summary (the study's "
+                                       "prepare_custom_dataset.py)")
+    p.add_argument("--data", default=None, help="a local CSV, JSON, JSONL, Parquet or saved datasets directory")
+    p.add_argument("--dataset_name", "--dataset-name", default=None, help="a dataset already in the Hugging Face cache")
+    p.add_argument("--split", default="train", help="its split (default train)")
+    p.add_argument("--max_samples", "--max-samples", type=int, default=None, help="a seeded sample of this many rows")
+    p.add_argument("--output_dir", "--output-dir", "-o", required=True, help="a new directory for the files")
+    p.add_argument("--eval-fraction", "--eval_fraction", type=float, default=0.1, help="share held out (default 0.1)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--model", default=None, help="whose tokenizer counts the tokens (default SmolLM2)")
+    p.add_argument("--max-length", "--max_length", type=int, default=128, help="the training --max-length to check")
+    p.add_argument("--instruction-column", default=None, help="prompt column of instruction data")
+    p.add_argument("--response-column", default=None, help="answer column of instruction data")
+    p.add_argument("--template", default=None, help="the prompt format training will use (for the token counts)")
     _add_debug(p)
 
     p = sub.add_parser("export", help="a run's model, adapter merged, as GGUF (llama.cpp), Ollama or a HF directory")
@@ -495,6 +514,14 @@ def run_job(args: argparse.Namespace) -> int:
                           args.model, args.allow_download)
             if args.eval_data:
                 print(before_and_after(adapters, out, args.eval_data, args.eval_rows))
+    elif args.job == "prepare":
+        from tunebench.jobs.prepare import prepare
+
+        options = {k: v for k, v in {"data.instruction_column": args.instruction_column,
+                                     "data.response_column": args.response_column,
+                                     "data.template": args.template}.items() if v is not None}
+        prepare(args.output_dir, args.data, args.dataset_name, args.max_samples, args.eval_fraction, args.seed,
+                args.model, args.max_length, args.split, options)
     elif args.job == "export":
         from tunebench.jobs.export import export
 

@@ -89,6 +89,7 @@ class TrainConfig:
     parallel: str = "auto"  # under torchrun: auto | ddp | fsdp (FSDP2 shards full fine-tuning)
     backend: str = "auto"  # torch.distributed backend under torchrun: auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     compile: str = "auto"  # auto | on | off (torch.compile)
+    compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune
     attention: str = "auto"  # auto (the fastest measured) | sdpa | eager | tunebench | flash_attention_2 (CUDA, flash-attn)
     liger: str = "auto"  # auto (on a CUDA GPU when liger-kernel is installed and knows the model) | on | off
     gradient_checkpointing: str = "auto"  # auto (only when the batch would not fit otherwise) | on | off
@@ -443,6 +444,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.schedule", t.schedule, SCHEDULES)
     _choice("train.report_to", t.report_to, ("none", "tensorboard"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
+    _choice("train.compile_mode", t.compile_mode, ("default", "reduce-overhead", "max-autotune"))
     _choice("train.parallel", t.parallel, ("auto", "ddp", "fsdp"))
     _choice("train.backend", t.backend, ("auto", "gloo", "nccl"))
     _choice("train.attention", t.attention, ("auto", "sdpa", "eager", "tunebench", "flash_attention_2"))

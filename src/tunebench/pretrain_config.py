@@ -22,7 +22,7 @@ from tunebench.runplan import BatchAsk
 ACTIVATIONS = ("gelu", "relu", "swish", "swiglu")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ModelConfig:
     """A decoder-only transformer. Learned positions build a GPT-2-style model (LayerNorm, plain MLP);
     rotary positions a Llama-style one (RMSNorm, gated MLP: activation swiglu)."""
@@ -44,8 +44,11 @@ class ModelConfig:
     tie_embeddings: bool = True
     gradient_checkpointing: bool = False
 
+    def copy(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
 
-@dataclass(frozen=True)
+
+@dataclass
 class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda | mps (the YAML's top-level `device:` lands here)
     threads: int | None = None  # torch's CPU threads; None: OMP_NUM_THREADS, else the usable physical cores
@@ -81,6 +84,7 @@ class TrainingConfig:
     seed: int = 42
     report_to: str = "none"  # none | tensorboard
     compile: str = "auto"  # auto | on | off
+    compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune
     attention: str = "auto"  # auto | sdpa | eager | tunebench | flash_attention_2
     resume: str | None = None  # auto | a checkpoint directory
     overwrite: bool = False
@@ -88,6 +92,25 @@ class TrainingConfig:
     monitor: bool = True
     sample_prompt: str | None = None  # generations at each eval start from this (default: validation text)
     sample_tokens: int = 64
+    # The CPU training guide's API, taken as it is written:
+    force_cpu: bool = False  # train on the CPU whatever `device` says
+    logging_dir: str | None = None  # where report_to: tensorboard writes (default: RUN_DIR/tensorboard)
+    dataloader_prefetch_factor: int | None = None  # accepted; batches are slices of an in-memory token file
+    distributed_backend: str | None = None  # the guide's name for `backend`
+
+    def __post_init__(self):
+        if isinstance(self.report_to, (list, tuple)):  # HF TrainingArguments' spelling: report_to=["tensorboard"]
+            unknown = [r for r in self.report_to if r not in ("tensorboard", "none")]
+            if unknown:
+                raise TunebenchError(f"training.report_to {unknown} is not supported; tensorboard or none")
+            self.report_to = "tensorboard" if "tensorboard" in self.report_to else "none"
+
+    def get_effective_device(self) -> str:
+        """The device a run would train on here (the guide's `config.get_effective_device()`)."""
+        return "cpu" if self.force_cpu else self.resolve_device()[0]
+
+    def copy(self, **changes: Any) -> "TrainingConfig":
+        return dataclasses.replace(self, **changes)
 
     def resolve_device(self) -> tuple[str, str]:
         """(device, reason) that `device` resolves to on this machine, as a run would pick it."""
@@ -110,7 +133,7 @@ class TrainingConfig:
         return self.precision
 
 
-@dataclass(frozen=True)
+@dataclass
 class DataConfig:
     train_file: str | None = None  # text, JSONL/JSON/CSV/Parquet, a save_to_disk dir; several: comma-separated
     validation_file: str | None = None  # default: data.validation_split of the training blocks
@@ -125,13 +148,21 @@ class DataConfig:
     validation_split: float = 0.1
     split: str = "random"  # random (seeded blocks) | tail (the last validation_split of the corpus)
     max_eval_blocks: int | None = None  # cap on validation blocks per evaluation
+    cache_dir: str | None = None  # where tokenized data is cached (default: tunebench's cache, ~/.cache/tunebench)
+
+    def copy(self, **changes: Any) -> "DataConfig":
+        return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PretrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def copy(self) -> "PretrainConfig":
+        """An independent copy (the guide's `base_config.copy()`): changing it leaves this one as it is."""
+        return PretrainConfig(self.model.copy(), self.training.copy(), self.data.copy())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -287,6 +318,14 @@ def validate(cfg: PretrainConfig) -> None:
     _choice("training.compile", t.compile, ("auto", "on", "off"))
     _choice("training.parallel", t.parallel, ("auto", "ddp", "fsdp"))
     _choice("training.backend", t.backend, ("auto", "gloo", "nccl"))
+    _choice("training.compile_mode", t.compile_mode, ("default", "reduce-overhead", "max-autotune"))
+    if t.distributed_backend is not None:
+        _choice("training.distributed_backend", t.distributed_backend, ("gloo", "nccl"))
+        if t.backend not in ("auto", t.distributed_backend):
+            raise TunebenchError(f"training.backend '{t.backend}' and distributed_backend '{t.distributed_backend}' "
+                                 "disagree; give one of them")
+    if t.dataloader_prefetch_factor is not None and t.dataloader_prefetch_factor < 1:
+        raise TunebenchError(f"training.dataloader_prefetch_factor must be 1 or more, got {t.dataloader_prefetch_factor}")
     _choice("training.attention", t.attention, ("auto", "sdpa", "eager", "tunebench", "flash_attention_2"))
     _choice("data.split", d.split, ("random", "tail"))
     if t.bf16 and t.fp16:

@@ -160,7 +160,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
              next_micro_batch: Callable[[LoopState], Batch | None],
              evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
              resume: Path | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
-             after_eval: Callable[[int], dict[str, Any]] | None = None,
+             after_eval: Callable[[int], dict[str, Any]] | None = None, logging_dir: str | None = None,
              probed_tokens_per_s: float | None = None) -> Outcome:
     """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train `objective_` (from
     `objective`) to `settings.total_steps` with checkpoints, evaluate again.
@@ -178,7 +178,8 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     if resume:
         state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler, world)
         say(world, f"resume: continuing from {resume} (step {state.step})")
-    metrics = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if report_to == "tensorboard" else None) \
+    tensorboard = Path(logging_dir) if logging_dir else out / "tensorboard"
+    metrics = MetricsWriter(out / "metrics.jsonl", tensorboard if report_to == "tensorboard" else None) \
         if world.main else None
     log = metrics or (lambda record: None)
     stop = {"requested": False, "at": 0.0}

@@ -177,7 +177,8 @@ def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str
 def measure(model, step, shape, *, world_size: int, device, precision: str, attention_asked: str,
             attention_rows: int, widest: int, effective: int, resumed: tuple[int, int] | None,
             micro_asked: int | None, asked_reason: str, n_train: int, max_length: int, checkpointing: str,
-            compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1) -> Measured:
+            compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1,
+            compile_mode: str = "default") -> Measured:
     """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
     batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
     `run_tokens` the tokens the whole run will compute (compile pays off over those)."""
@@ -197,7 +198,7 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = resumed[1] if resumed else accumulation(effective, micro, world_size)
     rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens, shape, micro,
-                              speed))
+                              speed, compile_mode))
     return Measured(tuple(rows), micro, accum, speed)
 
 

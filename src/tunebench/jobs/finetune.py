@@ -148,7 +148,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             widest=cfg.data.max_length if cfg.data.packing != "off" else int(lengths[train_idx].max()),
             effective=effective, resumed=resumed, micro_asked=ask.micro, asked_reason="asked for",
             n_train=len(train_idx), max_length=cfg.data.max_length, checkpointing=t.gradient_checkpointing,
-            compile_asked=runner.compile_decision(hw_plan, parallel.value), quantized=a.method == "qlora",
+            compile_asked=runner.compile_decision(hw_plan, parallel.value), compile_mode=t.compile_mode, quantized=a.method == "qlora",
             run_tokens=steps * effective * tokens_per_row, local_ranks=world.local_size)
 
     measured = distributed.agree(world, measure)

@@ -35,8 +35,9 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
 
     # -- hardware plan, and the process group when torchrun started several ranks
     hw = hardware.detect()
-    hw_plan = hardware.plan(t.device, precision_for(t.precision_request, t.device, hw), hw, t.compile, t.threads)
-    world = distributed.init(hw_plan.device, t.backend)
+    device_asked = "cpu" if t.force_cpu else t.device
+    hw_plan = hardware.plan(device_asked, precision_for(t.precision_request, device_asked, hw), hw, t.compile, t.threads)
+    world = distributed.init(hw_plan.device, t.distributed_backend or t.backend)
     device = distributed.device_for(world, hw_plan.device)
     identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
     resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
@@ -51,8 +52,9 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         tok, tok_source = load_or_train_tokenizer(cfg)
         arch.check_vocab(m, tok)
         threads = d.preprocessing_num_workers or hw_plan.threads
-        tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir(), d.text_column, d.dataset_config, threads)
-        valid = blocks.token_file([d.validation_file], tok, models.cache_dir(), d.text_column, None, threads) \
+        cache = Path(d.cache_dir) if d.cache_dir else models.cache_dir()
+        tokens = blocks.token_file(cfg.data_files, tok, cache, d.text_column, d.dataset_config, threads)
+        valid = blocks.token_file([d.validation_file], tok, cache, d.text_column, None, threads) \
             if d.validation_file else None
     if valid is not None:
         train, val = blocks.cut(tokens, d.max_length), blocks.cut(valid, d.max_length)
@@ -83,7 +85,11 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         enable_checkpointing(model)
     rows.append(Decision("dataloader", "in-process", "a batch is a slice of the memory-mapped token file"
                          + (f"; dataloader_num_workers {t.dataloader_num_workers} not needed"
-                            if t.dataloader_num_workers else "")))
+                            if t.dataloader_num_workers else "")
+                         + (f"; dataloader_prefetch_factor {t.dataloader_prefetch_factor} not needed: nothing to "
+                            "prefetch" if t.dataloader_prefetch_factor else "")))
+    if t.force_cpu:
+        rows.insert(0, Decision("force_cpu", True, f"training.force_cpu: the CPU, whatever device '{t.device}' says"))
 
     # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile.
     # Rank 0 measures; the other ranks take its answers (ranks never disagree, never race on the cache).
@@ -102,7 +108,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
             attention_asked=t.attention, attention_rows=t.batch_size, widest=d.max_length, effective=effective,
             resumed=resumed, micro_asked=ask.micro, asked_reason="training.batch_size", n_train=len(train),
             max_length=d.max_length, checkpointing=checkpointing,
-            compile_asked=runner.compile_decision(hw_plan, parallel.value), quantized=False,
+            compile_asked=runner.compile_decision(hw_plan, parallel.value), compile_mode=t.compile_mode, quantized=False,
             run_tokens=steps * effective * d.max_length, local_ranks=world.local_size)
 
     measured = distributed.agree(world, measure)
@@ -167,7 +173,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
                             progress=t.progress, pin_memory=pin, world=world)
     outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
                               run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
-                              t.report_to, t.monitor, after_eval=sample, probed_tokens_per_s=plan.probed_tokens_per_s)
+                              t.report_to, t.monitor, after_eval=sample, logging_dir=t.logging_dir, probed_tokens_per_s=plan.probed_tokens_per_s)
 
     # -- outputs: a plain Hugging Face model directory (rank 0 writes; a sharded model is gathered first)
     weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None

@@ -20,9 +20,9 @@ def eagerly(compiled: bool):
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
-def warm_up_compiled(model, measure) -> float:
+def warm_up_compiled(model, measure, mode: str = "default") -> float:
     """Compile the blocks and run the first (compiling) probe; return its seconds beyond a steady probe's."""
-    compile_blocks(model)
+    compile_blocks(model, mode)
     t0 = time.perf_counter()
     measure()
     first = time.perf_counter() - t0
@@ -42,8 +42,26 @@ def eager_vs_compiled(measure, rounds: int = 2) -> tuple[float, float]:
     return max(eager), max(compiled)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def compiles(model, measure, mode: str) -> str | None:
+    """Compile the blocks and run one probe through them; None when that works, else why it did not
+    (the model is left eager). A compiler failure (a missing C compiler, an unsupported op: the
+    guide's "Compilation failed") costs the run its speed-up, not the run."""
+    try:
+        compile_blocks(model, mode)
+        measure()
+        return None
+    except Exception as e:  # noqa: BLE001 - torch._dynamo and inductor raise many types; all mean "no compile"
+        uncompile_blocks(model)
+        torch._dynamo.reset()
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return f"{type(e).__name__}: {first}"
+
+
 def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
-         micro_batch_size: int, eager_speed: float | None = None) -> Row:
+         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default") -> Row:
     """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
 
     The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
@@ -53,20 +71,27 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
     """
     if asked.value != "auto":
         if asked.value:
-            compile_blocks(model)
-        return Row("compile", asked.value, asked.reason)
+            failed = compiles(model, measure, mode)
+            if failed:
+                return Row("compile", False, f"{asked.reason}, but compiling failed ({failed}): running eagerly")
+        return Row("compile", asked.value, asked.reason + ("" if mode == "default" or not asked.value
+                                                          else f", mode {mode}"))
     if quantized:
         return Row("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
-    key = shape.key("compile", micro_batch_size=micro_batch_size)
+    key = shape.key("compile", micro_batch_size=micro_batch_size, **({"mode": mode} if mode != "default" else {}))
     hit = cached(key)
     if hit is None:
         run_s = run_tokens / (eager_speed or measure())
         if run_s < COMPILE_MEASURE_MIN_S:
             return Row("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
-        cold = warm_up_compiled(model, measure)
+        failed = compiles(model, measure, mode)
+        if failed:
+            return Row("compile", False, f"compiling failed ({failed}): running eagerly")
+        uncompile_blocks(model)
+        cold = warm_up_compiled(model, measure, mode)
         torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
-        warm = warm_up_compiled(model, measure)
+        warm = warm_up_compiled(model, measure, mode)
         eager, compiled = eager_vs_compiled(measure)
         hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
         store(key, hit)
@@ -85,13 +110,17 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
     if saved <= warm:
         return Row("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
                                   f"less than its {warm:.0f} s warm-up")
-    warm = warm_up_compiled(model, measure)
+    failed = compiles(model, measure, mode)
+    if failed:
+        return Row("compile", False, f"compiling failed ({failed}): running eagerly")
+    uncompile_blocks(model)
+    warm = warm_up_compiled(model, measure, mode)
     store(key, dict(hit, warmup_s=round(warm, 1)))
     return Row("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
                              "warm-up")
 
 
-def compile_blocks(model) -> int:
+def compile_blocks(model, mode: str = "default") -> int:
     """Compile each repeated block (the decoder layers) in place; return how many.
 
     Regional compilation: every layer runs one compiled graph, so the warm-up is that of one layer
@@ -105,17 +134,17 @@ def compile_blocks(model) -> int:
     # run's warm-up is the short, cached one that pick has on record.
     if not tunebench.USER_INDUCTOR_CACHE:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
-    return _compile_repeated(model)
+    return _compile_repeated(model, None if mode == "default" else mode)
 
 
-def _compile_repeated(model) -> int:
+def _compile_repeated(model, mode: str | None) -> int:
     from accelerate.utils.other import is_repeated_blocks
 
     if is_repeated_blocks(model):
         for block in model:
-            block.compile(dynamic=True)
+            block.compile(dynamic=True, mode=mode)
         return len(model)
-    return sum(_compile_repeated(child) for child in model.children())
+    return sum(_compile_repeated(child, mode) for child in model.children())
 
 
 def uncompile_blocks(model) -> None:
