@@ -65,7 +65,8 @@ def test_it_per_s_is_steps_over_training_time(tmp_path, dataset):
     compare.run(str(_matrix(tmp_path, dataset)), str(tmp_path / "r.csv"), str(tmp_path / "runs"), 1, {})
     with open(tmp_path / "r.csv", newline="") as f:
         row = next(csv.DictReader(f))
-    assert float(row["it_per_s"]) == pytest.approx(int(row["steps"]) / float(row["duration_seconds"]), rel=1e-2)
+    # duration_seconds is rounded to the millisecond: at a 30 ms run that alone is 2%
+    assert float(row["it_per_s"]) == pytest.approx(int(row["steps"]) / float(row["duration_seconds"]), rel=0.03)
 
 
 def _matrix(tmp_path, dataset):
@@ -125,13 +126,16 @@ def test_the_guides_python_api_as_written(tmp_path):
                                       dataloader_prefetch_factor=2, distributed_backend="gloo")
     training_config.batch_size = 1  # the configs are mutable, as the guide's are
     assert training_config.report_to == "tensorboard" and training_config.batch_size == 1
-    base_config = PretrainConfig(ModelConfig(), training_config, DataConfig(cache_dir=str(tmp_path / "cache")))
+    (tmp_path / "corpus.txt").write_text("text\n")
+    base_config = PretrainConfig(ModelConfig(), training_config,
+                                 DataConfig(train_file=str(tmp_path / "corpus.txt"), cache_dir=str(tmp_path / "cache")))
     config = base_config.copy()
     setattr(config.training, "learning_rate", 1e-3)  # the guide's search loop
     assert base_config.training.learning_rate == 3e-4 and config.training.learning_rate == 1e-3
     validate(config)
     with pytest.raises(Exception, match="disagree"):
-        validate(PretrainConfig(training=TrainingConfig(backend="nccl", distributed_backend="gloo")))
+        validate(PretrainConfig(training=TrainingConfig(backend="nccl", distributed_backend="gloo"),
+                                data=DataConfig(train_file=str(tmp_path / "corpus.txt"))))
     with pytest.raises(Exception, match="not supported"):
         TrainingConfig(report_to=["wandb"])
 
