@@ -87,7 +87,7 @@ def _bad_inputs(tmp_path, dataset):
     latin = tmp_path / "latin.csv"
     latin.write_bytes("instruction,response\ncaf\xe9,ok\n".encode("latin-1"))
     cols = tmp_path / "cols.csv"
-    cols.write_text("question,answer\nq,a\n")
+    cols.write_text("prompt_text,reply\nq,a\n")
     blocker = tmp_path / "file"
     blocker.write_text("x")
     d = str(dataset)

@@ -51,8 +51,9 @@ def test_format_detection():
     assert formats.detect({"instruction", "input", "output"}, cfg) == "alpaca"
     assert formats.detect({"messages"}, cfg) == "chat"
     assert formats.detect({"text"}, cfg) == "text"
+    assert formats.detect({"question", "answer"}, cfg) == "question"  # GSM8K's columns
     with pytest.raises(TunebenchError, match="cannot tell the dataset format"):
-        formats.detect({"question", "answer"}, cfg)
+        formats.detect({"prompt_text", "reply"}, cfg)
 
 
 def test_alpaca_input_joins_the_prompt():
@@ -112,7 +113,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(TunebenchError, match="not UTF-8"):
         readers.read_records(str(bad))
     cols = tmp_path / "cols.csv"
-    cols.write_text("question,answer\nq,a\n")
+    cols.write_text("prompt_text,reply\nq,a\n")
     with pytest.raises(TunebenchError, match="cannot tell the dataset format"):
         formats.records_to_messages(readers.read_records(str(cols)), DataConfig(), str(cols))
     with pytest.raises(TunebenchError, match="lacks column"):

@@ -72,7 +72,10 @@ def _same_weights(a, b, degenerate=()):
     assert a.keys() == b.keys()
     for k in a:
         if not k.endswith(degenerate):
-            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+            # atol relative to the tensor's scale: on an AVX2-only CPU, FSDP's reduce-scatter sums in another
+            # order than one process, and Adam's first steps turn that into ~3e-5 of the weights' range on
+            # elements near zero (seen: 2.6e-6 in a v_proj whose largest entry is 0.07)
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=max(1e-6, 1e-4 * float(b[k].abs().max())), msg=k)
 
 
 @pytest.fixture

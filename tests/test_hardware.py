@@ -176,7 +176,7 @@ class FakeCompiler:
         yield
         self.forced_eager = False
 
-    def compile(self, model):
+    def compile(self, model, mode="default"):
         self.on, self.fresh = True, True
         self.compiles += 1
 

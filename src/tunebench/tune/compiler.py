@@ -54,10 +54,15 @@ def compiles(model, measure, mode: str) -> str | None:
         measure()
         return None
     except Exception as e:  # noqa: BLE001 - torch._dynamo and inductor raise many types; all mean "no compile"
-        uncompile_blocks(model)
-        torch._dynamo.reset()
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        return f"{type(e).__name__}: {first}"
+        return _undo(model, e)
+
+
+def _undo(model, e: Exception) -> str:
+    """Back to eager after a failed compile; why it failed, in one line."""
+    uncompile_blocks(model)
+    torch._dynamo.reset()
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {first}"
 
 
 def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
@@ -85,13 +90,12 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
         if run_s < COMPILE_MEASURE_MIN_S:
             return Row("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
-        failed = compiles(model, measure, mode)
-        if failed:
-            return Row("compile", False, f"compiling failed ({failed}): running eagerly")
-        uncompile_blocks(model)
-        cold = warm_up_compiled(model, measure, mode)
-        torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
-        warm = warm_up_compiled(model, measure, mode)
+        try:
+            cold = warm_up_compiled(model, measure, mode)
+            torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
+            warm = warm_up_compiled(model, measure, mode)
+        except Exception as e:  # noqa: BLE001 - a failed compile: see compiles()
+            return Row("compile", False, f"compiling failed ({_undo(model, e)}): running eagerly")
         eager, compiled = eager_vs_compiled(measure)
         hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
         store(key, hit)
@@ -110,11 +114,10 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
     if saved <= warm:
         return Row("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
                                   f"less than its {warm:.0f} s warm-up")
-    failed = compiles(model, measure, mode)
-    if failed:
-        return Row("compile", False, f"compiling failed ({failed}): running eagerly")
-    uncompile_blocks(model)
-    warm = warm_up_compiled(model, measure, mode)
+    try:
+        warm = warm_up_compiled(model, measure, mode)
+    except Exception as e:  # noqa: BLE001 - a failed compile: see compiles()
+        return Row("compile", False, f"compiling failed ({_undo(model, e)}): running eagerly")
     store(key, dict(hit, warmup_s=round(warm, 1)))
     return Row("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
                              "warm-up")
