@@ -1,8 +1,6 @@
 """tunebench export: GGUF that llama.cpp runs as tunebench does, Ollama's Modelfile, a merged HF directory."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -248,14 +246,13 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, capsys)
     assert (_listing(tmp_path), _listing(runs)) == before
 
 
-def test_cli_export_prints_size_and_the_check(runs, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "tunebench", "export", str(runs / "gpt2"), "--quant", "q8_0", "-o",
-                        str(tmp_path / "g.gguf")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert f"wrote {tmp_path / 'g.gguf'} (" in r.stdout and "MiB): gpt2 in q8_0" in r.stdout
-    assert "no prompt format (trained on plain text)" in r.stdout
-    assert "held-out prompts give the merged model's next token" in r.stdout
-    assert f"llama-cli -m {tmp_path / 'g.gguf'}" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "tunebench", "export", str(runs / "gpt2"), "--quant", "q8_0", "-o",
-                        str(tmp_path / "g.gguf")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "exists; exports never overwrite" in r.stderr
+def test_cli_export_prints_size_and_the_check(runs, tmp_path, capsys):
+    target = tmp_path / "g.gguf"
+    assert cli.main(["export", str(runs / "gpt2"), "--quant", "q8_0", "-o", str(target)]) == 0
+    said = capsys.readouterr().out
+    assert f"wrote {target} (" in said and "MiB): gpt2 in q8_0" in said
+    assert "no prompt format (trained on plain text)" in said
+    assert "held-out prompts give the merged model's next token" in said
+    assert f"llama-cli -m {target}" in said
+    assert cli.main(["export", str(runs / "gpt2"), "--quant", "q8_0", "-o", str(target)]) == 2
+    assert "exists; exports never overwrite" in capsys.readouterr().err
