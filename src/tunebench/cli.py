@@ -268,10 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_debug(p)
 
     p = sub.add_parser("merge", help="merge an adapter into its base model, or combine several LoRA adapters into one")
-    p.add_argument("--model", default=None, help="base model (default: the adapter's base)")
-    p.add_argument("--adapter", action="append", default=None,
-                   help="a training --output-dir; give several to combine them into one adapter")
-    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+    _adapters_options(p, "give several to combine them into one adapter")
     p.add_argument("--output-dir", required=True,
                    help="new directory for the merged model (one adapter) or the combined adapter (several)")
     p.add_argument("--weights", default=None, help="several adapters: comma-separated weights (default equal, 1/n)")
@@ -312,11 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(p)
 
     p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, ...)")
-    p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
-    p.add_argument("--adapter", action="append", default=None,
-                   help="a training --output-dir; give several to compare them on the same rows")
+    _adapters_options(p, "give several to compare them on the same rows")
     p.add_argument("--base", action="store_true", help="also evaluate the adapters' base model, for a base vs tuned table")
-    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
     p.add_argument("--generate", type=int, default=0,
                    help="answer N held-out rows (greedy, the run's prompt format) and score them")
     p.add_argument("--max-new-tokens", type=int, default=128, help="the cap on each answer (default 128)")
@@ -388,6 +382,13 @@ def _placement_options(p: argparse.ArgumentParser) -> None:
                    help="auto (default: a GPU when present) | cpu | cuda | mps")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto (default: what training would pick on this device) | fp32 | bf16 | fp16")
+
+
+def _adapters_options(p: argparse.ArgumentParser, several: str) -> None:
+    """--model, --adapter (repeatable: what several of them do is `several`) and --allow-download."""
+    p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
+    p.add_argument("--adapter", action="append", default=None, help=f"a training --output-dir; {several}")
+    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
