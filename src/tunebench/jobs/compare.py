@@ -403,7 +403,8 @@ def keep_record(run_dir: Path) -> None:
     if not run_report.is_run(run_dir):
         return
     with atomic_file(run_dir / "system_info.txt") as tmp:
-        tmp.write_text(hw.system_info(*hw.machine()))
+        machine, _, record = hw.machine()
+        tmp.write_text(hw.system_info(machine, record))
     run_report.write(run_dir)
 
 

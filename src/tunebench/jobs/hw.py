@@ -40,16 +40,16 @@ def system_info(hw, record: dict) -> str:
 
 @functools.lru_cache(maxsize=1)
 def machine():
-    """(this machine, its record: hardware, the plan tunebench would make, the peak MFU is against)."""
+    """(this machine, the plan tunebench would make on it, its record: hardware, that plan, the peak MFU is
+    against), detected once per process."""
     hw = hardware.detect()
     plan = hardware.plan("auto", "auto", hw)
     peak, source = hardware.peak_tflops(plan.device, plan.precision, hw, plan.threads, cache_dir() / "peak_flops.json")
-    return hw, {"hardware": hw.to_dict(), **plan.to_dict(), "peak_tflops": peak, "peak_tflops_source": source}
+    return hw, plan, {"hardware": hw.to_dict(), **plan.to_dict(), "peak_tflops": peak, "peak_tflops_source": source}
 
 
 def run(as_json: bool = False, text: str | None = None) -> dict:
-    hw, record = machine()
-    plan = hardware.plan("auto", "auto", hw)
+    hw, plan, record = machine()
     peak, source = record["peak_tflops"], record["peak_tflops_source"]
     if as_json:
         print(json.dumps(record, indent=2))
