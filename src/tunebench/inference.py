@@ -90,6 +90,10 @@ def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
     if spec == "gpt2-124m":
         return 1024, "learned positions"  # GPT2Config's n_positions
     try:
+        converted = models.cache_dir() / "models" / models.SMOLLM2 / "config.json"
+        if spec == models.SMOLLM2 and converted.is_file():  # read in ms; parsing the GGUF's vocab takes seconds
+            config = json.loads(converted.read_text())
+            return config.get("max_position_embeddings"), "the GGUF's context length"
         if spec == models.SMOLLM2 or spec.endswith(".gguf"):
             from gguf import GGUFReader
 

@@ -157,16 +157,18 @@ class Measured:
 
 
 def measure_batch(effective: int, world_size: int, resumed: tuple[int, int] | None, micro_asked: int | None,
-                  probe: Callable[[], tuple[int, list[Decision], float]], asked_reason: str) -> \
+                  probe: Callable[[], tuple[int, list[Decision], float]], asked_reason: str,
+                  known_speed: Callable[[int], float | None] = lambda micro: None) -> \
         tuple[int, list[Decision], float | None]:
-    """(micro batch, its rows, probed tokens/s): the checkpoint's, the one asked for, or `probe()`'s."""
+    """(micro batch, its rows, probed tokens/s): the checkpoint's, the one asked for, or `probe()`'s.
+    For a size asked for, the tokens/s is `known_speed`'s: what an earlier probe measured, if any."""
     if resumed:
         return resumed[0], [Decision("micro_batch_size", resumed[0], f"the checkpoint's rows per micro-step over "
                                                                      f"{world_size} rank(s)")], None
     if micro_asked is None:
         micro, rows, speed = probe()
         return micro, [Decision(*r) for r in rows], speed
-    return micro_asked, [Decision("micro_batch_size", micro_asked, asked_reason)], None
+    return micro_asked, [Decision("micro_batch_size", micro_asked, asked_reason)], known_speed(micro_asked)
 
 
 def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str = "") -> Decision:
@@ -192,7 +194,7 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
     micro, batch_rows, speed = measure_batch(
         effective, world_size, resumed, micro_asked,
         lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks),
-        asked_reason)
+        asked_reason, lambda micro: batch.cached_speed(shape, effective // world_size, n_train, micro, local_ranks))
     rows += batch_rows
     if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))

@@ -28,6 +28,7 @@ from typing import Any
 from tunebench.config import load_config, read_yaml, shipped_yaml
 from tunebench.durable import repair_tail
 from tunebench.errors import TunebenchError
+from tunebench.jobs import sizing
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
 
@@ -36,7 +37,7 @@ SCHEMA = [
     "experiment", "config", "repeat", "device", "device_name", "cores", "processes", "threads", "batch_size",
     "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
-    "duration_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
+    "duration_seconds", "measure_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
     "rougeL", "chrf", "exact_match", "eos_rate",  # task quality (train.eval_generate > 0; tunebench.quality)
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
@@ -67,11 +68,14 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None) -> tuple[dict[st
     unique names that are safe as directory names, and every experiment's settings (with `extra`, the
     command line's, on top of the base) a valid run."""
     raw = read_yaml(matrix_path(spec))
-    unknown = set(raw) - {"base", "experiments", "grid", "description"}
+    unknown = set(raw) - {"base", "experiments", "grid", "description", "budget"}
     if unknown:
         raise TunebenchError(f"matrix {spec}: unknown section(s) {', '.join(sorted(unknown))}; "
-                             "use base, experiments, grid")
-    base = _mapping(raw.get("base"), f"matrix {spec}: base") | dict(extra or {})  # the command line's on top
+                             "use base, experiments, grid, budget")
+    base = _mapping(raw.get("base"), f"matrix {spec}: base")
+    if sizing.budget_seconds(raw.get("budget"), spec) is not None and "data.max_samples" in base:
+        raise TunebenchError(f"matrix {spec}: budget sizes data.max_samples to this machine; drop one of them")
+    base |= dict(extra or {})  # the command line's on top
     experiments = []
     if not isinstance(raw.get("experiments") or [], list):
         raise TunebenchError(f"matrix {spec}: experiments must be a list of {{name: ..., set: {{...}}}}")
@@ -226,7 +230,8 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
         "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s.get("quantization", "none"),
         "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
-        "duration_seconds": round(s["train_time_s"], 3), "samples_per_s": s["samples_per_s"], "it_per_s": s.get("it_per_s"),
+        "duration_seconds": round(s["train_time_s"], 3), "measure_seconds": s.get("measure_s"),
+        "samples_per_s": s["samples_per_s"], "it_per_s": s.get("it_per_s"),
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
         "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
         **{k: s.get(k) for k in ("rougeL", "chrf", "exact_match", "eos_rate")},
@@ -260,6 +265,14 @@ def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, 
     todo = [j for j in jobs if (j[0].name, j[1], j[2]) not in done]
     print(f"{len(jobs)} experiments on {', '.join(usable)}; "
           f"{len(jobs) - len(todo)} already in {results}, {len(todo)} to run")
+    budget = sizing.budget_seconds(read_yaml(matrix_path(matrix)).get("budget"), matrix)
+    if budget is not None and todo and "data.max_samples" not in (extra or {}):
+        record = results.with_name(results.stem + ".sizing.json")
+        if not read_done(results):
+            record.unlink(missing_ok=True)  # new results: measure this machine afresh
+        sized = sizing.size(base, budget, len(jobs), "cpu" if "cpu" in usable else usable[0], record)
+        print(f"data.max_samples {sized.max_samples}: {sized.reason}; --max-samples N overrides")
+        base = base | {"data.max_samples": sized.max_samples}
     elapsed: list[float] = []
     previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:

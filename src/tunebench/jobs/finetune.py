@@ -4,6 +4,7 @@ plan the hardware, load model and data, set up the method, decide the measured s
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             compile_asked=runner.compile_decision(hw_plan, parallel.value), compile_mode=t.compile_mode, quantized=a.method == "qlora",
             run_tokens=steps * effective * tokens_per_row, local_ranks=world.local_size)
 
+    measure_started = time.perf_counter()
     measured = distributed.agree(world, measure)
+    measure_s = time.perf_counter() - measure_started  # reported apart from training time
     if not world.main:
         tune.apply(model, list(measured.decisions))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
@@ -235,7 +238,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "model": cfg.model.name, "method": cfg.adapter.method, "quantization": cfg.adapter.quantization,
         **summary_.figures(outcome, fpt, hw_plan, hw, world), "parallel": plan.parallel,
         "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
-        "effective_batch_size": effective, "max_length": cfg.data.max_length,
+        "effective_batch_size": effective, "max_length": cfg.data.max_length, "measure_s": round(measure_s, 3),
     }
     summary.update({k: v for k, v in outcome.after.items() if k.startswith("eval_loss/")})
     if t.eval_generate:

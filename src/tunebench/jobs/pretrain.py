@@ -4,6 +4,7 @@ save. The loop, the measured decisions and the run plumbing are the ones `train`
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,9 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
             compile_asked=runner.compile_decision(hw_plan, parallel.value), compile_mode=t.compile_mode, quantized=False,
             run_tokens=steps * effective * d.max_length, local_ranks=world.local_size)
 
+    measure_started = time.perf_counter()
     measured = distributed.agree(world, measure)
+    measure_s = time.perf_counter() - measure_started  # reported apart from training time
     if not world.main:
         tune.apply(model, list(measured.decisions))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
@@ -189,7 +192,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
                **summary_.figures(outcome, fpt, hw_plan, hw, world), "parallel": plan.parallel,
                "micro_batch_size": micro, "grad_accum_steps": accum,
-               "effective_batch_size": effective, "max_length": d.max_length,
+               "effective_batch_size": effective, "max_length": d.max_length, "measure_s": round(measure_s, 3),
                "sample": outcome.after.get("sample")}
     write_json(out / "summary.json", summary)
     summary_.report(summary, out)

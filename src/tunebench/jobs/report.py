@@ -151,18 +151,42 @@ def findings(cells, stats, speedups, baseline_device) -> list[str]:
                 out.append(f"On {device}, {quant} quantization {verdict} for speed: {q:,.0f} s vs {base:,.0f} s "
                            f"without it ({base / q:.2f}x).")
         if "auto" in by_config:
-            manual = {c: cell.median("duration_seconds") for c, cell in by_config.items() if c != "auto"}
-            if manual:
-                best = min(manual, key=manual.get)
-                auto = by_config["auto"].median("duration_seconds")
-                text = (f"On {device}, tunebench auto took {auto:,.0f} s against {manual[best]:,.0f} s for the best "
-                        f"hand-picked configuration ({best}): {manual[best] / auto:.2f}x.")
-                a, b = by_config["auto"].runs[0], by_config[best].runs[0]
-                if (a.num("batch_size"), a.num("grad_accum")) == (b.num("batch_size"), b.num("grad_accum")):
-                    text += (f" auto chose the same micro batch ({int(a.num('batch_size') or 0)} x "
-                             f"{int(a.num('grad_accum') or 0)}), so the gap is run-to-run variation; --repeats narrows it.")
+            text = _auto_finding(device, by_config)
+            if text:
                 out.append(text)
     return out
+
+
+def _auto_finding(device: str, by_config: dict[str, Cell]) -> str | None:
+    """auto against the hand-picked rows, like with like: training time against training time (what
+    auto measured before training is said apart), and against the row with auto's own micro batch."""
+    manual = {c: t for c, cell in by_config.items() if c != "auto" and (t := cell.median("duration_seconds"))}
+    auto = by_config["auto"].median("duration_seconds")
+    if not manual or not auto:
+        return None
+    best = min(manual, key=manual.get)
+    text = (f"On {device}, tunebench auto trained in {auto:,.0f} s against {manual[best]:,.0f} s for the best "
+            f"hand-picked configuration ({best}): {manual[best] / auto:.2f}x.")
+    shape = lambda c: (by_config[c].runs[0].num("batch_size"), by_config[c].runs[0].num("grad_accum"))  # noqa: E731
+    same = [c for c in manual if shape(c) == shape("auto")]
+    micro = f"{int(shape('auto')[0] or 0)} x {int(shape('auto')[1] or 0)}"
+    if best in same:
+        text += f" auto chose the same micro batch ({micro}), so the gap is run-to-run variation; --repeats narrows it."
+    elif same:
+        text += (f" Against {same[0]}, the hand-picked run with auto's micro batch ({micro}): {manual[same[0]]:,.0f} s, "
+                 f"{manual[same[0]] / auto:.2f}x.")
+    measured = by_config["auto"].median("measure_seconds")
+    others = [t for c in manual if (t := by_config[c].median("measure_seconds")) is not None]
+    if measured is None or not others:
+        return text
+    if measured >= 1:
+        text += (f" Before training, auto spent {measured:,.0f} s measuring (attention kernel, micro batches, compile; "
+                 f"kept on record, so later runs of this shape skip it), the hand-picked runs {min(others):,.0f} to "
+                 f"{max(others):,.0f} s; both are apart from the training times compared.")
+    else:
+        text += (f" auto's measurements were on record from an earlier run of this shape: it spent {measured:.1f} s "
+                 "measuring before training.")
+    return text
 
 
 # -- charts (matplotlib, headless)

@@ -85,13 +85,27 @@ def format_table(result: Result) -> str:
     return "\n".join(lines)
 
 
+def _key(shape: Shape, effective_batch_size: int, n_train: int, ranks_sharing: int) -> str:
+    return shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size),
+                     **({"ranks_sharing": ranks_sharing} if ranks_sharing > 1 else {}))
+
+
+def cached_speed(shape: Shape, effective_batch_size: int, n_train: int, micro: int, ranks_sharing: int = 1) \
+        -> float | None:
+    """Tokens/s an earlier probe of this shape measured for `micro`, if it measured that size (no cost)."""
+    hit = cached(_key(shape, effective_batch_size, n_train, ranks_sharing))
+    if not hit or "result" not in hit:
+        return None
+    return next((p.tokens_per_s for p in Result.from_dict(hit["result"]).probes
+                 if p.micro_batch_size == micro and p.status == "ok" and p.tokens_per_s), None)
+
+
 def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
                 device: torch.device, ranks_sharing: int = 1) -> tuple[int, list[Row], float]:
     """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s.
     `effective_batch_size` is one rank's share; `ranks_sharing` ranks split this machine's RAM."""
 
-    key = shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size),
-                    **({"ranks_sharing": ranks_sharing} if ranks_sharing > 1 else {}))
+    key = _key(shape, effective_batch_size, n_train, ranks_sharing)
     hit = cached(key)
     result = Result.from_dict(hit["result"]) if hit and "result" in hit else None
     source = "cached probe"
