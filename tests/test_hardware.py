@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import json
 import os
 
@@ -110,6 +111,46 @@ def test_cpu_peak_is_the_best_sizes_flops_over_its_time(monkeypatch):
     peak = hardware.measure_cpu_peak_tflops("fp32", 1, seconds=0.3)
     best = max(2 * n**3 / t for n, t in per_matmul.items()) / 1e12  # 1024: 0.537 TFLOP/s
     assert peak == pytest.approx(best, rel=1e-9)
+
+
+def test_cpu_peak_grows_with_size_until_it_stops_rising(monkeypatch):
+    """Small matmuls stop at caches and threading overhead: the roofline keeps growing the size while
+    the rate still rises by 2%, and stops at the first size that does not."""
+    import time as time_module
+
+    rate = {512: 0.05, 1024: 0.10, 2048: 0.12, 3072: 0.148, 4096: 0.149, 6144: 0.5}  # TFLOP/s at each size
+    clock, tried = {"now": 0.0}, []
+    real_matmul = torch.Tensor.__matmul__
+
+    def timed_matmul(a, b):
+        n = a.shape[0]
+        tried.append(n)
+        clock["now"] += 2 * n**3 / (rate[n] * 1e12)
+        return real_matmul(a[:2, :2], b[:2, :2])
+
+    monkeypatch.setattr(time_module, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(torch, "randn", lambda n, m, dtype: torch.zeros(1, 1).expand(n, m))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed_matmul)
+    assert hardware.measure_cpu_peak_tflops("fp32", 1, seconds=0.3) == pytest.approx(0.148)
+    assert 6144 not in tried and 4096 in tried  # 4096 gained under 2%: the search ends there
+
+
+def test_cpu_mfu_is_against_the_fma_limit_where_it_is_known(tmp_path, monkeypatch):
+    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda d, t: 0.131)
+    avx2 = dataclasses.replace(machine("avx2 fma"), cpu_mhz=2445.0)
+    peak, source = hardware.peak_tflops("cpu", "fp32", avx2, 2, tmp_path / "p.json")
+    assert peak == pytest.approx(2 * 2445e6 * 32 / 1e12)  # 0.156: the 0.131 a matmul reached is 84% of it
+    assert "2 cores x 2,445 MHz x 32 fp32 FLOP/cycle" in source and "best measured fp32 matmul 0.131" in source
+    assert hardware.fma_limit_tflops("fp32", dataclasses.replace(avx2, cpu_flags=frozenset({"avx512f"})), 2)[0] \
+        == pytest.approx(2 * peak)
+    # No clock, bf16, or a clock below what a matmul measurably reached: the measured figure, said so.
+    assert hardware.peak_tflops("cpu", "fp32", machine("avx2"), 2, tmp_path / "p.json")[0] == 0.131
+    assert hardware.peak_tflops("cpu", "bf16", avx2, 2, tmp_path / "p.json") == (0.131, "best measured bf16 matmul "
+                                                                               "of this CPU; no FMA limit: bf16 is "
+                                                                               "measured only")
+    slow = dataclasses.replace(avx2, cpu_mhz=1000.0)
+    peak, source = hardware.peak_tflops("cpu", "fp32", slow, 2, tmp_path / "p.json")
+    assert peak == 0.131 and "clock is higher than reported" in source
 
 
 def test_flops_per_token_match_what_torch_counts(tiny):

@@ -536,3 +536,62 @@ def test_the_gpu_probe_budget_counts_only_free_memory_as_room(monkeypatch):
     baseline, budget = probe.memory_budget_mb(torch.device("cuda", 0))
     assert baseline == 77 * 1024
     assert budget == pytest.approx(77 * 1024 + 0.92 * 4 * 1024)
+
+
+def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
+    """A few AdamW steps of the tiny model on 4 rows, 2 micro-batches of 1 a step, epochs wrapping."""
+    import numpy as np
+
+    from tunebench.distributed import World
+
+    tok, data = _data()
+    model = copy.deepcopy(tiny.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    next_micro = next_micro or runner.micro_batches(
+        lambda epoch: batching.epoch_steps(np.arange(len(data)), 2, 0, epoch),
+        lambda rows: batching.collate(data, rows, tok.pad_token_id), World(), 1, 2)
+    settings = LoopSettings(total_steps=steps, grad_accum_steps=2, max_grad_norm=1.0, device=torch.device("cpu"),
+                            progress=False, logging_steps=logging_steps, prefetch=prefetch)
+    logs = []
+    state = train(CausalLMLoss(model), opt, sched, next_micro, LoopState(), settings, Hooks(log=logs.append))
+    return state, logs, model
+
+
+def test_prefetched_batches_train_exactly_as_inline_ones(tiny):
+    inline, logs_a, a = _loop_run(tiny, prefetch=False)
+    ahead, logs_b, b = _loop_run(tiny, prefetch=True)
+    assert inline.losses == ahead.losses and len(inline.losses) == 6
+    assert (inline.epoch, inline.batch_in_epoch) == (ahead.epoch, ahead.batch_in_epoch) == (2, 4)  # consumed, not prefetched
+    assert [r["grad_norm"] for r in logs_a] == [r["grad_norm"] for r in logs_b]
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+    def broken(state):
+        raise ValueError("a bad row")
+
+    with pytest.raises(ValueError, match="a bad row"):  # the background thread's error reaches the loop
+        _loop_run(tiny, prefetch=True, next_micro=broken)
+
+
+def test_the_loop_reads_the_device_only_on_logging_steps(tiny, monkeypatch):
+    """Losses, gradient norms and step times stay on the device between logging steps: the step itself
+    reads no tensor (each read is a host-device sync on a GPU), and one read per logging step fetches all."""
+    import sys
+
+    import tunebench.loop as loop
+
+    reads, stray = [], []
+    real_to_host = loop.to_host
+    monkeypatch.setattr(loop, "to_host", lambda tensors: reads.append(len(tensors)) or real_to_host(tensors))
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        def spy(self, *args, _real=getattr(torch.Tensor, name), _name=name):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename == loop.__file__ and caller.co_name == "train":
+                stray.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    state, logs, _ = _loop_run(tiny, prefetch=False, steps=7, logging_steps=3)
+    assert stray == []
+    assert reads == [6, 6, 2]  # steps 1-3 at step 3, 4-6 at step 6, 7 at the last step: (loss, grad norm) each
+    assert [r["step"] for r in logs] == [3, 6, 7] and len(state.losses) == 7 and state.train_time_s > 0

@@ -177,19 +177,15 @@ def test_other_load_sees_a_busy_process_beside_this_one():
     assert busiest is not None and f"(pid {spin.pid})" in busiest, busiest
 
 
-def _state(step):
-    return loop.LoopState(step=step)
-
-
 def test_slowdown_is_said_once_with_the_other_processes_load(capsys):
     logged = []
     watch = runner.SlowdownWatch(1000.0, lambda threads: (1.8, "python (pid 7) at 0.9 CPUs"), 2, logged.append,
                                  warmup=2, window=3)
     for step in range(1, 7):
-        watch(_state(step), 1.0, 900)  # at speed
+        watch(step, 1.0, 900)  # at speed
     assert not logged
     for step in range(7, 20):
-        watch(_state(step), 1.0, 250)  # a quarter of the probe's speed
+        watch(step, 1.0, 250)  # a quarter of the probe's speed
     assert len(logged) == 1
     message = logged[0]["warning"]
     assert "the last 3 steps ran at 467 positions/s, 47% of the 1,000 the probe measured" in message
@@ -202,7 +198,7 @@ def test_slowdown_without_a_probe_is_measured_against_the_runs_own_pace():
     logged = []
     watch = runner.SlowdownWatch(None, lambda threads: (0.0, None), 2, logged.append, warmup=0, window=2)
     for step, positions in enumerate([1000, 1000, 1000, 600, 600, 300, 300], 1):
-        watch(_state(step), 1.0, positions)
+        watch(step, 1.0, positions)
     assert len(logged) == 1 and logged[0]["step"] == 6
     assert "450 positions/s, 45% of the 1,000 this run reached earlier" in logged[0]["warning"]
     assert "no other process is busy (load average 2.0 for 2 threads)" in logged[0]["warning"]

@@ -63,7 +63,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "| ddp | fsdp"),
     (("--backend",), "train.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
     (("--seed",), "train.seed", "seed for data order, split and initialisation (default 42)"),
-    (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default 1)"),
+    (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default: every step on a CPU, every 10 on a GPU)"),
     (("--eval-steps",), "train.eval_steps",
      "eval loss every N steps, or below 1 a share of the steps (0.25: 4 evals; default: before and after training)"),
     (("--eval-generate",), "train.eval_generate",

@@ -97,7 +97,7 @@ class TrainConfig:
     lr_reference_batch: int = 8
     monitor: bool = True  # background sampler of CPU/RAM/GPU use
     seed: int = 42
-    logging_steps: int = 1
+    logging_steps: int | None = None  # None: every step on a CPU, every 10 on a GPU (each read of the loss is a sync)
     eval_steps: float | None = None  # every N steps; below 1, a share of the run's steps (0.25: 4 evals); None: at the end
     save_steps: int | None = None  # None: checkpoint only at the end and on interrupt
     eval_generate: int = 0  # at the end, answer this many held-out rows and score them (tunebench.quality)
@@ -457,8 +457,9 @@ def validate(cfg: RunConfig) -> None:
         "train.effective_batch_size (--effective-batch-size)": t.effective_batch_size,
         "adapter.r (--lora-r)": a.r,
         "train.save_total_limit": t.save_total_limit,
-        "train.logging_steps": t.logging_steps,
     }
+    if t.logging_steps is not None:
+        positive["train.logging_steps (--logging-steps)"] = t.logging_steps
     if t.max_steps is not None and t.max_tokens is not None:
         raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
     if t.eval_generate < 0:

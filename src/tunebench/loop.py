@@ -60,12 +60,13 @@ class LoopSettings:
     progress: bool = True
     pin_memory: bool = False  # page-locked host batches, so copies to an accelerator overlap compute
     world: World = World()
+    prefetch: bool | None = None  # next steps' batches made on a background thread; None: on CUDA
 
 
 @dataclass
 class Hooks:
     log: Callable[[dict[str, Any]], None] = lambda record: None
-    step_done: Callable[[LoopState, float, int], None] = lambda state, seconds, positions: None  # after each step
+    step_done: Callable[[int, float, int], None] = lambda step, seconds, positions: None  # each step, as it is read
     evaluate: Callable[[int], dict[str, float]] | None = None
     save: Callable[[LoopState], None] | None = None
     should_stop: Callable[[], bool] = lambda: False
@@ -199,6 +200,159 @@ def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: W
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
 
 
+@dataclass
+class _Step:
+    """One optimizer step's input: its micro-batches prepared on the device, counted on the host."""
+
+    prepared: list[tuple[Batch, int, int]]  # (batch on the device, loss tokens, real tokens)
+    samples: int  # examples (a packed row holds several; a rank's empty filler row holds none)
+    token_sq: int
+    positions: int  # computed positions, padding included
+    position: tuple[int, int]  # the data position (epoch, batch_in_epoch) after this step's micro-batches
+    ready: Any = None  # CUDA event: the copies to the device are done (prefetched on a side stream)
+
+
+def _produce(next_micro_batch: Callable[[LoopState], Batch | None], at: LoopState, settings: LoopSettings) \
+        -> _Step | None:
+    micro = []
+    for _ in range(settings.grad_accum_steps):
+        batch = next_micro_batch(at)
+        if batch is None:
+            break
+        micro.append(batch)
+    if not micro:
+        return None
+    lengths = torch.cat([example_lengths(b) for b in micro])
+    lengths = lengths[lengths > 0]  # a rank's empty filler row is no example
+    return _Step([prepare(b, settings.device, settings.pin_memory) for b in micro], len(lengths),
+                 int((lengths.long() ** 2).sum()), sum(b["input_ids"].numel() for b in micro),
+                 (at.epoch, at.batch_in_epoch))
+
+
+class _Inline:
+    """The next step's input, made when it is asked for."""
+
+    def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings):
+        self.next_micro_batch, self.settings = next_micro_batch, settings
+        self.at = LoopState(epoch=state.epoch, batch_in_epoch=state.batch_in_epoch)
+
+    def next(self) -> _Step | None:
+        return _produce(self.next_micro_batch, self.at, self.settings)
+
+    def close(self) -> None:
+        pass
+
+
+class Prefetcher(_Inline):
+    """The next steps' inputs made on a background thread while the device computes this one: collated,
+    pinned and copied to the GPU on a side stream of their own, so the step never waits for the host.
+    It walks its own copy of the data position; the loop takes each step's position as it trains it,
+    so a checkpoint records the data consumed, never the data prefetched."""
+
+    def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings, depth: int = 2):
+        super().__init__(next_micro_batch, state, settings)
+        import queue
+        import threading
+
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopped = threading.Event()
+        device = settings.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._run, name="tunebench-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                while not self.stopped.is_set():
+                    step = _produce(self.next_micro_batch, self.at, self.settings)
+                    if step is not None and self.stream is not None:
+                        step.ready = torch.cuda.Event()
+                        step.ready.record(self.stream)
+                    self._put(step)
+                    if step is None:
+                        return
+        except BaseException as e:  # noqa: BLE001 - raised in the loop, where the step asks for it
+            self._put(e)
+
+    def _put(self, item) -> None:
+        import queue
+
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> _Step | None:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is not None and item.ready is not None:  # compute waits for the copies, on the device only
+            current = torch.cuda.current_stream(self.settings.device)
+            current.wait_event(item.ready)
+            for batch, _, _ in item.prepared:
+                for t in batch.values():
+                    t.record_stream(current)  # made on the side stream, used on this one
+        return item
+
+    def close(self) -> None:
+        self.stopped.set()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.thread.join(timeout=10)
+
+
+class StepTimer:
+    """Step times without a host sync: on CUDA a pair of events per step, read when the loop reads the
+    losses; elsewhere the host clock (a CPU step is done when its last op returns)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started):
+        if not self.cuda:
+            return time.perf_counter() - started
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return started, event
+
+    def seconds(self, mark) -> float:
+        if not self.cuda:
+            return mark
+        started, ended = mark
+        ended.synchronize()
+        return started.elapsed_time(ended) / 1000
+
+
+@dataclass
+class _Done:
+    """An optimizer step's figures; the device tensors are read at the next logging (or eval, save) step."""
+
+    step: int
+    epoch: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    tokens: int  # real tokens of the step, all ranks
+    tokens_total: int  # state.tokens after it
+    time: Any  # StepTimer mark
+    positions: int
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[float]:
+    """The loop's only device-to-host read (one sync for all of them): tests count its calls."""
+    return torch.stack([t.float() for t in tensors]).tolist()
+
+
 def train(
     objective: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -217,6 +371,11 @@ def train(
     number of micro-batches per step (one with no loss tokens still runs: its backward joins the
     gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
     log the same figures and stop at the same step.
+
+    The host never waits for the device inside a step: losses, gradient norms and step times stay on
+    the device until a logging, eval or save step reads them all at once (`to_host`), and with
+    `settings.prefetch` the next steps' batches are made on a background thread. (Several ranks still
+    sum their token counts before each step; with NCCL that collective is a sync of its own.)
     """
     from tqdm.auto import tqdm
 
@@ -227,42 +386,37 @@ def train(
     objective.train()
     bar = tqdm(total=settings.total_steps, initial=state.step, disable=not (settings.progress and world.main),
                unit="step", dynamic_ncols=True)
-    loss_acc = torch.zeros((), device=device)
+    prefetch = settings.prefetch if settings.prefetch is not None else device.type == "cuda"
+    feed = (Prefetcher if prefetch else _Inline)(next_micro_batch, state, settings)
+    timer = StepTimer(device)
+    done: list[_Done] = []
     try:
         while state.step < settings.total_steps:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            micro = []
-            for _ in range(settings.grad_accum_steps):
-                batch = next_micro_batch(state)
-                if batch is None:
-                    break
-                micro.append(batch)
-            if not micro:
+            mark = timer.start()
+            waited = time.perf_counter()
+            item = feed.next()
+            if item is None:
                 break
-            lengths = torch.cat([example_lengths(b) for b in micro])
-            lengths = lengths[lengths > 0]  # a rank's empty filler row is no example
-            positions = sum(b["input_ids"].numel() for b in micro)
-            prepared = [prepare(b, device, settings.pin_memory) for b in micro]
             # One collective before the step: the loss is normalised by the loss tokens of all ranks.
             step_loss_tokens, step_tokens, step_samples, step_sq = distributed.all_sum(
-                [sum(n for _, n, _ in prepared), sum(n for _, _, n in prepared), len(lengths),
-                 int((lengths.long() ** 2).sum())], world)
-            state.data_time_s += time.perf_counter() - t0
+                [sum(n for _, n, _ in item.prepared), sum(n for _, _, n in item.prepared), item.samples,
+                 item.token_sq], world)
+            state.data_time_s += time.perf_counter() - waited
             # DDP and FSDP average gradients over ranks; the world-size factor turns that into the sum.
             scale = world.size / max(step_loss_tokens, 1)
-            loss_acc.zero_()
-            for i, (b, n_loss, _) in enumerate(prepared):
+            loss_acc = torch.zeros((), device=device)
+            for i, (b, n_loss, _) in enumerate(item.prepared):
                 if n_loss == 0 and world.backend is None:
                     continue
-                with distributed.gradient_sync(objective, enabled=i == len(prepared) - 1):
+                with distributed.gradient_sync(objective, enabled=i == len(item.prepared) - 1):
                     loss = objective(b) * scale
                     (scaler.scale(loss) if scaler else loss).backward()
                 loss_acc += loss.detach()
             if scaler:
                 scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
+                grad_norm = grad_norm.full_tensor()
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -272,45 +426,60 @@ def train(
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             state.step += 1
+            state.epoch, state.batch_in_epoch = item.position
             state.tokens += int(step_tokens)
             state.samples += int(step_samples)
             state.token_sq += int(step_sq)
-            # One host sync per optimizer step; the second collective: the step's loss over all ranks.
-            loss_value, = distributed.all_sum([float(loss_acc) / world.size], world)
-            if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
-                grad_norm = grad_norm.full_tensor()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            state.train_time_s += dt
-            if state.step > settings.warmup_steps_excluded:
-                state.measured_tokens += int(step_tokens)
-                state.measured_time_s += dt
-            if not math.isfinite(loss_value):
-                raise TunebenchError(
-                    f"loss became {loss_value} at step {state.step}; lower --lr, or use --precision fp32 "
-                    "(the last good checkpoint is kept)"
-                )
-            state.losses.append(loss_value)
-            tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s \
-                else step_tokens / dt
-            if state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
-                hooks.log({
-                    "step": state.step, "epoch": state.epoch, "loss": loss_value, "lr": lr,
-                    "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": tokens_per_s,
-                    "elapsed_s": state.train_time_s,
-                })
-            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            done.append(_Done(state.step, state.epoch, loss_acc, grad_norm, lr, int(step_tokens), state.tokens,
+                              timer.stop(mark), item.positions))
             bar.update(1)
-            hooks.step_done(state, dt, positions)
-            if hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0 \
-                    and state.step < settings.total_steps:
+            due_eval = bool(hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0
+                            and state.step < settings.total_steps)
+            due_save = bool(hooks.save and settings.save_steps and state.step % settings.save_steps == 0)
+            if due_eval or due_save or state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
+                _read(done, state, settings, hooks, timer, bar)
+                done = []
+            if due_eval:
                 hooks.log({"step": state.step, **hooks.evaluate(state.step)})
             stop = distributed.all_sum([float(hooks.should_stop())], world)[0] > 0  # a signal to any rank stops all
-            if hooks.save and ((settings.save_steps and state.step % settings.save_steps == 0) or stop):
+            if stop and done:  # a checkpoint holds every loss up to its step
+                _read(done, state, settings, hooks, timer, bar)
+                done = []
+            if hooks.save and (due_save or stop):
                 hooks.save(state)
             if stop:
                 raise Interrupted(state.step, world)
+        if done:  # the data ran out before total_steps
+            _read(done, state, settings, hooks, timer, bar)
     finally:
+        feed.close()
         bar.close()
     return state
+
+
+def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar) -> None:
+    """Read the steps' device figures in one sync, check them, and log the logging steps among them."""
+    world = settings.world
+    values = to_host([t for d in done for t in (d.loss, d.grad_norm)])
+    # The second collective, once per read: each step's loss over all ranks.
+    losses = distributed.all_sum([v / world.size for v in values[0::2]], world)
+    for d, loss_value, grad_norm in zip(done, losses, values[1::2]):
+        dt = timer.seconds(d.time)
+        state.train_time_s += dt
+        if d.step > settings.warmup_steps_excluded:
+            state.measured_tokens += d.tokens
+            state.measured_time_s += dt
+        if not math.isfinite(loss_value):
+            raise TunebenchError(
+                f"loss became {loss_value} at step {d.step}; lower --lr, or use --precision fp32 "
+                "(the last good checkpoint is kept)"
+            )
+        state.losses.append(loss_value)
+        tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else d.tokens / dt
+        if d.step % settings.logging_steps == 0 or d.step == settings.total_steps:
+            hooks.log({
+                "step": d.step, "epoch": d.epoch, "loss": loss_value, "lr": d.lr, "grad_norm": grad_norm,
+                "tokens": d.tokens_total, "tokens_per_s": tokens_per_s, "elapsed_s": state.train_time_s,
+            })
+        hooks.step_done(d.step, dt, d.positions)
+    bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{done[-1].lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)

@@ -103,8 +103,8 @@ class SlowdownWatch:
         self.best_own = 0.0
         self.warned = False
 
-    def __call__(self, state: LoopState, seconds: float, positions: int) -> None:
-        if self.warned or state.step <= self.warmup:
+    def __call__(self, step: int, seconds: float, positions: int) -> None:
+        if self.warned or step <= self.warmup:
             return
         self.recent = (self.recent + [(seconds, positions)])[-self.window:]
         if len(self.recent) < self.window:
@@ -128,7 +128,7 @@ class SlowdownWatch:
         message = (f"slowdown: the last {self.window} steps ran at {speed:,.0f} positions/s, "
                    f"{100 * speed / reference:.0f}% of the {reference:,.0f} {source}; {cause}")
         print(f"\nwarning: {message}")
-        self.log({"step": state.step, "warning": message})
+        self.log({"step": step, "warning": message})
 
 
 @dataclass
@@ -208,7 +208,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     sampler = Monitor(out / "monitor.jsonl" if monitor and world.main else None,
                       gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
     watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size, log,
-                          settings.warmup_steps_excluded) if world.main else (lambda state, seconds, positions: None)
+                          settings.warmup_steps_excluded) if world.main else (lambda step, seconds, positions: None)
     hooks = Hooks(log=log, evaluate=run_eval if evaluate else None, save=save,
                   should_stop=lambda: stop["requested"], step_done=watch)
     before = run_eval(0) if evaluate and state.step == 0 else None

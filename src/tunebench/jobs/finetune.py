@@ -169,7 +169,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         parallel, *method_rows, *[d for d in measured.decisions if d.setting != "compile"],
         Decision("batch layout", batch_layout, layout_reason), *[d for d in measured.decisions if d.setting == "compile"],
         optim.optimizer_row(device, t.weight_decay), runplan.batch_row(effective, micro, accum, world.size),
-        Decision("lr", f"{lr:g}", lr_reason),
+        Decision("lr", f"{lr:g}", lr_reason), logging_row(t.logging_steps, device),
         Decision("total_steps", steps, "--max-steps" if t.max_steps else
                  f"--max-tokens {t.max_tokens:,} at {tokens_per_row:.1f} real tokens a row" if t.max_tokens
                  else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows, {effective} a step")])
@@ -215,7 +215,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # -- train
     settings = LoopSettings(
         total_steps=steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
-        autocast_dtype=autocast, logging_steps=t.logging_steps, eval_steps=runner.every(t.eval_steps, steps),
+        autocast_dtype=autocast, logging_steps=int(plan.value("logging_steps")), eval_steps=runner.every(t.eval_steps, steps),
         save_steps=t.save_steps, progress=t.progress, pin_memory=bool(hw_plan.value("pin_memory")), world=world,
     )
     outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
@@ -247,6 +247,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     write_json(out / "summary.json", summary)
     summary_.report(summary, out)
     return summary
+
+
+def logging_row(asked: int | None, device: torch.device) -> Decision:
+    if asked:
+        return Decision("logging_steps", asked, "asked for")
+    if device.type == "cuda":
+        return Decision("logging_steps", 10, "every 10 steps: reading a loss makes the host wait for the GPU, so the "
+                                             "loop keeps them on the device in between")
+    return Decision("logging_steps", 1, "every step: on a CPU, reading the loss costs nothing")
 
 
 def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
