@@ -232,6 +232,9 @@ def main() -> None:
     p.add_argument("--save", default=None, help="write every run's raw result and the medians to this JSON file")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fp32-peer", action="store_true", help="also run the study's fp32 recipe")
+    p.add_argument("--peers", default=None, metavar="PRECISIONS",
+                   help="the peer's precisions, e.g. fp32 on a CPU without native bf16 (default bf16; with "
+                        "--fp32-peer bf16,fp32)")
     p.add_argument("--sweep", action="store_true", help="time and memory vs max_length and micro batch")
     p.add_argument("--worker", choices=["peer", "tunebench", "sweep"], help=argparse.SUPPRESS)
     p.add_argument("--peer-precision", default="bf16", help=argparse.SUPPRESS)
@@ -272,7 +275,8 @@ def main() -> None:
     print(f"model {args.model}, data {args.data}, {args.samples} rows, max_length {args.max_length}, effective "
           f"batch {args.effective_batch}, {args.epochs:g} epoch(s), on {where}; runs alternate, each in its own process")
     runs: dict[str, list[dict]] = {}
-    plan = [("tunebench", None), ("peer", "bf16")] + ([("peer", "fp32")] if args.fp32_peer else [])
+    peers = args.peers.split(",") if args.peers else ["bf16"] + (["fp32"] if args.fp32_peer else [])
+    plan = [("tunebench", None)] + [("peer", precision) for precision in peers]
     for rep in range(args.repeats):
         for worker, precision in plan:
             extra = ["--peer-precision", precision] if precision else []
