@@ -303,6 +303,15 @@ def test_pick_attention_never_tries_a_kernel_that_would_not_fit():
         attention.pick(model, "auto", model.measure, _shape("fit3"), lambda impl: "too big")
 
 
+def test_a_second_round_only_where_the_first_leaves_the_kernels_apart():
+    alike = FakeAttentionModel({"sdpa": 100.0, "eager": 98.0, "tunebench": 103.0})
+    assert attention.pick(alike, "auto", alike.measure, _shape("alike"))[1] == "tunebench"
+    assert len(alike.tried) == 3  # within 5%: one round
+    apart = FakeAttentionModel({"sdpa": 100.0, "eager": 80.0, "tunebench": 103.0})
+    attention.pick(apart, "auto", apart.measure, _shape("apart"))
+    assert len(apart.tried) == 6  # 29% apart: a second round confirms against drift
+
+
 def test_flash_attention_joins_the_candidates_only_where_it_can_run(monkeypatch):
     import transformers.utils
 
