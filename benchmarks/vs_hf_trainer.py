@@ -165,23 +165,27 @@ def worker_sweep(args) -> dict:
     from tunebench import models
     from tunebench.loop import loss_sum, prepare
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    bf16 = args.sweep_precision == "bf16"
     loaded = models.resolve(args.model, args.tokenizer)
     modules, _ = models.target_modules(loaded.model, "auto")
-    ids = torch.randint(10, 40000, (args.micro_batch, args.max_length), generator=torch.Generator().manual_seed(0))
+    vocab = min(40000, loaded.model.config.vocab_size)
+    ids = torch.randint(min(10, vocab - 1), vocab, (args.micro_batch, args.max_length),
+                        generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if args.side == "peer":
         model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
         model.train()
 
         def step():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 model(**batch).loss.backward()
     else:
         from tunebench import tune
         from tunebench.tune import attention
 
-        base = loaded.model.to(torch.bfloat16)
+        base = loaded.model.to(torch.bfloat16 if bf16 else torch.float32)
         model = models.add_lora(base, LORA["r"], LORA["lora_alpha"], LORA["lora_dropout"], modules)
         model.train()
         b, n, _ = prepare(batch, torch.device("cpu"))
@@ -197,9 +201,11 @@ def worker_sweep(args) -> dict:
         # The kernel probe runs in a process of its own (--steps 0) and is read back from the cache
         # here, so that its O(T^2) kernels do not set this process's peak memory.
         shape = tune.Shape(args.model, "lora", "none", LORA["r"], ",".join(modules), args.max_length,
-                           f"sweep, micro batch {args.micro_batch}", "bf16", torch.__version__, "auto", "off", "off")
+                           f"sweep, micro batch {args.micro_batch}", args.sweep_precision, torch.__version__, "auto",
+                           "off", "off")
         row = attention.pick(model, "auto", measure, shape,
-                             attention.fit(model, args.micro_batch, args.max_length, "bf16", torch.device("cpu")))
+                             attention.fit(model, args.micro_batch, args.max_length, args.sweep_precision,
+                                           torch.device("cpu")))
         if args.steps == 0:
             return {"attention": row[1]}
     times = []
@@ -207,9 +213,19 @@ def worker_sweep(args) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    from tunebench import hardware
+    from tunebench.metrics import training_flops_per_token
+
+    matmul, layers, width = models.flop_dims(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    peak, _ = hardware.peak_tflops("cpu", args.sweep_precision, hardware.detect(), threads,
+                                   models.cache_dir() / "peak_flops.json")
+    s_per_step = float(np.median(times[1:]))
+    tokens_per_s = ids.numel() / s_per_step
+    fpt = training_flops_per_token(matmul, trainable, layers, width, args.max_length, full=False)
     return {"side": args.side, "max_length": args.max_length, "micro_batch": args.micro_batch,
-            "s_per_step": float(np.median(times[1:])), "peak_memory_mb": harness.peak_mb(),
-            "attention": "sdpa" if args.side == "peer" else row[1]}
+            "s_per_step": s_per_step, "tokens_per_s": tokens_per_s, "mfu": fpt * tokens_per_s / (peak * 1e12),
+            "peak_memory_mb": harness.peak_mb(), "attention": "sdpa" if args.side == "peer" else row[1]}
 
 
 def main() -> None:
@@ -236,6 +252,11 @@ def main() -> None:
                    help="the peer's precisions, e.g. fp32 on a CPU without native bf16 (default bf16; with "
                         "--fp32-peer bf16,fp32)")
     p.add_argument("--sweep", action="store_true", help="time and memory vs max_length and micro batch")
+    p.add_argument("--sweep-models", default=None, help="models the sweep runs, comma-separated (default --model)")
+    p.add_argument("--sweep-lengths", default="128,512,2048")
+    p.add_argument("--sweep-micros", default="1,4")
+    p.add_argument("--sweep-precision", default="bf16", choices=["bf16", "fp32"],
+                   help="both sides' precision (fp32 on a CPU without native bf16)")
     p.add_argument("--worker", choices=["peer", "tunebench", "sweep"], help=argparse.SUPPRESS)
     p.add_argument("--peer-precision", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--side", help=argparse.SUPPRESS)
@@ -255,18 +276,35 @@ def main() -> None:
               "--effective-batch", str(args.effective_batch), "--peer-padding", args.peer_padding,
               *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
     if args.sweep:
-        print(f"{'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} {'tok/s':>8} "
-              f"{'peak MB':>8}")
-        for length in (128, 512, 2048):
-            for micro in (1, 4):
-                for side in ("peer", "tunebench"):
-                    argv = ["--worker", "sweep", "--side", side, "--max-length", str(length),
-                            "--micro-batch", str(micro), "--model", args.model]
-                    if side == "tunebench":
-                        harness.spawn(__file__, [*argv, "--steps", "0"])
-                    r = harness.spawn(__file__, argv)
-                    print(f"{length:>10} {micro:>5} {side:>10} {r['attention']:>10} {r['s_per_step']:8.2f} "
-                          f"{length * micro / r['s_per_step']:8.0f} {r['peak_memory_mb']:8.0f}")
+        print(f"{'model':>22} {'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} "
+              f"{'tok/s':>8} {'MFU':>6} {'peak MB':>8}  ({args.sweep_precision})", flush=True)
+        rows = []
+        from tunebench import inference
+        from tunebench.errors import TunebenchError
+
+        for model in (args.sweep_models or args.model).split(","):
+            for length in (int(n) for n in args.sweep_lengths.split(",")):
+                try:
+                    inference.check_length(model, length)
+                except TunebenchError as e:
+                    print(f"{model:>22} {length:>10} skipped: {e}", flush=True)
+                    continue
+                for micro in (int(n) for n in args.sweep_micros.split(",")):
+                    pair = {}
+                    for side in ("peer", "tunebench"):
+                        argv = ["--worker", "sweep", "--side", side, "--max-length", str(length),
+                                "--micro-batch", str(micro), "--model", model,
+                                "--sweep-precision", args.sweep_precision,
+                                *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+                        if side == "tunebench":
+                            harness.spawn(__file__, [*argv, "--steps", "0"])
+                        r = pair[side] = harness.spawn(__file__, argv)
+                        print(f"{model:>22} {length:>10} {micro:>5} {side:>10} {r['attention']:>10} "
+                              f"{r['s_per_step']:8.2f} {r['tokens_per_s']:8.0f} {100 * r['mfu']:5.1f}% "
+                              f"{r['peak_memory_mb']:8.0f}", flush=True)
+                    rows.append({"model": model, **pair})
+        if args.save:
+            Path(args.save).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
         return
 
     import torch
