@@ -595,3 +595,12 @@ def test_the_loop_reads_the_device_only_on_logging_steps(tiny, monkeypatch):
     assert stray == []
     assert reads == [6, 6, 2]  # steps 1-3 at step 3, 4-6 at step 6, 7 at the last step: (loss, grad norm) each
     assert [r["step"] for r in logs] == [3, 6, 7] and len(state.losses) == 7 and state.train_time_s > 0
+
+
+def test_a_run_ends_with_its_peak_memory_beside_its_speed(tmp_path, dataset, capsys):
+    summary = finetune.run(_cfg(dataset, tmp_path / "run"))
+    closing = [line for line in capsys.readouterr().out.splitlines() if " steps in " in line][-1]
+    assert f"real tokens/s, MFU {100 * summary['mfu']:.1f}%, peak RSS {summary['peak_memory_mb']:,.0f} MB" in closing
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    (row,) = [d for d in plan["decisions"] if d["setting"] == "logging_steps"]
+    assert row["value"] == 1 and "on a CPU, reading the loss costs nothing" in row["reason"]

@@ -65,5 +65,7 @@ def report(summary: dict[str, Any], out: Path) -> None:
               "bench-data)")
     mfu_text = f"MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None \
         else f"MFU n/a ({summary['peak_tflops_source']})"
+    # Memory beside speed: on a laptop the peak decides what fits as much as tokens/s decides how long it takes.
+    memory = f"peak {'GPU memory' if summary['device'] == 'cuda' else 'RSS'} {summary['peak_memory_mb']:,.0f} MB"
     print(f"{summary['steps']} steps in {summary['duration_s']:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real "
-          f"tokens/s, {mfu_text}; saved to {out}")
+          f"tokens/s, {mfu_text}, {memory}; saved to {out}")
