@@ -2,12 +2,14 @@
 
 Both sides build the same model from the same config (tunebench.arch, the same seed), train on the
 same token blocks in the same order (HF Trainer gets them pre-ordered, no shuffling of its own), with
-the same micro batch, schedule, learning rate, weight decay and bf16 autocast, for the same number
+the same micro batch, schedule, learning rate, weight decay and precision (bf16 autocast, or fp32 on a
+CPU without native bf16: --precision fp32), for the same number
 of steps; both are scored by one evaluator on the same validation blocks. Runs alternate HF /
 tunebench, each in its own process. The first two steps are warm-up on both sides.
 
     python benchmarks/pretrain_vs_hf.py                          # small and medium configs at max_length 512
     python benchmarks/pretrain_vs_hf.py --configs cpu_medium_model --steps 20 --repeats 2
+    python benchmarks/pretrain_vs_hf.py --precision fp32                        # an AVX2 CPU: fp32 on both sides
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ CORPUS = [SHARED / "llamafactory-demo-data" / "wiki_demo.txt", SHARED / "tinysha
 
 
 def _cfg(args, out: str):
-    """The run both sides make: the shipped config at this length, batch, step count and bf16."""
+    """The run both sides make: the shipped config at this length, batch, step count and precision."""
     from tunebench import pretrain_config
 
     return pretrain_config.load(args.config, {
@@ -36,7 +38,7 @@ def _cfg(args, out: str):
         "data.max_eval_blocks": args.eval_blocks, "training.batch_size": args.micro_batch,
         "training.gradient_accumulation_steps": 1, "training.max_steps": args.steps, "training.warmup_steps": 2,
         "training.eval_steps": None, "training.save_steps": None, "training.checkpoint_dir": out,
-        "training.progress": False, "training.bf16": True, "training.logging_steps": 1,
+        "training.progress": False, "training.bf16": args.precision == "bf16", "training.logging_steps": 1,
         "training.compile": args.compile, "training.attention": args.attention, "training.monitor": False})
 
 
@@ -57,13 +59,13 @@ def _data(cfg):
     return tok, train, val, order
 
 
-def _val_loss(model, val, micro: int) -> float:
+def _val_loss(model, val, micro: int, precision: str) -> float:
     import torch
 
     from tunebench.loop import CausalLMLoss, evaluate
 
     batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
-    return evaluate(CausalLMLoss(model, torch.bfloat16), batches, torch.device("cpu"))["eval_loss"]
+    return evaluate(CausalLMLoss(model, torch.bfloat16 if precision == "bf16" else None), batches, torch.device("cpu"))["eval_loss"]
 
 
 def _flops(model, length: int) -> float:
@@ -97,7 +99,7 @@ def worker_hf(args) -> dict:
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=t.batch_size, gradient_accumulation_steps=1,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
         lr_scheduler_type=t.lr_scheduler, max_grad_norm=t.max_grad_norm, logging_steps=1000, save_strategy="no",
-        report_to=[], bf16=True, use_cpu=True, dataloader_num_workers=0, seed=t.seed, disable_tqdm=True)
+        report_to=[], bf16=args.precision == "bf16", use_cpu=True, dataloader_num_workers=0, seed=t.seed, disable_tqdm=True)
     trainer = InOrder(model=model, args=targs, train_dataset=rows, data_collator=default_data_collator,
                       callbacks=[clock])
     start = time.perf_counter()
@@ -106,9 +108,9 @@ def worker_hf(args) -> dict:
     skip = 2
     tokens = t.batch_size * cfg.data.max_length * (len(clock.marks) - skip)
     model.eval()
-    return {"side": "HF Trainer (bf16)", "steps": len(clock.marks), "duration_s": wall,
+    return {"side": "HF Trainer", "steps": len(clock.marks), "duration_s": wall,
             "tokens_per_s": tokens / (clock.marks[-1] - clock.marks[skip - 1]),
-            "val_loss": _val_loss(model, val, t.batch_size), "flops_per_token": _flops(model, cfg.data.max_length),
+            "val_loss": _val_loss(model, val, t.batch_size, args.precision), "flops_per_token": _flops(model, cfg.data.max_length),
             "peak_memory_mb": harness.peak_mb(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -124,7 +126,7 @@ def worker_tunebench(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(out)  # the saved model, scored by the same evaluator
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
     return {"side": "tunebench pretrain", "steps": s["steps"], "duration_s": s["duration_s"],
-            "tokens_per_s": s["tokens_per_s"], "val_loss": _val_loss(model, val, cfg.training.batch_size),
+            "tokens_per_s": s["tokens_per_s"], "val_loss": _val_loss(model, val, cfg.training.batch_size, args.precision),
             "flops_per_token": s["flops_per_token"], "peak_memory_mb": harness.peak_mb(), "parameters": s["parameters"],
             "chosen": {k: chosen.get(k) for k in ("attention", "compile", "precision")}}
 
@@ -140,6 +142,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--compile", default="off", help="tunebench's --compile (auto measures only runs over ~3 min)")
     p.add_argument("--attention", default="auto")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                   help="both sides' precision (default: bf16 where the CPU has native bf16, else fp32)")
     p.add_argument("--worker", choices=["hf", "tunebench"], help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -154,13 +158,15 @@ def main() -> None:
     from tunebench import hardware, models
 
     hw = hardware.detect()
-    peak = hardware.cpu_peak_tflops("bf16", hw, len(os.sched_getaffinity(0)), models.cache_dir() / "peak_flops.json")
-    print(f"{hw.cpu_model}, {len(os.sched_getaffinity(0))} threads, measured bf16 matmul peak {peak:.2f} TFLOP/s; "
+    args.precision = args.precision or ("bf16" if hw.cpu_bf16 else "fp32")
+    peak, source = hardware.peak_tflops("cpu", args.precision, hw, len(os.sched_getaffinity(0)),
+                                        models.cache_dir() / "peak_flops.json")
+    print(f"{hw.cpu_model}, {len(os.sched_getaffinity(0))} threads, {args.precision} peak {peak:.3f} TFLOP/s ({source}); "
           f"max_length {args.max_length}, micro batch {args.micro_batch}, {args.steps} steps; alternating processes")
     for config in args.configs:
         common = ["--config", config, "--data", *args.data, "--max-length", str(args.max_length), "--micro-batch",
                   str(args.micro_batch), "--steps", str(args.steps), "--eval-blocks", str(args.eval_blocks),
-                  "--compile", args.compile, "--attention", args.attention]
+                  "--compile", args.compile, "--attention", args.attention, "--precision", args.precision]
         runs: dict[str, list[dict]] = {}
         for rep in range(args.repeats):
             for worker in ("hf", "tunebench"):
@@ -172,7 +178,7 @@ def main() -> None:
                       f"process {r['total_s']:.0f} s" + (f"  {r['chosen']}" if "chosen" in r else ""))
         med = {side: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "val_loss", "peak_memory_mb")}
                for side, rs in runs.items()}
-        tb, hf = med["tunebench pretrain"], med["HF Trainer (bf16)"]
+        tb, hf = med["tunebench pretrain"], med["HF Trainer"]
         fpt = runs["tunebench pretrain"][0]["flops_per_token"]
         print(f"{config} ({runs['tunebench pretrain'][0]['parameters']:,} parameters): "
               f"{tb['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF Trainer's tokens/s "
