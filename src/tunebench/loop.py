@@ -163,18 +163,37 @@ def example_lengths(batch: Batch) -> torch.Tensor:
 
 
 def prepare(batch: Batch, device: torch.device, pin_memory: bool | None = None) -> tuple[Batch, int, int]:
-    """Move a collated batch to the device; return it with (loss tokens, real tokens) counted on the host.
-    `pin_memory` (default: on CUDA) page-locks the host copies so the transfers overlap compute."""
+    """Move a collated batch to the device; return it with (loss units, real tokens) counted on the host.
+    `pin_memory` (default: on CUDA) page-locks the host copies so the transfers overlap compute.
+
+    The loss unit is a loss token, unless the batch brings its own `counts` (a preference batch: pairs
+    first, then whatever else its objective normalises by); they reach the objective as `totals`, which
+    the training loop replaces with the whole optimizer step's (see train)."""
     flat = batch["labels"][:, 1:].reshape(-1)
     loss_index = torch.nonzero(flat != -100).squeeze(1)
-    n_loss, n_real = int(loss_index.numel()), int(batch["attention_mask"].sum())
+    counts = batch.get("counts")
+    n_loss = int(loss_index.numel()) if counts is None else int(counts[0])
+    n_real = int(batch["attention_mask"].sum())
     if device.type == "cuda" if pin_memory is None else pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}
         loss_index = loss_index.pin_memory()
     non_blocking = device.type == "cuda"
     out = {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
     out["loss_index"] = loss_index.to(device, non_blocking=non_blocking)
+    if counts is not None:
+        out["totals"] = out.pop("counts").double()
     return out, n_loss, n_real
+
+
+def split_output(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An objective returns its loss sum, or (loss sum, (len(stat_names),) sums of its metrics over the
+    batch's units), each reported as a mean per unit (see preference.PreferenceLoss)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def unwrap(objective: torch.nn.Module) -> torch.nn.Module:
+    """The objective itself under a DDP wrapper (FSDP shards it in place)."""
+    return getattr(objective, "module", objective)
 
 
 @torch.no_grad()
@@ -186,18 +205,27 @@ def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: W
     was_training = objective.training
     objective.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
+    stats = None
     count = 0
     for batch in batches[world.rank::world.size] if split else batches:
         b, n_loss, _ = prepare(batch, device)
         if n_loss or not split:
-            total += objective(b).double()
+            loss, part = split_output(objective(b))
+            total += loss.double()
+            if part is not None:
+                stats = part.double() if stats is None else stats + part.double()
             count += n_loss
     objective.train(was_training)
     if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves the root's weights gathered
         objective.reshard()
-    loss, count = distributed.all_sum([float(total), count], world) if split else (float(total), count)
-    loss = loss / max(count, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+    sums = [float(total), count] + ([] if stats is None else stats.tolist())
+    sums = distributed.all_sum(sums, world) if split else sums
+    loss, count = sums[0] / max(sums[1], 1), sums[1]
+    if stats is None:
+        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+    inner = unwrap(objective)
+    return {"eval_loss": loss, f"eval_{inner.unit}": int(count),
+            **{f"eval_{name}": value / max(count, 1) for name, value in zip(inner.stat_names, sums[2:])}}
 
 
 @dataclass
@@ -209,6 +237,7 @@ class _Step:
     token_sq: int
     positions: int  # computed positions, padding included
     position: tuple[int, int]  # the data position (epoch, batch_in_epoch) after this step's micro-batches
+    counts: list[int]  # the step's own loss units (a preference batch's `counts`, summed); empty for tokens
     ready: Any = None  # CUDA event: the copies to the device are done (prefetched on a side stream)
 
 
@@ -224,9 +253,10 @@ def _produce(next_micro_batch: Callable[[LoopState], Batch | None], at: LoopStat
         return None
     lengths = torch.cat([example_lengths(b) for b in micro])
     lengths = lengths[lengths > 0]  # a rank's empty filler row is no example
+    counts = torch.stack([b["counts"] for b in micro]).sum(0).tolist() if "counts" in micro[0] else []
     return _Step([prepare(b, settings.device, settings.pin_memory) for b in micro], len(lengths),
                  int((lengths.long() ** 2).sum()), sum(b["input_ids"].numel() for b in micro),
-                 (at.epoch, at.batch_in_epoch))
+                 (at.epoch, at.batch_in_epoch), counts)
 
 
 class _Inline:
@@ -341,6 +371,8 @@ class _Done:
     epoch: int
     loss: torch.Tensor
     grad_norm: torch.Tensor
+    stats: torch.Tensor | None  # sums of the objective's stat_names over the step's units (all ranks: at the read)
+    units: int  # the step's loss units, all ranks
     lr: float
     tokens: int  # real tokens of the step, all ranks
     tokens_total: int  # state.tokens after it
@@ -349,8 +381,8 @@ class _Done:
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[float]:
-    """The loop's only device-to-host read (one sync for all of them): tests count its calls."""
-    return torch.stack([t.float() for t in tensors]).tolist()
+    """The loop's only device-to-host read (one sync for all of them, flattened): tests count its calls."""
+    return torch.cat([t.float().reshape(-1) for t in tensors]).tolist()
 
 
 def train(
@@ -397,21 +429,30 @@ def train(
             item = feed.next()
             if item is None:
                 break
-            # One collective before the step: the loss is normalised by the loss tokens of all ranks.
-            step_loss_tokens, step_tokens, step_samples, step_sq = distributed.all_sum(
+            # One collective before the step: the loss is normalised by the loss units (tokens, or an
+            # objective's own counts) of all ranks.
+            step_loss_tokens, step_tokens, step_samples, step_sq, *step_counts = distributed.all_sum(
                 [sum(n for _, n, _ in item.prepared), sum(n for _, _, n in item.prepared), item.samples,
-                 item.token_sq], world)
+                 item.token_sq, *item.counts], world)
             state.data_time_s += time.perf_counter() - waited
             # DDP and FSDP average gradients over ranks; the world-size factor turns that into the sum.
             scale = world.size / max(step_loss_tokens, 1)
+            totals = torch.tensor(step_counts, dtype=torch.float64).to(device, non_blocking=True) \
+                if step_counts else None
             loss_acc = torch.zeros((), device=device)
+            stats_acc = None
             for i, (b, n_loss, _) in enumerate(item.prepared):
                 if n_loss == 0 and world.backend is None:
                     continue
+                if totals is not None:
+                    b["totals"] = totals  # the whole step's normalisers, not this micro-batch's
                 with distributed.gradient_sync(objective, enabled=i == len(item.prepared) - 1):
-                    loss = objective(b) * scale
+                    loss, stats = split_output(objective(b))
+                    loss = loss * scale
                     (scaler.scale(loss) if scaler else loss).backward()
                 loss_acc += loss.detach()
+                if stats is not None:
+                    stats_acc = stats if stats_acc is None else stats_acc + stats
             if scaler:
                 scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
@@ -430,40 +471,44 @@ def train(
             state.tokens += int(step_tokens)
             state.samples += int(step_samples)
             state.token_sq += int(step_sq)
-            done.append(_Done(state.step, state.epoch, loss_acc, grad_norm, lr, int(step_tokens), state.tokens,
-                              timer.stop(mark), item.positions))
+            done.append(_Done(state.step, state.epoch, loss_acc, grad_norm, stats_acc, int(step_loss_tokens), lr,
+                              int(step_tokens), state.tokens, timer.stop(mark), item.positions))
             bar.update(1)
             due_eval = bool(hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0
                             and state.step < settings.total_steps)
             due_save = bool(hooks.save and settings.save_steps and state.step % settings.save_steps == 0)
             if due_eval or due_save or state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
-                _read(done, state, settings, hooks, timer, bar)
+                _read(done, state, settings, hooks, timer, bar, objective)
                 done = []
             if due_eval:
                 hooks.log({"step": state.step, **hooks.evaluate(state.step)})
             stop = distributed.all_sum([float(hooks.should_stop())], world)[0] > 0  # a signal to any rank stops all
             if stop and done:  # a checkpoint holds every loss up to its step
-                _read(done, state, settings, hooks, timer, bar)
+                _read(done, state, settings, hooks, timer, bar, objective)
                 done = []
             if hooks.save and (due_save or stop):
                 hooks.save(state)
             if stop:
                 raise Interrupted(state.step, world)
         if done:  # the data ran out before total_steps
-            _read(done, state, settings, hooks, timer, bar)
+            _read(done, state, settings, hooks, timer, bar, objective)
     finally:
         feed.close()
         bar.close()
     return state
 
 
-def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar) -> None:
+def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar,
+          objective: torch.nn.Module) -> None:
     """Read the steps' device figures in one sync, check them, and log the logging steps among them."""
     world = settings.world
-    values = to_host([t for d in done for t in (d.loss, d.grad_norm)])
-    # The second collective, once per read: each step's loss over all ranks.
-    losses = distributed.all_sum([v / world.size for v in values[0::2]], world)
-    for d, loss_value, grad_norm in zip(done, losses, values[1::2]):
+    names = unwrap(objective).stat_names if done[0].stats is not None else ()
+    width = 2 + len(names)
+    values = to_host([t for d in done for t in (d.loss, d.grad_norm, *([d.stats] if names else []))])
+    # The second collective, once per read: each step's loss (and metric sums) over all ranks.
+    losses = distributed.all_sum([v / world.size for v in values[0::width]], world)
+    sums = distributed.all_sum([v for i, v in enumerate(values) if i % width >= 2], world) if names else []
+    for n, (d, loss_value, grad_norm) in enumerate(zip(done, losses, values[1::width])):
         dt = timer.seconds(d.time)
         state.train_time_s += dt
         if d.step > settings.warmup_steps_excluded:
@@ -477,8 +522,9 @@ def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Ho
         state.losses.append(loss_value)
         tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else d.tokens / dt
         if d.step % settings.logging_steps == 0 or d.step == settings.total_steps:
+            metrics = {name: v / max(d.units, 1) for name, v in zip(names, sums[n * len(names):(n + 1) * len(names)])}
             hooks.log({
-                "step": d.step, "epoch": d.epoch, "loss": loss_value, "lr": d.lr, "grad_norm": grad_norm,
+                "step": d.step, "epoch": d.epoch, "loss": loss_value, **metrics, "lr": d.lr, "grad_norm": grad_norm,
                 "tokens": d.tokens_total, "tokens_per_s": tokens_per_s, "elapsed_s": state.train_time_s,
             })
         hooks.step_done(d.step, dt, d.positions)

@@ -124,3 +124,11 @@ def mfu(flops_per_token: float, tokens_per_s: float | None, peak_tflops: float |
     if not tokens_per_s or not peak_tflops:
         return None
     return flops_per_token * tokens_per_s / (peak_tflops * 1e12)
+
+
+def describe_eval(e: dict[str, Any]) -> str:
+    """An eval's figures in words: loss and perplexity, or a preference run's loss and reward accuracy."""
+    if "eval_rewards/accuracies" in e:
+        return (f"loss {e['eval_loss']:.4f}, reward accuracy {e['eval_rewards/accuracies']:.3f}, margin "
+                f"{e['eval_rewards/margins']:.4f} on {e['eval_pairs']} held-out pairs")
+    return f"loss {e['eval_loss']:.4f}, perplexity {e['perplexity']:.2f}"

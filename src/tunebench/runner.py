@@ -21,7 +21,7 @@ from tunebench import checkpoint, distributed, hardware
 from tunebench.data import batching
 from tunebench.distributed import World
 from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, train
-from tunebench.metrics import MetricsWriter, peak_memory_mb, reset_peak_memory
+from tunebench.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.monitor import Monitor, other_load
 
 Row = tuple[str, Any, str]
@@ -142,12 +142,14 @@ class Outcome:
     peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
 
 
-def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str):
+def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str,
+              loss: torch.nn.Module | None = None):
     """(module the loop trains through, module evaluation runs through, whether evaluation splits the
-    batches over ranks). One process: the plain CausalLMLoss. DDP: wrapped for training; evaluation
-    runs the unwrapped copy, each rank a share. FSDP: sharded before the optimizer is built (it
-    replaces the parameters); its forward gathers weights, so every rank evaluates every batch."""
-    loss = CausalLMLoss(model, autocast_dtype)
+    batches over ranks). One process: the plain CausalLMLoss (or `loss`, another objective over the
+    model). DDP: wrapped for training; evaluation runs the unwrapped copy, each rank a share. FSDP:
+    sharded before the optimizer is built (it replaces the parameters); its forward gathers weights,
+    so every rank evaluates every batch."""
+    loss = loss or CausalLMLoss(model, autocast_dtype)
     if world.backend is None:
         return loss, loss, False
     if parallel == "fsdp":
@@ -214,7 +216,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     before = run_eval(0) if evaluate and state.step == 0 else None
     if before:
         log({"step": 0, **before})
-        say(world, f"eval before training: loss {before['eval_loss']:.4f}, perplexity {before['perplexity']:.2f}")
+        say(world, f"eval before training: {describe_eval(before)}")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     wall = time.perf_counter()
     try:

@@ -10,7 +10,7 @@ import numpy as np
 from tunebench import hardware, models
 from tunebench.distributed import World
 from tunebench.hardware import Decision
-from tunebench.metrics import mfu
+from tunebench.metrics import describe_eval, mfu
 from tunebench.runner import Outcome
 
 
@@ -58,7 +58,7 @@ def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: h
 def report(summary: dict[str, Any], out: Path) -> None:
     """The closing lines of a run."""
     if summary["eval_loss"] is not None:
-        print(f"eval after training: loss {summary['eval_loss']:.4f}, perplexity {summary['perplexity']:.2f}")
+        print(f"eval after training: {describe_eval(summary)}")
     if summary["data_wait_fraction"] > 0.1:
         print(f"warning: input-bound: {100 * summary['data_wait_fraction']:.0f}% of step time went to producing "
               "batches; lower --max-length padding waste or move tokenization off the hot path (see tunebench "

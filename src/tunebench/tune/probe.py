@@ -13,14 +13,17 @@ from collections.abc import Callable
 
 import torch
 
-from tunebench.loop import Batch, loss_sum, prepare
+from tunebench.loop import Batch, loss_sum, prepare, split_output
 from tunebench.metrics import peak_memory_mb, reset_peak_memory
 
 StepFn = Callable[[int], tuple[float, float]]  # micro batch -> (tokens/s, peak memory MB)
 
 
-def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autocast) -> StepFn:
-    """A step function for the measurements: `rows(size)` gives the collated batch to time."""
+def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autocast,
+               objective: torch.nn.Module | None = None) -> StepFn:
+    """A step function for the measurements: `rows(size)` gives the collated batch to time, through
+    `objective` (default: the next-token loss), so a preference run's probe times pairs with their
+    reference passes."""
 
     def step(size: int) -> tuple[float, float]:
         batch = rows(size)
@@ -33,7 +36,8 @@ def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autoca
                 for _ in range(3):
                     t0 = time.perf_counter()
                     b, n_loss, n_real = prepare(batch, device)
-                    (loss_sum(model, b, autocast) / max(n_loss, 1)).backward()
+                    loss = loss_sum(model, b, autocast) if objective is None else split_output(objective(b))[0]
+                    (loss / max(n_loss, 1)).backward()
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
