@@ -11,7 +11,7 @@ from tunebench import hardware, loop, models, monitor, runner
 from tunebench.cli import main
 from tunebench.config import DataConfig
 from tunebench.data import batching, formats
-from tunebench.data.tokenize import _segments, render_prompt
+from tunebench.data.tokenize import segments, render_prompt
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.jobs.generate import trained_template
@@ -284,7 +284,7 @@ def test_generate_prompts_the_way_training_formatted(template, chat):
     if not chat:
         tok.chat_template = None
     messages = [{"role": "user", "content": "where is my order?"}, {"role": "assistant", "content": "here"}]
-    trained_prefix = _segments(messages, tok, DataConfig(template=template))[0][0]
+    trained_prefix = segments(messages, tok, DataConfig(template=template))[0][0]
     assert render_prompt(messages[:1], tok, template) == trained_prefix
 
 

@@ -45,7 +45,7 @@ class Tokenized:
         return np.diff(self.offsets)
 
 
-def _segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tuple[str, bool]]:
+def segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tuple[str, bool]]:
     """Split one example's text into (text, is_loss_target) pieces."""
     all_tokens = cfg.train_on == "all"
     eos = tokenizer.eos_token or ""
@@ -91,7 +91,7 @@ def _instruction_prompt(prompt_turns: formats.Messages, tokenizer, template: str
 
 
 def render_prompt(messages: formats.Messages, tokenizer, template: str = "auto") -> str:
-    """The text a model fine-tuned with `template` saw before each reply: what _segments puts ahead of
+    """The text a model fine-tuned with `template` saw before each reply: what segments puts ahead of
     the response, so `generate` and `chat` prompt a fine-tune the way it was trained."""
     prompt = _instruction_prompt(messages, tokenizer, template)
     if prompt is not None:
@@ -120,11 +120,11 @@ def _fingerprint(path: Path, tokenizer, cfg: DataConfig) -> str:
 def tokenize_messages(
     examples: list[formats.Messages], tokenizer, cfg: DataConfig, fmt: str
 ) -> Tokenized:
-    segments = [_segments(m, tokenizer, cfg) for m in examples]
-    flat = [text for seg in segments for text, _ in seg]
+    pieces = [segments(m, tokenizer, cfg) for m in examples]
+    flat = [text for seg in pieces for text, _ in seg]
     encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     ids, masks, offsets, dropped, k, rows = [], [], [0], 0, 0, []
-    for row, seg in enumerate(segments):
+    for row, seg in enumerate(pieces):
         ex_ids: list[int] = []
         ex_mask: list[int] = []
         for _, trainable in seg:
