@@ -58,6 +58,14 @@ def tiny_run_config(data, out, **extra):
     return load_config(options=options)
 
 
+def pairs_file(tmp_path) -> Path:
+    """Six preference pairs (the DPO/ORPO golden values' own, tests/golden/preference.json) as JSONL."""
+    golden = json.loads((Path(__file__).parent / "golden" / "preference.json").read_text())
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in golden["pairs"]))
+    return path
+
+
 def run_losses(out) -> dict[int, float]:
     """{step: training loss} from a run directory's metrics.jsonl."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,7 @@ from tunebench.jobs import finetune
 from tunebench.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
 from tunebench.models import byte_tokenizer
 
-from conftest import ROWS, run_losses, run_weights, tiny_run_config
+from conftest import ROWS, pairs_file, run_losses, run_weights, tiny_run_config
 
 
 def _data():
@@ -63,9 +63,13 @@ _losses, _weights = run_losses, run_weights
     {"data.packing": "on"},
     {"adapter.method": "prefix", "adapter.num_virtual_tokens": 4},  # virtual tokens: PEFT's own forward
     {"adapter.method": "dora"},  # LoRA plus learned magnitudes
-], ids=["lora", "full", "packed", "prefix", "dora"])
+    {"train.objective": "dpo"},  # preference pairs, the reference through the disabled adapter
+    {"train.objective": "orpo"},  # its normalisers: pairs and the chosen rows' tokens of each step
+], ids=["lora", "full", "packed", "prefix", "dora", "dpo", "orpo"])
 def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset, monkeypatch, extra):
     """Killed at step 3 and resumed, a run ends with the same losses and the same weights, bit for bit."""
+    if "train.objective" in extra:
+        dataset = pairs_file(tmp_path)
     full = tmp_path / "full"
     finetune.run(_cfg(dataset, full, **extra))
     expected = _losses(full)

@@ -87,6 +87,12 @@ def run_job(args: argparse.Namespace) -> int:
         from tunebench.web import store
 
         print(store.report(args.path))
+        if args.export_pairs:
+            from tunebench.data import pairs
+
+            found = pairs.from_store(args.path)
+            pairs.export(found, args.export_pairs)
+            print(f"{args.export_pairs}: {found.describe()}")
     elif args.job == "launch":
         from tunebench.jobs import launch
 

@@ -30,7 +30,13 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
     (("--output-dir", "--output_dir"), "train.output_dir", "where the adapter/model, metrics and checkpoints go"),
     (("--method",), "adapter.method",
-     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full"),
+     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo: "
+     "that objective with LoRA (QLoRA with --quantization)"),
+    (("--objective",), "train.objective",
+     "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
+     "store of tunebench serve as --data)"),
+    (("--beta",), "train.beta", "DPO's beta, how far the model may move from its reference (default 0.1)"),
+    (("--orpo-lambda",), "train.orpo_lambda", "ORPO's lambda, the weight of its odds-ratio term (default 0.1)"),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r", "rank of lora, qlora, dora, loha, lokr (default 8)"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha", "alpha of lora, qlora, dora, loha, lokr (default 16)"),
     (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout", "LoRA dropout (default 0.1)"),
@@ -222,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ab = sub.add_parser("ab-report", help="win rates of the A/B votes that tunebench serve stored")
     ab.add_argument("path", nargs="?", default="tunebench-ab.sqlite", help="the --ab-db of tunebench serve")
+    ab.add_argument("--export-pairs", metavar="FILE.jsonl", default=None,
+                    help="also write each A or B vote as a preference pair (prompt, chosen, rejected; ties and "
+                         "both-bad skipped) for DPO/ORPO in tunebench or other tools")
     _add_debug(ab)
 
     la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",

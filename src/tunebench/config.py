@@ -25,6 +25,7 @@ from tunebench.runplan import BatchAsk
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
+OBJECTIVES = ("sft", "dpo", "orpo")  # next-token loss on the replies | preference pairs (data.pairs)
 SCHEDULES = ("cosine", "linear", "constant", "warmup_stable_decay")  # names of transformers.get_scheduler's
 
 
@@ -107,6 +108,9 @@ class TrainConfig:
     overwrite: bool = False  # replace an earlier run in output_dir (never implied)
     report_to: str = "none"  # none | tensorboard
     progress: bool = True
+    objective: str = "sft"  # sft | dpo | orpo (preference pairs; `--method dpo` is DPO with LoRA)
+    beta: float = 0.1  # DPO's beta: how far the policy may move from its reference (the paper's default)
+    orpo_lambda: float = 0.1  # ORPO's lambda: the weight of the odds-ratio term (the paper's; TRL calls it beta)
 
 
 @dataclass(frozen=True)
@@ -405,7 +409,14 @@ def load_config(
     for layer in layers:
         for key, value in layer.items():
             _set(tree, key, value)
-    adapter = tree["adapter"]
+    adapter, train = tree["adapter"], tree["train"]
+    if adapter.get("method") in OBJECTIVES[1:]:  # `--method dpo`: the objective, on the default adapter
+        if train.get("objective", "sft") not in ("sft", adapter["method"]):
+            raise TunebenchError(f"--method {adapter['method']} and --objective {train['objective']} disagree; give "
+                                 "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
+        train["objective"] = adapter.pop("method")
+    if train.get("objective", "sft") != "sft":
+        adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
         adapter["method"] = "qlora"  # LoRA on a quantized base is QLoRA (the study's --use_4bit)
     cfg = RunConfig(**{s: cls(**tree[s]) for s, cls in _SECTION_TYPES.items()})
@@ -438,6 +449,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("data.train_on", d.train_on, ("response", "all"))
     _choice("data.packing", d.packing, ("auto", "on", "off"))
     _choice("adapter.method", a.method, METHODS)
+    _choice("train.objective", t.objective, OBJECTIVES)
     _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
     _choice("train.device", t.device, ("auto", "cpu", "cuda", "mps"))
@@ -501,6 +513,16 @@ def validate(cfg: RunConfig) -> None:
                              f"with --method {a.method}")
     if a.num_virtual_tokens <= 0:
         raise TunebenchError(f"adapter.num_virtual_tokens must be 1 or more, got {a.num_virtual_tokens}")
+    if t.objective != "sft":
+        if t.beta <= 0 or t.orpo_lambda <= 0:
+            raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {t.beta} and {t.orpo_lambda}; "
+                                 "the papers' default is 0.1")
+        if d.packing == "on":
+            raise TunebenchError(f"--objective {t.objective} keeps each pair's two rows side by side and cannot pack "
+                                 "rows; use --packing auto or off")
+        if t.eval_generate:
+            raise TunebenchError(f"--eval-generate scores answers to prompt/response rows; a {t.objective} run "
+                                 "reports reward accuracy on its held-out pairs instead: drop --eval-generate")
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")

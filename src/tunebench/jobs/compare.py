@@ -39,6 +39,7 @@ SCHEMA = [
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
     "duration_seconds", "measure_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
     "rougeL", "chrf", "exact_match", "eos_rate",  # task quality (train.eval_generate > 0; tunebench.quality)
+    "objective", "reward_accuracy",  # sft, or dpo/orpo with the held-out pairs' reward accuracy
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
 ]
@@ -105,9 +106,12 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None) -> tuple[dict[st
     unique_names(experiments, spec)
     for e in experiments:  # every experiment's settings are checked before anything runs
         try:
-            load_config(options={**base, **e.overrides})
+            cfg = load_config(options={**base, **e.overrides})
         except TunebenchError as err:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
+        if cfg.train.objective != "sft" and sizing.budget_seconds(raw.get("budget"), spec) is not None:
+            raise TunebenchError(f"matrix {spec}, experiment '{e.name}': budget times SFT rows, not {cfg.train.objective} "
+                                 "pairs; give base data.max_samples instead of the budget")
     return base, experiments
 
 
@@ -235,6 +239,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
         "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
         **{k: s.get(k) for k in ("rougeL", "chrf", "exact_match", "eos_rate")},
+        "objective": s.get("objective", "sft"), "reward_accuracy": s.get("eval_rewards/accuracies"),
         "trainable_params": s.get("trainable_parameters") or s.get("parameters"),
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
         "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),

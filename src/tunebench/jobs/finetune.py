@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import distributed, hardware, inference, models, optim, rundir, runner, runplan, tune
+from tunebench import distributed, hardware, inference, models, optim, preference, rundir, runner, runplan, tune
 from tunebench import summary as summary_
 from tunebench.config import RunConfig, dump_yaml
 from tunebench.hardware import Decision
-from tunebench.data import batching, mixture
+from tunebench.data import batching, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
@@ -76,12 +76,19 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     out = Path(t.output_dir)
 
     # -- every input checked before anything expensive: data, model, output directory, checkpoint
-    parts = mixture.parts(cfg.data)  # one dataset, or each of data.sources with its weight
-    for part in parts:
-        if part.examples.empty_rows:
-            print(f"data{'' if len(parts) == 1 else ' ' + part.name}: {part.examples.describe_dropped()}")
-    check_rows(sum(len(p.examples.messages) for p in parts), cfg, sum(len(p.examples.empty_rows) for p in parts),
-               "empty")
+    prefer = t.objective != "sft"  # DPO or ORPO: the rows are preference pairs (data.pairs), a pair the unit
+    unit = "pairs" if prefer else "rows"
+    if prefer:
+        pair_examples, parts = pairs.load(cfg.data), []
+        print(f"data: {pair_examples.describe()}")
+        check_rows(len(pair_examples), cfg, 0, "")
+    else:
+        parts = mixture.parts(cfg.data)  # one dataset, or each of data.sources with its weight
+        for part in parts:
+            if part.examples.empty_rows:
+                print(f"data{'' if len(parts) == 1 else ' ' + part.name}: {part.examples.describe_dropped()}")
+        check_rows(sum(len(p.examples.messages) for p in parts), cfg,
+                   sum(len(p.examples.empty_rows) for p in parts), "empty")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
 
@@ -89,9 +96,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     hw = hardware.detect()
     hw_plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
     world = distributed.init(hw_plan.device, t.backend)
+    if prefer and world.size > 1:
+        raise TunebenchError(f"--objective {t.objective} runs in one process for now; train without torchrun "
+                             "(tunebench launch)")
     device = distributed.device_for(world, hw_plan.device)
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": t.seed,
                 "data": cfg.data.path if not cfg.data.sources else [list(s) for s in cfg.data.sources]}
+    if prefer:
+        identity["objective"] = {"objective": t.objective, "beta": t.beta, "orpo_lambda": t.orpo_lambda}
     resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
     ask = cfg.batch_ask()
     effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
@@ -102,10 +114,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with distributed.local_rank0_first(world):
         loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
         tok = loaded.tokenizer
-        data, spans, messages = mixture.tokenize(parts, tok, models.cache_dir())
-    check_rows(len(data), cfg, data.dropped, "left without a response by truncation at --max-length")
+        if prefer:
+            data, messages = pairs.tokenize(pair_examples, tok, cfg.data), []
+            spans = [np.arange(len(data))]
+        else:
+            data, spans, messages = mixture.tokenize(parts, tok, models.cache_dir())
+    check_rows(len(data), cfg, data.dropped, "whose prompt alone fills --max-length" if prefer
+               else "left without a response by truncation at --max-length")
     train_parts, eval_parts = mixture.splits(spans, cfg.data, t.seed)
-    train_idx = train_parts[0] if len(parts) == 1 else mixture.mixture(train_parts, [p.weight for p in parts], t.seed)
+    train_idx = train_parts[0] if len(parts) <= 1 else mixture.mixture(train_parts, [p.weight for p in parts], t.seed)
     eval_idx = np.concatenate(eval_parts)
     if len(parts) > 1:
         print("data: " + ", ".join(f"{p.name} {p.weight:.0%} of the training rows ({len(tr)} rows, {len(ev)} held out)"
@@ -116,6 +133,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                              "above 0 on instruction, alpaca or chat data, or drop --eval-generate")
     model, autocast, method_rows = build_model(cfg, loaded, hw_plan.precision, device)
     model.config.use_cache = False
+    loss_module = None
+    if prefer:
+        loss_module, row = preference_loss(model, cfg, autocast)
+        method_rows.append(row)
     trainable, total = models.count_parameters(model)
     if trainable == 0:
         raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
@@ -124,8 +145,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # Rank 0 measures; the other ranks take its answers (ranks never disagree, never race on the cache).
     if t.gradient_checkpointing == "on":
         enable_checkpointing(model)
-    lengths = data.lengths()
-    tokens_per_row = float(np.mean(lengths[train_idx]))
+    lengths = data.lengths()  # of each unit: an example, or a pair's longer row
+    tokens_per_row = float(np.mean((data.tokens() if prefer else lengths)[train_idx]))
     steps = runplan.total_steps(len(train_idx), effective, t.epochs, t.max_steps, t.max_tokens, tokens_per_row)
     parallel = hardware.pick_parallel(t.parallel, cfg.adapter.method, trainable, world.size,
                                       memory_free_mb(device, world.local_size))
@@ -133,10 +154,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
                              "`tunebench eval --adapter OUT --generate N` after training instead")
 
+    collate = (lambda rows_: pairs.collate(data, rows_, tok.pad_token_id)) if prefer \
+        else (lambda rows_: batching.collate(data, rows_, tok.pad_token_id))
+
     def measure() -> runplan.Measured:
         longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
-        step = probe_step(model, lambda size: batching.collate(data, longest[:size], tok.pad_token_id), device,
-                          autocast)
+        step = probe_step(model, lambda size: collate(longest[:size]), device, autocast, loss_module)
         a = cfg.adapter
         shape = tune.Shape(cfg.model.name, a.method, a.quantization,
                            a.num_virtual_tokens if a.method in models.PROMPT_METHODS else a.r, a.target_modules,
@@ -159,7 +182,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         tune.apply(model, list(measured.decisions))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     prompt_method = cfg.adapter.method in models.PROMPT_METHODS
-    batch_layout, layout_reason = layout.decide("off" if prompt_method else cfg.data.packing, lengths, train_idx,
+    batch_layout, layout_reason = layout.decide("off" if prompt_method or prefer else cfg.data.packing, lengths, train_idx,
                                                 micro * world.size, t.seed, cfg.data.max_length, effective)
     if prompt_method and cfg.data.packing == "auto":
         layout_reason += f"; not packed: {cfg.adapter.method} tuning drops the position ids that separate packed rows"
@@ -172,18 +195,20 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         Decision("lr", f"{lr:g}", lr_reason), logging_row(t.logging_steps, device),
         Decision("total_steps", steps, "--max-steps" if t.max_steps else
                  f"--max-tokens {t.max_tokens:,} at {tokens_per_row:.1f} real tokens a row" if t.max_tokens
-                 else f"{t.epochs:g} epoch(s) of {len(train_idx)} rows, {effective} a step")])
+                 else f"{t.epochs:g} epoch(s) of {len(train_idx)} {unit}, {effective} a step")])
     if world.main:
         print(f"model: {loaded.source}")
-        print(f"data: {' + '.join(p.config.path for p in parts)} ({data.fmt}), {len(train_idx)} train / "
-              f"{len(eval_idx)} eval rows"
-              + (f"; {data.dropped} of {len(data) + data.dropped} rows dropped: no response left after truncation"
+        print(f"data: {' + '.join(p.config.path for p in parts) or cfg.data.path} ({data.fmt}), {len(train_idx)} "
+              f"train / {len(eval_idx)} eval {unit}"
+              + (f"; {data.dropped} of {len(data) + data.dropped} {unit} dropped: "
+                 f"{'the prompt alone fills --max-length' if prefer else 'no response left after truncation'}"
                  if data.dropped else ""))
         print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
         summary_.print_plan(plan.decisions)
 
     # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
-    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, plan.parallel)
+    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, plan.parallel,
+                                                             loss_module)
     if world.backend is not None:
         torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
     optimizer = optim.adamw(model, lr, t.weight_decay, device)
@@ -198,13 +223,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     # -- batches: each epoch's optimizer steps (seed, epoch, effective batch), split into this rank's micro-batches
     group_lengths = lengths if batch_layout == "length-grouped" else None
-    collate = (lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)) \
-        if batch_layout == "packed" else (lambda rows_: batching.collate(data, rows_, tok.pad_token_id))
+    if batch_layout == "packed":
+        collate = lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)  # noqa: E731
     next_micro_batch = runner.micro_batches(
         lambda epoch: batching.epoch_steps(train_idx, effective, t.seed, epoch, lengths=group_lengths),
         collate, world, micro, accum)
     eval_sets = [(p.name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id))
                  for p, e in zip(parts, eval_parts) if len(e)]
+    if prefer and len(eval_idx):
+        eval_sets = [("pairs", pairs.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id))]
     eval_batches = [b for _, batches in eval_sets for b in batches]
 
     def run_eval() -> dict[str, float]:
@@ -232,21 +259,43 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     matmul, layers, width = models.flop_dims(model)
     state = outcome.state
     # Attention over each example's own length (token-weighted), not the packed row's width.
-    fpt = training_flops_per_token(matmul, trainable, layers, width, state.token_sq / max(state.tokens, 1),
-                                   cfg.adapter.method == "full")
+    seq = state.token_sq / max(state.tokens, 1)
+    fpt = training_flops_per_token(matmul, trainable, layers, width, seq, cfg.adapter.method == "full")
+    if t.objective == "dpo":  # the reference's forward pass over every token: 2N for the matmuls, a third of attention
+        fpt += 2 * matmul + 4 * layers * width * seq
     summary = {
         "model": cfg.model.name, "method": cfg.adapter.method, "quantization": cfg.adapter.quantization,
         **summary_.figures(outcome, fpt, hw_plan, hw, world), "parallel": plan.parallel,
         "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
         "effective_batch_size": effective, "max_length": cfg.data.max_length, "measure_s": round(measure_s, 3),
     }
-    summary.update({k: v for k, v in outcome.after.items() if k.startswith("eval_loss/")})
+    summary.update({k: v for k, v in outcome.after.items() if k.startswith(("eval_loss/", "eval_rewards/", "eval_pairs"))})
+    if prefer:
+        summary.update(objective=t.objective, beta=t.beta if t.objective == "dpo" else t.orpo_lambda,
+                       pairs_skipped=pair_examples.skipped, pairs_dropped=data.dropped)
     if t.eval_generate:
         groups = [(p.name, [messages[data.rows[i]] for i in e[:t.eval_generate]]) for p, e in zip(parts, eval_parts)]
         summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, out))
     write_json(out / "summary.json", summary)
     summary_.report(summary, out)
     return summary
+
+
+def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.PreferenceLoss, Decision]:
+    """The DPO or ORPO objective over `model`, and its settings row. DPO's reference is the model with its
+    adapter off, or (full fine-tuning) a frozen copy made here, before any step, so the probe counts it."""
+    t = cfg.train
+    dropped = preference.disable_dropout(model)
+    dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
+    if t.objective == "orpo":
+        return (preference.PreferenceLoss(model, "orpo", t.orpo_lambda, autocast),
+                Decision("objective", "orpo", f"lambda {t.orpo_lambda:g}; no reference model{dropout}"))
+    full = cfg.adapter.method == "full"
+    reference = preference.reference_copy(model) if full else None
+    return (preference.PreferenceLoss(model, "dpo", t.beta, autocast, reference),
+            Decision("objective", "dpo", f"beta {t.beta:g}; reference: " + (
+                "a frozen copy of the starting weights" if full else "the base with the adapter off (no copy)")
+                + dropout))
 
 
 def logging_row(asked: int | None, device: torch.device) -> Decision:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import socket
 import uuid
 from pathlib import Path
@@ -120,6 +121,23 @@ def results_rows(db: Path) -> list[list[str]]:
     return store.table(db)[1] if db.is_file() else []
 
 
+def train_on_votes(db: Path, base: str | None = None) -> str:
+    """The results view's next step: the command that trains on the votes, as text to copy (training
+    never runs inside the web server). `base`, the model to start from where it is not the default."""
+    from tunebench.config import DEFAULT_MODEL
+    from tunebench.data import pairs
+
+    if not db.is_file():
+        return "No votes yet: vote A or B on the blind A/B tab, and the votes become DPO training pairs."
+    found = pairs.from_store(str(db))
+    if not len(found):
+        return f"No A or B votes yet ({found.describe()}): ties and \"both bad\" say nothing about which answer to prefer."
+    model = f" --model {shlex.quote(base)}" if base and base != DEFAULT_MODEL else ""
+    return (f"**Train on these votes**: {found.describe()}. Run this where the model should train, then serve "
+            f"the run beside the others and vote again:\n\n```\ntunebench train --method dpo --data "
+            f"{shlex.quote(str(db))}{model} --output-dir runs/dpo-votes\n```")
+
+
 def build(registry: Registry, db: Path, prompts: list[str] | None = None):
     import gradio as gr
 
@@ -215,9 +233,11 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                         "with its Wilson 95% interval.")
             results = gr.Dataframe(headers=results_head or None, value=results_rows(db), interactive=False,
                                    wrap=True)
+            base = next((e.model for e in registry.choices.values() if e.model), None)
+            train = gr.Markdown(train_on_votes(db, base))
             refresh = gr.Button("Refresh")
-            refresh.click(lambda: results_rows(db), None, results)
-            results_tab.select(lambda: results_rows(db), None, results)
+            refresh.click(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+            results_tab.select(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
     return app
 
 

@@ -1,0 +1,162 @@
+"""Preference tuning (DPO, ORPO): pairs from files and from the A/B store, the losses against TRL's
+(tests/golden/make_preference_golden.py), the loop's handling of pairs, and the command line."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import pairs_file, run_losses
+from tunebench.cli import main
+from tunebench.config import DataConfig, load_config
+from tunebench.data import pairs
+from tunebench.errors import TunebenchError
+from tunebench.jobs import finetune
+from tunebench.web import store
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "preference.json").read_text())
+
+
+def vote_store(tmp_path) -> Path:
+    """An A/B store with one vote of each kind, on prompts p-a, p-b, p-tie and p-bad."""
+    db = store.open_store(tmp_path / "ab.sqlite")
+    for i, vote in enumerate(("a", "b", "tie", "both_bad")):
+        store.record(db, f"p-{vote}", "model-x", "model-y", f"answer A {i}", f"answer B {i}", vote, {}, f"pair{i}")
+    return db
+
+
+def test_an_ab_store_yields_the_a_and_b_votes_as_pairs_oriented_by_the_vote(tmp_path):
+    found = pairs.from_store(str(vote_store(tmp_path)))
+    assert [p[0]["content"] for p in found.prompts] == ["p-a", "p-b"]
+    assert (found.chosen, found.rejected) == (["answer A 0", "answer B 1"], ["answer B 0", "answer A 1"])
+    assert found.skipped == {"ties": 1, "both-bad votes": 1}
+    assert "2 preference pair(s)" in found.describe() and "1 ties, 1 both-bad votes" in found.describe()
+
+
+def test_ab_report_exports_the_pairs_as_jsonl(tmp_path, capsys):
+    db = vote_store(tmp_path)
+    out = tmp_path / "pairs.jsonl"
+    assert main(["ab-report", str(db), "--export-pairs", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == [{"prompt": "p-a", "chosen": "answer A 0", "rejected": "answer B 0"},
+                    {"prompt": "p-b", "chosen": "answer B 1", "rejected": "answer A 1"}]
+    assert "2 preference pair(s)" in capsys.readouterr().out
+    assert pairs.load(DataConfig(path=str(out))).chosen == ["answer A 0", "answer B 1"]  # and reads back
+
+
+def test_pairs_accept_chat_messages_and_refuse_files_without_the_columns(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}],
+                                "chosen": [{"role": "assistant", "content": "hello!"}],
+                                "rejected": [{"role": "assistant", "content": "go away"}]}) + "\n")
+    found = pairs.load(DataConfig(path=str(path)))
+    assert (found.prompts, found.chosen, found.rejected) == ([[{"role": "user", "content": "hi"}]], ["hello!"],
+                                                             ["go away"])
+    bad = tmp_path / "sft.jsonl"
+    bad.write_text(json.dumps({"instruction": "a", "response": "b"}) + "\n")
+    with pytest.raises(TunebenchError, match="lacks column.*'prompt'.*prompt, chosen and rejected"):
+        pairs.load(DataConfig(path=str(bad)))
+
+
+def test_a_pair_whose_prompt_fills_max_length_is_dropped_and_counted(tmp_path, tiny):
+    rows = [{"prompt": "short?", "chosen": "yes indeed", "rejected": "no"},
+            {"prompt": "long " * 200, "chosen": "yes", "rejected": "no"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(path), max_length=64, template=GOLDEN["template"])
+    data = pairs.tokenize(pairs.load(cfg), tiny.tokenizer, cfg)
+    assert (len(data), data.dropped) == (1, 1)
+    batch = pairs.collate(data, [0], tiny.tokenizer.pad_token_id)
+    chosen, rejected = batch["input_ids"]
+    prompt = len(tiny.tokenizer(GOLDEN["template"].format(instruction="short?"), add_special_tokens=False)["input_ids"])
+    assert chosen[:prompt].tolist() == rejected[:prompt].tolist()  # one prompt, shared by both rows
+    assert (batch["labels"][:, :prompt] == -100).all() and (batch["labels"][0, prompt:] != -100).any()
+
+
+def _golden_config(tmp_path, objective: str, **extra):
+    return load_config(options={
+        "model.name": "tiny", "data.path": str(pairs_file(tmp_path)), "data.template": GOLDEN["template"],
+        "data.max_length": 256, "data.eval_fraction": 0.0, "train.objective": objective,
+        "adapter.r": 8, "adapter.lora_alpha": 16, "adapter.lora_dropout": 0.0,
+        "train.micro_batch_size": 2, "train.effective_batch_size": len(GOLDEN["pairs"]),
+        "train.max_steps": GOLDEN["steps"], "train.lr": GOLDEN["lr"], "train.schedule": "linear",
+        "train.warmup_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0, "train.beta": GOLDEN["beta"],
+        "train.orpo_lambda": GOLDEN["beta"], "train.precision": "fp32", "train.seed": GOLDEN["seed"],
+        "train.output_dir": str(tmp_path / objective), "train.progress": False, **extra})
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_losses_and_reward_metrics_match_trl(tmp_path, objective):
+    """TRL steps over the six pairs as one batch; tunebench takes micro batches of 2 pairs x 3
+    accumulation steps, so this also covers the per-step normalisation of pairs (and ORPO's tokens)."""
+    finetune.run(_golden_config(tmp_path, objective))
+    records = [json.loads(line) for line in (tmp_path / objective / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    golden = GOLDEN[objective]
+    assert len(steps) == len(golden)
+    for ours, theirs in zip(steps, golden):
+        for name, value in theirs.items():
+            assert ours[name] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours["step"], name)
+    assert golden[-1]["loss"] < golden[0]["loss"] - 0.05  # the reference really trained
+    if objective == "dpo":
+        assert golden[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at the start
+
+
+def test_full_fine_tuning_dpo_uses_a_frozen_reference(tmp_path, capsys):
+    summary = finetune.run(_golden_config(tmp_path, "dpo", **{"adapter.method": "full", "train.lr": 1e-4,
+                                                              "train.max_steps": 3}))
+    losses = run_losses(tmp_path / "dpo")
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-6)  # the copy starts equal to the policy
+    assert losses[3] < losses[1]  # and stays put while the policy moves
+    assert "a frozen copy of the starting weights" in capsys.readouterr().out
+    assert summary["objective"] == "dpo"
+
+
+def test_method_dpo_is_the_objective_on_lora_and_conflicts_are_refused():
+    cfg = load_config(options={"adapter.method": "dpo"})
+    assert (cfg.train.objective, cfg.adapter.method, cfg.adapter.lora_dropout) == ("dpo", "lora", 0.0)
+    cfg = load_config(options={"adapter.method": "orpo", "adapter.quantization": "4bit", "adapter.lora_dropout": 0.05})
+    assert (cfg.train.objective, cfg.adapter.method, cfg.adapter.lora_dropout) == ("orpo", "qlora", 0.05)
+    with pytest.raises(TunebenchError, match="--method dpo and --objective orpo disagree"):
+        load_config(options={"adapter.method": "dpo", "train.objective": "orpo"})
+    with pytest.raises(TunebenchError, match="reward accuracy on its held-out pairs"):
+        load_config(options={"train.objective": "dpo", "train.eval_generate": 4})
+    with pytest.raises(TunebenchError, match="--beta and --orpo-lambda must be positive"):
+        load_config(options={"train.objective": "dpo", "train.beta": 0})
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_training_on_an_ab_store_from_the_command_line(tmp_path, capsys, objective):
+    db = store.open_store(tmp_path / "ab.sqlite")
+    for i, p in enumerate(GOLDEN["pairs"] * 2):
+        flip = i % 2  # the chosen answer shown as B half the time
+        a, b = (p["rejected"], p["chosen"]) if flip else (p["chosen"], p["rejected"])
+        store.record(db, p["prompt"], "m1", "m2", a, b, "b" if flip else "a", {}, f"pair{i}")
+    store.record(db, "p", "m1", "m2", "x", "y", "tie", {}, "tie")
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--method", objective, "--data", str(db), "--output-dir", str(out),
+                 "--max-steps", "4", "--effective-batch-size", "4", "--eval-fraction", "0.25", "--lr", "1e-2",
+                 "--template", GOLDEN["template"], "--max-length", "256"]) == 0
+    text = capsys.readouterr().out
+    assert "12 preference pair(s)" in text and "skipped: 1 ties" in text
+    assert "reward accuracy" in text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/accuracies" in r for r in records if "loss" in r)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["objective"] == objective and summary["eval_pairs"] == 3
+    assert 0.0 <= summary["eval_rewards/accuracies"] <= 1.0
+    assert summary["pairs_skipped"] == {"ties": 1}
+
+
+def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
+    from tunebench.web.app import train_on_votes
+
+    assert "No votes yet" in train_on_votes(tmp_path / "none.sqlite")
+    db = vote_store(tmp_path)
+    text = train_on_votes(db, "tiny")
+    assert f"tunebench train --method dpo --data {db} --model tiny --output-dir runs/dpo-votes" in text
+    assert "2 preference pair(s)" in text
+    only_ties = store.open_store(tmp_path / "ties.sqlite")
+    store.record(only_ties, "p", "m1", "m2", "x", "y", "tie", {}, "t")
+    assert "No A or B votes yet" in train_on_votes(only_ties)
