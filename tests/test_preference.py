@@ -1,6 +1,7 @@
 """Preference tuning (DPO, ORPO): pairs from files and from the A/B store, the losses against TRL's
 (tests/golden/make_preference_golden.py), the loop's handling of pairs, and the command line."""
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -147,6 +148,18 @@ def test_training_on_an_ab_store_from_the_command_line(tmp_path, capsys, objecti
     assert summary["objective"] == objective and summary["eval_pairs"] == 3
     assert 0.0 <= summary["eval_rewards/accuracies"] <= 1.0
     assert summary["pairs_skipped"] == {"ties": 1}
+    assert main(["report", str(out)]) == 0  # the run report draws the rewards beside the loss
+    assert (out / "report" / "rewards.png").is_file() and "rewards.png" in (out / "report" / "report.md").read_text()
+
+
+def test_the_probe_measures_pairs_apart_from_an_sft_runs_rows(tmp_path, dataset, capsys):
+    finetune.run(load_config(options={"model.name": "tiny", "data.path": str(dataset), "train.max_steps": 1,
+                                      "train.output_dir": str(tmp_path / "sft"), "train.progress": False}))
+    assert "batch-size probe (probed now)" in capsys.readouterr().out
+    finetune.run(load_config(options={"model.name": "tiny", "data.path": str(pairs_file(tmp_path)),
+                                      "train.objective": "dpo", "train.max_steps": 1, "train.effective_batch_size": 4,
+                                      "train.output_dir": str(tmp_path / "dpo"), "train.progress": False}))
+    assert "batch-size probe (probed now)" in capsys.readouterr().out  # not SFT's figures for rows
 
 
 def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
@@ -160,3 +173,20 @@ def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
     only_ties = store.open_store(tmp_path / "ties.sqlite")
     store.record(only_ties, "p", "m1", "m2", "x", "y", "tie", {}, "t")
     assert "No A or B votes yet" in train_on_votes(only_ties)
+
+
+def test_tune_searches_beta_by_the_held_out_reward_accuracy(tmp_path, capsys):
+    from tunebench.jobs import search
+
+    space = tmp_path / "space.yaml"
+    space.write_text("train.beta: [0.05, 0.5]\n")
+    base = {"model.name": "tiny", "data.path": str(pairs_file(tmp_path)), "data.max_length": 256,
+            "data.eval_fraction": 0.34, "train.objective": "dpo", "train.micro_batch_size": 2,
+            "train.effective_batch_size": 2, "train.lr": 1e-2}
+    summary = search.run("train", None, base, str(space), 2, str(tmp_path / "tune"), "random", "auto", max_steps=2,
+                         objective="reward_accuracy")
+    assert "reward accuracy on each trial's held-out preference pairs (maximized)" in capsys.readouterr().out
+    with open(tmp_path / "tune" / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["objective"] for r in rows] == ["dpo", "dpo"]
+    assert summary["best_reward_accuracy"] == max(float(r["reward_accuracy"]) for r in rows)

@@ -189,9 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--pruner", default="auto", choices=["auto", "median", "none"],
                     help="median: stop trials whose eval loss is worse than the median of earlier trials at the same "
                          "point; auto (default): median for --objective eval_loss, none for a task metric")
-    tu.add_argument("--objective", default="eval_loss", choices=["eval_loss", "rougeL", "chrf", "exact_match"],
-                    help="what a trial is judged by: eval_loss (default, minimized) or a task metric of its answers "
-                         "to held-out rows (maximized; train.eval_generate rows, default 16)")
+    tu.add_argument("--objective", default="eval_loss",
+                    choices=["eval_loss", "rougeL", "chrf", "exact_match", "reward_accuracy"],
+                    help="what a trial is judged by: eval_loss (default, minimized), a task metric of its answers "
+                         "to held-out rows (maximized; train.eval_generate rows, default 16), or reward_accuracy "
+                         "on the held-out pairs of a DPO/ORPO run (maximized)")
     length = tu.add_mutually_exclusive_group()
     length.add_argument("--budget-tokens", type=int, default=None,
                         help="every trial trains on about this many real tokens, whatever its batch size")

@@ -161,7 +161,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
         step = probe_step(model, lambda size: collate(longest[:size]), device, autocast, loss_module)
         a = cfg.adapter
-        shape = tune.Shape(cfg.model.name, a.method, a.quantization,
+        # A preference step is a pair's two rows plus DPO's reference pass: measured apart from SFT's rows.
+        shape = tune.Shape(cfg.model.name, a.method if not prefer else f"{a.method}+{t.objective}", a.quantization,
                            a.num_virtual_tokens if a.method in models.PROMPT_METHODS else a.r, a.target_modules,
                            cfg.data.max_length, tune.where(hw, hw_plan, device), hw_plan.precision,
                            hw.versions.get("torch", ""), t.attention, t.liger, t.gradient_checkpointing)

@@ -96,6 +96,18 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
                       ("system RAM used MB", at, [r.get("ram_used_mb", 0) for r in monitor], {})],
                      "Memory", "seconds", "MB")),
     ]
+    rewarded = [r for r in steps if "rewards/accuracies" in r]
+    if rewarded:  # a DPO or ORPO run
+        held = [r for r in evals if "eval_rewards/accuracies" in r]
+        out.insert(1, ("rewards", "Preference runs: the share of pairs whose chosen reply gets the higher reward, "
+                                  "per step and on the held-out pairs, and the mean reward margin per step",
+                       _line_chart([("train reward accuracy", [r["step"] for r in rewarded],
+                                     [r["rewards/accuracies"] for r in rewarded], {}),
+                                    ("eval reward accuracy", [r["step"] for r in held],
+                                     [r["eval_rewards/accuracies"] for r in held], {"marker": "o", "linestyle": "--"})],
+                                   "Rewards", "optimizer step", "accuracy",
+                                   twin=[("margin", [r["step"] for r in rewarded], [r["rewards/margins"] for r in rewarded],
+                                          {"color": "tab:red"})], twin_label="margin")))
     for g in gpus:
         out.append((f"{g}", f"{g.upper()}: utilisation and memory over the run", _line_chart(
             [("utilisation %", at, [r.get(f"{g}_util_percent", 0) for r in monitor], {})], g.upper(), "seconds", "%",

@@ -35,7 +35,8 @@ SAME_FAILURES = 3  # trials in a row failing with one message: a setting they sh
 EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
 # What a trial is judged by: eval loss (lower is better, judged while it runs), or a task metric of its
 # answers to held-out rows at the end (train.eval_generate; higher is better).
-OBJECTIVES = {"eval_loss": "minimize", "rougeL": "maximize", "chrf": "maximize", "exact_match": "maximize"}
+OBJECTIVES = {"eval_loss": "minimize", "rougeL": "maximize", "chrf": "maximize", "exact_match": "maximize",
+              "reward_accuracy": "maximize"}  # the last: DPO/ORPO runs' held-out pairs
 TASK_ROWS = 16  # held-out rows a trial answers when the objective is a task metric and train.eval_generate is unset
 KEYS = {  # per job: the keys tune sets on every trial
     "train": {"budget": "train.max_tokens", "steps": "train.max_steps", "eval": "train.eval_steps"},
@@ -455,7 +456,12 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
     elif max_steps is not None:
         base |= {keys["steps"]: max_steps, keys["budget"]: None}
     base[keys["eval"]] = 1 / EVALS
-    if objective != "eval_loss":
+    if objective == "reward_accuracy":
+        if job != "train":
+            raise TunebenchError("--objective reward_accuracy judges DPO/ORPO runs by their held-out pairs; "
+                                 "`tune --job pretrain` runs have none")
+        print(f"objective: reward accuracy on each trial's held-out preference pairs (maximized); pruner {pruner}")
+    elif objective != "eval_loss":
         if job != "train":
             raise TunebenchError(f"--objective {objective} scores answers to prompts, which `tune --job pretrain` "
                                  "runs do not have; use --objective eval_loss")

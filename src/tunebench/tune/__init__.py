@@ -23,7 +23,7 @@ class Shape:
     a change of any field (model, method, length, device, kernel, ...) measures again."""
 
     model: str  # a model spec, or an architecture's fingerprint for a model built from a config
-    method: str  # lora | qlora | full | pretrain
+    method: str  # lora | qlora | full | pretrain; "+dpo" / "+orpo" for a preference objective (a unit is a pair)
     quantization: str
     r: int | None
     target_modules: str | None
