@@ -114,6 +114,13 @@ def test_full_fine_tuning_dpo_uses_a_frozen_reference(tmp_path, capsys):
     assert summary["objective"] == "dpo"
 
 
+def test_an_ab_store_given_to_sft_says_which_method_trains_on_it(tmp_path, capsys):
+    db = vote_store(tmp_path)
+    assert main(["train", "--model", "tiny", "--data", str(db), "--output-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--method dpo or --method orpo" in err[0]
+
+
 def test_method_dpo_is_the_objective_on_lora_and_conflicts_are_refused():
     cfg = load_config(options={"adapter.method": "dpo"})
     assert (cfg.train.objective, cfg.adapter.method, cfg.adapter.lora_dropout) == ("dpo", "lora", 0.0)

@@ -36,8 +36,9 @@ def load_pretrain_config(path: str | Path, **overrides: Any) -> PretrainConfig:
 
 
 def finetune(config: str | Path | None = None, **options: Any) -> dict[str, Any]:
-    """Fine-tune (LoRA, QLoRA, full) as `tunebench train` does. Options are dotted config keys with
-    `__` for the dot (`train__max_steps=10`, `adapter__method="full"`, `model__name="tiny"`)."""
+    """Fine-tune (LoRA, QLoRA, full; DPO or ORPO on preference pairs) as `tunebench train` does. Options
+    are dotted config keys with `__` for the dot (`train__max_steps=10`, `adapter__method="full"`,
+    `train__objective="dpo"`, `model__name="tiny"`)."""
     from tunebench.config import load_config
     from tunebench.jobs import finetune as job
 

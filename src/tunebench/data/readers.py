@@ -105,6 +105,9 @@ def read_records(spec: str) -> list[Record]:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a bad file
             raise TunebenchError(f"dataset '{path}' is not a readable Parquet file ({e}); check the file") from e
+    elif suffix in (".sqlite", ".sqlite3", ".db"):
+        raise TunebenchError(f"dataset '{path}' is a database: an A/B store of tunebench serve holds preference "
+                             "pairs, which train with --method dpo or --method orpo")
     else:
         raise TunebenchError(f"dataset '{path}' has suffix '{suffix}'; use .csv, .json, .jsonl or .parquet")
     if not all(isinstance(r, dict) for r in rows):
