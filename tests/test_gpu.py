@@ -1,9 +1,13 @@
 """The CUDA paths, run for real on a GPU: the precision and TF32 decisions, the batch probe backing off
-from a real CUDA OOM, QLoRA 4-bit and 8-bit steps, fp16 with a GradScaler, fused AdamW, eval and a
-resume that reproduces the losses, `tunebench hw`, the GPU monitor, and `tunebench compare` on the
-study's GPU configurations. Every test is marked `gpu` and skips where no CUDA GPU is visible.
+from a real CUDA OOM (and to gradient checkpointing when one row does not fit), QLoRA 4-bit and 8-bit
+steps, fp16 with a GradScaler, fused AdamW, eval and resumes that reproduce the losses (LoRA, full,
+QLoRA, pretraining), every PEFT method, compile, packed rows with flash-attn and Liger, DPO, `eval`,
+`generate` and `serve` placing the model on the GPU, `tunebench hw`, the GPU monitor, and `tunebench
+compare` on the study's GPU configurations, resumed. Every test is marked `gpu` and skips where no CUDA
+GPU is visible.
 
     python -m pytest -m gpu tests/test_gpu.py
+    TUNEBENCH_GPU_ARTIFACTS=DIR python -m pytest -m gpu tests/test_gpu.py   # also keep each run's records
 
 GPT-2 124M runs need GPT-2's tokenizer from ../shared/data (or TUNEBENCH_SHARED_DATA) and skip without it;
 QLoRA needs bitsandbytes, and Liger / flash-attn tests run only where those packages are installed.
@@ -12,11 +16,14 @@ QLoRA needs bitsandbytes, and Liger / flash-attn tests run only where those pack
 import csv
 import importlib.util
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,12 +32,29 @@ from tunebench import checkpoint, hardware, optim, runner
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
 
-from conftest import SHARED, run_losses, run_weights, tiny_run_config
+from conftest import SHARED, pairs_file, run_losses, run_weights, tiny_run_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
 
 GPT2_TOKENIZER = SHARED / "gpt2-tokenizer"
+RECORDS = ("plan.json", "summary.json", "monitor.jsonl", "metrics.jsonl", "results.csv")
+
+
+@pytest.fixture(autouse=True)
+def keep_records(request, tmp_path):
+    """With TUNEBENCH_GPU_ARTIFACTS set (benchmarks/gpu_session.sh sets it), each test's run records
+    (plan.json, summary.json, monitor.jsonl, metrics.jsonl, results.csv) are copied there, under the
+    test's name, so every GPU figure can be traced to a file."""
+    yield
+    target = os.environ.get("TUNEBENCH_GPU_ARTIFACTS")
+    if not target:
+        return
+    for path in tmp_path.rglob("*"):
+        if path.name in RECORDS and "checkpoints" not in path.parts:
+            dest = Path(target) / request.node.name / path.relative_to(tmp_path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
 
 
 @pytest.fixture
@@ -108,6 +132,7 @@ RESUME_CASES = {
     "gpt2-lora-bf16": ("gpt2-124m", {}),
     "tiny-full-fp16": ("tiny", {"adapter.method": "full", "train.precision": "fp16", "train.lr": 1e-3}),
     "gpt2-full-bf16": ("gpt2-124m", {"adapter.method": "full", "train.lr": 1e-4}),
+    "tiny-qlora-4bit": ("tiny", {"adapter.method": "qlora", "adapter.quantization": "4bit"}),
 }
 
 
@@ -116,6 +141,8 @@ def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset
     """Killed at step 3 and resumed on the GPU, a run gives the uninterrupted run's losses: the CUDA RNG
     (dropout), the fused AdamW state and, under fp16, the GradScaler's scale come back from the checkpoint."""
     model, extra = RESUME_CASES[case]
+    if extra.get("adapter.method") == "qlora":
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
     tok = request.getfixturevalue("gpt2_tokenizer") if model == "gpt2-124m" else None
     straight = tmp_path / "straight"
     finetune.run(cuda_config(dataset, straight, model, tok, **extra))
@@ -233,12 +260,12 @@ def test_monitor_records_gpu_utilisation_and_memory(tmp_path):
     assert summary["mean_gpu0_util_percent"] > 0 and summary["peak_gpu0_memory_mb"] > 64
 
 
-def test_compare_runs_the_studys_gpu_configurations(tmp_path, gpt2_tokenizer):
+def test_compare_runs_the_studys_gpu_configurations_and_keeps_them(tmp_path, gpt2_tokenizer):
     results = tmp_path / "results.csv"
-    proc = subprocess.run([sys.executable, "-m", "tunebench", "compare", "--matrix", "study", "--device", "cuda",
-                           "--model", "gpt2-124m", "--tokenizer", gpt2_tokenizer, "--data", "builtin:customer-support",
-                           "--max-samples", "96", "--max-steps", "4", "--output", str(results)],
-                          capture_output=True, text=True)
+    command = [sys.executable, "-m", "tunebench", "compare", "--matrix", "study", "--device", "cuda",
+               "--model", "gpt2-124m", "--tokenizer", gpt2_tokenizer, "--data", "builtin:customer-support",
+               "--max-samples", "96", "--max-steps", "4", "--output", str(results)]
+    proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["experiment"]: r for r in csv.DictReader(results.open())}
     expected = {"bs1_ga8", "bs2_ga4", "bs4_ga2", "bs8_ga1", "bs8_ga1_8bit", "bs8_ga1_4bit", "auto"}
@@ -254,6 +281,10 @@ def test_compare_runs_the_studys_gpu_configurations(tmp_path, gpt2_tokenizer):
         assert float(r["tokens_per_s"]) > 0 and float(r["peak_memory_mb"]) > 0
     assert rows["bs8_ga1_4bit"]["status"] != "ok" or rows["bs8_ga1_4bit"]["quantization"] == "4bit"
     assert (tmp_path / "report" / "report.html").is_file()
+    again = subprocess.run(command, capture_output=True, text=True)  # the same sweep again: nothing reruns
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"7 already in {results}, 0 to run" in again.stdout
+    assert [r["run_dir"] for r in csv.DictReader(results.open())] == [r["run_dir"] for r in rows.values()]
 
 
 def test_liger_kernels_when_installed(tmp_path, dataset):
@@ -268,3 +299,185 @@ def test_flash_attention_when_installed(tmp_path, dataset):
     out = tmp_path / "flash"
     finetune.run(cuda_config(dataset, out, **{"train.attention": "flash_attention_2", "train.max_steps": 2}))
     assert _plan(out)["attention"][0] == "flash_attention_2"
+
+
+def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fit(tmp_path, gpt2_tokenizer,
+                                                                                   capsys, monkeypatch):
+    """The GPU is filled until one row of 1,024 tokens fits only with recomputation: the headroom left is
+    measured here, between one row's peak with and without gradient checkpointing, on the run's own model."""
+    from tunebench import models
+    from tunebench.data import batching
+    from tunebench.tune import batch
+    from tunebench.tune.probe import enable_checkpointing, probe_step
+
+    monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
+        torch.cuda.memory_allocated(device) / 2**20, torch.cuda.mem_get_info(device)[1] / 2**20))
+    data = _long_rows(tmp_path / "long.jsonl", 16)
+    cfg = cuda_config(data, tmp_path / "calibrate", "gpt2-124m", gpt2_tokenizer, **{"data.max_length": 1024})
+    device = torch.device("cuda")
+    precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+    def one_row_peak(checkpointing: bool) -> float:
+        """MB one probe step of a 1,024-token row allocates beyond the weights it starts with."""
+        from tunebench.data.tokenize import load_tokenized
+
+        loaded = models.resolve("gpt2-124m", gpt2_tokenizer)
+        pad = loaded.tokenizer.pad_token_id
+        tokenized = load_tokenized(cfg.data, loaded.tokenizer, None)
+        model, autocast, _ = finetune.build_model(cfg, loaded, precision, device)
+        if checkpointing:
+            enable_checkpointing(model)
+        held = torch.cuda.memory_allocated() / 2**20
+        _, peak = probe_step(model, lambda size: batching.collate(tokenized, [0] * size, pad), device, autocast)(1)
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        return peak - held
+
+    plain, recomputed = one_row_peak(False), one_row_peak(True)
+    assert recomputed < 0.7 * plain, (plain, recomputed)  # otherwise there is no gap to leave
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    weights_mb = 1_000  # the base, adapters, CUDA context and allocator slack, generously
+    headroom = int((weights_mb + (plain + recomputed) / 2) * 2**20)
+    if free < headroom + 2**30:
+        pytest.skip(f"only {free / 2**30:.1f} GiB free on the GPU")
+    blocker = torch.empty(free - headroom, dtype=torch.uint8, device="cuda")
+    try:
+        summary = finetune.run(cuda_config(data, tmp_path / "ckpt", "gpt2-124m", gpt2_tokenizer, **{
+            "data.max_length": 1024, "train.micro_batch_size": "auto", "train.effective_batch_size": 4,
+            "train.max_steps": 2, "data.eval_fraction": 0.0}))
+    finally:
+        del blocker
+        torch.cuda.empty_cache()
+    printed = capsys.readouterr().out
+    assert "micro batch 1 did not fit without it" in printed, printed[-3000:]
+    assert summary["steps"] == 2 and summary["micro_batch_size"] * summary["grad_accum_steps"] == 4
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("dora", {}), ("ia3", {"train.lr": 3e-3}), ("loha", {}), ("lokr", {}),
+    ("prefix", {"adapter.num_virtual_tokens": 4}), ("prompt", {"adapter.num_virtual_tokens": 4}),
+])
+def test_every_peft_method_trains_on_the_gpu(tmp_path, dataset, method, extra):
+    out = tmp_path / method
+    s = finetune.run(cuda_config(dataset, out, **{"adapter.method": method, "train.max_steps": 3, **extra}))
+    losses = run_losses(out)
+    assert s["device"] == "cuda" and s["method"] == method and len(losses) == 3
+    assert all(math.isfinite(v) for v in losses.values()) and math.isfinite(s["eval_loss"])
+    assert run_weights(out)  # the adapter was saved
+
+
+def test_compile_on_cuda_trains_as_eager_does(tmp_path, dataset):
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    finetune.run(cuda_config(dataset, eager, **{"train.max_steps": 4}))
+    finetune.run(cuda_config(dataset, compiled, **{"train.max_steps": 4, "train.compile": "on"}))
+    assert _plan(compiled)["compile"][0] is True and _plan(eager)["compile"][0] is False
+    a, b = run_losses(eager), run_losses(compiled)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:  # inductor's fused kernels round differently in bf16; the training is the same
+        assert b[step] == pytest.approx(a[step], rel=2e-2), step
+
+
+def test_packed_rows_with_flash_attention_match_padded_rows(tmp_path, dataset):
+    """flash-attn's variable-length path sees each packed example alone (position ids restart), so a
+    packed run trains on what a padded run does."""
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    padded, packed = tmp_path / "padded", tmp_path / "packed"
+    finetune.run(cuda_config(dataset, padded, **{"train.attention": "sdpa", "data.packing": "off",
+                                                  "train.max_steps": 3}))
+    finetune.run(cuda_config(dataset, packed, **{"train.attention": "flash_attention_2", "data.packing": "on",
+                                                  "train.max_steps": 3}))
+    assert _plan(packed)["batch layout"][0] == "packed" and _plan(packed)["attention"][0] == "flash_attention_2"
+    a, b = run_losses(padded), run_losses(packed)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=3e-2), step
+
+
+def test_liger_kernels_on_packed_rows(tmp_path, dataset):
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
+    out = tmp_path / "liger-packed"
+    s = finetune.run(cuda_config(dataset, out, **{"train.liger": "on", "data.packing": "on", "train.max_steps": 3}))
+    assert _plan(out)["liger"][0] is True and _plan(out)["batch layout"][0] == "packed"
+    assert all(math.isfinite(v) for v in run_losses(out).values()) and math.isfinite(s["eval_loss"])
+
+
+def test_dpo_on_the_gpu_starts_at_ln2_and_logs_the_rewards(tmp_path):
+    out = tmp_path / "dpo"
+    s = finetune.run(cuda_config(pairs_file(tmp_path), out, **{"train.objective": "dpo", "train.max_steps": 4}))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)  # the policy is its reference at the start
+    assert all("rewards/accuracies" in r for r in steps)
+    assert s["device"] == "cuda" and s["objective"] == "dpo" and "eval_rewards/accuracies" in s
+
+
+def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
+    """The shipped gpu_model (Llama-style: rotary positions, SwiGLU), cut to 2 x 256 at 128 tokens, on the GPU."""
+    from tunebench import pretrain_config
+    from tunebench.jobs import pretrain, tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n"
+                              for i in range(2000)))
+    tokenizer.train([str(corpus)], 100, "char", tmp_path / "tok", quiet=True)
+
+    def config(out, **extra):
+        return pretrain_config.load("gpu_model", {
+            "data.train_file": str(corpus), "data.tokenizer": str(tmp_path / "tok"), "data.max_length": 128,
+            "data.vocab_size": 100, "model.vocab_size": 100, "model.d_model": 256, "model.n_heads": 4,
+            "model.n_layers": 2, "model.d_ff": 512, "model.max_seq_len": 128, "training.batch_size": 4,
+            "training.effective_batch_size": 8, "training.max_steps": 6, "training.warmup_steps": 1,
+            "training.eval_steps": 3, "training.save_steps": None, "training.logging_steps": 1,
+            "training.checkpoint_dir": str(out), "training.progress": False, "training.compile": "off", **extra})
+
+    full = pretrain.run(config(tmp_path / "full"))
+    expected = run_losses(tmp_path / "full")
+    assert full["device"] == "cuda" and len(expected) == 6 and full["eval_loss"] < full["eval_loss_before"]
+    real_call = runner.MetricsWriter.__call__
+
+    def interrupt_at_3(self, record):
+        real_call(self, record)
+        if record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    runner.MetricsWriter.__call__ = interrupt_at_3
+    try:
+        with pytest.raises(TunebenchError, match="interrupted at step 3"):
+            pretrain.run(config(tmp_path / "part"))
+    finally:
+        runner.MetricsWriter.__call__ = real_call
+    pretrain.run(config(tmp_path / "part", **{"training.resume": "auto"}))
+    resumed = run_losses(tmp_path / "part")
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-3, abs=1e-4), step
+
+
+def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, monkeypatch):
+    from tunebench import inference
+    from tunebench.config import DataConfig
+    from tunebench.jobs import evaluate, generate
+    from tunebench.web.models import Registry, entries
+
+    out = tmp_path / "run"
+    finetune.run(cuda_config(dataset, out, **{"train.max_steps": 2}))
+    result = evaluate.run("tiny", str(out), DataConfig(path=str(dataset), max_length=256), device="auto")
+    assert result["device"] == "cuda" and math.isfinite(result["eval_loss"])
+
+    placed = []
+    real_place = inference.place
+
+    def spy(loaded, device, precision):
+        on = real_place(loaded, device, precision)
+        placed.append(next(loaded.model.parameters()).device.type)
+        return on
+
+    monkeypatch.setattr(inference, "place", spy)
+    text = generate.generate("tiny", str(out), "Where is my order?", 8, 0.0, raw=False)
+    assert isinstance(text, str) and placed == ["cuda"]
+
+    registry = Registry(entries(["tiny"], [str(out)]), device="auto")
+    assert registry.device == "cuda"
+    for label in registry.labels:
+        loaded, _ = registry.get(label)
+        assert next(loaded.model.parameters()).device.type == "cuda", label
