@@ -183,8 +183,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         tune.apply(model, list(measured.decisions))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     prompt_method = cfg.adapter.method in models.PROMPT_METHODS
-    batch_layout, layout_reason = layout.decide("off" if prompt_method or prefer else cfg.data.packing, lengths, train_idx,
-                                                micro * world.size, t.seed, cfg.data.max_length, effective)
+    packing = "off" if prompt_method or prefer else cfg.data.packing  # a pair's two rows stay side by side
+    batch_layout, layout_reason = layout.decide(packing, lengths, train_idx, micro * world.size, t.seed,
+                                                cfg.data.max_length, effective)
     if prompt_method and cfg.data.packing == "auto":
         layout_reason += f"; not packed: {cfg.adapter.method} tuning drops the position ids that separate packed rows"
     lr, lr_reason = scaled_lr(t.lr, effective, t.lr_scaling, t.lr_reference_batch)
@@ -224,15 +225,16 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     # -- batches: each epoch's optimizer steps (seed, epoch, effective batch), split into this rank's micro-batches
     group_lengths = lengths if batch_layout == "length-grouped" else None
-    if batch_layout == "packed":
-        collate = lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)  # noqa: E731
+    packed = lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)  # noqa: E731
     next_micro_batch = runner.micro_batches(
         lambda epoch: batching.epoch_steps(train_idx, effective, t.seed, epoch, lengths=group_lengths),
-        collate, world, micro, accum)
-    eval_sets = [(p.name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id))
-                 for p, e in zip(parts, eval_parts) if len(e)]
-    if prefer and len(eval_idx):
-        eval_sets = [("pairs", pairs.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id))]
+        packed if batch_layout == "packed" else collate, world, micro, accum)
+    if prefer:
+        eval_sets = [("pairs", pairs.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id))] \
+            if len(eval_idx) else []
+    else:
+        eval_sets = [(p.name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id))
+                     for p, e in zip(parts, eval_parts) if len(e)]
     eval_batches = [b for _, batches in eval_sets for b in batches]
 
     def run_eval() -> dict[str, float]:
@@ -270,10 +272,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "trainable_parameters": trainable, "micro_batch_size": micro, "grad_accum_steps": accum,
         "effective_batch_size": effective, "max_length": cfg.data.max_length, "measure_s": round(measure_s, 3),
     }
-    summary.update({k: v for k, v in outcome.after.items() if k.startswith(("eval_loss/", "eval_rewards/", "eval_pairs"))})
+    summary.update({k: v for k, v in outcome.after.items()
+                    if k.startswith(("eval_loss/", "eval_rewards/", "eval_pairs"))})
     if prefer:
-        summary.update(objective=t.objective, beta=t.beta if t.objective == "dpo" else t.orpo_lambda,
-                       pairs_skipped=pair_examples.skipped, pairs_dropped=data.dropped)
+        summary.update({"objective": t.objective, **({"beta": t.beta} if t.objective == "dpo" else
+                                                     {"orpo_lambda": t.orpo_lambda}),
+                        "pairs_skipped": pair_examples.skipped, "pairs_dropped": data.dropped})
     if t.eval_generate:
         groups = [(p.name, [messages[data.rows[i]] for i in e[:t.eval_generate]]) for p, e in zip(parts, eval_parts)]
         summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, out))

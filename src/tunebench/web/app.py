@@ -131,7 +131,8 @@ def train_on_votes(db: Path, base: str | None = None) -> str:
         return "No votes yet: vote A or B on the blind A/B tab, and the votes become DPO training pairs."
     found = pairs.from_store(str(db))
     if not len(found):
-        return f"No A or B votes yet ({found.describe()}): ties and \"both bad\" say nothing about which answer to prefer."
+        return (f"No A or B votes yet ({found.describe()}): ties and \"both bad\" say nothing about which answer "
+                "to prefer.")
     model = f" --model {shlex.quote(base)}" if base and base != DEFAULT_MODEL else ""
     return (f"**Train on these votes**: {found.describe()}. Run this where the model should train, then serve "
             f"the run beside the others and vote again:\n\n```\ntunebench train --method dpo --data "
