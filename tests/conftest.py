@@ -1,5 +1,7 @@
+import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,26 @@ def pairs_file(tmp_path) -> Path:
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in golden["pairs"]))
     return path
+
+
+@contextlib.contextmanager
+def sigterm_after_step(step: int):
+    """Send this process a real SIGTERM right after step `step`'s loss is logged (the path Ctrl-C and a
+    scheduler's kill take), then put the metrics writer back."""
+    from tunebench import runner
+
+    real_call = runner.MetricsWriter.__call__
+
+    def interrupt(self, record):
+        real_call(self, record)
+        if record.get("step") == step and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    runner.MetricsWriter.__call__ = interrupt
+    try:
+        yield
+    finally:
+        runner.MetricsWriter.__call__ = real_call
 
 
 def run_losses(out) -> dict[int, float]:

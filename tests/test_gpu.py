@@ -13,13 +13,13 @@ GPT-2 124M runs need GPT-2's tokenizer from ../shared/data (or TUNEBENCH_SHARED_
 QLoRA needs bitsandbytes, and Liger / flash-attn tests run only where those packages are installed.
 """
 
+import contextlib
 import csv
 import importlib.util
 import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -32,7 +32,7 @@ from tunebench import checkpoint, hardware, optim, runner
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
 
-from conftest import SHARED, pairs_file, run_losses, run_weights, tiny_run_config
+from conftest import SHARED, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
@@ -137,7 +137,7 @@ RESUME_CASES = {
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
-def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset, monkeypatch, request, case):
+def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset, request, case):
     """Killed at step 3 and resumed on the GPU, a run gives the uninterrupted run's losses: the CUDA RNG
     (dropout), the fused AdamW state and, under fp16, the GradScaler's scale come back from the checkpoint."""
     model, extra = RESUME_CASES[case]
@@ -157,17 +157,8 @@ def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset
     assert _plan(straight)["optimizer"][0] == "AdamW, fused"
 
     part = tmp_path / "part"
-    real_call = runner.MetricsWriter.__call__
-
-    def interrupt_at_3(self, record):
-        real_call(self, record)
-        if record.get("step") == 3 and "loss" in record:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(runner.MetricsWriter, "__call__", interrupt_at_3)
-    with pytest.raises(TunebenchError, match="interrupted at step 3"):
+    with sigterm_after_step(3), pytest.raises(TunebenchError, match="interrupted at step 3"):
         finetune.run(cuda_config(dataset, part, model, tok, **extra))
-    monkeypatch.setattr(runner.MetricsWriter, "__call__", real_call)
     [saved] = checkpoint.list_checkpoints(part / "checkpoints")
     blob = torch.load(saved / checkpoint.TENSORS, weights_only=False)
     assert blob["rng"][0]["cuda"]  # the GPU's dropout stream continues where it stopped
@@ -183,6 +174,21 @@ def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset
     want, got = run_weights(straight), run_weights(part)
     for name in want:
         torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-3)
+
+
+@contextlib.contextmanager
+def gpu_filled_but(headroom: int):
+    """All of the GPU's free memory taken but `headroom` bytes, for the block (skipped when too little is free)."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    if free < headroom + 2**30:
+        pytest.skip(f"only {free / 2**30:.1f} GiB free on the GPU")
+    blocker = torch.empty(free - headroom, dtype=torch.uint8, device="cuda")
+    try:
+        yield
+    finally:
+        del blocker
+        torch.cuda.empty_cache()
 
 
 def _long_rows(path, n):
@@ -203,20 +209,10 @@ def test_batch_probe_backs_off_from_a_real_cuda_oom_and_keeps_the_effective_batc
     monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
         torch.cuda.memory_allocated(device) / 2**20, torch.cuda.mem_get_info(device)[1] / 2**20))
     data = _long_rows(tmp_path / "long.jsonl", 80)
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    headroom = 3 * 2**30
-    if free < headroom + 2**30:
-        pytest.skip(f"only {free / 2**30:.1f} GiB free on the GPU")
-    blocker = torch.empty(free - headroom, dtype=torch.uint8, device="cuda")
-    try:
-        out = tmp_path / "oom"
-        summary = finetune.run(cuda_config(data, out, "gpt2-124m", gpt2_tokenizer, **{
+    with gpu_filled_but(3 * 2**30):
+        summary = finetune.run(cuda_config(data, tmp_path / "oom", "gpt2-124m", gpt2_tokenizer, **{
             "data.max_length": 512, "train.micro_batch_size": "auto", "train.effective_batch_size": 64,
             "train.max_steps": 2, "data.eval_fraction": 0.05}))
-    finally:
-        del blocker
-        torch.cuda.empty_cache()
     printed = capsys.readouterr().out
     probe_table = printed[printed.index("batch-size probe"):]
     assert " oom" in probe_table, probe_table
@@ -335,20 +331,11 @@ def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fi
 
     plain, recomputed = one_row_peak(False), one_row_peak(True)
     assert recomputed < 0.7 * plain, (plain, recomputed)  # otherwise there is no gap to leave
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
     weights_mb = 1_000  # the base, adapters, CUDA context and allocator slack, generously
-    headroom = int((weights_mb + (plain + recomputed) / 2) * 2**20)
-    if free < headroom + 2**30:
-        pytest.skip(f"only {free / 2**30:.1f} GiB free on the GPU")
-    blocker = torch.empty(free - headroom, dtype=torch.uint8, device="cuda")
-    try:
+    with gpu_filled_but(int((weights_mb + (plain + recomputed) / 2) * 2**20)):
         summary = finetune.run(cuda_config(data, tmp_path / "ckpt", "gpt2-124m", gpt2_tokenizer, **{
             "data.max_length": 1024, "train.micro_batch_size": "auto", "train.effective_batch_size": 4,
             "train.max_steps": 2, "data.eval_fraction": 0.0}))
-    finally:
-        del blocker
-        torch.cuda.empty_cache()
     printed = capsys.readouterr().out
     assert "micro batch 1 did not fit without it" in printed, printed[-3000:]
     assert summary["steps"] == 2 and summary["micro_batch_size"] * summary["grad_accum_steps"] == 4
@@ -433,19 +420,8 @@ def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
     full = pretrain.run(config(tmp_path / "full"))
     expected = run_losses(tmp_path / "full")
     assert full["device"] == "cuda" and len(expected) == 6 and full["eval_loss"] < full["eval_loss_before"]
-    real_call = runner.MetricsWriter.__call__
-
-    def interrupt_at_3(self, record):
-        real_call(self, record)
-        if record.get("step") == 3 and "loss" in record:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    runner.MetricsWriter.__call__ = interrupt_at_3
-    try:
-        with pytest.raises(TunebenchError, match="interrupted at step 3"):
-            pretrain.run(config(tmp_path / "part"))
-    finally:
-        runner.MetricsWriter.__call__ = real_call
+    with sigterm_after_step(3), pytest.raises(TunebenchError, match="interrupted at step 3"):
+        pretrain.run(config(tmp_path / "part"))
     pretrain.run(config(tmp_path / "part", **{"training.resume": "auto"}))
     resumed = run_losses(tmp_path / "part")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]

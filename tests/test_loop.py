@@ -1,7 +1,5 @@
 import copy
 import json
-import os
-import signal
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from tunebench.jobs import finetune
 from tunebench.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
 from tunebench.models import byte_tokenizer
 
-from conftest import ROWS, pairs_file, run_losses, run_weights, tiny_run_config
+from conftest import ROWS, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
 
 
 def _data():
@@ -66,7 +64,7 @@ _losses, _weights = run_losses, run_weights
     {"train.objective": "dpo"},  # preference pairs, the reference through the disabled adapter
     {"train.objective": "orpo"},  # its normalisers: pairs and the chosen rows' tokens of each step
 ], ids=["lora", "full", "packed", "prefix", "dora", "dpo", "orpo"])
-def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset, monkeypatch, extra):
+def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset, extra):
     """Killed at step 3 and resumed, a run ends with the same losses and the same weights, bit for bit."""
     if "train.objective" in extra:
         dataset = pairs_file(tmp_path)
@@ -76,19 +74,10 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset
     assert len(expected) == 6
 
     part = tmp_path / "part"
-    real_call = runner.MetricsWriter.__call__
-
-    def interrupt_at_3(self, record):
-        real_call(self, record)
-        if record.get("step") == 3 and "loss" in record:
-            os.kill(os.getpid(), signal.SIGTERM)  # the real signal path
-
-    monkeypatch.setattr(runner.MetricsWriter, "__call__", interrupt_at_3)
-    with pytest.raises(TunebenchError, match="interrupted at step 3.*--resume auto") as e:
+    with sigterm_after_step(3), pytest.raises(TunebenchError, match="interrupted at step 3.*--resume auto") as e:
         finetune.run(_cfg(dataset, part, **extra))
     assert e.value.exit_code == 130
     assert [p.name for p in checkpoint.list_checkpoints(part / "checkpoints")] == ["step-00000003"]
-    monkeypatch.setattr(runner.MetricsWriter, "__call__", real_call)
     finetune.run(_cfg(dataset, part, **extra, **{"train.resume": "auto"}))
     resumed = _losses(part)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]

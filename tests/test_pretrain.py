@@ -1,6 +1,5 @@
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -8,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_losses
-from tunebench import arch, pretrain_config, runner
+from conftest import run_losses, sigterm_after_step
+from tunebench import arch, pretrain_config
 from tunebench.data import blocks
 from tunebench.errors import TunebenchError
 from tunebench.jobs import pretrain, tokenizer
@@ -182,19 +181,8 @@ def test_pretrain_resume_after_sigterm_reproduces_losses_and_weights(tmp_path, c
              if "eval_loss" in line]
     assert all(isinstance(r["sample"], str) for r in evals)  # a generation at every eval
 
-    real_call = runner.MetricsWriter.__call__
-
-    def interrupt_at_3(self, record):
-        real_call(self, record)
-        if record.get("step") == 3 and "loss" in record:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    runner.MetricsWriter.__call__ = interrupt_at_3
-    try:
-        with pytest.raises(TunebenchError, match="interrupted at step 3"):
-            pretrain.run(_config(corpus, tok_dir, tmp_path / "part"))
-    finally:
-        runner.MetricsWriter.__call__ = real_call
+    with sigterm_after_step(3), pytest.raises(TunebenchError, match="interrupted at step 3"):
+        pretrain.run(_config(corpus, tok_dir, tmp_path / "part"))
     pretrain.run(_config(corpus, tok_dir, tmp_path / "part", resume="auto"))
     assert _losses(tmp_path / "part") == expected
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("full", "part"))

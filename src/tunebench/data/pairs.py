@@ -14,7 +14,6 @@ reply, EOS). A micro-batch of P pairs is 2P rows, chosen first.
 from __future__ import annotations
 
 import json
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,19 +64,10 @@ def is_store(path: str) -> bool:
 
 def from_store(path: str) -> PairExamples:
     """A vote for A makes (A's answer chosen, B's rejected), a vote for B the other way round."""
-    if not Path(path).is_file():
-        raise TunebenchError(f"A/B database '{path}' not found; pass the --ab-db that tunebench serve wrote")
     from tunebench.web import store
 
-    con = store.connect(path)
-    try:
-        rows = con.execute("SELECT prompt, answer_a, answer_b, vote FROM votes ORDER BY id").fetchall()
-    except sqlite3.DatabaseError as e:
-        raise TunebenchError(f"'{path}' is not an A/B database of tunebench serve ({e}); check --data") from e
-    finally:
-        con.close()
     out = PairExamples([], [], [], path)
-    for prompt, answer_a, answer_b, vote in rows:
+    for prompt, answer_a, answer_b, vote in store.votes(path, "prompt, answer_a, answer_b, vote"):
         if vote in ("tie", "both_bad"):
             _skip(out, "ties" if vote == "tie" else "both-bad votes")
             continue

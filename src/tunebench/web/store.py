@@ -128,17 +128,22 @@ class Pair:
         return wilson(self.first_wins + self.ties / 2, self.judged)
 
 
-def pairs(path: str | Path) -> list[Pair]:
-    """Every pair of models that met, with its votes, whichever side each was shown on."""
+def votes(path: str | Path, columns: str) -> list[tuple]:
+    """`columns` of every vote, oldest first; a one-line error when the file is missing or not a store."""
     if not Path(path).is_file():
         raise TunebenchError(f"A/B database '{path}' not found; pass the --ab-db that tunebench serve wrote")
     con = connect(path)
     try:
-        rows = con.execute("SELECT model_a, model_b, vote FROM votes").fetchall()
+        return con.execute(f"SELECT {columns} FROM votes ORDER BY id").fetchall()
     except sqlite3.DatabaseError as e:
-        raise TunebenchError(f"'{path}' is not an A/B database ({e})") from e
+        raise TunebenchError(f"'{path}' is not an A/B database of tunebench serve ({e})") from e
     finally:
         con.close()
+
+
+def pairs(path: str | Path) -> list[Pair]:
+    """Every pair of models that met, with its votes, whichever side each was shown on."""
+    rows = votes(path, "model_a, model_b, vote")
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for a, b, vote in rows:
         first, second = sorted((a, b))
