@@ -82,8 +82,8 @@ def _golden_config(tmp_path, objective: str, **extra):
         "adapter.r": 8, "adapter.lora_alpha": 16, "adapter.lora_dropout": 0.0,
         "train.micro_batch_size": 2, "train.effective_batch_size": len(GOLDEN["pairs"]),
         "train.max_steps": GOLDEN["steps"], "train.lr": GOLDEN["lr"], "train.schedule": "linear",
-        "train.warmup_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0, "train.beta": GOLDEN["beta"],
-        "train.orpo_lambda": GOLDEN["beta"], "train.precision": "fp32", "train.seed": GOLDEN["seed"],
+        "train.warmup_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0, "train.precision": "fp32",
+        "train.beta" if objective == "dpo" else "train.orpo_lambda": GOLDEN["beta"], "train.seed": GOLDEN["seed"],
         "train.output_dir": str(tmp_path / objective), "train.progress": False, **extra})
 
 
@@ -132,6 +132,10 @@ def test_method_dpo_is_the_objective_on_lora_and_conflicts_are_refused():
         load_config(options={"train.objective": "dpo", "train.eval_generate": 4})
     with pytest.raises(TunebenchError, match="--beta and --orpo-lambda must be positive"):
         load_config(options={"train.objective": "dpo", "train.beta": 0})
+    with pytest.raises(TunebenchError, match="--beta is DPO's.*ORPO's weight is --orpo-lambda"):
+        load_config(options={"adapter.method": "orpo", "train.beta": 0.2})  # TRL's name for ORPO's lambda
+    with pytest.raises(TunebenchError, match="--orpo-lambda is ORPO's, and this run's objective is sft"):
+        load_config(options={"train.orpo_lambda": 0.2})
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])

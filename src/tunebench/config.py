@@ -415,7 +415,15 @@ def load_config(
             raise TunebenchError(f"--method {adapter['method']} and --objective {train['objective']} disagree; give "
                                  "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
         train["objective"] = adapter.pop("method")
-    if train.get("objective", "sft") != "sft":
+    objective = train.get("objective", "sft")
+    for key, owner in (("beta", "dpo"), ("orpo_lambda", "orpo")):
+        # TRL calls ORPO's lambda beta: a value set for another objective must not vanish unused. (A saved
+        # config.yaml holds every key at its default, and reloads.)
+        if train.get(key, getattr(TrainConfig, key)) != getattr(TrainConfig, key) and objective != owner:
+            raise TunebenchError(f"--{key.replace('_', '-')} is {owner.upper()}'s, and this run's objective is "
+                                 f"{objective}; " + ("ORPO's weight is --orpo-lambda" if key == "beta" and
+                                                      objective == "orpo" else f"drop it or use --method {owner}"))
+    if objective != "sft":
         adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
         adapter["method"] = "qlora"  # LoRA on a quantized base is QLoRA (the study's --use_4bit)
