@@ -201,3 +201,12 @@ def test_tune_searches_beta_by_the_held_out_reward_accuracy(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert [r["objective"] for r in rows] == ["dpo", "dpo"]
     assert summary["best_reward_accuracy"] == max(float(r["reward_accuracy"]) for r in rows)
+
+
+def test_dpo_on_qlora_takes_its_reference_from_the_quantized_base(tmp_path, capsys):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
+    summary = finetune.run(_golden_config(tmp_path, "dpo", **{"adapter.quantization": "4bit", "train.max_steps": 2}))
+    losses = run_losses(tmp_path / "dpo")
+    assert summary["method"] == "qlora" and summary["quantization"] == "4bit"
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-6) and losses[2] < losses[1]
+    assert "the base with the adapter off (no copy)" in capsys.readouterr().out
