@@ -210,3 +210,16 @@ def test_dpo_on_qlora_takes_its_reference_from_the_quantized_base(tmp_path, caps
     assert summary["method"] == "qlora" and summary["quantization"] == "4bit"
     assert losses[1] == pytest.approx(math.log(2), abs=1e-6) and losses[2] < losses[1]
     assert "the base with the adapter off (no copy)" in capsys.readouterr().out
+
+
+def test_a_matrix_varies_the_objective_but_a_time_budget_is_refused_for_pairs(tmp_path):
+    from tunebench.jobs import compare
+
+    data = pairs_file(tmp_path)
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(f"base: {{model.name: tiny, data.path: '{data}'}}\ngrid:\n  train.objective: [dpo, orpo]\n")
+    _, experiments = compare.load_matrix(str(matrix))
+    assert [e.name for e in experiments] == ["objective=dpo", "objective=orpo"]
+    matrix.write_text(matrix.read_text() + "budget: {train_seconds: 60}\n")
+    with pytest.raises(TunebenchError, match="budget times SFT rows, not dpo pairs"):
+        compare.load_matrix(str(matrix))
