@@ -62,11 +62,14 @@ def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.T
     }
 
 
-def eval_batches(data: Tokenized, indices, size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """Collated batches of `indices` sorted by length: evaluation order does not matter, padding does."""
+def eval_batches(data: Tokenized, indices, size: int, pad_id: int,
+                 collate_fn=None) -> list[dict[str, torch.Tensor]]:
+    """Collated batches of `indices` sorted by length: evaluation order does not matter, padding does.
+    `collate_fn(data, indices, pad_id)` (default `collate`) makes each one: pairs.collate for preference
+    pairs, whose `data.lengths()` is each pair's longer row."""
     lengths = data.lengths()
     order = sorted(np.asarray(indices).tolist(), key=lambda i: lengths[i])
-    return [collate(data, order[i : i + size], pad_id) for i in range(0, len(order), size)]
+    return [(collate_fn or collate)(data, order[i : i + size], pad_id) for i in range(0, len(order), size)]
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -204,12 +204,6 @@ def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Te
     return batch
 
 
-def eval_batches(data: PairData, indices, size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    lengths = data.lengths()
-    order = sorted(np.asarray(indices).tolist(), key=lambda k: lengths[k])
-    return [collate(data, order[i: i + size], pad_id) for i in range(0, len(order), size)]
-
-
 def export(pairs: PairExamples, path: str | Path) -> int:
     """Write the pairs as JSON lines (prompt, chosen, rejected) for other tools; returns how many."""
     from tunebench.durable import atomic_file

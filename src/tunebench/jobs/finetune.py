@@ -154,8 +154,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
                              "`tunebench eval --adapter OUT --generate N` after training instead")
 
-    collate = (lambda rows_: pairs.collate(data, rows_, tok.pad_token_id)) if prefer \
-        else (lambda rows_: batching.collate(data, rows_, tok.pad_token_id))
+    collate_unit = pairs.collate if prefer else batching.collate  # a unit is a row, or a pair's two rows
+    collate = lambda rows_: collate_unit(data, rows_, tok.pad_token_id)  # noqa: E731
 
     def measure() -> runplan.Measured:
         longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
@@ -229,12 +229,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     next_micro_batch = runner.micro_batches(
         lambda epoch: batching.epoch_steps(train_idx, effective, t.seed, epoch, lengths=group_lengths),
         packed if batch_layout == "packed" else collate, world, micro, accum)
-    if prefer:
-        eval_sets = [("pairs", pairs.eval_batches(data, eval_idx, micro * 2, tok.pad_token_id))] \
-            if len(eval_idx) else []
-    else:
-        eval_sets = [(p.name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id))
-                     for p, e in zip(parts, eval_parts) if len(e)]
+    names = [p.name for p in parts] or ["pairs"]
+    eval_sets = [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
+                 for name, e in zip(names, eval_parts) if len(e)]
     eval_batches = [b for _, batches in eval_sets for b in batches]
 
     def run_eval() -> dict[str, float]:
