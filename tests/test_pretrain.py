@@ -77,6 +77,20 @@ def test_parameter_count_matches_the_formula(char_tok, settings):
     assert type(model).__name__ == expected_type and model.training
 
 
+def test_gelu_is_gpt2s_tanh_form_in_one_kernel(char_tok, monkeypatch):
+    """model.activation gelu builds GPT-2's GELU (the tanh form) as torch's fused kernel: the same outputs as
+    transformers' five-op "gelu_new", and the probe's cache tells the two apart."""
+    m = ModelConfig(vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=80, max_seq_len=48)
+    fused = arch.build(m, char_tok, seed=0).eval()  # no dropout
+    assert fused.config.activation_function == "gelu_pytorch_tanh"
+    key = arch.fingerprint(m)
+    monkeypatch.setitem(arch.GPT2_ACTIVATION, "gelu", "gelu_new")
+    reference = arch.build(m, char_tok, seed=0).eval()
+    assert arch.fingerprint(m) != key
+    ids = torch.randint(0, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fused(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("keys,message", [
     ({"model.d_model": 100, "model.n_heads": 3}, "not divisible by model.n_heads 3"),
     ({"model.activation": "swiglu"}, "set use_learned_pos_emb: false"),

@@ -16,7 +16,10 @@ import torch
 from tunebench.errors import TunebenchError
 from tunebench.pretrain_config import ModelConfig
 
-GPT2_ACTIVATION = {"gelu": "gelu_new", "relu": "relu", "swish": "silu"}  # GPT-2's own gelu is the tanh one
+# GPT-2's own gelu is the tanh form. "gelu_pytorch_tanh" is that function as one fused torch kernel; "gelu_new"
+# computes it in five elementwise ops (and ten backward), measured 1.4x slower for a whole step of the
+# 4 x 128 shakespeare_char model at micro batch 64 on a 2-core CPU.
+GPT2_ACTIVATION = {"gelu": "gelu_pytorch_tanh", "relu": "relu", "swish": "silu"}
 
 
 def hf_config(m: ModelConfig, tokenizer):
@@ -76,4 +79,7 @@ def parameter_count(m: ModelConfig) -> int:
 
 
 def fingerprint(m: ModelConfig) -> str:
-    return hashlib.sha256(json.dumps(m.__dict__, sort_keys=True).encode()).hexdigest()[:12]
+    """The architecture's key for measurements on record: its settings, and the layer code they map to
+    (so a faster activation kernel is measured afresh, not read from a cache of the slower one)."""
+    built = {**m.__dict__, "gpt2_activation": GPT2_ACTIVATION.get(m.activation) if m.use_learned_pos_emb else None}
+    return hashlib.sha256(json.dumps(built, sort_keys=True).encode()).hexdigest()[:12]
