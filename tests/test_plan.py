@@ -75,8 +75,10 @@ def _child_configs(runs):
 
 def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
     """Through the real compare: each child's saved config.yaml equals what the matrix said, strings with
-    `:`, `#`, `{}`, quotes and newlines, a path with spaces, on/off, null and 1e-4 included; and
-    `train.compile: [on, off]` runs (it failed in every child when on/off were retyped)."""
+    `:`, `#`, `{}`, quotes and newlines, a path with spaces, on/off, null and 1e-4 included; and a grid of
+    on/off runs (`train.compile: [on, off]` failed in every child when YAML retyped on/off as booleans; any
+    on/off key takes that path, and gradient checkpointing costs a tiny run nothing, where a first compile
+    costs ~45 s: compile itself is tested in test_models)."""
     spaced = tmp_path / "my data #1.jsonl"
     spaced.write_text(dataset.read_text())
     template = "### Q: 'x' \"y\" # z\n{instruction}\n### A:\n"
@@ -87,22 +89,22 @@ def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
                  "train.lr": "1e-4", "data.max_samples": None},
         "experiments": [{"name": "prompt", "set": {"adapter.method": "prompt", "adapter.num_virtual_tokens": 4,
                                                    "adapter.prompt_init_text": "Classify: yes or no"}}]})
-        + "grid:\n  train.compile: [on, off]\n")
+        + "grid:\n  train.gradient_checkpointing: [on, off]\n")
     out = tmp_path / "results.csv"
     compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {})
     rows = {r["experiment"]: r for r in __import__("csv").DictReader(out.open())}
-    assert set(rows) == {"prompt", "compile=on", "compile=off"}
+    assert set(rows) == {"prompt", "gradient_checkpointing=on", "gradient_checkpointing=off"}
     assert all(r["status"] == "ok" for r in rows.values()), {k: r["message"] for k, r in rows.items()}
     saved = _child_configs(tmp_path / "runs")
     for name, cfg in saved.items():
         assert cfg["data"]["template"] == template and cfg["data"]["path"] == str(spaced), name
         assert cfg["train"]["lr"] == 1e-4 and cfg["data"]["max_samples"] is None, name
-    assert saved["compile=on-cpu-r1"]["train"]["compile"] == "on"
-    assert saved["compile=off-cpu-r1"]["train"]["compile"] == "off"
+    assert saved["gradient_checkpointing=on-cpu-r1"]["train"]["gradient_checkpointing"] == "on"
+    assert saved["gradient_checkpointing=off-cpu-r1"]["train"]["gradient_checkpointing"] == "off"
     assert saved["prompt-cpu-r1"]["adapter"]["prompt_init_text"] == "Classify: yes or no"
-    for name, value in (("compile=on", True), ("compile=off", False)):
+    for name, value in (("gradient_checkpointing=on", [True]), ("gradient_checkpointing=off", [])):  # off: no row
         plan = json.loads((tmp_path / "runs" / f"{name}-cpu-r1" / "plan.json").read_text())
-        assert [d["value"] for d in plan["decisions"] if d["setting"] == "compile"] == [value], name
+        assert [d["value"] for d in plan["decisions"] if d["setting"] == "gradient_checkpointing"] == value, name
 
 
 def test_tune_runs_what_the_space_chose(tmp_path, dataset):
