@@ -234,6 +234,22 @@ def test_cli_pretrain_refuses_bad_input_in_one_line(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_path, corpus, char_tok):
+    """benchmarks/shakespeare_char.yaml, the recipe vs_nanogpt.py runs: nanoGPT's CPU model and batch, with a
+    schedule of its own; it loads and trains (a few steps here)."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "benchmarks" / "shakespeare_char.yaml"
+    cfg = pretrain_config.load(recipe, {"data.train_file": str(corpus), "data.tokenizer": str(tmp_path / "char-tok"),
+                                        "training.max_steps": 3, "training.checkpoint_dir": str(tmp_path / "run"),
+                                        "training.progress": False})
+    m, t = cfg.model, cfg.training
+    assert (m.n_layers, m.n_heads, m.d_model, m.max_seq_len, m.dropout, m.activation) == (4, 4, 128, 64, 0.0, "gelu")
+    assert (t.batch_size, cfg.data.max_length, t.lr_scheduler, t.adam_beta2) == (12, 64, "warmup_stable_decay", 0.99)
+    summary = pretrain.run(cfg)
+    assert summary["steps"] == 3 and summary["eval_loss"] < summary["eval_loss_before"]
+
+
 def test_readme_python_api_example_runs(tmp_path, monkeypatch):
     from pathlib import Path
 
