@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,8 +238,6 @@ def test_cli_pretrain_refuses_bad_input_in_one_line(tmp_path):
 def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_path, corpus, char_tok):
     """benchmarks/shakespeare_char.yaml, the recipe vs_nanogpt.py runs: nanoGPT's CPU model and batch, with a
     schedule of its own; it loads and trains (a few steps here)."""
-    from pathlib import Path
-
     recipe = Path(__file__).resolve().parents[1] / "benchmarks" / "shakespeare_char.yaml"
     cfg = pretrain_config.load(recipe, {"data.train_file": str(corpus), "data.tokenizer": str(tmp_path / "char-tok"),
                                         "training.max_steps": 3, "training.checkpoint_dir": str(tmp_path / "run"),
@@ -251,8 +250,6 @@ def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_p
 
 
 def test_readme_python_api_example_runs(tmp_path, monkeypatch):
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     (tmp_path / "corpus.txt").write_text(TEXT)
