@@ -185,8 +185,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 # (~24 MB in bf16) stays in the last-level cache between the matmul, the loss pass and the gradient
 # matmul, and both matmuls still run near peak; on a GPU, bigger chunks keep the kernels busy.
 _CHUNK_BYTES = {"cpu": 24 * 2**20, "cuda": 256 * 2**20}
-# Rows per fp32 loss pass inside a chunk: a few MB on a CPU, next to the chunk in the same cache.
-_LOSS_ROWS = {"cpu": 32, "cuda": 1024}
+# Bytes of fp32 logits per loss pass inside a chunk: a few MB on a CPU, next to the chunk in the same cache
+# (32 rows of a 49k vocabulary). A pass is ~10 small ops, so a small vocabulary takes many rows a pass: at
+# 128 tokens, 32-row passes made 24 passes of a 12 x 64 batch.
+_LOSS_BYTES = {"cpu": 6 * 2**20, "cuda": 192 * 2**20}
 # When the head itself trains (full fine-tuning), every chunk adds a (V, H) product to its gradient:
 # chunks of at least this many rows keep those passes few (one up to 4,096 loss positions).
 _WEIGHT_GRAD_ROWS = 4096
@@ -207,5 +209,5 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     chunk = max(16, _CHUNK_BYTES.get(hidden.device.type, _CHUNK_BYTES["cuda"]) // (weight.shape[0] * item))
     if weight.requires_grad and torch.is_grad_enabled():
         chunk = max(chunk, _WEIGHT_GRAD_ROWS)
-    rows = _LOSS_ROWS.get(hidden.device.type, chunk)
+    rows = max(16, _LOSS_BYTES.get(hidden.device.type, _LOSS_BYTES["cuda"]) // (weight.shape[0] * 4))
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, dtype, chunk, rows, torch.is_grad_enabled())
