@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,16 +304,18 @@ def keep_4bit_trainable(model) -> None:
             m.support_avx512bf16_for_cpu = False
 
 
+def quantized_linear_kinds() -> tuple[type, ...]:
+    """bitsandbytes' linear layers, when it is loaded: only then can a model hold them, and importing it
+    just to look costs a pretraining process ~1.5 s of start-up."""
+    bnb = sys.modules.get("bitsandbytes")
+    return () if bnb is None else (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+
+
 def linear_module_names(model) -> list[str]:
     from transformers.pytorch_utils import Conv1D
 
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
-    try:
-        import bitsandbytes as bnb
-
-        names |= {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
-    except ImportError:
-        pass
+    kinds = (torch.nn.Linear, Conv1D, *quantized_linear_kinds())
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)}
     head = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is model.get_output_embeddings()}
     return sorted(names - head)
 
@@ -514,13 +517,7 @@ def flop_dims(model) -> tuple[int, int, int]:
     """
     from transformers.pytorch_utils import Conv1D
 
-    kinds: tuple[type, ...] = (torch.nn.Linear, Conv1D)
-    try:
-        import bitsandbytes as bnb
-
-        kinds += (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
-    except ImportError:
-        pass
+    kinds = (torch.nn.Linear, Conv1D, *quantized_linear_kinds())
     total = 0
     for name, m in model.named_modules():
         if isinstance(m, kinds) and "lora_" not in name:
