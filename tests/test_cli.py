@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tunebench import cli
 from tunebench.cli import main
 
 
@@ -154,3 +155,33 @@ def test_hw_json_is_the_record_runs_save():
     assert {"hardware", "decisions", "peak_tflops"} <= set(record)
     assert record["hardware"]["physical_cores"] >= 1
     assert {d["setting"] for d in record["decisions"]} >= {"device", "precision", "torch_threads", "compile"}
+
+
+def test_the_command_pauses_collection_until_its_training_loop_and_leaves_callers_alone(tmp_path, dataset,
+                                                                                        monkeypatch):
+    """cli.entry (the `tunebench` command) turns the collector off for start-up, and the training loop
+    turns it back on with what exists frozen. A program that calls a job keeps its collector as it was,
+    even one that turned it off itself."""
+    import gc
+
+    from tunebench.jobs import finetune
+    from conftest import tiny_run_config
+
+    real_run, seen = finetune.run, []
+    monkeypatch.setattr(finetune, "run", lambda cfg: seen.append(gc.isenabled()))
+    monkeypatch.setattr(sys, "argv", ["tunebench", "train", "--model", "tiny", "--data", str(dataset)])
+    try:
+        assert cli.entry() == 0 and seen == [False]  # off when the job starts, and until its loop does
+        real_run(tiny_run_config(dataset, tmp_path / "run", **{"train.max_steps": 1}))
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    real_run(tiny_run_config(dataset, tmp_path / "run2", **{"train.max_steps": 1}))  # called, not the command
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        real_run(tiny_run_config(dataset, tmp_path / "run3", **{"train.max_steps": 1}))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

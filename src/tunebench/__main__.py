@@ -1,3 +1,3 @@
-from tunebench.cli import main
+from tunebench.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

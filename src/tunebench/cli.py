@@ -10,6 +10,7 @@ import re
 import sys
 from typing import Any
 
+from tunebench import startup
 from tunebench.cli_parser import build_parser
 from tunebench.errors import TunebenchError
 
@@ -51,6 +52,8 @@ def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def run_job(args: argparse.Namespace) -> int:
+    if args.job not in ("train", "pretrain"):  # those resume collection when their loop starts (see startup)
+        startup.done()
     if args.job == "train":
         from tunebench.jobs import finetune
 
@@ -286,6 +289,15 @@ def _quiet_libraries(allow_download: bool) -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Writing model shards" bars on every save
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # advice about padding masks and lengths we already handle
+
+
+def entry() -> int:
+    """The `tunebench` command and `python -m tunebench`: main(), with the collector paused while the
+    libraries load (see startup)."""
+    startup.pause()
+    code = main()
+    startup.before_exit()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import checkpoint, distributed, hardware
+from tunebench import checkpoint, distributed, hardware, startup
 from tunebench.data import batching
 from tunebench.distributed import World
 from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, train
@@ -174,6 +174,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     watched against (see SlowdownWatch). Only rank 0 writes records and talks; every rank runs the
     rest (evaluation and saving are collectives).
     """
+    startup.done()  # the libraries and the model are in: collection resumes, with them frozen
     world = settings.world
     state = LoopState()
     ckpt_root = out / "checkpoints"

@@ -1,0 +1,36 @@
+"""A `tunebench` process's start-up and exit without the garbage collector's full walks.
+
+Importing torch and transformers makes about a million objects, and Python's collector walks them again
+and again while they arrive, then once more when the interpreter exits: measured on a 2-core CPU, a
+2-step pretraining command took 8.1 s with the collector as it is, 7.1 s frozen at exit, 6.25 s with
+collection also off until training begins. So the command (cli.entry) pauses collection; the first
+training loop, or any other job once it starts, resumes it with what already exists frozen (modules,
+the model: they live as long as the process, and later collections skip them); and exit skips the last
+walk. A program that calls cli.main or the Python API keeps its collector as it was.
+"""
+
+from __future__ import annotations
+
+import gc
+
+_paused = False
+
+
+def pause() -> None:
+    global _paused
+    _paused = gc.isenabled()
+    gc.disable()
+
+
+def done() -> None:
+    """Start-up is over: resume collection if `pause` stopped it (once; later calls do nothing)."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.freeze()
+        gc.enable()
+
+
+def before_exit() -> None:
+    """Nothing of the process outlives it: the interpreter's final collection need not walk what exists."""
+    gc.freeze()
