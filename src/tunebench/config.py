@@ -26,7 +26,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
 OBJECTIVES = ("sft", "dpo", "orpo")  # next-token loss on the replies | preference pairs (data.pairs)
-SCHEDULES = ("cosine", "linear", "constant", "warmup_stable_decay")  # names of transformers.get_scheduler's
+SCHEDULES = ("cosine", "linear", "constant", "warmup_stable_decay")  # transformers.get_scheduler's (optim.lr_factor)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class TrainConfig:
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.03
-    schedule: str = "cosine"  # cosine | linear | constant | warmup_stable_decay (transformers.get_scheduler)
+    schedule: str = "cosine"  # cosine | linear | constant | warmup_stable_decay (transformers' formulas)
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | mps
