@@ -175,8 +175,10 @@ def test_linear_cross_entropy_matches_head_then_loss(monkeypatch, dtype, bias):
     targets = torch.randint(0, 300, (150,))
 
     ours = kernels.linear_cross_entropy_sum(hidden, weight, b, targets, dtype)
-    (ours * 0.5).backward()
+    (ours * 0.5).backward(retain_graph=True)
     got = [t.grad.clone() for t in (hidden, weight, b) if t is not None]
+    with pytest.raises(RuntimeError, match="inplace"):  # the gradients were scaled in place: never twice
+        (ours * 0.5).backward()
     for t in (hidden, weight, b):
         if t is not None:
             t.grad = None
