@@ -166,6 +166,7 @@ def test_linear_cross_entropy_matches_head_then_loss(monkeypatch, dtype, bias):
     from tunebench import kernels
 
     monkeypatch.setitem(kernels._CHUNK_BYTES, "cpu", 48 * 300 * (torch.finfo(dtype).bits // 8))  # 48-row chunks
+    monkeypatch.setattr(kernels, "_MIN_CHUNK_ROWS", 16)
     monkeypatch.setitem(kernels._LOSS_BYTES, "cpu", 20 * 300 * 4)  # 20-row loss passes of fp32 logits
     monkeypatch.setattr(kernels, "_WEIGHT_GRAD_ROWS", 48)  # the weight's gradient summed over chunks too
     torch.manual_seed(0)
