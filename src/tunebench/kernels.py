@@ -1,7 +1,7 @@
 """Hand-written fast paths that transformers and torch do not offer as such.
 
 `linear_cross_entropy_sum` is the output head and the loss in one: it never holds the (N, V)
-logits of all loss positions, only those of a few hundred rows at a time, and it writes their
+logits of all loss positions, only those of some hundreds of rows at a time, and it writes their
 gradient over them while they are still in cache (see its docstring). `cross_entropy_sum` is the
 same loss for logits that a model has already made.
 
@@ -184,13 +184,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return *grads, None, None, None, None, None
 
 
-# Rows of logits made at a time. On a CPU, a chunk of a few hundred rows of a 50k vocabulary
-# (~24 MB in bf16) stays in the last-level cache between the matmul, the loss pass and the gradient
-# matmul, and both matmuls still run near peak; on a GPU, bigger chunks keep the kernels busy.
+# Logits made at a time, in bytes: on a CPU, a chunk that stays in the last-level cache between the matmul,
+# the loss pass and the gradient matmul; on a GPU, bigger chunks keep the kernels busy.
 _CHUNK_BYTES = {"cpu": 24 * 2**20, "cuda": 256 * 2**20}
-# But never fewer rows than this: a thin matmul is far from the CPU's rate. On the 2-core AVX2 CPU, in fp32,
-# where 24 MB of a 49k vocabulary is 128 rows, the head and loss (forward and backward of 508 rows) took
-# 527-542 ms in 128-row chunks and 421-427 in 512-row ones (106 -> 136 GFLOP/s), for 75 MB more held.
+# But never fewer rows than this, whatever the bytes: a thin matmul is far from the CPU's rate. On the 2-core
+# AVX2 CPU, in fp32, where 24 MB of a 49k vocabulary is 128 rows, the head and loss (forward and backward of
+# 508 rows) took 527-542 ms in 128-row chunks and 421-427 in 512-row ones (106 -> 136 GFLOP/s), for 75 MB
+# more held. A large vocabulary's chunk is then past the cache, and the matmuls' rate is worth more.
 _MIN_CHUNK_ROWS = 512
 # Bytes of fp32 logits per loss pass inside a chunk: a few MB on a CPU, next to the chunk in the same cache
 # (32 rows of a 49k vocabulary). A pass is ~10 small ops, so a small vocabulary takes many rows a pass: at
@@ -213,7 +213,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     and loss run 1.23-1.33x faster (8,192 and 896 rows, paired), a ~4% faster LoRA step.
     """
     item = torch.finfo(dtype).bits // 8
-    chunk = max(_MIN_CHUNK_ROWS, _CHUNK_BYTES.get(hidden.device.type, _CHUNK_BYTES["cuda"]) // (weight.shape[0] * item))
+    budget = _CHUNK_BYTES.get(hidden.device.type, _CHUNK_BYTES["cuda"])
+    chunk = max(_MIN_CHUNK_ROWS, budget // (weight.shape[0] * item))
     if weight.requires_grad and torch.is_grad_enabled():
         chunk = max(chunk, _WEIGHT_GRAD_ROWS)
     rows = max(16, _LOSS_BYTES.get(hidden.device.type, _LOSS_BYTES["cuda"]) // (weight.shape[0] * 4))
