@@ -282,6 +282,25 @@ def test_shards_are_disjoint_cover_the_epoch_and_keep_ranks_in_step(n_rows, micr
     assert ids(_shares(n_rows, micro, world_size, epoch=1)) != ids(shares)  # a new order each epoch
 
 
+def test_each_epoch_is_ordered_once_not_once_a_micro_batch():
+    calls = []
+
+    def steps(epoch):
+        calls.append(epoch)
+        return [[0, 1], [2, 3], [4]]
+
+    def collate(rows_):
+        ids = torch.tensor(rows_)[:, None]
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    from tunebench.loop import LoopState
+
+    take, state = runner.micro_batches(steps, collate, World(), 1, 2), LoopState()
+    rows = [take(state)["input_ids"][:, 0].tolist() for _ in range(9)]
+    assert rows[:6] == [[0], [1], [2], [3], [4], [4]]  # [4] again: the filler of the short step, with no loss
+    assert calls == [0, 1]  # two epochs, each ordered once
+
+
 @pytest.mark.parametrize("local_ranks, omp, launched, threads, why", [
     (1, None, False, 8, "8 physical cores"),
     (4, None, False, 2, "shared by 4 ranks on this machine: 8 // 4"),

@@ -44,7 +44,9 @@ def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[li
     epochs: dict[int, list[list[int]]] = {}
 
     def next_micro_batch(s: LoopState) -> Batch:
-        order = epochs.setdefault(s.epoch, steps(s.epoch))
+        order = epochs.get(s.epoch)
+        if order is None:  # once an epoch: the shuffle and its lists are O(rows), not O(1) a micro-batch
+            order = epochs[s.epoch] = steps(s.epoch)
         if s.batch_in_epoch >= len(order) * grad_accum_steps:
             epochs.pop(s.epoch, None)
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
