@@ -55,7 +55,7 @@ def check_config(config) -> str:
     if kind == "gpt2":
         if config.activation_function not in GPT2_GELU:
             raise TunebenchError(f"this GPT-2-style model uses activation '{config.activation_function}'; "
-                                 "llama.cpp's gpt2 graph computes GELU only (model.activation: gelu)")
+                                 "llama.cpp's gpt2 graph computes GELU's tanh form only (model.activation: gelu)")
         if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
             raise TunebenchError("this GPT-2 model scales attention per layer, which llama.cpp does not")
         return "gpt2"

@@ -19,7 +19,7 @@ from tunebench.config import SCHEDULES, _coerce, check_threads, check_types, nea
 from tunebench.errors import TunebenchError
 from tunebench.runplan import BatchAsk
 
-ACTIVATIONS = ("gelu", "relu", "swish", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ModelConfig:
     max_seq_len: int = 512
     dropout: float = 0.1
     attention_dropout: float = 0.1
-    activation: str = "gelu"  # gelu | relu | swish (GPT-2-style) | swiglu (Llama-style)
+    activation: str = "gelu"  # gelu (tanh form) | gelu_exact (erf) | relu | swish (GPT-2-style) | swiglu (Llama-style)
     pre_norm: bool = True
     use_bias: bool = True
     layer_norm_eps: float = 1e-5
@@ -293,7 +293,8 @@ def validate(cfg: PretrainConfig) -> None:
                              "set pre_norm: true")
     if m.use_learned_pos_emb and m.activation == "swiglu":
         raise TunebenchError("model.activation swiglu is the Llama-style gated MLP, which uses rotary positions; "
-                             "set use_learned_pos_emb: false, or pick gelu, relu or swish for the GPT-2-style model")
+                             "set use_learned_pos_emb: false, or pick gelu, gelu_exact, relu or swish for the "
+                             "GPT-2-style model")
     if not m.use_learned_pos_emb and m.activation != "swiglu":
         raise TunebenchError(f"model.activation {m.activation} with rotary positions: the Llama-style model's MLP is "
                              "gated; set activation: swiglu, or use_learned_pos_emb: true for a GPT-2-style model")
