@@ -92,6 +92,21 @@ def test_gelu_is_gpt2s_tanh_form_in_one_kernel(char_tok, monkeypatch):
     torch.testing.assert_close(fused(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_gelu_exact_is_the_erf_form_and_is_not_exported_as_gpt2s(char_tok):
+    """model.activation gelu_exact builds torch's nn.GELU() (erf; nanoGPT's MLP), a model of its own on record;
+    llama.cpp's gpt2 graph computes the tanh form, so the GGUF export refuses it with the fix."""
+    from tunebench import gguf_export
+
+    m = ModelConfig(vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=80, max_seq_len=48,
+                    activation="gelu_exact")
+    model = arch.build(m, char_tok, seed=0)
+    x = torch.randn(3, 80) * 3
+    torch.testing.assert_close(model.transformer.h[0].mlp.act(x), torch.nn.GELU()(x), rtol=0, atol=0)
+    assert arch.fingerprint(m) != arch.fingerprint(ModelConfig(**{**m.__dict__, "activation": "gelu"}))
+    with pytest.raises(TunebenchError, match=r"tanh form only \(model.activation: gelu\)"):
+        gguf_export.check_config(model.config)
+
+
 @pytest.mark.parametrize("keys,message", [
     ({"model.d_model": 100, "model.n_heads": 3}, "not divisible by model.n_heads 3"),
     ({"model.activation": "swiglu"}, "set use_learned_pos_emb: false"),
@@ -236,14 +251,14 @@ def test_cli_pretrain_refuses_bad_input_in_one_line(tmp_path):
 
 
 def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_path, corpus, char_tok):
-    """benchmarks/shakespeare_char.yaml, the recipe vs_nanogpt.py runs: nanoGPT's CPU model and batch, with a
-    schedule of its own; it loads and trains (a few steps here)."""
+    """benchmarks/shakespeare_char.yaml, the recipe vs_nanogpt.py runs: nanoGPT's CPU model (its exact GELU
+    included) and batch, with a schedule of its own; it loads and trains (a few steps here)."""
     recipe = Path(__file__).resolve().parents[1] / "benchmarks" / "shakespeare_char.yaml"
     cfg = pretrain_config.load(recipe, {"data.train_file": str(corpus), "data.tokenizer": str(tmp_path / "char-tok"),
                                         "training.max_steps": 3, "training.checkpoint_dir": str(tmp_path / "run"),
                                         "training.progress": False})
     m, t = cfg.model, cfg.training
-    assert (m.n_layers, m.n_heads, m.d_model, m.max_seq_len, m.dropout, m.activation) == (4, 4, 128, 64, 0.0, "gelu")
+    assert (m.n_layers, m.n_heads, m.d_model, m.max_seq_len, m.dropout, m.activation) == (4, 4, 128, 64, 0.0, "gelu_exact")
     assert (t.batch_size, cfg.data.max_length, t.lr_scheduler, t.adam_beta2) == (12, 64, "warmup_stable_decay", 0.99)
     summary = pretrain.run(cfg)
     assert summary["steps"] == 3 and summary["eval_loss"] < summary["eval_loss_before"]
