@@ -1,3 +1,4 @@
+import ast
 import json
 import math
 import os
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from tunebench import cli
+from tunebench import cli, startup
 from tunebench.cli import main
 
 
@@ -157,6 +158,35 @@ def test_hw_json_is_the_record_runs_save():
     assert {d["setting"] for d in record["decisions"]} >= {"device", "precision", "torch_threads", "compile"}
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_kept_freed_memory_is_reused_without_faulting_pages_in_again():
+    """After startup.keep_freed_memory (the command calls it), a 64 MB block made and freed over and over is
+    soon served from memory kept (a few rounds can pass first: see startup), without the kernel faulting its
+    pages in again; by default glibc unmaps it each time and all 16,384 pages fault anew. The settings row
+    says which. In a child: the setting is the whole process's."""
+    code = """
+import resource, sys, torch
+from tunebench import hardware, startup
+if sys.argv[1] == "keep":
+    startup.keep_freed_memory()
+faults = []
+for _ in range(16):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(2**24).fill_(1.0)  # 64 MB, freed at once
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+row = [d.value for d in hardware.plan("cpu", "fp32", hardware.detect()).decisions if d.setting == "allocator"]
+print(repr((faults, startup.allocator()[0], row)))
+"""
+    for mode, value in (("keep", "reuse"), ("default", "C default")):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True).stdout
+        faults, kept, row = ast.literal_eval(out.strip())
+        assert kept == value and row == [value]
+        if mode == "keep":
+            assert max(faults[-4:]) < 100, faults
+        else:
+            assert min(faults) > 10_000, faults
+
+
 def test_the_command_pauses_collection_until_its_training_loop_and_leaves_callers_alone(tmp_path, dataset,
                                                                                         monkeypatch):
     """cli.entry (the `tunebench` command) turns the collector off for start-up, and the training loop
@@ -167,11 +197,12 @@ def test_the_command_pauses_collection_until_its_training_loop_and_leaves_caller
     from tunebench.jobs import finetune
     from conftest import tiny_run_config
 
-    real_run, seen = finetune.run, []
+    real_run, seen, kept = finetune.run, [], []
     monkeypatch.setattr(finetune, "run", lambda cfg: seen.append(gc.isenabled()))
+    monkeypatch.setattr(startup, "keep_freed_memory", lambda: kept.append(True))  # this process's allocator stays
     monkeypatch.setattr(sys, "argv", ["tunebench", "train", "--model", "tiny", "--data", str(dataset)])
     try:
-        assert cli.entry() == 0 and seen == [False]  # off when the job starts, and until its loop does
+        assert cli.entry() == 0 and seen == [False] and kept == [True]  # off when the job starts, until its loop
         real_run(tiny_run_config(dataset, tmp_path / "run", **{"train.max_steps": 1}))
         assert gc.isenabled() and gc.get_freeze_count() > 0
     finally:

@@ -293,8 +293,9 @@ def _quiet_libraries(allow_download: bool) -> None:
 
 def entry() -> int:
     """The `tunebench` command and `python -m tunebench`: main(), with the collector paused while the
-    libraries load (see startup)."""
+    libraries load and freed memory kept for reuse (see startup)."""
     startup.pause()
+    startup.keep_freed_memory()
     code = main()
     startup.before_exit()
     return code

@@ -11,6 +11,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from tunebench import startup
 from tunebench.errors import TunebenchError
 
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
@@ -386,6 +387,7 @@ def plan(device: str, precision: str, hw: Hardware, compile: str = "auto", threa
     decisions.append(Decision("pin_memory", on == "cuda", "page-locked host batches copy to the GPU asynchronously"
                               if on == "cuda" else "no accelerator to copy to"))
     decisions.append(_pick_compile(compile, on))
+    decisions.append(Decision("allocator", *startup.allocator()))
     by = {d.setting: d.value for d in decisions}
     return Plan(on, str(prec.value), int(by["torch_threads"]), tuple(decisions))
 
