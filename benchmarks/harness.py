@@ -26,6 +26,15 @@ def step_clock():
     return Clock()
 
 
+def as_the_command() -> None:
+    """A tunebench worker runs as the `tunebench` command does (cli.entry): the collector paused until its
+    loop, freed memory kept for reuse (see tunebench.startup). The peer's process is left as Python has it."""
+    from tunebench import startup
+
+    startup.pause()
+    startup.keep_freed_memory()
+
+
 def peak_mb() -> float:
     """The process's peak resident set, probes included (tunebench's probes reset the kernel's counter)."""
     from tunebench.metrics import process_peak_mb

@@ -115,6 +115,7 @@ def worker_hf(args) -> dict:
 
 
 def worker_tunebench(args) -> dict:
+    harness.as_the_command()
     from transformers import AutoModelForCausalLM
 
     from tunebench.jobs import pretrain

@@ -134,6 +134,7 @@ def worker_peer(args) -> dict:
 
 
 def worker_tunebench(args) -> dict:
+    harness.as_the_command()
     from tunebench.config import load_config
     from tunebench.jobs import finetune
 
