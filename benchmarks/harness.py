@@ -27,12 +27,13 @@ def step_clock():
 
 
 def as_the_command() -> None:
-    """A tunebench worker runs as the `tunebench` command does (cli.entry): the collector paused until its
-    loop, freed memory kept for reuse (see tunebench.startup). The peer's process is left as Python has it."""
+    """A tunebench worker runs as the `tunebench` command does (cli.entry): started again with freed memory
+    kept for reuse, the collector paused until its loop (see tunebench.startup). The peer's process is left
+    as Python has it."""
     from tunebench import startup
 
-    startup.pause()
     startup.keep_freed_memory()
+    startup.pause()
 
 
 def peak_mb() -> float:

@@ -158,16 +158,18 @@ def test_hw_json_is_the_record_runs_save():
     assert {d["setting"] for d in record["decisions"]} >= {"device", "precision", "torch_threads", "compile"}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
-def test_kept_freed_memory_is_reused_without_faulting_pages_in_again():
-    """After startup.keep_freed_memory (the command calls it), a 64 MB block made and freed over and over is
-    soon served from memory kept (a few rounds can pass first: see startup), without the kernel faulting its
-    pages in again; by default glibc unmaps it each time and all 16,384 pages fault anew. The settings row
-    says which. In a child: the setting is the whole process's."""
+@pytest.mark.skipif(not startup._glibc(), reason="glibc's malloc tunables: Linux with glibc only")
+def test_the_command_keeps_freed_memory_and_leaves_a_users_malloc_settings_alone():
+    """startup.keep_freed_memory (the command calls it first) starts the process again, once, with glibc's
+    tunables: a 64 MB block made and freed over and over is then served from memory kept, without the kernel
+    faulting its pages in again; by default glibc unmaps it each time and all 16,384 pages fault anew. Malloc
+    settings already in GLIBC_TUNABLES are left as they are. The settings row says which. In a child: the
+    setting is the whole process's."""
     code = """
-import resource, sys, torch
+import os, resource, sys, torch
 from tunebench import hardware, startup
-if sys.argv[1] == "keep":
+print("start", flush=True)
+if sys.argv[1] != "default":
     startup.keep_freed_memory()
 faults = []
 for _ in range(16):
@@ -175,16 +177,21 @@ for _ in range(16):
     torch.empty(2**24).fill_(1.0)  # 64 MB, freed at once
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 row = [d.value for d in hardware.plan("cpu", "fp32", hardware.detect()).decisions if d.setting == "allocator"]
-print(repr((faults, startup.allocator()[0], row)))
+print(repr((faults, os.environ.get("GLIBC_TUNABLES"), row)))
 """
-    for mode, value in (("keep", "reuse"), ("default", "C default")):
-        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True).stdout
-        faults, kept, row = ast.literal_eval(out.strip())
-        assert kept == value and row == [value]
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    mine = "glibc.malloc.tcache_count=7"
+    for mode, tunables, value in (("keep", None, "reuse"), ("default", None, "C default"),
+                                  ("user", mine, "GLIBC_TUNABLES")):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True,
+                             env={**env, **({"GLIBC_TUNABLES": tunables} if tunables else {})}).stdout.splitlines()
+        faults, seen, row = ast.literal_eval(out[-1])
+        assert row == [value]
         if mode == "keep":
-            assert max(faults[-4:]) < 100, faults
+            assert out[:2] == ["start", "start"] and len(out) == 3 and seen == startup.KEEP_FREED  # again, once
+            assert max(faults[1:]) < 100, faults
         else:
-            assert min(faults) > 10_000, faults
+            assert out[:1] == ["start"] and seen == tunables and min(faults) > 10_000, faults
 
 
 def test_the_command_pauses_collection_until_its_training_loop_and_leaves_callers_alone(tmp_path, dataset,

@@ -294,8 +294,8 @@ def _quiet_libraries(allow_download: bool) -> None:
 def entry() -> int:
     """The `tunebench` command and `python -m tunebench`: main(), with the collector paused while the
     libraries load and freed memory kept for reuse (see startup)."""
+    startup.keep_freed_memory()  # may start this command again, once, before anything is loaded
     startup.pause()
-    startup.keep_freed_memory()
     code = main()
     startup.before_exit()
     return code

@@ -12,25 +12,28 @@ program that calls cli.main or the Python API keeps its collector as it was.
 The command also keeps the memory it frees (`keep_freed_memory`). glibc hands large freed blocks back to
 the OS (each over 32 MB is its own mapping; the heap's free top is trimmed), and a training step allocates
 the same blocks again: the kernel faults in and zeroes every page anew, ~2.1 us a 4 KB page on a 2-core
-VM. Measured there, pages faulted a step with glibc's defaults and kept: SmolLM2 LoRA (4 x 128 tokens,
-two micro-batches) 62,000-92,000 and 1,000-6,000; the medium pretraining config ~175,000 and 0-30,000;
-the 4 x 128 shakespeare_char model 770-830 and ~1. Peak RSS stayed within the runs' spread (LoRA
-1,885-2,051 against 1,964-2,023 MB; medium 4,004-4,163 against 4,057-4,078). The cost: the heap never
-shrinks, and a block freed and asked for again at once can take a few rounds to be reused (glibc's
-aligned allocations leave small pieces in its per-thread cache that keep free blocks apart): one 64 MB
-tensor made and freed 12 times peaked at 670 MB RSS, against 286 with the defaults. PyTorch's CUDA
-allocator keeps GPU memory in the same way; on a CPU the C library's settings do it (nothing to install).
+VM. So the command starts its process with glibc's tunables set (GLIBC_TUNABLES, read only when a process
+starts: it runs itself again once, ~40 ms): every block from the heap, the heap never trimmed, and the
+per-thread cache held to chunks of 16 bytes. Without that last one, the small pieces glibc's aligned
+allocations leave behind sit in that cache between free blocks, so a freed block is not merged and reused:
+one 64 MB tensor made and freed 12 times peaked at 670 MB RSS (286 with the defaults), and the medium
+pretraining config at 5,139 MB against 4,509. With all three, on that VM: the 64 MB tensor 286 MB and
+reused from the second round; pages faulted a step of SmolLM2 LoRA 62,000-92,000 -> 5 (peak RSS
+1,909-1,915 against 1,985-2,015 MB); the medium config, one run each, 159 -> 178 tokens/s and a peak of
+4,509 -> 4,265 MB. A program calling the Python API keeps its process as it is; malloc settings a user put in GLIBC_TUNABLES
+are left alone. PyTorch's CUDA allocator keeps GPU memory in the same way.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
+import os
 import sys
 
 _paused = False
-_allocator = ("C default", "freed memory goes back to the OS (the tunebench command keeps it)")
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+# glibc's malloc tunables: no block mapped on its own, no trimming of the heap, the per-thread cache for
+# chunks of up to 16 bytes only (see above). A process reads them once, as it starts.
+KEEP_FREED = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4611686018427387904:glibc.malloc.tcache_max=16"
 
 
 def pause() -> None:
@@ -54,20 +57,31 @@ def before_exit() -> None:
 
 
 def keep_freed_memory() -> None:
-    """glibc: every block from the heap (no per-block mappings) and the heap never trimmed (mallopt(3):
-    M_MMAP_MAX 0, M_TRIM_THRESHOLD -1), so freed memory is reused rather than faulted in again."""
-    global _allocator
-    if not sys.platform.startswith("linux"):
+    """Run this command again, once, with KEEP_FREED in GLIBC_TUNABLES (its children inherit it). Nothing
+    happens off glibc, or where GLIBC_TUNABLES already names malloc settings (ours, or the user's)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc." in tunables or not _glibc():
         return
+    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{KEEP_FREED}" if tunables else KEEP_FREED
     try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's C library; musl has no mallopt
-    except (OSError, AttributeError):
-        return
-    if mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, -1) == 1:
-        _allocator = ("reuse", "freed memory serves the next step, not handed back to the OS and faulted in "
-                               "again page by page (glibc mallopt; see tunebench.startup)")
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    except OSError:  # the interpreter cannot be started again: go on as this process is
+        os.environ["GLIBC_TUNABLES"] = tunables
+
+
+def _glibc() -> bool:
+    try:
+        return sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # musl and others: no such name
+        return False
 
 
 def allocator() -> tuple[str, str]:
     """The settings row's value and reason: what this process's allocator does with freed memory."""
-    return _allocator
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if KEEP_FREED in tunables:
+        return "reuse", ("freed memory serves the next step, not handed back to the OS and faulted in again page "
+                         "by page (glibc tunables; see tunebench.startup)")
+    if "glibc.malloc." in tunables:
+        return "GLIBC_TUNABLES", "the malloc settings GLIBC_TUNABLES names, left as they are"
+    return "C default", "freed memory goes back to the OS (the tunebench command keeps it)"
