@@ -20,8 +20,9 @@ one 64 MB tensor made and freed 12 times peaked at 670 MB RSS (286 with the defa
 pretraining config at 5,139 MB against 4,509. With all three, on that VM: the 64 MB tensor 286 MB and
 reused from the second round; pages faulted a step of SmolLM2 LoRA 62,000-92,000 -> 5 (peak RSS
 1,909-1,915 against 1,985-2,015 MB); the medium config, one run each, 159 -> 178 tokens/s and a peak of
-4,509 -> 4,265 MB. A program calling the Python API keeps its process as it is; malloc settings a user put in GLIBC_TUNABLES
-are left alone. PyTorch's CUDA allocator keeps GPU memory in the same way.
+4,509 -> 4,265 MB. The heap never shrinks after a peak, in the command and in what it starts (they
+inherit the setting). A program calling the Python API keeps its process as it is; malloc settings a
+user put in GLIBC_TUNABLES are left alone. PyTorch's CUDA allocator keeps GPU memory in the same way.
 """
 
 from __future__ import annotations
@@ -59,14 +60,17 @@ def before_exit() -> None:
 def keep_freed_memory() -> None:
     """Run this command again, once, with KEEP_FREED in GLIBC_TUNABLES (its children inherit it). Nothing
     happens off glibc, or where GLIBC_TUNABLES already names malloc settings (ours, or the user's)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc." in tunables or not _glibc():
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if "glibc.malloc." in (tunables or "") or not _glibc():
         return
     os.environ["GLIBC_TUNABLES"] = f"{tunables}:{KEEP_FREED}" if tunables else KEEP_FREED
     try:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     except OSError:  # the interpreter cannot be started again: go on as this process is
-        os.environ["GLIBC_TUNABLES"] = tunables
+        if tunables is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = tunables
 
 
 def _glibc() -> bool:
