@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tunebench import hardware, kernels, models, tune
+from tunebench import hardware, kernels, models, startup, tune
 from tunebench.tune import attention, batch, compiler
 from tunebench.config import load_config, profiles
 from tunebench.errors import TunebenchError
@@ -473,11 +473,12 @@ def test_lr_scaling_rules():
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
-def test_peak_memory_windows_measure_each_probe_alone():
+@pytest.mark.parametrize("kept", [False, True], ids=["glibc-defaults", "freed-memory-kept"])
+def test_peak_memory_windows_measure_each_probe_alone(kept):
     """A probe's peak must be its own: the batch probe predicts larger sizes from it, and a peak
     left over from an earlier, bigger step would make it skip sizes that fit. Checked in a fresh
-    process: in one that earlier tests have used, a freed 400 MB may stay resident (the allocator
-    keeps it), which measures the allocator, not the window."""
+    process, with glibc's defaults and as the command runs (freed memory kept, see startup): a new
+    window first hands the heap's free pages back, so a freed 400 MB is neither held nor counted."""
     import subprocess
     import sys
 
@@ -494,7 +495,13 @@ small = torch.ones(50 * 2**20 // 4)
 del small
 print(first, peak_memory_mb(cpu), process_peak_mb())
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if kept:
+        if not startup._glibc():
+            pytest.skip("freed memory is kept through glibc's tunables: Linux with glibc only")
+        env["GLIBC_TUNABLES"] = startup.KEEP_FREED
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env=env).stdout
     first, second, process_peak = map(float, out.split())
     assert second < first - 300  # the 400 MB step is not in the second window
     assert process_peak >= first  # while the whole process's peak keeps it

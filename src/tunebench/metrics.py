@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tunebench import startup
 from tunebench.durable import repair_tail
 
 
@@ -78,6 +79,7 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         return
     _earlier_windows_mb = max(_earlier_windows_mb, _rss_peak_mb())
+    startup.release_freed()  # the command keeps freed memory (see startup): the window starts without it
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

@@ -9,24 +9,26 @@ loop, or any other job once it starts, resumes it with what already exists froze
 they live as long as the process, and later collections skip them); and exit skips the last walk. A
 program that calls cli.main or the Python API keeps its collector as it was.
 
-The command also keeps the memory it frees (`keep_freed_memory`). glibc hands large freed blocks back to
-the OS (each over 32 MB is its own mapping; the heap's free top is trimmed), and a training step allocates
-the same blocks again: the kernel faults in and zeroes every page anew, ~2.1 us a 4 KB page on a 2-core
-VM. So the command starts its process with glibc's tunables set (GLIBC_TUNABLES, read only when a process
-starts: it runs itself again once, ~40 ms): every block from the heap, the heap never trimmed, and the
-per-thread cache held to chunks of 16 bytes. Without that last one, the small pieces glibc's aligned
-allocations leave behind sit in that cache between free blocks, so a freed block is not merged and reused:
-one 64 MB tensor made and freed 12 times peaked at 670 MB RSS (286 with the defaults), and the medium
-pretraining config at 5,139 MB against 4,509. With all three, on that VM: the 64 MB tensor 286 MB and
-reused from the second round; pages faulted a step of SmolLM2 LoRA 62,000-92,000 -> 5 (peak RSS
-1,909-1,915 against 1,985-2,015 MB); the medium config, one run each, 159 -> 178 tokens/s and a peak of
-4,509 -> 4,265 MB. The heap never shrinks after a peak, in the command and in what it starts (they
-inherit the setting). A program calling the Python API keeps its process as it is; malloc settings a
-user put in GLIBC_TUNABLES are left alone. PyTorch's CUDA allocator keeps GPU memory in the same way.
+The command also keeps the memory it frees (`keep_freed_memory`). glibc hands large freed blocks back to the
+OS (each over 32 MB is its own mapping; the heap's free top is trimmed), and a training step allocates the
+same blocks again: the kernel faults in and zeroes every page anew, ~2.1 us a 4 KB page on a 2-core VM. So
+the command starts its process with glibc's tunables set (GLIBC_TUNABLES, read only when a process starts:
+it runs itself again once, ~40 ms): every block from the heap, the heap never trimmed, and the per-thread
+cache held to chunks of 16 bytes. Without that last one, the small pieces glibc's aligned allocations leave
+behind sit in that cache between free blocks, so a freed block is not merged and reused: one 64 MB tensor
+made and freed 12 times peaked at 670 MB RSS (286 with the defaults), and the medium pretraining config at
+5,139 MB against 4,509. With all three, on that VM: the 64 MB tensor 286 MB and reused from the second
+round; pages faulted a step of SmolLM2 LoRA 62,000-92,000 -> 5 (peak RSS 1,909-1,915 against 1,985-2,015
+MB); the medium config, one run each, 159 -> 178 tokens/s and a peak of 4,509 -> 4,265 MB. The heap shrinks
+only where a new peak-memory window starts (`release_freed`: each probe, the training loop), so a probe's
+larger micro batch is not held through the run; the command's children inherit the setting. A program
+calling the Python API keeps its process as it is; malloc settings a user put in GLIBC_TUNABLES are left
+alone. PyTorch's CUDA allocator keeps GPU memory in the same way.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -71,6 +73,14 @@ def keep_freed_memory() -> None:
             del os.environ["GLIBC_TUNABLES"]
         else:
             os.environ["GLIBC_TUNABLES"] = tunables
+
+
+def release_freed() -> None:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim). A new peak-memory window starts
+    with it (metrics.reset_peak_memory): a probe or the run then holds and counts its own memory, not what
+    a larger probe before it, or loading, left free in the heap."""
+    if _glibc():
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _glibc() -> bool:
