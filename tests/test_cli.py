@@ -158,7 +158,7 @@ def test_hw_json_is_the_record_runs_save():
     assert {d["setting"] for d in record["decisions"]} >= {"device", "precision", "torch_threads", "compile"}
 
 
-@pytest.mark.skipif(not startup._glibc(), reason="glibc's malloc tunables: Linux with glibc only")
+@pytest.mark.skipif(not startup.on_glibc(), reason="glibc's malloc tunables: Linux with glibc only")
 def test_the_command_keeps_freed_memory_and_leaves_a_users_malloc_settings_alone():
     """startup.keep_freed_memory (the command calls it first) starts the process again, once, with glibc's
     tunables: a 64 MB block made and freed over and over is then served from memory kept, without the kernel

@@ -497,7 +497,7 @@ print(first, peak_memory_mb(cpu), process_peak_mb())
 """
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     if kept:
-        if not startup._glibc():
+        if not startup.on_glibc():
             pytest.skip("freed memory is kept through glibc's tunables: Linux with glibc only")
         env["GLIBC_TUNABLES"] = startup.KEEP_FREED
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,

@@ -63,7 +63,7 @@ def keep_freed_memory() -> None:
     """Run this command again, once, with KEEP_FREED in GLIBC_TUNABLES (its children inherit it). Nothing
     happens off glibc, or where GLIBC_TUNABLES already names malloc settings (ours, or the user's)."""
     tunables = os.environ.get("GLIBC_TUNABLES")
-    if "glibc.malloc." in (tunables or "") or not _glibc():
+    if "glibc.malloc." in (tunables or "") or not on_glibc():
         return
     os.environ["GLIBC_TUNABLES"] = f"{tunables}:{KEEP_FREED}" if tunables else KEEP_FREED
     try:
@@ -79,11 +79,12 @@ def release_freed() -> None:
     """Hand the heap's free pages back to the OS now (glibc's malloc_trim). A new peak-memory window starts
     with it (metrics.reset_peak_memory): a probe or the run then holds and counts its own memory, not what
     a larger probe before it, or loading, left free in the heap."""
-    if _glibc():
+    if on_glibc():
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _glibc() -> bool:
+def on_glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc the tunables and malloc_trim above belong to."""
     try:
         return sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
     except (ValueError, OSError, AttributeError):  # musl and others: no such name
