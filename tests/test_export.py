@@ -138,7 +138,8 @@ def test_llama_cpp_tokenizes_and_generates_as_tunebench(runs, tmp_path, llama_cp
                                                               template)
             ids = loaded.tokenizer(text, add_special_tokens=False).input_ids
             assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
-            ours = generate.complete(loaded, [{"role": "user", "content": text}], max_new_tokens=10, raw=True)
+            ours = generate.complete(inference.place(loaded, "cpu", "fp32"), [{"role": "user", "content": text}],
+                                     max_new_tokens=10, raw=True)
             theirs = _greedy(llm, ids, 10)
             assert theirs, "llama.cpp generated nothing"
             if loaded.tokenizer.decode(theirs, skip_special_tokens=True).strip() != ours:

@@ -4,9 +4,11 @@ the columns compare writes and the quality-vs-speed chart."""
 import json
 
 import pytest
+
+from conftest import needs_module
 import torch
 
-from tunebench import cli, quality
+from tunebench import cli, inference, quality
 from tunebench.config import load_config
 from tunebench.jobs import finetune, report
 
@@ -60,7 +62,7 @@ def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
     monkeypatch.setattr(tiny.model, "generate", fake_generate)
     rows = [[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a"}],
             [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "aba"}]]
-    answers, _ = quality.generate_answers(tiny, rows, "auto", max_new_tokens=3)
+    answers, _ = quality.generate_answers(inference.place(tiny, "cpu", "fp32"), rows, "auto", max_new_tokens=3)
     assert [(x.answer, x.tokens, x.stopped) for x in answers] == [("a", 2, True), ("aba", 3, False)]
     scores = quality.score(answers, 0.5)
     assert scores["eos_rate"] == 50.0 and scores["answer_tokens"] == 2.5 and scores["gen_tokens_per_s"] == 10.0
@@ -69,7 +71,8 @@ def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
 
 def test_plain_text_rows_have_nothing_to_score(tiny):
     with pytest.raises(Exception, match="no prompt/response rows"):
-        quality.generate_answers(tiny, [[{"role": "text", "content": "hello"}]], "auto", 4)
+        quality.generate_answers(inference.place(tiny, "cpu", "fp32"), [[{"role": "text", "content": "hello"}]],
+                                 "auto", 4)
 
 
 @pytest.fixture
@@ -168,7 +171,7 @@ def gsm8k_file(tmp_path):
 
 
 def test_lm_eval_runs_its_gsm8k_task_offline_over_a_local_file(gsm8k_file, tmp_path, capsys):
-    pytest.importorskip("lm_eval", reason="lm-eval is in the test extra; pip install 'tunebench[lm-eval]'")
+    needs_module("lm_eval", "lm-eval is in the test extra; pip install 'tunebench[lm-eval]'")
     assert cli.main(["eval", "--model", "tiny", "--lm-eval", "gsm8k_local", "--data", str(gsm8k_file),
                      "--lm-eval-limit", "2", "--output-dir", str(tmp_path / "out")]) == 0
     saved = json.loads((tmp_path / "out" / "tiny" / "lm_eval.json").read_text())
@@ -181,7 +184,7 @@ def test_lm_eval_runs_its_gsm8k_task_offline_over_a_local_file(gsm8k_file, tmp_p
 
 @pytest.mark.parametrize("says,expected", [("so 1000 + 0 = 1,000.\n#### 1,000", 1.0), ("#### 999", 0.0)])
 def test_the_local_gsm8k_task_scores_a_right_answer_as_lm_eval_does(gsm8k_file, tmp_path, monkeypatch, says, expected):
-    pytest.importorskip("lm_eval", reason="lm-eval is in the test extra; pip install 'tunebench[lm-eval]'")
+    needs_module("lm_eval", "lm-eval is in the test extra; pip install 'tunebench[lm-eval]'")
     from lm_eval.models.huggingface import HFLM
 
     from tunebench.jobs import evaluate
@@ -192,7 +195,7 @@ def test_the_local_gsm8k_task_scores_a_right_answer_as_lm_eval_does(gsm8k_file, 
 
 
 def test_lm_eval_refusals(gsm8k_file, capsys):
-    pytest.importorskip("lm_eval", reason="lm-eval is in the test extra")
+    needs_module("lm_eval", "lm-eval is in the test extra")
     assert cli.main(["eval", "--model", "tiny", "--lm-eval", "gsm8k_local"]) == 2
     assert "pass it with --data FILE" in capsys.readouterr().err
     assert cli.main(["eval", "--model", "tiny", "--lm-eval", "no_such_task", "--data", str(gsm8k_file)]) == 2

@@ -528,9 +528,6 @@ def validate(cfg: RunConfig) -> None:
         if d.packing == "on":
             raise TunebenchError(f"--objective {t.objective} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")
-        if t.eval_generate:
-            raise TunebenchError(f"--eval-generate scores answers to prompt/response rows; a {t.objective} run "
-                                 "reports reward accuracy on its held-out pairs instead: drop --eval-generate")
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")

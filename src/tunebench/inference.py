@@ -4,12 +4,17 @@ rotary context they were trained for), checked before a run or a request goes pa
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tunebench import models
+from tunebench import precision as precision_
 from tunebench.errors import TunebenchError
 
 
@@ -26,8 +31,10 @@ def base_of(adapter_dir: str) -> str:
 
 
 def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | None = None,
-                       allow_download: bool = False) -> models.Loaded:
-    """Base model (or a full fine-tune's output dir) with an optional PEFT adapter on top."""
+                       allow_download: bool = False, dtype: torch.dtype | None = None) -> models.Loaded:
+    """Base model (or a full fine-tune's output dir) with an optional PEFT adapter on top. `dtype`: the base
+    is held in it before the adapter is attached, as training held a frozen base; PEFT keeps the adapter's
+    own weights in fp32 (autocast_adapter_dtype), as training did."""
     if adapter is not None and not Path(adapter).is_dir():
         raise TunebenchError(f"--adapter '{adapter}' is not a directory; point it at a training --output-dir")
     if spec is None:
@@ -37,6 +44,8 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
             spec = base_of(adapter)
     loaded = models.resolve(spec, tokenizer or (adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else None),
                      allow_download)
+    if dtype is not None:
+        loaded.model.to(dtype=dtype)
     if adapter is not None:
         from peft import PeftModel
 
@@ -46,7 +55,54 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
     return loaded
 
 
-INFERENCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+@dataclass
+class Placed:
+    """A model put to work the way it was trained: on its device, its weights as training held them (a frozen
+    base in the compute dtype, adapters in fp32) and every forward under the autocast of its precision.
+
+    Training keeps LoRA's inputs in the compute dtype (models.compute_adapters_in), so a bf16 base meets fp32
+    adapter weights: only autocast makes that one matmul. Whatever generates or scores (eval-generate at the
+    end of training, pretraining samples, eval, generate, chat, serve, merge's before/after) goes through
+    `running` or `generate` here, and no job opens its own inference path."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # what training's matmuls ran under; None: no autocast (fp32, QLoRA)
+    source: str = ""
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Any]:
+        """The model in eval mode (its mode is put back after), without gradients, under the run's autocast.
+        autocast is per thread: enter this in the thread that calls the model."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), precision_.autocast(self.device, self.autocast_dtype):
+                yield self.model
+        finally:
+            self.model.train(was_training)
+
+    def generate(self, **kwargs) -> torch.Tensor:
+        with self.running() as model:
+            return model.generate(**kwargs)
+
+    def encode(self, texts: str | list[str], **kwargs):
+        """Token ids (and attention mask) of `texts` on the model's device; no special tokens added (the
+        prompt format has them)."""
+        return self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **kwargs).to(self.device)
+
+
+def load(spec: str | None, adapter: str | None, tokenizer: str | None = None, allow_download: bool = False,
+         device: str = "auto", precision: str = "auto", plan=None) -> Placed:
+    """A model (and adapter) ready to generate or score on the device and in the precision a training run
+    would pick here, or those asked for: an impossible request is refused before any weight loads. `plan`:
+    a hardware plan already made (eval applies its threads too)."""
+    from tunebench import hardware
+
+    plan = plan or hardware.plan(device, precision, hardware.detect(), "off")
+    loaded = load_for_inference(spec, adapter, tokenizer, allow_download, precision_.DTYPES[plan.precision])
+    return place(loaded, plan.device, plan.precision)
 
 
 def placement(device: str = "auto", precision: str = "auto", hw=None) -> tuple[str, str, str]:
@@ -58,11 +114,15 @@ def placement(device: str = "auto", precision: str = "auto", hw=None) -> tuple[s
     return plan.device, plan.precision, f"{plan.decision('device').reason}; {plan.decision('precision').reason}"
 
 
-def place(loaded: models.Loaded, device: str, precision: str) -> torch.device:
-    """Put a loaded model on `device` in `precision` (what `placement` resolved); returns the device its
-    inputs go to."""
-    loaded.model.to(torch.device(device), dtype=INFERENCE_DTYPES[precision])
-    return torch.device(device)
+def place(loaded: models.Loaded, device: str, precision: str) -> Placed:
+    """`loaded` on `device`, run as it trained: its weights as load_for_inference holds them (a base, or a
+    full fine-tune, in the compute dtype: its matmuls see the weights autocast gave them in training, at half
+    the memory; adapters in fp32), LoRA's inputs left in the compute dtype, every call under autocast."""
+    loaded.model.to(torch.device(device))
+    if precision != "fp32":
+        models.compute_adapters_in(loaded.model)
+    return Placed(loaded.model, loaded.tokenizer, torch.device(device), precision_.autocast_dtype(precision),
+                  loaded.source)
 
 
 def context_limit(model) -> int | None:

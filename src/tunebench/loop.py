@@ -21,9 +21,9 @@ from tunebench import distributed
 from tunebench.distributed import World
 from tunebench.errors import TunebenchError
 from tunebench.kernels import cross_entropy_sum, linear_cross_entropy_sum
+from tunebench.precision import DTYPES, autocast  # noqa: F401 - the loop's names for them
 
 Batch = dict[str, torch.Tensor]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a run's precision -> dtype
 
 
 @dataclass
@@ -76,12 +76,6 @@ class Interrupted(TunebenchError):
     def __init__(self, step: int, world: World = World()):
         super().__init__(f"interrupted at step {step}; a checkpoint was saved: rerun with --resume auto", 130)
         self.echo = not world.main  # every rank stops at this step; rank 0 says so
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def body_and_head(model):

@@ -486,10 +486,10 @@ def compute_adapters_in(model) -> None:
     per step, and fp32 results that promote the layer output. Under autocast the adapter matmuls
     run in the compute dtype while the weights (and the optimizer) stay fp32.
     """
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.lora import LoraLayer
 
     for m in model.modules():
-        if isinstance(m, BaseTunerLayer):
+        if isinstance(m, LoraLayer):  # LoRA and DoRA; other methods' layers keep PEFT's casts
             m.cast_input_dtype_enabled = False
 
 

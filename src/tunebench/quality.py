@@ -42,16 +42,15 @@ def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, 
     return messages[:last], messages[last]["content"]
 
 
-@torch.no_grad()
-def generate_answers(loaded, rows: list[formats.Messages], template: str, max_new_tokens: int,
+def generate_answers(placed: inference.Placed, rows: list[formats.Messages], template: str, max_new_tokens: int,
                      batch_size: int = 8, seed: int = 0) -> tuple[list[Answer], float]:
     """Greedy answers for `rows` (batched, left-padded), and the seconds generation took."""
     pairs = [p for p in (prompt_and_reference(m) for m in rows) if p is not None]
     if not pairs:
         raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
                              "task metrics need instruction, alpaca or chat data")
-    tok, model = loaded.tokenizer, loaded.model
-    limit = inference.position_limit(model)
+    tok = placed.tokenizer
+    limit = inference.position_limit(placed.model)
     side, tok.padding_side = tok.padding_side, "left"
     torch.manual_seed(seed)
     answers, seconds = [], 0.0
@@ -59,11 +58,11 @@ def generate_answers(loaded, rows: list[formats.Messages], template: str, max_ne
         for start in range(0, len(pairs), batch_size):
             chunk = pairs[start:start + batch_size]
             prompts = [render_prompt(turns, tok, template) for turns, _ in chunk]
-            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            enc = placed.encode(prompts, padding=True)
             width = enc["input_ids"].shape[1]
             cap = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - width))
             began = time.perf_counter()
-            out = model.generate(**enc, max_new_tokens=cap, do_sample=False, top_p=None, top_k=None,
+            out = placed.generate(**enc, max_new_tokens=cap, do_sample=False, top_p=None, top_k=None,
                                  temperature=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             seconds += time.perf_counter() - began
             for (turns, reference), prompt, new in zip(chunk, prompts, out[:, width:].tolist()):
@@ -123,9 +122,9 @@ def write_answers(path: Path, answers: list[Answer], scores: dict) -> None:
                 f.write(json.dumps(asdict(a), ensure_ascii=False) + "\n")
 
 
-def evaluate_task(loaded, rows: list[formats.Messages], template: str, max_new_tokens: int, answers_path: Path,
+def evaluate_task(placed: inference.Placed, rows: list[formats.Messages], template: str, max_new_tokens: int, answers_path: Path,
                   seed: int = 0) -> dict[str, float | None]:
-    answers, seconds = generate_answers(loaded, rows, template, max_new_tokens, seed=seed)
+    answers, seconds = generate_answers(placed, rows, template, max_new_tokens, seed=seed)
     scores = score(answers, seconds)
     write_answers(answers_path, answers, scores)
     return scores

@@ -210,3 +210,12 @@ def make(hw_plan, world, parallel: Decision, measured: Measured, effective: int,
     return RunPlan(hw_plan.device, hw_plan.precision, hw_plan.threads, world.size, str(parallel.value),
                    measured.attention, measured.micro_batch_size, accum, effective, steps, measured.compiled,
                    measured.tokens_per_s, tuple(Decision(*r) for r in rows))
+
+
+def logging_row(asked: int | None, device_type: str) -> Decision:
+    if asked:
+        return Decision("logging_steps", asked, "asked for")
+    if device_type in ("cuda", "mps"):
+        return Decision("logging_steps", 10, "every 10 steps: reading a loss makes the host wait for the GPU, so the "
+                                             "loop keeps them on the device in between")
+    return Decision("logging_steps", 1, "every step: on a CPU, reading the loss costs nothing")

@@ -39,6 +39,11 @@ class PairExamples:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def answered(self, k: int) -> formats.Messages:
+        """Pair k as a prompt/response row: its prompt and the chosen reply (what --eval-generate scores
+        an answer against)."""
+        return self.prompts[k] + [{"role": "assistant", "content": self.chosen[k]}]
+
     def describe(self) -> str:
         kept = f"{len(self)} preference pair(s) from {self.source}"
         if not self.skipped:
@@ -145,6 +150,10 @@ class PairData:
 
     def __len__(self) -> int:
         return len(self.tokenized) // 2
+
+    def source(self, pair: int) -> int:
+        """The index in the PairExamples of tokenized pair `pair` (pairs that did not fit are dropped)."""
+        return int(self.tokenized.rows[2 * pair])
 
     def lengths(self) -> np.ndarray:
         """(pairs,) the longer row of each pair: what its micro-batch pads to."""

@@ -9,14 +9,12 @@ import json
 import re
 from pathlib import Path
 
-import torch
-
 from tunebench import hardware, inference, models, quality, runner
 from tunebench.config import DataConfig, read_yaml
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
-from tunebench.loop import DTYPES, CausalLMLoss, evaluate
+from tunebench.loop import CausalLMLoss, evaluate
 
 
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
@@ -32,25 +30,20 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     examples = formats.load_examples(data)  # bad data is refused before the model loads
     plan = hardware.plan(device, precision, hardware.detect(), "off")
     runner.apply_plan(plan)
-    loaded = inference.load_for_inference(model, adapter, None, allow_download)
-    tokenized = load_tokenized(data, loaded.tokenizer, models.cache_dir(), examples)
+    placed = inference.load(model, adapter, None, allow_download, plan=plan)  # the loss and the answers alike
+    tokenized = load_tokenized(data, placed.tokenizer, models.cache_dir(), examples)
     idx, _ = split(len(tokenized), 0.0, seed, data.max_samples)
     if len(idx) == 0:
         raise TunebenchError(f"dataset '{data.path}' has no rows to evaluate")
-    batches = batching.eval_batches(tokenized, idx, batch_size, loaded.tokenizer.pad_token_id)
-    on = torch.device(plan.device)
-    loaded.model.to(on)
-    autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
-    result = evaluate(CausalLMLoss(loaded.model, autocast), batches, on)
-    out = {"model": loaded.source, "rows": len(idx), "device": plan.device, "precision": plan.precision, **result}
+    batches = batching.eval_batches(tokenized, idx, batch_size, placed.tokenizer.pad_token_id)
+    result = evaluate(CausalLMLoss(placed.model, placed.autocast_dtype), batches, placed.device)
+    out = {"model": placed.source, "rows": len(idx), "device": plan.device, "precision": plan.precision, **result}
     if generate:
         from tunebench.jobs.generate import trained_template
 
         rows, where = held_out(examples, tokenized, data, split_of or adapter or model)
-        if plan.precision != "fp32":
-            loaded.model.to(DTYPES[plan.precision])
         template = template or trained_template(adapter, split_of, model)
-        scores = quality.evaluate_task(loaded, rows[:generate], template, max_new_tokens,
+        scores = quality.evaluate_task(placed, rows[:generate], template, max_new_tokens,
                                        answers or Path("answers.jsonl"), seed)
         out.update(generated=min(generate, len(rows)), generated_from=where, **scores)
     return out
@@ -116,11 +109,9 @@ def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None
         raise TunebenchError(f"--lm-eval-limit must be 1 or more, got {limit}")
     if include and not Path(include).is_dir():
         raise TunebenchError(f"--lm-eval-include '{include}' is not a directory of task YAMLs")
-    on, prec, _ = inference.placement(device, precision)
-    loaded = inference.load_for_inference(model, adapter, None, allow_download)
+    placed = inference.load(model, adapter, None, allow_download, device, precision)
     if adapter:
-        loaded.model = loaded.model.merge_and_unload()
-    inference.place(loaded, on, prec)
+        placed.model = placed.model.merge_and_unload()
 
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -135,17 +126,19 @@ def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None
         if unknown:
             raise TunebenchError(f"lm-eval knows no task {', '.join(unknown)}; tunebench's local ones: "
                                  f"{', '.join(sorted(local))}; or pass --lm-eval-include DIR with your task YAMLs")
-        lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size, device=on)
-        result = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, log_samples=True)
+        with placed.running():  # lm-eval calls the model in this thread: under the run's autocast
+            lm = HFLM(pretrained=placed.model, tokenizer=placed.tokenizer, batch_size=batch_size,
+                      device=str(placed.device))
+            result = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, log_samples=True)
     scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.startswith("alias")}
               for task, metrics in result["results"].items()}
     if output is not None:  # the scores, and every sample's target and answer, for a person to read
         from tunebench.durable import atomic_file
         from tunebench.jsonfile import write_json
 
-        write_json(output / "lm_eval.json", {"model": loaded.source, "results": scores})
+        write_json(output / "lm_eval.json", {"model": placed.source, "results": scores})
         with atomic_file(output / "lm_eval_samples.jsonl") as tmp:
             tmp.write_text("".join(json.dumps({"task": task, "target": s.get("target"), "response": s.get("resps"),
                                                "filtered": s.get("filtered_resps")}, default=str) + "\n"
                                    for task, samples in result.get("samples", {}).items() for s in samples))
-    return {"model": loaded.source, "lm_eval": scores}
+    return {"model": placed.source, "lm_eval": scores}

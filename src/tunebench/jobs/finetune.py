@@ -194,7 +194,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         parallel, *method_rows, *[d for d in measured.decisions if d.setting != "compile"],
         Decision("batch layout", batch_layout, layout_reason), *[d for d in measured.decisions if d.setting == "compile"],
         optim.optimizer_row(device, t.weight_decay), runplan.batch_row(effective, micro, accum, world.size),
-        Decision("lr", f"{lr:g}", lr_reason), logging_row(t.logging_steps, device),
+        Decision("lr", f"{lr:g}", lr_reason), runplan.logging_row(t.logging_steps, device.type),
         Decision("total_steps", steps, "--max-steps" if t.max_steps else
                  f"--max-tokens {t.max_tokens:,} at {tokens_per_row:.1f} real tokens a row" if t.max_tokens
                  else f"{t.epochs:g} epoch(s) of {len(train_idx)} {unit}, {effective} a step")])
@@ -275,9 +275,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary.update({"objective": t.objective, **({"beta": t.beta} if t.objective == "dpo" else
                                                      {"orpo_lambda": t.orpo_lambda}),
                         "pairs_skipped": pair_examples.skipped, "pairs_dropped": data.dropped})
-    if t.eval_generate:
-        groups = [(p.name, [messages[data.rows[i]] for i in e[:t.eval_generate]]) for p, e in zip(parts, eval_parts)]
-        summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, out))
+    if t.eval_generate:  # preference runs answer their held-out pairs' prompts, scored against the chosen reply
+        groups = [("pairs", [pair_examples.answered(data.source(i)) for i in eval_idx[:t.eval_generate]])] if prefer \
+            else [(p.name, [messages[data.rows[i]] for i in e[:t.eval_generate]]) for p, e in zip(parts, eval_parts)]
+        summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, out, device, autocast))
     write_json(out / "summary.json", summary)
     summary_.report(summary, out)
     return summary
@@ -300,15 +301,6 @@ def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.Prefere
                 + dropout))
 
 
-def logging_row(asked: int | None, device: torch.device) -> Decision:
-    if asked:
-        return Decision("logging_steps", asked, "asked for")
-    if device.type == "cuda":
-        return Decision("logging_steps", 10, "every 10 steps: reading a loss makes the host wait for the GPU, so the "
-                                             "loop keeps them on the device in between")
-    return Decision("logging_steps", 1, "every step: on a CPU, reading the loss costs nothing")
-
-
 def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
     """One dataset's eval as it is; several: the overall loss over all their held-out tokens, and each
     dataset's own as eval_loss/<name>."""
@@ -320,18 +312,18 @@ def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
             **{f"eval_loss/{name}": r["eval_loss"] for name, r in results}}
 
 
-@torch.no_grad()
-def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out: Path) -> dict[str, Any]:
+def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out: Path, device: torch.device,
+                autocast: torch.dtype | None) -> dict[str, Any]:
     """The trained model's answers to each dataset's held-out rows, scored (ROUGE-L, chrF, exact match, EOS
     rate) in the run's own prompt format: overall, and per dataset (rougeL/<name>, ...) when there are
-    several. The answers go to eval_answers.jsonl."""
+    several. The answers go to eval_answers.jsonl. The model generates as it trained (inference.Placed): its
+    weights as they are, under the run's autocast."""
     from tunebench import quality
 
     compiler.uncompile_blocks(model)
-    model.eval()
     model.config.use_cache = True
     rows = [r for _, group in groups for r in group]
-    answers, seconds = quality.generate_answers(models.Loaded(model, tok, "", None), rows, cfg.data.template,
+    answers, seconds = quality.generate_answers(inference.Placed(model, tok, device, autocast), rows, cfg.data.template,
                                                 cfg.train.eval_max_new_tokens, seed=cfg.train.seed)
     scores = quality.score(answers, seconds)
     if len(groups) > 1:

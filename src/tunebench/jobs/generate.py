@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tunebench import inference, models
+from tunebench import inference
 from tunebench.config import read_yaml
 from tunebench.data.tokenize import render_prompt
 from tunebench.errors import TunebenchError
@@ -27,17 +27,15 @@ def trained_template(*run_dirs: str | None) -> str:
     return "auto"
 
 
-@torch.no_grad()
-def complete(loaded: models.Loaded, messages: list[dict[str, str]], max_new_tokens: int = 128,
+def complete(placed: inference.Placed, messages: list[dict[str, str]], max_new_tokens: int = 128,
              temperature: float = 0.0, raw: bool = False, seed: int = 0, template: str = "auto") -> str:
-    tok, model = loaded.tokenizer, loaded.model
-    text = messages[-1]["content"] if raw else render_prompt(messages, tok, template)
-    enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    limit = inference.position_limit(model)
+    tok = placed.tokenizer
+    enc = placed.encode(messages[-1]["content"] if raw else render_prompt(messages, tok, template))
+    limit = inference.position_limit(placed.model)
     if limit is not None:  # learned positions end there
         max_new_tokens = max(0, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
     torch.manual_seed(seed)
-    out = model.generate(
+    out = placed.generate(
         **enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -50,21 +48,17 @@ def generate(model: str | None, adapter: str | None, prompt: str, max_new_tokens
              device: str = "auto", precision: str = "auto") -> str:
     """One completion. The prompt format is `template`, else the one the run (adapter or model dir) trained with.
     The model runs on the device and in the precision training would pick (or those asked)."""
-    on, prec, _ = inference.placement(device, precision)  # an impossible request is refused before loading
-    loaded = inference.load_for_inference(model, adapter, tokenizer, allow_download)
-    inference.place(loaded, on, prec)
-    return complete(loaded, [{"role": "user", "content": prompt}], max_new_tokens, temperature, raw,
+    placed = inference.load(model, adapter, tokenizer, allow_download, device, precision)
+    return complete(placed, [{"role": "user", "content": prompt}], max_new_tokens, temperature, raw,
                     template=template or trained_template(adapter, model))
 
 
 def chat(model: str | None, adapter: str | None, max_new_tokens: int, temperature: float,
          tokenizer: str | None = None, allow_download: bool = False, template: str | None = None,
          device: str = "auto", precision: str = "auto") -> None:
-    on, prec, _ = inference.placement(device, precision)
-    loaded = inference.load_for_inference(model, adapter, tokenizer, allow_download)
-    on = inference.place(loaded, on, prec)
+    placed = inference.load(model, adapter, tokenizer, allow_download, device, precision)
     template = template or trained_template(adapter, model)
-    print(f"chatting with {loaded.source} on {on}; an empty line or Ctrl-D ends, /reset clears the history")
+    print(f"chatting with {placed.source} on {placed.device}; an empty line or Ctrl-D ends, /reset clears the history")
     history: list[dict[str, str]] = []
     while True:
         try:
@@ -78,6 +72,6 @@ def chat(model: str | None, adapter: str | None, max_new_tokens: int, temperatur
             history = []
             continue
         history.append({"role": "user", "content": line})
-        reply = complete(loaded, history, max_new_tokens, temperature, template=template)
+        reply = complete(placed, history, max_new_tokens, temperature, template=template)
         history.append({"role": "assistant", "content": reply})
         print(f"bot> {reply}")

@@ -86,13 +86,13 @@ def before_and_after(adapters: list[str], combined: Path, eval_data: list[str], 
     from tunebench.jobs.generate import trained_template
 
     template = trained_template(str(combined))
-    together = inference.load_for_inference(None, str(combined))  # once, for every task
+    together = inference.load(None, str(combined))  # once, for every task
     lines = ["task (data)                 metric       its adapter   combined"]
     for adapter, path in zip(adapters, eval_data):
         examples = formats.load_examples(load_config(options={"data.path": path}).data).messages[:rows]
         scores = []
-        for loaded in (inference.load_for_inference(None, adapter), together):
-            answers, seconds = quality.generate_answers(loaded, examples, template, max_new_tokens)
+        for placed in (inference.load(None, adapter), together):
+            answers, seconds = quality.generate_answers(placed, examples, template, max_new_tokens)
             scores.append(quality.score(answers, seconds))
         metric = "exact_match" if scores[0]["exact_match"] is not None else "rougeL"
         lines.append(f"{Path(path).name[:27]:<28}{metric:<13}{scores[0][metric]:>11.1f}{scores[1][metric]:>11.1f}")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import arch, distributed, hardware, models, optim, rundir, runner, runplan, tune
+from tunebench import arch, distributed, hardware, inference, models, optim, rundir, runner, runplan, tune
 from tunebench import summary as summary_
 from tunebench.data import batching, blocks, text
 from tunebench.errors import TunebenchError
@@ -165,7 +165,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         if not world.main or plan.parallel == "fsdp":
             return {}
         with compiler.eagerly(plan.compile):
-            generated = generate_sample(model, tok, prompt, t.sample_tokens, t.seed, device)
+            generated = generate_sample(model, tok, prompt, t.sample_tokens, t.seed, device, autocast)
         print(f"\nsample at step {step_}: {generated!r}")
         return {"sample": generated}
 
@@ -230,19 +230,16 @@ def sample_prompt(prompt: str | None, tok, source: blocks.Blocks) -> list[int]:
     return source.collate([0])["input_ids"][0, :8].tolist()
 
 
-@torch.no_grad()
-def generate_sample(model, tok, prompt: list[int], max_new_tokens: int, seed: int, device: torch.device) -> str:
-    """A sampled continuation of the fixed prompt, with its own seed: the run's RNG is left as it was."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            ids = torch.tensor([prompt], device=device)
-            room = model.config.max_position_embeddings - len(prompt)  # learned positions end there
-            outputs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(max_new_tokens, room),
-                                     do_sample=True, temperature=0.8, top_k=50, use_cache=True,
-                                     pad_token_id=tok.pad_token_id)
-    finally:
-        model.train(was_training)
+def generate_sample(model, tok, prompt: list[int], max_new_tokens: int, seed: int, device: torch.device,
+                    autocast: torch.dtype | None) -> str:
+    """A sampled continuation of the fixed prompt, with its own seed, generated as the model trains (under the
+    run's autocast); the run's RNG and training mode are left as they were."""
+    placed = inference.Placed(model, tok, device, autocast)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        ids = torch.tensor([prompt], device=device)
+        room = model.config.max_position_embeddings - len(prompt)  # learned positions end there
+        outputs = placed.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=min(max_new_tokens, room), do_sample=True, temperature=0.8,
+                                  top_k=50, use_cache=True, pad_token_id=tok.pad_token_id)
     return tok.decode(outputs[0].tolist(), skip_special_tokens=True)

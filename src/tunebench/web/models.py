@@ -55,10 +55,10 @@ class Registry:
         self.choices = {e.label: e for e in choices}
         self.allow_download = allow_download
         self.device, self.precision, self.placement = inference.placement(device, precision)
-        self._loaded: dict[str, tuple[models.Loaded, str]] = {}
+        self._loaded: dict[str, tuple[inference.Placed, str]] = {}
         # Adapters of one base and one PEFT type share one loaded base, as PEFT's named adapters: the
         # base's memory once, whatever the number of runs served; `activate` picks one before generating.
-        self._shared: dict[tuple[str, str], models.Loaded] = {}
+        self._shared: dict[tuple[str, str], inference.Placed] = {}
         self._adapter_name: dict[str, str] = {}
         self._load_lock = threading.Lock()
         self.generate_lock = threading.Lock()
@@ -67,8 +67,8 @@ class Registry:
     def labels(self) -> list[str]:
         return list(self.choices)
 
-    def get(self, label: str) -> tuple[models.Loaded, str]:
-        """(the loaded model, its prompt template)."""
+    def get(self, label: str) -> tuple[inference.Placed, str]:
+        """(the model, placed as it trained, and its prompt template)."""
         from tunebench.jobs.generate import trained_template
 
         if label not in self.choices:
@@ -80,15 +80,15 @@ class Registry:
                 if group in self._shared:  # its base is loaded: add the adapter to it, by name
                     shared = self._shared[group]
                     name = f"run_{len(self._adapter_name)}"
-                    shared.model.load_adapter(e.adapter, adapter_name=name)
-                    shared.model.eval()  # a newly loaded adapter's modules start in training mode
-                    inference.place(shared, self.device, self.precision)
-                    loaded = models.Loaded(shared.model, models.load_tokenizer(e.adapter)
-                                           if (Path(e.adapter) / "tokenizer_config.json").is_file() else shared.tokenizer,
-                                           f"{shared.source.split(' + adapter ')[0]} + adapter {e.adapter}", None)
+                    shared.model.load_adapter(e.adapter, adapter_name=name)  # its weights in fp32, as trained
+                    tokenizer = models.load_tokenizer(e.adapter) if (Path(e.adapter) / "tokenizer_config.json"
+                                                                      ).is_file() else shared.tokenizer
+                    loaded = inference.place(models.Loaded(
+                        shared.model, tokenizer, f"{shared.source.split(' + adapter ')[0]} + adapter {e.adapter}",
+                        None), self.device, self.precision)
                 else:
-                    loaded = inference.load_for_inference(e.model, e.adapter, None, self.allow_download)
-                    inference.place(loaded, self.device, self.precision)
+                    loaded = inference.load(e.model, e.adapter, None, self.allow_download, self.device,
+                                            self.precision)
                     name = "default"
                     if group is not None:
                         self._shared[group] = loaded
@@ -171,11 +171,11 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
 
     check_request(messages)
     max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
-    loaded, template = registry.get(label)
-    tok, model = loaded.tokenizer, loaded.model
-    enc = tok(render_prompt(messages, tok, template), return_tensors="pt", add_special_tokens=False).to(model.device)
+    placed, template = registry.get(label)
+    tok = placed.tokenizer
+    enc = placed.encode(render_prompt(messages, tok, template))
     n_prompt = enc["input_ids"].shape[1]
-    limit = inference.context_limit(model)
+    limit = inference.context_limit(placed.model)
     if limit is not None:
         if n_prompt >= limit:
             raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
@@ -188,13 +188,12 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
 
     def run() -> None:
         try:
-            with torch.no_grad():
-                torch.manual_seed(seed)
-                result["ids"] = model.generate(
-                    **enc, max_new_tokens=max_new_tokens, do_sample=sampling,
-                    temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
-                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer,
-                    stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
+            torch.manual_seed(seed)
+            result["ids"] = placed.generate(  # in this thread: autocast is per thread
+                **enc, max_new_tokens=max_new_tokens, do_sample=sampling,
+                temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             result["error"] = e
             streamer.end()
