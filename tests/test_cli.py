@@ -107,7 +107,6 @@ def _bad_inputs(tmp_path, dataset):
         (["--data", d, "--batch-size", "0"], "must be a positive number"),
         (["--data", d, "--batch-size", "-2"], "must be a positive number"),
         (["--data", d, "train.lerning_rate=1"], "did you mean 'train.lr'"),
-        (["--data", d, "--precision", "fp16"], "fp16 is for GPUs"),
         (["--data", d, "--device", "cuda"], "no CUDA GPU"),
         (["--data", d, "--liger", "on"], "--liger on cannot be honoured: Liger's kernels are Triton kernels for CUDA"),
         (["--data", d, "--attention", "flash_attention_2", "--batch-size", "1"], "--attention flash_attention_2 cannot run here"),

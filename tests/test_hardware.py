@@ -2,6 +2,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -55,9 +56,23 @@ def test_decision_table(hw, device, precision, reason):
     assert all(d.reason for d in plan.decisions)
 
 
+@pytest.mark.parametrize("hw, precision, reason", [
+    (machine("avx2"), "bf16", "asked for (emulated: this CPU has no AVX512-BF16 or AMX-BF16, so it runs slower than fp32)"),
+    (machine(SPR_FLAGS), "bf16", "asked for (native on this CPU)"),
+    (machine("avx2 avx512f avx512_bf16"), "bf16", "asked for (native on this CPU)"),
+    (machine(SPR_FLAGS), "fp16", "asked for (emulated: this CPU has no AMX-FP16, so it runs slower than fp32; fp16 with "
+                                 "a GradScaler)"),
+    (machine(SPR_FLAGS + " amx_fp16"), "fp16", "asked for (native on this CPU; fp16 with a GradScaler)"),
+    (machine(SPR_FLAGS), "fp32", "asked for"),
+])
+def test_a_forced_precision_runs_on_any_cpu_and_says_how(hw, precision, reason):
+    """A CPU computes every dtype (torch emulates what it lacks): what was asked is run, never refused or
+    replaced, and the reason says whether it is native, so the bf16 and fp16 paths run on every machine."""
+    plan = hardware.plan("cpu", precision, hw)
+    assert plan.precision == precision and plan.decision("precision").reason == reason
+
+
 @pytest.mark.parametrize("hw, device, precision, message", [
-    (machine(), "cpu", "fp16", "fp16 is for GPUs"),
-    (machine("avx2"), "cpu", "bf16", "no AVX512-BF16 or AMX"),
     (machine(gpus=[T4]), "cuda", "bf16", "needs an Ampere"),
     (machine(), "cuda", "auto", "no CUDA GPU"),
     (machine(), "mps", "auto", "MPS is not available"),
@@ -505,3 +520,32 @@ print(first, peak_memory_mb(cpu), process_peak_mb())
     first, second, process_peak = map(float, out.split())
     assert second < first - 300  # the 400 MB step is not in the second window
     assert process_peak >= first  # while the whole process's peak keeps it
+
+
+GOLDEN_MACHINES = os.path.join(os.path.dirname(__file__), "golden")
+
+
+@pytest.mark.parametrize("name", ["avx2", "avx512-bf16", "amx", "h100", "gpu-24gb", "gpu-8gb", "apple-mps"])
+def test_each_machine_class_plans_its_golden_settings_table(name, capsys):
+    """Each class's decisions, planned from its recorded machine (tests/golden/machines/), equal the table
+    recorded beside it: a change to a decision shows on every class, not only on the machine running this.
+    A change that is meant is re-recorded in the same commit (tests/golden/make_machine_tables.py)."""
+    import sys
+
+    sys.path.insert(0, GOLDEN_MACHINES)
+    try:
+        from make_machine_tables import MACHINES, table
+    finally:
+        sys.path.remove(GOLDEN_MACHINES)
+    record = MACHINES / f"{name}.json"
+    assert table(record) == (MACHINES / f"{name}.txt").read_text(), (
+        f"the settings tunebench picks on {name} changed; if that is meant, run "
+        "python tests/golden/make_machine_tables.py and commit the tables")
+    from tunebench.cli import main
+
+    assert main(["hw", "--machine", str(record)]) == 0  # the same table, as a user asks for it
+    printed = capsys.readouterr().out
+    _, value, reason = next(line for line in (MACHINES / f"{name}.txt").read_text().splitlines()
+                            if line.startswith("precision |")).split(" | ")
+    assert re.search(rf"\n  precision +{value} +{re.escape(reason)}\n", printed), printed
+    assert "allocator" not in printed

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from tunebench import startup
 from tunebench.errors import TunebenchError
 
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16", "amx_int8", "amx_tile")
 
 # Dense peak TFLOP/s (no sparsity; FP32 accumulate for fp16/bf16 tensor math), from the vendors'
 # datasheets and architecture whitepapers. Matched against the CUDA device name, first hit wins,
@@ -96,6 +96,21 @@ class Hardware:
         d["cpu_flags"] = sorted(self.cpu_flags & set(CPU_FEATURES))
         d["gpus"] = [dict(asdict(g), bf16=g.bf16, tf32=g.tf32) for g in self.gpus]
         return d
+
+
+def from_record(record: dict) -> Hardware:
+    """The machine of a record `tunebench hw --json` wrote (its "hardware", or the bare dict): what another
+    machine's decisions are planned from, here."""
+    d = dict(record.get("hardware", record))
+    known = {f.name for f in fields(Hardware)}
+    unknown = set(d) - known
+    if unknown or not {"cpu_model", "physical_cores", "logical_cores", "cpu_flags"} <= set(d):
+        raise TunebenchError(f"not a machine record of `tunebench hw --json` (unknown keys: {', '.join(sorted(unknown)) or 'none'}, "
+                             "needs cpu_model, physical_cores, logical_cores, cpu_flags); write one with tunebench hw --json")
+    d["cpu_flags"] = frozenset(d["cpu_flags"])
+    d["gpus"] = tuple(GPU(g["index"], g["name"], g["memory_mb"], tuple(g["capability"])) for g in d.get("gpus", ()))
+    d["versions"] = dict(d.get("versions") or {})
+    return Hardware(**d)
 
 
 class Decision(NamedTuple):
@@ -269,19 +284,20 @@ def _pick_device(requested: str, hw: Hardware) -> Decision:
 
 def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     gpu = hw.gpus[0] if device == "cuda" and hw.gpus else None
-    if requested == "fp16" and device == "cpu":
-        raise TunebenchError("--precision fp16 is for GPUs; on a CPU use bf16 (if supported) or fp32")
-    if requested == "bf16":
-        if gpu is not None and not gpu.bf16:
-            raise TunebenchError(
-                f"--precision bf16 needs an Ampere or newer GPU; {gpu.name} (sm_{gpu.capability[0]}"
-                f"{gpu.capability[1]}) lacks it: use --precision fp16 or auto"
-            )
-        if device == "cpu" and not hw.cpu_bf16:
-            raise TunebenchError(
-                "--precision bf16 on this CPU has no AVX512-BF16 or AMX-BF16 and would run emulated, "
-                "slower than fp32; use --precision fp32 or auto"
-            )
+    if requested == "bf16" and gpu is not None and not gpu.bf16:
+        raise TunebenchError(
+            f"--precision bf16 needs an Ampere or newer GPU; {gpu.name} (sm_{gpu.capability[0]}"
+            f"{gpu.capability[1]}) lacks it: use --precision fp16 or auto"
+        )
+    if requested != "auto" and device == "cpu" and requested != "fp32":
+        # A CPU computes every dtype; without the units for it, torch emulates it (slower than fp32). It is
+        # run as asked, and said: a machine without native bf16 still runs the path machines with it take.
+        native = (requested == "bf16" and hw.cpu_bf16) or (requested == "fp16" and "amx_fp16" in hw.cpu_flags)
+        how = "native on this CPU" if native else (
+            f"emulated: this CPU has no {'AVX512-BF16 or AMX-BF16' if requested == 'bf16' else 'AMX-FP16'}, "
+            "so it runs slower than fp32")
+        how += "; fp16 with a GradScaler" if requested == "fp16" else ""
+        return Decision("precision", requested, f"asked for ({how})")
     if requested != "auto":
         return Decision("precision", requested, "asked for")
     if gpu is not None:
@@ -435,7 +451,7 @@ def fma_limit_tflops(dtype: str, hw: Hardware, threads: int) -> tuple[float | No
     AVX512-BF16 dot products) has no such simple figure, so it is measured only."""
     width = next((w for flag, w in FP32_FLOPS_PER_CYCLE if flag in hw.cpu_flags), None)
     if dtype != "fp32" or not width or not hw.cpu_mhz:
-        return None, "no FMA limit: " + ("bf16 is measured only" if dtype != "fp32" else
+        return None, "no FMA limit: " + (f"{dtype} is measured only" if dtype != "fp32" else
                                          "unknown clock" if width else "unknown vector width")
     isa = "AVX-512" if width == 64 else "AVX2"
     return (threads * hw.cpu_mhz * 1e6 * width / 1e12,
@@ -463,7 +479,7 @@ def peak_tflops(device: str, precision: str, hw: Hardware, threads: int, cache_f
         peak = gpu_peak_tflops(gpu.name, dtype)
         return peak, f"{gpu.name} {dtype} datasheet peak" if peak else f"{gpu.name} is not in the peak table"
     if device == "cpu":
-        dtype = "bf16" if precision == "bf16" else "fp32"
+        dtype = precision  # measured in the dtype the run's matmuls use, emulated or not
         measured = cpu_peak_tflops(dtype, hw, threads, cache_file)
         limit, how = fma_limit_tflops(dtype, hw, threads)
         if limit and limit >= measured:
