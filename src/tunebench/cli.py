@@ -241,7 +241,7 @@ def run_job(args: argparse.Namespace) -> int:
     elif args.job == "hw":
         from tunebench.jobs import hw
 
-        hw.run(as_json=args.json, text=args.text)
+        hw.run(as_json=args.json, text=args.text, machine_record=args.machine)
     return 0
 
 

@@ -379,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--text", nargs="?", const="system_info.txt", default=None, metavar="FILE",
                    help="write the study's system_info.txt (date, CPU, GPU, CUDA, versions; default that name)")
+    p.add_argument("--machine", default=None, metavar="RECORD",
+                   help="the settings tunebench would pick on another machine, from the record `tunebench hw --json` "
+                        "wrote there")
     _add_debug(p)
     return parser
 

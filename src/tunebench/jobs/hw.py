@@ -14,7 +14,8 @@ from tunebench.models import cache_dir
 def profile_for(hw) -> tuple[str, str]:
     """(the shipped profile for this machine, why): by GPU memory class, else the CPU one."""
     if not hw.gpus:
-        return "cpu", "no GPU visible"
+        return "cpu", ("Apple MPS: no MPS profile ships, so the CPU one's starting points" if hw.mps
+                       else "no GPU visible")
     gib = hw.gpus[0].memory_mb / 1024
     name = "gpu-8-12gb" if gib < 16 else "gpu-24gb" if gib < 40 else "gpu-80gb"
     return name, f"{hw.gpus[0].name} has {gib:.0f} GiB"
@@ -48,7 +49,66 @@ def machine():
     return hw, plan, {"hardware": hw.to_dict(), **plan.to_dict(), "peak_tflops": peak, "peak_tflops_source": source}
 
 
-def run(as_json: bool = False, text: str | None = None) -> dict:
+def recommend(hw: hardware.Hardware, env: dict[str, str] | None = None) -> tuple[hardware.Plan, list[Decision], str]:
+    """What tunebench picks on `hw` before any model is measured: the hardware plan, the batch rule on the
+    defaults, the peak MFU is reported against, the logging interval, the profile, and the `tunebench train`
+    command it recommends. `env` (default os.environ) as hardware.plan reads it."""
+    plan = hardware.plan("auto", "auto", hw, env=env)
+    effective = load_config().batch_ask().check(1)
+    sizes = runplan.micro_candidates(effective, 1, effective)
+    profile, why = profile_for(hw)
+    rows = [*plan.decisions,
+            Decision("micro_batch_size", "auto", f"measured on the run's model: {', '.join(map(str, sizes))} "
+                                                 f"(the divisors of the effective batch {effective})"),
+            Decision("effective_batch_size", effective, "--effective-batch-size default; = micro x accumulation "
+                                                        "x ranks"),
+            peak_row(plan, hw), runplan.logging_row(None, plan.device), Decision("profile", profile, why)]
+    return plan, rows, f"tunebench train --profile {profile} --precision {plan.precision} --batch-size auto"
+
+
+def peak_row(plan: hardware.Plan, hw: hardware.Hardware) -> Decision:
+    """The peak MFU is reported against, as far as it follows from the machine: a GPU's datasheet figure; a
+    CPU's is measured on the CPU itself (its FMA limit, where the clock and vector width are known, caps it)."""
+    if plan.device == "cuda":
+        peak, source = hardware.peak_tflops(plan.device, plan.precision, hw, plan.threads, None)
+        return Decision("peak_tflops", peak, source)
+    if plan.device == "cpu":
+        limit, how = hardware.fma_limit_tflops(plan.precision, hw, plan.threads)
+        return Decision("peak_tflops", "measured", f"the best {plan.precision} matmul, measured once on this CPU; "
+                        + (f"FMA limit {limit:.3f} TFLOP/s ({how})" if limit else how))
+    return Decision("peak_tflops", None, f"no peak figure for {plan.device}: MFU is not reported")
+
+
+def load_record(path: str) -> hardware.Hardware:
+    """A machine record (`tunebench hw --json` on that machine), read and checked."""
+    from tunebench.errors import TunebenchError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TunebenchError(f"--machine '{path}' cannot be read as JSON ({getattr(e, 'strerror', None) or e}); "
+                             "give a file `tunebench hw --json` wrote") from None
+    if not isinstance(record, dict):
+        raise TunebenchError(f"--machine '{path}' is not a machine record; give a file `tunebench hw --json` wrote")
+    try:
+        return hardware.from_record(record)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TunebenchError(f"--machine '{path}' is not a machine record ({e}); give a file `tunebench hw --json` "
+                             "wrote") from None
+
+
+def run(as_json: bool = False, text: str | None = None, machine_record: str | None = None) -> dict:
+    if machine_record is not None:  # another machine's decisions, planned here from its record
+        hw = load_record(machine_record)
+        plan, rows, command = recommend(hw, env={})
+        rows = [r for r in rows if r.setting != "allocator"]  # that row is this process's, not the machine's
+        print(f"recorded machine {machine_record}: {hw.cpu_model}, {hw.physical_cores} physical cores"
+              + "".join(f"; GPU {g.index} {g.name}, {g.memory_mb / 1024:.0f} GiB" for g in hw.gpus)
+              + ("; Apple MPS" if hw.mps else ""))
+        summary.print_plan(rows, "tunebench would pick there:")
+        print(f"\nrun it there:\n  {command}")
+        return {"hardware": hw.to_dict(), "decisions": [d._asdict() for d in rows]}
     hw, plan, record = machine()
     peak, source = record["peak_tflops"], record["peak_tflops_source"]
     if as_json:
@@ -73,15 +133,9 @@ def run(as_json: bool = False, text: str | None = None) -> dict:
         print("MPS       available")
     print("versions  " + ", ".join(f"{k} {v}" for k, v in hw.versions.items()))
     print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
-    # The batch as `tunebench train` would plan it on defaults, by the rule every run uses (runplan).
-    effective = load_config().batch_ask().check(1)
-    sizes = runplan.micro_candidates(effective, 1, effective)
-    rows = [*plan.decisions, Decision("micro_batch_size", "auto", f"measured on the run's model: {', '.join(map(str, sizes))} "
-                                      f"(the divisors of the effective batch {effective})"),
-            Decision("effective_batch_size", effective, "--effective-batch-size default; = micro x accumulation "
-                                                        "x ranks")]
-    summary.print_plan(rows, "recommended:")
+    _, rows, command = recommend(hw)
+    summary.print_plan([r for r in rows if r.setting not in ("peak_tflops", "profile")], "recommended:")
     profile, why = profile_for(hw)
     print(f"\nrun it ({why}; the micro batch is measured on the run's own model, within the memory free):\n"
-          f"  tunebench train --profile {profile} --precision {plan.precision} --batch-size auto")
+          f"  {command}")
     return record

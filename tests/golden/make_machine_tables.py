@@ -1,0 +1,34 @@
+"""Each machine class's settings table: what tunebench picks there, planned here from the machine's record.
+
+tests/golden/machines/<class>.json is a record as `tunebench hw --json` writes it (avx512-bf16 was taken on
+the machine this file was first run on; the others are written in the same form from the machines'
+published specifications: core counts, CPU flags, GPU name, memory and compute capability). Beside each,
+<class>.txt is the table `tunebench hw --machine <class>.json` prints, with the command it recommends.
+tests/test_hardware.py plans every record again and compares: a change to any decision shows on every
+class, not only on the developer's machine. When a change is meant, run this and commit the tables with it:
+
+    .venv/bin/python tests/golden/make_machine_tables.py     # rewrites tests/golden/machines/*.txt
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MACHINES = Path(__file__).parent / "machines"
+CLASSES = ("avx2", "avx512-bf16", "amx", "h100", "gpu-24gb", "gpu-8gb", "apple-mps")
+
+
+def table(record: Path) -> str:
+    """The class's settings, one `setting | value | reason` a line, then the recommended command. The
+    allocator row is left out: it says what the planning process does with freed memory, not the machine."""
+    from tunebench.jobs import hw
+
+    _, rows, command = hw.recommend(hw.load_record(str(record)), env={})
+    lines = [f"{r.setting} | {r.value} | {r.reason}" for r in rows if r.setting != "allocator"]
+    return "\n".join(lines + [f"command | {command}"]) + "\n"
+
+
+if __name__ == "__main__":
+    for name in CLASSES:
+        (MACHINES / f"{name}.txt").write_text(table(MACHINES / f"{name}.json"))
+        print(f"wrote {MACHINES / name}.txt")
