@@ -10,7 +10,13 @@ from tunebench.jobs import compare, report
 STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"
 
 
-def _matrix(tmp_path, dataset, extra=""):
+EXPERIMENTS = """experiments:
+  - {name: bs2_ga2, set: {train.micro_batch_size: 2, train.grad_accum_steps: 2}}
+  - {name: gpu_only, devices: [cuda], set: {train.micro_batch_size: 4}}
+"""
+
+
+def _matrix(tmp_path, dataset, extra="", experiments=EXPERIMENTS):
     m = tmp_path / "m.yaml"
     m.write_text(f"""base:
   model.name: tiny
@@ -20,10 +26,7 @@ def _matrix(tmp_path, dataset, extra=""):
   train.effective_batch_size: 4
   train.eval_generate: 2
   train.eval_max_new_tokens: 4
-experiments:
-  - {{name: bs2_ga2, set: {{train.micro_batch_size: 2, train.grad_accum_steps: 2}}}}
-  - {{name: gpu_only, devices: [cuda], set: {{train.micro_batch_size: 4}}}}
-{extra}""")
+{experiments}{extra}""")
     return m
 
 
@@ -59,6 +62,19 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     assert sorted((r["experiment"], r["repeat"], r["status"]) for r in _rows(out))[:3] == [
         ("broken", "1", "error"), ("broken", "1", "error"), ("broken", "2", "error")]
     assert len(_rows(out)) == 5
+
+
+def test_compare_reports_task_metrics_for_each_precision(tmp_path, dataset):
+    """compare's children, one per precision forced (bf16 and fp16 emulated where the CPU lacks them), each
+    scored on its held-out rows."""
+    out = tmp_path / "results.csv"
+    compare.run(str(_matrix(tmp_path, dataset, experiments="grid:\n  train.precision: [fp32, bf16, fp16]\n")),
+                str(out), str(tmp_path / "runs"), 1, {"train.micro_batch_size": 2})
+    rows = {r["precision"]: r for r in _rows(out)}
+    assert set(rows) == {"fp32", "bf16", "fp16"}
+    for precision, row in rows.items():
+        assert row["status"] == "ok", (precision, row["message"])
+        assert row["rougeL"] != "" and 0 <= float(row["rougeL"]) <= 100, (precision, row)
 
 
 def test_oom_is_recorded_as_oom():
@@ -97,9 +113,12 @@ def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
 
     # --nproc 2 runs each experiment on 2 ranks (tunebench launch) and records it.
     out = tmp_path / "results.csv"
-    compare.run(str(_matrix(tmp_path, dataset)), str(out), str(tmp_path / "runs"), 1, {}, nproc=[2])
+    # bf16, forced: 16-bit autocast over 2 ranks, with task metrics, on every machine
+    compare.run(str(_matrix(tmp_path, dataset)), str(out), str(tmp_path / "runs"), 1, {"train.precision": "bf16"},
+                nproc=[2])
     (row,) = _rows(out)
     assert row["experiment"] == "bs2_ga2_np2" and row["status"] == "ok", row["message"]
+    assert row["precision"] == "bf16" and row["rougeL"] != "", row
     assert row["processes"] == "2" and row["effective_batch"] == "8"  # --grad-accum 2 as asked, x 2 ranks
 
 

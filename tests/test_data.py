@@ -10,7 +10,7 @@ from tunebench.data.tokenize import DEFAULT_PROMPT, load_tokenized, split, token
 from tunebench.errors import TunebenchError
 from tunebench.models import byte_tokenizer
 
-from conftest import BITEXT, ROWS
+from conftest import ROWS
 
 
 def _write(tmp_path, kind):
@@ -186,11 +186,10 @@ def test_builtin_sample_is_what_the_generator_writes():
     assert set(rows[0]) == {"instruction", "response", "intent", "category"}
 
 
-@pytest.mark.skipif(not BITEXT.exists(), reason="../shared/data (Bitext sample) is not present")
-def test_bitext_csv_reads_as_instruction_data():
-    rows = readers.read_records(str(BITEXT))
+def test_bitext_csv_reads_as_instruction_data(bitext):
+    rows = readers.read_records(str(bitext))
     assert len(rows) == 4514
-    fmt, msgs = formats.records_to_messages(rows[:5], DataConfig(), str(BITEXT))
+    fmt, msgs = formats.records_to_messages(rows[:5], DataConfig(), str(bitext))
     assert fmt == "instruction" and msgs[0][1]["role"] == "assistant"
 
 

