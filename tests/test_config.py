@@ -51,6 +51,28 @@ def test_batch_settings_that_cannot_agree_are_refused():
         load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.effective_batch_size": 16})
 
 
+def test_three_batch_flags_run_as_given_when_they_agree_at_the_world_size_and_are_refused_when_not(monkeypatch):
+    """Whether --effective-batch-size was given is what the config holds, never inferred from its value: 8 is
+    the default and still a request. And the three are checked at the world the run trains in."""
+    from tunebench import pretrain_config
+
+    with pytest.raises(TunebenchError, match=r"--batch-size 2 x --grad-accum 2 != --effective-batch-size 8"):
+        load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.effective_batch_size": 8})
+    assert load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2}).effective_batch_size == 4
+    assert load_config().effective_batch_size == 8 and load_config().train.effective_batch_size is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a rank under `tunebench launch --nproc-per-node 2`
+    cfg = load_config(options={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.effective_batch_size": 2})
+    assert cfg.batch_ask().check(2) == 2  # 1 x 1 x 2 ranks
+    with pytest.raises(TunebenchError, match=r"x 2 ranks != --effective-batch-size 4"):
+        load_config(options={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.effective_batch_size": 4})
+    monkeypatch.delenv("WORLD_SIZE")
+    keys = {"data.train_file": "x.txt", "training.batch_size": 2, "training.gradient_accumulation_steps": 2}
+    with pytest.raises(TunebenchError, match="set only two"):  # pretraining's keys, by the same rule
+        pretrain_config.load(options={**keys, "training.effective_batch_size": 8})
+    assert pretrain_config.load(options={**keys, "training.effective_batch_size": 4}).effective_batch_size == 4
+    assert pretrain_config.load(options=keys).effective_batch_size == 4
+
+
 def test_quantization_implies_qlora_and_full_refuses_it():
     assert load_config(options={"adapter.quantization": "4bit"}).adapter.method == "qlora"
     with pytest.raises(TunebenchError, match="frozen base"):

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from tunebench.errors import TunebenchError
-from tunebench.runplan import BatchAsk
+from tunebench.runplan import BatchAsk, launched_world_size
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
@@ -69,6 +69,9 @@ class AdapterConfig:
     prompt_init_text: str | None = None  # prompt: start the virtual tokens from this text's embeddings
 
 
+DEFAULT_EFFECTIVE_BATCH = 8  # rows per optimizer step when no batch flag says otherwise (the study's 8)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     output_dir: str = "runs/latest"
@@ -78,7 +81,9 @@ class TrainConfig:
     micro_batch_size: int = 4
     autotune_batch: bool = True  # measure candidate micro batches, keep the fastest (off once a size is given)
     grad_accum_steps: int | None = None  # derived from effective_batch_size when unset
-    effective_batch_size: int = 8
+    # None: not given, so 8 (DEFAULT_EFFECTIVE_BATCH), or micro x accumulation x ranks when both of those are
+    # given. A value is a request even when it is 8: whether it was given is what it holds, never its value.
+    effective_batch_size: int | None = None
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.03
@@ -130,8 +135,10 @@ class RunConfig:
         batch is taken as asked (effective = micro x accumulation x world size, HF Trainer's reading of
         per-device batch and accumulation); otherwise --effective-batch-size is kept at any world size."""
         t = self.train
-        return BatchAsk(t.effective_batch_size if t.grad_accum_steps is None else None,
-                        None if t.autotune_batch else t.micro_batch_size, t.grad_accum_steps)
+        effective = t.effective_batch_size
+        if effective is None and t.grad_accum_steps is None:
+            effective = DEFAULT_EFFECTIVE_BATCH
+        return BatchAsk(effective, None if t.autotune_batch else t.micro_batch_size, t.grad_accum_steps)
 
     @property
     def effective_batch_size(self) -> int:
@@ -474,8 +481,7 @@ def validate(cfg: RunConfig) -> None:
     positive = {
         "data.max_length (--max-length)": d.max_length,
         "train.micro_batch_size (--batch-size)": t.micro_batch_size,
-        "train.effective_batch_size (--effective-batch-size)": t.effective_batch_size,
-        "adapter.r (--lora-r)": a.r,
+            "adapter.r (--lora-r)": a.r,
         "train.save_total_limit": t.save_total_limit,
     }
     if t.logging_steps is not None:
@@ -485,6 +491,8 @@ def validate(cfg: RunConfig) -> None:
     if t.eval_generate < 0:
         raise TunebenchError(f"train.eval_generate (--eval-generate) must be 0 or more, got {t.eval_generate}")
     positive["train.eval_max_new_tokens (--eval-max-new-tokens)"] = t.eval_max_new_tokens
+    if t.effective_batch_size is not None:
+        positive["train.effective_batch_size (--effective-batch-size)"] = t.effective_batch_size
     for opt in ("grad_accum_steps", "max_steps", "max_tokens", "eval_steps", "save_steps", "threads"):
         if getattr(t, opt) is not None:
             positive[f"train.{opt}"] = getattr(t, opt)
@@ -531,10 +539,7 @@ def validate(cfg: RunConfig) -> None:
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
-    cfg.batch_ask().check(1)
-    if t.grad_accum_steps is not None and t.effective_batch_size != TrainConfig.effective_batch_size:
-        # all three given: they must agree here too (at world 1), by the same rule
-        BatchAsk(t.effective_batch_size, cfg.batch_ask().micro, t.grad_accum_steps).check(1)
+    cfg.batch_ask().check(launched_world_size())  # the job checks again once its process group is up
 
 
 def check_threads(threads: int | None, flag: str) -> None:

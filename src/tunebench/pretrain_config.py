@@ -17,9 +17,12 @@ import yaml
 
 from tunebench.config import SCHEDULES, _coerce, check_threads, check_types, nearest_key, parse_override, read_yaml
 from tunebench.errors import TunebenchError
-from tunebench.runplan import BatchAsk
+from tunebench.runplan import BatchAsk, launched_world_size
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")
+
+
+PRETRAIN_BATCH_FLAGS = ("training.effective_batch_size", "training.batch_size", "training.gradient_accumulation_steps")
 
 
 @dataclass
@@ -68,7 +71,7 @@ class TrainingConfig:
     optimizer: str = "adamw"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999  # 0.99 suits small models and batches (nanoGPT's character-level recipe)
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int | None = None  # None: not given (1, or derived from effective_batch_size)
     use_amp: bool | None = None  # true: 16-bit autocast (bf16 where the hardware has it); false: fp32
     fp16: bool = False
     bf16: bool = False
@@ -171,9 +174,13 @@ class PretrainConfig:
         """What the batch keys ask for (runplan holds the rule): the effective batch is
         training.effective_batch_size, else batch_size x gradient_accumulation_steps, at any world size."""
         t = self.training
-        effective = t.effective_batch_size or t.batch_size * t.gradient_accumulation_steps
-        return BatchAsk(effective, None if t.autotune_batch else t.batch_size, None,
-                        ("training.effective_batch_size", "training.batch_size", "training.gradient_accumulation_steps"))
+        if t.effective_batch_size is None:  # batch_size x accumulation, however many ranks split it
+            return BatchAsk(t.batch_size * (t.gradient_accumulation_steps or 1),
+                            None if t.autotune_batch else t.batch_size, None, PRETRAIN_BATCH_FLAGS)
+        # all three given: they must agree (checked at the world size), never one of them dropped
+        return BatchAsk(t.effective_batch_size, None if t.autotune_batch else t.batch_size,
+                        t.gradient_accumulation_steps,
+                        PRETRAIN_BATCH_FLAGS)
 
     @property
     def effective_batch_size(self) -> int:
@@ -271,12 +278,13 @@ def validate(cfg: PretrainConfig) -> None:
     m, t, d = cfg.model, cfg.training, cfg.data
     positive = {"model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
                 "model.n_layers": m.n_layers, "model.d_ff": m.d_ff, "model.max_seq_len": m.max_seq_len,
-                "training.batch_size": t.batch_size, "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
+                "training.batch_size": t.batch_size,
                 "training.logging_steps": t.logging_steps, "training.save_total_limit": t.save_total_limit,
                 "data.max_length": d.max_length, "training.sample_tokens": t.sample_tokens}
     if t.max_steps is not None and t.max_tokens is not None:
         raise TunebenchError("training.max_steps and training.max_tokens both set the run's length; give one of them")
-    for opt in ("max_steps", "max_tokens", "eval_steps", "save_steps", "effective_batch_size", "threads"):
+    for opt in ("max_steps", "max_tokens", "eval_steps", "save_steps", "effective_batch_size", "threads",
+                "gradient_accumulation_steps"):
         if getattr(t, opt) is not None:
             positive[f"training.{opt}"] = getattr(t, opt)
     if d.max_eval_blocks is not None:
@@ -339,7 +347,7 @@ def validate(cfg: PretrainConfig) -> None:
     if t.autotune_batch and t.effective_batch_size is None:
         raise TunebenchError("training.batch_size auto needs training.effective_batch_size (the micro batches "
                              "measured are those that divide it)")
-    cfg.batch_ask().check(1)
+    cfg.batch_ask().check(launched_world_size())
     if not 0 <= t.warmup_ratio <= 1:
         raise TunebenchError(f"training.warmup_ratio must be in [0, 1], got {t.warmup_ratio}")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.dataloader_num_workers < 0:

@@ -9,6 +9,7 @@ only splits each step's rows, never changes them (see data.batching.epoch_steps)
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,12 @@ class BatchAsk:
                                     if world_size == 1 else "an effective batch that they divide, or another "
                                                             "number of processes"))
         return effective
+
+
+def launched_world_size() -> int:
+    """The world size torchrun gave this process (its WORLD_SIZE), 1 outside torchrun: a configuration is
+    checked at load against the world it will train in (1 x 1 x 2 ranks is an effective batch of 2)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def micro_candidates(effective: int, world_size: int, rows: int) -> list[int]:

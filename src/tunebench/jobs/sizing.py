@@ -51,7 +51,7 @@ def size(settings: dict[str, Any], budget_s: float, runs: int, device: str, reco
     from tunebench.config import load_config
 
     cfg = load_config(options=settings)
-    effective = cfg.train.effective_batch_size
+    effective = cfg.effective_batch_size
     rows = int(budget_s / runs / seconds_per_row)
     floor = MIN_STEPS * effective
     train_rows = max(floor, rows // effective * effective)
