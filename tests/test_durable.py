@@ -17,7 +17,8 @@ import torch
 from tunebench import checkpoint, durable
 from tunebench.errors import TunebenchError
 from tunebench.jobs import compare, finetune
-from tunebench.metrics import MetricsWriter, read_jsonl
+from tunebench.jsonfile import read_jsonl
+from tunebench.metrics import MetricsWriter
 
 from conftest import run_losses, tiny_run_config
 

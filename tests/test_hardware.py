@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+from conftest import add_lora
 import torch
 
 from tunebench import hardware, kernels, models, startup, tune
@@ -188,7 +189,7 @@ def test_flops_per_token_match_what_torch_counts(tiny):
 
     full = training_flops_per_token(matmul, matmul, layers, width, T, full=True)
     assert counted(tiny.model) == pytest.approx(full, rel=0.02)
-    peft = models.add_lora(models.resolve("tiny").model, 8, 16, 0.0, ["q_proj", "v_proj"])
+    peft = add_lora(models.resolve("tiny").model, 8, 16, 0.0, ["q_proj", "v_proj"])
     trainable, _ = models.count_parameters(peft)
     assert models.flop_dims(peft)[0] == matmul  # adapters are not counted as base matmuls
     lora = training_flops_per_token(matmul, trainable, layers, width, T, full=False)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from tunebench import checkpoint, inference, models, runner
+from tunebench import checkpoint, inference, runner
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
 from tunebench.config import DataConfig
@@ -13,7 +13,7 @@ from tunebench.jobs import finetune
 from tunebench.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
 from tunebench.models import byte_tokenizer
 
-from conftest import ROWS, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
+from conftest import ROWS, add_lora, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
 
 
 def _data():
@@ -285,7 +285,7 @@ def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
 
     tok, data = _data()
     kernels.register()
-    model = models.add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
     model.base_model.model.set_attn_implementation(attention)
     model.train()
     rows = [0, 1, 2, 3]
@@ -319,7 +319,7 @@ def test_gradient_checkpointing_gives_the_same_losses_and_gradients(tiny):
     from tunebench.tune.probe import enable_checkpointing
 
     tok, data = _data()
-    model = models.add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
     model.train()
     batch, n, _ = prepare(batching.collate(data, [0, 1, 2, 3], tok.pad_token_id), torch.device("cpu"))
 
@@ -356,7 +356,8 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
     """What a run saves is what it trained: reloaded, it gives the run's own final eval loss."""
     from tunebench import models
     from tunebench.data.tokenize import load_tokenized, split
-    from tunebench.loop import DTYPES, CausalLMLoss, evaluate
+    from tunebench.loop import CausalLMLoss, evaluate
+    from tunebench.precision import DTYPES
 
     out = tmp_path / f"{method}-{precision}"
     cfg = _cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,

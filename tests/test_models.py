@@ -1,6 +1,6 @@
 import pytest
 
-from conftest import needs_module
+from conftest import add_lora, needs_module
 import torch
 
 from tunebench import inference, models
@@ -16,7 +16,7 @@ def test_lora_at_init_is_the_base_model(tiny):
     x = _ids()
     with torch.no_grad():
         base = tiny.model(input_ids=x).logits.clone()
-    peft = models.add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"]).eval()
+    peft = add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"]).eval()
     with torch.no_grad():
         assert torch.equal(peft(input_ids=x).logits, base)  # B = 0 at init
 
@@ -25,7 +25,7 @@ def test_merged_equals_unmerged(tiny):
     x = _ids()
     with torch.no_grad():
         base = tiny.model(input_ids=x).logits.clone()
-    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"]).eval()
+    peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"]).eval()
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
@@ -43,7 +43,7 @@ def test_trainable_count_is_exact(tiny):
     v_in, v_out = c.hidden_size, c.num_key_value_heads * head
     r = 8
     expected = c.num_hidden_layers * r * ((q_in + q_out) + (v_in + v_out))
-    peft = models.add_lora(tiny.model, r, 16, 0.1, ["q_proj", "v_proj"])
+    peft = add_lora(tiny.model, r, 16, 0.1, ["q_proj", "v_proj"])
     trainable, total = models.count_parameters(peft)
     assert trainable == expected == 3584
     assert total == sum(p.numel() for p in tiny.model.parameters())
@@ -57,7 +57,7 @@ def test_auto_targets_per_architecture(tiny):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64))
     modules, _ = models.target_modules(gpt2, "auto")
     assert modules == ["c_attn"]
-    peft = models.add_lora(gpt2, 8, 16, 0.1, modules)
+    peft = add_lora(gpt2, 8, 16, 0.1, modules)
     assert models.count_parameters(peft)[0] == 2 * 8 * (64 + 3 * 64)  # Conv1D c_attn: 64 -> 192
 
 
@@ -78,7 +78,7 @@ def test_bf16_frozen_base_matches_fp32_lora(tiny):
     from tunebench.loop import loss_sum, prepare
 
     torch.manual_seed(1)
-    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
+    peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
@@ -109,7 +109,7 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
 
     q = models.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
     q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
-    peft = models.add_lora(q, 8, 16, 0.0, ["q_proj", "v_proj"])
+    peft = add_lora(q, 8, 16, 0.0, ["q_proj", "v_proj"])
     x = _ids()
     batch, n, _ = prepare({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}, torch.device("cpu"))
     peft.eval()
@@ -146,7 +146,7 @@ def test_fast_dropout_keeps_the_rate_and_the_expectation(compiled):
 
 
 def test_lora_dropout_modules_are_replaced(tiny):
-    peft = models.add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"])
+    peft = add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"])
     drops = [m for m in peft.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and all(isinstance(m, models.FastDropout) and m.p == 0.1 for m in drops)
 
@@ -176,7 +176,7 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
     """Regional compilation (a real torch.compile of the decoder layers) changes speed, not results."""
     from tunebench.loop import loss_sum, prepare
 
-    peft = models.add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
+    peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tunebench import pretrain_config, runplan
+from tunebench import batch_rule, pretrain_config, runplan
 from tunebench.cli import main
 from tunebench.config import dump_yaml, load_config
 from tunebench.data import batching
@@ -125,7 +125,7 @@ def test_tune_runs_what_the_space_chose(tmp_path, dataset):
 def test_any_effective_batch_runs_with_the_micro_batch_on_auto(effective, sizes):
     cfg = load_config(options={"train.effective_batch_size": effective})
     assert cfg.effective_batch_size == effective
-    assert set(runplan.micro_candidates(effective, 1, 100)) == sizes
+    assert set(batch_rule.micro_candidates(effective, 1, 100)) == sizes
 
 
 def test_effective_batch_6_trains_end_to_end(tmp_path, dataset):
@@ -139,12 +139,12 @@ def test_effective_batch_6_trains_end_to_end(tmp_path, dataset):
 
 
 @pytest.mark.parametrize("ask, world, message", [
-    (runplan.BatchAsk(6, 4, None), 1, "--effective-batch-size 6 is not a multiple of --batch-size 4"),
-    (runplan.BatchAsk(8, 2, 3), 1, "--batch-size 2 x --grad-accum 3 != --effective-batch-size 8"),
-    (runplan.BatchAsk(None, 2, 3), 1, ""),
-    (runplan.BatchAsk(8, None, 2), 1, "--batch-size auto derives --grad-accum"),
-    (runplan.BatchAsk(6, None, None), 4, "--effective-batch-size 6 is not a multiple of 4 rank(s)"),
-    (runplan.BatchAsk(8, 4, None), 4, "--effective-batch-size 8 is not a multiple of 4 rank(s) x --batch-size 4"),
+    (batch_rule.BatchAsk(6, 4, None), 1, "--effective-batch-size 6 is not a multiple of --batch-size 4"),
+    (batch_rule.BatchAsk(8, 2, 3), 1, "--batch-size 2 x --grad-accum 3 != --effective-batch-size 8"),
+    (batch_rule.BatchAsk(None, 2, 3), 1, ""),
+    (batch_rule.BatchAsk(8, None, 2), 1, "--batch-size auto derives --grad-accum"),
+    (batch_rule.BatchAsk(6, None, None), 4, "--effective-batch-size 6 is not a multiple of 4 rank(s)"),
+    (batch_rule.BatchAsk(8, 4, None), 4, "--effective-batch-size 8 is not a multiple of 4 rank(s) x --batch-size 4"),
 ])
 def test_the_batch_rule_refuses_what_cannot_be_split(ask, world, message):
     if not message:

@@ -144,12 +144,9 @@ def test_dpo_and_orpo_answer_their_held_out_pairs(tmp_path, objective, precision
 def test_qlora_trains_and_answers_in_its_compute_precision(tmp_path, data, precision):
     """QLoRA's 4-bit base computes in the run's precision (bitsandbytes' compute dtype), without autocast;
     its answers at the end are generated the same way. (fp16: bitsandbytes' CPU kernels take fp32 and bf16.)"""
-    from conftest import unavailable
+    from conftest import needs_module
 
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        unavailable("QLoRA needs bitsandbytes (pip install bitsandbytes)")
+    needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
     out = tmp_path / "run"
     summary = finetune.run(tiny_run_config(data, out, **{
         "adapter.method": "qlora", "adapter.quantization": "4bit", "train.precision": precision,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tunebench import __version__
+from tunebench import __version__, quality
 from tunebench.errors import TunebenchError
 
 # (flags, config key, help). The reference study's underscore spellings are aliases.
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="median: stop trials whose eval loss is worse than the median of earlier trials at the same "
                          "point; auto (default): median for --objective eval_loss, none for a task metric")
     tu.add_argument("--objective", default="eval_loss",
-                    choices=["eval_loss", "rougeL", "chrf", "exact_match", "reward_accuracy"],
+                    choices=["eval_loss", *quality.OBJECTIVES, "reward_accuracy"],
                     help="what a trial is judged by: eval_loss (default, minimized), a task metric of its answers "
                          "to held-out rows (maximized; train.eval_generate rows, default 16), or reward_accuracy "
                          "on the held-out pairs of a DPO/ORPO run (maximized)")

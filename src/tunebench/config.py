@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from tunebench.errors import TunebenchError
-from tunebench.runplan import BatchAsk, launched_world_size
+from tunebench.batch_rule import BatchAsk, launched_world_size
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"

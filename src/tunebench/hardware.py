@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, NamedTuple
 
 from tunebench import startup
+from tunebench.decision import Decision
 from tunebench.errors import TunebenchError
 
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
@@ -111,14 +111,6 @@ def from_record(record: dict) -> Hardware:
     d["gpus"] = tuple(GPU(g["index"], g["name"], g["memory_mb"], tuple(g["capability"])) for g in d.get("gpus", ()))
     d["versions"] = dict(d.get("versions") or {})
     return Hardware(**d)
-
-
-class Decision(NamedTuple):
-    """One row of a run's settings table: every decision, measured or planned, is one of these."""
-
-    setting: str
-    value: Any
-    reason: str
 
 
 @dataclass(frozen=True)

@@ -36,3 +36,22 @@ def update_json(path: str | Path, key: str, value: Any) -> None:
     data = read_json(path)
     data[key] = value
     write_json(path, data, indent=1)
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(records, lines skipped): a torn line (a kill or a full disk mid-write) is skipped and counted,
+    never a crash."""
+    records, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad

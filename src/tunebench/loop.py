@@ -21,7 +21,7 @@ from tunebench import distributed
 from tunebench.distributed import World
 from tunebench.errors import TunebenchError
 from tunebench.kernels import cross_entropy_sum, linear_cross_entropy_sum
-from tunebench.precision import DTYPES, autocast  # noqa: F401 - the loop's names for them
+from tunebench.precision import autocast
 
 Batch = dict[str, torch.Tensor]
 

@@ -46,25 +46,6 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """(records, lines skipped): a torn line (a kill or a full disk mid-write) is skipped and counted,
-    never a crash."""
-    records, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            bad += 1
-    return records, bad
-
-
 _earlier_windows_mb = 0.0  # the CPU's peak resident set in windows closed by reset_peak_memory
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tunebench.errors import TunebenchError
+from tunebench.paths import cache_dir  # noqa: F401 - models.cache_dir, the name its callers use
 from tunebench.hardware import Decision
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -32,13 +33,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TUNEBENCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tunebench"
-    )
-    return Path(root)
 
 
 @dataclass
@@ -423,13 +417,6 @@ def add_adapter(model, a, modules: list[str] | str | None, tokenizer=None):
     if a.method == "prompt" and a.prompt_init_text:
         init_prompt_from_text(wrapped, tokenizer, a.prompt_init_text)
     return wrapped
-
-
-def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
-    """LoRA with these settings on `modules`: add_adapter's shorthand."""
-    from tunebench.config import AdapterConfig
-
-    return add_adapter(model, AdapterConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), modules)
 
 
 def init_prompt_from_text(model, tokenizer, text: str) -> None:

@@ -26,7 +26,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from tunebench.loop import Batch, autocast, body_and_head
+from tunebench.loop import Batch, body_and_head
+from tunebench.precision import autocast
 
 OBJECTIVES = ("sft", "dpo", "orpo")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

@@ -17,7 +17,7 @@ import yaml
 
 from tunebench.config import SCHEDULES, _coerce, check_threads, check_types, nearest_key, parse_override, read_yaml
 from tunebench.errors import TunebenchError
-from tunebench.runplan import BatchAsk, launched_world_size
+from tunebench.batch_rule import BatchAsk, launched_world_size
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")
 

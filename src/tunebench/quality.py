@@ -10,17 +10,22 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from tunebench import inference
-from tunebench.data import formats
-from tunebench.data.tokenize import render_prompt
 from tunebench.errors import TunebenchError
 
-# Columns every quality figure travels under: summary.json, the results CSV, the eval table, tune's objective.
-METRICS = ("rougeL", "chrf", "exact_match", "eos_rate", "answer_tokens", "gen_tokens_per_s")
-HIGHER_IS_BETTER = {"rougeL": True, "chrf": True, "exact_match": True, "eos_rate": True, "eval_loss": False}
+if TYPE_CHECKING:  # torch, the model and the data load only when answers are generated: the names below are
+    from tunebench import inference  # read by the command line's parser and the torch-free report
+    from tunebench.data import formats
+
+# The one list of task metrics: every quality figure travels under these names (summary.json, compare's CSV
+# and report, eval's table, train's per-dataset columns, tune's objectives).
+SCORES = ("rougeL", "chrf", "exact_match", "eos_rate")  # the answers judged (higher is better)
+METRICS = SCORES + ("answer_tokens", "gen_tokens_per_s")  # and what describes them
+OBJECTIVES = ("rougeL", "chrf", "exact_match")  # what a search can maximize (a high EOS rate is no goal in itself)
+LABELS = {"rougeL": "ROUGE-L", "chrf": "chrF", "exact_match": "exact match (%)", "eos_rate": "EOS rate (%)",
+          "answer_tokens": "answer tokens", "gen_tokens_per_s": "generated tokens/s"}
+DIGITS = {"rougeL": 1, "chrf": 1, "exact_match": 1, "eos_rate": 0, "answer_tokens": 1, "gen_tokens_per_s": 1}
 GSM8K_ANSWER = re.compile(r"####\s*(.+)")
 NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
@@ -45,6 +50,11 @@ def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, 
 def generate_answers(placed: inference.Placed, rows: list[formats.Messages], template: str, max_new_tokens: int,
                      batch_size: int = 8, seed: int = 0) -> tuple[list[Answer], float]:
     """Greedy answers for `rows` (batched, left-padded), and the seconds generation took."""
+    import torch
+
+    from tunebench import inference
+    from tunebench.data.tokenize import render_prompt
+
     pairs = [p for p in (prompt_and_reference(m) for m in rows) if p is not None]
     if not pairs:
         raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tunebench import quality
 from tunebench.config import load_config, read_yaml, shipped_yaml
 from tunebench.durable import repair_tail
 from tunebench.errors import TunebenchError
@@ -38,7 +39,7 @@ SCHEMA = [
     "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
     "duration_seconds", "measure_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
-    "rougeL", "chrf", "exact_match", "eos_rate",  # task quality (train.eval_generate > 0; tunebench.quality)
+    *quality.SCORES,  # task quality (train.eval_generate > 0)
     "objective", "reward_accuracy",  # sft, or dpo/orpo with the held-out pairs' reward accuracy
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
@@ -238,7 +239,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "samples_per_s": s["samples_per_s"], "it_per_s": s.get("it_per_s"),
         "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
         "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
-        **{k: s.get(k) for k in ("rougeL", "chrf", "exact_match", "eos_rate")},
+        **{k: s.get(k) for k in quality.SCORES},
         "objective": s.get("objective", "sft"), "reward_accuracy": s.get("eval_rewards/accuracies"),
         "trainable_params": s.get("trainable_parameters") or s.get("parameters"),
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),

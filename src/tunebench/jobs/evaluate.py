@@ -66,9 +66,8 @@ def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: s
     return list(examples.messages), f"the rows of {data.path}"
 
 
-COLUMNS = (("rows", "{:d}"), ("eval_loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("rougeL", "{:.1f}"),
-           ("chrf", "{:.1f}"), ("exact_match", "{:.1f}"), ("eos_rate", "{:.0f}%"), ("answer_tokens", "{:.1f}"),
-           ("gen_tokens_per_s", "{:.1f}"))
+COLUMNS = (("rows", "{:d}"), ("eval_loss", "{:.4f}"), ("perplexity", "{:.2f}"),
+           *((k, f"{{:.{quality.DIGITS[k]}f}}" + ("%" if k == "eos_rate" else "")) for k in quality.METRICS))
 
 
 def side_by_side(results: list[tuple[str, dict]]) -> str:

@@ -19,7 +19,8 @@ from tunebench.data import batching, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
-from tunebench.loop import DTYPES, LoopSettings, evaluate
+from tunebench.loop import LoopSettings, evaluate
+from tunebench.precision import DTYPES
 from tunebench.metrics import training_flops_per_token
 from tunebench.tune import compiler, layout
 from tunebench.tune.probe import enable_checkpointing, memory_free_mb, probe_step
@@ -180,7 +181,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     measured = distributed.agree(world, measure)
     measure_s = time.perf_counter() - measure_started  # reported apart from training time
     if not world.main:
-        tune.apply(model, list(measured.decisions))
+        runplan.apply_measured(model, list(measured.decisions))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     prompt_method = cfg.adapter.method in models.PROMPT_METHODS
     packing = "off" if prompt_method or prefer else cfg.data.packing  # a pair's two rows stay side by side
@@ -331,7 +332,7 @@ def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out:
         for name, group in groups:
             part = quality.score(answers[start:start + len(group)], seconds * len(group) / len(rows))
             scores |= {f"{k}/{name}": v for k, v in part.items()
-                       if k in ("rougeL", "chrf", "exact_match", "eos_rate") and v is not None}
+                       if k in quality.SCORES and v is not None}
             start += len(group)
     quality.write_answers(out / "eval_answers.jsonl", answers, scores)
     shown = ", ".join(f"{k} {v}" for k, v in scores.items() if v is not None)

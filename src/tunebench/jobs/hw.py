@@ -6,6 +6,7 @@ import functools
 import json
 
 from tunebench import hardware, runplan, summary
+from tunebench.batch_rule import micro_candidates
 from tunebench.config import load_config
 from tunebench.hardware import Decision
 from tunebench.models import cache_dir
@@ -55,7 +56,7 @@ def recommend(hw: hardware.Hardware, env: dict[str, str] | None = None) -> tuple
     command it recommends. `env` (default os.environ) as hardware.plan reads it."""
     plan = hardware.plan("auto", "auto", hw, env=env)
     effective = load_config().batch_ask().check(1)
-    sizes = runplan.micro_candidates(effective, 1, effective)
+    sizes = micro_candidates(effective, 1, effective)
     profile, why = profile_for(hw)
     rows = [*plan.decisions,
             Decision("micro_batch_size", "auto", f"measured on the run's model: {', '.join(map(str, sizes))} "

@@ -18,7 +18,8 @@ from tunebench.errors import TunebenchError
 from tunebench.hardware import Decision
 from tunebench.jobs import tokenizer as tokenizer_job
 from tunebench.jsonfile import write_json
-from tunebench.loop import DTYPES, LoopSettings, evaluate
+from tunebench.loop import LoopSettings, evaluate
+from tunebench.precision import DTYPES
 from tunebench.metrics import training_flops_per_token
 from tunebench.pretrain_config import PretrainConfig, dump_yaml
 from tunebench.tune import compiler
@@ -116,7 +117,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     measured = distributed.agree(world, measure)
     measure_s = time.perf_counter() - measure_started  # reported apart from training time
     if not world.main:
-        tune.apply(model, list(measured.decisions))
+        runplan.apply_measured(model, list(measured.decisions))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     warmup = t.warmup_steps or int(t.warmup_ratio * steps)
     plan = runplan.make(hw_plan, world, parallel, measured, effective, accum, steps, [

@@ -15,8 +15,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tunebench import quality
 from tunebench.errors import TunebenchError
-from tunebench.metrics import read_jsonl
+from tunebench.jsonfile import read_jsonl
 
 
 @dataclass
@@ -249,8 +250,7 @@ def batch_chart(cells) -> bytes | None:
 
 
 # The quality axis: the first task metric the runs have (higher is better), else eval loss (lower is).
-QUALITY = (("rougeL", "ROUGE-L", True), ("exact_match", "exact match (%)", True), ("chrf", "chrF", True),
-           ("eval_loss", "eval loss (lower is better)", False))
+QUALITY = (*((k, quality.LABELS[k], True) for k in quality.OBJECTIVES), ("eval_loss", "eval loss (lower is better)", False))
 
 
 def quality_points(cells) -> tuple[str, str, bool, list[tuple[str, float, float]]]:
@@ -353,11 +353,11 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
 
 COLUMNS = ["experiment", "device_name", "processes", "config", "method", "batch_size", "grad_accum", "quantization",
            "precision", "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
-           "rougeL", "chrf", "exact_match", "eos_rate", "trainable_params", "status"]
+           *quality.SCORES, "trainable_params", "status"]
 
 
 DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4,
-          "rougeL": 1, "chrf": 1, "exact_match": 1, "eos_rate": 0}
+          **{k: quality.DIGITS[k] for k in quality.SCORES}}
 
 
 def _cell(run: Run, key: str) -> str:

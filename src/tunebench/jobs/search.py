@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from tunebench import quality
 from tunebench.config import read_yaml, shipped_yaml
 from tunebench.durable import atomic_file
 from tunebench.errors import TunebenchError
@@ -35,7 +36,7 @@ SAME_FAILURES = 3  # trials in a row failing with one message: a setting they sh
 EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
 # What a trial is judged by: eval loss (lower is better, judged while it runs), or a task metric of its
 # answers to held-out rows at the end (train.eval_generate; higher is better).
-OBJECTIVES = {"eval_loss": "minimize", "rougeL": "maximize", "chrf": "maximize", "exact_match": "maximize",
+OBJECTIVES = {"eval_loss": "minimize", **dict.fromkeys(quality.OBJECTIVES, "maximize"),
               "reward_accuracy": "maximize"}  # the last: DPO/ORPO runs' held-out pairs
 TASK_ROWS = 16  # held-out rows a trial answers when the objective is a task metric and train.eval_generate is unset
 KEYS = {  # per job: the keys tune sets on every trial

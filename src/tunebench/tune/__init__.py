@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.jsonfile import read_json, update_json
+from tunebench.paths import cache_dir
 
-from tunebench.hardware import Decision as Row  # noqa: E402 - the one type of a settings row
+from tunebench.decision import Decision as Row  # noqa: E402 - the one type of a settings row
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,6 @@ def where(hw, plan, device) -> str:
 
 
 def cache_file() -> Path:
-    from tunebench.models import cache_dir
-
     return cache_dir() / "autotune.json"
 
 
@@ -56,20 +55,3 @@ def cached(key: str) -> dict | None:
 
 def store(key: str, value: dict) -> None:
     update_json(cache_file(), key, value)
-
-
-def apply(model, rows: list[Row]) -> None:
-    """Apply decisions rank 0 measured (its settings rows) to this rank's copy of the model, without
-    measuring: the attention kernel, gradient checkpointing, compiled blocks."""
-    from tunebench import kernels
-    from tunebench.tune.compiler import compile_blocks
-    from tunebench.tune.probe import enable_checkpointing
-
-    for setting, value, _ in rows:
-        if setting == "attention":
-            kernels.register()
-            model.set_attn_implementation(value)
-        elif setting == "gradient_checkpointing" and value is True:
-            enable_checkpointing(model)
-        elif setting == "compile" and value is True:
-            compile_blocks(model)

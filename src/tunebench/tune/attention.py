@@ -8,7 +8,7 @@ import torch
 
 from tunebench import kernels
 from tunebench.errors import TunebenchError
-from tunebench.loop import DTYPES
+from tunebench.precision import DTYPES
 from tunebench.tune import Row, Shape, cached, store
 from tunebench.tune.probe import free_after_oom, is_oom, memory_free_mb
 

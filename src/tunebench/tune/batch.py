@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tunebench import runplan
+from tunebench.batch_rule import micro_candidates
 from tunebench.errors import TunebenchError
 from tunebench.tune import Row, Shape, cached, store
 from tunebench.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_budget_mb
@@ -115,7 +115,7 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
         rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it (cached probe)"))
     if result is None:
         source = "probed now"
-        sizes = runplan.micro_candidates(effective_batch_size, 1, n_train)
+        sizes = micro_candidates(effective_batch_size, 1, n_train)
         baseline, budget = memory_budget_mb(device, ranks_sharing)
         result = probe(step, sizes, budget, baseline, is_oom)
         if result.micro_batch_size == 0 and shape.gradient_checkpointing == "auto":

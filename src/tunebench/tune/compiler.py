@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from tunebench import hardware, models
+from tunebench import hardware
+from tunebench.paths import cache_dir
 from tunebench.tune import Row, Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
@@ -136,7 +137,7 @@ def compile_blocks(model, mode: str = "default") -> int:
     # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
     # run's warm-up is the short, cached one that pick has on record.
     if not tunebench.USER_INDUCTOR_CACHE:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     return _compile_repeated(model, None if mode == "default" else mode)
 
 

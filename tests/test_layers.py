@@ -1,0 +1,110 @@
+"""The package's shape: no import circle, and the modules that must load without torch do."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "tunebench"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (read by type checkers only, never run)."""
+    hidden = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            hidden |= {id(n) for n in ast.walk(node)}
+    return hidden
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at the top or inside a function alike: an import hidden in
+    a function still ties the two modules together, it only hides the circle until run time."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        hidden = _type_checking_nodes(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in hidden:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]  # `from pkg import module`
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target not in (name, "tunebench"):
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_the_walk_sees_imports_inside_functions_and_finds_a_circle():
+    graph = import_graph()
+    assert "tunebench.tune.compiler" in graph["tunebench.runplan"]  # imported inside runplan.measure
+    assert "tunebench.jobs.finetune" in graph["tunebench.cli"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_package_has_no_import_circle():
+    found = circles(import_graph())
+    assert not found, "import circles (a lower module imports a higher one): " + "; ".join(
+        " <-> ".join(g) for g in found)
+
+
+@pytest.mark.parametrize("module", ["tunebench.jobs.report", "tunebench.cli_parser", "tunebench.quality"])
+def test_modules_that_need_no_torch_load_without_it(module):
+    """The report renders a CSV written anywhere; the parser refuses bad options before torch loads; the task
+    metrics' names are read by both."""
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"{module} loads {done.stdout.strip()}"
