@@ -20,14 +20,9 @@ from tunebench.errors import TunebenchError
 
 def base_of(adapter_dir: str) -> str:
     """The base model an adapter (or a tunebench run directory) was trained on."""
-    import yaml
+    from tunebench.rundir import RunDir
 
-    d = Path(adapter_dir)
-    if (d / "config.yaml").is_file():
-        return yaml.safe_load((d / "config.yaml").read_text())["model"]["name"]
-    if (d / "adapter_config.json").is_file():
-        return json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"]
-    raise TunebenchError(f"'{adapter_dir}' holds no adapter_config.json; point --adapter at a tunebench output dir")
+    return RunDir(adapter_dir).base_model()
 
 
 def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | None = None,

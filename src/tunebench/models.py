@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tunebench.data.tokenize import CHAT_TEMPLATE
 from tunebench.errors import TunebenchError
 from tunebench.paths import cache_dir  # noqa: F401 - models.cache_dir, the name its callers use
 from tunebench.hardware import Decision
@@ -29,10 +30,6 @@ PRESETS = ("tiny", "gpt2-124m", SMOLLM2)
 # Attention projections LoRA targets by default, per naming family, most specific first.
 _AUTO_TARGETS = (("q_proj", "v_proj"), ("c_attn",), ("query_key_value",), ("Wqkv",), ("query", "value"))
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @dataclass

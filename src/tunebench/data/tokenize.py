@@ -22,6 +22,13 @@ from tunebench.errors import TunebenchError
 DEFAULT_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 FORMAT_VERSION = 3  # bump when tokenization changes, to invalidate caches
 
+# ChatML: the prompt format of multi-turn data on a tokenizer without a chat template of its own (and of
+# the tiny preset's tokenizer).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 @dataclass
 class Tokenized:
@@ -54,8 +61,6 @@ def segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tup
     if len(messages) == 2 and (prompt := _instruction_prompt(messages[:1], tokenizer, cfg.template)) is not None:
         return [(prompt, all_tokens), (messages[1]["content"] + eos, True)]
     if cfg.template not in ("auto", "chat") or not getattr(tokenizer, "chat_template", None):
-        from tunebench.models import CHAT_TEMPLATE
-
         tokenizer.chat_template = CHAT_TEMPLATE  # multi-turn data on a tokenizer without one: ChatML
     out: list[tuple[str, bool]] = []
     prev = ""
@@ -97,8 +102,6 @@ def render_prompt(messages: formats.Messages, tokenizer, template: str = "auto")
     if prompt is not None:
         return prompt
     if template not in ("auto", "chat") or not getattr(tokenizer, "chat_template", None):
-        from tunebench.models import CHAT_TEMPLATE
-
         return tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
                                              add_generation_prompt=True)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

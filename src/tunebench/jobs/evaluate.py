@@ -10,11 +10,12 @@ import re
 from pathlib import Path
 
 from tunebench import hardware, inference, models, quality, runner
-from tunebench.config import DataConfig, read_yaml
+from tunebench.config import DataConfig
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.errors import TunebenchError
 from tunebench.loop import CausalLMLoss, evaluate
+from tunebench.rundir import RunDir
 
 
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
@@ -52,13 +53,13 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
 def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: str | None) -> tuple[list, str]:
     """The rows to generate for: a training run's own held-out rows (its seed and eval fraction) when this is
     its data, else every row of the dataset (none of it was trained on)."""
-    config = Path(run_dir) / "config.yaml" if run_dir else None
-    if config is not None and config.is_file():
-        cfg = read_yaml(config)
-        d, t = cfg.get("data", {}), cfg.get("train", {})
-        if isinstance(d, dict) and d.get("path") and Path(str(d["path"])).resolve() == Path(data.path).resolve():
-            _, eval_idx = split(len(tokenized), float(d.get("eval_fraction", 0.0)), int(t.get("seed", 42)),
-                                d.get("max_samples"), d.get("eval_samples"))
+    run = RunDir(run_dir) if run_dir else None
+    if run is not None and run.config_file.is_file() and run.kind() != "pretrain":
+        cfg = run.train_config()
+        d = cfg.data
+        trained_on = [d.path] + [path for path, _ in d.sources]  # a mixture splits each of its datasets alike
+        if any(Path(p).resolve() == Path(data.path).resolve() for p in trained_on):
+            _, eval_idx = split(len(tokenized), d.eval_fraction, cfg.train.seed, d.max_samples, d.eval_samples)
             if len(eval_idx) == 0:
                 raise TunebenchError(f"'{run_dir}' held no rows out of '{data.path}' (eval_fraction 0): its answers "
                                      "there would be to training rows; pass --data with other rows")

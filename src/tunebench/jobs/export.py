@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from tunebench import gguf_export, inference, models
-from tunebench.config import read_yaml
 from tunebench.durable import atomic_dir, atomic_file
 from tunebench.errors import TunebenchError
+from tunebench.rundir import RunDir
 
 FORMATS = ("gguf", "ollama", "hf")
 HF_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -148,9 +148,9 @@ def find_source(run_dir: str) -> Source:
     d = Path(run_dir)
     if not d.is_dir():
         raise TunebenchError(f"'{run_dir}' is not a directory; pass a training run's --output-dir")
-    adapter = d / "adapter_config.json"
-    if adapter.is_file():
-        peft_type = json.loads(adapter.read_text()).get("peft_type", "")
+    run = RunDir(d)
+    if run.kind() == "adapter":
+        peft_type = run.peft_type() or ""
         if peft_type in ("PREFIX_TUNING", "PROMPT_TUNING", "P_TUNING"):
             raise TunebenchError(f"'{run_dir}' is {peft_type.lower().replace('_', ' ')}: virtual tokens, no weights "
                                  "to fold into the base, so no runtime can load it as one model; use it with "
@@ -158,7 +158,7 @@ def find_source(run_dir: str) -> Source:
         if not any(d.glob("adapter_model.*")):
             raise TunebenchError(f"'{run_dir}' has an adapter config but no adapter weights; the run did not "
                                  "finish: resume it with `tunebench train --resume auto` first")
-        return Source(d, True, inference.base_of(str(d)))
+        return Source(d, True, run.base_model())
     if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
         return Source(d, False, str(d))
     raise TunebenchError(f"'{run_dir}' holds no model (no adapter_config.json, no config.json with weights); "
@@ -210,11 +210,7 @@ def model_name(run_dir: Path) -> str:
 
 def trained_on_text(run_dir: Path) -> bool:
     """A `tunebench pretrain` run: plain text, no prompt format around it."""
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return False
-    cfg = read_yaml(path)
-    return isinstance(cfg.get("model"), dict) and "n_layers" in cfg["model"]
+    return RunDir(run_dir).kind() == "pretrain"
 
 
 def _trained_template(run_dir: Path) -> str:

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from tunebench import inference
-from tunebench.config import read_yaml
 from tunebench.data.tokenize import render_prompt
 from tunebench.errors import TunebenchError
+from tunebench.rundir import RunDir
 
 
 def trained_template(*run_dirs: str | None) -> str:
     """The prompt template (data.template) of the training run that wrote one of these directories;
     "auto" when none did."""
     for d in run_dirs:
-        path = Path(d) / "config.yaml" if d else None
-        if path is not None and path.is_file():
-            try:
-                template = read_yaml(path).get("data", {}).get("template")
-            except (TunebenchError, AttributeError):  # not a run's config: look no further in it
-                continue
-            if isinstance(template, str):
-                return template
+        if d is None:
+            continue
+        try:
+            template = RunDir(d).template()
+        except TunebenchError:  # a config.yaml that is not a run's: look no further in it
+            continue
+        if template is not None:
+            return template
     return "auto"
 
 

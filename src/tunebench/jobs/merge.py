@@ -13,6 +13,7 @@ import yaml
 from tunebench import inference
 from tunebench.durable import atomic_dir
 from tunebench.errors import TunebenchError
+from tunebench.rundir import RunDir
 
 COMBINATIONS = ("linear", "cat", "ties", "dare_ties", "magnitude_prune")
 NEEDS_DENSITY = ("ties", "dare_ties", "magnitude_prune")
@@ -22,8 +23,7 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise TunebenchError(f"--output-dir '{out}' is not empty; merging never overwrites, pick a new directory")
-    config = Path(adapter) / "adapter_config.json"
-    peft_type = json.loads(config.read_text()).get("peft_type", "") if config.is_file() else ""
+    peft_type = RunDir(adapter).peft_type() or ""
     if peft_type in ("PREFIX_TUNING", "PROMPT_TUNING"):
         raise TunebenchError(f"'{adapter}' is {peft_type.lower().replace('_', ' ')}: virtual tokens, no weights to fold "
                              "into the base; use it as it is with --adapter (generate, chat, eval)")

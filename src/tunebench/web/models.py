@@ -15,6 +15,7 @@ import torch
 
 from tunebench import inference, models
 from tunebench.errors import TunebenchError
+from tunebench.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,11 @@ def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = 
         models.check_spec(spec, allow_download)
         out.append(Entry(f"base: {spec}", spec, None))
     for d in run_dirs:
-        p = Path(d)
-        if (p / "adapter_config.json").is_file():
-            method = json.loads((p / "adapter_config.json").read_text()).get("peft_type", "adapter").lower()
+        run = RunDir(d)
+        if run.kind() == "adapter":
+            method = (run.peft_type() or "adapter").lower()
             out.append(Entry(f"run: {d} ({method.replace('_', ' ')})", None, d))
-        elif (p / "config.json").is_file():
+        elif (run.path / "config.json").is_file():
             out.append(Entry(f"model: {d}", d, None))
         else:
             raise TunebenchError(f"'{d}' holds no model (no adapter_config.json or config.json); point --adapter at "
@@ -111,8 +112,8 @@ def _group(e: Entry) -> tuple[str, str] | None:
     """(base model, PEFT type) of an adapter entry: the runs that can share a loaded base; None otherwise."""
     if e.adapter is None or e.model is not None:
         return None
-    peft_type = json.loads((Path(e.adapter) / "adapter_config.json").read_text()).get("peft_type", "")
-    base = inference.base_of(e.adapter)
+    run = RunDir(e.adapter)
+    peft_type, base = run.peft_type() or "", run.base_model()
     return (str(Path(base).resolve()) if Path(base).exists() else base), peft_type
 
 
