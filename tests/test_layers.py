@@ -108,3 +108,13 @@ def test_modules_that_need_no_torch_load_without_it(module):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"{module} loads {done.stdout.strip()}"
+
+
+def test_every_job_the_parser_knows_is_in_the_cli_table():
+    import argparse
+
+    from tunebench import cli
+    from tunebench.cli_parser import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == set(cli.JOBS)

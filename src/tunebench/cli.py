@@ -51,198 +51,253 @@ def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return configs, overrides
 
 
+def _train(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import finetune
+
+    finetune.run(train_config(args))
+
+
+def _pretrain(args: argparse.Namespace) -> int | None:
+    from tunebench import pretrain_config
+    from tunebench.jobs import pretrain
+
+    configs, overrides = _items(args)
+    if args.config_file:
+        if configs:
+            raise TunebenchError(f"two configs given ({args.config_file} with --config, and {configs[0]}); give one")
+        configs = [args.config_file]
+    options = {k: v for k, v in vars(args).items() if "." in k}
+    pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
+
+
+def _tune(args: argparse.Namespace) -> int | None:
+    from tunebench.config import parse_override
+    from tunebench.jobs import search
+
+    configs, overrides = _items(args)
+    search.run(args.job_kind, configs[0] if configs else None,
+               dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
+               args.sampler, args.pruner, args.budget_tokens, args.max_steps,
+               args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name,
+               args.device, args.seed, args.objective)
+
+
+def _serve(args: argparse.Namespace) -> int | None:
+    from tunebench.models import SMOLLM2
+    from tunebench.web import app
+
+    app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
+              args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
+              no_auth=args.no_auth, device=args.device, precision=args.precision)
+
+
+def _ab_report(args: argparse.Namespace) -> int | None:
+    from tunebench.web import store
+
+    print(store.report(args.path))
+    if args.export_pairs:
+        from tunebench.data import pairs
+
+        found = pairs.from_store(args.path)
+        pairs.export(found, args.export_pairs)
+        print(f"{args.export_pairs}: {found.describe()}")
+
+
+def _launch(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import launch
+
+    return launch.run(args.job_args, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                      args.rdzv_id)
+
+
+def _tokenizer(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import tokenizer
+
+    tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column)
+
+
+def _generate(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.generate import generate
+
+    print(generate(args.model, args.adapter, args.prompt, args.max_new_tokens, args.temperature, args.raw,
+                   allow_download=args.allow_download, template=args.template, device=args.device,
+                   precision=args.precision))
+
+
+def _chat(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.generate import chat
+
+    chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download,
+         template=args.template, device=args.device, precision=args.precision)
+
+
+def _merge(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.merge import merge
+
+    adapters = args.adapter or _need("--adapter")
+    if len(adapters) == 1:
+        merge(adapters[0], args.output_dir, args.model, args.allow_download)
+    else:
+        from tunebench.jobs.merge import combine
+
+        from tunebench.jobs.merge import before_and_after
+
+        if args.eval_data and len(args.eval_data) != len(adapters):
+            raise TunebenchError(f"--eval-data gives {len(args.eval_data)} dataset(s) for {len(adapters)} adapters; "
+                                 "give one per adapter, in the same order")
+        if args.eval_rows < 1:
+            raise TunebenchError(f"--eval-rows must be 1 or more, got {args.eval_rows}")
+        if args.eval_data:  # refused now if unreadable, not after the combination
+            from tunebench.data import formats
+
+            for path in args.eval_data:
+                formats.load_examples(_data_config(path, None))
+        out = combine(adapters, args.output_dir, _weights(args.weights), args.combination, args.density,
+                      args.model, args.allow_download)
+        if args.eval_data:
+            print(before_and_after(adapters, out, args.eval_data, args.eval_rows))
+
+
+def _prepare(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.prepare import prepare
+
+    options = {k: v for k, v in {"data.instruction_column": args.instruction_column,
+                                 "data.response_column": args.response_column,
+                                 "data.template": args.template}.items() if v is not None}
+    prepare(args.output_dir, args.data, args.dataset_name, args.max_samples, args.eval_fraction, args.seed,
+            args.model, args.max_length, args.split, options)
+
+
+def _export(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.export import export
+
+    export(args.run_dir, args.format, args.quant, args.output, args.allow_download)
+
+
+def _eval(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import evaluate
+
+    from pathlib import Path
+
+    from tunebench.inference import base_of
+    from tunebench.jsonfile import write_json
+
+    data = _data_config(args.data, args.max_length, args.max_samples)
+    adapters = args.adapter or [None]
+    if args.base and adapters == [None]:
+        raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
+    chosen = [("base", args.model or base_of(adapters[0]), None)] if args.base else []
+    chosen += [(evaluate.label_of(args.model, a), args.model, a) for a in adapters]
+    labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
+              for i, (label, _, _) in enumerate(chosen)]
+    out = Path(args.output_dir)
+    if args.lm_eval:
+        for label, (_, model, adapter) in zip(labels, chosen):
+            result = evaluate.lm_eval(model, adapter, args.lm_eval, args.data, args.lm_eval_limit,
+                                      args.lm_eval_include, args.batch_size, args.device, args.precision,
+                                      args.allow_download, out / label)
+            print(json.dumps({"label": label, **result}, indent=2))
+        return 0
+    results = [(label, evaluate.run(
+        model, adapter, data, args.batch_size, allow_download=args.allow_download, device=args.device,
+        precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
+        answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
+        for label, (_, model, adapter) in zip(labels, chosen)]
+    if args.generate:
+        write_json(out / "scores.json", {label: r for label, r in results})
+    if len(results) == 1:
+        print(json.dumps(results[0][1], indent=2))
+    else:
+        print(evaluate.side_by_side(results))
+    if args.generate:
+        print(f"answers and scores in {out}/ (answers-MODEL.jsonl, scores.json); generated for "
+              f"{results[0][1]['generated_from']}")
+
+
+def _compare(args: argparse.Namespace) -> int | None:
+    from pathlib import Path
+
+    from tunebench.jobs import compare, report
+
+    if args.repeats < 1:
+        raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
+    extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
+                               "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}.items()
+             if v is not None}
+    out = Path(args.output)
+    nproc = None
+    if args.nproc:
+        try:
+            nproc = [int(n) for n in args.nproc.split(",")]
+        except ValueError:
+            nproc = [0]
+        if min(nproc) < 1:
+            raise TunebenchError(f"--nproc {args.nproc}: give numbers of processes, 1 or more, such as 1,2")
+    results = compare.run(args.matrix, str(out), args.runs_dir or str(out.parent / "runs"), args.repeats, extra,
+                          args.device, args.retry_failed, nproc)
+    html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
+    print(f"report: {html.resolve()}")
+
+
+def _report(args: argparse.Namespace) -> int | None:
+    from pathlib import Path
+
+    from tunebench.jobs import report, run_report
+
+    args.output_dir_given = args.output_dir is not None
+    args.output_dir = args.output_dir or "runs/report"
+    results = args.results + args.results_csv
+    if not results:
+        raise TunebenchError("report needs results: give CSVs (or --results_csv FILE), or a run directory")
+    runs = [r for r in results if Path(r).is_dir()]
+    if runs:  # the picture of each run: its own report, in RUN_DIR/report unless --output-dir says
+        if len(runs) != len(results):
+            raise TunebenchError("give results CSVs or run directories, not both")
+        for r in runs:
+            out = Path(args.output_dir) / Path(r).resolve().name if args.output_dir_given else None
+            print(f"report: {run_report.write(r, out).resolve()}")
+        return 0
+    html = report.write(results, args.output_dir, args.baseline_device, args.baseline_config)
+    print(f"report: {html.resolve()}")
+
+
+def _bench_data(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import bench_data
+
+    bench_data.run(args.model, _data_config(args.data, args.max_length), args.batch_size)
+
+
+def _hw(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import hw
+
+    hw.run(as_json=args.json, text=args.text, machine_record=args.machine)
+
+
+JOBS = {  # job name -> what runs it; a job returns its exit code, or None for 0
+    "train": _train,
+    "pretrain": _pretrain,
+    "tune": _tune,
+    "serve": _serve,
+    "ab-report": _ab_report,
+    "launch": _launch,
+    "tokenizer": _tokenizer,
+    "generate": _generate,
+    "chat": _chat,
+    "merge": _merge,
+    "prepare": _prepare,
+    "export": _export,
+    "eval": _eval,
+    "compare": _compare,
+    "report": _report,
+    "bench-data": _bench_data,
+    "hw": _hw,
+}
+
+
 def run_job(args: argparse.Namespace) -> int:
     if args.job not in ("train", "pretrain"):  # those resume collection when their loop starts (see startup)
         startup.done()
-    if args.job == "train":
-        from tunebench.jobs import finetune
-
-        finetune.run(train_config(args))
-    elif args.job == "pretrain":
-        from tunebench import pretrain_config
-        from tunebench.jobs import pretrain
-
-        configs, overrides = _items(args)
-        if args.config_file:
-            if configs:
-                raise TunebenchError(f"two configs given ({args.config_file} with --config, and {configs[0]}); give one")
-            configs = [args.config_file]
-        options = {k: v for k, v in vars(args).items() if "." in k}
-        pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
-    elif args.job == "tune":
-        from tunebench.config import parse_override
-        from tunebench.jobs import search
-
-        configs, overrides = _items(args)
-        search.run(args.job_kind, configs[0] if configs else None,
-                   dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
-                   args.sampler, args.pruner, args.budget_tokens, args.max_steps,
-                   args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name,
-                   args.device, args.seed, args.objective)
-    elif args.job == "serve":
-        from tunebench.models import SMOLLM2
-        from tunebench.web import app
-
-        app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
-                  args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
-                  no_auth=args.no_auth, device=args.device, precision=args.precision)
-    elif args.job == "ab-report":
-        from tunebench.web import store
-
-        print(store.report(args.path))
-        if args.export_pairs:
-            from tunebench.data import pairs
-
-            found = pairs.from_store(args.path)
-            pairs.export(found, args.export_pairs)
-            print(f"{args.export_pairs}: {found.describe()}")
-    elif args.job == "launch":
-        from tunebench.jobs import launch
-
-        return launch.run(args.job_args, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                          args.rdzv_id)
-    elif args.job == "tokenizer":
-        from tunebench.jobs import tokenizer
-
-        tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column)
-    elif args.job == "generate":
-        from tunebench.jobs.generate import generate
-
-        print(generate(args.model, args.adapter, args.prompt, args.max_new_tokens, args.temperature, args.raw,
-                       allow_download=args.allow_download, template=args.template, device=args.device,
-                       precision=args.precision))
-    elif args.job == "chat":
-        from tunebench.jobs.generate import chat
-
-        chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download,
-             template=args.template, device=args.device, precision=args.precision)
-    elif args.job == "merge":
-        from tunebench.jobs.merge import merge
-
-        adapters = args.adapter or _need("--adapter")
-        if len(adapters) == 1:
-            merge(adapters[0], args.output_dir, args.model, args.allow_download)
-        else:
-            from tunebench.jobs.merge import combine
-
-            from tunebench.jobs.merge import before_and_after
-
-            if args.eval_data and len(args.eval_data) != len(adapters):
-                raise TunebenchError(f"--eval-data gives {len(args.eval_data)} dataset(s) for {len(adapters)} adapters; "
-                                     "give one per adapter, in the same order")
-            if args.eval_rows < 1:
-                raise TunebenchError(f"--eval-rows must be 1 or more, got {args.eval_rows}")
-            if args.eval_data:  # refused now if unreadable, not after the combination
-                from tunebench.data import formats
-
-                for path in args.eval_data:
-                    formats.load_examples(_data_config(path, None))
-            out = combine(adapters, args.output_dir, _weights(args.weights), args.combination, args.density,
-                          args.model, args.allow_download)
-            if args.eval_data:
-                print(before_and_after(adapters, out, args.eval_data, args.eval_rows))
-    elif args.job == "prepare":
-        from tunebench.jobs.prepare import prepare
-
-        options = {k: v for k, v in {"data.instruction_column": args.instruction_column,
-                                     "data.response_column": args.response_column,
-                                     "data.template": args.template}.items() if v is not None}
-        prepare(args.output_dir, args.data, args.dataset_name, args.max_samples, args.eval_fraction, args.seed,
-                args.model, args.max_length, args.split, options)
-    elif args.job == "export":
-        from tunebench.jobs.export import export
-
-        export(args.run_dir, args.format, args.quant, args.output, args.allow_download)
-    elif args.job == "eval":
-        from tunebench.jobs import evaluate
-
-        from pathlib import Path
-
-        from tunebench.inference import base_of
-        from tunebench.jsonfile import write_json
-
-        data = _data_config(args.data, args.max_length, args.max_samples)
-        adapters = args.adapter or [None]
-        if args.base and adapters == [None]:
-            raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
-        chosen = [("base", args.model or base_of(adapters[0]), None)] if args.base else []
-        chosen += [(evaluate.label_of(args.model, a), args.model, a) for a in adapters]
-        labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
-                  for i, (label, _, _) in enumerate(chosen)]
-        out = Path(args.output_dir)
-        if args.lm_eval:
-            for label, (_, model, adapter) in zip(labels, chosen):
-                result = evaluate.lm_eval(model, adapter, args.lm_eval, args.data, args.lm_eval_limit,
-                                          args.lm_eval_include, args.batch_size, args.device, args.precision,
-                                          args.allow_download, out / label)
-                print(json.dumps({"label": label, **result}, indent=2))
-            return 0
-        results = [(label, evaluate.run(
-            model, adapter, data, args.batch_size, allow_download=args.allow_download, device=args.device,
-            precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
-            answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
-            for label, (_, model, adapter) in zip(labels, chosen)]
-        if args.generate:
-            write_json(out / "scores.json", {label: r for label, r in results})
-        if len(results) == 1:
-            print(json.dumps(results[0][1], indent=2))
-        else:
-            print(evaluate.side_by_side(results))
-        if args.generate:
-            print(f"answers and scores in {out}/ (answers-MODEL.jsonl, scores.json); generated for "
-                  f"{results[0][1]['generated_from']}")
-    elif args.job == "compare":
-        from pathlib import Path
-
-        from tunebench.jobs import compare, report
-
-        if args.repeats < 1:
-            raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
-        extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
-                                   "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}.items()
-                 if v is not None}
-        out = Path(args.output)
-        nproc = None
-        if args.nproc:
-            try:
-                nproc = [int(n) for n in args.nproc.split(",")]
-            except ValueError:
-                nproc = [0]
-            if min(nproc) < 1:
-                raise TunebenchError(f"--nproc {args.nproc}: give numbers of processes, 1 or more, such as 1,2")
-        results = compare.run(args.matrix, str(out), args.runs_dir or str(out.parent / "runs"), args.repeats, extra,
-                              args.device, args.retry_failed, nproc)
-        html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
-        print(f"report: {html.resolve()}")
-    elif args.job == "report":
-        from pathlib import Path
-
-        from tunebench.jobs import report, run_report
-
-        args.output_dir_given = args.output_dir is not None
-        args.output_dir = args.output_dir or "runs/report"
-        results = args.results + args.results_csv
-        if not results:
-            raise TunebenchError("report needs results: give CSVs (or --results_csv FILE), or a run directory")
-        runs = [r for r in results if Path(r).is_dir()]
-        if runs:  # the picture of each run: its own report, in RUN_DIR/report unless --output-dir says
-            if len(runs) != len(results):
-                raise TunebenchError("give results CSVs or run directories, not both")
-            for r in runs:
-                out = Path(args.output_dir) / Path(r).resolve().name if args.output_dir_given else None
-                print(f"report: {run_report.write(r, out).resolve()}")
-            return 0
-        html = report.write(results, args.output_dir, args.baseline_device, args.baseline_config)
-        print(f"report: {html.resolve()}")
-    elif args.job == "bench-data":
-        from tunebench.jobs import bench_data
-
-        bench_data.run(args.model, _data_config(args.data, args.max_length), args.batch_size)
-    elif args.job == "hw":
-        from tunebench.jobs import hw
-
-        hw.run(as_json=args.json, text=args.text, machine_record=args.machine)
-    return 0
+    return JOBS[args.job](args) or 0
 
 
 def _data_config(path: str | None, max_length: int | None, max_samples: int | None = None):
