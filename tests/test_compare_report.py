@@ -26,6 +26,7 @@ def _matrix(tmp_path, dataset, extra="", experiments=EXPERIMENTS):
   train.effective_batch_size: 4
   train.eval_generate: 2
   train.eval_max_new_tokens: 4
+  train.precision: fp32
 {experiments}{extra}""")
     return m
 
@@ -45,6 +46,7 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     assert set(by) == {"bs2_ga2", "broken"}  # gpu_only skipped: no CUDA here
     ok = by["bs2_ga2"]
     assert ok["status"] == "ok" and ok["device"] == "cpu" and ok["batch_size"] == "2" and ok["grad_accum"] == "2"
+    assert ok["precision"] == "fp32"
     for key in ("duration_seconds", "tokens_per_s", "peak_memory_mb", "eval_loss", "final_train_loss", "steps"):
         assert float(ok[key]) > 0, key
     assert float(ok["eos_rate"]) in (0, 50, 100) and 0 <= float(ok["rougeL"]) <= 100 and ok["exact_match"] == ""
@@ -65,13 +67,13 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
 
 
 def test_compare_reports_task_metrics_for_each_precision(tmp_path, dataset):
-    """compare's children, one per precision forced (bf16 and fp16 emulated where the CPU lacks them), each
-    scored on its held-out rows."""
+    """compare's children, one per 16-bit precision forced (emulated where the CPU lacks it), each scored on
+    its held-out rows (the other tests' matrix forces fp32)."""
     out = tmp_path / "results.csv"
-    compare.run(str(_matrix(tmp_path, dataset, experiments="grid:\n  train.precision: [fp32, bf16, fp16]\n")),
+    compare.run(str(_matrix(tmp_path, dataset, experiments="grid:\n  train.precision: [bf16, fp16]\n")),
                 str(out), str(tmp_path / "runs"), 1, {"train.micro_batch_size": 2})
     rows = {r["precision"]: r for r in _rows(out)}
-    assert set(rows) == {"fp32", "bf16", "fp16"}
+    assert set(rows) == {"bf16", "fp16"}
     for precision, row in rows.items():
         assert row["status"] == "ok", (precision, row["message"])
         assert row["rougeL"] != "" and 0 <= float(row["rougeL"]) <= 100, (precision, row)
@@ -113,9 +115,14 @@ def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
 
     # --nproc 2 runs each experiment on 2 ranks (tunebench launch) and records it.
     out = tmp_path / "results.csv"
+    # The matrix's effective batch 4 with micro 2 x accumulation 2 agrees on one process, not on 2 ranks (8):
+    # refused before anything runs, where it used to train at 8 without a word.
+    with pytest.raises(TunebenchError, match=r"experiment 'bs2_ga2_np2'.*x 2 ranks != --effective-batch-size 4"):
+        compare.run(str(_matrix(tmp_path, dataset)), str(out), str(tmp_path / "runs"), 1, {}, nproc=[2])
+    assert not out.exists()
     # bf16, forced: 16-bit autocast over 2 ranks, with task metrics, on every machine
-    compare.run(str(_matrix(tmp_path, dataset)), str(out), str(tmp_path / "runs"), 1, {"train.precision": "bf16"},
-                nproc=[2])
+    compare.run(str(_matrix(tmp_path, dataset)), str(out), str(tmp_path / "runs"), 1,
+                {"train.precision": "bf16", "train.effective_batch_size": 8}, nproc=[2])
     (row,) = _rows(out)
     assert row["experiment"] == "bs2_ga2_np2" and row["status"] == "ok", row["message"]
     assert row["precision"] == "bf16" and row["rougeL"] != "", row

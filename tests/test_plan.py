@@ -61,8 +61,11 @@ def test_yaml_on_and_off_reach_a_choice_field_as_words(key, value):
 
 
 def test_pretraining_config_survives_the_round_trip(tmp_path):
+    # the shipped config's gradient_accumulation_steps is unset: with batch_size auto it is derived (given, it
+    # would be refused rather than dropped)
     cfg = pretrain_config.load("cpu_small_model", {"data.train_file": "a b/#c.txt", "training.compile": True,
                                                    "training.batch_size": "auto", "training.effective_batch_size": 6,
+                                                   "training.gradient_accumulation_steps": None,
                                                    "training.sample_prompt": "Q: x\n#"})
     path = tmp_path / "asked.yaml"
     pretrain_config.dump_yaml(cfg, path)

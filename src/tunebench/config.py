@@ -403,8 +403,10 @@ def load_config(
     options: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
     profile: str | None = None,
+    world_size: int | None = None,
 ) -> RunConfig:
-    """Defaults < hardware profile < YAML < options (dotted keys) < dotted overrides; then validate."""
+    """Defaults < hardware profile < YAML < options (dotted keys) < dotted overrides; then validate, at the
+    number of processes the run will have (`world_size`; default torchrun's WORLD_SIZE, else 1)."""
     tree: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     layers: list[dict[str, Any]] = []
     if profile is not None:
@@ -435,7 +437,7 @@ def load_config(
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
         adapter["method"] = "qlora"  # LoRA on a quantized base is QLoRA (the study's --use_4bit)
     cfg = RunConfig(**{s: cls(**tree[s]) for s, cls in _SECTION_TYPES.items()})
-    validate(cfg)
+    validate(cfg, world_size)
     return cfg
 
 
@@ -454,7 +456,7 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise TunebenchError(f"{key} '{value}' is not one of {', '.join(allowed)}; pick one of those")
 
 
-def validate(cfg: RunConfig) -> None:
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     check_types(cfg, _SECTION_TYPES)
     d, a, t = cfg.data, cfg.adapter, cfg.train
     if d.sources and d.path != BUILTIN_DATA:
@@ -536,10 +538,13 @@ def validate(cfg: RunConfig) -> None:
         if d.packing == "on":
             raise TunebenchError(f"--objective {t.objective} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")
+        if (world_size or launched_world_size()) > 1:
+            raise TunebenchError(f"--objective {t.objective} runs in one process for now; train without torchrun "
+                                 "(tunebench launch)")
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
-    cfg.batch_ask().check(launched_world_size())  # the job checks again once its process group is up
+    cfg.batch_ask().check(world_size or launched_world_size())  # the job checks again once its group is up
 
 
 def check_threads(threads: int | None, flag: str) -> None:

@@ -255,8 +255,9 @@ def config_path(spec: str | Path) -> Path:
 
 
 def load(yaml_path: str | Path | None = None, options: dict[str, Any] | None = None,
-         overrides: list[str] | None = None) -> PretrainConfig:
-    """Defaults < YAML < options (dotted keys) < dotted overrides; then validate."""
+         overrides: list[str] | None = None, world_size: int | None = None) -> PretrainConfig:
+    """Defaults < YAML < options (dotted keys) < dotted overrides; then validate, at the number of processes
+    the run will have (`world_size`; default torchrun's WORLD_SIZE, else 1)."""
     tree: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     layers = [_flatten(read_yaml(config_path(yaml_path)))] if yaml_path is not None else []
     layers += [dict(options or {}), dict(parse_override(o) for o in overrides or [])]
@@ -264,7 +265,7 @@ def load(yaml_path: str | Path | None = None, options: dict[str, Any] | None = N
         for key, value in layer.items():
             _set(tree, key, value)
     cfg = PretrainConfig(**{s: cls(**tree[s]) for s, cls in SECTIONS.items()})
-    validate(cfg)
+    validate(cfg, world_size)
     return cfg
 
 
@@ -273,7 +274,7 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
         raise TunebenchError(f"{key} '{value}' is not one of {', '.join(map(str, allowed))}; pick one of those")
 
 
-def validate(cfg: PretrainConfig) -> None:
+def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     check_types(cfg, SECTIONS)
     m, t, d = cfg.model, cfg.training, cfg.data
     positive = {"model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
@@ -347,7 +348,7 @@ def validate(cfg: PretrainConfig) -> None:
     if t.autotune_batch and t.effective_batch_size is None:
         raise TunebenchError("training.batch_size auto needs training.effective_batch_size (the micro batches "
                              "measured are those that divide it)")
-    cfg.batch_ask().check(launched_world_size())
+    cfg.batch_ask().check(world_size or launched_world_size())
     if not 0 <= t.warmup_ratio <= 1:
         raise TunebenchError(f"training.warmup_ratio must be in [0, 1], got {t.warmup_ratio}")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.dataloader_num_workers < 0:

@@ -63,7 +63,8 @@ DEVICES = ("cpu", "cuda", "mps")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,@-]{0,119}$")  # a file name in the runs directory
 
 
-def load_matrix(spec: str, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Experiment]]:
+def load_matrix(spec: str, extra: dict[str, Any] | None = None,
+                nproc: list[int] | None = None) -> tuple[dict[str, Any], list[Experiment]]:
     """(base overrides, experiments) from a matrix YAML: `experiments:` (a list) and/or `grid:` (a product).
     `nproc` (an experiment's key beside `set`, or a grid dimension) is the number of processes.
     Everything is checked before anything runs: known keys only, devices a list of known ones,
@@ -105,9 +106,11 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None) -> tuple[dict[st
     if not experiments:
         raise TunebenchError(f"matrix {spec} has no experiments; add an experiments list or a grid")
     unique_names(experiments, spec)
-    for e in experiments:  # every experiment's settings are checked before anything runs
+    if nproc:  # --nproc: every experiment at each count
+        experiments = with_processes(experiments, nproc)
+    for e in experiments:  # every experiment's settings are checked before anything runs, at its process count
         try:
-            cfg = load_config(options={**base, **e.overrides})
+            cfg = load_config(options={**base, **e.overrides}, world_size=e.nproc)
         except TunebenchError as err:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
         if cfg.train.objective != "sft" and sizing.budget_seconds(raw.get("budget"), spec) is not None:
@@ -256,9 +259,7 @@ def _failure(stderr: str) -> tuple[str, str]:
 
 def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, Any],
         devices: list[str] | None = None, retry_failed: bool = False, nproc: list[int] | None = None) -> Path:
-    base, experiments = load_matrix(matrix, extra)
-    if nproc:
-        experiments = with_processes(experiments, nproc)
+    base, experiments = load_matrix(matrix, extra, nproc)
     present, absent = devices_present()
     for d in devices or []:
         if d not in present:
@@ -323,13 +324,14 @@ RUN_KEYS = {"train": {"device": "train.device", "output_dir": "train.output_dir"
                          "progress": "training.progress", "overwrite": "training.overwrite"}}
 
 
-def load_job_config(job: str, config: str | None, settings: dict[str, Any]):
-    """The whole configuration of one `train` or `pretrain` run: its config file (if any) under `settings`."""
+def load_job_config(job: str, config: str | None, settings: dict[str, Any], nproc: int = 1):
+    """The whole configuration of one `train` or `pretrain` run: its config file (if any) under `settings`,
+    checked at the number of processes it will run in."""
     if job == "train":
-        return load_config(config, settings)
+        return load_config(config, settings, world_size=nproc)
     from tunebench import pretrain_config
 
-    return pretrain_config.load(config, settings)
+    return pretrain_config.load(config, settings, world_size=nproc)
 
 
 def write_job_config(job: str, cfg, path: Path) -> None:
@@ -352,7 +354,7 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
     settings = {**settings, keys["output_dir"]: str(run_dir), keys["progress"]: False, keys["overwrite"]: True}
     if device is not None:
         settings[keys["device"]] = device
-    cfg = load_job_config(job, config, settings)
+    cfg = load_job_config(job, config, settings, nproc)
     run_dir.mkdir(parents=True, exist_ok=True)
     asked = run_dir / "asked.yaml"
     write_job_config(job, cfg, asked)
