@@ -69,10 +69,10 @@ def _val_loss(model, val, micro: int, precision: str) -> float:
 
 
 def _flops(model, length: int) -> float:
-    from tunebench import models
+    from tunebench import metrics
     from tunebench.metrics import training_flops_per_token
 
-    matmul, layers, width = models.flop_dims(model)
+    matmul, layers, width = metrics.flop_dims(model)
     return training_flops_per_token(matmul, sum(p.numel() for p in model.parameters()), layers, width, length, True)
 
 

@@ -79,7 +79,7 @@ def worker_peer(args) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-    from tunebench import models
+    from tunebench import methods
 
     device = _device(args)
     loaded, data, train_idx, eval_idx = _common(args)
@@ -91,7 +91,7 @@ def worker_peer(args) -> dict:
         ids = data.example(i)[0].tolist()
         pad = args.max_length - len(ids) if args.peer_padding == "max_length" else 0
         rows.append({"input_ids": ids + [tok.pad_token_id] * pad, "attention_mask": [1] * len(ids) + [0] * pad})
-    modules, _ = models.target_modules(loaded.model, "auto")
+    modules, _ = methods.target_modules(loaded.model, "auto")
     model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
     micro = args.peer_micro_batch
     accum = args.effective_batch // micro
@@ -163,14 +163,15 @@ def worker_sweep(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from tunebench import models
+    from tunebench import methods, models
+    from tunebench.config import AdapterConfig
     from tunebench.loop import loss_sum, prepare
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     bf16 = args.sweep_precision == "bf16"
     loaded = models.resolve(args.model, args.tokenizer)
-    modules, _ = models.target_modules(loaded.model, "auto")
+    modules, _ = methods.target_modules(loaded.model, "auto")
     vocab = min(40000, loaded.model.config.vocab_size)
     ids = torch.randint(min(10, vocab - 1), vocab, (args.micro_batch, args.max_length),
                         generator=torch.Generator().manual_seed(0))
@@ -187,7 +188,8 @@ def worker_sweep(args) -> dict:
         from tunebench.tune import attention
 
         base = loaded.model.to(torch.bfloat16 if bf16 else torch.float32)
-        model = models.add_lora(base, LORA["r"], LORA["lora_alpha"], LORA["lora_dropout"], modules)
+        model = methods.add_adapter(base, AdapterConfig(r=LORA["r"], lora_alpha=LORA["lora_alpha"],
+                                                        lora_dropout=LORA["lora_dropout"]), modules)
         model.train()
         b, n, _ = prepare(batch, torch.device("cpu"))
 
@@ -214,10 +216,10 @@ def worker_sweep(args) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    from tunebench import hardware
+    from tunebench import hardware, metrics
     from tunebench.metrics import training_flops_per_token
 
-    matmul, layers, width = models.flop_dims(model)
+    matmul, layers, width = metrics.flop_dims(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     peak, _ = hardware.peak_tflops("cpu", args.sweep_precision, hardware.detect(), threads,
                                    models.cache_dir() / "peak_flops.json")

@@ -83,11 +83,11 @@ def dataset(tmp_path) -> Path:
 
 
 def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
-    """LoRA with these settings on `modules`, through the code path a run takes (models.add_adapter)."""
-    from tunebench import models
+    """LoRA with these settings on `modules`, through the code path a run takes (methods.add_adapter)."""
+    from tunebench import methods
     from tunebench.config import AdapterConfig
 
-    return models.add_adapter(model, AdapterConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), modules)
+    return methods.add_adapter(model, AdapterConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), modules)
 
 
 @pytest.fixture

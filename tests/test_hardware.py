@@ -8,7 +8,7 @@ import pytest
 from conftest import add_lora
 import torch
 
-from tunebench import hardware, kernels, models, startup, tune
+from tunebench import hardware, kernels, methods, metrics, models, startup, tune
 from tunebench.tune import attention, batch, compiler
 from tunebench.config import load_config, profiles
 from tunebench.errors import TunebenchError
@@ -176,7 +176,7 @@ def test_flops_per_token_match_what_torch_counts(tiny):
 
     c = tiny.model.config  # 2 layers, hidden 64, 4 heads of 16, 2 kv heads, mlp 128, vocab 259
     per_layer = 64 * 64 + 2 * (64 * 2 * 16) + 64 * 64 + 3 * (64 * 128)  # q, k+v, o, gate/up/down
-    matmul, layers, width = models.flop_dims(tiny.model)
+    matmul, layers, width = metrics.flop_dims(tiny.model)
     assert matmul == 2 * per_layer + 64 * c.vocab_size and layers == 2 and width == 64
     B, T = 2, 96
     x = torch.randint(0, c.vocab_size, (B, T))
@@ -190,8 +190,8 @@ def test_flops_per_token_match_what_torch_counts(tiny):
     full = training_flops_per_token(matmul, matmul, layers, width, T, full=True)
     assert counted(tiny.model) == pytest.approx(full, rel=0.02)
     peft = add_lora(models.resolve("tiny").model, 8, 16, 0.0, ["q_proj", "v_proj"])
-    trainable, _ = models.count_parameters(peft)
-    assert models.flop_dims(peft)[0] == matmul  # adapters are not counted as base matmuls
+    trainable, _ = metrics.count_parameters(peft)
+    assert metrics.flop_dims(peft)[0] == matmul  # adapters are not counted as base matmuls
     lora = training_flops_per_token(matmul, trainable, layers, width, T, full=False)
     # the first layer's frozen matmuls need no input gradient (nothing before them trains): a little under 4N
     assert 0.9 * lora < counted(peft) <= lora
@@ -367,28 +367,28 @@ def test_liger_is_used_where_it_can_run_and_refused_where_asked_for_and_impossib
 
     model = tiny.model  # a LlamaForCausalLM
     calls = _fake_liger(monkeypatch, ["llama"])
-    assert models.apply_liger(model, "off", "cuda") == ("liger", False, "off, as asked")
-    row = models.apply_liger(model, "auto", "cpu")
+    assert methods.apply_liger(model, "off", "cuda") == ("liger", False, "off, as asked")
+    row = methods.apply_liger(model, "auto", "cpu")
     assert row[1] is False and "CUDA" in row[2] and not calls
     with pytest.raises(TunebenchError, match="--liger on cannot be honoured.*CUDA"):
-        models.apply_liger(model, "on", "cpu")
+        methods.apply_liger(model, "on", "cpu")
 
-    row = models.apply_liger(model, "auto", "cuda")
+    row = methods.apply_liger(model, "auto", "cuda")
     assert row[1] is True and "llama" in row[2]
     assert len(calls) == 1 and calls[0][0] is model
     assert calls[0][1]["rms_norm"] and not calls[0][1]["fused_linear_cross_entropy"]  # our fused head stays
 
     calls = _fake_liger(monkeypatch, ["qwen2"])
-    row = models.apply_liger(model, "auto", "cuda")
+    row = methods.apply_liger(model, "auto", "cuda")
     assert row[1] is False and "model type 'llama'" in row[2] and not calls
     with pytest.raises(TunebenchError, match="no kernels for model type 'llama'"):
-        models.apply_liger(model, "on", "cuda")
+        methods.apply_liger(model, "on", "cuda")
 
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # not installed
-    row = models.apply_liger(model, "auto", "cuda")
+    row = methods.apply_liger(model, "auto", "cuda")
     assert row[1] is False and "pip install liger-kernel" in row[2]
     with pytest.raises(TunebenchError, match="liger-kernel is not installed"):
-        models.apply_liger(model, "on", "cuda")
+        methods.apply_liger(model, "on", "cuda")
 
 
 def test_autotune_never_tries_a_size_predicted_over_budget():

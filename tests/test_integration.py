@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tunebench import methods
 from tunebench.config import load_config
 from tunebench.jobs import finetune
 
@@ -37,4 +38,4 @@ def test_gpt2_124m_preset_has_gpt2_compute_and_a_real_bpe_tokenizer():
     assert 124_000_000 < sum(p.numel() for p in loaded.model.parameters()) < 125_000_000
     assert len(loaded.tokenizer) <= loaded.model.config.vocab_size  # every id has an embedding row
     assert len(loaded.tokenizer("customer support")["input_ids"]) < 6  # BPE, not bytes
-    assert models.target_modules(loaded.model, "auto")[0] == ["c_attn"]
+    assert methods.target_modules(loaded.model, "auto")[0] == ["c_attn"]

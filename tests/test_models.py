@@ -3,7 +3,7 @@ import pytest
 from conftest import add_lora, needs_module
 import torch
 
-from tunebench import inference, models
+from tunebench import inference, kernels, methods, metrics, models
 from tunebench.tune import compiler
 from tunebench.errors import TunebenchError
 
@@ -44,7 +44,7 @@ def test_trainable_count_is_exact(tiny):
     r = 8
     expected = c.num_hidden_layers * r * ((q_in + q_out) + (v_in + v_out))
     peft = add_lora(tiny.model, r, 16, 0.1, ["q_proj", "v_proj"])
-    trainable, total = models.count_parameters(peft)
+    trainable, total = metrics.count_parameters(peft)
     assert trainable == expected == 3584
     assert total == sum(p.numel() for p in tiny.model.parameters())
     assert all("lora_" in n for n, p in peft.named_parameters() if p.requires_grad)
@@ -53,18 +53,18 @@ def test_trainable_count_is_exact(tiny):
 def test_auto_targets_per_architecture(tiny):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    assert models.target_modules(tiny.model, "auto")[0] == ["q_proj", "v_proj"]
+    assert methods.target_modules(tiny.model, "auto")[0] == ["q_proj", "v_proj"]
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64))
-    modules, _ = models.target_modules(gpt2, "auto")
+    modules, _ = methods.target_modules(gpt2, "auto")
     assert modules == ["c_attn"]
     peft = add_lora(gpt2, 8, 16, 0.1, modules)
-    assert models.count_parameters(peft)[0] == 2 * 8 * (64 + 3 * 64)  # Conv1D c_attn: 64 -> 192
+    assert metrics.count_parameters(peft)[0] == 2 * 8 * (64 + 3 * 64)  # Conv1D c_attn: 64 -> 192
 
 
 def test_missing_target_module_is_named(tiny):
     with pytest.raises(TunebenchError, match="no linear module named 'qkv'.*q_proj"):
-        models.target_modules(tiny.model, "q_proj,qkv")
-    assert "lm_head" not in models.linear_module_names(tiny.model)
+        methods.target_modules(tiny.model, "q_proj,qkv")
+    assert "lm_head" not in methods.linear_module_names(tiny.model)
 
 
 def test_unknown_model_offline_names_the_id():
@@ -93,7 +93,7 @@ def test_bf16_frozen_base_matches_fp32_lora(tiny):
             p.data = p.data.float()  # adapters stay fp32, as build_model keeps them
     bf16 = loss_sum(peft, b, None) / n
     assert abs(bf16.item() - fp32.item()) / fp32.item() < 1e-2
-    models.compute_adapters_in(peft)  # the training path: bf16 adapter matmuls under autocast, fp32 weights
+    methods.compute_adapters_in(peft)  # the training path: bf16 adapter matmuls under autocast, fp32 weights
     autocast = loss_sum(peft, b, torch.bfloat16) / n
     assert abs(autocast.item() - fp32.item()) / fp32.item() < 1e-2
     autocast.backward()
@@ -107,7 +107,7 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
 
     from tunebench.loop import loss_sum, prepare
 
-    q = models.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
+    q = methods.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
     q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
     peft = add_lora(q, 8, 16, 0.0, ["q_proj", "v_proj"])
     x = _ids()
@@ -128,7 +128,7 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fast_dropout_keeps_the_rate_and_the_expectation(compiled):
     torch.manual_seed(0)
-    d = models.FastDropout(0.1).train()
+    d = kernels.FastDropout(0.1).train()
     x = torch.ones(400, 1000)
     y = torch.compile(d, dynamic=True)(x) if compiled else d(x)
     kept = (y != 0).float().mean().item()
@@ -140,7 +140,7 @@ def test_fast_dropout_keeps_the_rate_and_the_expectation(compiled):
     assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - round(0.1 * 65536) / 65536))
     assert torch.equal(d.eval()(x), x)  # identity at eval
     x = torch.randn(3, 7, requires_grad=True)  # odd sizes, and gradients flow through the mask
-    out = models.FastDropout(0.5).train()(x)
+    out = kernels.FastDropout(0.5).train()(x)
     out.sum().backward()
     assert torch.equal(x.grad != 0, out != 0)
 
@@ -148,7 +148,7 @@ def test_fast_dropout_keeps_the_rate_and_the_expectation(compiled):
 def test_lora_dropout_modules_are_replaced(tiny):
     peft = add_lora(tiny.model, 8, 16, 0.1, ["q_proj", "v_proj"])
     drops = [m for m in peft.modules() if isinstance(m, torch.nn.Dropout)]
-    assert drops and all(isinstance(m, models.FastDropout) and m.p == 0.1 for m in drops)
+    assert drops and all(isinstance(m, kernels.FastDropout) and m.p == 0.1 for m in drops)
 
 
 def test_fast_dropout_swaps_every_plain_dropout_and_keeps_p():
@@ -157,7 +157,7 @@ def test_fast_dropout_swaps_every_plain_dropout_and_keeps_p():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=16,
                                        resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3))
     plain = [m for m in model.modules() if type(m) is torch.nn.Dropout and m.p > 0]
-    assert models.use_fast_dropout(model) == len(plain) == 1 + 2 * 3  # embeddings; per block attn, resid, mlp
+    assert kernels.use_fast_dropout(model) == len(plain) == 1 + 2 * 3  # embeddings; per block attn, resid, mlp
     assert not [m for m in model.modules() if type(m) is torch.nn.Dropout and m.p > 0]
     assert model.transformer.h[0].attn.attn_dropout.p == 0.3 and model.transformer.drop.p == 0.2
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench import hardware, loop, models, monitor, runner
+from tunebench import hardware, loop, metrics, models, monitor, runner
 from tunebench.cli import main
 from tunebench.config import DataConfig
 from tunebench.data import batching, formats
@@ -239,7 +239,7 @@ def test_samples_count_examples_and_flops_use_their_own_lengths(tmp_path, datase
     order = batching.epoch_order(train_idx, 2, cfg.train.seed, 0, lengths=grouped)[:4]
     seen = np.array([len(data.example(i)[0]) for b in order for i in b])
     model = models.resolve("tiny").model
-    matmul, layers, width = models.flop_dims(model)
+    matmul, layers, width = metrics.flop_dims(model)
     dense = 4 * matmul + 6 * summary["trainable_parameters"]
     assert summary["tokens"] == seen.sum()
     assert summary["flops_per_token"] == pytest.approx(dense + 12 * layers * width * (seen ** 2).sum() / seen.sum())

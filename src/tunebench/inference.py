@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tunebench import models
+from tunebench import methods, models
 from tunebench import precision as precision_
 from tunebench.errors import TunebenchError
 
@@ -55,7 +55,7 @@ class Placed:
     """A model put to work the way it was trained: on its device, its weights as training held them (a frozen
     base in the compute dtype, adapters in fp32) and every forward under the autocast of its precision.
 
-    Training keeps LoRA's inputs in the compute dtype (models.compute_adapters_in), so a bf16 base meets fp32
+    Training keeps LoRA's inputs in the compute dtype (methods.compute_adapters_in), so a bf16 base meets fp32
     adapter weights: only autocast makes that one matmul. Whatever generates or scores (eval-generate at the
     end of training, pretraining samples, eval, generate, chat, serve, merge's before/after) goes through
     `running` or `generate` here, and no job opens its own inference path."""
@@ -115,7 +115,7 @@ def place(loaded: models.Loaded, device: str, precision: str) -> Placed:
     the memory; adapters in fp32), LoRA's inputs left in the compute dtype, every call under autocast."""
     loaded.model.to(torch.device(device))
     if precision != "fp32":
-        models.compute_adapters_in(loaded.model)
+        methods.compute_adapters_in(loaded.model)
     return Placed(loaded.model, loaded.tokenizer, torch.device(device), precision_.autocast_dtype(precision),
                   loaded.source)
 

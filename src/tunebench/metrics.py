@@ -115,3 +115,47 @@ def describe_eval(e: dict[str, Any]) -> str:
         return (f"loss {e['eval_loss']:.4f}, reward accuracy {e['eval_rewards/accuracies']:.3f}, margin "
                 f"{e['eval_rewards/margins']:.4f} on {e['eval_pairs']} held-out pairs")
     return f"loss {e['eval_loss']:.4f}, perplexity {e['perplexity']:.2f}"
+
+
+def quantized_linear_kinds() -> tuple[type, ...]:
+    """bitsandbytes' linear layers, when it is loaded: only then can a model hold them, and importing it
+    just to look costs a pretraining process ~1.5 s of start-up."""
+    bnb = sys.modules.get("bitsandbytes")
+    return () if bnb is None else (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Number of weights a tensor stands for: bitsandbytes stores two 4-bit values per byte."""
+    return p.numel() * 2 if p.__class__.__name__ == "Params4bit" else p.numel()
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as their logical size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = logical_numel(p)
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def flop_dims(model) -> tuple[int, int, int]:
+    """(weights in matmuls, layers, attention width) of the base model, adapters excluded.
+
+    Matmul weights include the output head (it runs even when tied to the embedding) and count
+    quantized weights at their logical size; embeddings are lookups, not matmuls.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, Conv1D, *quantized_linear_kinds())
+    total = 0
+    for name, m in model.named_modules():
+        if isinstance(m, kinds) and "lora_" not in name:
+            total += logical_numel(m.weight)
+    c = model.config
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
+    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd")
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    return total, layers, heads * head_dim

@@ -1,5 +1,6 @@
-"""What every training job does around the loop: the output directory, the settings table, signals,
-checkpoints and resume, the monitor, evaluation before and after, and the run's summary figures.
+"""What every training job does around the loop: its opening (hardware plan, process group, output
+directory and resume point, batch, threads and seed), the settings table, signals, checkpoints and resume,
+the monitor, evaluation before and after, and the run's summary figures.
 
 A job builds its model, data and decisions, then hands them here; the loop itself is loop.train.
 """
@@ -17,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import checkpoint, distributed, hardware, startup
+from tunebench import checkpoint, distributed, hardware, rundir, runplan, startup
+from tunebench import precision as precision_
+from tunebench.batch_rule import BatchAsk
 from tunebench.data import batching
 from tunebench.distributed import World
 from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, train
@@ -25,6 +28,52 @@ from tunebench.metrics import MetricsWriter, describe_eval, peak_memory_mb, rese
 from tunebench.monitor import Monitor, other_load
 
 Row = tuple[str, Any, str]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A run opened: the machine and its plan, the process group, this rank's device, the checkpoint it
+    resumes from (None: step 0), the effective batch it trains with and the checkpoint's batch split."""
+
+    hw: hardware.Hardware
+    hw_plan: hardware.Plan
+    world: World
+    device: torch.device
+    resume_from: Path | None
+    effective: int
+    resumed: tuple[int, int] | None
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        return precision_.autocast_dtype(self.hw_plan.precision)
+
+
+def open_run(out: Path, *, device: str, precision: str, compile: str, threads: int | None, backend: str | None,
+             resume: str | None, overwrite: bool, identity: dict[str, Any], ask: BatchAsk, seed: int) -> Opened:
+    """What both training jobs do first, in this order: plan the hardware (an impossible request raises), join
+    the process group torchrun set up, check the output directory and the checkpoint to resume from (rank 0;
+    every rank gets its answer), settle the effective batch at this world size, set threads and seeds."""
+    hw = hardware.detect()
+    hw_plan = hardware.plan(device, precision, hw, compile, threads)
+    world = distributed.init(hw_plan.device, backend)
+    on = distributed.device_for(world, hw_plan.device)
+    resume_from = rundir.open_run(world, out, resume, overwrite, identity)
+    effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
+    apply_plan(hw_plan)
+    seed_everything(seed)
+    return Opened(hw, hw_plan, world, on, resume_from, effective, resumed)
+
+
+def measured_by_rank0(world: World, model, measure: Callable[[], runplan.Measured]) -> tuple[runplan.Measured, float]:
+    """The measured decisions and the seconds they took (reported apart from training): rank 0 measures, the
+    other ranks take its answers and apply them to their copy of the model (ranks never disagree, never race
+    on the cache)."""
+    started = time.perf_counter()
+    measured = distributed.agree(world, measure)
+    seconds = time.perf_counter() - started
+    if not world.main:
+        runplan.apply_measured(model, list(measured.decisions))
+    return measured, seconds
 
 
 def seed_everything(seed: int) -> None:

@@ -4,14 +4,14 @@ plan the hardware, load model and data, set up the method, decide the measured s
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tunebench import distributed, hardware, inference, models, optim, preference, rundir, runner, runplan, tune
+from tunebench import distributed, hardware, inference, methods, metrics, models, optim, preference, runner, runplan
+from tunebench import tune
 from tunebench import summary as summary_
 from tunebench.config import RunConfig, dump_yaml
 from tunebench.hardware import Decision
@@ -32,7 +32,7 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     rows: list[tuple[str, Any, str]] = []
     model = loaded.model
     if a.method == "full":
-        rows.append(models.apply_liger(model, cfg.train.liger, device.type))
+        rows.append(methods.apply_liger(model, cfg.train.liger, device.type))
         model.to(device)
         autocast = None if precision == "fp32" else compute
         rows.append(("weights", "fp32", "full fine-tuning keeps fp32 master weights" +
@@ -41,16 +41,16 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     if a.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        model = models.load_quantized(loaded, cfg.model.name, a.quantization, compute, cfg.model.allow_download)
+        model = methods.load_quantized(loaded, cfg.model.name, a.quantization, compute, cfg.model.allow_download)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         rows.append(("base weights", a.quantization, f"bitsandbytes {'nf4 + double quant' if a.quantization == '4bit' else 'LLM.int8'}, compute in {precision}"))
     else:
         model.to(dtype=compute)
         rows.append(("base weights", precision, "the run's precision" if precision == "fp32"
                      else "frozen: no fp32 master copy needed"))
-    rows.append(models.apply_liger(model, cfg.train.liger, device.type))  # on the base, before the adapters
+    rows.append(methods.apply_liger(model, cfg.train.liger, device.type))  # on the base, before the adapters
     modules = None
-    if a.method in models.PROMPT_METHODS:
+    if a.method in methods.PROMPT_METHODS:
         rows.append(("virtual_tokens", a.num_virtual_tokens, f"{a.method} tuning: trained "
                      + ("key/value prefixes in every layer" if a.method == "prefix" else "input embeddings")
                      + (f", started from {a.prompt_init_text!r}" if a.method == "prompt" and a.prompt_init_text else "")))
@@ -58,13 +58,13 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
         rows.append(("target_modules", "auto", "PEFT's IA3 defaults for this architecture (attention keys/values "
                                                "and the feed-forward output)"))
     else:
-        modules, why = models.target_modules(model, a.target_modules)
+        modules, why = methods.target_modules(model, a.target_modules)
         rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))
-    model = models.add_adapter(model, a, modules, loaded.tokenizer)
+    model = methods.add_adapter(model, a, modules, loaded.tokenizer)
     model.to(device)
     if a.method != "qlora" and precision != "fp32":
         if a.method in ("lora", "dora"):
-            models.compute_adapters_in(model)
+            methods.compute_adapters_in(model)
         rows.append(("adapters", f"fp32 + {precision} autocast", "fp32 master weights, low-precision matmuls"
                      + (": no fp32 copies of activations per adapted layer" if a.method in ("lora", "dora") else "")))
         return model, compute, rows
@@ -93,23 +93,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
 
-    # -- hardware plan, and the process group when torchrun started several ranks
-    hw = hardware.detect()
-    hw_plan = hardware.plan(t.device, t.precision, hw, t.compile, t.threads)
-    world = distributed.init(hw_plan.device, t.backend)
-    if prefer and world.size > 1:
-        raise TunebenchError(f"--objective {t.objective} runs in one process for now; train without torchrun "
-                             "(tunebench launch)")
-    device = distributed.device_for(world, hw_plan.device)
+    # -- the run opened: hardware plan, process group, output directory and resume point, batch, seed
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": t.seed,
                 "data": cfg.data.path if not cfg.data.sources else [list(s) for s in cfg.data.sources]}
     if prefer:
         identity["objective"] = {"objective": t.objective, "beta": t.beta, "orpo_lambda": t.orpo_lambda}
-    resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
     ask = cfg.batch_ask()
-    effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
-    runner.apply_plan(hw_plan)
-    runner.seed_everything(t.seed)
+    opened = runner.open_run(out, device=t.device, precision=t.precision, compile=t.compile, threads=t.threads,
+                             backend=t.backend, resume=t.resume, overwrite=t.overwrite, identity=identity, ask=ask,
+                             seed=t.seed)
+    hw, hw_plan, world, device = opened.hw, opened.hw_plan, opened.world, opened.device
+    resume_from, effective, resumed = opened.resume_from, opened.effective, opened.resumed
 
     # -- model and data (each machine's first rank fills the caches, its others read them)
     with distributed.local_rank0_first(world):
@@ -138,7 +132,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if prefer:
         loss_module, row = preference_loss(model, cfg, autocast)
         method_rows.append(row)
-    trainable, total = models.count_parameters(model)
+    trainable, total = metrics.count_parameters(model)
     if trainable == 0:
         raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
 
@@ -164,7 +158,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         a = cfg.adapter
         # A preference step is a pair's two rows plus DPO's reference pass: measured apart from SFT's rows.
         shape = tune.Shape(cfg.model.name, a.method if not prefer else f"{a.method}+{t.objective}", a.quantization,
-                           a.num_virtual_tokens if a.method in models.PROMPT_METHODS else a.r, a.target_modules,
+                           a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules,
                            cfg.data.max_length, tune.where(hw, hw_plan, device), hw_plan.precision,
                            hw.versions.get("torch", ""), t.attention, t.liger, t.gradient_checkpointing)
         return runplan.measure(
@@ -177,13 +171,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             compile_asked=runner.compile_decision(hw_plan, parallel.value), compile_mode=t.compile_mode, quantized=a.method == "qlora",
             run_tokens=steps * effective * tokens_per_row, local_ranks=world.local_size)
 
-    measure_started = time.perf_counter()
-    measured = distributed.agree(world, measure)
-    measure_s = time.perf_counter() - measure_started  # reported apart from training time
-    if not world.main:
-        runplan.apply_measured(model, list(measured.decisions))
+    measured, measure_s = runner.measured_by_rank0(world, model, measure)
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    prompt_method = cfg.adapter.method in models.PROMPT_METHODS
+    prompt_method = cfg.adapter.method in methods.PROMPT_METHODS
     packing = "off" if prompt_method or prefer else cfg.data.packing  # a pair's two rows stay side by side
     batch_layout, layout_reason = layout.decide(packing, lengths, train_idx, micro * world.size, t.seed,
                                                 cfg.data.max_length, effective)
@@ -257,7 +247,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if not world.main:
         return {}
     save_final(model, tok, out, cfg, loaded, weights)
-    matmul, layers, width = models.flop_dims(model)
+    matmul, layers, width = metrics.flop_dims(model)
     state = outcome.state
     # Attention over each example's own length (token-weighted), not the packed row's width.
     seq = state.token_sq / max(state.tokens, 1)

@@ -4,14 +4,13 @@ save. The loop, the measured decisions and the run plumbing are the ones `train`
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tunebench import arch, distributed, hardware, inference, models, optim, rundir, runner, runplan, tune
+from tunebench import arch, distributed, hardware, inference, kernels, metrics, models, optim, runner, runplan, tune
 from tunebench import summary as summary_
 from tunebench.data import batching, blocks, text
 from tunebench.errors import TunebenchError
@@ -19,7 +18,6 @@ from tunebench.hardware import Decision
 from tunebench.jobs import tokenizer as tokenizer_job
 from tunebench.jsonfile import write_json
 from tunebench.loop import LoopSettings, evaluate
-from tunebench.precision import DTYPES
 from tunebench.metrics import training_flops_per_token
 from tunebench.pretrain_config import PretrainConfig, dump_yaml
 from tunebench.tune import compiler
@@ -35,19 +33,15 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         raise TunebenchError(f"data.tokenizer '{d.tokenizer}' is not a directory; point --tokenizer at the output "
                              "of `tunebench tokenizer train`")
 
-    # -- hardware plan, and the process group when torchrun started several ranks
-    hw = hardware.detect()
+    # -- the run opened: hardware plan, process group, output directory and resume point, batch, seed
     device_asked = "cpu" if t.force_cpu else t.device
-    hw_plan = hardware.plan(device_asked, precision_for(t.precision_request, device_asked, hw), hw, t.compile, t.threads)
-    world = distributed.init(hw_plan.device, t.distributed_backend or t.backend)
-    device = distributed.device_for(world, hw_plan.device)
     identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": t.seed}
-    resume_from = rundir.open_run(world, out, t.resume, t.overwrite, identity)
     ask = cfg.batch_ask()
-    effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
-    runner.apply_plan(hw_plan)
-    runner.seed_everything(t.seed)
-    autocast = None if hw_plan.precision == "fp32" else DTYPES[hw_plan.precision]
+    opened = runner.open_run(out, device=device_asked, precision=precision_for(t.precision_request, device_asked),
+                             compile=t.compile, threads=t.threads, backend=t.distributed_backend or t.backend,
+                             resume=t.resume, overwrite=t.overwrite, identity=identity, ask=ask, seed=t.seed)
+    hw, hw_plan, world, device = opened.hw, opened.hw_plan, opened.world, opened.device
+    resume_from, effective, resumed, autocast = opened.resume_from, opened.effective, opened.resumed, opened.autocast
 
     # -- tokenizer and token blocks (tokenized once, cached, memory-mapped)
     with distributed.local_rank0_first(world):  # each machine's first rank fills the caches
@@ -71,7 +65,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     # -- model
     model = arch.build(m, tok, t.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    fast_drops = models.use_fast_dropout(model) if device.type == "cpu" else 0
+    fast_drops = kernels.use_fast_dropout(model) if device.type == "cpu" else 0
     pin = bool(hw_plan.value("pin_memory")) and t.dataloader_pin_memory
     rows = [dd if dd.setting != "pin_memory" or pin == dd.value
             else Decision("pin_memory", False, "training.dataloader_pin_memory: false")
@@ -113,11 +107,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
             compile_asked=runner.compile_decision(hw_plan, parallel.value), compile_mode=t.compile_mode, quantized=False,
             run_tokens=steps * effective * d.max_length, local_ranks=world.local_size)
 
-    measure_started = time.perf_counter()
-    measured = distributed.agree(world, measure)
-    measure_s = time.perf_counter() - measure_started  # reported apart from training time
-    if not world.main:
-        runplan.apply_measured(model, list(measured.decisions))
+    measured, measure_s = runner.measured_by_rank0(world, model, measure)
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     warmup = t.warmup_steps or int(t.warmup_ratio * steps)
     plan = runplan.make(hw_plan, world, parallel, measured, effective, accum, steps, [
@@ -188,7 +178,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     model.config.use_cache = True
     model.save_pretrained(out, state_dict=weights)
     tok.save_pretrained(out)
-    matmul, layers, width = models.flop_dims(model)
+    matmul, layers, width = metrics.flop_dims(model)
     fpt = training_flops_per_token(matmul, n_params, layers, width, d.max_length, full=True)
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
                **summary_.figures(outcome, fpt, hw_plan, hw, world), "parallel": plan.parallel,
@@ -200,11 +190,11 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     return summary
 
 
-def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
+def precision_for(request: str, device: str, hw: hardware.Hardware | None = None) -> str:
     """The --precision a run asks hardware.plan for; `use_amp: true` wants 16-bit and refuses fp32."""
     if request != "amp":
         return request
-    auto = hardware.plan(device, "auto", hw).precision
+    auto = hardware.plan(device, "auto", hw or hardware.detect()).precision
     if auto == "fp32":
         raise TunebenchError("training.use_amp: true, but this device has no fast 16-bit arithmetic (a CPU without "
                              "AVX512-BF16 or AMX); set use_amp: false (fp32)")
