@@ -281,7 +281,7 @@ def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
             f"--precision bf16 needs an Ampere or newer GPU; {gpu.name} (sm_{gpu.capability[0]}"
             f"{gpu.capability[1]}) lacks it: use --precision fp16 or auto"
         )
-    if requested != "auto" and device == "cpu" and requested != "fp32":
+    if device == "cpu" and requested in ("bf16", "fp16"):
         # A CPU computes every dtype; without the units for it, torch emulates it (slower than fp32). It is
         # run as asked, and said: a machine without native bf16 still runs the path machines with it take.
         native = (requested == "bf16" and hw.cpu_bf16) or (requested == "fp16" and "amx_fp16" in hw.cpu_flags)

@@ -19,13 +19,12 @@ CLASSES = ("avx2", "avx512-bf16", "amx", "h100", "gpu-24gb", "gpu-8gb", "apple-m
 
 
 def table(record: Path) -> str:
-    """The class's settings, one `setting | value | reason` a line, then the recommended command. The
-    allocator row is left out: it says what the planning process does with freed memory, not the machine."""
+    """The class's settings as `tunebench hw --machine` plans them, one `setting | value | reason` a line, then
+    the recommended command."""
     from tunebench.jobs import hw
 
-    _, rows, command = hw.recommend(hw.load_record(str(record)), env={})
-    lines = [f"{r.setting} | {r.value} | {r.reason}" for r in rows if r.setting != "allocator"]
-    return "\n".join(lines + [f"command | {command}"]) + "\n"
+    _, rows, command = hw.recorded(str(record))
+    return "\n".join([f"{r.setting} | {r.value} | {r.reason}" for r in rows] + [f"command | {command}"]) + "\n"
 
 
 if __name__ == "__main__":

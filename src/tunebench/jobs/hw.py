@@ -50,11 +50,10 @@ def machine():
     return hw, plan, {"hardware": hw.to_dict(), **plan.to_dict(), "peak_tflops": peak, "peak_tflops_source": source}
 
 
-def recommend(hw: hardware.Hardware, env: dict[str, str] | None = None) -> tuple[hardware.Plan, list[Decision], str]:
-    """What tunebench picks on `hw` before any model is measured: the hardware plan, the batch rule on the
-    defaults, the peak MFU is reported against, the logging interval, the profile, and the `tunebench train`
-    command it recommends. `env` (default os.environ) as hardware.plan reads it."""
-    plan = hardware.plan("auto", "auto", hw, env=env)
+def recommend(hw: hardware.Hardware, plan: hardware.Plan) -> tuple[list[Decision], str]:
+    """What tunebench picks on `hw` before any model is measured: the hardware plan's rows, the batch rule on
+    the defaults, the peak MFU is reported against, the logging interval, the profile, and the `tunebench
+    train` command it recommends."""
     effective = load_config().batch_ask().check(1)
     sizes = micro_candidates(effective, 1, effective)
     profile, why = profile_for(hw)
@@ -64,7 +63,7 @@ def recommend(hw: hardware.Hardware, env: dict[str, str] | None = None) -> tuple
             Decision("effective_batch_size", effective, "--effective-batch-size default; = micro x accumulation "
                                                         "x ranks"),
             peak_row(plan, hw), runplan.logging_row(None, plan.device), Decision("profile", profile, why)]
-    return plan, rows, f"tunebench train --profile {profile} --precision {plan.precision} --batch-size auto"
+    return rows, f"tunebench train --profile {profile} --precision {plan.precision} --batch-size auto"
 
 
 def peak_row(plan: hardware.Plan, hw: hardware.Hardware) -> Decision:
@@ -78,6 +77,16 @@ def peak_row(plan: hardware.Plan, hw: hardware.Hardware) -> Decision:
         return Decision("peak_tflops", "measured", f"the best {plan.precision} matmul, measured once on this CPU; "
                         + (f"FMA limit {limit:.3f} TFLOP/s ({how})" if limit else how))
     return Decision("peak_tflops", None, f"no peak figure for {plan.device}: MFU is not reported")
+
+
+def recorded(path: str) -> tuple[hardware.Hardware, list[Decision], str]:
+    """(the machine, the settings tunebench would pick there, the command) from the record `tunebench hw
+    --json` wrote on it. Planned as a fresh command there would be (no OMP_NUM_THREADS or torchrun ranks of
+    this process); the allocator row is left out: it says what this planning process does with freed memory,
+    not the recorded machine."""
+    hw = load_record(path)
+    rows, command = recommend(hw, hardware.plan("auto", "auto", hw, env={}))
+    return hw, [r for r in rows if r.setting != "allocator"], command
 
 
 def load_record(path: str) -> hardware.Hardware:
@@ -101,9 +110,7 @@ def load_record(path: str) -> hardware.Hardware:
 
 def run(as_json: bool = False, text: str | None = None, machine_record: str | None = None) -> dict:
     if machine_record is not None:  # another machine's decisions, planned here from its record
-        hw = load_record(machine_record)
-        plan, rows, command = recommend(hw, env={})
-        rows = [r for r in rows if r.setting != "allocator"]  # that row is this process's, not the machine's
+        hw, rows, command = recorded(machine_record)
         print(f"recorded machine {machine_record}: {hw.cpu_model}, {hw.physical_cores} physical cores"
               + "".join(f"; GPU {g.index} {g.name}, {g.memory_mb / 1024:.0f} GiB" for g in hw.gpus)
               + ("; Apple MPS" if hw.mps else ""))
@@ -134,7 +141,7 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
         print("MPS       available")
     print("versions  " + ", ".join(f"{k} {v}" for k, v in hw.versions.items()))
     print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
-    _, rows, command = recommend(hw)
+    rows, command = recommend(hw, plan)
     summary.print_plan([r for r in rows if r.setting not in ("peak_tflops", "profile")], "recommended:")
     profile, why = profile_for(hw)
     print(f"\nrun it ({why}; the micro batch is measured on the run's own model, within the memory free):\n"
