@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -132,30 +131,10 @@ def _chat(args: argparse.Namespace) -> int | None:
 
 
 def _merge(args: argparse.Namespace) -> int | None:
-    from tunebench.jobs.merge import merge
+    from tunebench.jobs import merge
 
-    adapters = args.adapter or _need("--adapter")
-    if len(adapters) == 1:
-        merge(adapters[0], args.output_dir, args.model, args.allow_download)
-    else:
-        from tunebench.jobs.merge import combine
-
-        from tunebench.jobs.merge import before_and_after
-
-        if args.eval_data and len(args.eval_data) != len(adapters):
-            raise TunebenchError(f"--eval-data gives {len(args.eval_data)} dataset(s) for {len(adapters)} adapters; "
-                                 "give one per adapter, in the same order")
-        if args.eval_rows < 1:
-            raise TunebenchError(f"--eval-rows must be 1 or more, got {args.eval_rows}")
-        if args.eval_data:  # refused now if unreadable, not after the combination
-            from tunebench.data import formats
-
-            for path in args.eval_data:
-                formats.load_examples(_data_config(path, None))
-        out = combine(adapters, args.output_dir, _weights(args.weights), args.combination, args.density,
-                      args.model, args.allow_download)
-        if args.eval_data:
-            print(before_and_after(adapters, out, args.eval_data, args.eval_rows))
+    merge.run(args.adapter or _need("--adapter"), args.output_dir, args.model, args.allow_download,
+              _weights(args.weights), args.combination, args.density, args.eval_data, args.eval_rows)
 
 
 def _prepare(args: argparse.Namespace) -> int | None:
@@ -177,41 +156,12 @@ def _export(args: argparse.Namespace) -> int | None:
 def _eval(args: argparse.Namespace) -> int | None:
     from tunebench.jobs import evaluate
 
-    from pathlib import Path
-
-    from tunebench.inference import base_of
-    from tunebench.jsonfile import write_json
-
-    data = _data_config(args.data, args.max_length, args.max_samples)
-    adapters = args.adapter or [None]
-    if args.base and adapters == [None]:
-        raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
-    chosen = [("base", args.model or base_of(adapters[0]), None)] if args.base else []
-    chosen += [(evaluate.label_of(args.model, a), args.model, a) for a in adapters]
-    labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
-              for i, (label, _, _) in enumerate(chosen)]
-    out = Path(args.output_dir)
-    if args.lm_eval:
-        for label, (_, model, adapter) in zip(labels, chosen):
-            result = evaluate.lm_eval(model, adapter, args.lm_eval, args.data, args.lm_eval_limit,
-                                      args.lm_eval_include, args.batch_size, args.device, args.precision,
-                                      args.allow_download, out / label)
-            print(json.dumps({"label": label, **result}, indent=2))
-        return 0
-    results = [(label, evaluate.run(
-        model, adapter, data, args.batch_size, allow_download=args.allow_download, device=args.device,
-        precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
-        answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
-        for label, (_, model, adapter) in zip(labels, chosen)]
-    if args.generate:
-        write_json(out / "scores.json", {label: r for label, r in results})
-    if len(results) == 1:
-        print(json.dumps(results[0][1], indent=2))
-    else:
-        print(evaluate.side_by_side(results))
-    if args.generate:
-        print(f"answers and scores in {out}/ (answers-MODEL.jsonl, scores.json); generated for "
-              f"{results[0][1]['generated_from']}")
+    evaluate.table(args.model, args.adapter or [None], args.base,
+                   _data_config(args.data, args.max_length, args.max_samples), args.output_dir,
+                   batch_size=args.batch_size, allow_download=args.allow_download, device=args.device,
+                   precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
+                   lm_eval_tasks=args.lm_eval, lm_eval_data=args.data, lm_eval_limit=args.lm_eval_limit,
+                   lm_eval_include=args.lm_eval_include)
 
 
 def _compare(args: argparse.Namespace) -> int | None:

@@ -18,6 +18,40 @@ from tunebench.loop import CausalLMLoss, evaluate
 from tunebench.rundir import RunDir
 
 
+def table(model: str | None, adapters: list[str | None], base: bool, data: DataConfig, output_dir: str, *,
+          batch_size: int, allow_download: bool, device: str, precision: str, generate: int, max_new_tokens: int,
+          lm_eval_tasks: str | None, lm_eval_data: str | None, lm_eval_limit: int | None,
+          lm_eval_include: str | None) -> None:
+    """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
+    `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`)."""
+    from tunebench.inference import base_of
+    from tunebench.jsonfile import write_json
+
+    if base and adapters == [None]:
+        raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
+    chosen = [("base", model or base_of(adapters[0]), None)] if base else []
+    chosen += [(label_of(model, a), model, a) for a in adapters]
+    labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
+              for i, (label, _, _) in enumerate(chosen)]
+    out = Path(output_dir)
+    if lm_eval_tasks:
+        for label, (_, spec, adapter) in zip(labels, chosen):
+            result = lm_eval(spec, adapter, lm_eval_tasks, lm_eval_data, lm_eval_limit, lm_eval_include, batch_size,
+                             device, precision, allow_download, out / label)
+            print(json.dumps({"label": label, **result}, indent=2))
+        return
+    results = [(label, run(spec, adapter, data, batch_size, allow_download=allow_download, device=device,
+                           precision=precision, generate=generate, max_new_tokens=max_new_tokens,
+                           answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
+               for label, (_, spec, adapter) in zip(labels, chosen)]
+    if generate:
+        write_json(out / "scores.json", {label: r for label, r in results})
+    print(json.dumps(results[0][1], indent=2) if len(results) == 1 else side_by_side(results))
+    if generate:
+        print(f"answers and scores in {out}/ (answers-MODEL.jsonl, scores.json); generated for "
+              f"{results[0][1]['generated_from']}")
+
+
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
         allow_download: bool = False, device: str = "auto", precision: str = "auto", generate: int = 0,
         max_new_tokens: int = 128, answers: Path | None = None, split_of: str | None = None,

@@ -19,6 +19,33 @@ COMBINATIONS = ("linear", "cat", "ties", "dare_ties", "magnitude_prune")
 NEEDS_DENSITY = ("ties", "dare_ties", "magnitude_prune")
 
 
+def run(adapters: list[str], output_dir: str, model: str | None = None, allow_download: bool = False,
+        weights: list[float] | None = None, combination: str = "linear", density: float | None = None,
+        eval_data: list[str] | None = None, eval_rows: int = 16) -> Path:
+    """`tunebench merge`: one adapter folded into its base, or several combined into one adapter (then, with
+    `eval_data`, each task scored by its own adapter and by the combination)."""
+    if len(adapters) == 1:
+        return merge(adapters[0], output_dir, model, allow_download)
+    if eval_data and len(eval_data) != len(adapters):
+        raise TunebenchError(f"--eval-data gives {len(eval_data)} dataset(s) for {len(adapters)} adapters; "
+                             "give one per adapter, in the same order")
+    if eval_rows < 1:
+        raise TunebenchError(f"--eval-rows must be 1 or more, got {eval_rows}")
+    for path in eval_data or []:  # refused now if unreadable, not after the combination
+        _examples(path)
+    out = combine(adapters, output_dir, weights, combination, density, model, allow_download)
+    if eval_data:
+        print(before_and_after(adapters, out, eval_data, eval_rows))
+    return out
+
+
+def _examples(path: str):
+    from tunebench.config import load_config
+    from tunebench.data import formats
+
+    return formats.load_examples(load_config(options={"data.path": path}).data)
+
+
 def merge(adapter: str, output_dir: str, model: str | None = None, allow_download: bool = False) -> Path:
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()):
@@ -81,15 +108,13 @@ def before_and_after(adapters: list[str], combined: Path, eval_data: list[str], 
     """Each task's metric (exact match on GSM8K-style data, else ROUGE-L) from its own adapter and from the
     combined one, on the same rows: what combining cost or gained each task."""
     from tunebench import quality
-    from tunebench.config import load_config
-    from tunebench.data import formats
     from tunebench.jobs.generate import trained_template
 
     template = trained_template(str(combined))
     together = inference.load(None, str(combined))  # once, for every task
     lines = ["task (data)                 metric       its adapter   combined"]
     for adapter, path in zip(adapters, eval_data):
-        examples = formats.load_examples(load_config(options={"data.path": path}).data).messages[:rows]
+        examples = _examples(path).messages[:rows]
         scores = []
         for placed in (inference.load(None, adapter), together):
             answers, seconds = quality.generate_answers(placed, examples, template, max_new_tokens)
