@@ -28,18 +28,18 @@ BITEXT = ROOT.parent / "shared" / "data" / "bitext-early-official-4514rows" / \
 
 
 def make_store(path: Path, prompts: int, seed: int) -> None:
-    from tunebench.web import store
+    from tunebench.data import votes
 
     rows = list(csv.DictReader(BITEXT.open(encoding="utf-8")))
     rng = random.Random(seed)
     picked = rng.sample(rows, prompts)
-    store.open_store(path)
+    votes.open_store(path)
     for i, row in enumerate(picked):
         wrong = rng.choice([r for r in rows if r["intent"] != row["intent"]])["response"]
         right_is_a = rng.random() < 0.5
         a, b = (row["response"], wrong) if right_is_a else (wrong, row["response"])
         vote = ("tie" if i % 20 == 0 else "both_bad") if i % 10 == 0 else ("a" if right_is_a else "b")
-        store.record(path, row["instruction"], "model-x", "model-y", a, b, vote, {"seed": seed}, f"pair{i}")
+        votes.record(path, row["instruction"], "model-x", "model-y", a, b, vote, {"seed": seed}, f"pair{i}")
 
 
 def main() -> None:

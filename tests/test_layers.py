@@ -118,3 +118,22 @@ def test_every_job_the_parser_knows_is_in_the_cli_table():
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(subparsers.choices) == set(cli.JOBS)
+
+
+# What each lower layer may import from the rest of the package: the leaves at the bottom and the schema. A
+# lower layer that reached for a job, the web app, the models or the run's plan would sit above what it feeds.
+LAYERS = {
+    "tunebench.data": {"tunebench.config", "tunebench.errors", "tunebench.durable", "tunebench.jsonfile",
+                       "tunebench.paths", "tunebench.batch_rule", "tunebench.decision"},
+    "tunebench.tune": {"tunebench.errors", "tunebench.jsonfile", "tunebench.paths", "tunebench.decision",
+                       "tunebench.hardware", "tunebench.kernels", "tunebench.loop", "tunebench.precision",
+                       "tunebench.batch_rule", "tunebench.data", "tunebench.data.batching", "tunebench.metrics"},
+}
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_lower_layer_imports_nothing_above_it(layer):
+    graph = import_graph()
+    reached = {dep for module, deps in graph.items() if module == layer or module.startswith(layer + ".")
+               for dep in deps if not (dep == layer or dep.startswith(layer + "."))}
+    assert reached <= LAYERS[layer], f"{layer} imports {sorted(reached - LAYERS[layer])}"

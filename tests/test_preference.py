@@ -14,16 +14,16 @@ from tunebench.config import DataConfig, load_config
 from tunebench.data import pairs
 from tunebench.errors import TunebenchError
 from tunebench.jobs import finetune
-from tunebench.web import store
+from tunebench.data import votes
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "preference.json").read_text())
 
 
 def vote_store(tmp_path) -> Path:
     """An A/B store with one vote of each kind, on prompts p-a, p-b, p-tie and p-bad."""
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     for i, vote in enumerate(("a", "b", "tie", "both_bad")):
-        store.record(db, f"p-{vote}", "model-x", "model-y", f"answer A {i}", f"answer B {i}", vote, {}, f"pair{i}")
+        votes.record(db, f"p-{vote}", "model-x", "model-y", f"answer A {i}", f"answer B {i}", vote, {}, f"pair{i}")
     return db
 
 
@@ -139,12 +139,12 @@ def test_method_dpo_is_the_objective_on_lora_and_conflicts_are_refused():
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
 def test_training_on_an_ab_store_from_the_command_line(tmp_path, capsys, objective):
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     for i, p in enumerate(GOLDEN["pairs"] * 2):
         flip = i % 2  # the chosen answer shown as B half the time
         a, b = (p["rejected"], p["chosen"]) if flip else (p["chosen"], p["rejected"])
-        store.record(db, p["prompt"], "m1", "m2", a, b, "b" if flip else "a", {}, f"pair{i}")
-    store.record(db, "p", "m1", "m2", "x", "y", "tie", {}, "tie")
+        votes.record(db, p["prompt"], "m1", "m2", a, b, "b" if flip else "a", {}, f"pair{i}")
+    votes.record(db, "p", "m1", "m2", "x", "y", "tie", {}, "tie")
     out = tmp_path / "run"
     assert main(["train", "--model", "tiny", "--method", objective, "--data", str(db), "--output-dir", str(out),
                  "--max-steps", "4", "--effective-batch-size", "4", "--eval-fraction", "0.25", "--lr", "1e-2",
@@ -180,8 +180,8 @@ def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
     text = train_on_votes(db, "tiny")
     assert f"tunebench train --method dpo --data {db} --model tiny --output-dir runs/dpo-votes" in text
     assert "2 preference pair(s)" in text
-    only_ties = store.open_store(tmp_path / "ties.sqlite")
-    store.record(only_ties, "p", "m1", "m2", "x", "y", "tie", {}, "t")
+    only_ties = votes.open_store(tmp_path / "ties.sqlite")
+    votes.record(only_ties, "p", "m1", "m2", "x", "y", "tie", {}, "t")
     assert "No A or B votes yet" in train_on_votes(only_ties)
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import needs_module, tiny_run_config
 
 from tunebench.errors import TunebenchError
-from tunebench.web import store
+from tunebench.data import votes
 
 gr = needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
@@ -20,42 +20,42 @@ from tunebench.web import app, models  # noqa: E402
 
 
 def _vote(db, a, b, vote):
-    store.record(db, "p", a, b, "answer a", "answer b", vote, {"temperature": 0.7})
+    votes.record(db, "p", a, b, "answer a", "answer b", vote, {"temperature": 0.7})
 
 
 def test_the_store_reports_each_pair_whichever_side_its_models_were_shown_on(tmp_path):
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     for a, b, vote in [("base", "tuned", "b"), ("tuned", "base", "a"), ("base", "tuned", "tie"),
                        ("tuned", "base", "both_bad"), ("base", "tuned", "a"), ("x", "tuned", "a")]:
         _vote(db, a, b, vote)
-    pairs = {(p.first, p.second): p for p in store.pairs(db)}
+    pairs = {(p.first, p.second): p for p in votes.pairs(db)}
     tuned = pairs[("base", "tuned")]
     assert (tuned.first_wins, tuned.second_wins, tuned.ties, tuned.both_bad, tuned.votes) == (1, 2, 1, 1, 5)
     assert tuned.win_rate == pytest.approx(1.5 / 4)  # base: one win and a half of the tie, of 4 judged votes
     assert pairs[("tuned", "x")].second_wins == 1
-    text = store.report(db)
+    text = votes.report(db)
     assert "6 vote(s)" in text and "37.5%" in text
     with pytest.raises(ValueError):
         _vote(db, "a", "b", "maybe")
-    row = json.loads(store.connect(db).execute("SELECT settings FROM votes LIMIT 1").fetchone()[0])
+    row = json.loads(votes.connect(db).execute("SELECT settings FROM votes LIMIT 1").fetchone()[0])
     assert row == {"temperature": 0.7}
 
 
 def test_the_wilson_interval_on_a_known_case():
-    low, high = store.wilson(8, 10)  # the textbook case: 8 of 10, 95%
+    low, high = votes.wilson(8, 10)  # the textbook case: 8 of 10, 95%
     assert (round(low, 4), round(high, 4)) == (0.4902, 0.9433)
-    assert store.wilson(0, 0) == (0.0, 1.0)
-    low, high = store.wilson(0, 5)
+    assert votes.wilson(0, 0) == (0.0, 1.0)
+    low, high = votes.wilson(0, 5)
     assert low == 0.0 and 0.43 < high < 0.44
 
 
 def _writer(db, n, name):
     for i in range(n):
-        _vote(db, name, "other", random.choice(store.VOTES))
+        _vote(db, name, "other", random.choice(votes.VOTES))
 
 
 def test_concurrent_writers_lose_no_vote(tmp_path):
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     threads = [threading.Thread(target=_writer, args=(db, 25, f"t{k}")) for k in range(4)]
     procs = [multiprocessing.get_context("spawn").Process(target=_writer, args=(db, 25, f"p{k}")) for k in range(2)]
     for w in threads + procs:
@@ -63,7 +63,7 @@ def test_concurrent_writers_lose_no_vote(tmp_path):
     for w in threads + procs:
         w.join()
     assert all(p.exitcode == 0 for p in procs)
-    assert sum(p.votes for p in store.pairs(db)) == 150
+    assert sum(p.votes for p in votes.pairs(db)) == 150
 
 
 def test_bad_input_is_one_line_before_any_model_loads(tmp_path):
@@ -123,7 +123,7 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     history, status = list(app.chat_turn(registry, registry.labels[1], "hello", [], 0.7, 0.9, 8))[-1]
     assert history[0] == {"role": "user", "content": "hello"} and history[1]["role"] == "assistant"
     assert "tokens/s" in status
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     shown = set()
     for seed in range(8):  # the order is random: both orders show up
         *_, (answer_a, answer_b, status, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1],
@@ -136,7 +136,7 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     assert f"A was {state['model_a']}" in message and state["voted"] and "tokens/s" in message  # revealed
     with pytest.raises(gr.Error):
         app.ab_vote(db, "a", state)  # one vote per pair of answers
-    (pair,) = store.pairs(db)
+    (pair,) = votes.pairs(db)
     winner = state["model_b"]
     assert (pair.first_wins if winner == pair.first else pair.second_wins) == 1
 
@@ -230,9 +230,9 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
     finally:
         browser.quit()
         served.close()
-    (pair,) = store.pairs(db)
+    (pair,) = votes.pairs(db)
     assert pair.votes == 1 and pair.first_wins + pair.second_wins == 1
-    prompt, = store.connect(db).execute("SELECT prompt FROM votes").fetchone()
+    prompt, = votes.connect(db).execute("SELECT prompt FROM votes").fetchone()
     assert prompt == "How do I cancel my order?"
     for shot in ("login", "Chat", "AB", "voted", "AB results"):
         assert (tmp_path / f"{shot}.png").stat().st_size > 10_000
@@ -241,7 +241,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
 def test_the_cli_reports_votes_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     from tunebench.cli import main
 
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     _vote(db, "base", "tuned", "b")
     assert main(["ab-report", str(db)]) == 0
     out = capsys.readouterr().out
@@ -255,7 +255,7 @@ def test_the_cli_reports_votes_and_refuses_bad_input_in_one_line(tmp_path, capsy
 
 def test_a_pair_takes_one_vote_however_fast_the_clicks(tmp_path, tuned):
     registry = models.Registry(models.entries(["tiny"], [tuned]))
-    db = store.open_store(tmp_path / "ab.sqlite")
+    db = votes.open_store(tmp_path / "ab.sqlite")
     *_, (_, _, _, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi", 0.7, 0.9, 4)
     results = []
     barrier = threading.Barrier(4)
@@ -271,7 +271,7 @@ def test_a_pair_takes_one_vote_however_fast_the_clicks(tmp_path, tuned):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert sorted(r == "refused" for r in results) == [False, True, True, True]
-    assert store.pairs(db)[0].votes == 1
+    assert votes.pairs(db)[0].votes == 1
 
 
 def test_requests_past_the_limits_or_the_context_are_refused(tuned):

@@ -91,9 +91,9 @@ def _serve(args: argparse.Namespace) -> int | None:
 
 
 def _ab_report(args: argparse.Namespace) -> int | None:
-    from tunebench.web import store
+    from tunebench.data import votes
 
-    print(store.report(args.path))
+    print(votes.report(args.path))
     if args.export_pairs:
         from tunebench.data import pairs
 

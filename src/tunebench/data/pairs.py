@@ -69,10 +69,10 @@ def is_store(path: str) -> bool:
 
 def from_store(path: str) -> PairExamples:
     """A vote for A makes (A's answer chosen, B's rejected), a vote for B the other way round."""
-    from tunebench.web import store
+    from tunebench.data import votes
 
     out = PairExamples([], [], [], path)
-    for prompt, answer_a, answer_b, vote in store.votes(path, "prompt, answer_a, answer_b, vote"):
+    for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
         if vote in ("tie", "both_bad"):
             _skip(out, "ties" if vote == "tie" else "both-bad votes")
             continue

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from tunebench.errors import TunebenchError
-from tunebench.web import store
+from tunebench.data import votes
 from tunebench.web.models import MAX_PROMPT_CHARS, Registry, entries, load_prompts, stream
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
@@ -93,9 +93,9 @@ def ab_vote(db: Path, vote: str, state: dict | None) -> tuple[str, dict | None]:
     if state.get("voted"):
         raise gr.Error("This pair is already voted on; generate new answers.")
     try:  # two fast clicks run two handlers on the same state: the store takes one vote per pair
-        vote_id = store.record(db, state["prompt"], state["model_a"], state["model_b"], state["answer_a"],
+        vote_id = votes.record(db, state["prompt"], state["model_a"], state["model_b"], state["answer_a"],
                                state["answer_b"], vote, state["settings"], state.get("pair_id"))
-    except store.AlreadyVoted:
+    except votes.AlreadyVoted:
         raise gr.Error("This pair is already voted on; generate new answers.") from None
     speeds = state.get("speeds", {})
     shown = "".join(f", {side.upper()} {speeds[side]:.1f} tokens/s" for side in ("a", "b") if side in speeds)
@@ -118,7 +118,7 @@ def read_upload(file) -> list[str]:
 
 
 def results_rows(db: Path) -> list[list[str]]:
-    return store.table(db)[1] if db.is_file() else []
+    return votes.table(db)[1] if db.is_file() else []
 
 
 def train_on_votes(db: Path, base: str | None = None) -> str:
@@ -143,7 +143,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
     import gradio as gr
 
     labels = registry.labels
-    results_head = store.table(db)[0] if db.is_file() else []
+    results_head = votes.table(db)[0] if db.is_file() else []
     with gr.Blocks(title="tunebench", analytics_enabled=False) as app:
         gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, and compare them blind.")
         with gr.Tab("Chat", id="chat"):
@@ -281,7 +281,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     choices = entries(model_specs, run_dirs, allow_download)
     prompt_list = load_prompts(prompts) if prompts else None
-    db = store.open_store(ab_db)
+    db = votes.open_store(ab_db)
     check_port(host, port)
     registry = Registry(choices, allow_download, device, precision)
     app = build(registry, db, prompt_list)
