@@ -50,6 +50,34 @@ def test_the_guides_hardware_profiles_and_its_hydra_override(guide, ours):
         cli.train_config(cli.build_parser().parse_args(["train", "--profile", "cpu", f"hardware={guide}"]))
 
 
+def test_the_hardware_guides_keys_are_translated_at_load():
+    """`training.batch_size=... optimization.compile=true model.use_gradient_checkpointing=true`, the guide's
+    Hydra overrides, reach both jobs as their own keys (aliases at load, not fields of the schema)."""
+    guide = ["training.batch_size=4", "optimization.compile=true", "model.use_gradient_checkpointing=true",
+             "optimization.gradient_accumulation_steps=2"]
+    cfg = config.load_config(overrides=guide)
+    assert (cfg.train.micro_batch_size, cfg.train.compile, cfg.train.gradient_checkpointing,
+            cfg.train.grad_accum_steps, cfg.effective_batch_size) == (4, "on", "on", 2, 8)
+    pre = pretrain_config.load(None, {"data.train_file": "x.txt"}, guide)
+    assert (pre.training.batch_size, pre.training.compile, pre.model.gradient_checkpointing,
+            pre.training.gradient_accumulation_steps) == (4, "on", True, 2)
+
+
+def test_the_cpu_guides_world_size_is_the_number_of_processes_it_is_started_with(monkeypatch, tmp_path):
+    """TrainingConfig(world_size=4, distributed_backend="gloo") was refused as an unknown argument. A config
+    cannot start processes: the run is checked against the number it was started with."""
+    from tunebench.api import DataConfig, PretrainConfig, TrainingConfig
+
+    cfg = PretrainConfig(training=TrainingConfig(device="cpu", distributed_backend="gloo", world_size=4, batch_size=1,
+                                                 gradient_accumulation_steps=4),
+                         data=DataConfig(train_file=str(tmp_path / "x.txt")))
+    with pytest.raises(config.TunebenchError, match=r"world_size is 4, and this run was started as 1 .*"
+                                                     r"tunebench launch --nproc-per-node 4 -- pretrain"):
+        pretrain_config.validate(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # one of the 4 ranks torchrun started
+    pretrain_config.validate(cfg)
+
+
 def test_hw_recommends_a_command_and_writes_system_info(tmp_path, capsys):
     assert cli.main(["hw"]) == 0
     said = capsys.readouterr().out

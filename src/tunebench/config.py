@@ -153,6 +153,13 @@ def all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
 
 
+# Spellings from the documents users arrive with, translated at load (they are not fields of the schema):
+# the hardware guide's Hydra overrides `training.batch_size=20 optimization.compile=true
+# model.use_gradient_checkpointing=true`, and its optimization section's accumulation.
+KEY_ALIASES = {"training.batch_size": "train.micro_batch_size", "optimization.compile": "train.compile",
+               "optimization.gradient_accumulation_steps": "train.grad_accum_steps",
+               "model.use_gradient_checkpointing": "train.gradient_checkpointing"}
+
 # Names other tools use for our keys, so the hint lands on the right one.
 SYNONYMS = {
     "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
@@ -298,6 +305,7 @@ def check_types(cfg: Any, sections: dict[str, type]) -> None:
 
 
 def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
+    key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in _SECTION_TYPES or parts[1] not in {
         f.name for f in dataclasses.fields(_SECTION_TYPES[parts[0]])

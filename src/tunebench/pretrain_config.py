@@ -100,6 +100,9 @@ class TrainingConfig:
     logging_dir: str | None = None  # where report_to: tensorboard writes (default: RUN_DIR/tensorboard)
     dataloader_prefetch_factor: int | None = None  # accepted; batches are slices of an in-memory token file
     distributed_backend: str | None = None  # the guide's name for `backend`
+    # The guide's: the number of processes the run is started with (torchrun, tunebench launch). A config
+    # cannot start processes; a run started with another number is refused, with the command that starts it.
+    world_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.report_to, (list, tuple)):  # HF TrainingArguments' spelling: report_to=["tensorboard"]
@@ -198,6 +201,13 @@ ALIASES = {"train": "training", "lr": "learning_rate", "epochs": "num_epochs", "
            "hidden_size": "d_model", "num_layers": "n_layers", "num_heads": "n_heads", "seq_len": "max_seq_len"}
 
 
+# The hardware guide's keys, translated at load: its optimization section is our training section's, and
+# its model.use_gradient_checkpointing is model.gradient_checkpointing.
+KEY_ALIASES = {"optimization.compile": "training.compile",
+               "optimization.gradient_accumulation_steps": "training.gradient_accumulation_steps",
+               "model.use_gradient_checkpointing": "model.gradient_checkpointing"}
+
+
 def all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)] + ["device"]
 
@@ -211,6 +221,7 @@ def _set(tree: dict[str, dict[str, Any]], key: str, value: Any) -> None:
         key = "training.device"
         if isinstance(value, dict):  # device: {type: cpu}
             value = next((value[k] for k in ("type", "device", "name") if k in value), None)
+    key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in SECTIONS or parts[1] not in {f.name for f in dataclasses.fields(SECTIONS[parts[0]])}:
         raise TunebenchError(f"unknown config key '{key}'{_nearest(key)}")
@@ -285,7 +296,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     if t.max_steps is not None and t.max_tokens is not None:
         raise TunebenchError("training.max_steps and training.max_tokens both set the run's length; give one of them")
     for opt in ("max_steps", "max_tokens", "eval_steps", "save_steps", "effective_batch_size", "threads",
-                "gradient_accumulation_steps"):
+                "gradient_accumulation_steps", "world_size"):
         if getattr(t, opt) is not None:
             positive[f"training.{opt}"] = getattr(t, opt)
     if d.max_eval_blocks is not None:
@@ -348,7 +359,13 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     if t.autotune_batch and t.effective_batch_size is None:
         raise TunebenchError("training.batch_size auto needs training.effective_batch_size (the micro batches "
                              "measured are those that divide it)")
-    cfg.batch_ask().check(world_size or launched_world_size())
+    started = world_size or launched_world_size()
+    if t.world_size is not None and t.world_size != started:
+        raise TunebenchError(f"training.world_size is {t.world_size}, and this run was started as {started} "
+                             f"process(es); start {t.world_size}: `tunebench launch --nproc-per-node {t.world_size} -- "
+                             "pretrain ...` on one machine (--nnodes x --nproc-per-node across machines), or drop "
+                             "world_size")
+    cfg.batch_ask().check(started)
     if not 0 <= t.warmup_ratio <= 1:
         raise TunebenchError(f"training.warmup_ratio must be in [0, 1], got {t.warmup_ratio}")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.dataloader_num_workers < 0:
