@@ -7,6 +7,7 @@ A job builds its model, data and decisions, then hands them here; the loop itsel
 
 from __future__ import annotations
 
+import math
 import random
 import signal
 import time
@@ -23,7 +24,7 @@ from tunebench import precision as precision_
 from tunebench.batch_rule import BatchAsk
 from tunebench.data import batching
 from tunebench.distributed import World
-from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, train
+from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
 from tunebench.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.monitor import Monitor, other_load
 
@@ -291,6 +292,89 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
             metrics.close()
     peaks = peaks or [0.0]
     return Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What the optimizer and the schedule take, from whichever job's keys gave them."""
+
+    lr: float
+    weight_decay: float
+    schedule: str
+    warmup_steps: int
+    max_grad_norm: float
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """When the loop logs, evaluates and saves, and where it reports."""
+
+    logging_steps: int
+    eval_steps: float | None  # a fraction of the run, or a number of steps (every)
+    save_steps: int | None
+    save_total_limit: int
+    progress: bool
+    report_to: str
+    monitor: bool
+    logging_dir: str | None = None
+
+
+def train_run(out: Path, opened: Opened, plan, model, autocast, *, optimization: Optimization, outputs: Outputs,
+              next_micro_batch: Callable[[LoopState], Batch | None], eval_sets: list[tuple[str, list[Batch]]],
+              identity: dict[str, Any], records: Callable[[], None], seed: int, pin_memory: bool, loss=None,
+              after_eval: Callable[[int], dict[str, Any]] | None = None) -> tuple[Outcome, dict | None]:
+    """The training half both jobs share, in this order: the objective as the process group wraps it (DDP,
+    FSDP), each rank's own dropout masks, the optimizer over the parameters FSDP sharded, the schedule, fp16's
+    GradScaler, the run's records (rank 0: `records()` writes config.yaml and plan.json), the loop with its
+    evaluation of each of `eval_sets` (one dataset's eval as it is; several, combined by per_source), then the
+    sharded weights gathered and the process group shut down. Returns (outcome, the gathered weights or None);
+    only rank 0 goes on to write the outputs."""
+    from tunebench import optim
+    from tunebench.tune import compiler
+
+    world, device = opened.world, opened.device
+    objective_, eval_objective, split_eval = objective(model, autocast, device, world, plan.parallel, loss)
+    if world.backend is not None:
+        torch.manual_seed(seed + world.rank)  # each rank its own dropout masks
+    optimizer = optim.adamw(model, optimization.lr, optimization.weight_decay, device, optimization.betas)
+    scheduler = optim.scheduler(optimizer, optimization.schedule, optimization.warmup_steps, plan.total_steps)
+    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+    identity = identity | {"rows_per_micro_step": plan.micro_batch_size * world.size,
+                           "grad_accum_steps": plan.grad_accum_steps}
+    if world.main:
+        records()
+
+    def run_eval() -> dict[str, float]:
+        with compiler.eagerly(plan.compile):
+            return per_source([(name, evaluate(eval_objective, batches, device, world, split_eval))
+                               for name, batches in eval_sets])
+
+    settings = LoopSettings(
+        total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
+        device=device, autocast_dtype=autocast, logging_steps=outputs.logging_steps,
+        eval_steps=every(outputs.eval_steps, plan.total_steps), save_steps=outputs.save_steps,
+        progress=outputs.progress, pin_memory=pin_memory, world=world)
+    outcome = run_loop(out, model, objective_, optimizer, scheduler, scaler, next_micro_batch,
+                       run_eval if any(batches for _, batches in eval_sets) else None, settings, identity,
+                       opened.resume_from, outputs.save_total_limit, outputs.report_to, outputs.monitor,
+                       after_eval=after_eval, logging_dir=outputs.logging_dir,
+                       probed_tokens_per_s=plan.probed_tokens_per_s)
+    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
+    del objective_  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
+    distributed.shutdown(world)
+    return outcome, weights
+
+
+def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
+    """One dataset's eval as it is; several: the overall loss over all their held-out tokens, and each
+    dataset's own as eval_loss/<name>."""
+    if len(results) == 1:
+        return results[0][1]
+    tokens = sum(r["eval_tokens"] for _, r in results)
+    loss = sum(r["eval_loss"] * r["eval_tokens"] for _, r in results) / max(tokens, 1)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens,
+            **{f"eval_loss/{name}": r["eval_loss"] for name, r in results}}
 
 
 def say(world: World, message: str) -> None:

@@ -19,7 +19,6 @@ from tunebench.data import batching, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.errors import TunebenchError
 from tunebench.jsonfile import write_json
-from tunebench.loop import LoopSettings, evaluate
 from tunebench.precision import DTYPES
 from tunebench.metrics import training_flops_per_token
 from tunebench.tune import compiler, layout
@@ -103,7 +102,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                              backend=t.backend, resume=t.resume, overwrite=t.overwrite, identity=identity, ask=ask,
                              seed=t.seed)
     hw, hw_plan, world, device = opened.hw, opened.hw_plan, opened.world, opened.device
-    resume_from, effective, resumed = opened.resume_from, opened.effective, opened.resumed
+    effective, resumed = opened.effective, opened.resumed
 
     # -- model and data (each machine's first rank fills the caches, its others read them)
     with distributed.local_rank0_first(world):
@@ -199,21 +198,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
         summary_.print_plan(plan.decisions)
 
-    # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
-    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, plan.parallel,
-                                                             loss_module)
-    if world.backend is not None:
-        torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
-    optimizer = optim.adamw(model, lr, t.weight_decay, device)
-    scheduler = optim.scheduler(optimizer, t.schedule, int(t.warmup_ratio * steps), steps)
-    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity |= {"rows_per_micro_step": micro * world.size, "grad_accum_steps": accum}
-    if world.main:
-        dump_yaml(cfg, out / "config.yaml")  # the configuration as asked (auto stays auto); plan.json: what it became
-        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": plan.to_json(),
-                                       "trainable_parameters": trainable, "total_parameters": total,
-                                       "model_source": loaded.source})
-
     # -- batches: each epoch's optimizer steps (seed, epoch, effective batch), split into this rank's micro-batches
     group_lengths = lengths if batch_layout == "length-grouped" else None
     packed = lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, cfg.data.max_length)  # noqa: E731
@@ -223,27 +207,21 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     names = [p.name for p in parts] or ["pairs"]
     eval_sets = [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                  for name, e in zip(names, eval_parts) if len(e)]
-    eval_batches = [b for _, batches in eval_sets for b in batches]
 
-    def run_eval() -> dict[str, float]:
-        with compiler.eagerly(plan.compile):
-            return per_source([(name, evaluate(eval_objective, batches, device, world, split_eval))
-                               for name, batches in eval_sets])
+    def records() -> None:
+        dump_yaml(cfg, out / "config.yaml")  # the configuration as asked (auto stays auto); plan.json: what it became
+        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": plan.to_json(),
+                                       "trainable_parameters": trainable, "total_parameters": total,
+                                       "model_source": loaded.source})
 
-    # -- train
-    settings = LoopSettings(
-        total_steps=steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm, device=device,
-        autocast_dtype=autocast, logging_steps=int(plan.value("logging_steps")), eval_steps=runner.every(t.eval_steps, steps),
-        save_steps=t.save_steps, progress=t.progress, pin_memory=bool(hw_plan.value("pin_memory")), world=world,
-    )
-    outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
-                              run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
-                              t.report_to, t.monitor, probed_tokens_per_s=plan.probed_tokens_per_s)
-
-    # -- outputs (rank 0 writes; a sharded model is gathered first, by every rank)
-    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
-    del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
-    distributed.shutdown(world)
+    # -- train (optimizer, schedule, records, loop, evaluation), then the outputs on rank 0
+    outcome, weights = runner.train_run(
+        out, opened, plan, model, autocast, loss=loss_module, seed=t.seed, records=records,
+        optimization=runner.Optimization(lr, t.weight_decay, t.schedule, int(t.warmup_ratio * steps), t.max_grad_norm),
+        outputs=runner.Outputs(int(plan.value("logging_steps")), t.eval_steps, t.save_steps, t.save_total_limit,
+                               t.progress, t.report_to, t.monitor),
+        next_micro_batch=next_micro_batch, eval_sets=eval_sets, identity=identity,
+        pin_memory=bool(hw_plan.value("pin_memory")))
     if not world.main:
         return {}
     save_final(model, tok, out, cfg, loaded, weights)
@@ -290,17 +268,6 @@ def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.Prefere
             Decision("objective", "dpo", f"beta {t.beta:g}; reference: " + (
                 "a frozen copy of the starting weights" if full else "the base with the adapter off (no copy)")
                 + dropout))
-
-
-def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
-    """One dataset's eval as it is; several: the overall loss over all their held-out tokens, and each
-    dataset's own as eval_loss/<name>."""
-    if len(results) == 1:
-        return results[0][1]
-    tokens = sum(r["eval_tokens"] for _, r in results)
-    loss = sum(r["eval_loss"] * r["eval_tokens"] for _, r in results) / max(tokens, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens,
-            **{f"eval_loss/{name}": r["eval_loss"] for name, r in results}}
 
 
 def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out: Path, device: torch.device,

@@ -17,7 +17,6 @@ from tunebench.errors import TunebenchError
 from tunebench.hardware import Decision
 from tunebench.jobs import tokenizer as tokenizer_job
 from tunebench.jsonfile import write_json
-from tunebench.loop import LoopSettings, evaluate
 from tunebench.metrics import training_flops_per_token
 from tunebench.pretrain_config import PretrainConfig, dump_yaml
 from tunebench.tune import compiler
@@ -41,7 +40,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
                              compile=t.compile, threads=t.threads, backend=t.distributed_backend or t.backend,
                              resume=t.resume, overwrite=t.overwrite, identity=identity, ask=ask, seed=t.seed)
     hw, hw_plan, world, device = opened.hw, opened.hw_plan, opened.world, opened.device
-    resume_from, effective, resumed, autocast = opened.resume_from, opened.effective, opened.resumed, opened.autocast
+    effective, resumed, autocast = opened.effective, opened.resumed, opened.autocast
 
     # -- tokenizer and token blocks (tokenized once, cached, memory-mapped)
     with distributed.local_rank0_first(world):  # each machine's first rank fills the caches
@@ -125,30 +124,11 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         print(f"model: {type(model).__name__}, {n_params:,} parameters")
         summary_.print_plan(plan.decisions)
 
-    # -- optimizer (after FSDP has sharded the parameters it optimizes), schedule, records
-    objective, eval_objective, split_eval = runner.objective(model, autocast, device, world, plan.parallel)
-    if world.backend is not None:
-        torch.manual_seed(t.seed + world.rank)  # each rank its own dropout masks
-    optimizer = optim.adamw(model, t.learning_rate, t.weight_decay, device, (t.adam_beta1, t.adam_beta2))
-    scheduler = optim.scheduler(optimizer, t.lr_scheduler, warmup, steps)
-    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
-                 "rows_per_micro_step": micro * world.size, "grad_accum_steps": accum,
-                 "split": [d.split, d.validation_split, d.validation_file]}
-    if world.main:
-        dump_yaml(cfg, out / "config.yaml")
-        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": plan.to_json(), "parameters": n_params})
-
     # -- batches: each epoch's optimizer steps of blocks (seed, epoch, effective batch), this rank's share of each
     next_micro_batch = runner.micro_batches(
         lambda epoch: batching.epoch_steps(np.arange(len(train)), effective, t.seed, epoch), train.collate, world,
         micro, accum)
     eval_batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
-
-    def run_eval() -> dict[str, float]:
-        with compiler.eagerly(plan.compile):
-            return evaluate(eval_objective, eval_batches, device, world, split_eval)
-
     prompt = sample_prompt(t.sample_prompt, tok, val if len(val) else train)
 
     def sample(step_: int) -> dict[str, str]:
@@ -160,19 +140,21 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         print(f"\nsample at step {step_}: {generated!r}")
         return {"sample": generated}
 
-    # -- train
-    settings = LoopSettings(total_steps=steps, grad_accum_steps=accum, max_grad_norm=t.max_grad_norm,
-                            device=device, autocast_dtype=autocast, logging_steps=t.logging_steps,
-                            eval_steps=runner.every(t.eval_steps, steps), save_steps=t.save_steps,
-                            progress=t.progress, pin_memory=pin, world=world)
-    outcome = runner.run_loop(out, model, objective, optimizer, scheduler, scaler, next_micro_batch,
-                              run_eval if eval_batches else None, settings, identity, resume_from, t.save_total_limit,
-                              t.report_to, t.monitor, after_eval=sample, logging_dir=t.logging_dir, probed_tokens_per_s=plan.probed_tokens_per_s)
+    def records() -> None:
+        dump_yaml(cfg, out / "config.yaml")
+        write_json(out / "plan.json", {"hardware": hw.to_dict(), "decisions": plan.to_json(), "parameters": n_params})
 
-    # -- outputs: a plain Hugging Face model directory (rank 0 writes; a sharded model is gathered first)
-    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
-    del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
-    distributed.shutdown(world)
+    # -- train (optimizer, schedule, records, loop, evaluation and samples), then the outputs on rank 0
+    identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
+                 "split": [d.split, d.validation_split, d.validation_file]}
+    outcome, weights = runner.train_run(
+        out, opened, plan, model, autocast, seed=t.seed, records=records, after_eval=sample,
+        optimization=runner.Optimization(t.learning_rate, t.weight_decay, t.lr_scheduler, warmup, t.max_grad_norm,
+                                         (t.adam_beta1, t.adam_beta2)),
+        outputs=runner.Outputs(t.logging_steps, t.eval_steps, t.save_steps, t.save_total_limit, t.progress,
+                               t.report_to, t.monitor, t.logging_dir),
+        next_micro_batch=next_micro_batch, eval_sets=[("validation", eval_batches)], identity=identity,
+        pin_memory=pin)
     if not world.main:
         return {}
     model.config.use_cache = True
