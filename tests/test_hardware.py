@@ -161,9 +161,11 @@ def test_cpu_mfu_is_against_the_fma_limit_where_it_is_known(tmp_path, monkeypatc
         == pytest.approx(2 * peak)
     # No clock, bf16, or a clock below what a matmul measurably reached: the measured figure, said so.
     assert hardware.peak_tflops("cpu", "fp32", machine("avx2"), 2, tmp_path / "p.json")[0] == 0.131
-    assert hardware.peak_tflops("cpu", "bf16", avx2, 2, tmp_path / "p.json") == (0.131, "best measured bf16 matmul "
-                                                                               "of this CPU; no FMA limit: bf16 is "
-                                                                               "measured only")
+    native_bf16 = dataclasses.replace(machine("avx2 avx512f avx512_bf16"), cpu_mhz=2445.0)
+    assert hardware.peak_tflops("cpu", "bf16", native_bf16, 2, tmp_path / "p.json") == (
+        0.131, "best measured bf16 matmul of this CPU; no FMA limit: bf16 is measured only")
+    # bf16 emulated on AVX2 runs on the fp32 FMA units: their limit is its roofline
+    assert hardware.peak_tflops("cpu", "bf16", avx2, 2, tmp_path / "p.json")[0] == pytest.approx(2 * 2445e6 * 32 / 1e12)
     slow = dataclasses.replace(avx2, cpu_mhz=1000.0)
     peak, source = hardware.peak_tflops("cpu", "fp32", slow, 2, tmp_path / "p.json")
     assert peak == 0.131 and "clock is higher than reported" in source
@@ -550,3 +552,18 @@ def test_each_machine_class_plans_its_golden_settings_table(name, capsys):
                             if line.startswith("precision |")).split(" | ")
     assert re.search(rf"\n  precision +{value} +{re.escape(reason)}\n", printed), printed
     assert "allocator" not in printed
+
+
+@pytest.mark.parametrize("flags, precision, measured", [
+    ("avx2 fma", "bf16", "fp32"),  # emulated bf16 runs on the fp32 units: their peak is the roofline
+    ("avx2 fma", "fp16", "fp32"),
+    ("avx2 avx512f avx512_bf16", "bf16", "bf16"),  # native: its own units, its own peak
+    ("avx2 avx512f avx512_bf16", "fp16", "fp32"),
+    (SPR_FLAGS + " amx_fp16", "fp16", "fp16"),
+    ("avx2 fma", "fp32", "fp32"),
+])
+def test_mfu_is_against_the_units_that_do_the_math(monkeypatch, tmp_path, flags, precision, measured):
+    asked = []
+    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda dtype, threads: asked.append(dtype) or 1e-3)
+    hardware.peak_tflops("cpu", precision, machine(flags), 8, tmp_path / "peak.json")
+    assert asked == [measured]

@@ -140,10 +140,10 @@ def test_dpo_and_orpo_answer_their_held_out_pairs(tmp_path, objective, precision
     assert isinstance(summary["rougeL"], float) and "eval_rewards/accuracies" in summary
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_qlora_trains_and_answers_in_its_compute_precision(tmp_path, data, precision):
     """QLoRA's 4-bit base computes in the run's precision (bitsandbytes' compute dtype), without autocast;
-    its answers at the end are generated the same way. (fp16: bitsandbytes' CPU kernels take fp32 and bf16.)"""
+    its answers at the end are generated the same way."""
     from conftest import needs_module
 
     needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")

@@ -274,6 +274,13 @@ def _pick_device(requested: str, hw: Hardware) -> Decision:
     return Decision("device", "cpu", "no GPU visible")
 
 
+def cpu_native(precision: str, hw: Hardware) -> bool:
+    """Whether this CPU has units for `precision`'s matmuls (fp32 always; bf16 with AVX512-BF16 or AMX-BF16;
+    fp16 with AMX-FP16). Elsewhere torch emulates 16-bit math on the fp32 units."""
+    return precision == "fp32" or (precision == "bf16" and hw.cpu_bf16) or \
+        (precision == "fp16" and "amx_fp16" in hw.cpu_flags)
+
+
 def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     gpu = hw.gpus[0] if device == "cuda" and hw.gpus else None
     if requested == "bf16" and gpu is not None and not gpu.bf16:
@@ -284,8 +291,7 @@ def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     if device == "cpu" and requested in ("bf16", "fp16"):
         # A CPU computes every dtype; without the units for it, torch emulates it (slower than fp32). It is
         # run as asked, and said: a machine without native bf16 still runs the path machines with it take.
-        native = (requested == "bf16" and hw.cpu_bf16) or (requested == "fp16" and "amx_fp16" in hw.cpu_flags)
-        how = "native on this CPU" if native else (
+        how = "native on this CPU" if cpu_native(requested, hw) else (
             f"emulated: this CPU has no {'AVX512-BF16 or AMX-BF16' if requested == 'bf16' else 'AMX-FP16'}, "
             "so it runs slower than fp32")
         how += "; fp16 with a GradScaler" if requested == "fp16" else ""
@@ -471,7 +477,9 @@ def peak_tflops(device: str, precision: str, hw: Hardware, threads: int, cache_f
         peak = gpu_peak_tflops(gpu.name, dtype)
         return peak, f"{gpu.name} {dtype} datasheet peak" if peak else f"{gpu.name} is not in the peak table"
     if device == "cpu":
-        dtype = precision  # measured in the dtype the run's matmuls use, emulated or not
+        # Native 16-bit units have their own peak; emulated 16-bit math runs on the fp32 units, whose peak is the
+        # roofline then (measuring the emulated matmul instead put a QLoRA fp16 run at an MFU of 103%).
+        dtype = precision if cpu_native(precision, hw) else "fp32"
         measured = cpu_peak_tflops(dtype, hw, threads, cache_file)
         limit, how = fma_limit_tflops(dtype, hw, threads)
         if limit and limit >= measured:
