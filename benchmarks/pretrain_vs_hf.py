@@ -51,11 +51,11 @@ def _data(cfg):
     tok, _ = pretrain.load_or_train_tokenizer(cfg)
     tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir())
     train, val = blocks.split(blocks.cut(tokens, cfg.data.max_length), cfg.data.validation_split,
-                              cfg.training.seed, cfg.data.split)
+                              cfg.schedule.seed, cfg.data.split)
     val = val.subset(range(min(len(val), cfg.data.max_eval_blocks)))
     import numpy as np
 
-    order = batching.epoch_order(np.arange(len(train)), cfg.training.batch_size, cfg.training.seed, 0)
+    order = batching.epoch_order(np.arange(len(train)), cfg.batch.micro_batch_size, cfg.schedule.seed, 0)
     return tok, train, val, order
 
 
@@ -86,9 +86,9 @@ def worker_hf(args) -> dict:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     cfg = _cfg(args, tempfile.mkdtemp())
     tok, train, val, order = _data(cfg)
-    t = cfg.training
-    rows = [{k: v[0] for k, v in train.collate([i]).items()} for batch in order[: t.max_steps] for i in batch]
-    model = arch.build(cfg.model, tok, t.seed)
+    b, o, s = cfg.batch, cfg.optimizer, cfg.schedule
+    rows = [{k: v[0] for k, v in train.collate([i]).items()} for batch in order[: s.max_steps] for i in batch]
+    model = arch.build(cfg.model, tok, s.seed)
 
     class InOrder(Trainer):  # the same batches in the same order as tunebench's first epoch
         def _get_train_sampler(self, *a, **k):
@@ -96,21 +96,21 @@ def worker_hf(args) -> dict:
 
     clock = harness.step_clock()
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=t.batch_size, gradient_accumulation_steps=1,
-        max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-        lr_scheduler_type=t.lr_scheduler, max_grad_norm=t.max_grad_norm, logging_steps=1000, save_strategy="no",
-        report_to=[], bf16=args.precision == "bf16", use_cpu=True, dataloader_num_workers=0, seed=t.seed, disable_tqdm=True)
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=b.micro_batch_size, gradient_accumulation_steps=1,
+        max_steps=s.max_steps, learning_rate=o.lr, weight_decay=o.weight_decay, warmup_steps=s.warmup_steps,
+        lr_scheduler_type=s.schedule, max_grad_norm=o.max_grad_norm, logging_steps=1000, save_strategy="no",
+        report_to=[], bf16=args.precision == "bf16", use_cpu=True, dataloader_num_workers=0, seed=s.seed, disable_tqdm=True)
     trainer = InOrder(model=model, args=targs, train_dataset=rows, data_collator=default_data_collator,
                       callbacks=[clock])
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     skip = 2
-    tokens = t.batch_size * cfg.data.max_length * (len(clock.marks) - skip)
+    tokens = b.micro_batch_size * cfg.data.max_length * (len(clock.marks) - skip)
     model.eval()
     return {"side": "HF Trainer", "steps": len(clock.marks), "duration_s": wall,
             "tokens_per_s": tokens / (clock.marks[-1] - clock.marks[skip - 1]),
-            "val_loss": _val_loss(model, val, t.batch_size, args.precision), "flops_per_token": _flops(model, cfg.data.max_length),
+            "val_loss": _val_loss(model, val, b.micro_batch_size, args.precision), "flops_per_token": _flops(model, cfg.data.max_length),
             "peak_memory_mb": harness.peak_mb(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -127,7 +127,7 @@ def worker_tunebench(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(out)  # the saved model, scored by the same evaluator
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
     return {"side": "tunebench pretrain", "steps": s["steps"], "duration_s": s["duration_s"],
-            "tokens_per_s": s["tokens_per_s"], "val_loss": _val_loss(model, val, cfg.training.batch_size, args.precision),
+            "tokens_per_s": s["tokens_per_s"], "val_loss": _val_loss(model, val, cfg.batch.micro_batch_size, args.precision),
             "flops_per_token": s["flops_per_token"], "peak_memory_mb": harness.peak_mb(), "parameters": s["parameters"],
             "chosen": {k: chosen.get(k) for k in ("attention", "compile", "precision")}}
 

@@ -99,12 +99,12 @@ def tiny():
 
 def tiny_run_config(data, out, **extra):
     """A fine-tuning config for the tiny model on `data`: 6 steps of micro 2 x accumulation 2, 20% held out."""
-    from tunebench.config import load_config
+    from tunebench.config import SCHEMA, load_config
 
-    options = {"model.name": "tiny", "data.path": str(data), "data.max_length": 256, "train.output_dir": str(out),
-               "train.micro_batch_size": 2, "train.effective_batch_size": 4, "train.max_steps": 6,
-               "train.progress": False, "train.lr": 1e-2, "data.eval_fraction": 0.2}
-    options.update(extra)
+    options = {"model.name": "tiny", "data.path": str(data), "data.max_length": 256, "output.output_dir": str(out),
+               "batch.micro_batch_size": 2, "batch.effective_batch_size": 4, "schedule.max_steps": 6,
+               "logging.progress": False, "optimizer.lr": 1e-2, "data.eval_fraction": 0.2}
+    options.update(SCHEMA.canonical(extra))  # the test's own spelling of a key replaces the default's
     return load_config(options=options)
 
 

@@ -106,11 +106,11 @@ def _bad_inputs(tmp_path, dataset):
         (["--data", d, "--target-modules", "qkv"], "no linear module named 'qkv'"),
         (["--data", d, "--batch-size", "0"], "must be a positive number"),
         (["--data", d, "--batch-size", "-2"], "must be a positive number"),
-        (["--data", d, "train.lerning_rate=1"], "did you mean 'train.lr'"),
+        (["--data", d, "train.lerning_rate=1"], "did you mean 'optimizer.lr'"),
         (["--data", d, "--device", "cuda"], "no CUDA GPU"),
         (["--data", d, "--liger", "on"], "--liger on cannot be honoured: Liger's kernels are Triton kernels for CUDA"),
         (["--data", d, "--attention", "flash_attention_2", "--batch-size", "1"], "--attention flash_attention_2 cannot run here"),
-        (["--data", d, "--liger", "maybe"], "train.liger 'maybe' is not one of auto, on, off"),
+        (["--data", d, "--liger", "maybe"], "hardware.liger 'maybe' is not one of auto, on, off"),
         (["--data", d, "--resume", str(tmp_path)], "not a tunebench checkpoint"),
         (["--data", d, "--bogus-flag"], "unrecognized argument"),
     ]

@@ -88,7 +88,7 @@ def test_oom_is_recorded_as_oom():
 def test_matrix_is_checked_before_anything_runs(tmp_path, dataset):
     bad = tmp_path / "bad.yaml"
     bad.write_text("experiments:\n  - {name: x, set: {train.bach_size: 2}}\n")
-    with pytest.raises(TunebenchError, match="experiment 'x'.*did you mean 'train.micro_batch_size'"):
+    with pytest.raises(TunebenchError, match="experiment 'x'.*did you mean 'batch.micro_batch_size'"):
         compare.load_matrix(str(bad))
     grid = tmp_path / "grid.yaml"
     grid.write_text("grid:\n  train.micro_batch_size: [1, 2]\n  train.precision: [fp32, bf16]\n")
@@ -106,9 +106,9 @@ def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
                     "experiments:\n  - {name: pair, nproc: 2, set: {train.micro_batch_size: 1}}\n")
     experiments = compare.load_matrix(str(grid))[1]
     assert [(e.name, e.nproc, e.overrides) for e in experiments] == [
-        ("pair", 2, {"train.micro_batch_size": 1}),
-        ("micro_batch_size=2_nproc=1", 1, {"train.micro_batch_size": 2}),
-        ("micro_batch_size=2_nproc=2", 2, {"train.micro_batch_size": 2})]
+        ("pair", 2, {"batch.micro_batch_size": 1, "batch.autotune_batch": False}),
+        ("micro_batch_size=2_nproc=1", 1, {"batch.micro_batch_size": 2, "batch.autotune_batch": False}),
+        ("micro_batch_size=2_nproc=2", 2, {"batch.micro_batch_size": 2, "batch.autotune_batch": False})]
     grid.write_text("experiments:\n  - {name: x, nproc: 0}\n")
     with pytest.raises(TunebenchError, match="nproc must be a whole number"):
         compare.load_matrix(str(grid))

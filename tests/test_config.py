@@ -8,19 +8,19 @@ def test_defaults_are_the_study_recipe():
     cfg = load_config()
     assert (cfg.adapter.r, cfg.adapter.lora_alpha, cfg.adapter.lora_dropout) == (8, 16, 0.1)
     assert cfg.data.max_length == 128
-    assert cfg.effective_batch_size == 8 and cfg.train.autotune_batch  # the micro batch is measured
+    assert cfg.effective_batch_size == 8 and cfg.batch.autotune_batch  # the micro batch is measured
 
 
 def test_precedence_yaml_then_options_then_overrides(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("train:\n  lr: 1e-3\n  seed: 7\ndata:\n  max_length: 64\n")
     cfg = load_config(y, {"train.seed": "9"}, ["data.max_length=32"])
-    assert cfg.train.lr == 1e-3  # YAML's '1e-3' string coerced to float
-    assert cfg.train.seed == 9
+    assert cfg.optimizer.lr == 1e-3  # YAML's '1e-3' string coerced to float
+    assert cfg.schedule.seed == 9
     assert cfg.data.max_length == 32
 
 
-@pytest.mark.parametrize("key, hint", [("train.learning_rate", "train.lr"), ("train.bach_size", "train."),
+@pytest.mark.parametrize("key, hint", [("optimizer.learning_rat", "optimizer.lr"), ("train.bach_size", "batch."),
                                        ("lora.r", "adapter.r")])
 def test_unknown_key_names_nearest(key, hint):
     with pytest.raises(TunebenchError, match=f"unknown config key '{key}'.*did you mean '{hint}"):
@@ -30,7 +30,7 @@ def test_unknown_key_names_nearest(key, hint):
 def test_unknown_yaml_section(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("trian:\n  lr: 1\n")
-    with pytest.raises(TunebenchError, match="unknown config key 'trian.lr'; did you mean 'train.lr'"):
+    with pytest.raises(TunebenchError, match="unknown config key 'trian.lr'; did you mean 'optimizer.lr'"):
         load_config(y)
 
 
@@ -59,7 +59,7 @@ def test_three_batch_flags_run_as_given_when_they_agree_at_the_world_size_and_ar
     with pytest.raises(TunebenchError, match=r"--batch-size 2 x --grad-accum 2 != --effective-batch-size 8"):
         load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.effective_batch_size": 8})
     assert load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2}).effective_batch_size == 4
-    assert load_config().effective_batch_size == 8 and load_config().train.effective_batch_size is None
+    assert load_config().effective_batch_size == 8 and load_config().batch.effective_batch_size is None
     monkeypatch.setenv("WORLD_SIZE", "2")  # a rank under `tunebench launch --nproc-per-node 2`
     cfg = load_config(options={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.effective_batch_size": 2})
     assert cfg.batch_ask().check(2) == 2  # 1 x 1 x 2 ranks
@@ -83,6 +83,6 @@ def test_quantization_implies_qlora_and_full_refuses_it():
 
 def test_replace_validates():
     cfg = load_config()
-    assert replace(cfg, **{"train.lr": 1e-3}).train.lr == 1e-3
+    assert replace(cfg, **{"train.lr": 1e-3}).optimizer.lr == 1e-3
     with pytest.raises(TunebenchError):
         replace(cfg, **{"train.lr": -1})

@@ -460,7 +460,7 @@ def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, data
 @pytest.mark.parametrize("name", profiles())
 def test_every_shipped_profile_loads_and_validates(name):
     cfg = load_config(profile=name)
-    assert cfg.train.autotune_batch
+    assert cfg.batch.autotune_batch
     assert set(profiles()) == {"cpu", "gpu-8-12gb", "gpu-24gb", "gpu-80gb"}
 
 
@@ -481,7 +481,7 @@ def test_monitor_samples_in_the_background(tmp_path):
 
 
 def test_lr_scaling_rules():
-    from tunebench.jobs.finetune import scaled_lr
+    from tunebench.runner import scaled_lr
 
     assert scaled_lr(1e-4, 32, "linear", 8)[0] == pytest.approx(4e-4)
     assert scaled_lr(1e-4, 32, "sqrt", 8)[0] == pytest.approx(2e-4)

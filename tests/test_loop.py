@@ -372,7 +372,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
     else:
         reloaded = inference.load_for_inference("tiny", str(out))
     data = load_tokenized(cfg.data, reloaded.tokenizer, None)
-    _, eval_idx = split(len(data), cfg.data.eval_fraction, cfg.train.seed, None)
+    _, eval_idx = split(len(data), cfg.data.eval_fraction, cfg.schedule.seed, None)
     batches = batching.eval_batches(data, eval_idx, 4, reloaded.tokenizer.pad_token_id)
     autocast = None if precision == "fp32" else DTYPES[precision]
     again = evaluate(CausalLMLoss(reloaded.model, autocast), batches, torch.device("cpu"))["eval_loss"]

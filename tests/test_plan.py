@@ -28,16 +28,16 @@ AWKWARD = {
     "data.template": "### Q:\n{instruction}\n### A: 'quoted' \"too\" # not a comment\n",
     "adapter.prompt_init_text": "Classify: yes or no",
     "model.tokenizer": "a dir/with: colon #hash",
-    "train.compile": "on",
+    "hardware.compile": "on",
     "data.packing": "off",
-    "train.liger": "off",
+    "hardware.liger": "off",
     "data.max_samples": None,
-    "train.lr": 1e-4,
-    "train.weight_decay": 0.0,
-    "train.eval_steps": 0.25,
-    "train.resume": "auto",
+    "optimizer.lr": 1e-4,
+    "optimizer.weight_decay": 0.0,
+    "evaluation.eval_steps": 0.25,
+    "output.resume": "auto",
     "adapter.target_modules": "q_proj,v_proj",
-    "train.output_dir": "runs/a b/#c",
+    "output.output_dir": "runs/a b/#c",
 }
 
 
@@ -52,7 +52,7 @@ def test_a_value_survives_the_file_a_child_run_loads(tmp_path, key, value):
     assert getattr(getattr(again, section), name) == value
 
 
-@pytest.mark.parametrize("key, value", [("train.compile", "off"), ("train.compile", "on"), ("data.packing", "on")])
+@pytest.mark.parametrize("key, value", [("hardware.compile", "off"), ("hardware.compile", "on"), ("data.packing", "on")])
 def test_yaml_on_and_off_reach_a_choice_field_as_words(key, value):
     as_yaml = yaml.safe_load(f"v: {value}")["v"]  # YAML 1.1 reads on/off as booleans
     assert isinstance(as_yaml, bool)
@@ -69,7 +69,7 @@ def test_pretraining_config_survives_the_round_trip(tmp_path):
                                                    "training.sample_prompt": "Q: x\n#"})
     path = tmp_path / "asked.yaml"
     pretrain_config.dump_yaml(cfg, path)
-    assert pretrain_config.load(path) == cfg and cfg.training.compile == "on" and cfg.training.autotune_batch
+    assert pretrain_config.load(path) == cfg and cfg.hardware.compile == "on" and cfg.batch.autotune_batch
 
 
 def _child_configs(runs):
@@ -89,7 +89,7 @@ def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
     matrix.write_text(yaml.safe_dump({
         "base": {"model.name": "tiny", "data.path": str(spaced), "data.max_length": 256, "train.max_steps": 1,
                  "train.effective_batch_size": 4, "train.micro_batch_size": 2, "data.template": template,
-                 "train.lr": "1e-4", "data.max_samples": None},
+                 "optimizer.lr": "1e-4", "data.max_samples": None},
         "experiments": [{"name": "prompt", "set": {"adapter.method": "prompt", "adapter.num_virtual_tokens": 4,
                                                    "adapter.prompt_init_text": "Classify: yes or no"}}]})
         + "grid:\n  train.gradient_checkpointing: [on, off]\n")
@@ -101,9 +101,9 @@ def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
     saved = _child_configs(tmp_path / "runs")
     for name, cfg in saved.items():
         assert cfg["data"]["template"] == template and cfg["data"]["path"] == str(spaced), name
-        assert cfg["train"]["lr"] == 1e-4 and cfg["data"]["max_samples"] is None, name
-    assert saved["gradient_checkpointing=on-cpu-r1"]["train"]["gradient_checkpointing"] == "on"
-    assert saved["gradient_checkpointing=off-cpu-r1"]["train"]["gradient_checkpointing"] == "off"
+        assert cfg["optimizer"]["lr"] == 1e-4 and cfg["data"]["max_samples"] is None, name
+    assert saved["gradient_checkpointing=on-cpu-r1"]["hardware"]["gradient_checkpointing"] == "on"
+    assert saved["gradient_checkpointing=off-cpu-r1"]["hardware"]["gradient_checkpointing"] == "off"
     assert saved["prompt-cpu-r1"]["adapter"]["prompt_init_text"] == "Classify: yes or no"
     for name, value in (("gradient_checkpointing=on", [True]), ("gradient_checkpointing=off", [])):  # off: no row
         plan = json.loads((tmp_path / "runs" / f"{name}-cpu-r1" / "plan.json").read_text())
@@ -113,13 +113,13 @@ def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
 def test_tune_runs_what_the_space_chose(tmp_path, dataset):
     template = "Q: {instruction} #1\n'A':"
     space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump({"data.template": [template], "train.compile": ["off"]}))
+    space.write_text(yaml.safe_dump({"data.template": [template], "hardware.compile": ["off"]}))
     search.run("train", None, {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
                                "data.eval_fraction": 0.2, "train.effective_batch_size": 4},
                str(space), 1, str(tmp_path / "tune"), max_steps=1)
     (cfg_path,) = (tmp_path / "tune" / "trials").glob("*/config.yaml")
     cfg = yaml.safe_load(cfg_path.read_text())
-    assert cfg["data"]["template"] == template and cfg["train"]["compile"] == "off"
+    assert cfg["data"]["template"] == template and cfg["hardware"]["compile"] == "off"
 
 
 # ---------------------------------------------------------------- one batch rule
@@ -133,7 +133,7 @@ def test_any_effective_batch_runs_with_the_micro_batch_on_auto(effective, sizes)
 
 def test_effective_batch_6_trains_end_to_end(tmp_path, dataset):
     summary = finetune.run(load_config(options={
-        "model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "train.output_dir": str(tmp_path),
+        "model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "output.output_dir": str(tmp_path),
         "train.max_steps": 1, "train.effective_batch_size": 6, "train.progress": False, "data.eval_fraction": 0}))
     assert summary["effective_batch_size"] == 6
     assert summary["micro_batch_size"] * summary["grad_accum_steps"] == 6
@@ -190,8 +190,8 @@ def test_micro_batch_accumulation_and_ranks_learn_the_same_model(tmp_path):
     same losses and weights to float rounding, with length-grouped batches (dropout 0: its masks depend
     on the batch's shape)."""
     data = _long_rows(tmp_path)
-    extra = {"train.effective_batch_size": 4, "adapter.lora_dropout": 0.0, "train.max_steps": 5, "train.lr": 2e-3,
-             "data.eval_fraction": 0.0, "train.compile": "off", "train.attention": "sdpa", "data.packing": "off"}
+    extra = {"train.effective_batch_size": 4, "adapter.lora_dropout": 0.0, "train.max_steps": 5, "optimizer.lr": 2e-3,
+             "data.eval_fraction": 0.0, "hardware.compile": "off", "train.attention": "sdpa", "data.packing": "off"}
     runs = {}
     for micro in (4, 2, 1):
         out = tmp_path / f"m{micro}"
@@ -225,7 +225,7 @@ def test_probed_cached_asked_and_resumed_runs_are_bit_identical_with_dropout(tmp
     """With dropout on (0.1): a run whose micro batch was probed, one that took it from the cache, one
     given it, and one stopped after its step-3 checkpoint (as kill -9 would leave it) and resumed."""
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
-    extra = {"train.max_steps": 6, "train.save_steps": 3, "train.compile": "off", "data.eval_fraction": 0.0,
+    extra = {"train.max_steps": 6, "train.save_steps": 3, "hardware.compile": "off", "data.eval_fraction": 0.0,
              "adapter.lora_dropout": 0.1}
     probed = tmp_path / "probed"
     finetune.run(tiny_run_config(dataset, probed, **extra, **{"train.micro_batch_size": "auto"}))
@@ -240,7 +240,7 @@ def test_probed_cached_asked_and_resumed_runs_are_bit_identical_with_dropout(tmp
     __import__("shutil").rmtree(step6)
     (killed / "summary.json").unlink()
     finetune.run(tiny_run_config(dataset, killed, **extra, **{"train.micro_batch_size": "auto",
-                                                               "train.resume": "auto"}))
+                                                               "output.resume": "auto"}))
     losses = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in losses if "loss" in r] == [1, 2, 3, 4, 5, 6, 4, 5, 6]  # 4-6 again, resumed
     reference = run_losses(probed)
@@ -255,13 +255,14 @@ BAD_TRAIN = [
     ({"train.lr": float("nan")}, "train.lr' got nan; it must be a finite number"),
     ({"train.lr": "inf"}, "train.lr' got 'inf'; it must be a finite number"),
     ({"train.epochs": float("nan")}, "train.epochs' got nan"),
-    ({"train.warmup_ratio": -0.1}, "train.warmup_ratio must be in [0, 1]"),
-    ({"train.weight_decay": -1}, "train.weight_decay must be 0 or more"),
+    ({"train.warmup_ratio": -0.1}, "schedule.warmup_ratio must be in [0, 1]"),
+    ({"optimizer.weight_decay": -1}, "optimizer.weight_decay must be 0 or more"),
     ({"train.max_grad_norm": float("nan")}, "train.max_grad_norm' got nan"),
     ({"train.eval_steps": float("nan")}, "train.eval_steps' got nan"),
     ({"train.max_steps": True}, "train.max_steps' got the boolean True, which is not a whole number"),
     ({"train.max_steps": 1e400}, "train.max_steps' got inf, which is not a whole number"),
     ({"train.max_steps": "1e400"}, "train.max_steps' got '1e400', which is not a whole number"),
+    ({"optimizer.lr": [1e-4, 2e-4]}, "optimizer.lr' takes one value (a number), got a list"),
     ({"train.lr": [1e-4, 2e-4]}, "train.lr' takes one value (a number), got a list"),
     ({"data.template": {"instruction": None}}, "data.template' takes one value (text), got a dict"),
     ({"data.template": True}, "data.template' got the boolean True, which is not text; quote it"),
@@ -278,9 +279,9 @@ def test_bad_values_are_refused_at_load_with_the_fix(options, message):
 @pytest.mark.parametrize("options, message", [
     ({"training.learning_rate": float("inf")}, "training.learning_rate' got inf"),
     ({"training.max_steps": True}, "training.max_steps' got the boolean True"),
-    ({"training.warmup_ratio": -1}, "training.warmup_ratio must be in [0, 1]"),
+    ({"training.warmup_ratio": -1}, "schedule.warmup_ratio must be in [0, 1]"),
     ({"model.dropout": [0.1]}, "model.dropout' takes one value (a number)"),
-    ({"training.threads": 10_000}, "training.threads (--threads) 10000 is more than the"),
+    ({"training.threads": 10_000}, "--threads 10000 is more than the"),
 ])
 def test_the_pretraining_schema_refuses_them_too(options, message):
     with pytest.raises(TunebenchError, match=re.escape(message)):
@@ -413,16 +414,17 @@ def test_a_stale_trial_is_marked_failed_and_its_choices_run_again(tmp_path, data
     space = tmp_path / "space.yaml"
     space.write_text("train.lr: [0.01, 0.02, 0.03]\n")
     base = {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256, "data.eval_fraction": 0.2,
-            "train.effective_batch_size": 4, "train.max_steps": 1, "train.eval_steps": 0.25}
+            "train.effective_batch_size": 4, "train.max_steps": 1, "evaluation.eval_steps": 0.25}
     out = tmp_path / "tune"
     out.mkdir()
     study = search.open_study(out, None, "tunebench", "tpe", "none", 0,
-                              search.fingerprint("train", None, {**base, "train.max_tokens": None}, str(space)))
+                              search.fingerprint("train", None, {**compare.canonical("train", base),
+                                                                 "schedule.max_tokens": None}, str(space)))
     stale = study.ask()
     stale.suggest_categorical("train.lr", [0.01, 0.02, 0.03])
     study._storage.record_heartbeat(stale._trial_id)
     time.sleep(2.5)
-    search.run("train", None, {k: v for k, v in base.items() if k not in ("train.max_steps", "train.eval_steps")},
+    search.run("train", None, {k: v for k, v in base.items() if k not in ("train.max_steps", "evaluation.eval_steps")},
                str(space), 1, str(out), pruner="none", max_steps=1)
     trials = optuna.load_study(study_name="tunebench", storage=f"sqlite:///{(out / 'study.sqlite').resolve()}") \
         .get_trials(deepcopy=False)

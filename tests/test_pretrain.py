@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_losses, sigterm_after_step
-from tunebench import arch, pretrain_config
+from tunebench import arch, pretrain_config, runner
 from tunebench.data import blocks
 from tunebench.errors import TunebenchError
 from tunebench.jobs import pretrain, tokenizer
@@ -114,9 +114,9 @@ def test_gelu_exact_is_the_erf_form_and_is_not_exported_as_gpt2s(char_tok):
     ({"model.use_bias": False}, "GPT-2-style layers always have biases"),
     ({"model.pre_norm": False}, "set pre_norm: true"),
     ({"data.max_length": 1024}, "exceeds model.max_seq_len 512"),
-    ({"training.bf16": True, "training.fp16": True}, "set one of them"),
+    ({"training.bf16": True, "training.fp16": True}, "give one of them"),
     ({"data.pack_sequences": False}, "set pack_sequences: true"),
-    ({"training.learning_rat": 1e-3}, "did you mean 'training.learning_rate'"),
+    ({"training.learning_rat": 1e-3}, "did you mean 'optimizer.lr'"),
     ({"training.batch_size": "auto"}, "needs training.effective_batch_size"),
 ])
 def test_bad_settings_are_refused_with_the_fix(keys, message):
@@ -133,12 +133,13 @@ def test_use_amp_on_a_cpu_without_bf16_is_an_error_not_fp32():
     from tunebench import hardware
 
     hw = hardware.Hardware("old cpu", 2, 2, frozenset({"avx2"}), 8000, 8000, "Linux")
-    with pytest.raises(TunebenchError, match="use_amp: true.*set use_amp: false"):
-        pretrain.precision_for("amp", "cpu", hw)
+    with pytest.raises(TunebenchError, match=r"use_amp: true.*set precision fp32 \(use_amp: false\)"):
+        runner.precision_for("amp", "cpu", hw)
     bf16 = hardware.Hardware("new cpu", 2, 2, frozenset({"avx512_bf16"}), 8000, 8000, "Linux")
-    assert pretrain.precision_for("amp", "cpu", bf16) == "bf16"
-    assert TrainingConfig(use_amp=False).precision_request == "fp32"
-    assert TrainingConfig(bf16=True).precision_request == "bf16" and TrainingConfig().precision_request == "auto"
+    assert runner.precision_for("amp", "cpu", bf16) == "bf16"
+    assert TrainingConfig(use_amp=False).precision == "fp32" and TrainingConfig(use_amp=True).precision == "amp"
+    assert TrainingConfig(bf16=True).precision == "bf16" and TrainingConfig().precision == "auto"
+    assert TrainingConfig(fp16=False).precision == "auto"  # false asks for nothing
 
 
 @pytest.mark.parametrize("name", pretrain_config.shipped())
@@ -257,9 +258,10 @@ def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_p
     cfg = pretrain_config.load(recipe, {"data.train_file": str(corpus), "data.tokenizer": str(tmp_path / "char-tok"),
                                         "training.max_steps": 3, "training.checkpoint_dir": str(tmp_path / "run"),
                                         "training.progress": False})
-    m, t = cfg.model, cfg.training
+    m = cfg.model
     assert (m.n_layers, m.n_heads, m.d_model, m.max_seq_len, m.dropout, m.activation) == (4, 4, 128, 64, 0.0, "gelu_exact")
-    assert (t.batch_size, cfg.data.max_length, t.lr_scheduler, t.adam_beta2) == (12, 64, "warmup_stable_decay", 0.99)
+    assert (cfg.batch.micro_batch_size, cfg.data.max_length, cfg.schedule.schedule, cfg.optimizer.adam_beta2) == \
+        (12, 64, "warmup_stable_decay", 0.99)
     summary = pretrain.run(cfg)
     assert summary["steps"] == 3 and summary["eval_loss"] < summary["eval_loss_before"]
 

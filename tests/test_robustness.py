@@ -234,9 +234,9 @@ def test_samples_count_examples_and_flops_use_their_own_lengths(tmp_path, datase
     cfg = _cfg(dataset, out)
     tok = models.byte_tokenizer()
     data = load_tokenized(cfg.data, tok, None)
-    train_idx, _ = split(len(data), cfg.data.eval_fraction, cfg.train.seed, None)
+    train_idx, _ = split(len(data), cfg.data.eval_fraction, cfg.schedule.seed, None)
     grouped = data.lengths() if layout == "length-grouped" else None
-    order = batching.epoch_order(train_idx, 2, cfg.train.seed, 0, lengths=grouped)[:4]
+    order = batching.epoch_order(train_idx, 2, cfg.schedule.seed, 0, lengths=grouped)[:4]
     seen = np.array([len(data.example(i)[0]) for b in order for i in b])
     model = models.resolve("tiny").model
     matmul, layers, width = metrics.flop_dims(model)

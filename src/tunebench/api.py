@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, TrainingConfig, validate
+from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, PretrainRun, TrainingConfig
 
 
 def pretrain(model: ModelConfig | None = None, training: TrainingConfig | None = None,
@@ -22,12 +22,10 @@ def pretrain(model: ModelConfig | None = None, training: TrainingConfig | None =
     """Pretrain from scratch; returns the run's summary (also in `training.checkpoint_dir`/summary.json)."""
     from tunebench.jobs import pretrain as job
 
-    cfg = PretrainConfig(model or ModelConfig(), training or TrainingConfig(), data or DataConfig())
-    validate(cfg)
-    return job.run(cfg)
+    return job.run(PretrainConfig(model or ModelConfig(), training or TrainingConfig(), data or DataConfig()).resolve())
 
 
-def load_pretrain_config(path: str | Path, **overrides: Any) -> PretrainConfig:
+def load_pretrain_config(path: str | Path, **overrides: Any) -> PretrainRun:
     """A pretraining YAML (or a shipped config's name) with dotted overrides: `training__max_steps=10`
     or {"training.max_steps": 10} style keys."""
     from tunebench import pretrain_config

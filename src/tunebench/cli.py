@@ -172,7 +172,7 @@ def _compare(args: argparse.Namespace) -> int | None:
     if args.repeats < 1:
         raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
     extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
-                               "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}.items()
+                               "data.max_samples": args.max_samples, "schedule.max_steps": args.max_steps}.items()
              if v is not None}
     out = Path(args.output)
     nproc = None

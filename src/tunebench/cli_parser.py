@@ -9,6 +9,7 @@ from tunebench import __version__, quality
 from tunebench.errors import TunebenchError
 
 # (flags, config key, help). The reference study's underscore spellings are aliases.
+# (flags, config key, help). The reference study's underscore spellings are aliases.
 TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--model", "--model_name"), "model.name",
      "preset (smollm2-135m-instruct [default], gpt2-124m, tiny), hub id, HF directory or .gguf file"),
@@ -28,15 +29,14 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off: may still "
      "group by length)"),
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
-    (("--output-dir", "--output_dir"), "train.output_dir", "where the adapter/model, metrics and checkpoints go"),
     (("--method",), "adapter.method",
      "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo: "
      "that objective with LoRA (QLoRA with --quantization)"),
-    (("--objective",), "train.objective",
+    (("--objective",), "adapter.objective",
      "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
      "store of tunebench serve as --data)"),
-    (("--beta",), "train.beta", "DPO's beta, how far the model may move from its reference (default 0.1)"),
-    (("--orpo-lambda",), "train.orpo_lambda", "ORPO's lambda, the weight of its odds-ratio term (default 0.1)"),
+    (("--beta",), "adapter.beta", "DPO's beta, how far the model may move from its reference (default 0.1)"),
+    (("--orpo-lambda",), "adapter.orpo_lambda", "ORPO's lambda, the weight of its odds-ratio term (default 0.1)"),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r", "rank of lora, qlora, dora, loha, lokr (default 8)"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha", "alpha of lora, qlora, dora, loha, lokr (default 16)"),
     (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout", "LoRA dropout (default 0.1)"),
@@ -46,66 +46,49 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--num-virtual-tokens",), "adapter.num_virtual_tokens", "virtual tokens of prefix and prompt tuning (default 20)"),
     (("--prompt-init-text",), "adapter.prompt_init_text",
      "prompt tuning: start the virtual tokens from this text's embeddings (default: random)"),
-    (("--epochs", "--num_epochs"), "train.epochs", "passes over the training rows (default 1)"),
-    (("--max-steps",), "train.max_steps", "stop after this many optimizer steps (overrides --epochs)"),
-    (("--max-tokens",), "train.max_tokens",
-     "a token budget: train the steps that see about this many real tokens (overrides --epochs)"),
-    (("--batch-size", "--batch_size"), "train.micro_batch_size",
-     "micro batch size, or auto (default): measure the sizes that divide the effective batch, keep the fastest"),
-    (("--grad-accum", "--gradient_accumulation_steps"), "train.grad_accum_steps",
-     "gradient accumulation steps (default: effective batch / micro batch)"),
-    (("--effective-batch-size",), "train.effective_batch_size", "samples per optimizer step (default 8)"),
-    (("--lr", "--learning_rate"), "train.lr", "peak learning rate (default 2e-4)"),
-    (("--weight-decay",), "train.weight_decay", "AdamW weight decay (default 0)"),
-    (("--warmup-ratio",), "train.warmup_ratio", "share of steps for linear warm-up (default 0.03)"),
-    (("--schedule",), "train.schedule", "cosine (default) | linear | constant | warmup_stable_decay"),
-    (("--max-grad-norm",), "train.max_grad_norm", "gradient clipping norm (default 1.0)"),
-    (("--precision",), "train.precision", "auto (default) | fp32 | bf16 | fp16"),
-    (("--device",), "train.device", "auto (default) | cpu | cuda | mps"),
-    (("--threads",), "train.threads",
-     "torch CPU threads (default: OMP_NUM_THREADS, else one per physical core this process may use)"),
-    (("--parallel",), "train.parallel",
-     "under torchrun / tunebench launch: auto (default: DDP; FSDP2 for full fine-tuning that does not fit a rank) "
-     "| ddp | fsdp"),
-    (("--backend",), "train.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
-    (("--seed",), "train.seed", "seed for data order, split and initialisation (default 42)"),
-    (("--logging-steps",), "train.logging_steps", "write metrics every N steps (default: every step on a CPU, every 10 on a GPU)"),
-    (("--eval-steps",), "train.eval_steps",
-     "eval loss every N steps, or below 1 a share of the steps (0.25: 4 evals; default: before and after training)"),
-    (("--eval-generate",), "train.eval_generate",
-     "at the end, answer N held-out rows and score them: ROUGE-L, chrF, exact match (GSM8K), EOS rate (default 0)"),
-    (("--eval-max-new-tokens",), "train.eval_max_new_tokens", "the cap on each of those answers (default 128)"),
-    (("--save-steps", "--save_steps"), "train.save_steps", "checkpoint every N steps (default: at the end)"),
-    (("--save-total-limit",), "train.save_total_limit", "keep the newest N checkpoints (default 2)"),
-    (("--resume",), "train.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
-    (("--report-to",), "train.report_to", "none (default) | tensorboard"),
 ]
-
 
 PRETRAIN_OPTIONS = [
     (("--data",), "data.train_file", "training text: file(s), comma-separated, or a directory"),
     (("--tokenizer",), "data.tokenizer", "tokenizer directory (default: byte-level BPE trained on --data)"),
-    (("--output-dir", "--output_dir"), "training.checkpoint_dir", "run directory (default runs/pretrain)"),
-    (("--max-steps",), "training.max_steps", "stop after this many optimizer steps"),
-    (("--max-tokens",), "training.max_tokens", "a token budget: train the steps that see about this many tokens"),
-    (("--batch-size",), "training.batch_size", "micro batch, or auto (measure those dividing --effective-batch-size)"),
-    (("--effective-batch-size",), "training.effective_batch_size", "blocks per optimizer step"),
-    (("--lr",), "training.learning_rate", "peak learning rate"),
     (("--max-length",), "data.max_length", "tokens per block"),
-    (("--device",), "training.device", "auto (default) | cpu | cuda | mps"),
-    (("--threads",), "training.threads", "torch CPU threads (default: OMP_NUM_THREADS, else the usable cores)"),
-    (("--precision",), "training.precision", "auto (default) | fp32 | bf16 | fp16"),
-    (("--compile",), "training.compile", "torch.compile: auto (default) | on | off"),
-    (("--compile-mode",), "training.compile_mode", "torch.compile's mode: default | reduce-overhead | max-autotune"),
-    (("--attention",), "training.attention", "auto (fastest measured) | sdpa | eager | tunebench | flash_attention_2"),
-    (("--eval-steps",), "training.eval_steps",
-     "validation loss and a sample every N steps, or below 1 a share of the steps (0.25: 4 evals)"),
-    (("--save-steps",), "training.save_steps", "checkpoint every N steps"),
-    (("--parallel",), "training.parallel", "under torchrun / tunebench launch: auto | ddp | fsdp"),
-    (("--backend",), "training.backend", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
-    (("--seed",), "training.seed", "seed for initialisation, split and data order"),
-    (("--resume",), "training.resume", "auto (newest checkpoint in --output-dir) or a checkpoint path"),
 ]
+
+# The options of the shared sections (schema.py), for both jobs; their help is the field's documentation there.
+SHARED_OPTIONS: list[tuple[tuple[str, ...], str]] = [
+    (("--output-dir", "--output_dir"), "output.output_dir"), (("--epochs", "--num_epochs"), "schedule.epochs"),
+    (("--max-steps",), "schedule.max_steps"), (("--max-tokens",), "schedule.max_tokens"),
+    (("--batch-size", "--batch_size"), "batch.micro_batch_size"),
+    (("--grad-accum", "--gradient_accumulation_steps"), "batch.grad_accum_steps"),
+    (("--effective-batch-size",), "batch.effective_batch_size"), (("--lr", "--learning_rate"), "optimizer.lr"),
+    (("--weight-decay",), "optimizer.weight_decay"), (("--lr-scaling",), "optimizer.lr_scaling"),
+    (("--warmup-ratio",), "schedule.warmup_ratio"), (("--warmup-steps",), "schedule.warmup_steps"),
+    (("--schedule",), "schedule.schedule"), (("--max-grad-norm",), "optimizer.max_grad_norm"),
+    (("--precision",), "hardware.precision"), (("--device",), "hardware.device"), (("--threads",), "hardware.threads"),
+    (("--compile",), "hardware.compile"), (("--compile-mode",), "hardware.compile_mode"),
+    (("--attention",), "hardware.attention"), (("--gradient-checkpointing",), "hardware.gradient_checkpointing"),
+    (("--liger",), "hardware.liger"), (("--parallel",), "distributed.parallel"), (("--backend",), "distributed.backend"),
+    (("--seed",), "schedule.seed"), (("--logging-steps",), "logging.logging_steps"),
+    (("--eval-steps",), "evaluation.eval_steps"), (("--eval-generate",), "evaluation.eval_generate"),
+    (("--eval-max-new-tokens",), "evaluation.eval_max_new_tokens"), (("--save-steps", "--save_steps"), "output.save_steps"),
+    (("--save-total-limit",), "output.save_total_limit"), (("--resume",), "output.resume"),
+    (("--report-to",), "logging.report_to"),
+]
+SWITCHES = [(("--overwrite",), "output.overwrite", True), (("--no-progress",), "logging.progress", False)]
+
+
+def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], str, str]]) -> None:
+    from tunebench import schema  # torch-free: the sections and their documentation
+
+    for flags, key, help_text in own:
+        # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
+        p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
+                       **({"action": "append"} if key == "data.path" else {}))
+    for flags, key in SHARED_OPTIONS:
+        p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=schema.help_for(key), metavar="V")
+    for flags, key, value in SWITCHES:
+        p.add_argument(*flags, dest=key, action="store_const", const=value, default=argparse.SUPPRESS,
+                       help=schema.help_for(key))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,52 +108,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="LoRA, QLoRA or full fine-tuning",
                            description="Fine-tune a causal LM. Positional items: an optional CONFIG.yaml and "
-                                       "dotted overrides such as train.lr=1e-4.")
+                                       "dotted overrides such as optimizer.lr=1e-4 (or train.lr=1e-4).")
     train.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
-    for flags, key, help_text in TRAIN_OPTIONS:
-        # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
-        train.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
-                           **({"action": "append"} if key == "data.path" else {}))
+    _add_options(train, TRAIN_OPTIONS)
     train.add_argument("--profile", default=None, metavar="NAME",
                        help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
-    train.add_argument("--compile", dest="train.compile", default=argparse.SUPPRESS, metavar="V",
-                       help="torch.compile: auto (default) | on | off")
-    train.add_argument("--compile-mode", dest="train.compile_mode", default=argparse.SUPPRESS, metavar="V",
-                       help="torch.compile's mode: default | reduce-overhead | max-autotune")
-    train.add_argument("--attention", dest="train.attention", default=argparse.SUPPRESS, metavar="V",
-                       help="attention kernel: auto (the fastest measured of sdpa, eager, tunebench and, on a CUDA GPU "
-                            "with flash-attn installed, flash_attention_2) | sdpa | eager | tunebench | flash_attention_2")
-    train.add_argument("--liger", dest="train.liger", default=argparse.SUPPRESS, metavar="V",
-                       help="Liger's Triton RMSNorm/RoPE/SwiGLU kernels: auto (on a CUDA GPU when liger-kernel is "
-                            "installed) | on | off")
-    train.add_argument("--gradient-checkpointing", dest="train.gradient_checkpointing", default=argparse.SUPPRESS,
-                       metavar="V", help="auto (only when the batch would not fit) | on | off")
-    train.add_argument("--lr-scaling", dest="train.lr_scaling", default=argparse.SUPPRESS, metavar="V",
-                       help="none (default) | linear | sqrt: scale --lr by effective batch / train.lr_reference_batch")
     train.add_argument("--use_8bit", "--use-8bit", dest="adapter.quantization", action="store_const", const="8bit",
                        default=argparse.SUPPRESS, help="alias of --quantization 8bit")
     train.add_argument("--use_4bit", "--use-4bit", dest="adapter.quantization", action="store_const", const="4bit",
                        default=argparse.SUPPRESS, help="alias of --quantization 4bit")
     train.add_argument("--allow-download", dest="model.allow_download", action="store_const", const=True,
                        default=argparse.SUPPRESS, help="let transformers fetch a hub model that is not cached")
-    train.add_argument("--overwrite", dest="train.overwrite", action="store_const", const=True,
-                       default=argparse.SUPPRESS, help="replace an earlier run in --output-dir")
-    train.add_argument("--no-progress", dest="train.progress", action="store_const", const=False,
-                       default=argparse.SUPPRESS, help="no progress bar (logs only)")
     _add_debug(train)
 
     pre = sub.add_parser("pretrain", help="train a causal LM from scratch (its own tokenizer, a config's architecture)",
                          description="Pretrain a model from a YAML config (sections device, model, training, data, "
                                      "in the CPU training guide's key names). Positional items: an optional "
-                                     "CONFIG.yaml and dotted overrides such as training.learning_rate=1e-3.")
+                                     "CONFIG.yaml and dotted overrides such as optimizer.lr=1e-3 (or the guide's "
+                                     "training.learning_rate=1e-3).")
     pre.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
     pre.add_argument("--config", dest="config_file", default=None, metavar="CONFIG.yaml",
                      help="the config (as the CPU training guide's scripts/train.py --config); same as the positional")
-    for flags, key, help_text in PRETRAIN_OPTIONS:
-        pre.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V")
-    for flag, key, value, help_text in (("--overwrite", "training.overwrite", True, "replace an earlier run"),
-                                        ("--no-progress", "training.progress", False, "no progress bar (logs only)")):
-        pre.add_argument(flag, dest=key, action="store_const", const=value, default=argparse.SUPPRESS, help=help_text)
+    _add_options(pre, PRETRAIN_OPTIONS)
     _add_debug(pre)
 
     tu = sub.add_parser("tune", help="hyperparameter search (Optuna) over train or pretrain runs",

@@ -68,8 +68,8 @@ class RunDir:
         if self.adapter_config_file.is_file():
             return "adapter"
         raw = self.raw_config()
-        if "training" in raw and "train" not in raw:  # the pretraining schema's sections
-            return "pretrain"
+        if "training" in raw and "train" not in raw or "train_file" in (raw.get("data") or {}):
+            return "pretrain"  # the pretraining schema's sections (before and since the shared sections)
         return "model" if (self.path / "config.json").is_file() else "none"
 
     def peft_type(self) -> str | None:

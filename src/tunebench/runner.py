@@ -23,7 +23,9 @@ from tunebench import checkpoint, distributed, hardware, rundir, runplan, startu
 from tunebench import precision as precision_
 from tunebench.batch_rule import BatchAsk
 from tunebench.data import batching
+from tunebench.decision import Decision
 from tunebench.distributed import World
+from tunebench.errors import TunebenchError
 from tunebench.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
 from tunebench.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.monitor import Monitor, other_load
@@ -33,9 +35,11 @@ Row = tuple[str, Any, str]
 
 @dataclass(frozen=True)
 class Opened:
-    """A run opened: the machine and its plan, the process group, this rank's device, the checkpoint it
-    resumes from (None: step 0), the effective batch it trains with and the checkpoint's batch split."""
+    """A run opened: its directory, the machine and its plan, the process group, this rank's device, the
+    checkpoint it resumes from (None: step 0), the effective batch it trains with and the checkpoint's batch
+    split, the batch the keys asked for and the run's seed."""
 
+    out: Path
     hw: hardware.Hardware
     hw_plan: hardware.Plan
     world: World
@@ -43,26 +47,111 @@ class Opened:
     resume_from: Path | None
     effective: int
     resumed: tuple[int, int] | None
+    ask: BatchAsk
+    seed: int
 
     @property
     def autocast(self) -> torch.dtype | None:
         return precision_.autocast_dtype(self.hw_plan.precision)
 
 
-def open_run(out: Path, *, device: str, precision: str, compile: str, threads: int | None, backend: str | None,
-             resume: str | None, overwrite: bool, identity: dict[str, Any], ask: BatchAsk, seed: int) -> Opened:
-    """What both training jobs do first, in this order: plan the hardware (an impossible request raises), join
-    the process group torchrun set up, check the output directory and the checkpoint to resume from (rank 0;
-    every rank gets its answer), settle the effective batch at this world size, set threads and seeds."""
+def open_run(cfg, identity: dict[str, Any]) -> Opened:
+    """What both training jobs do first, in this order: plan the hardware from cfg.hardware (an impossible
+    request raises), join the process group torchrun set up, check the output directory and the checkpoint to
+    resume from (rank 0; every rank gets its answer), settle the effective batch at this world size, set
+    threads and seeds. `cfg` is either job's configuration: only the shared sections are read."""
+    h, o = cfg.hardware, cfg.output
+    device = "cpu" if h.force_cpu else h.device
     hw = hardware.detect()
-    hw_plan = hardware.plan(device, precision, hw, compile, threads)
-    world = distributed.init(hw_plan.device, backend)
+    hw_plan = hardware.plan(device, precision_for(h.precision, device, hw), hw, h.compile, h.threads)
+    world = distributed.init(hw_plan.device, cfg.distributed.backend)
     on = distributed.device_for(world, hw_plan.device)
-    resume_from = rundir.open_run(world, out, resume, overwrite, identity)
+    out = Path(o.output_dir)
+    resume_from = rundir.open_run(world, out, o.resume, o.overwrite, identity)
+    ask = cfg.batch_ask()
     effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
     apply_plan(hw_plan)
-    seed_everything(seed)
-    return Opened(hw, hw_plan, world, on, resume_from, effective, resumed)
+    seed_everything(cfg.schedule.seed)
+    return Opened(out, hw, hw_plan, world, on, resume_from, effective, resumed, ask, cfg.schedule.seed)
+
+
+def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
+    """The precision hardware.plan is asked for; `amp` (the CPU guide's use_amp: true) wants 16-bit and
+    refuses a device that has none, rather than training in fp32 under a 16-bit name."""
+    if request != "amp":
+        return request
+    auto = hardware.plan(device, "auto", hw).precision
+    if auto == "fp32":
+        raise TunebenchError("precision amp (use_amp: true) wants 16-bit arithmetic, and this device has no fast "
+                             "16-bit (a CPU without AVX512-BF16 or AMX); set precision fp32 (use_amp: false)")
+    return auto
+
+
+def host_rows(cfg, hw_plan: hardware.Plan) -> list[hardware.Decision]:
+    """The hardware plan's rows as this run takes them (compile is decided later, by measuring), with the
+    dataloader keys HF and the CPU guide use: batches are slices of tokenized data in memory."""
+    h = cfg.hardware
+    pin = bool(hw_plan.value("pin_memory")) and h.dataloader_pin_memory
+    rows = [d if d.setting != "pin_memory" or pin == d.value
+            else Decision("pin_memory", False, "hardware.dataloader_pin_memory: false")
+            for d in hw_plan.decisions if d.setting != "compile"]
+    if h.force_cpu:
+        rows.insert(0, Decision("force_cpu", True, f"training.force_cpu: the CPU, whatever device '{h.device}' says"))
+    if h.dataloader_num_workers or h.dataloader_prefetch_factor:
+        rows.append(Decision("dataloader", "in-process", "batches are slices of the tokenized data in memory"
+                             + (f"; dataloader_num_workers {h.dataloader_num_workers} not needed"
+                                if h.dataloader_num_workers else "")
+                             + (f"; dataloader_prefetch_factor {h.dataloader_prefetch_factor} not needed: nothing "
+                                "to prefetch" if h.dataloader_prefetch_factor else "")))
+    return rows
+
+
+def learning_rate(cfg, effective: int, steps: int) -> tuple["Optimization", Decision]:
+    """The optimizer's settings from cfg.optimizer and cfg.schedule, the lr scaled to the effective batch when
+    optimizer.lr_scaling asks, and its settings row."""
+    o, s = cfg.optimizer, cfg.schedule
+    lr, why = scaled_lr(o.lr, effective, o.lr_scaling, o.lr_reference_batch)
+    warmup = s.warmup_steps or int(s.warmup_ratio * steps)
+    return (Optimization(lr, o.weight_decay, s.schedule, warmup, o.max_grad_norm, (o.adam_beta1, o.adam_beta2)),
+            Decision("lr", f"{lr:g}", f"{why}; {s.schedule} after {warmup} warm-up steps"))
+
+
+def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[float, str]:
+    if rule == "none" or effective == reference:
+        return lr, "not scaled (--lr-scaling none)" if rule == "none" else f"effective batch is the reference {reference}"
+    factor = effective / reference if rule == "linear" else math.sqrt(effective / reference)
+    return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
+
+
+def steps_row(cfg, steps: int, what: str) -> Decision:
+    """The run's length and what set it: --max-steps, --max-tokens, or epochs of `what`."""
+    s = cfg.schedule
+    return Decision("total_steps", steps, "--max-steps" if s.max_steps else
+                    f"--max-tokens {s.max_tokens:,}" if s.max_tokens else f"{s.epochs:g} epoch(s) of {what}")
+
+
+def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, widest: int, attention_rows: int,
+            n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
+            asked_reason: str = "asked for") -> tuple[runplan.Measured, float]:
+    """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
+    checkpointing, compile) and the seconds they took. `step` is a tune.probe step; `what` names what is
+    trained for the measurement cache (model, method, quantization, rank, target modules)."""
+    from tunebench import tune
+
+    hw, hw_plan, world, h = opened.hw, opened.hw_plan, opened.world, cfg.hardware
+
+    def measure_() -> runplan.Measured:
+        shape = tune.Shape(*what, max_length, tune.where(hw, hw_plan, opened.device), hw_plan.precision,
+                           hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
+        return runplan.measure(
+            model, step, shape, world_size=world.size, device=opened.device, precision=hw_plan.precision,
+            attention_asked=h.attention, attention_rows=attention_rows, widest=widest, effective=opened.effective,
+            resumed=opened.resumed, micro_asked=opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
+            max_length=max_length, checkpointing=h.gradient_checkpointing,
+            compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode,
+            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size)
+
+    return measured_by_rank0(world, model, measure_)
 
 
 def measured_by_rank0(world: World, model, measure: Callable[[], runplan.Measured]) -> tuple[runplan.Measured, float]:
@@ -319,10 +408,16 @@ class Outputs:
     monitor: bool
     logging_dir: str | None = None
 
+    @classmethod
+    def of(cls, cfg, logging_steps: int) -> "Outputs":
+        lg, o = cfg.logging, cfg.output
+        return cls(logging_steps, cfg.evaluation.eval_steps, o.save_steps, o.save_total_limit, lg.progress,
+                   lg.report_to, lg.monitor, lg.logging_dir)
 
-def train_run(out: Path, opened: Opened, plan, model, autocast, *, optimization: Optimization, outputs: Outputs,
+
+def train_run(opened: Opened, plan, model, *, optimization: Optimization, outputs: Outputs,
               next_micro_batch: Callable[[LoopState], Batch | None], eval_sets: list[tuple[str, list[Batch]]],
-              identity: dict[str, Any], records: Callable[[], None], seed: int, pin_memory: bool, loss=None,
+              identity: dict[str, Any], records: Callable[[], None], loss=None,
               after_eval: Callable[[int], dict[str, Any]] | None = None) -> tuple[Outcome, dict | None]:
     """The training half both jobs share, in this order: the objective as the process group wraps it (DDP,
     FSDP), each rank's own dropout masks, the optimizer over the parameters FSDP sharded, the schedule, fp16's
@@ -333,10 +428,11 @@ def train_run(out: Path, opened: Opened, plan, model, autocast, *, optimization:
     from tunebench import optim
     from tunebench.tune import compiler
 
-    world, device = opened.world, opened.device
+    world, device, autocast, out = opened.world, opened.device, opened.autocast, opened.out
+    pin_memory = bool(plan.value("pin_memory"))
     objective_, eval_objective, split_eval = objective(model, autocast, device, world, plan.parallel, loss)
     if world.backend is not None:
-        torch.manual_seed(seed + world.rank)  # each rank its own dropout masks
+        torch.manual_seed(opened.seed + world.rank)  # each rank its own dropout masks
     optimizer = optim.adamw(model, optimization.lr, optimization.weight_decay, device, optimization.betas)
     scheduler = optim.scheduler(optimizer, optimization.schedule, optimization.warmup_steps, plan.total_steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None

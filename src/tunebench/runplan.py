@@ -168,7 +168,7 @@ def make(hw_plan, world, parallel: Decision, measured: Measured, effective: int,
 
 def logging_row(asked: int | None, device_type: str) -> Decision:
     if asked:
-        return Decision("logging_steps", asked, "asked for")
+        return Decision("logging_steps", asked, "logging.logging_steps")
     if device_type in ("cuda", "mps"):
         return Decision("logging_steps", 10, "every 10 steps: reading a loss makes the host wait for the GPU, so the "
                                              "loop keeps them on the device in between")

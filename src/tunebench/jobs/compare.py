@@ -75,10 +75,10 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None,
     if unknown:
         raise TunebenchError(f"matrix {spec}: unknown section(s) {', '.join(sorted(unknown))}; "
                              "use base, experiments, grid, budget")
-    base = _mapping(raw.get("base"), f"matrix {spec}: base")
+    base = canonical("train", _mapping(raw.get("base"), f"matrix {spec}: base"))
     if sizing.budget_seconds(raw.get("budget"), spec) is not None and "data.max_samples" in base:
         raise TunebenchError(f"matrix {spec}: budget sizes data.max_samples to this machine; drop one of them")
-    base |= dict(extra or {})  # the command line's on top
+    base |= canonical("train", dict(extra or {}))  # the command line's on top
     experiments = []
     if not isinstance(raw.get("experiments") or [], list):
         raise TunebenchError(f"matrix {spec}: experiments must be a list of {{name: ..., set: {{...}}}}")
@@ -94,7 +94,11 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None,
         if not SAFE_NAME.match(name):
             raise TunebenchError(f"matrix {spec}: experiment name {name!r} must be letters, digits and ._=+,@- "
                                  "(it names a directory under the runs directory), starting with a letter or digit")
-        experiments.append(Experiment(name, _mapping(e.get("set"), f"matrix {spec}, experiment '{name}': set"),
+        try:
+            chosen = canonical("train", _mapping(e.get("set"), f"matrix {spec}, experiment '{name}': set"))
+        except TunebenchError as err:
+            raise TunebenchError(f"matrix {spec}, experiment '{name}': {err}") from err
+        experiments.append(Experiment(name, chosen,
                                       _devices(e.get("devices"), spec, name), _nproc(e.get("nproc", 1), spec)))
     grid = _mapping(raw.get("grid"), f"matrix {spec}: grid")
     if grid:
@@ -102,7 +106,8 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None,
         for values in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
             name = "_".join(f"{k.rsplit('.', 1)[-1]}={_name_part(v)}" for k, v in zip(keys, values))
             chosen = dict(zip(keys, values))
-            experiments.append(Experiment(name, chosen, None, _nproc(chosen.pop("nproc", 1), spec)))
+            count = _nproc(chosen.pop("nproc", 1), spec)
+            experiments.append(Experiment(name, canonical("train", chosen), None, count))
     if not experiments:
         raise TunebenchError(f"matrix {spec} has no experiments; add an experiments list or a grid")
     unique_names(experiments, spec)
@@ -113,8 +118,8 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None,
             cfg = load_config(options={**base, **e.overrides}, world_size=e.nproc)
         except TunebenchError as err:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
-        if cfg.train.objective != "sft" and sizing.budget_seconds(raw.get("budget"), spec) is not None:
-            raise TunebenchError(f"matrix {spec}, experiment '{e.name}': budget times SFT rows, not {cfg.train.objective} "
+        if cfg.adapter.objective != "sft" and sizing.budget_seconds(raw.get("budget"), spec) is not None:
+            raise TunebenchError(f"matrix {spec}, experiment '{e.name}': budget times SFT rows, not {cfg.adapter.objective} "
                                  "pairs; give base data.max_samples instead of the budget")
     return base, experiments
 
@@ -318,10 +323,17 @@ def _run_all(todo, base: dict[str, Any], runs_dir: str, results: Path, elapsed: 
 
 
 # Each job's keys for what the runner sets on every run.
-RUN_KEYS = {"train": {"device": "train.device", "output_dir": "train.output_dir", "progress": "train.progress",
-                      "overwrite": "train.overwrite"},
-            "pretrain": {"device": "training.device", "output_dir": "training.checkpoint_dir",
-                         "progress": "training.progress", "overwrite": "training.overwrite"}}
+RUN_KEYS = {"device": "hardware.device", "output_dir": "output.output_dir", "progress": "logging.progress",
+            "overwrite": "output.overwrite"}  # the shared sections': the same keys for train and pretrain
+
+
+def canonical(job: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with each key in its one spelling, so a later mapping merged over it wins (schema.Schema)."""
+    if job == "train":
+        from tunebench.config import SCHEMA
+    else:
+        from tunebench.pretrain_config import SCHEMA
+    return SCHEMA.canonical(settings)
 
 
 def load_job_config(job: str, config: str | None, settings: dict[str, Any], nproc: int = 1):
@@ -350,7 +362,7 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
     output in run_dir/log.txt. The child gets its whole configuration as a file (run_dir/asked.yaml),
     runs in a process group of its own that `stop` ends, and is sent SIGTERM (it checkpoints and stops)
     if this process dies first. A rerun replaces what a failed attempt left in run_dir."""
-    keys = RUN_KEYS[job]
+    keys = RUN_KEYS
     settings = {**settings, keys["output_dir"]: str(run_dir), keys["progress"]: False, keys["overwrite"]: True}
     if device is not None:
         settings[keys["device"]] = device

@@ -93,7 +93,7 @@ def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: s
         d = cfg.data
         trained_on = [d.path] + [path for path, _ in d.sources]  # a mixture splits each of its datasets alike
         if any(Path(p).resolve() == Path(data.path).resolve() for p in trained_on):
-            _, eval_idx = split(len(tokenized), d.eval_fraction, cfg.train.seed, d.max_samples, d.eval_samples)
+            _, eval_idx = split(len(tokenized), d.eval_fraction, cfg.schedule.seed, d.max_samples, d.eval_samples)
             if len(eval_idx) == 0:
                 raise TunebenchError(f"'{run_dir}' held no rows out of '{data.path}' (eval_fraction 0): its answers "
                                      "there would be to training rows; pass --data with other rows")

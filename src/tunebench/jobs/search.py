@@ -39,10 +39,7 @@ EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the po
 OBJECTIVES = {"eval_loss": "minimize", **dict.fromkeys(quality.OBJECTIVES, "maximize"),
               "reward_accuracy": "maximize"}  # the last: DPO/ORPO runs' held-out pairs
 TASK_ROWS = 16  # held-out rows a trial answers when the objective is a task metric and train.eval_generate is unset
-KEYS = {  # per job: the keys tune sets on every trial
-    "train": {"budget": "train.max_tokens", "steps": "train.max_steps", "eval": "train.eval_steps"},
-    "pretrain": {"budget": "training.max_tokens", "steps": "training.max_steps", "eval": "training.eval_steps"},
-}
+KEYS = {"budget": "schedule.max_tokens", "steps": "schedule.max_steps", "eval": "evaluation.eval_steps"}  # set on every trial
 
 
 @dataclass(frozen=True)
@@ -119,14 +116,15 @@ def load_space(spec: str) -> list[Param]:
 def check(job: str, config: str | None, base: dict[str, Any], params: list[Param]) -> None:
     """Every parameter's every choice (each range's ends) is a valid run with the base settings,
     checked here, before a trial starts."""
+    base = compare.canonical(job, base)
     keys = set(base)
     for p in params:
-        if p.key in keys:
+        if set(compare.canonical(job, {p.key: p.corners()[0]})) & keys - {"batch.autotune_batch"}:
             raise TunebenchError(f"'{p.key}' is both searched and set (by tune itself or on the command line); "
                                  "drop one of them")
         for value in p.corners():
             try:
-                cfg = compare.load_job_config(job, config, {**base, p.key: value})
+                cfg = compare.load_job_config(job, config, {**base, **compare.canonical(job, {p.key: value})})
             except TunebenchError as e:
                 raise TunebenchError(f"search space: {p.key}={value!r} is not a valid run: {e}") from e
     cfg = compare.load_job_config(job, config, base)
@@ -328,7 +326,7 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     try:
         if hasattr(study._storage, "record_heartbeat"):  # alive before the thread's first beat
             study._storage.record_heartbeat(trial._trial_id)
-        proc = compare.start(job, {**base, **chosen}, run_dir, device, config=config)  # forked before any thread
+        proc = compare.start(job, {**base, **compare.canonical(job, chosen)}, run_dir, device, config=config)  # forked before any thread
         with get_heartbeat_thread(trial._trial_id, study._storage):  # Optuna's own, as its optimize() keeps
             seen, pruned_at = _follow(proc, trial, run_dir, objective == "eval_loss")
     except BaseException as e:  # the trial's process never outlives the search, and the trial never stays RUNNING
@@ -394,8 +392,8 @@ def write_best(study, job: str, out: Path) -> Path | None:
         return None
     best = (max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min)(done, key=lambda t: t.value)
     cfg = yaml.safe_load(best.user_attrs["config"])
-    section, key = ("train", "output_dir") if job == "train" else ("training", "checkpoint_dir")
-    cfg[section].update({key: str(out / "best-run"), "overwrite": False, "resume": None, "progress": True})
+    cfg["output"].update({"output_dir": str(out / "best-run"), "overwrite": False, "resume": None})
+    cfg["logging"]["progress"] = True
     path = out / "best.yaml"
     header = (f"# tunebench tune: the best of {len(done)} finished trial(s), trial {best.number}, "
               f"{study.user_attrs.get('objective', 'eval_loss')} {best.value:.4f}\n# {trial_settings(best.params)}\n# run it: tunebench {job} {path}\n")
@@ -448,8 +446,14 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
         raise TunebenchError(f"--trials must be 1 or more, got {trials}")
     if budget_tokens is not None and budget_tokens < 1:
         raise TunebenchError(f"--budget-tokens must be 1 or more, got {budget_tokens}")
-    keys = KEYS[job]
-    base = dict(overrides)
+    if objective == "reward_accuracy" and job != "train":
+        raise TunebenchError("--objective reward_accuracy judges DPO/ORPO runs by their held-out pairs; "
+                             "`tune --job pretrain` runs have none")
+    if objective not in ("eval_loss", "reward_accuracy") and job != "train":
+        raise TunebenchError(f"--objective {objective} scores answers to prompts, which `tune --job pretrain` "
+                             "runs do not have; use --objective eval_loss")
+    keys = KEYS
+    base = compare.canonical(job, dict(overrides))
     if budget_tokens is not None and max_steps is not None:
         raise TunebenchError("--budget-tokens and --max-steps both set a trial's length; give one of them")
     if budget_tokens is not None:
@@ -458,19 +462,13 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
         base |= {keys["steps"]: max_steps, keys["budget"]: None}
     base[keys["eval"]] = 1 / EVALS
     if objective == "reward_accuracy":
-        if job != "train":
-            raise TunebenchError("--objective reward_accuracy judges DPO/ORPO runs by their held-out pairs; "
-                                 "`tune --job pretrain` runs have none")
         print(f"objective: reward accuracy on each trial's held-out preference pairs (maximized); pruner {pruner}")
     elif objective != "eval_loss":
-        if job != "train":
-            raise TunebenchError(f"--objective {objective} scores answers to prompts, which `tune --job pretrain` "
-                                 "runs do not have; use --objective eval_loss")
-        if base.get("train.eval_generate") == 0:
-            raise TunebenchError(f"--objective {objective} needs answers to score, and train.eval_generate is 0; "
+        if base.get("evaluation.eval_generate") == 0:
+            raise TunebenchError(f"--objective {objective} needs answers to score, and eval_generate is 0; "
                                  f"leave it unset ({TASK_ROWS} rows) or give a number")
-        base.setdefault("train.eval_generate", TASK_ROWS)
-        print(f"objective: {objective} of each trial's answers to {base['train.eval_generate']} held-out rows "
+        base.setdefault("evaluation.eval_generate", TASK_ROWS)
+        print(f"objective: {objective} of each trial's answers to {base['evaluation.eval_generate']} held-out rows "
               f"(maximized); pruner {pruner}")
     params = load_space(space)
     check(job, config, base, params)

@@ -89,9 +89,9 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
     from tunebench.jobs.finetune import build_model
     from tunebench.tune.probe import probe_step
 
-    cfg = load_config(options={**settings, "train.device": device})
+    cfg = load_config(options={**settings, "hardware.device": device})
     parts = mixture.parts(cfg.data)
-    hw_plan = hardware.plan(device, cfg.train.precision, hardware.detect(), "off", cfg.train.threads)  # eager, as runs start
+    hw_plan = hardware.plan(device, cfg.hardware.precision, hardware.detect(), "off", cfg.hardware.threads)  # eager, as runs start
     runner.apply_plan(hw_plan)
     loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
     data, _, _ = mixture.tokenize(parts, loaded.tokenizer, models.cache_dir())

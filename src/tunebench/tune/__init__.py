@@ -15,7 +15,6 @@ from typing import Any
 from tunebench.jsonfile import read_json, update_json
 from tunebench.paths import cache_dir
 
-from tunebench.decision import Decision as Row  # noqa: E402 - the one type of a settings row
 
 
 @dataclass(frozen=True)
