@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from tunebench.config import load_config, replace
@@ -86,3 +88,49 @@ def test_replace_validates():
     assert replace(cfg, **{"train.lr": 1e-3}).optimizer.lr == 1e-3
     with pytest.raises(TunebenchError):
         replace(cfg, **{"train.lr": -1})
+
+
+def test_both_jobs_share_one_definition_of_each_common_section():
+    """The eight shared sections are one set of dataclasses; only model and data (and train's adapter) differ."""
+    from tunebench import pretrain_config, schema
+
+    train, pre = load_config(), pretrain_config.load(None, {"data.train_file": "x.txt"})
+    for section, cls in schema.SHARED.items():
+        assert type(getattr(train, section)) is cls and type(getattr(pre, section)) is cls, section
+    names = [{f.name for f in dataclasses.fields(type(cfg))} for cfg in (train, pre)]
+    assert names[0] - names[1] == {"adapter"} and names[1] - names[0] == set()
+    assert type(train.model) is not type(pre.model) and type(train.data) is not type(pre.data)
+
+
+def test_a_fields_documentation_is_its_help():
+    from tunebench import schema
+    from tunebench.cli_parser import build_parser
+
+    helps = {a.dest: a.help for p in build_parser()._subparsers._group_actions[0].choices.values() for a in p._actions}
+    assert helps["schedule.warmup_steps"] == schema.help_for("schedule.warmup_steps") == "steps of linear warm-up"
+    for key in ("hardware.precision", "batch.grad_accum_steps", "output.resume", "distributed.world_size"):
+        assert schema.help_for(key), f"{key} has no documentation"
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"train.lr": 1e-3}, ("optimizer", "lr", 1e-3)),  # tunebench's flat section before the shared ones
+    ({"training.learning_rate": 1e-3}, ("optimizer", "lr", 1e-3)),  # the CPU guide's
+    ({"training.num_epochs": 2}, ("schedule", "epochs", 2.0)),
+    ({"training.checkpoint_dir": "out"}, ("output", "output_dir", "out")),
+    ({"training.use_amp": False}, ("hardware", "precision", "fp32")),
+    ({"training.bf16": True}, ("hardware", "precision", "bf16")),
+    ({"optimization.compile": True}, ("hardware", "compile", "on")),  # the hardware guide's Hydra key
+    ({"model.use_gradient_checkpointing": True}, ("hardware", "gradient_checkpointing", "on")),
+    ({"training.distributed_backend": "gloo"}, ("distributed", "backend", "gloo")),
+])
+def test_other_documents_spellings_are_translated_at_load(options, expected):
+    section, name, value = expected
+    assert getattr(getattr(load_config(options=options), section), name) == value
+
+
+def test_two_spellings_of_one_key_in_one_place_must_agree_and_a_later_layer_wins(tmp_path):
+    with pytest.raises(TunebenchError, match="'training.use_amp' and 'hardware.precision' both set hardware.precision"):
+        load_config(options={"training.use_amp": True, "hardware.precision": "fp32"})
+    y = tmp_path / "c.yaml"
+    y.write_text("train:\n  lr: 0.001\n")
+    assert load_config(y, {"optimizer.lr": 0.002}).optimizer.lr == 0.002  # the command line over the file

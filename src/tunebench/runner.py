@@ -123,6 +123,18 @@ def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[flo
     return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
 
 
+def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extra: Any) -> Callable[[], None]:
+    """What rank 0 writes once the run starts: config.yaml (the configuration as asked: auto stays auto) and
+    plan.json (what it became: the machine, the settings with their reasons, and the job's `extra`)."""
+    from tunebench.jsonfile import write_json
+
+    def write() -> None:
+        dump(cfg, opened.out / "config.yaml")
+        write_json(opened.out / "plan.json", {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(), **extra})
+
+    return write
+
+
 def steps_row(cfg, steps: int, what: str) -> Decision:
     """The run's length and what set it: --max-steps, --max-tokens, or epochs of `what`."""
     s = cfg.schedule

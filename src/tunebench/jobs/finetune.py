@@ -87,37 +87,20 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         data, spans, messages = (pairs.tokenize(examples, tok, cfg.data), [np.arange(len(examples))], []) if prefer \
             else mixture.tokenize(parts, tok, models.cache_dir())
     train_idx, train_parts, eval_parts = split_rows(cfg, data, spans, parts, prefer)
-    model, autocast, method_rows = build_model(cfg, loaded, opened.hw_plan.precision, device)
-    model.config.use_cache = False
-    loss_module = None
-    if prefer:
-        loss_module, row = preference_loss(model, cfg, autocast)
-        method_rows.append(row)
-    trainable, total = metrics.count_parameters(model)
-    if trainable == 0:
-        raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
+    model, autocast, loss_module, method_rows, (trainable, total) = trainable_model(cfg, loaded, opened, prefer)
 
     # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile, layout
-    if cfg.hardware.gradient_checkpointing == "on":
-        enable_checkpointing(model)
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
     tokens_per_row = float(np.mean((data.tokens() if prefer else lengths)[train_idx]))
     s, d, a = cfg.schedule, cfg.data, cfg.adapter
     steps = runplan.total_steps(len(train_idx), effective, s.epochs, s.max_steps, s.max_tokens, tokens_per_row)
-    parallel = hardware.pick_parallel(cfg.distributed.parallel, a.method, trainable, world.size,
-                                      memory_free_mb(device, world.local_size))
-    if cfg.evaluation.eval_generate and parallel == "fsdp":
-        raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
-                             "`tunebench eval --adapter OUT --generate N` after training instead")
+    parallel = pick_parallel(cfg, opened, trainable)
     collate_unit = pairs.collate if prefer else batching.collate  # a unit is a row, or a pair's two rows
     collate = lambda rows_: collate_unit(data, rows_, tok.pad_token_id)  # noqa: E731
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
     measured, measure_s = runner.measure(
         opened, cfg, model, probe_step(model, lambda size: collate(longest[:size]), device, autocast, loss_module),
-        # a preference step is a pair's two rows plus DPO's reference pass: measured apart from SFT's rows
-        (cfg.model.name, a.method if not prefer else f"{a.method}+{a.objective}", a.quantization,
-         a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules),
-        max_length=d.max_length, attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)),
+        measured_as(cfg, prefer), max_length=d.max_length, attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)),
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
         widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), n_train=len(train_idx),
         run_tokens=steps * effective * tokens_per_row, parallel=parallel, quantized=a.method == "qlora")
@@ -132,29 +115,23 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         runplan.logging_row(cfg.logging.logging_steps, device.type),
         runner.steps_row(cfg, steps, f"{len(train_idx)} {unit}, {effective} a step")])
     if world.main:
-        print(f"model: {loaded.source}")
-        print(f"data: {' + '.join(p.config.path for p in parts) or d.path} ({data.fmt}), {len(train_idx)} train / "
-              f"{sum(map(len, eval_parts))} eval {unit}" + (f"; {data.dropped} of {len(data) + data.dropped} {unit} "
-              f"dropped: {DROPPED[prefer]}" if data.dropped else ""))
-        print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
+        print(f"model: {loaded.source}\ndata: {' + '.join(p.config.path for p in parts) or d.path} ({data.fmt}), "
+              f"{len(train_idx)} train / {sum(map(len, eval_parts))} eval {unit}" + (
+                  f"; {data.dropped} of {len(data) + data.dropped} {unit} dropped: {DROPPED[prefer]}" if data.dropped
+                  else "") + f"\ntrainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
         summary_.print_plan(plan.decisions)
 
     # -- batches: each epoch's optimizer steps (seed, epoch, effective batch), split into this rank's micro-batches
-    group_lengths = lengths if batch_layout == "length-grouped" else None
     packed = lambda rows_: batching.collate_packed(data, rows_, tok.pad_token_id, d.max_length)  # noqa: E731
-    next_micro_batch = runner.micro_batches(
-        lambda epoch: batching.epoch_steps(train_idx, effective, s.seed, epoch, lengths=group_lengths),
+    next_micro_batch = runner.micro_batches(lambda epoch: batching.epoch_steps(
+        train_idx, effective, s.seed, epoch, lengths=lengths if batch_layout == "length-grouped" else None),
         packed if batch_layout == "packed" else collate, world, micro, accum)
     eval_sets = [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                  for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)]
 
-    def records() -> None:
-        dump_yaml(cfg, opened.out / "config.yaml")  # the configuration as asked (auto stays auto); plan.json: what it became
-        write_json(opened.out / "plan.json", {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(),
-                                              "trainable_parameters": trainable, "total_parameters": total,
-                                              "model_source": loaded.source})
-
     # -- train (optimizer, schedule, records, loop, evaluation), then the outputs on rank 0
+    records = runner.records(opened, cfg, plan, dump_yaml, trainable_parameters=trainable, total_parameters=total,
+                             model_source=loaded.source)
     outcome, weights = runner.train_run(
         opened, plan, model, loss=loss_module, records=records, optimization=optimization,
         outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
@@ -165,14 +142,50 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     summary = summarize(cfg, opened, plan, model, outcome, trainable, measure_s)
     if prefer:
         summary.update({"pairs_skipped": examples.skipped, "pairs_dropped": data.dropped})
-    if cfg.evaluation.eval_generate:  # preference runs answer their held-out pairs' prompts, scored against the chosen reply
-        n = cfg.evaluation.eval_generate
-        groups = [("pairs", [examples.answered(data.source(i)) for i in np.concatenate(eval_parts)[:n]])] if prefer \
-            else [(p.name, [messages[data.rows[i]] for i in e[:n]]) for p, e in zip(parts, eval_parts)]
+    n = cfg.evaluation.eval_generate  # preference runs answer their held-out pairs' prompts, scored against the chosen reply
+    groups = [("pairs", [examples.answered(data.source(i)) for i in np.concatenate(eval_parts)[:n]])] if prefer \
+        else [(p.name, [messages[data.rows[i]] for i in e[:n]]) for p, e in zip(parts, eval_parts)]
+    if n:
         summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, opened.out, device, autocast))
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)
     return summary
+
+
+def trainable_model(cfg: RunConfig, loaded: models.Loaded, opened: runner.Opened, prefer: bool):
+    """(model with its method applied, autocast dtype, the preference loss or None, its settings rows,
+    (trainable, total) parameters); refused when nothing would train."""
+    model, autocast, rows = build_model(cfg, loaded, opened.hw_plan.precision, opened.device)
+    model.config.use_cache = False
+    if cfg.hardware.gradient_checkpointing == "on":
+        enable_checkpointing(model)
+    loss_module = None
+    if prefer:
+        loss_module, row = preference_loss(model, cfg, autocast)
+        rows.append(row)
+    trainable, total = metrics.count_parameters(model)
+    if trainable == 0:
+        raise TunebenchError("nothing to train: no parameter requires a gradient; check --method and --target-modules")
+    return model, autocast, loss_module, rows, (trainable, total)
+
+
+def pick_parallel(cfg: RunConfig, opened: runner.Opened, trainable: int) -> Decision:
+    """DDP or FSDP2 under several ranks (hardware.pick_parallel), and what FSDP cannot do here."""
+    world = opened.world
+    parallel = hardware.pick_parallel(cfg.distributed.parallel, cfg.adapter.method, trainable, world.size,
+                                      memory_free_mb(opened.device, world.local_size))
+    if cfg.evaluation.eval_generate and parallel == "fsdp":
+        raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
+                             "`tunebench eval --adapter OUT --generate N` after training instead")
+    return parallel
+
+
+def measured_as(cfg: RunConfig, prefer: bool) -> tuple:
+    """What is trained, as the measurement cache keys it: a preference step is a pair's two rows plus DPO's
+    reference pass, measured apart from SFT's rows."""
+    a = cfg.adapter
+    return (cfg.model.name, a.method if not prefer else f"{a.method}+{a.objective}", a.quantization,
+            a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules)
 
 
 DROPPED = {True: "the prompt alone fills --max-length", False: "no response left after truncation"}

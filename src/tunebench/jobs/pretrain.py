@@ -63,10 +63,9 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         runplan.logging_row(cfg.logging.logging_steps, device.type),
         runner.steps_row(cfg, steps, f"{len(train)} blocks of {d.max_length}")])
     if world.main:
-        print(f"tokenizer: {tok_source} ({len(tok):,} tokens)")
-        print(f"data: {', '.join(cfg.data_files)}: {n_tokens:,} tokens, {len(train):,} train / {len(val):,} "
-              f"validation blocks of {d.max_length}")
-        print(f"model: {type(model).__name__}, {n_params:,} parameters")
+        print(f"tokenizer: {tok_source} ({len(tok):,} tokens)\ndata: {', '.join(cfg.data_files)}: {n_tokens:,} "
+              f"tokens, {len(train):,} train / {len(val):,} validation blocks of {d.max_length}\n"
+              f"model: {type(model).__name__}, {n_params:,} parameters")
         summary_.print_plan(plan.decisions)
 
     # -- batches: each epoch's optimizer steps of blocks (seed, epoch, effective batch), this rank's share of each
@@ -86,16 +85,11 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         print(f"\nsample at step {step_}: {generated!r}")
         return {"sample": generated}
 
-    def records() -> None:
-        dump_yaml(cfg, opened.out / "config.yaml")
-        write_json(opened.out / "plan.json", {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(),
-                                              "parameters": n_params})
-
     # -- train (optimizer, schedule, records, loop, evaluation and samples), then the outputs on rank 0
     identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
                  "split": [d.split, d.validation_split, d.validation_file]}
     outcome, weights = runner.train_run(
-        opened, plan, model, records=records, after_eval=sample, optimization=optimization,
+        opened, plan, model, records=runner.records(opened, cfg, plan, dump_yaml, parameters=n_params), after_eval=sample, optimization=optimization,
         outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
         eval_sets=[("validation", eval_batches)], identity=identity)
     if not world.main:
@@ -103,12 +97,20 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     model.config.use_cache = True
     model.save_pretrained(opened.out, state_dict=weights)
     tok.save_pretrained(opened.out)
+    return summarize(cfg, opened, plan, model, outcome, n_params, measure_s)
+
+
+def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: runner.Outcome, n_params: int,
+              measure_s: float) -> dict[str, Any]:
+    """The run's figures (speed, MFU from the model's shape, memory, losses, batch, the last sample), written
+    to summary.json and the run's report."""
     matmul, layers, width = metrics.flop_dims(model)
-    fpt = training_flops_per_token(matmul, n_params, layers, width, d.max_length, full=True)
+    fpt = training_flops_per_token(matmul, n_params, layers, width, cfg.data.max_length, full=True)
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
-               **summary_.figures(outcome, fpt, opened.hw_plan, opened.hw, world), "parallel": plan.parallel,
-               "micro_batch_size": micro, "grad_accum_steps": accum, "effective_batch_size": effective,
-               "max_length": d.max_length, "measure_s": round(measure_s, 3), "sample": outcome.after.get("sample")}
+               **summary_.figures(outcome, fpt, opened.hw_plan, opened.hw, opened.world), "parallel": plan.parallel,
+               "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
+               "effective_batch_size": opened.effective, "max_length": cfg.data.max_length,
+               "measure_s": round(measure_s, 3), "sample": outcome.after.get("sample")}
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)
     return summary

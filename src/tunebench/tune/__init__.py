@@ -16,7 +16,6 @@ from tunebench.jsonfile import read_json, update_json
 from tunebench.paths import cache_dir
 
 
-
 @dataclass(frozen=True)
 class Shape:
     """What a measurement depends on. Two runs with equal shapes share every cached measurement;

@@ -9,7 +9,8 @@ import torch
 from tunebench import kernels
 from tunebench.errors import TunebenchError
 from tunebench.precision import DTYPES
-from tunebench.tune import Row, Shape, cached, store
+from tunebench.decision import Decision as Row
+from tunebench.tune import Shape, cached, store
 from tunebench.tune.probe import free_after_oom, is_oom, memory_free_mb
 
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision

@@ -13,7 +13,8 @@ import torch
 
 from tunebench.batch_rule import micro_candidates
 from tunebench.errors import TunebenchError
-from tunebench.tune import Row, Shape, cached, store
+from tunebench.decision import Decision as Row
+from tunebench.tune import Shape, cached, store
 from tunebench.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_budget_mb
 
 

@@ -10,7 +10,8 @@ import torch
 
 from tunebench import hardware
 from tunebench.paths import cache_dir
-from tunebench.tune import Row, Shape, cached, store
+from tunebench.decision import Decision as Row
+from tunebench.tune import Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
 
