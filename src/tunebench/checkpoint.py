@@ -24,6 +24,7 @@ from tunebench import distributed, durable
 from tunebench.distributed import World
 from tunebench.errors import TunebenchError
 from tunebench.loop import LoopState
+from tunebench.rundir import RunDir
 
 STATE = "state.json"
 TENSORS = "training_state.pt"
@@ -171,3 +172,50 @@ def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scal
         print(f"resume: the checkpoint was saved by {len(rngs)} rank(s), this run has {world.size}: each rank's "
               "random stream (dropout masks) starts afresh; data order and weights continue exactly")
     return LoopState(**meta["loop"])
+
+
+# -- the output directory and the checkpoint a run resumes from, decided before anything expensive
+def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
+    """Check the output directory is writable, and never silently replace an earlier run in it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
+    run = RunDir(path)
+    clean_stale(run.checkpoints)
+    earlier = [p for p in (run.checkpoints, run.metrics_file, run.summary_file) if p.exists()]
+    if not earlier or resume:
+        return
+    if not overwrite:
+        raise TunebenchError(
+            f"--output-dir '{path}' already holds a run ({earlier[0].name}); continue it with --resume auto, "
+            "replace it with --overwrite, or pick another --output-dir"
+        )
+    for p in earlier:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def open_run(world: World, out: Path, resume: str | None, overwrite: bool, identity: dict[str, Any]) -> Path | None:
+    """prepare_output_dir and resume_point, on rank 0 only (the others must not delete or create the same
+    files); every rank gets the checkpoint to resume from, or the same refusal."""
+    def check() -> Path | None:
+        prepare_output_dir(out, resume, overwrite)
+        return resume_point(resume, out, identity)
+
+    return distributed.agree(world, check)
+
+
+def resume_point(resume: str | None, out: Path, identity: dict[str, Any]) -> Path | None:
+    """The checkpoint to continue from, checked before anything expensive: a path that is not a checkpoint,
+    or one made with other settings (`identity`: those known before the model loads), is refused here."""
+    if not resume:
+        return None
+    found = find(resume, RunDir(out).checkpoints)
+    if found is None:
+        print(f"resume: no checkpoint under {RunDir(out).checkpoints}; starting from step 0")
+        return None
+    check_identity(found, identity)
+    return found

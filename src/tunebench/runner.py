@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import checkpoint, distributed, hardware, rundir, runplan, startup
+from tunebench import checkpoint, distributed, hardware, runplan, startup
 from tunebench import precision as precision_
 from tunebench.batch_rule import BatchAsk
 from tunebench.data import batching
@@ -67,7 +67,7 @@ def open_run(cfg, identity: dict[str, Any]) -> Opened:
     world = distributed.init(hw_plan.device, cfg.distributed.backend)
     on = distributed.device_for(world, hw_plan.device)
     out = Path(o.output_dir)
-    resume_from = rundir.open_run(world, out, o.resume, o.overwrite, identity)
+    resume_from = checkpoint.open_run(world, out, o.resume, o.overwrite, identity)
     ask = cfg.batch_ask()
     effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
     apply_plan(hw_plan)
