@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
     if not BITEXT.exists():
         raise SystemExit(f"the Bitext sample is not at {BITEXT}")
-    from tunebench.cli import main as tunebench
+    from tunebench.interfaces.cli import main as tunebench
 
     work = Path(tempfile.mkdtemp(prefix="dpo-votes-"))
     db, out = work / "tunebench-ab.sqlite", work / "run"

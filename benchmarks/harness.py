@@ -28,17 +28,16 @@ def step_clock():
 
 def as_the_command() -> None:
     """A tunebench worker runs as the `tunebench` command does (cli.entry): started again with freed memory
-    kept for reuse, the collector paused until its loop (see tunebench.startup). The peer's process is left
+    kept for reuse, the collector paused until its loop (see tunebench.core.startup). The peer's process is left
     as Python has it."""
-    from tunebench import startup
-
+    from tunebench.core import startup
     startup.keep_freed_memory()
     startup.pause()
 
 
 def peak_mb() -> float:
     """The process's peak resident set, probes included (tunebench's probes reset the kernel's counter)."""
-    from tunebench.metrics import process_peak_mb
+    from tunebench.machine.metrics import process_peak_mb
 
     return process_peak_mb()
 

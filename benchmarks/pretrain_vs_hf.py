@@ -1,6 +1,6 @@
 """tunebench pretrain vs HF Trainer: real tokens/s, MFU, peak memory and validation loss at equal steps.
 
-Both sides build the same model from the same config (tunebench.arch, the same seed), train on the
+Both sides build the same model from the same config (tunebench.model.arch, the same seed), train on the
 same token blocks in the same order (HF Trainer gets them pre-ordered, no shuffling of its own), with
 the same micro batch, schedule, learning rate, weight decay and precision (bf16 autocast, or fp32 on a
 CPU without native bf16: --precision fp32), for the same number
@@ -31,8 +31,7 @@ CORPUS = [SHARED / "llamafactory-demo-data" / "wiki_demo.txt", SHARED / "tinysha
 
 def _cfg(args, out: str):
     """The run both sides make: the shipped config at this length, batch, step count and precision."""
-    from tunebench import pretrain_config
-
+    from tunebench.settings import pretrain as pretrain_config
     return pretrain_config.load(args.config, {
         "data.train_file": ",".join(map(str, args.data)), "data.max_length": args.max_length,
         "data.max_eval_blocks": args.eval_blocks, "training.batch_size": args.micro_batch,
@@ -44,7 +43,7 @@ def _cfg(args, out: str):
 
 def _data(cfg):
     """Tokenizer, (train, validation) blocks and the first epoch's batch order, exactly as pretrain makes them."""
-    from tunebench import models
+    from tunebench.model import models
     from tunebench.data import batching, blocks
     from tunebench.jobs import pretrain
 
@@ -62,15 +61,15 @@ def _data(cfg):
 def _val_loss(model, val, micro: int, precision: str) -> float:
     import torch
 
-    from tunebench.loop import CausalLMLoss, evaluate
+    from tunebench.training.loop import CausalLMLoss, evaluate
 
     batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
     return evaluate(CausalLMLoss(model, torch.bfloat16 if precision == "bf16" else None), batches, torch.device("cpu"))["eval_loss"]
 
 
 def _flops(model, length: int) -> float:
-    from tunebench import metrics
-    from tunebench.metrics import training_flops_per_token
+    from tunebench.machine import metrics
+    from tunebench.machine.metrics import training_flops_per_token
 
     matmul, layers, width = metrics.flop_dims(model)
     return training_flops_per_token(matmul, sum(p.numel() for p in model.parameters()), layers, width, length, True)
@@ -81,8 +80,7 @@ def worker_hf(args) -> dict:
     from torch.utils.data import SequentialSampler
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from tunebench import arch
-
+    from tunebench.model import arch
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     cfg = _cfg(args, tempfile.mkdtemp())
     tok, train, val, order = _data(cfg)
@@ -156,8 +154,9 @@ def main() -> None:
         Path(args.result).write_text(json.dumps(result))
         return
 
-    from tunebench import hardware, models
+    from tunebench.machine import hardware
 
+    from tunebench.model import models
     hw = hardware.detect()
     args.precision = args.precision or ("bf16" if hw.cpu_bf16 else "fp32")
     peak, source = hardware.peak_tflops("cpu", args.precision, hw, len(os.sched_getaffinity(0)),

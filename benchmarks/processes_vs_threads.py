@@ -75,8 +75,7 @@ def main() -> None:
         print(f"  under launch the table says: world {decided['world']['value']} ({decided['world']['reason']}); "
               f"parallel {decided['parallel']['value']} ({decided['parallel']['reason']})")
     # What the table picks for threads when not told: ask the planner as each rank would.
-    from tunebench import hardware
-
+    from tunebench.machine import hardware
     hw = hardware.detect()
     for ranks in (1, args.nproc):
         d = hardware.plan("cpu", "auto", hw, env={"RANK": "0", "LOCAL_WORLD_SIZE": str(ranks)}).decision("torch_threads")

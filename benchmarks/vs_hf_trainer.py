@@ -40,8 +40,8 @@ def _common(args):
     """Model, tokenizer, tokenized data and the (train, eval) split both sides use."""
     import torch
 
-    from tunebench import models
-    from tunebench.config import DataConfig
+    from tunebench.model import models
+    from tunebench.settings.finetune import DataConfig
     from tunebench.data.tokenize import load_tokenized, split
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -62,7 +62,7 @@ def _eval_loss(model, data, eval_idx, pad_id, device):
     import torch
 
     from tunebench.data import batching
-    from tunebench.loop import CausalLMLoss, evaluate
+    from tunebench.training.loop import CausalLMLoss, evaluate
 
     return evaluate(CausalLMLoss(model), batching.eval_batches(data, eval_idx, 8, pad_id),
                     torch.device(device))["eval_loss"]
@@ -79,8 +79,7 @@ def worker_peer(args) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-    from tunebench import methods
-
+    from tunebench.model import methods
     device = _device(args)
     loaded, data, train_idx, eval_idx = _common(args)
     tok = loaded.tokenizer
@@ -135,7 +134,7 @@ def worker_peer(args) -> dict:
 
 def worker_tunebench(args) -> dict:
     harness.as_the_command()
-    from tunebench.config import load_config
+    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune
 
     out = tempfile.mkdtemp()
@@ -163,9 +162,9 @@ def worker_sweep(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from tunebench import methods, models
-    from tunebench.config import AdapterConfig
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.model import methods, models
+    from tunebench.settings.finetune import AdapterConfig
+    from tunebench.training.loop import loss_sum, prepare
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -184,8 +183,8 @@ def worker_sweep(args) -> dict:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 model(**batch).loss.backward()
     else:
-        from tunebench import tune
-        from tunebench.tune import attention
+        from tunebench.training import tune
+        from tunebench.training.tune import attention
 
         base = loaded.model.to(torch.bfloat16 if bf16 else torch.float32)
         model = methods.add_adapter(base, AdapterConfig(r=LORA["r"], lora_alpha=LORA["lora_alpha"],
@@ -216,8 +215,8 @@ def worker_sweep(args) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    from tunebench import hardware, metrics
-    from tunebench.metrics import training_flops_per_token
+    from tunebench.machine import hardware, metrics
+    from tunebench.machine.metrics import training_flops_per_token
 
     matmul, layers, width = metrics.flop_dims(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -282,8 +281,8 @@ def main() -> None:
         print(f"{'model':>22} {'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} "
               f"{'tok/s':>8} {'MFU':>6} {'peak MB':>8}  ({args.sweep_precision})", flush=True)
         rows = []
-        from tunebench import inference
-        from tunebench.errors import TunebenchError
+        from tunebench.model import inference
+        from tunebench.core.errors import TunebenchError
 
         for model in (args.sweep_models or args.model).split(","):
             for length in (int(n) for n in args.sweep_lengths.split(",")):

@@ -84,22 +84,21 @@ def dataset(tmp_path) -> Path:
 
 def add_lora(model, r: int, alpha: int, dropout: float, modules: list[str] | str):
     """LoRA with these settings on `modules`, through the code path a run takes (methods.add_adapter)."""
-    from tunebench import methods
-    from tunebench.config import AdapterConfig
+    from tunebench.model import methods
+    from tunebench.settings.finetune import AdapterConfig
 
     return methods.add_adapter(model, AdapterConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), modules)
 
 
 @pytest.fixture
 def tiny():
-    from tunebench import models
-
+    from tunebench.model import models
     return models.resolve("tiny")
 
 
 def tiny_run_config(data, out, **extra):
     """A fine-tuning config for the tiny model on `data`: 6 steps of micro 2 x accumulation 2, 20% held out."""
-    from tunebench.config import SCHEMA, load_config
+    from tunebench.settings.finetune import SCHEMA, load_config
 
     options = {"model.name": "tiny", "data.path": str(data), "data.max_length": 256, "output.output_dir": str(out),
                "batch.micro_batch_size": 2, "batch.effective_batch_size": 4, "schedule.max_steps": 6,
@@ -120,8 +119,7 @@ def pairs_file(tmp_path) -> Path:
 def sigterm_after_step(step: int):
     """Send this process a real SIGTERM right after step `step`'s loss is logged (the path Ctrl-C and a
     scheduler's kill take), then put the metrics writer back."""
-    from tunebench import runner
-
+    from tunebench.training import runner
     real_call = runner.MetricsWriter.__call__
 
     def interrupt(self, record):

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench import checkpoint, models
-from tunebench.config import DataConfig
+from tunebench.training import checkpoint
+
+from tunebench.model import models
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching
 from tunebench.data.tokenize import load_tokenized
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import bench_data
-from tunebench.loop import LoopState
+from tunebench.training.loop import LoopState
 
 IDENTITY = {"model": "tiny", "seed": 1}
 

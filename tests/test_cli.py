@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from tunebench import cli, startup
-from tunebench.cli import main
+from tunebench.interfaces import cli
+
+from tunebench.core import startup
+from tunebench.interfaces.cli import main
 
 
 def tb(*args, check=True):
@@ -51,8 +53,7 @@ def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
 
     from peft import PeftModel
 
-    from tunebench import models
-
+    from tunebench.model import models
     PeftModel.from_pretrained(models.resolve("tiny").model, str(out))  # the adapter is standard PEFT
 
     merged = tmp_path / "merged"
@@ -166,7 +167,8 @@ def test_the_command_keeps_freed_memory_and_leaves_a_users_malloc_settings_alone
     setting is the whole process's."""
     code = """
 import os, resource, sys, torch
-from tunebench import hardware, startup
+from tunebench.machine import hardware
+from tunebench.core import startup
 print("start", flush=True)
 if sys.argv[1] != "default":
     startup.keep_freed_memory()

@@ -4,8 +4,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tunebench import cli, inference
-from tunebench.config import load_config
+from tunebench.interfaces import cli
+
+from tunebench.model import inference
+from tunebench.settings.finetune import load_config
 from tunebench.jobs import finetune, generate, merge
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare, report
 
 STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"

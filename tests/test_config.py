@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from tunebench.config import load_config, replace
-from tunebench.errors import TunebenchError
+from tunebench.settings.finetune import load_config, replace
+from tunebench.core.errors import TunebenchError
 
 
 def test_defaults_are_the_study_recipe():
@@ -56,8 +56,7 @@ def test_batch_settings_that_cannot_agree_are_refused():
 def test_three_batch_flags_run_as_given_when_they_agree_at_the_world_size_and_are_refused_when_not(monkeypatch):
     """Whether --effective-batch-size was given is what the config holds, never inferred from its value: 8 is
     the default and still a request. And the three are checked at the world the run trains in."""
-    from tunebench import pretrain_config
-
+    from tunebench.settings import pretrain as pretrain_config
     with pytest.raises(TunebenchError, match=r"--batch-size 2 x --grad-accum 2 != --effective-batch-size 8"):
         load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.effective_batch_size": 8})
     assert load_config(options={"train.micro_batch_size": 2, "train.grad_accum_steps": 2}).effective_batch_size == 4
@@ -92,8 +91,7 @@ def test_replace_validates():
 
 def test_both_jobs_share_one_definition_of_each_common_section():
     """The eight shared sections are one set of dataclasses; only model and data (and train's adapter) differ."""
-    from tunebench import pretrain_config, schema
-
+    from tunebench.settings import pretrain as pretrain_config, schema
     train, pre = load_config(), pretrain_config.load(None, {"data.train_file": "x.txt"})
     for section, cls in schema.SHARED.items():
         assert type(getattr(train, section)) is cls and type(getattr(pre, section)) is cls, section
@@ -103,8 +101,8 @@ def test_both_jobs_share_one_definition_of_each_common_section():
 
 
 def test_a_fields_documentation_is_its_help():
-    from tunebench import schema
-    from tunebench.cli_parser import build_parser
+    from tunebench.settings import schema
+    from tunebench.interfaces.cli_parser import build_parser
 
     helps = {a.dest: a.help for p in build_parser()._subparsers._group_actions[0].choices.values() for a in p._actions}
     assert helps["schedule.warmup_steps"] == schema.help_for("schedule.warmup_steps") == "steps of linear warm-up"

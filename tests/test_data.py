@@ -4,11 +4,11 @@ import json
 import numpy as np
 import pytest
 
-from tunebench.config import DataConfig
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching, formats, readers, sample_gen
 from tunebench.data.tokenize import DEFAULT_PROMPT, load_tokenized, split, tokenize_messages
-from tunebench.errors import TunebenchError
-from tunebench.models import byte_tokenizer
+from tunebench.core.errors import TunebenchError
+from tunebench.model.models import byte_tokenizer
 
 from conftest import ROWS
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from conftest import run_losses, run_weights
-from tunebench import hardware, runner
-from tunebench.distributed import World
+from tunebench.machine import hardware
+from tunebench.training import runner
+from tunebench.machine.distributed import World
 
 ROWS = [{"instruction": f"question {i}{' and more words' * (i % 4)}", "response": f"answer {i}" + " yes" * (i % 5)}
         for i in range(20)]  # uneven lengths: ranks hold unequal numbers of loss tokens
@@ -139,8 +140,7 @@ def test_full_fine_tuning_sharded_by_fsdp_matches_one_process(tmp_path, rows):
     _same_weights(_weights(two), _weights(one))
     plan = {d["setting"]: d for d in json.loads((two / "plan.json").read_text())["decisions"]}
     assert plan["parallel"]["value"] == "fsdp" and plan["compile"]["value"] is False
-    from tunebench import models
-
+    from tunebench.model import models
     reloaded = models.resolve(str(two))  # a whole, loadable model directory, not shards
     assert sum(p.numel() for p in reloaded.model.parameters()) == json.loads(
         (two / "summary.json").read_text())["trainable_parameters"]
@@ -251,7 +251,7 @@ def _shares(n_rows, micro, world_size, epoch=0):
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
     from tunebench.data.batching import epoch_steps
-    from tunebench.loop import LoopState
+    from tunebench.training.loop import LoopState
 
     shares, accum = [], 2
     for rank in range(world_size):
@@ -294,7 +294,7 @@ def test_each_epoch_is_ordered_once_not_once_a_micro_batch():
         ids = torch.tensor(rows_)[:, None]
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
-    from tunebench.loop import LoopState
+    from tunebench.training.loop import LoopState
 
     take, state = runner.micro_batches(steps, collate, World(), 1, 2), LoopState()
     rows = [take(state)["input_ids"][:, 0].tolist() for _ in range(9)]
@@ -321,7 +321,7 @@ def test_parallel_auto_shards_what_does_not_fit_and_keeps_adapters_on_ddp():
     assert hardware.pick_parallel("auto", "pretrain", 1_000_000_000, 2, 10_000).value == "fsdp"
     assert hardware.pick_parallel("auto", "lora", 1_000_000_000, 2, 10_000).value == "ddp"
     assert hardware.pick_parallel("auto", "full", 10, 1, 10).value == "none"
-    from tunebench.errors import TunebenchError
+    from tunebench.core.errors import TunebenchError
 
     with pytest.raises(TunebenchError, match="--parallel ddp"):
         hardware.pick_parallel("fsdp", "lora", 10, 2, 10)

@@ -5,12 +5,14 @@ import json
 import pytest
 import torch
 
-from tunebench import cli, gguf_export, inference, models
-from tunebench.config import load_config
+from tunebench.interfaces import cli
+
+from tunebench.model import gguf_export, inference, models
+from tunebench.settings.finetune import load_config
 from tunebench.data.tokenize import render_prompt
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import export, finetune, generate, pretrain, tokenizer
-from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
+from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))
 TEMPLATE = 'Q ({{{{"json": 1}}}} {{% raw %}}): {instruction}\n"A": '  # braces, Jinja syntax, quotes and a newline

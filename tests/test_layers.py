@@ -89,8 +89,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_walk_sees_imports_inside_functions_and_finds_a_circle():
     graph = import_graph()
-    assert "tunebench.tune.compiler" in graph["tunebench.runplan"]  # imported inside runplan.measure
-    assert "tunebench.jobs.finetune" in graph["tunebench.cli"]
+    assert "tunebench.training.tune.compiler" in graph["tunebench.training.runplan"]  # imported inside runplan.measure
+    assert "tunebench.jobs.finetune" in graph["tunebench.interfaces.cli"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -100,7 +100,7 @@ def test_the_package_has_no_import_circle():
         " <-> ".join(g) for g in found)
 
 
-@pytest.mark.parametrize("module", ["tunebench.jobs.report", "tunebench.cli_parser", "tunebench.quality"])
+@pytest.mark.parametrize("module", ["tunebench.jobs.report", "tunebench.interfaces.cli_parser", "tunebench.model.quality"])
 def test_modules_that_need_no_torch_load_without_it(module):
     """The report renders a CSV written anywhere; the parser refuses bad options before torch loads; the task
     metrics' names are read by both."""
@@ -113,27 +113,34 @@ def test_modules_that_need_no_torch_load_without_it(module):
 def test_every_job_the_parser_knows_is_in_the_cli_table():
     import argparse
 
-    from tunebench import cli
-    from tunebench.cli_parser import build_parser
+    from tunebench.interfaces import cli
+    from tunebench.interfaces.cli_parser import build_parser
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(subparsers.choices) == set(cli.JOBS)
 
 
-# What each lower layer may import from the rest of the package: the leaves at the bottom and the schema. A
-# lower layer that reached for a job, the web app, the models or the run's plan would sit above what it feeds.
-LAYERS = {
-    "tunebench.data": {"tunebench.config", "tunebench.errors", "tunebench.durable", "tunebench.jsonfile",
-                       "tunebench.paths", "tunebench.batch_rule", "tunebench.decision"},
-    "tunebench.tune": {"tunebench.errors", "tunebench.jsonfile", "tunebench.paths", "tunebench.decision",
-                       "tunebench.hardware", "tunebench.kernels", "tunebench.loop", "tunebench.precision",
-                       "tunebench.batch_rule", "tunebench.data", "tunebench.data.batching", "tunebench.metrics"},
-}
+# The package's folders from the bottom up: the tree is the architecture diagram, and each folder imports only
+# from itself and the folders below it (an import inside a function counts).
+FOLDERS = ("core", "machine", "settings", "data", "model", "training", "jobs", "interfaces")
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_a_lower_layer_imports_nothing_above_it(layer):
-    graph = import_graph()
-    reached = {dep for module, deps in graph.items() if module == layer or module.startswith(layer + ".")
-               for dep in deps if not (dep == layer or dep.startswith(layer + "."))}
-    assert reached <= LAYERS[layer], f"{layer} imports {sorted(reached - LAYERS[layer])}"
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in FOLDERS else None
+
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if folder(m) and folder(d) and FOLDERS.index(folder(d)) > FOLDERS.index(folder(m)))
+
+
+def test_each_folder_imports_only_from_the_folders_below_it():
+    assert upward_imports({"tunebench.data.x": {"tunebench.model.y"}}) == ["tunebench.data.x -> tunebench.model.y"]
+    found = upward_imports(import_graph())
+    assert not found, "a lower folder imports a higher one: " + "; ".join(found)
+
+
+def test_every_module_lives_in_a_layer_folder():
+    beside = sorted(p.name for p in PACKAGE.glob("*.py")) + sorted(
+        p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file() and p.name not in FOLDERS)
+    assert beside == ["__init__.py", "__main__.py"], beside

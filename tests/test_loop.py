@@ -4,14 +4,16 @@ import json
 import pytest
 import torch
 
-from tunebench import checkpoint, inference, runner
+from tunebench.training import checkpoint, runner
+
+from tunebench.model import inference
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
-from tunebench.config import DataConfig
-from tunebench.errors import TunebenchError
+from tunebench.settings.finetune import DataConfig
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
-from tunebench.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
-from tunebench.models import byte_tokenizer
+from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
+from tunebench.model.models import byte_tokenizer
 
 from conftest import ROWS, add_lora, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
 
@@ -105,7 +107,7 @@ def test_resume_with_another_micro_batch_is_refused_not_replaced(tmp_path, datas
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, monkeypatch):
-    import tunebench.loop as loop
+    import tunebench.training.loop as loop
 
     real, real_train = loop.CausalLMLoss.forward, runner.train
     calls = {"n": 0}
@@ -140,7 +142,7 @@ def test_checkpoints_keep_the_newest(tmp_path, dataset):
 def test_chunked_cross_entropy_matches_torch(dtype):
     import torch.nn.functional as F
 
-    from tunebench.kernels import cross_entropy_sum
+    from tunebench.model.kernels import cross_entropy_sum
 
     torch.manual_seed(0)
     logits = (torch.randn(150, 300) * 3).to(dtype).requires_grad_()
@@ -163,8 +165,7 @@ def test_linear_cross_entropy_matches_head_then_loss(monkeypatch, dtype, bias):
     F.linear + F.cross_entropy; chunks and loss passes smaller than N exercise every boundary."""
     import torch.nn.functional as F
 
-    from tunebench import kernels
-
+    from tunebench.model import kernels
     monkeypatch.setitem(kernels._CHUNK_BYTES, "cpu", 48 * 300 * (torch.finfo(dtype).bits // 8))  # 48-row chunks
     monkeypatch.setattr(kernels, "_MIN_CHUNK_ROWS", 16)
     monkeypatch.setitem(kernels._LOSS_BYTES, "cpu", 20 * 300 * 4)  # 20-row loss passes of fp32 logits
@@ -199,8 +200,8 @@ def test_linear_cross_entropy_matches_head_then_loss(monkeypatch, dtype, bias):
 def test_loss_sum_equals_the_models_own_loss_and_gradients(tied):
     """Full fine-tuning through the fused head (tied: the head's gradient lands on the embedding
     too) against transformers' own loss on the same rows."""
-    from tunebench import models
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.model import models
+    from tunebench.training.loop import loss_sum, prepare
 
     model, _ = models._tiny()
     if tied:
@@ -222,8 +223,8 @@ def test_loss_sum_equals_the_models_own_loss_and_gradients(tied):
 def test_linear_cross_entropy_keeps_no_logits_between_forward_and_backward(tiny, monkeypatch):
     """The point of the fused head: nothing of the vocabulary's width waits for the backward, and
     no gradient is made when none is wanted (evaluation)."""
-    from tunebench import kernels
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.model import kernels
+    from tunebench.training.loop import loss_sum, prepare
 
     vocab = tiny.model.config.vocab_size
     tok, data = _data()
@@ -246,8 +247,8 @@ def test_linear_cross_entropy_keeps_no_logits_between_forward_and_backward(tiny,
 def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
     """No attention mask is passed for right-padded rows: the loss and gradients must equal those of
     each row run alone without padding, for every attention kernel (tiny has grouped-query heads)."""
-    from tunebench import kernels
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.model import kernels
+    from tunebench.training.loop import loss_sum, prepare
 
     tok, data = _data()
     kernels.register()
@@ -279,10 +280,9 @@ def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
 def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
     """In train mode (dropout 0 in the tiny model), so the gradients a packed step applies are checked too."""
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.training.loop import loss_sum, prepare
 
-    from tunebench import kernels
-
+    from tunebench.model import kernels
     tok, data = _data()
     kernels.register()
     model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
@@ -315,8 +315,8 @@ def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
 
 
 def test_gradient_checkpointing_gives_the_same_losses_and_gradients(tiny):
-    from tunebench.loop import loss_sum, prepare
-    from tunebench.tune.probe import enable_checkpointing
+    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.tune.probe import enable_checkpointing
 
     tok, data = _data()
     model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
@@ -354,10 +354,10 @@ def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
 @pytest.mark.parametrize("method, precision", [("full", "bf16"), ("full", "fp32"), ("lora", "fp32")])
 def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precision):
     """What a run saves is what it trained: reloaded, it gives the run's own final eval loss."""
-    from tunebench import models
+    from tunebench.model import models
     from tunebench.data.tokenize import load_tokenized, split
-    from tunebench.loop import CausalLMLoss, evaluate
-    from tunebench.precision import DTYPES
+    from tunebench.training.loop import CausalLMLoss, evaluate
+    from tunebench.core.precision import DTYPES
 
     out = tmp_path / f"{method}-{precision}"
     cfg = _cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,
@@ -385,8 +385,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
 def test_attention_weights_estimate_is_what_autograd_keeps(tiny, attention, dtype):
     """attention.pick skips kernels by this estimate (a CPU past its RAM is OOM-killed, not raised),
     so it must match the T x T tensors autograd really saves for the backward."""
-    from tunebench import kernels
-
+    from tunebench.model import kernels
     kernels.register()
     model = tiny.model.to(dtype)
     model.train()
@@ -421,7 +420,7 @@ def test_measured_settings_leave_no_trace_on_the_run(tmp_path, dataset):
 
 
 def test_probe_step_runs_in_train_mode_and_restores_the_mode(tiny):
-    from tunebench.tune.probe import probe_step
+    from tunebench.training.tune.probe import probe_step
 
     tok, data = _data()
     seen = []
@@ -440,7 +439,7 @@ def test_probe_step_runs_in_train_mode_and_restores_the_mode(tiny):
 def test_a_probe_step_that_runs_out_of_memory_leaves_no_gradient_behind(tiny):
     """A CUDA OOM can strike part-way through the backward, after some gradients were written; the
     batch probe goes on to a smaller size, and the run's first step must not add those stale gradients."""
-    from tunebench.tune.probe import probe_step
+    from tunebench.training.tune.probe import probe_step
 
     tok, data = _data()
     model = tiny.model
@@ -463,7 +462,7 @@ def test_the_gpu_probe_budget_counts_only_free_memory_as_room(monkeypatch):
     """Memory other processes (or this one) already hold is not room for the probe: the budget is what is
     held plus 92% of what is free, with the allocator's unused cached blocks counted as free. (On the
     H100 a budget of 92% of the whole card made micro batch 1 'over budget' beside a 76 GiB tenant.)"""
-    from tunebench.tune import probe
+    from tunebench.training.tune import probe
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 80 * gib))
@@ -478,7 +477,7 @@ def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
     """A few AdamW steps of the tiny model on 4 rows, 2 micro-batches of 1 a step, epochs wrapping."""
     import numpy as np
 
-    from tunebench.distributed import World
+    from tunebench.machine.distributed import World
 
     tok, data = _data()
     model = copy.deepcopy(tiny.model)
@@ -515,7 +514,7 @@ def test_the_loop_reads_the_device_only_on_logging_steps(tiny, monkeypatch):
     reads no tensor (each read is a host-device sync on a GPU), and one read per logging step fetches all."""
     import sys
 
-    import tunebench.loop as loop
+    import tunebench.training.loop as loop
 
     reads, stray = [], []
     real_to_host = loop.to_host

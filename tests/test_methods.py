@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import tiny_run_config
 
-from tunebench import inference, models
-from tunebench.config import load_config
-from tunebench.errors import TunebenchError
+from tunebench.model import inference, models
+from tunebench.settings.finetune import load_config
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 
 METHODS = ["dora", "ia3", "loha", "lokr", "prefix", "prompt"]

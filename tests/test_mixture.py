@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import yaml
 
-from tunebench import cli
-from tunebench.config import load_config, parse_source
+from tunebench.interfaces import cli
+from tunebench.settings.finetune import load_config, parse_source
 from tunebench.data import batching, mixture
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 
 

@@ -3,9 +3,11 @@ import pytest
 from conftest import add_lora, needs_module
 import torch
 
-from tunebench import inference, kernels, methods, metrics, models
-from tunebench.tune import compiler
-from tunebench.errors import TunebenchError
+from tunebench.model import inference, kernels, methods, models
+
+from tunebench.machine import metrics
+from tunebench.training.tune import compiler
+from tunebench.core.errors import TunebenchError
 
 
 def _ids(vocab=200, shape=(2, 12)):
@@ -75,7 +77,7 @@ def test_unknown_model_offline_names_the_id():
 
 
 def test_bf16_frozen_base_matches_fp32_lora(tiny):
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.training.loop import loss_sum, prepare
 
     torch.manual_seed(1)
     peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
@@ -105,7 +107,7 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
     needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
     from peft import prepare_model_for_kbit_training
 
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.training.loop import loss_sum, prepare
 
     q = methods.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
     q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
@@ -163,8 +165,7 @@ def test_fast_dropout_swaps_every_plain_dropout_and_keeps_p():
 
 
 def test_tunebench_attention_drops_probabilities_at_the_asked_rate():
-    from tunebench import kernels
-
+    from tunebench.model import kernels
     torch.manual_seed(0)
     probs = torch.full((200, 64, 64), 1 / 64)
     out = kernels.fast_dropout(probs, 0.25)
@@ -174,7 +175,7 @@ def test_tunebench_attention_drops_probabilities_at_the_asked_rate():
 
 def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
     """Regional compilation (a real torch.compile of the decoder layers) changes speed, not results."""
-    from tunebench.loop import loss_sum, prepare
+    from tunebench.training.loop import loss_sum, prepare
 
     peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
     with torch.no_grad():

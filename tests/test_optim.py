@@ -1,4 +1,4 @@
-"""The optimizer and learning-rate schedules every training job uses (tunebench.optim)."""
+"""The optimizer and learning-rate schedules every training job uses (tunebench.training.optim)."""
 
 import copy
 import math
@@ -8,8 +8,7 @@ import torch
 
 
 def test_adamw_is_fused_on_cpu_decays_only_matrices_and_takes_foreachs_steps():
-    from tunebench import optim
-
+    from tunebench.training import optim
     cpu = torch.device("cpu")
     assert optim.optimizer_row(cpu, 0.0)[1] == "AdamW, fused"
     assert optim.optimizer_row(torch.device("mps"), 0.0)[1] == "AdamW, foreach"
@@ -41,8 +40,7 @@ def test_adamw_is_fused_on_cpu_decays_only_matrices_and_takes_foreachs_steps():
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant", "warmup_stable_decay"])
 def test_schedules_warm_up_then_follow_their_shape(name):
-    from tunebench import optim
-
+    from tunebench.training import optim
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = optim.scheduler(opt, name, warmup_steps=10, total_steps=100)
     lrs = []
@@ -65,8 +63,7 @@ def test_schedules_are_transformers_own_float_for_float(name):
     past the end too, is the one get_scheduler gives, exactly, for odd and degenerate lengths alike."""
     from transformers import get_scheduler
 
-    from tunebench import optim
-
+    from tunebench.training import optim
     for warmup, total in [(0, 1), (0, 37), (3, 37), (10, 100), (7, 8), (8, 8), (20, 1000)]:
         ours = optim.scheduler(torch.optim.SGD([torch.zeros(1)], lr=3e-3), name, warmup, total)
         decay = max(1, math.ceil(optim.WSD_DECAY_FRACTION * total))

@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 import yaml
 
-from tunebench import batch_rule, pretrain_config, runplan
-from tunebench.cli import main
-from tunebench.config import dump_yaml, load_config
+from tunebench.core import batch_rule
+
+from tunebench.settings import pretrain as pretrain_config
+
+from tunebench.training import runplan
+from tunebench.interfaces.cli import main
+from tunebench.settings.finetune import dump_yaml, load_config
 from tunebench.data import batching
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare, finetune, search
 
 from conftest import ROWS, run_losses, run_weights, tiny_run_config
@@ -305,8 +309,7 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path):
 
 
 def test_bad_values_exit_2_with_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from tunebench import models
-
+    from tunebench.model import models
     monkeypatch.setattr(models, "resolve", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     for args, message in ((["--lr", "nan"], "must be a finite number"), (["--max-steps", "true"], "got 'true', which is not a whole number"),
                           (["--model", "gpt2-124m", "--max-length", "2048"],

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import ROWS, pairs_file, tiny_run_config
-from tunebench import inference
-from tunebench.config import DataConfig
+from tunebench.model import inference
+from tunebench.settings.finetune import DataConfig
 from tunebench.jobs import evaluate, export, finetune, generate, merge, pretrain
-from tunebench.web import models as served
+from tunebench.interfaces.web import models as served
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,8 +32,8 @@ def base(data, tmp_path_factory):
     """A tiny Llama-style model pretrained for two steps on a byte-level BPE tokenizer (GGUF needs merges,
     which the `tiny` preset's byte tokenizer lacks): the base every run of the matrix fine-tunes."""
     from tunebench.jobs import tokenizer
-    from tunebench.pretrain_config import DataConfig as PDataConfig
-    from tunebench.pretrain_config import ModelConfig, PretrainConfig, TrainingConfig
+    from tunebench.settings.pretrain import DataConfig as PDataConfig
+    from tunebench.settings.pretrain import ModelConfig, PretrainConfig, TrainingConfig
 
     root = tmp_path_factory.mktemp("base")
     corpus = root / "corpus.txt"
@@ -158,8 +158,8 @@ def test_qlora_trains_and_answers_in_its_compute_precision(tmp_path, data, preci
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_pretraining_samples_at_each_eval_in_each_precision(tmp_path, precision):
     from tunebench.jobs import tokenizer
-    from tunebench.pretrain_config import DataConfig as PDataConfig
-    from tunebench.pretrain_config import ModelConfig, PretrainConfig, TrainingConfig
+    from tunebench.settings.pretrain import DataConfig as PDataConfig
+    from tunebench.settings.pretrain import ModelConfig, PretrainConfig, TrainingConfig
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 60)

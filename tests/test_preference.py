@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_module, pairs_file, run_losses
-from tunebench.cli import main
-from tunebench.config import DataConfig, load_config
+from tunebench.interfaces.cli import main
+from tunebench.settings.finetune import DataConfig, load_config
 from tunebench.data import pairs
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.data import votes
 
@@ -173,7 +173,7 @@ def test_the_probe_measures_pairs_apart_from_an_sft_runs_rows(tmp_path, dataset,
 
 
 def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
-    from tunebench.web.app import train_on_votes
+    from tunebench.interfaces.web.app import train_on_votes
 
     assert "No votes yet" in train_on_votes(tmp_path / "none.sqlite")
     db = vote_store(tmp_path)

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from conftest import run_losses, sigterm_after_step
-from tunebench import arch, pretrain_config, runner
+from tunebench.model import arch
+from tunebench.settings import pretrain as pretrain_config
+from tunebench.training import runner
 from tunebench.data import blocks
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import pretrain, tokenizer
-from tunebench.pretrain_config import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
+from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
 
 
 
@@ -30,7 +32,7 @@ def corpus(tmp_path):
 @pytest.fixture
 def char_tok(tmp_path, corpus):
     tokenizer.train([str(corpus)], 100, "char", tmp_path / "char-tok", quiet=True)
-    from tunebench.models import load_tokenizer
+    from tunebench.model.models import load_tokenizer
 
     return load_tokenizer(str(tmp_path / "char-tok"))
 
@@ -95,8 +97,7 @@ def test_gelu_is_gpt2s_tanh_form_in_one_kernel(char_tok, monkeypatch):
 def test_gelu_exact_is_the_erf_form_and_is_not_exported_as_gpt2s(char_tok):
     """model.activation gelu_exact builds torch's nn.GELU() (erf; nanoGPT's MLP), a model of its own on record;
     llama.cpp's gpt2 graph computes the tanh form, so the GGUF export refuses it with the fix."""
-    from tunebench import gguf_export
-
+    from tunebench.model import gguf_export
     m = ModelConfig(vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=80, max_seq_len=48,
                     activation="gelu_exact")
     model = arch.build(m, char_tok, seed=0)
@@ -130,8 +131,7 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(char_tok):
 
 
 def test_use_amp_on_a_cpu_without_bf16_is_an_error_not_fp32():
-    from tunebench import hardware
-
+    from tunebench.machine import hardware
     hw = hardware.Hardware("old cpu", 2, 2, frozenset({"avx2"}), 8000, 8000, "Linux")
     with pytest.raises(TunebenchError, match=r"use_amp: true.*set precision fp32 \(use_amp: false\)"):
         runner.precision_for("amp", "cpu", hw)
@@ -223,7 +223,7 @@ def test_pretrain_resume_after_sigterm_reproduces_losses_and_weights(tmp_path, c
 def test_pretrained_output_loads_generates_and_fine_tunes(tmp_path, corpus, char_tok):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tunebench.config import load_config
+    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune
 
     pretrain.run(_config(corpus, tmp_path / "char-tok", tmp_path / "pre", max_steps=2))

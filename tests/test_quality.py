@@ -8,8 +8,10 @@ import pytest
 from conftest import needs_module
 import torch
 
-from tunebench import cli, inference, quality
-from tunebench.config import load_config
+from tunebench.interfaces import cli
+
+from tunebench.model import inference, quality
+from tunebench.settings.finetune import load_config
 from tunebench.jobs import finetune, report
 
 PAIRS = [("The refund was sent to your card.", "Your refund has been sent to your card."),
@@ -123,7 +125,7 @@ def test_eval_generate_refuses_bad_counts(dataset, capsys):
 
 
 def test_train_eval_generate_without_held_out_rows_is_refused_before_loading(dataset, tmp_path):
-    from tunebench.errors import TunebenchError
+    from tunebench.core.errors import TunebenchError
 
     with pytest.raises(TunebenchError, match="holds none out"):
         finetune.run(load_config(options={

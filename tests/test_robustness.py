@@ -7,12 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench import hardware, loop, metrics, models, monitor, runner
-from tunebench.cli import main
-from tunebench.config import DataConfig
+from tunebench.machine import hardware, metrics, monitor
+
+from tunebench.training import loop, runner
+
+from tunebench.model import models
+from tunebench.interfaces.cli import main
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import segments, render_prompt
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.jobs.generate import trained_template
 
@@ -85,8 +89,7 @@ def test_empty_rows_are_reported_and_the_rest_train(tmp_path, capsys):
 
 
 def test_resuming_with_more_steps_follows_the_new_schedule(tmp_path, dataset):
-    from tunebench import optim
-
+    from tunebench.training import optim
     out = tmp_path / "longer"
     finetune.run(_cfg(dataset, out, **{"train.warmup_ratio": 0.0}))
     first = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r]

@@ -5,13 +5,13 @@ import json
 import pytest
 
 from conftest import ROWS, tiny_run_config
-from tunebench import inference
-from tunebench.config import BUILTIN_DATA, DataConfig
+from tunebench.model import inference
+from tunebench.settings.finetune import BUILTIN_DATA, DataConfig
 from tunebench.data import formats
 from tunebench.data.tokenize import load_tokenized
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import evaluate, finetune, merge
-from tunebench.rundir import RunDir
+from tunebench.settings.rundir import RunDir
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import urllib.request
 import pytest
 from conftest import needs_module, tiny_run_config
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
 
 gr = needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
-from tunebench.web import app, models  # noqa: E402
+from tunebench.interfaces.web import app, models  # noqa: E402
 
 
 def _vote(db, a, b, vote):
@@ -239,7 +239,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
 
 
 def test_the_cli_reports_votes_and_refuses_bad_input_in_one_line(tmp_path, capsys):
-    from tunebench.cli import main
+    from tunebench.interfaces.cli import main
 
     db = votes.open_store(tmp_path / "ab.sqlite")
     _vote(db, "base", "tuned", "b")
@@ -308,7 +308,7 @@ def test_a_closed_stream_stops_its_generation_and_frees_the_lock():
 
 
 def test_an_exposed_server_needs_a_login_unless_refused_on_purpose(tmp_path, capsys):
-    from tunebench.cli import main
+    from tunebench.interfaces.cli import main
 
     with pytest.raises(TunebenchError, match="--host 0.0.0.0 lets other machines in, and no --auth is set"):
         app.check_exposure("0.0.0.0", None, False)
@@ -336,9 +336,8 @@ def test_an_upload_is_read_once_and_removed(tmp_path):
 
 
 def test_serving_places_the_model_as_training_would(monkeypatch):
-    from tunebench import hardware
-    from tunebench import inference
-
+    from tunebench.machine import hardware
+    from tunebench.model import inference
     gpu = hardware.Hardware("cpu", 8, 16, frozenset(), 8000, 8000, "Linux",
                             gpus=(hardware.GPU(0, "NVIDIA H100 80GB HBM3", 81_000, (9, 0)),))
     assert inference.placement("auto", "auto", gpu)[:2] == ("cuda", "bf16")

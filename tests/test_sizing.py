@@ -8,7 +8,7 @@ from conftest import ROWS
 
 import pytest
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare, report, sizing
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tunebench import cli, config, pretrain_config
+from tunebench.interfaces import cli
+
+from tunebench.settings import finetune as config, pretrain as pretrain_config
 from tunebench.jobs import compare, hw
 
 STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"
@@ -66,7 +68,7 @@ def test_the_hardware_guides_keys_are_translated_at_load():
 def test_the_cpu_guides_world_size_is_the_number_of_processes_it_is_started_with(monkeypatch, tmp_path):
     """TrainingConfig(world_size=4, distributed_backend="gloo") was refused as an unknown argument. A config
     cannot start processes: the run is checked against the number it was started with."""
-    from tunebench.api import DataConfig, PretrainConfig, TrainingConfig
+    from tunebench.interfaces.api import DataConfig, PretrainConfig, TrainingConfig
 
     cfg = PretrainConfig(training=TrainingConfig(device="cpu", distributed_backend="gloo", world_size=4, batch_size=1,
                                                  gradient_accumulation_steps=4),
@@ -81,7 +83,7 @@ def test_the_cpu_guides_world_size_is_the_number_of_processes_it_is_started_with
 def test_hw_recommends_a_command_and_writes_system_info(tmp_path, capsys):
     assert cli.main(["hw"]) == 0
     said = capsys.readouterr().out
-    profile, _ = hw.profile_for(__import__("tunebench.hardware", fromlist=["detect"]).detect())
+    profile, _ = hw.profile_for(__import__("tunebench.machine.hardware", fromlist=["detect"]).detect())
     assert f"tunebench train --profile {profile} --precision " in said and "--batch-size auto" in said
     assert cli.main(["hw", "--text", str(tmp_path / "system_info.txt")]) == 0
     text = (tmp_path / "system_info.txt").read_text()
@@ -142,7 +144,7 @@ def test_a_run_report_draws_gpus_and_survives_a_torn_line(tmp_path):
 
 def test_the_guides_python_api_as_written(tmp_path):
     from tunebench import DataConfig, ModelConfig, TrainingConfig
-    from tunebench.pretrain_config import PretrainConfig, validate
+    from tunebench.settings.pretrain import PretrainConfig, validate
 
     config = TrainingConfig(device="cuda", force_cpu=True)
     assert config.get_effective_device() == "cpu"
@@ -169,7 +171,6 @@ def test_force_cpu_prefetch_and_cache_dir_reach_the_run(tmp_path, capsys):
     """A tiny pretraining run with the guide's settings: force_cpu and the prefetch factor are in the
     settings table with their reasons, the token cache is in cache_dir."""
     from tunebench import DataConfig, ModelConfig, TrainingConfig, pretrain, train_tokenizer
-
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 300)
     train_tokenizer([str(corpus)], vocab_size=300, output_dir=tmp_path / "tok")
@@ -204,9 +205,9 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(tmp_path, dataset,
     """The guide's "Compilation failed": the run goes on eagerly, and the settings table says why."""
     import json
 
-    from tunebench.config import load_config
+    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune
-    from tunebench.tune import compiler
+    from tunebench.training.tune import compiler
 
     def broken(*args, **kwargs):
         raise RuntimeError("Compilation failed: no working C compiler found")
@@ -232,8 +233,7 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(tmp_path, dataset,
 def test_prepare_writes_seeded_splits_and_says_what_it_dropped(tmp_path, capsys):
     import json
 
-    from tunebench import models
-
+    from tunebench.model import models
     rows = [{"instruction": f"question {i}", "response": "answer " + "x" * (i * 3)} for i in range(40)]
     rows += [{"instruction": "question 3", "response": "answer " + "x" * 9},  # a duplicate of row 3
              {"instruction": "", "response": "no prompt"}]
@@ -250,7 +250,7 @@ def test_prepare_writes_seeded_splits_and_says_what_it_dropped(tmp_path, capsys)
     held = [json.loads(x) for x in (tmp_path / "small" / "eval.jsonl").read_text().splitlines()]
     assert (len(train), len(held)) == (27, 3) and not {r["instruction"] for r in train} & {r["instruction"] for r in held}
     tok = models.tokenizer_for("tiny")
-    from tunebench.config import load_config
+    from tunebench.settings.finetune import load_config
     from tunebench.data.tokenize import tokenize_messages
 
     cfg = load_config(options={"data.max_length": 10**9}).data

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tunebench.config import load_config
-from tunebench.errors import TunebenchError
+from tunebench.settings.finetune import load_config
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune, search
 
 
@@ -145,7 +145,7 @@ def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path,
 
 
 def test_the_cli_refuses_a_budget_and_steps_together(tmp_path):
-    from tunebench.cli import main
+    from tunebench.interfaces.cli import main
 
     assert main(["tune", "--space", "customer_support_lora", "--budget-tokens", "10", "--max-steps", "2"]) == 2
 
@@ -166,7 +166,7 @@ def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
 
 
 def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
-    from tunebench import pretrain_config
+    from tunebench.settings import pretrain as pretrain_config
     from tunebench.jobs import pretrain, tokenizer
 
     corpus = tmp_path / "corpus.txt"

@@ -9,10 +9,9 @@ _API = ("ModelConfig", "TrainingConfig", "DataConfig", "PretrainConfig", "pretra
 
 
 def __getattr__(name: str):
-    """The Python API (tunebench.api), imported on first use so that `import tunebench` stays light."""
+    """The Python API (tunebench.interfaces.api), imported on first use so that `import tunebench` stays light."""
     if name in _API:
-        from tunebench import api
-
+        from tunebench.interfaces import api
         return getattr(api, name)
     raise AttributeError(f"module 'tunebench' has no attribute {name!r}")
 

@@ -1,3 +1,3 @@
-from tunebench.cli import entry
+from tunebench.interfaces.cli import entry
 
 raise SystemExit(entry())

@@ -58,7 +58,7 @@ def reference_losses(method: str, lr: float) -> list[float]:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
-    from tunebench.models import resolve  # the tiny preset's weights (a fixture, built with its own seed)
+    from tunebench.model.models import resolve  # the tiny preset's weights (a fixture, built with its own seed)
 
     tiny = resolve("tiny")
     tok = tiny.tokenizer

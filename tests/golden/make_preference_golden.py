@@ -92,7 +92,7 @@ def dpo() -> list[dict]:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from tunebench.models import resolve
+    from tunebench.model.models import resolve
 
     tiny = resolve("tiny")
     data = Dataset.from_list(tokenized(tiny.tokenizer))
@@ -109,7 +109,7 @@ def orpo() -> list[dict]:
     from datasets import Dataset
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    from tunebench.models import resolve
+    from tunebench.model.models import resolve
 
     tiny = resolve("tiny")
     rows = tokenized(tiny.tokenizer)

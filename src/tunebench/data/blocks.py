@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from tunebench.data import text
-from tunebench.durable import fsync_path, umask_mode
-from tunebench.errors import TunebenchError
+from tunebench.core.durable import fsync_path, umask_mode
+from tunebench.core.errors import TunebenchError
 
 FORMAT_VERSION = 1
 BATCH_CHARS = 8_000_000  # text handed to the tokenizer per call

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tunebench.config import DataConfig
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import readers
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 
 Messages = list[dict[str, str]]
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tunebench.config import DataConfig
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import formats
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tunebench.config import DataConfig
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching, formats, readers
 from tunebench.data.tokenize import Tokenized, segments
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 
 STORE_SUFFIXES = (".sqlite", ".sqlite3", ".db")
 
@@ -215,7 +215,7 @@ def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Te
 
 def export(pairs: PairExamples, path: str | Path) -> int:
     """Write the pairs as JSON lines (prompt, chosen, rejected) for other tools; returns how many."""
-    from tunebench.durable import atomic_file
+    from tunebench.core.durable import atomic_file
 
     records = pairs.records()
     with atomic_file(path) as tmp:

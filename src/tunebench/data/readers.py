@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 
 BUILTIN = {"builtin:customer-support": Path(__file__).parent / "sample" / "customer_support.jsonl"}
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 
 PIECE_CHARS = 32_768  # plain text is handed on in pieces of about this size, cut at line ends
 TEXT_SUFFIXES = (".txt", ".md", ".text", "")

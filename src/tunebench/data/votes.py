@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 
 VOTES = ("a", "b", "tie", "both_bad")
 SCHEMA = """

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from tunebench import models
-from tunebench.config import DataConfig
+from tunebench.model import models
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching
 from tunebench.data.tokenize import load_tokenized
 

@@ -25,10 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tunebench import quality
-from tunebench.config import load_config, read_yaml, shipped_yaml
-from tunebench.durable import repair_tail
-from tunebench.errors import TunebenchError
+from tunebench.model import quality
+from tunebench.settings.finetune import load_config, read_yaml, shipped_yaml
+from tunebench.core.durable import repair_tail
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import sizing
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
@@ -330,9 +330,9 @@ RUN_KEYS = {"device": "hardware.device", "output_dir": "output.output_dir", "pro
 def canonical(job: str, settings: dict[str, Any]) -> dict[str, Any]:
     """`settings` with each key in its one spelling, so a later mapping merged over it wins (schema.Schema)."""
     if job == "train":
-        from tunebench.config import SCHEMA
+        from tunebench.settings.finetune import SCHEMA
     else:
-        from tunebench.pretrain_config import SCHEMA
+        from tunebench.settings.pretrain import SCHEMA
     return SCHEMA.canonical(settings)
 
 
@@ -341,8 +341,7 @@ def load_job_config(job: str, config: str | None, settings: dict[str, Any], npro
     checked at the number of processes it will run in."""
     if job == "train":
         return load_config(config, settings, world_size=nproc)
-    from tunebench import pretrain_config
-
+    from tunebench.settings import pretrain as pretrain_config
     return pretrain_config.load(config, settings, world_size=nproc)
 
 
@@ -350,9 +349,9 @@ def write_job_config(job: str, cfg, path: Path) -> None:
     """The resolved configuration as the YAML file a child run loads: values, not retyped strings, so
     what it runs is what was asked (a test round-trips the awkward ones)."""
     if job == "train":
-        from tunebench.config import dump_yaml
+        from tunebench.settings.finetune import dump_yaml
     else:
-        from tunebench.pretrain_config import dump_yaml
+        from tunebench.settings.pretrain import dump_yaml
     dump_yaml(cfg, path)
 
 
@@ -430,7 +429,7 @@ def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]
 def keep_record(run_dir: Path) -> None:
     """Beside each run: the study's system_info.txt, and the run's own report (its loss, throughput, CPU
     and memory over time), which compare's report links to. A run that logged nothing gets neither."""
-    from tunebench.durable import atomic_file
+    from tunebench.core.durable import atomic_file
     from tunebench.jobs import hw, run_report
 
     if not run_report.is_run(run_dir):

@@ -1,6 +1,6 @@
 """`tunebench eval`: token-weighted loss and perplexity of a model (with an optional adapter) on a dataset,
 and with `--generate N` the task itself: answers generated for N held-out rows in the run's prompt format,
-scored (tunebench.quality). Several models (`--base`, `--adapter A --adapter B`) give one table, on the
+scored (tunebench.model.quality). Several models (`--base`, `--adapter A --adapter B`) give one table, on the
 same rows. Runs on the device and in the precision a training run would pick (or those asked for)."""
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ import json
 import re
 from pathlib import Path
 
-from tunebench import hardware, inference, models, quality, runner
-from tunebench.config import DataConfig
+from tunebench.machine import hardware
+
+from tunebench.model import inference, models, quality
+
+from tunebench.training import runner
+from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
-from tunebench.errors import TunebenchError
-from tunebench.loop import CausalLMLoss, evaluate
-from tunebench.rundir import RunDir
+from tunebench.core.errors import TunebenchError
+from tunebench.training.loop import CausalLMLoss, evaluate
+from tunebench.settings.rundir import RunDir
 
 
 def table(model: str | None, adapters: list[str | None], base: bool, data: DataConfig, output_dir: str, *,
@@ -24,8 +28,8 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
           lm_eval_include: str | None) -> None:
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
     `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`)."""
-    from tunebench.inference import base_of
-    from tunebench.jsonfile import write_json
+    from tunebench.model.inference import base_of
+    from tunebench.core.jsonfile import write_json
 
     if base and adapters == [None]:
         raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
@@ -167,8 +171,8 @@ def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None
     scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.startswith("alias")}
               for task, metrics in result["results"].items()}
     if output is not None:  # the scores, and every sample's target and answer, for a person to read
-        from tunebench.durable import atomic_file
-        from tunebench.jsonfile import write_json
+        from tunebench.core.durable import atomic_file
+        from tunebench.core.jsonfile import write_json
 
         write_json(output / "lm_eval.json", {"model": placed.source, "results": scores})
         with atomic_file(output / "lm_eval_samples.jsonl") as tmp:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from tunebench import gguf_export, inference, models
-from tunebench.durable import atomic_dir, atomic_file
-from tunebench.errors import TunebenchError
-from tunebench.rundir import RunDir
+from tunebench.model import gguf_export, inference, models
+from tunebench.core.durable import atomic_dir, atomic_file
+from tunebench.core.errors import TunebenchError
+from tunebench.settings.rundir import RunDir
 
 FORMATS = ("gguf", "ollama", "hf")
 HF_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

@@ -9,18 +9,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench import distributed, hardware, inference, methods, metrics, models, optim, preference, runner, runplan
-from tunebench import summary as summary_
-from tunebench.config import RunConfig, dump_yaml
-from tunebench.hardware import Decision
+from tunebench.machine import distributed, hardware, metrics
+
+from tunebench.model import inference, methods, models
+
+from tunebench.training import optim, preference, runner, runplan
+from tunebench.training import summary as summary_
+from tunebench.settings.finetune import RunConfig, dump_yaml
+from tunebench.machine.hardware import Decision
 from tunebench.data import batching, mixture, pairs
 from tunebench.data.tokenize import split
-from tunebench.errors import TunebenchError
-from tunebench.jsonfile import write_json
-from tunebench.precision import DTYPES
-from tunebench.metrics import training_flops_per_token
-from tunebench.tune import compiler, layout
-from tunebench.tune.probe import enable_checkpointing, memory_free_mb, probe_step
+from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import write_json
+from tunebench.core.precision import DTYPES
+from tunebench.machine.metrics import training_flops_per_token
+from tunebench.training.tune import compiler, layout
+from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb, probe_step
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
     """Apply the method. Returns (model, autocast dtype, reasons). Frozen bases live in the compute dtype."""
@@ -288,8 +292,7 @@ def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out:
     rate) in the run's own prompt format: overall, and per dataset (rougeL/<name>, ...) when there are
     several. The answers go to eval_answers.jsonl. The model generates as it trained (inference.Placed): its
     weights as they are, under the run's autocast."""
-    from tunebench import quality
-
+    from tunebench.model import quality
     compiler.uncompile_blocks(model)
     model.config.use_cache = True
     rows = [r for _, group in groups for r in group]

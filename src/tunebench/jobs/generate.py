@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tunebench import inference
+from tunebench.model import inference
 from tunebench.data.tokenize import render_prompt
-from tunebench.errors import TunebenchError
-from tunebench.rundir import RunDir
+from tunebench.core.errors import TunebenchError
+from tunebench.settings.rundir import RunDir
 
 
 def trained_template(*run_dirs: str | None) -> str:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import json
 
-from tunebench import hardware, runplan, summary
-from tunebench.batch_rule import micro_candidates
-from tunebench.config import load_config
-from tunebench.hardware import Decision
-from tunebench.models import cache_dir
+from tunebench.machine import hardware
+
+from tunebench.training import runplan, summary
+from tunebench.core.batch_rule import micro_candidates
+from tunebench.settings.finetune import load_config
+from tunebench.machine.hardware import Decision
+from tunebench.model.models import cache_dir
 
 
 def profile_for(hw) -> tuple[str, str]:
@@ -91,7 +93,7 @@ def recorded(path: str) -> tuple[hardware.Hardware, list[Decision], str]:
 
 def load_record(path: str) -> hardware.Hardware:
     """A machine record (`tunebench hw --json` on that machine), read and checked."""
-    from tunebench.errors import TunebenchError
+    from tunebench.core.errors import TunebenchError
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -123,7 +125,7 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
         print(json.dumps(record, indent=2))
         return record
     if text is not None:
-        from tunebench.durable import atomic_file
+        from tunebench.core.durable import atomic_file
 
         with atomic_file(text) as tmp:
             tmp.write_text(system_info(hw, record))

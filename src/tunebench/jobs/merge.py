@@ -10,10 +10,10 @@ from pathlib import Path
 
 import yaml
 
-from tunebench import inference
-from tunebench.durable import atomic_dir
-from tunebench.errors import TunebenchError
-from tunebench.rundir import RunDir
+from tunebench.model import inference
+from tunebench.core.durable import atomic_dir
+from tunebench.core.errors import TunebenchError
+from tunebench.settings.rundir import RunDir
 
 COMBINATIONS = ("linear", "cat", "ties", "dare_ties", "magnitude_prune")
 NEEDS_DENSITY = ("ties", "dare_ties", "magnitude_prune")
@@ -40,7 +40,7 @@ def run(adapters: list[str], output_dir: str, model: str | None = None, allow_do
 
 
 def _examples(path: str):
-    from tunebench.config import load_config
+    from tunebench.settings.finetune import load_config
     from tunebench.data import formats
 
     return formats.load_examples(load_config(options={"data.path": path}).data)
@@ -107,7 +107,7 @@ def before_and_after(adapters: list[str], combined: Path, eval_data: list[str], 
                      max_new_tokens: int = 64) -> str:
     """Each task's metric (exact match on GSM8K-style data, else ROUGE-L) from its own adapter and from the
     combined one, on the same rows: what combining cost or gained each task."""
-    from tunebench import quality
+    from tunebench.model import quality
     from tunebench.jobs.generate import trained_template
 
     template = trained_template(str(combined))

@@ -15,9 +15,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunebench import quality
-from tunebench.errors import TunebenchError
-from tunebench.jsonfile import read_jsonl
+from tunebench.model import quality
+from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import read_jsonl
 
 
 @dataclass

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs.report import _figure, _png
 
 

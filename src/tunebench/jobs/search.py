@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
-from tunebench import quality
-from tunebench.config import read_yaml, shipped_yaml
-from tunebench.durable import atomic_file
-from tunebench.errors import TunebenchError
+from tunebench.model import quality
+from tunebench.settings.finetune import read_yaml, shipped_yaml
+from tunebench.core.durable import atomic_file
+from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare
 
 SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
@@ -136,8 +136,7 @@ def check(job: str, config: str | None, base: dict[str, Any], params: list[Param
 def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str, objective: str = "eval_loss") -> str:
     """What makes a study the same search: a rerun with another space, config or budget is refused."""
     if config and job == "pretrain":
-        from tunebench import pretrain_config
-
+        from tunebench.settings import pretrain as pretrain_config
         config = str(pretrain_config.config_path(config))
     text = json.dumps({"job": job, "config": Path(config).read_text() if config else None,
                        "base": {k: str(v) for k, v in sorted(base.items())},

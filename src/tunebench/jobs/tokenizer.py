@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tunebench.data import text
-from tunebench.errors import TunebenchError
+from tunebench.core.errors import TunebenchError
 
 TYPES = ("bpe", "unigram", "wordpiece", "char")
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}

@@ -1,0 +1,2 @@
+"""What everything stands on, importing nothing of tunebench above it: errors, the cache paths, the
+settings row (Decision), durable writes, JSON files, precisions, the batch rule, start-up."""

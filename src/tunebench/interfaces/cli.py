@@ -1,0 +1,345 @@
+"""The `tunebench` command: options -> config -> job. Problems become one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from typing import Any
+
+from tunebench.core import startup
+from tunebench.interfaces.cli_parser import build_parser
+from tunebench.core.errors import TunebenchError
+
+
+def train_config(args: argparse.Namespace):
+    from tunebench.settings.finetune import load_config
+
+    options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
+    if isinstance(options.get("data.path"), list):
+        from tunebench.settings.finetune import parse_source
+
+        given = options.pop("data.path")
+        if len(given) == 1 and parse_source(given[0])[1] is None:
+            options["data.path"] = given[0]
+        else:
+            options["data.sources"] = given
+    configs, overrides = _items(args)
+    profile = getattr(args, "profile", None)
+    hydra = [o for o in overrides if o.startswith("hardware=")]  # the guide's Hydra-style `hardware=gpu_4090`
+    if hydra:
+        if profile is not None or len(hydra) > 1:
+            raise TunebenchError("give the hardware profile once (--profile NAME or hardware=NAME)")
+        profile = hydra[0].split("=", 1)[1]
+        overrides = [o for o in overrides if o not in hydra]
+    return load_config(configs[0] if configs else None, options, overrides, profile)
+
+
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(config files, dotted overrides) among a job's positional items; one config file at most."""
+    items = getattr(args, "items", [])
+    overrides = [i for i in items if OVERRIDE.match(i)]  # key=value; a path may hold '=' (runs/compile=on/...)
+    configs = [i for i in items if i not in overrides]
+    if len(configs) > 1:
+        raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
+    return configs, overrides
+
+
+def _train(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import finetune
+
+    finetune.run(train_config(args))
+
+
+def _pretrain(args: argparse.Namespace) -> int | None:
+    from tunebench.settings import pretrain as pretrain_config
+    from tunebench.jobs import pretrain
+
+    configs, overrides = _items(args)
+    if args.config_file:
+        if configs:
+            raise TunebenchError(f"two configs given ({args.config_file} with --config, and {configs[0]}); give one")
+        configs = [args.config_file]
+    options = {k: v for k, v in vars(args).items() if "." in k}
+    pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
+
+
+def _tune(args: argparse.Namespace) -> int | None:
+    from tunebench.settings.finetune import parse_override
+    from tunebench.jobs import search
+
+    configs, overrides = _items(args)
+    search.run(args.job_kind, configs[0] if configs else None,
+               dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
+               args.sampler, args.pruner, args.budget_tokens, args.max_steps,
+               args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name,
+               args.device, args.seed, args.objective)
+
+
+def _serve(args: argparse.Namespace) -> int | None:
+    from tunebench.model.models import SMOLLM2
+    from tunebench.interfaces.web import app
+
+    app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
+              args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
+              no_auth=args.no_auth, device=args.device, precision=args.precision)
+
+
+def _ab_report(args: argparse.Namespace) -> int | None:
+    from tunebench.data import votes
+
+    print(votes.report(args.path))
+    if args.export_pairs:
+        from tunebench.data import pairs
+
+        found = pairs.from_store(args.path)
+        pairs.export(found, args.export_pairs)
+        print(f"{args.export_pairs}: {found.describe()}")
+
+
+def _launch(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import launch
+
+    return launch.run(args.job_args, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                      args.rdzv_id)
+
+
+def _tokenizer(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import tokenizer
+
+    tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column)
+
+
+def _generate(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.generate import generate
+
+    print(generate(args.model, args.adapter, args.prompt, args.max_new_tokens, args.temperature, args.raw,
+                   allow_download=args.allow_download, template=args.template, device=args.device,
+                   precision=args.precision))
+
+
+def _chat(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.generate import chat
+
+    chat(args.model, args.adapter, args.max_new_tokens, args.temperature, allow_download=args.allow_download,
+         template=args.template, device=args.device, precision=args.precision)
+
+
+def _merge(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import merge
+
+    merge.run(args.adapter or _need("--adapter"), args.output_dir, args.model, args.allow_download,
+              _weights(args.weights), args.combination, args.density, args.eval_data, args.eval_rows)
+
+
+def _prepare(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.prepare import prepare
+
+    options = {k: v for k, v in {"data.instruction_column": args.instruction_column,
+                                 "data.response_column": args.response_column,
+                                 "data.template": args.template}.items() if v is not None}
+    prepare(args.output_dir, args.data, args.dataset_name, args.max_samples, args.eval_fraction, args.seed,
+            args.model, args.max_length, args.split, options)
+
+
+def _export(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs.export import export
+
+    export(args.run_dir, args.format, args.quant, args.output, args.allow_download)
+
+
+def _eval(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import evaluate
+
+    evaluate.table(args.model, args.adapter or [None], args.base,
+                   _data_config(args.data, args.max_length, args.max_samples), args.output_dir,
+                   batch_size=args.batch_size, allow_download=args.allow_download, device=args.device,
+                   precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
+                   lm_eval_tasks=args.lm_eval, lm_eval_data=args.data, lm_eval_limit=args.lm_eval_limit,
+                   lm_eval_include=args.lm_eval_include)
+
+
+def _compare(args: argparse.Namespace) -> int | None:
+    from pathlib import Path
+
+    from tunebench.jobs import compare, report
+
+    if args.repeats < 1:
+        raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
+    extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
+                               "data.max_samples": args.max_samples, "schedule.max_steps": args.max_steps}.items()
+             if v is not None}
+    out = Path(args.output)
+    nproc = None
+    if args.nproc:
+        try:
+            nproc = [int(n) for n in args.nproc.split(",")]
+        except ValueError:
+            nproc = [0]
+        if min(nproc) < 1:
+            raise TunebenchError(f"--nproc {args.nproc}: give numbers of processes, 1 or more, such as 1,2")
+    results = compare.run(args.matrix, str(out), args.runs_dir or str(out.parent / "runs"), args.repeats, extra,
+                          args.device, args.retry_failed, nproc)
+    html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
+    print(f"report: {html.resolve()}")
+
+
+def _report(args: argparse.Namespace) -> int | None:
+    from pathlib import Path
+
+    from tunebench.jobs import report, run_report
+
+    args.output_dir_given = args.output_dir is not None
+    args.output_dir = args.output_dir or "runs/report"
+    results = args.results + args.results_csv
+    if not results:
+        raise TunebenchError("report needs results: give CSVs (or --results_csv FILE), or a run directory")
+    runs = [r for r in results if Path(r).is_dir()]
+    if runs:  # the picture of each run: its own report, in RUN_DIR/report unless --output-dir says
+        if len(runs) != len(results):
+            raise TunebenchError("give results CSVs or run directories, not both")
+        for r in runs:
+            out = Path(args.output_dir) / Path(r).resolve().name if args.output_dir_given else None
+            print(f"report: {run_report.write(r, out).resolve()}")
+        return 0
+    html = report.write(results, args.output_dir, args.baseline_device, args.baseline_config)
+    print(f"report: {html.resolve()}")
+
+
+def _bench_data(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import bench_data
+
+    bench_data.run(args.model, _data_config(args.data, args.max_length), args.batch_size)
+
+
+def _hw(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import hw
+
+    hw.run(as_json=args.json, text=args.text, machine_record=args.machine)
+
+
+JOBS = {  # job name -> what runs it; a job returns its exit code, or None for 0
+    "train": _train,
+    "pretrain": _pretrain,
+    "tune": _tune,
+    "serve": _serve,
+    "ab-report": _ab_report,
+    "launch": _launch,
+    "tokenizer": _tokenizer,
+    "generate": _generate,
+    "chat": _chat,
+    "merge": _merge,
+    "prepare": _prepare,
+    "export": _export,
+    "eval": _eval,
+    "compare": _compare,
+    "report": _report,
+    "bench-data": _bench_data,
+    "hw": _hw,
+}
+
+
+def run_job(args: argparse.Namespace) -> int:
+    if args.job not in ("train", "pretrain"):  # those resume collection when their loop starts (see startup)
+        startup.done()
+    return JOBS[args.job](args) or 0
+
+
+def _data_config(path: str | None, max_length: int | None, max_samples: int | None = None):
+    """The data section, built and checked exactly as `train` builds it."""
+    from tunebench.settings.finetune import load_config
+
+    options = {"data.path": path, "data.max_length": max_length, "data.max_samples": max_samples}
+    return load_config(options={k: v for k, v in options.items() if v is not None}).data
+
+
+def _weights(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise TunebenchError(f"--weights must be comma-separated numbers such as 0.6,0.4, got {text!r}") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise TunebenchError(f"--weights must be finite numbers, got {text!r}")
+    return weights
+
+
+def _need(flag: str):
+    raise TunebenchError(f"{flag} is required for this job")
+
+
+def _leave_process_group() -> None:
+    """A rank leaving on an error still closes its process group: exiting with gloo's connections open
+    aborts the process (SIGABRT) when its peer has closed its side first."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _quiet_libraries(allow_download: bool) -> None:
+    """Offline unless asked, and no library chatter that a user cannot act on."""
+    import logging
+    import warnings
+
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Writing model shards" bars on every save
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # advice about padding masks and lengths we already handle
+
+
+def entry() -> int:
+    """The `tunebench` command and `python -m tunebench`: main(), with the collector paused while the
+    libraries load and freed memory kept for reuse (see startup)."""
+    startup.keep_freed_memory()  # may start this command again, once, before anything is loaded
+    startup.pause()
+    code = main()
+    startup.before_exit()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    _quiet_libraries("--allow-download" in argv)
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) not in ("train", "pretrain", "tune")]
+        if unknown:
+            raise TunebenchError(f"unrecognized argument(s): {' '.join(unknown)}; see `tunebench {args.job or ''} --help`")
+        if extra:
+            args.items = list(getattr(args, "items", [])) + extra
+        if args.job is None:
+            parser.print_help()
+            return 2
+        try:
+            return run_job(args)
+        finally:
+            _leave_process_group()
+    except TunebenchError as e:
+        if debug:
+            raise
+        rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+        if not getattr(e, "echo", False):  # one console for all ranks: rank 0's refusals are said once
+            print(f"tunebench: error: {'' if rank == '0' else f'[rank {rank}] '}{e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("tunebench: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # anything unforeseen: still one line, the traceback behind --debug
+        if debug:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"tunebench: error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1

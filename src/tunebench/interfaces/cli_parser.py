@@ -1,0 +1,367 @@
+"""The command line's shape: every job's options and what each means. cli.py turns what is parsed into a
+config and runs the job."""
+
+from __future__ import annotations
+
+import argparse
+
+from tunebench import __version__
+
+from tunebench.model import quality
+from tunebench.core.errors import TunebenchError
+
+# (flags, config key, help). The reference study's underscore spellings are aliases.
+# (flags, config key, help). The reference study's underscore spellings are aliases.
+TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
+    (("--model", "--model_name"), "model.name",
+     "preset (smollm2-135m-instruct [default], gpt2-124m, tiny), hub id, HF directory or .gguf file"),
+    (("--tokenizer",), "model.tokenizer", "tokenizer directory or id, when not the model's own"),
+    (("--data", "--dataset"), "data.path",
+     "CSV, JSON, JSONL, Parquet or saved datasets dir (default: built-in customer-support sample); several "
+     "--data FILE:WEIGHT train on a mixture"),
+    (("--format",), "data.format", "auto | instruction | alpaca | question | chat | text (default auto: from the columns)"),
+    (("--instruction-column",), "data.instruction_column", "prompt column of instruction data (default instruction)"),
+    (("--response-column",), "data.response_column", "answer column of instruction data (default response)"),
+    (("--template",), "data.template",
+     "auto (the tokenizer's chat template if any) or a prompt such as '### Q:\\n{instruction}\\n### A:\\n'"),
+    (("--train-on",), "data.train_on", "response (loss on answers only, default) | all"),
+    (("--max-samples", "--max_samples"), "data.max_samples", "use a seeded random subset of this many rows"),
+    (("--max-length", "--max_length"), "data.max_length", "truncate examples to this many tokens (default 128)"),
+    (("--packing",), "data.packing",
+     "auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off: may still "
+     "group by length)"),
+    (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
+    (("--method",), "adapter.method",
+     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo: "
+     "that objective with LoRA (QLoRA with --quantization)"),
+    (("--objective",), "adapter.objective",
+     "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
+     "store of tunebench serve as --data)"),
+    (("--beta",), "adapter.beta", "DPO's beta, how far the model may move from its reference (default 0.1)"),
+    (("--orpo-lambda",), "adapter.orpo_lambda", "ORPO's lambda, the weight of its odds-ratio term (default 0.1)"),
+    (("--lora-r", "--lora_r", "--rank"), "adapter.r", "rank of lora, qlora, dora, loha, lokr (default 8)"),
+    (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha", "alpha of lora, qlora, dora, loha, lokr (default 16)"),
+    (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout", "LoRA dropout (default 0.1)"),
+    (("--target-modules",), "adapter.target_modules",
+     "auto (attention projections) | all-linear | comma-separated module names"),
+    (("--quantization",), "adapter.quantization", "none | 4bit (nf4, QLoRA) | 8bit"),
+    (("--num-virtual-tokens",), "adapter.num_virtual_tokens", "virtual tokens of prefix and prompt tuning (default 20)"),
+    (("--prompt-init-text",), "adapter.prompt_init_text",
+     "prompt tuning: start the virtual tokens from this text's embeddings (default: random)"),
+]
+
+PRETRAIN_OPTIONS = [
+    (("--data",), "data.train_file", "training text: file(s), comma-separated, or a directory"),
+    (("--tokenizer",), "data.tokenizer", "tokenizer directory (default: byte-level BPE trained on --data)"),
+    (("--max-length",), "data.max_length", "tokens per block"),
+]
+
+# The options of the shared sections (schema.py), for both jobs; their help is the field's documentation there.
+SHARED_OPTIONS: list[tuple[tuple[str, ...], str]] = [
+    (("--output-dir", "--output_dir"), "output.output_dir"), (("--epochs", "--num_epochs"), "schedule.epochs"),
+    (("--max-steps",), "schedule.max_steps"), (("--max-tokens",), "schedule.max_tokens"),
+    (("--batch-size", "--batch_size"), "batch.micro_batch_size"),
+    (("--grad-accum", "--gradient_accumulation_steps"), "batch.grad_accum_steps"),
+    (("--effective-batch-size",), "batch.effective_batch_size"), (("--lr", "--learning_rate"), "optimizer.lr"),
+    (("--weight-decay",), "optimizer.weight_decay"), (("--lr-scaling",), "optimizer.lr_scaling"),
+    (("--warmup-ratio",), "schedule.warmup_ratio"), (("--warmup-steps",), "schedule.warmup_steps"),
+    (("--schedule",), "schedule.schedule"), (("--max-grad-norm",), "optimizer.max_grad_norm"),
+    (("--precision",), "hardware.precision"), (("--device",), "hardware.device"), (("--threads",), "hardware.threads"),
+    (("--compile",), "hardware.compile"), (("--compile-mode",), "hardware.compile_mode"),
+    (("--attention",), "hardware.attention"), (("--gradient-checkpointing",), "hardware.gradient_checkpointing"),
+    (("--liger",), "hardware.liger"), (("--parallel",), "distributed.parallel"), (("--backend",), "distributed.backend"),
+    (("--seed",), "schedule.seed"), (("--logging-steps",), "logging.logging_steps"),
+    (("--eval-steps",), "evaluation.eval_steps"), (("--eval-generate",), "evaluation.eval_generate"),
+    (("--eval-max-new-tokens",), "evaluation.eval_max_new_tokens"), (("--save-steps", "--save_steps"), "output.save_steps"),
+    (("--save-total-limit",), "output.save_total_limit"), (("--resume",), "output.resume"),
+    (("--report-to",), "logging.report_to"),
+]
+SWITCHES = [(("--overwrite",), "output.overwrite", True), (("--no-progress",), "logging.progress", False)]
+
+
+def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], str, str]]) -> None:
+    from tunebench.settings import schema  # torch-free: the sections and their documentation
+
+    for flags, key, help_text in own:
+        # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
+        p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
+                       **({"action": "append"} if key == "data.path" else {}))
+    for flags, key in SHARED_OPTIONS:
+        p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=schema.help_for(key), metavar="V")
+    for flags, key, value in SWITCHES:
+        p.add_argument(*flags, dest=key, action="store_const", const=value, default=argparse.SUPPRESS,
+                       help=schema.help_for(key))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, like every other input error
+        raise TunebenchError(f"{message}; see `{self.prog} --help`")
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tunebench", description="Fine-tune and benchmark small causal LMs on the hardware you have.")
+    parser.add_argument("--version", action="version", version=f"tunebench {__version__}")
+    _add_debug(parser)
+    sub = parser.add_subparsers(dest="job", parser_class=_Parser, metavar="JOB")
+
+    train = sub.add_parser("train", help="LoRA, QLoRA or full fine-tuning",
+                           description="Fine-tune a causal LM. Positional items: an optional CONFIG.yaml and "
+                                       "dotted overrides such as optimizer.lr=1e-4 (or train.lr=1e-4).")
+    train.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    _add_options(train, TRAIN_OPTIONS)
+    train.add_argument("--profile", default=None, metavar="NAME",
+                       help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
+    train.add_argument("--use_8bit", "--use-8bit", dest="adapter.quantization", action="store_const", const="8bit",
+                       default=argparse.SUPPRESS, help="alias of --quantization 8bit")
+    train.add_argument("--use_4bit", "--use-4bit", dest="adapter.quantization", action="store_const", const="4bit",
+                       default=argparse.SUPPRESS, help="alias of --quantization 4bit")
+    train.add_argument("--allow-download", dest="model.allow_download", action="store_const", const=True,
+                       default=argparse.SUPPRESS, help="let transformers fetch a hub model that is not cached")
+    _add_debug(train)
+
+    pre = sub.add_parser("pretrain", help="train a causal LM from scratch (its own tokenizer, a config's architecture)",
+                         description="Pretrain a model from a YAML config (sections device, model, training, data, "
+                                     "in the CPU training guide's key names). Positional items: an optional "
+                                     "CONFIG.yaml and dotted overrides such as optimizer.lr=1e-3 (or the guide's "
+                                     "training.learning_rate=1e-3).")
+    pre.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    pre.add_argument("--config", dest="config_file", default=None, metavar="CONFIG.yaml",
+                     help="the config (as the CPU training guide's scripts/train.py --config); same as the positional")
+    _add_options(pre, PRETRAIN_OPTIONS)
+    _add_debug(pre)
+
+    tu = sub.add_parser("tune", help="hyperparameter search (Optuna) over train or pretrain runs",
+                        description="Search the options a space file names, one tunebench train|pretrain process "
+                                    "per trial, judged by eval loss at an equal token budget. Positional items: an "
+                                    "optional CONFIG.yaml and dotted overrides, as for the job. Rerunning the same "
+                                    "command resumes the study.")
+    tu.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    tu.add_argument("--space", required=True,
+                    help="YAML of options to search (key: [choices] or key: {low, high, log, step}), or a shipped "
+                         "space's name (customer_support_lora)")
+    tu.add_argument("--trials", type=int, default=10, help="trials the study should hold (default 10)")
+    tu.add_argument("--job", dest="job_kind", default="train", choices=["train", "pretrain"],
+                    help="what a trial runs (default train)")
+    tu.add_argument("--sampler", default="tpe", choices=["tpe", "random"], help="Optuna sampler (default tpe)")
+    tu.add_argument("--pruner", default="auto", choices=["auto", "median", "none"],
+                    help="median: stop trials whose eval loss is worse than the median of earlier trials at the same "
+                         "point; auto (default): median for --objective eval_loss, none for a task metric")
+    tu.add_argument("--objective", default="eval_loss",
+                    choices=["eval_loss", *quality.OBJECTIVES, "reward_accuracy"],
+                    help="what a trial is judged by: eval_loss (default, minimized), a task metric of its answers "
+                         "to held-out rows (maximized; train.eval_generate rows, default 16), or reward_accuracy "
+                         "on the held-out pairs of a DPO/ORPO run (maximized)")
+    length = tu.add_mutually_exclusive_group()
+    length.add_argument("--budget-tokens", type=int, default=None,
+                        help="every trial trains on about this many real tokens, whatever its batch size")
+    length.add_argument("--max-steps", type=int, default=None, help="every trial runs this many optimizer steps")
+    tu.add_argument("-o", "--output-dir", default="runs/tune",
+                    help="study database, trials, results.csv, best.yaml, report/ (default runs/tune)")
+    tu.add_argument("--storage", default=None,
+                    help="Optuna storage URL shared by several machines, e.g. postgresql://user:pw@host/db "
+                         "(default: $TUNEBENCH_STORAGE, which keeps the password out of `ps`; else sqlite in the "
+                         "output directory). Printed with the password hidden")
+    tu.add_argument("--study-name", default="tunebench", help="the study's name in the storage (default tunebench)")
+    tu.add_argument("--device", default=None, choices=["cpu", "cuda", "mps"], help="device of every trial")
+    tu.add_argument("--seed", type=int, default=42, help="the sampler's seed (default 42)")
+    _add_debug(tu)
+
+    sv = sub.add_parser("serve", help="web app: chat with models and runs, compare two blind (A/B)",
+                        description="A Gradio app (the web extra): a chat tab, a blind A/B tab whose votes go to an "
+                                    "SQLite file, and the A/B results. Offline; models load once, on first use.")
+    sv.add_argument("--model", action="append", default=[], help="a base model spec or model directory (repeatable; "
+                                                                   "default: SmolLM2 when nothing else is given)")
+    sv.add_argument("--adapter", action="append", default=[], help="a training run directory (repeatable)")
+    sv.add_argument("--port", type=int, default=7860)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="0.0.0.0 to be reached from other machines (then --auth, or --no-auth on purpose)")
+    sv.add_argument("--ab-db", default="tunebench-ab.sqlite", help="A/B votes database (default ./tunebench-ab.sqlite)")
+    sv.add_argument("--prompts", default=None, help="a prompt set (JSONL or CSV) for the A/B tab")
+    sv.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+    sv.add_argument("--auth", default=None, metavar="USER:PASS",
+                    help="a login for the page (default: $TUNEBENCH_AUTH, which keeps the password out of `ps`); "
+                         "required with a --host other machines can reach")
+    sv.add_argument("--no-auth", action="store_true", help="serve a non-loopback --host without a login, on purpose")
+    _placement_options(sv)
+    _add_debug(sv)
+
+    ab = sub.add_parser("ab-report", help="win rates of the A/B votes that tunebench serve stored")
+    ab.add_argument("path", nargs="?", default="tunebench-ab.sqlite", help="the --ab-db of tunebench serve")
+    ab.add_argument("--export-pairs", metavar="FILE.jsonl", default=None,
+                    help="also write each A or B vote as a preference pair (prompt, chosen, rejected; ties and "
+                         "both-bad skipped) for DPO/ORPO in tunebench or other tools")
+    _add_debug(ab)
+
+    la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",
+                        description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
+                                    "--nproc-per-node 2 -- train [options]. Each rank gets the usable cores divided "
+                                    "by the ranks on its machine as threads (unless OMP_NUM_THREADS is set).")
+    la.add_argument("--nproc-per-node", type=int, required=True, help="processes on this machine")
+    la.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
+    la.add_argument("--node-rank", type=int, default=0, help="this machine's place among them (default 0)")
+    la.add_argument("--rdzv-endpoint", default=None,
+                    help="HOST:PORT of the first machine, the same on every machine (c10d rendezvous); "
+                         "default: one machine, a free local port")
+    la.add_argument("--rdzv-id", default="tunebench", help="a name for this run, the same on every machine")
+    la.add_argument("job_args", nargs=argparse.REMAINDER, metavar="-- train|pretrain ...")
+    _add_debug(la)
+
+    tk = sub.add_parser("tokenizer", help="train a tokenizer on your corpus (Hugging Face tokenizers)")
+    tk_sub = tk.add_subparsers(dest="action", parser_class=_Parser, metavar="ACTION", required=True)
+    tt = tk_sub.add_parser("train", help="train and save a tokenizer directory (AutoTokenizer loads it)")
+    tt.add_argument("--data", nargs="+", required=True, help="text, JSONL, JSON, CSV or Parquet files, or directories")
+    tt.add_argument("--vocab-size", type=int, required=True, help="vocabulary size to reach")
+    tt.add_argument("--type", default="bpe", choices=["bpe", "unigram", "wordpiece", "char"],
+                    help="bpe (byte-level, default) | unigram | wordpiece | char")
+    tt.add_argument("-o", "--output-dir", required=True, help="where the tokenizer is saved")
+    tt.add_argument("--text-column", default="text", help="column of JSONL/CSV/Parquet records (default text)")
+    _add_debug(tt)
+
+    for name, help_text in (("generate", "complete one prompt"), ("chat", "talk to a model in the terminal")):
+        p = sub.add_parser(name, help=help_text)
+        _model_options(p)
+        if name == "generate":
+            p.add_argument("--prompt", required=True, help="the user message")
+            p.add_argument("--raw", action="store_true", help="no chat template or prompt format")
+        p.add_argument("--template", default=None,
+                       help="prompt format, as train's --template (default: the one the run trained with)")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        _placement_options(p)
+        _add_debug(p)
+
+    p = sub.add_parser("merge", help="merge an adapter into its base model, or combine several LoRA adapters into one")
+    _adapters_options(p, "give several to combine them into one adapter")
+    p.add_argument("--output-dir", required=True,
+                   help="new directory for the merged model (one adapter) or the combined adapter (several)")
+    p.add_argument("--weights", default=None, help="several adapters: comma-separated weights (default equal, 1/n)")
+    p.add_argument("--combination", default="linear",
+                   help="several adapters: linear (default) | cat | ties | dare_ties | magnitude_prune (PEFT's)")
+    p.add_argument("--density", type=float, default=None,
+                   help="ties, dare_ties, magnitude_prune: the share of each adapter's weights kept (0-1)")
+    p.add_argument("--eval-data", action="append", default=None,
+                   help="several adapters: each one's task data, in --adapter order; prints each task's metric "
+                        "from its own adapter and from the combined one")
+    p.add_argument("--eval-rows", type=int, default=16, help="rows of each --eval-data answered (default 16)")
+    _add_debug(p)
+
+    p = sub.add_parser("prepare", help="a dataset -> seeded train/held-out JSONL files, with a summary (the study's "
+                                       "prepare_custom_dataset.py)")
+    p.add_argument("--data", default=None, help="a local CSV, JSON, JSONL, Parquet or saved datasets directory")
+    p.add_argument("--dataset_name", "--dataset-name", default=None, help="a dataset already in the Hugging Face cache")
+    p.add_argument("--split", default="train", help="its split (default train)")
+    p.add_argument("--max_samples", "--max-samples", type=int, default=None, help="a seeded sample of this many rows")
+    p.add_argument("--output_dir", "--output-dir", "-o", required=True, help="a new directory for the files")
+    p.add_argument("--eval-fraction", "--eval_fraction", type=float, default=0.1, help="share held out (default 0.1)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--model", default=None, help="whose tokenizer counts the tokens (default SmolLM2)")
+    p.add_argument("--max-length", "--max_length", type=int, default=128, help="the training --max-length to check")
+    p.add_argument("--instruction-column", default=None, help="prompt column of instruction data")
+    p.add_argument("--response-column", default=None, help="answer column of instruction data")
+    p.add_argument("--template", default=None, help="the prompt format training will use (for the token counts)")
+    _add_debug(p)
+
+    p = sub.add_parser("export", help="a run's model, adapter merged, as GGUF (llama.cpp), Ollama or a HF directory")
+    p.add_argument("run_dir", help="a training or pretraining run's --output-dir")
+    p.add_argument("--format", default="gguf", help="gguf (default) | ollama (GGUF + Modelfile) | hf (merged directory)")
+    p.add_argument("--quant", default=None,
+                   help="gguf/ollama: f32 | f16 (default) | bf16 | q8_0 | q5_1 | q5_0 | q4_1 | q4_0; hf: f32 (default) | f16 | bf16")
+    p.add_argument("-o", "--output", default=None,
+                   help="the file (gguf) or new directory (ollama, hf); default RUN_DIR/export/...")
+    p.add_argument("--allow-download", action="store_true", help="let the base model come from the hub")
+    _add_debug(p)
+
+    p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, ...)")
+    _adapters_options(p, "give several to compare them on the same rows")
+    p.add_argument("--base", action="store_true", help="also evaluate the adapters' base model, for a base vs tuned table")
+    p.add_argument("--generate", type=int, default=0,
+                   help="answer N held-out rows (greedy, the run's prompt format) and score them")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="the cap on each answer (default 128)")
+    p.add_argument("--output-dir", default="eval-results",
+                   help="where the answers (answers-MODEL.jsonl) and scores.json go (default eval-results)")
+    p.add_argument("--lm-eval", default=None, metavar="TASKS",
+                   help="run lm-evaluation-harness tasks (comma-separated) on the merged model instead; "
+                        "gsm8k_local reads --data, a GSM8K-style JSONL (pip install 'tunebench[lm-eval]')")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="documents per task (default all)")
+    p.add_argument("--lm-eval-include", default=None, help="a directory of your own lm-eval task YAMLs")
+    p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="auto (default: a GPU when present) | cpu | cuda | mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default: what training would pick on this device) | fp32 | bf16 | fp16")
+    _add_debug(p)
+
+    p = sub.add_parser("compare", help="run a matrix of experiments on the devices present; results CSV + report",
+                       description="Runs each experiment as its own `tunebench train` process, appends one CSV "
+                                   "row per run, resumes by skipping rows already written, then writes the report.")
+    p.add_argument("--matrix", default="quick",
+                   help="quick (default: the study's CPU configs + auto on the built-in data), study, or a YAML file")
+    p.add_argument("--output", default="runs/compare/results.csv", help="results CSV (appended to; resumable)")
+    p.add_argument("--runs-dir", default=None, help="where each run's directory goes (default: beside --output)")
+    p.add_argument("--report-dir", default=None, help="where the report goes (default: beside --output)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per experiment; the report uses medians")
+    p.add_argument("--device", action="append", choices=["cpu", "cuda", "mps"], help="limit to these devices")
+    p.add_argument("--model", default=None, help="model for every experiment (default: the matrix's, else SmolLM2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for every experiment (the gpt2-124m preset's, say, where SmolLM2's is absent)")
+    p.add_argument("--data", default=None, help="dataset for every experiment")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--retry-failed", action="store_true", help="rerun experiments whose row is oom/error")
+    p.add_argument("--nproc", default=None, metavar="N[,M...]",
+                   help="run every experiment on each of these numbers of processes (tunebench launch), e.g. 1,2")
+    _add_debug(p)
+
+    p = sub.add_parser("report", help="combine results CSVs into report.html and report.md")
+    p.add_argument("results", nargs="*", help="results CSVs (from any machines)")
+    p.add_argument("--results_csv", "--results-csv", dest="results_csv", action="append", default=[],
+                   help="a results CSV (the study's generate_comparison_report.py spelling); repeatable")
+    p.add_argument("-o", "--output-dir", "--output_dir", default=None,
+                   help="where report.html/.md go (default runs/report; for a run directory, RUN_DIR/report)")
+    p.add_argument("--baseline-device", default=None, help="device name speedups are measured against (default: slowest)")
+    p.add_argument("--baseline-config", default=None, help="configuration speedups are measured against (default: first)")
+    _add_debug(p)
+
+    p = sub.add_parser("bench-data", help="measure the input pipeline alone (tokenize, cache, batches/s)")
+    p.add_argument("--model", default=None, help="whose tokenizer (default SmolLM2)")
+    p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
+    p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=4)
+    _add_debug(p)
+
+    p = sub.add_parser("hw", help="this machine's hardware and the settings tunebench would pick")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--text", nargs="?", const="system_info.txt", default=None, metavar="FILE",
+                   help="write the study's system_info.txt (date, CPU, GPU, CUDA, versions; default that name)")
+    p.add_argument("--machine", default=None, metavar="RECORD",
+                   help="the settings tunebench would pick on another machine, from the record `tunebench hw --json` "
+                        "wrote there")
+    _add_debug(p)
+    return parser
+
+
+def _placement_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="auto (default: a GPU when present) | cpu | cuda | mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default: what training would pick on this device) | fp32 | bf16 | fp16")
+
+
+def _adapters_options(p: argparse.ArgumentParser, several: str) -> None:
+    """--model, --adapter (repeatable: what several of them do is `several`) and --allow-download."""
+    p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
+    p.add_argument("--adapter", action="append", default=None, help=f"a training --output-dir; {several}")
+    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
+    p.add_argument("--adapter", default=None, help="a training --output-dir holding a LoRA adapter")
+    p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")

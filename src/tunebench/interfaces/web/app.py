@@ -1,0 +1,296 @@
+"""`tunebench serve`: a Gradio app with a chat tab, a blind A/B tab and the A/B results.
+
+Gradio runs these (sync, generator) handlers on its worker threads, so generation never blocks the
+server's event loop; models come from one Registry shared by every session.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import socket
+import uuid
+from pathlib import Path
+
+from tunebench.core.errors import TunebenchError
+from tunebench.data import votes
+from tunebench.interfaces.web.models import MAX_PROMPT_CHARS, Registry, entries, load_prompts, stream
+
+VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise TunebenchError(f"port {port} on {host} is in use or not ours ({e.strerror}); pass --port with a "
+                                 "free one, e.g. --port 7861") from e
+
+
+def _settings(temperature: float, top_p: float, max_new_tokens: int) -> dict:
+    return {"temperature": float(temperature), "top_p": float(top_p), "max_new_tokens": int(max_new_tokens)}
+
+
+def chat_turn(registry: Registry, label: str, message: str, history: list[dict], temperature: float, top_p: float,
+              max_new_tokens: int):
+    """Yields (history, status) as the reply grows."""
+    import gradio as gr
+
+    if not message.strip():
+        raise gr.Error("Type a message first.")
+    history = list(history or []) + [{"role": "user", "content": message.strip()}]
+    try:
+        for reply in stream(registry, label, history, int(max_new_tokens), float(temperature), float(top_p)):
+            shown = history + [{"role": "assistant", "content": reply.text}]
+            status = (f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s"
+                      if reply.done else "generating ...")
+            yield shown, status
+    except TunebenchError as e:  # too long, an unknown model: said to the visitor; anything else stays server-side
+        raise gr.Error(str(e)) from None
+
+
+def ab_answers(registry: Registry, first: str, second: str, prompt: str, temperature: float, top_p: float,
+               max_new_tokens: int, rng: random.Random | None = None):
+    """Both models answer `prompt`, shown as A and B in random order. Yields (answer A, answer B, status,
+    state); the state holds who is who until the vote."""
+    import gradio as gr
+
+    if not prompt.strip():
+        raise gr.Error("Type a prompt (or take the next one from the prompt set) first.")
+    if first == second:
+        raise gr.Error("Pick two different models to compare.")
+    a, b = (first, second) if (rng or random).random() < 0.5 else (second, first)
+    messages = [{"role": "user", "content": prompt.strip()}]
+    settings = _settings(temperature, top_p, max_new_tokens)
+    seed = (rng or random).randrange(2**31)  # one seed for both sides: the models, not the dice, differ
+    answers = {"a": "", "b": ""}
+    speeds = {}
+    try:
+        for side, label in (("a", a), ("b", b)):
+            for reply in stream(registry, label, messages, settings["max_new_tokens"], settings["temperature"],
+                                settings["top_p"], seed):
+                answers[side] = reply.text
+                if reply.done:
+                    speeds[side] = reply.tokens_per_s
+                yield answers["a"], answers["b"], f"answering as {side.upper()} ...", None
+    except TunebenchError as e:
+        raise gr.Error(str(e)) from None
+    # Speeds stay hidden until the vote: an adapter is slower than its base, so a speed names the model.
+    state = {"prompt": prompt.strip(), "model_a": a, "model_b": b, "answer_a": answers["a"],
+             "answer_b": answers["b"], "settings": settings, "speeds": speeds, "pair_id": uuid.uuid4().hex,
+             "voted": False}
+    yield answers["a"], answers["b"], "Which answer is better?", state
+
+
+def ab_vote(db: Path, vote: str, state: dict | None) -> tuple[str, dict | None]:
+    """Store the vote with both answers, the prompt, the models and the settings; reveal who was who."""
+    import gradio as gr
+
+    if not state:
+        raise gr.Error("Generate two answers first.")
+    if state.get("voted"):
+        raise gr.Error("This pair is already voted on; generate new answers.")
+    try:  # two fast clicks run two handlers on the same state: the store takes one vote per pair
+        vote_id = votes.record(db, state["prompt"], state["model_a"], state["model_b"], state["answer_a"],
+                               state["answer_b"], vote, state["settings"], state.get("pair_id"))
+    except votes.AlreadyVoted:
+        raise gr.Error("This pair is already voted on; generate new answers.") from None
+    speeds = state.get("speeds", {})
+    shown = "".join(f", {side.upper()} {speeds[side]:.1f} tokens/s" for side in ("a", "b") if side in speeds)
+    return (f"Vote #{vote_id} stored: {VOTE_LABELS[vote]}. A was {state['model_a']}, B was {state['model_b']}"
+            + (f" ({shown[2:]})" if shown else "") + ".", dict(state, voted=True))
+
+
+def read_upload(file) -> list[str]:
+    """The prompts of an uploaded prompt set (its size is bounded by launch's max_file_size); the upload is
+    deleted once read, so uploads never pile up in the server's temp dir."""
+    import gradio as gr
+
+    path = Path(file if isinstance(file, str) else file.name)
+    try:
+        return load_prompts(path)
+    except TunebenchError as e:
+        raise gr.Error(str(e)) from None
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def results_rows(db: Path) -> list[list[str]]:
+    return votes.table(db)[1] if db.is_file() else []
+
+
+def train_on_votes(db: Path, base: str | None = None) -> str:
+    """The results view's next step: the command that trains on the votes, as text to copy (training
+    never runs inside the web server). `base`, the model to start from where it is not the default."""
+    from tunebench.settings.finetune import DEFAULT_MODEL
+    from tunebench.data import pairs
+
+    if not db.is_file():
+        return "No votes yet: vote A or B on the blind A/B tab, and the votes become DPO training pairs."
+    found = pairs.from_store(str(db))
+    if not len(found):
+        return (f"No A or B votes yet ({found.describe()}): ties and \"both bad\" say nothing about which answer "
+                "to prefer.")
+    model = f" --model {shlex.quote(base)}" if base and base != DEFAULT_MODEL else ""
+    return (f"**Train on these votes**: {found.describe()}. Run this where the model should train, then serve "
+            f"the run beside the others and vote again:\n\n```\ntunebench train --method dpo --data "
+            f"{shlex.quote(str(db))}{model} --output-dir runs/dpo-votes\n```")
+
+
+def build(registry: Registry, db: Path, prompts: list[str] | None = None):
+    import gradio as gr
+
+    labels = registry.labels
+    results_head = votes.table(db)[0] if db.is_file() else []
+    with gr.Blocks(title="tunebench", analytics_enabled=False) as app:
+        gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, and compare them blind.")
+        with gr.Tab("Chat", id="chat"):
+            with gr.Row():
+                chat_model = gr.Dropdown(labels, value=labels[-1], label="Model", scale=3)
+                chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
+                chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
+                chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
+            # Plain text, not Markdown: a reply cannot make the browser fetch a remote image (offline; no tracking).
+            chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy", "copy_all"],  # no share: offline
+                                 render_markdown=False, sanitize_html=True)
+            chat_history = gr.State([])
+            with gr.Row():
+                chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5,
+                                      max_length=MAX_PROMPT_CHARS)
+                chat_send = gr.Button("Send", variant="primary", scale=1)
+                chat_clear = gr.Button("Clear", scale=1)
+            chat_status = gr.Markdown("")
+
+            def on_chat(label, message, history, temp, top_p, max_new):
+                shown = history
+                for shown, status in chat_turn(registry, label, message, history, temp, top_p, max_new):
+                    yield shown, shown, "", status
+
+            chat_inputs = [chat_model, chat_box, chat_history, chat_temp, chat_top_p, chat_max]
+            chat_outputs = [chatbot, chat_history, chat_box, chat_status]
+            chat_send.click(on_chat, chat_inputs, chat_outputs)
+            chat_box.submit(on_chat, chat_inputs, chat_outputs)
+            chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+            chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+            chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
+
+        with gr.Tab("A/B", id="ab"):
+            gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
+                        "order. Vote, and the models are revealed.")
+            with gr.Row():
+                first = gr.Dropdown(labels, value=labels[0], label="Model 1")
+                second = gr.Dropdown(labels, value=labels[-1], label="Model 2")
+            with gr.Row():
+                ab_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature")
+                ab_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
+                ab_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens")
+            prompt_set = gr.State(list(prompts or []))
+            prompt_index = gr.State(-1)
+            with gr.Accordion("Prompt set: step through a fixed list of prompts", open=bool(prompts)):
+                with gr.Row():
+                    prompt_file = gr.File(label="Prompt set (JSONL or CSV)", file_types=[".jsonl", ".csv"], scale=2,
+                                          height=110)
+                    with gr.Column(scale=1):
+                        next_prompt = gr.Button("Next prompt from the set")
+                        set_status = gr.Markdown(f"{len(prompts)} prompts loaded" if prompts
+                                                 else "No prompt set loaded")
+            ab_prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Type a prompt, or take the next from the set",
+                                   max_length=MAX_PROMPT_CHARS)
+            ab_go = gr.Button("Get answers", variant="primary")
+            with gr.Row():
+                answer_a = gr.Textbox(label="A", lines=8, interactive=False)
+                answer_b = gr.Textbox(label="B", lines=8, interactive=False)
+            ab_state = gr.State(None)
+            with gr.Row():
+                vote_buttons = {v: gr.Button(text) for v, text in VOTE_LABELS.items()}
+            ab_status = gr.Markdown("")
+
+            def on_file(file):
+                if file is None:
+                    return gr.update(), -1, gr.update()
+                loaded = read_upload(file)
+                return loaded, -1, f"{len(loaded)} prompts loaded"
+
+            def on_next(items, index):
+                if not items:
+                    raise gr.Error("Load a prompt set first (JSONL or CSV).")
+                index = (index + 1) % len(items)
+                return items[index], index, f"prompt {index + 1} of {len(items)}"
+
+            def on_answers(m1, m2, prompt, temp, top_p, max_new):
+                yield from ab_answers(registry, m1, m2, prompt, temp, top_p, max_new)
+
+            prompt_file.change(on_file, prompt_file, [prompt_set, prompt_index, set_status])
+            next_prompt.click(on_next, [prompt_set, prompt_index], [ab_prompt, prompt_index, set_status])
+            ab_go.click(on_answers, [first, second, ab_prompt, ab_temp, ab_top_p, ab_max],
+                        [answer_a, answer_b, ab_status, ab_state])
+            for v, button in vote_buttons.items():
+                button.click(lambda state, v=v: ab_vote(db, v, state), ab_state, [ab_status, ab_state])
+
+        with gr.Tab("A/B results", id="results") as results_tab:
+            gr.Markdown(f"Votes in `{db}`: the first model's win rate against the second, a tie counting half, "
+                        "with its Wilson 95% interval.")
+            results = gr.Dataframe(headers=results_head or None, value=results_rows(db), interactive=False,
+                                   wrap=True)
+            base = next((e.model for e in registry.choices.values() if e.model), None)
+            train = gr.Markdown(train_on_votes(db, base))
+            refresh = gr.Button("Refresh")
+            refresh.click(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+            results_tab.select(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+    return app
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+QUEUE_SIZE = 16  # requests waiting for a generation; more are turned away rather than queued for hours
+MAX_UPLOAD = "1mb"  # a prompt set is text: a megabyte is thousands of prompts
+
+
+def parse_auth(auth: str | None) -> tuple[str, str] | None:
+    if auth is None:
+        return None
+    user, sep, password = auth.partition(":")
+    if not sep or not user or not password:
+        raise TunebenchError("--auth (or TUNEBENCH_AUTH) must look like USER:PASSWORD, both non-empty")
+    return user, password
+
+
+def check_exposure(host: str, auth: tuple[str, str] | None, no_auth: bool) -> None:
+    """A server other machines can reach needs a login, unless the user says in so many words that it does not."""
+    if host not in LOOPBACK and auth is None and not no_auth:
+        raise TunebenchError(f"--host {host} lets other machines in, and no --auth is set; pass --auth USER:PASS (or "
+                             "set TUNEBENCH_AUTH, which keeps the password out of `ps`), or --no-auth to serve "
+                             "without a login on purpose")
+    if auth is not None and no_auth:
+        raise TunebenchError("--auth and --no-auth contradict each other; give one")
+
+
+def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", port: int = 7860,
+          ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None, allow_download: bool = False,
+          block: bool = True, auth: str | None = None, no_auth: bool = False, device: str = "auto",
+          precision: str = "auto"):
+    """Check every input (exposure, models, port, database, prompt file), then start the app; returns it."""
+    import importlib.util
+
+    credentials = parse_auth(auth)
+    check_exposure(host, credentials, no_auth)
+    if importlib.util.find_spec("gradio") is None:
+        raise TunebenchError("tunebench serve needs the web extra: pip install -e '.[web]' (./run serve installs "
+                             "it on first use)")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    choices = entries(model_specs, run_dirs, allow_download)
+    prompt_list = load_prompts(prompts) if prompts else None
+    db = votes.open_store(ab_db)
+    check_port(host, port)
+    registry = Registry(choices, allow_download, device, precision)
+    app = build(registry, db, prompt_list)
+    app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
+    print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "
+          f"({registry.placement}), votes in {db}; http://{host}:{port}"
+          + (f" (login: {credentials[0]})" if credentials else " (no login)"), flush=True)
+    # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
+    # the visitor.
+    app.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=True, share=False,
+               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD)
+    return app

@@ -1,0 +1,254 @@
+"""What `tunebench serve` offers: base models and run directories, each loaded once and shared by
+every browser session, and streamed generation with its tokens/s. No Gradio here: tested on its own."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tunebench.model import inference, models
+from tunebench.core.errors import TunebenchError
+from tunebench.settings.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Entry:
+    label: str  # what the page shows and the A/B database stores
+    model: str | None  # a base model spec, or a model directory (merged, full fine-tune, pretrained)
+    adapter: str | None  # a run directory holding a PEFT adapter
+
+
+def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = False) -> list[Entry]:
+    """The choices, checked before anything loads: every run directory must hold a model or an adapter."""
+    out: list[Entry] = []
+    for spec in model_specs:
+        models.check_spec(spec, allow_download)
+        out.append(Entry(f"base: {spec}", spec, None))
+    for d in run_dirs:
+        run = RunDir(d)
+        if run.kind() == "adapter":
+            method = (run.peft_type() or "adapter").lower()
+            out.append(Entry(f"run: {d} ({method.replace('_', ' ')})", None, d))
+        elif (run.path / "config.json").is_file():
+            out.append(Entry(f"model: {d}", d, None))
+        else:
+            raise TunebenchError(f"'{d}' holds no model (no adapter_config.json or config.json); point --adapter at "
+                                 "a finished training, merge or pretraining --output-dir")
+    labels = [e.label for e in out]
+    if len(set(labels)) != len(labels):
+        raise TunebenchError("the same model or run is listed twice; list each once")
+    return out
+
+
+class Registry:
+    """Models load on first use, once, whatever the number of sessions asking; one generation runs at a
+    time (two at once would only split the same cores, and the tokens/s shown would be wrong)."""
+
+    def __init__(self, choices: list[Entry], allow_download: bool = False, device: str = "auto",
+                 precision: str = "auto"):
+        self.choices = {e.label: e for e in choices}
+        self.allow_download = allow_download
+        self.device, self.precision, self.placement = inference.placement(device, precision)
+        self._loaded: dict[str, tuple[inference.Placed, str]] = {}
+        # Adapters of one base and one PEFT type share one loaded base, as PEFT's named adapters: the
+        # base's memory once, whatever the number of runs served; `activate` picks one before generating.
+        self._shared: dict[tuple[str, str], inference.Placed] = {}
+        self._adapter_name: dict[str, str] = {}
+        self._load_lock = threading.Lock()
+        self.generate_lock = threading.Lock()
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.choices)
+
+    def get(self, label: str) -> tuple[inference.Placed, str]:
+        """(the model, placed as it trained, and its prompt template)."""
+        from tunebench.jobs.generate import trained_template
+
+        if label not in self.choices:
+            raise TunebenchError(f"no model named {label!r} is served; pick one of the list")
+        with self._load_lock:
+            if label not in self._loaded:
+                e = self.choices[label]
+                group = _group(e)
+                if group in self._shared:  # its base is loaded: add the adapter to it, by name
+                    shared = self._shared[group]
+                    name = f"run_{len(self._adapter_name)}"
+                    shared.model.load_adapter(e.adapter, adapter_name=name)  # its weights in fp32, as trained
+                    tokenizer = models.load_tokenizer(e.adapter) if (Path(e.adapter) / "tokenizer_config.json"
+                                                                      ).is_file() else shared.tokenizer
+                    loaded = inference.place(models.Loaded(
+                        shared.model, tokenizer, f"{shared.source.split(' + adapter ')[0]} + adapter {e.adapter}",
+                        None), self.device, self.precision)
+                else:
+                    loaded = inference.load(e.model, e.adapter, None, self.allow_download, self.device,
+                                            self.precision)
+                    name = "default"
+                    if group is not None:
+                        self._shared[group] = loaded
+                if group is not None:
+                    self._adapter_name[label] = name
+                self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
+            return self._loaded[label]
+
+    def activate(self, label: str) -> None:
+        """Point a shared base at this run's adapter (called with generate_lock held)."""
+        if label in self._adapter_name:
+            self._loaded[label][0].model.set_adapter(self._adapter_name[label])
+
+    def bases_loaded(self) -> int:
+        """Distinct model objects in memory (a shared base counts once)."""
+        return len({id(loaded.model) for loaded, _ in self._loaded.values()})
+
+
+def _group(e: Entry) -> tuple[str, str] | None:
+    """(base model, PEFT type) of an adapter entry: the runs that can share a loaded base; None otherwise."""
+    if e.adapter is None or e.model is not None:
+        return None
+    run = RunDir(e.adapter)
+    peft_type, base = run.peft_type() or "", run.base_model()
+    return (str(Path(base).resolve()) if Path(base).exists() else base), peft_type
+
+
+@dataclass
+class Reply:
+    text: str
+    new_tokens: int = 0
+    seconds: float = 0.0
+    done: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+MAX_NEW_TOKENS = 512  # per answer, whatever a client sends: the page's slider stops there too
+MAX_PROMPT_CHARS = 8_000  # a message, and a whole conversation's text at 4x that
+
+
+class TooLong(TunebenchError):
+    """A request the server refuses for its size (said to the client, not a crash)."""
+
+
+def check_request(messages: list[dict[str, str]]) -> None:
+    """Bound what one visitor can ask for before anything is tokenized: the browser's own limits are
+    only advice, so the server checks again."""
+    if any(not isinstance(m.get("content"), str) for m in messages):
+        raise TooLong("every message must be text")
+    if len(messages[-1]["content"]) > MAX_PROMPT_CHARS:
+        raise TooLong(f"the message is {len(messages[-1]['content']):,} characters; the limit is {MAX_PROMPT_CHARS:,}")
+    total = sum(len(m["content"]) for m in messages)
+    if total > 4 * MAX_PROMPT_CHARS:
+        raise TooLong(f"the conversation holds {total:,} characters, over the {4 * MAX_PROMPT_CHARS:,} a chat may "
+                      "reach; clear it and start again")
+
+
+class _Stop:
+    """transformers' StoppingCriteria protocol: stop generating once the client has gone away."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
+           temperature: float = 0.7, top_p: float = 0.9, seed: int = 0) -> Iterator[Reply]:
+    """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
+    (new tokens over the time from the call, prompt processing included). A conversation that does not
+    fit the model's context is refused; a consumer that stops reading (a closed tab) stops the
+    generation, and the generation lock is held until it has really stopped."""
+    from transformers import StoppingCriteriaList, TextIteratorStreamer
+
+    from tunebench.data.tokenize import render_prompt
+
+    check_request(messages)
+    max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
+    placed, template = registry.get(label)
+    tok = placed.tokenizer
+    enc = placed.encode(render_prompt(messages, tok, template))
+    n_prompt = enc["input_ids"].shape[1]
+    limit = inference.context_limit(placed.model)
+    if limit is not None:
+        if n_prompt >= limit:
+            raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
+                          "shorten the prompt")
+        max_new_tokens = min(max_new_tokens, limit - n_prompt)
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True, timeout=600)
+    stop = threading.Event()
+    sampling = temperature > 0
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            torch.manual_seed(seed)
+            result["ids"] = placed.generate(  # in this thread: autocast is per thread
+                **enc, max_new_tokens=max_new_tokens, do_sample=sampling,
+                temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = e
+            streamer.end()
+
+    with registry.generate_lock:
+        registry.activate(label)
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        text = ""
+        try:
+            for piece in streamer:
+                text += piece
+                yield Reply(text.strip())
+        finally:  # also when the consumer closes this generator (GeneratorExit): no orphan generation
+            stop.set()
+            worker.join()
+        seconds = time.perf_counter() - t0
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    new = int(result["ids"].shape[1] - n_prompt)  # type: ignore[union-attr]
+    yield Reply(text.strip(), new, seconds, done=True)
+
+
+PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a JSONL or CSV file (a `prompt`, `instruction`, `question`, `text` or `input` field,
+    else the first text field), such as a dataset's held-out rows."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TunebenchError(f"prompt file '{p}' cannot be read ({getattr(e, 'strerror', None) or e}); "
+                             "check the path") from e
+    rows: list[dict] = []
+    try:
+        if p.suffix.lower() in (".jsonl", ".json"):
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        elif p.suffix.lower() == ".csv":
+            rows = list(csv.DictReader(text.splitlines()))
+        else:
+            raise TunebenchError(f"prompt file '{p}' is neither .jsonl nor .csv; give one of those")
+    except (json.JSONDecodeError, csv.Error) as e:
+        raise TunebenchError(f"prompt file '{p}' does not parse ({e}); fix the file") from e
+    prompts = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        key = next((k for k in PROMPT_COLUMNS if isinstance(row.get(k), str) and row[k].strip()), None)
+        key = key or next((k for k, v in row.items() if isinstance(v, str) and v.strip()), None)
+        if key:
+            prompts.append(row[key].strip())
+    if not prompts:
+        raise TunebenchError(f"prompt file '{p}' holds no prompts; give rows with a prompt or instruction field")
+    return prompts

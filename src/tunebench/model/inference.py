@@ -1,0 +1,173 @@
+"""Models put to use rather than trained: loaded with their adapter, placed on the device and precision a
+training run would pick, and the positions they can attend over (a learned position table, or the
+rotary context they were trained for), checked before a run or a request goes past them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunebench.model import methods, models
+from tunebench.core import precision as precision_
+from tunebench.core.errors import TunebenchError
+
+
+def base_of(adapter_dir: str) -> str:
+    """The base model an adapter (or a tunebench run directory) was trained on."""
+    from tunebench.settings.rundir import RunDir
+
+    return RunDir(adapter_dir).base_model()
+
+
+def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | None = None,
+                       allow_download: bool = False, dtype: torch.dtype | None = None) -> models.Loaded:
+    """Base model (or a full fine-tune's output dir) with an optional PEFT adapter on top. `dtype`: the base
+    is held in it before the adapter is attached, as training held a frozen base; PEFT keeps the adapter's
+    own weights in fp32 (autocast_adapter_dtype), as training did."""
+    if adapter is not None and not Path(adapter).is_dir():
+        raise TunebenchError(f"--adapter '{adapter}' is not a directory; point it at a training --output-dir")
+    if spec is None:
+        if adapter is None:
+            spec = models.SMOLLM2
+        else:
+            spec = base_of(adapter)
+    loaded = models.resolve(spec, tokenizer or (adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else None),
+                     allow_download)
+    if dtype is not None:
+        loaded.model.to(dtype=dtype)
+    if adapter is not None:
+        from peft import PeftModel
+
+        loaded.model = PeftModel.from_pretrained(loaded.model, adapter)
+        loaded.source += f" + adapter {adapter}"
+    loaded.model.eval()
+    return loaded
+
+
+@dataclass
+class Placed:
+    """A model put to work the way it was trained: on its device, its weights as training held them (a frozen
+    base in the compute dtype, adapters in fp32) and every forward under the autocast of its precision.
+
+    Training keeps LoRA's inputs in the compute dtype (methods.compute_adapters_in), so a bf16 base meets fp32
+    adapter weights: only autocast makes that one matmul. Whatever generates or scores (eval-generate at the
+    end of training, pretraining samples, eval, generate, chat, serve, merge's before/after) goes through
+    `running` or `generate` here, and no job opens its own inference path."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # what training's matmuls ran under; None: no autocast (fp32, QLoRA)
+    source: str = ""
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Any]:
+        """The model in eval mode (its mode is put back after), without gradients, under the run's autocast.
+        autocast is per thread: enter this in the thread that calls the model."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), precision_.autocast(self.device, self.autocast_dtype):
+                yield self.model
+        finally:
+            self.model.train(was_training)
+
+    def generate(self, **kwargs) -> torch.Tensor:
+        with self.running() as model:
+            return model.generate(**kwargs)
+
+    def encode(self, texts: str | list[str], **kwargs):
+        """Token ids (and attention mask) of `texts` on the model's device; no special tokens added (the
+        prompt format has them)."""
+        return self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **kwargs).to(self.device)
+
+
+def load(spec: str | None, adapter: str | None, tokenizer: str | None = None, allow_download: bool = False,
+         device: str = "auto", precision: str = "auto", plan=None) -> Placed:
+    """A model (and adapter) ready to generate or score on the device and in the precision a training run
+    would pick here, or those asked for: an impossible request is refused before any weight loads. `plan`:
+    a hardware plan already made (eval applies its threads too)."""
+    from tunebench.machine import hardware
+    plan = plan or hardware.plan(device, precision, hardware.detect(), "off")
+    loaded = load_for_inference(spec, adapter, tokenizer, allow_download, precision_.DTYPES[plan.precision])
+    return place(loaded, plan.device, plan.precision)
+
+
+def placement(device: str = "auto", precision: str = "auto", hw=None) -> tuple[str, str, str]:
+    """(device, precision, reason) a model is served on: what a training run would pick on this machine
+    (a GPU when present, bf16 where the hardware has it), or what was asked (refused when impossible)."""
+    from tunebench.machine import hardware
+    plan = hardware.plan(device, precision, hw or hardware.detect(), "off")
+    return plan.device, plan.precision, f"{plan.decision('device').reason}; {plan.decision('precision').reason}"
+
+
+def place(loaded: models.Loaded, device: str, precision: str) -> Placed:
+    """`loaded` on `device`, run as it trained: its weights as load_for_inference holds them (a base, or a
+    full fine-tune, in the compute dtype: its matmuls see the weights autocast gave them in training, at half
+    the memory; adapters in fp32), LoRA's inputs left in the compute dtype, every call under autocast."""
+    loaded.model.to(torch.device(device))
+    if precision != "fp32":
+        methods.compute_adapters_in(loaded.model)
+    return Placed(loaded.model, loaded.tokenizer, torch.device(device), precision_.autocast_dtype(precision),
+                  loaded.source)
+
+
+def context_limit(model) -> int | None:
+    """Positions a model can attend over: learned positions (GPT-2's n_positions) or the rotary context
+    it was trained for (max_position_embeddings)."""
+    return position_limit(model) or getattr(model.config, "max_position_embeddings", None)
+
+
+LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")  # families with a learned position table (not rotary, ALiBi)
+
+
+def check_length(spec: str, max_length: int, allow_download: bool = False) -> None:
+    """Refuse --max-length beyond the positions a model was trained for, from its config alone (before
+    any weights load): a learned position table has no row past it, and rotary positions past it were
+    never seen in training (quality falls apart without a RoPE-scaling fine-tune of its own)."""
+    limit, kind = _positions(spec, allow_download)
+    if limit is not None and max_length > limit:
+        raise TunebenchError(f"--max-length {max_length} exceeds the {limit} positions this model learned "
+                             f"({kind}); pass --max-length {limit} or less")
+
+
+def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
+    if spec == "tiny":
+        return models.TINY_POSITIONS, "rotary positions"
+    if spec == "gpt2-124m":
+        return 1024, "learned positions"  # GPT2Config's n_positions
+    try:
+        if spec == models.SMOLLM2 or spec.endswith(".gguf"):
+            converted = models.converted_dir(spec) / "config.json"
+            if converted.is_file():  # read in ms; parsing the GGUF's whole vocabulary takes seconds
+                config = json.loads(converted.read_text())
+                return config.get("n_positions") or config.get("max_position_embeddings"), "the GGUF's context length"
+            from gguf import GGUFReader
+
+            reader = GGUFReader(str(models._smollm2_gguf() if spec == models.SMOLLM2 else spec))
+            arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+            field_ = reader.fields.get(f"{arch}.context_length")
+            return (int(field_.parts[-1][0]) if field_ else None), "the GGUF's context length"
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(spec, local_files_only=not allow_download)
+    except (OSError, ValueError, KeyError):
+        return None, ""  # the load says what is wrong
+    if getattr(config, "model_type", "") in LEARNED_POSITIONS:
+        return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None), \
+            "learned positions"
+    return getattr(config, "max_position_embeddings", None), "rotary positions"
+
+
+def position_limit(model) -> int | None:
+    """Tokens a model with learned position embeddings can see (GPT-2's n_positions); None for rotary ones."""
+    c = model.config
+    if getattr(c, "model_type", "") in LEARNED_POSITIONS:
+        return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+    return None

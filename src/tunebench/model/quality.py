@@ -1,0 +1,140 @@
+"""Did it learn the task: answers generated for held-out rows (greedy, the run's own prompt format) and
+scored with the libraries the field uses: ROUGE-L (rouge-score), chrF (sacrebleu), and exact match of
+the final answer on GSM8K-style references (`#### 42`). Also whether each answer stopped with EOS
+before the token cap, how long answers are, and how fast they were generated."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tunebench.core.errors import TunebenchError
+
+if TYPE_CHECKING:  # torch, the model and the data load only when answers are generated: the names below are
+    from tunebench.model import inference  # read by the command line's parser and the torch-free report
+    from tunebench.data import formats
+
+# The one list of task metrics: every quality figure travels under these names (summary.json, compare's CSV
+# and report, eval's table, train's per-dataset columns, tune's objectives).
+SCORES = ("rougeL", "chrf", "exact_match", "eos_rate")  # the answers judged (higher is better)
+METRICS = SCORES + ("answer_tokens", "gen_tokens_per_s")  # and what describes them
+OBJECTIVES = ("rougeL", "chrf", "exact_match")  # what a search can maximize (a high EOS rate is no goal in itself)
+LABELS = {"rougeL": "ROUGE-L", "chrf": "chrF", "exact_match": "exact match (%)", "eos_rate": "EOS rate (%)",
+          "answer_tokens": "answer tokens", "gen_tokens_per_s": "generated tokens/s"}
+DIGITS = {"rougeL": 1, "chrf": 1, "exact_match": 1, "eos_rate": 0, "answer_tokens": 1, "gen_tokens_per_s": 1}
+GSM8K_ANSWER = re.compile(r"####\s*(.+)")
+NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass
+class Answer:
+    prompt: str
+    reference: str
+    answer: str
+    tokens: int  # generated, EOS included when it came
+    stopped: bool  # ended with EOS before the --max-new-tokens cap
+
+
+def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, str] | None:
+    """The turns before the last reply, and the reply a model's answer is scored against; None for plain text."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None or last == 0:
+        return None
+    return messages[:last], messages[last]["content"]
+
+
+def generate_answers(placed: inference.Placed, rows: list[formats.Messages], template: str, max_new_tokens: int,
+                     batch_size: int = 8, seed: int = 0) -> tuple[list[Answer], float]:
+    """Greedy answers for `rows` (batched, left-padded), and the seconds generation took."""
+    import torch
+
+    from tunebench.model import inference
+    from tunebench.data.tokenize import render_prompt
+
+    pairs = [p for p in (prompt_and_reference(m) for m in rows) if p is not None]
+    if not pairs:
+        raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
+                             "task metrics need instruction, alpaca or chat data")
+    tok = placed.tokenizer
+    limit = inference.position_limit(placed.model)
+    side, tok.padding_side = tok.padding_side, "left"
+    torch.manual_seed(seed)
+    answers, seconds = [], 0.0
+    try:
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start:start + batch_size]
+            prompts = [render_prompt(turns, tok, template) for turns, _ in chunk]
+            enc = placed.encode(prompts, padding=True)
+            width = enc["input_ids"].shape[1]
+            cap = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - width))
+            began = time.perf_counter()
+            out = placed.generate(**enc, max_new_tokens=cap, do_sample=False, top_p=None, top_k=None,
+                                 temperature=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            seconds += time.perf_counter() - began
+            for (turns, reference), prompt, new in zip(chunk, prompts, out[:, width:].tolist()):
+                stop = new.index(tok.eos_token_id) if tok.eos_token_id in new else None
+                kept = new if stop is None else new[:stop]
+                answers.append(Answer(prompt, reference, tok.decode(kept, skip_special_tokens=True).strip(),
+                                      len(kept) + (stop is not None), stop is not None))
+    finally:
+        tok.padding_side = side
+    return answers, seconds
+
+
+def final_answer(text: str) -> str | None:
+    """GSM8K's final answer: what follows `####`, else the last number in the text (lm-eval's flexible
+    extract), without thousands separators, a dollar sign or a trailing period."""
+    marked = GSM8K_ANSWER.search(text)
+    found = marked.group(1) if marked else (NUMBER.findall(text) or [None])[-1]
+    if found is None:
+        return None
+    found = found.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = float(found)
+        return str(int(value)) if value == int(value) else str(value)
+    except ValueError:
+        return found
+
+
+def score(answers: list[Answer], seconds: float) -> dict[str, float | None]:
+    """ROUGE-L F1 (mean over rows, x100) and corpus chrF, both against the reference response; exact match
+    of the final answer where every reference is GSM8K-style (else None); the EOS rate; mean tokens."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    hyps, refs = [a.answer for a in answers], [a.reference for a in answers]
+    rouge = sum(scorer.score(r, h)["rougeL"].fmeasure for h, r in zip(hyps, refs)) / len(answers)
+    gsm8k = all(GSM8K_ANSWER.search(r) for r in refs)
+    exact = sum(final_answer(h) == final_answer(r) for h, r in zip(hyps, refs)) / len(answers) if gsm8k else None
+    tokens = sum(a.tokens for a in answers)
+    return {
+        "rougeL": round(100 * rouge, 2), "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
+        "exact_match": None if exact is None else round(100 * exact, 2),
+        "eos_rate": round(100 * sum(a.stopped for a in answers) / len(answers), 2),
+        "answer_tokens": round(tokens / len(answers), 1),
+        "gen_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+    }
+
+
+def write_answers(path: Path, answers: list[Answer], scores: dict) -> None:
+    """Each row's prompt, reference and answer (JSONL, for a person to read), the scores on the first line."""
+    from tunebench.core.durable import atomic_file
+
+    with atomic_file(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"scores": scores}) + "\n")
+            for a in answers:
+                f.write(json.dumps(asdict(a), ensure_ascii=False) + "\n")
+
+
+def evaluate_task(placed: inference.Placed, rows: list[formats.Messages], template: str, max_new_tokens: int, answers_path: Path,
+                  seed: int = 0) -> dict[str, float | None]:
+    answers, seconds = generate_answers(placed, rows, template, max_new_tokens, seed=seed)
+    scores = score(answers, seconds)
+    write_answers(answers_path, answers, scores)
+    return scores

@@ -1,0 +1,308 @@
+"""Fine-tuning's configuration: its own `model`, `data` and `adapter` sections beside the eight sections
+every run shares (schema.py, which also holds how a load fills them). Cross-field rules are checked once,
+in `validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunebench.settings import schema
+from tunebench.core.batch_rule import BatchAsk, asked, launched_world_size
+from tunebench.core.errors import TunebenchError
+from tunebench.settings.schema import (Batch, Distributed, Evaluation, Hardware, Logging, Optimizer, Output, Schedule,
+                              parse_override, read_yaml, short)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BUILTIN_DATA = "builtin:customer-support"
+METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
+OBJECTIVES = ("sft", "dpo", "orpo")  # next-token loss on the replies | preference pairs (data.pairs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = DEFAULT_MODEL  # preset, hub id, local HF directory or .gguf file
+    tokenizer: str | None = None  # defaults to the model's own
+    allow_download: bool = False  # tunebench never reaches the hub unless asked
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = BUILTIN_DATA
+    format: str = "auto"  # auto | instruction | alpaca | question (question+answer, GSM8K) | chat | text
+    instruction_column: str = "instruction"
+    input_column: str = "input"
+    response_column: str = "response"
+    messages_column: str = "messages"
+    text_column: str = "text"
+    template: str = "auto"  # auto (chat template when the tokenizer has one) | a format string
+    train_on: str = "response"  # response | all
+    max_length: int = 128
+    packing: str = "auto"  # auto (packed or length-grouped rows when they remove padding) | on | off
+    max_samples: int | None = None
+    eval_fraction: float = 0.05
+    eval_samples: int | None = None  # cap on eval rows (after the split)
+    # several datasets in one run: ((path, mixture weight), ...); each is formatted and split on its own,
+    # and training draws from them in proportion to the weights. Empty: `path` alone.
+    sources: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    method: str = "lora"  # lora | qlora | dora | ia3 | loha | lokr | prefix | prompt | full
+    r: int = 8  # rank: lora, qlora, dora, loha, lokr
+    lora_alpha: int = 16  # scaling alpha: lora, qlora, dora, loha, lokr
+    lora_dropout: float = 0.1  # lora, qlora, dora
+    target_modules: str = "auto"  # auto | comma-separated module names | all-linear (the weight methods)
+    quantization: str = "none"  # none | 4bit | 8bit (lora/qlora)
+    num_virtual_tokens: int = 20  # prefix, prompt
+    prompt_init_text: str | None = None  # prompt: start the virtual tokens from this text's embeddings
+    objective: str = "sft"  # sft | dpo | orpo (preference pairs; `--method dpo` is DPO with LoRA)
+    beta: float | None = None  # DPO's beta: how far the policy may move from its reference (None: the paper's 0.1)
+    orpo_lambda: float | None = None  # ORPO's lambda: the odds-ratio term's weight (None: the paper's 0.1; TRL's beta)
+
+
+PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    hardware: Hardware = field(default_factory=Hardware)
+    batch: Batch = field(default_factory=Batch)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    schedule: Schedule = field(default_factory=Schedule)
+    output: Output = field(default_factory=Output)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    logging: Logging = field(default_factory=Logging)
+    distributed: Distributed = field(default_factory=Distributed)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = SCHEMA.to_dict(self)
+        d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
+        return d
+
+    def batch_ask(self) -> BatchAsk:
+        """What the batch keys ask for (batch_rule.asked: the rule both jobs share): an effective batch of 8
+        unless the keys say otherwise."""
+        b = self.batch
+        return asked(b.effective_batch_size, None if b.autotune_batch else b.micro_batch_size, b.grad_accum_steps,
+                     schema.DEFAULT_EFFECTIVE_BATCH)
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Rows per optimizer step in one process."""
+        return self.batch_ask().effective_for(1)
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, **schema.SHARED}
+
+# Names other tools use for our keys, so the hint lands on the right one.
+SYNONYMS = {"max_seq_length": "max_length", "lora_r": "r", "rank": "r", "alpha": "lora_alpha",
+            "dropout": "lora_dropout", "model_name": "name", "dataset": "path", "lora": "adapter",
+            "dataset_path": "path"}
+
+def parse_source(text: str) -> tuple[str, float | None]:
+    """'support.csv:0.7' -> ('support.csv', 0.7); a path whose last ':' is not followed by a number keeps it."""
+    path, sep, tail = str(text).rpartition(":")
+    try:
+        return (path, float(tail)) if sep and path else (str(text), None)
+    except ValueError:
+        return str(text), None
+
+
+def _sources(value: Any) -> tuple[tuple[str, float], ...]:
+    """data.sources as YAML ([{path, weight}], [[path, weight]]) or the command line (['a.csv:0.7', ...])."""
+    if value in (None, "", [], ()):
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, dict) and set(item) <= {"path", "weight"} and "path" in item:
+            path, weight = str(item["path"]), item.get("weight", 1.0)
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            path, weight = str(item[0]), item[1]
+        elif isinstance(item, str):
+            path, weight = parse_source(item)
+            weight = 1.0 if weight is None else weight
+        else:
+            raise TunebenchError(f"data.sources entry {short(item)} is not a path with a weight; give "
+                                 "{path: FILE, weight: 0.7} in YAML or --data FILE:0.7")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, str)):
+            raise TunebenchError(f"data.sources weight of '{path}' must be a number, got {short(weight)}")
+        try:
+            weight = float(weight)
+        except ValueError:
+            raise TunebenchError(f"data.sources weight of '{path}' must be a number, got {weight!r}") from None
+        if not (math.isfinite(weight) and weight > 0) or not path:
+            raise TunebenchError(f"data.sources needs a path and a weight above 0 for each dataset, got "
+                                 f"'{path}' with {weight}")
+        out.append((path, weight))
+    if len({p for p, _ in out}) != len(out):
+        raise TunebenchError("data.sources names a dataset twice; give each once, with its weight")
+    return tuple(out)
+
+
+PROFILES_DIR = Path(__file__).parents[1] / "configs" / "profiles"
+
+
+def shipped_yaml(spec: str, directory: Path, what: str) -> Path:
+    """A YAML file, or the name of one shipped in `directory` (a matrix, a search space)."""
+    path = Path(spec) if spec.endswith((".yaml", ".yml")) else directory / f"{spec}.yaml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
+        raise TunebenchError(f"{what} '{spec}' not found; pass a YAML file or one of: {shipped}")
+    return path
+
+
+def profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+# The performance guide's hardware profiles (configs/hardware/*.yaml, chosen with `hardware=gpu_4090`), by
+# the memory class of tunebench's own.
+PROFILE_ALIASES = {"gpu_4090": "gpu-24gb", "gpu_3090": "gpu-24gb", "gpu_low_mem": "gpu-8-12gb", "gpu_a100": "gpu-80gb",
+                   "gpu_h100": "gpu-80gb"}
+
+
+def profile_path(name: str) -> Path:
+    name = PROFILE_ALIASES.get(name, name)
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise TunebenchError(f"unknown --profile '{name}'; shipped profiles: {', '.join(profiles())} (and the guide's "
+                             f"{', '.join(PROFILE_ALIASES)})")
+    return path
+
+
+
+
+SCHEMA = schema.Schema(
+    "train", SECTIONS, defaults={},
+    # the hardware guide's Hydra key; the rest of its keys are the flat sections' (schema.FLAT_SECTIONS)
+    aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
+    hints=SYNONYMS, converters={"data.sources": _sources, "data.packing": lambda value: (
+        "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str)})
+
+
+def all_keys() -> list[str]:
+    return SCHEMA.keys()
+
+
+def load_config(
+    yaml_path: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    profile: str | None = None,
+    world_size: int | None = None,
+) -> RunConfig:
+    """Defaults < hardware profile < YAML < options (dotted keys) < dotted overrides; then validate, at the
+    number of processes the run will have (`world_size`; default torchrun's WORLD_SIZE, else 1)."""
+    layers: list[dict[str, Any]] = []
+    if profile is not None:
+        layers.append(SCHEMA.flatten(read_yaml(profile_path(profile)), f"profile {profile}"))
+    if yaml_path is not None:
+        layers.append(SCHEMA.flatten(read_yaml(yaml_path), str(yaml_path)))
+    layers.append(dict(options or {}))
+    layers.append(dict(parse_override(o) for o in overrides or []))
+    tree = SCHEMA.fill(layers)
+    adapter = tree["adapter"]
+    if adapter.get("method") in OBJECTIVES[1:]:  # `--method dpo`: the objective, on the default adapter
+        if adapter.get("objective", "sft") not in ("sft", adapter["method"]):
+            raise TunebenchError(f"--method {adapter['method']} and --objective {adapter['objective']} disagree; give "
+                                 "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
+        adapter["objective"] = adapter.pop("method")
+    objective = adapter.get("objective", "sft")
+    for key, owner in (("beta", "dpo"), ("orpo_lambda", "orpo")):
+        # TRL calls ORPO's lambda beta: a value given for another objective must not vanish unused
+        if adapter.get(key) is not None and objective != owner:
+            raise TunebenchError(f"--{key.replace('_', '-')} is {owner.upper()}'s, and this run's objective is "
+                                 f"{objective}; " + ("ORPO's weight is --orpo-lambda" if key == "beta" and
+                                                      objective == "orpo" else f"drop it or use --method {owner}"))
+        if objective == owner and adapter.get(key) is None:
+            adapter[key] = PAPERS_DEFAULT
+    if objective != "sft":
+        adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
+    if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
+        adapter["method"] = "qlora"  # LoRA on a quantized base is QLoRA (the study's --use_4bit)
+    cfg = RunConfig(**SCHEMA.build(tree))
+    validate(cfg, world_size)
+    return cfg
+
+
+def replace(cfg: RunConfig, **dotted: Any) -> RunConfig:
+    """A copy of `cfg` with dotted keys replaced (`replace(cfg, **{"optimizer.lr": 1e-3})`)."""
+    tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}
+    for key, value in dotted.items():
+        for resolved, v in SCHEMA.resolve(key, value):
+            section, name = resolved.split(".")
+            tree[section][name] = v
+    new = RunConfig(**SCHEMA.build(tree))
+    validate(new)
+    return new
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise TunebenchError(f"{key} '{value}' is not one of {', '.join(allowed)}; pick one of those")
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    SCHEMA.check(cfg)
+    world_size = world_size or launched_world_size()
+    schema.check_shared(cfg, world_size, "train")
+    d, a, e = cfg.data, cfg.adapter, cfg.evaluation
+    if d.sources and d.path != BUILTIN_DATA:
+        raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
+                             "(--data FILE:WEIGHT once per dataset)")
+    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "question", "chat", "text"))
+    _choice("data.train_on", d.train_on, ("response", "all"))
+    _choice("data.packing", d.packing, ("auto", "on", "off"))
+    _choice("adapter.method", a.method, METHODS)
+    _choice("adapter.objective", a.objective, OBJECTIVES)
+    _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
+    for name, value in (("data.max_length (--max-length)", d.max_length), ("adapter.r (--lora-r)", a.r),
+                        ("adapter.num_virtual_tokens", a.num_virtual_tokens),
+                        ("data.max_samples (--max-samples)", d.max_samples)):
+        if value is not None and value <= 0:
+            raise TunebenchError(f"{name} must be a positive number, got {value}; pass a value of 1 or more")
+    if not 0 <= a.lora_dropout < 1:
+        raise TunebenchError(f"adapter.lora_dropout must be in [0, 1), got {a.lora_dropout}")
+    if not 0 <= d.eval_fraction < 1:
+        raise TunebenchError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    for key, value in (("evaluation.sample_prompt", e.sample_prompt), ("evaluation.sample_tokens", e.sample_tokens)):
+        if value is not None:
+            raise TunebenchError(f"{key} is pretraining's (samples at each evaluation); fine-tuning scores its "
+                                 "answers with --eval-generate N instead")
+    if a.method == "full" and a.quantization != "none":
+        raise TunebenchError(
+            f"--quantization {a.quantization} needs a frozen base; use --method qlora (or lora), not full"
+        )
+    if a.method == "qlora" and a.quantization == "none":
+        raise TunebenchError("--method qlora needs --quantization 4bit or 8bit")
+    if a.quantization != "none" and a.method not in ("lora", "qlora"):
+        raise TunebenchError(f"--quantization {a.quantization} is QLoRA's: use --method qlora, or --quantization none "
+                             f"with --method {a.method}")
+    if a.objective != "sft":
+        if any(v is not None and v <= 0 for v in (a.beta, a.orpo_lambda)):
+            raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {a.beta} and {a.orpo_lambda}; "
+                                 "the papers' default is 0.1")
+        if d.packing == "on":
+            raise TunebenchError(f"--objective {a.objective} keeps each pair's two rows side by side and cannot pack "
+                                 "rows; use --packing auto or off")
+        if world_size > 1:
+            raise TunebenchError(f"--objective {a.objective} runs in one process for now; train without torchrun "
+                                 "(tunebench launch)")
+    if a.method in ("prefix", "prompt") and d.packing == "on":
+        raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
+                             "separate them); use --packing auto or off")
+    cfg.batch_ask().check(world_size)  # the job checks again once its group is up
+
+
+def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
+    schema.dump_yaml(cfg.to_dict(), path)

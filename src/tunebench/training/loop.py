@@ -1,0 +1,525 @@
+"""The one training loop every job uses. It knows nothing of the CLI, configs or jobs.
+
+One optimizer step = `grad_accum_steps` micro-batches on each of the world's ranks. The loss is
+normalised by the number of loss tokens in the whole step, summed over micro-batches and ranks, not
+per micro-batch or per rank, so accumulation 2 x micro batch 2 gives exactly the loss and gradients
+of micro batch 4, and so do 2 ranks x micro batch 2, however unevenly the loss tokens fall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tunebench.machine import distributed
+from tunebench.machine.distributed import World
+from tunebench.core.errors import TunebenchError
+from tunebench.model.kernels import cross_entropy_sum, linear_cross_entropy_sum
+from tunebench.core.precision import autocast
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class LoopState:
+    """Everything besides weights/optimizer that a resumed run needs to continue exactly."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
+    tokens: int = 0  # real (non-padding) tokens seen
+    samples: int = 0  # examples seen (a packed row holds several)
+    token_sq: int = 0  # sum over examples of length squared: tokens attend within their own example
+    train_time_s: float = 0.0
+    measured_tokens: int = 0  # tokens and time of the steps counted in throughput (warm-up excluded)
+    measured_time_s: float = 0.0
+    data_time_s: float = 0.0  # host time spent producing and preparing batches (input-bound check)
+    losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    total_steps: int
+    grad_accum_steps: int
+    max_grad_norm: float
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+    logging_steps: int = 1
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    warmup_steps_excluded: int = 2  # from throughput figures
+    progress: bool = True
+    pin_memory: bool = False  # page-locked host batches, so copies to an accelerator overlap compute
+    world: World = World()
+    prefetch: bool | None = None  # next steps' batches made on a background thread; None: on CUDA
+
+
+@dataclass
+class Hooks:
+    log: Callable[[dict[str, Any]], None] = lambda record: None
+    step_done: Callable[[int, float, int], None] = lambda step, seconds, positions: None  # each step, as it is read
+    evaluate: Callable[[int], dict[str, float]] | None = None
+    save: Callable[[LoopState], None] | None = None
+    should_stop: Callable[[], bool] = lambda: False
+
+
+class Interrupted(TunebenchError):
+    def __init__(self, step: int, world: World = World()):
+        super().__init__(f"interrupted at step {step}; a checkpoint was saved: rerun with --resume auto", 130)
+        self.echo = not world.main  # every rank stops at this step; rank 0 says so
+
+
+def body_and_head(model):
+    """(decoder body, output head) of a plain causal LM, or None where logits need more than a matmul.
+
+    Running the head only on positions that carry loss skips the logits (and their gradient) of
+    prompt and padding positions: with a 49k vocabulary that is a fifth of the model's FLOPs.
+    """
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        return None  # prefix and prompt tuning add their virtual tokens in the PEFT model's own forward
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    c = inner.config
+    if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) or getattr(
+            c, "output_multiplier_scale", None):
+        return None
+    body = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
+    head = inner.get_output_embeddings()
+    if body is None or body is inner or head is None:
+        return None
+    return body, head
+
+
+class CausalLMLoss(torch.nn.Module):
+    """The training objective as a module: the sum of next-token cross-entropy over the loss positions
+    of one prepared micro-batch. This is what DDP and FSDP wrap. Their hooks (gradient sync, gathering
+    sharded weights) arm in the wrapped module's forward, so the loop calls this forward and never the
+    model's submodules directly: a loss computed beside the wrapper would silently never synchronise."""
+
+    def __init__(self, model, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = model
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        model, autocast_dtype = self.model, self.autocast_dtype
+        targets = batch["labels"][:, 1:].reshape(-1)
+        keep = batch["loss_index"]  # flat positions that carry loss, computed on the host: no sync
+        parts = body_and_head(model)
+        # No KV cache: training needs none, and transformers only reads packed rows without one.
+        inputs = {"input_ids": batch["input_ids"], "use_cache": False}
+        if "position_ids" in batch:  # packed rows: restarting positions give the block-diagonal mask
+            inputs["position_ids"] = batch["position_ids"]
+        # Otherwise no attention mask: rows are right-padded, so under the causal mask no real position
+        # sees a pad, and pad positions carry no loss. Attention kernels run their unmasked causal path.
+        with autocast(batch["input_ids"].device, autocast_dtype):
+            if parts is None:
+                logits = model(**inputs).logits  # (B, T, V)
+                logits = logits[:, -batch["input_ids"].shape[1]:]  # prompt tuning's virtual tokens come first
+                picked = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, keep)  # (N, V)
+            else:
+                body, head = parts
+                hidden = body(**inputs).last_hidden_state
+                rows = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (N, H)
+                if type(head) is torch.nn.Linear:  # head and loss in one: the (N, V) logits are never all held
+                    dtype = autocast_dtype or head.weight.dtype
+                    return linear_cross_entropy_sum(rows, head.weight, head.bias, targets.index_select(0, keep),
+                                                    dtype)
+                picked = head(rows)  # (N, V): a quantised or adapted head runs as itself
+        return cross_entropy_sum(picked, targets.index_select(0, keep))
+
+
+def loss_sum(model, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the loss positions of one micro-batch (of a plain, unwrapped model)."""
+    return CausalLMLoss(model, autocast_dtype)(batch)
+
+
+def example_lengths(batch: Batch) -> torch.Tensor:
+    """(N,) length of every example in a collated host batch: one per row, or several per packed row
+    (an example ends where the next position restarts at 0, or where real tokens end)."""
+    real = batch["attention_mask"].bool()
+    if "position_ids" not in batch:
+        return real.sum(1)
+    positions = batch["position_ids"]
+    after = torch.nn.functional.pad(positions[:, 1:], (0, 1), value=0)  # the next position; 0 past the row's end
+    real_after = torch.nn.functional.pad(real[:, 1:], (0, 1), value=False)
+    ends = real & ((after == 0) | ~real_after)
+    return positions[ends] + 1
+
+
+def prepare(batch: Batch, device: torch.device, pin_memory: bool | None = None) -> tuple[Batch, int, int]:
+    """Move a collated batch to the device; return it with (loss units, real tokens) counted on the host.
+    `pin_memory` (default: on CUDA) page-locks the host copies so the transfers overlap compute.
+
+    The loss unit is a loss token, unless the batch brings its own `counts` (a preference batch: pairs
+    first, then whatever else its objective normalises by); they reach the objective as `totals`, which
+    the training loop replaces with the whole optimizer step's (see train)."""
+    flat = batch["labels"][:, 1:].reshape(-1)
+    loss_index = torch.nonzero(flat != -100).squeeze(1)
+    counts = batch.get("counts")
+    n_loss = int(loss_index.numel()) if counts is None else int(counts[0])
+    n_real = int(batch["attention_mask"].sum())
+    if device.type == "cuda" if pin_memory is None else pin_memory:
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+        loss_index = loss_index.pin_memory()
+    non_blocking = device.type == "cuda"
+    out = {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    out["loss_index"] = loss_index.to(device, non_blocking=non_blocking)
+    if counts is not None:
+        out["totals"] = out.pop("counts").double()
+    return out, n_loss, n_real
+
+
+def split_output(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An objective returns its loss sum, or (loss sum, (len(stat_names),) sums of its metrics over the
+    batch's units), each reported as a mean per unit (see preference.PreferenceLoss)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def unwrap(objective: torch.nn.Module) -> torch.nn.Module:
+    """The objective itself under a DDP wrapper (FSDP shards it in place)."""
+    return getattr(objective, "module", objective)
+
+
+@torch.no_grad()
+def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: World = World(),
+             split: bool = True) -> dict[str, float]:
+    """Token-weighted mean loss and perplexity over `batches` (collated, on the host). `objective` is a
+    CausalLMLoss; with `split`, each rank takes every world-size-th batch and the sums are added up
+    (a sharded model instead runs every batch on every rank: its forward is a collective)."""
+    was_training = objective.training
+    objective.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    stats = None
+    count = 0
+    for batch in batches[world.rank::world.size] if split else batches:
+        b, n_loss, _ = prepare(batch, device)
+        if n_loss or not split:
+            loss, part = split_output(objective(b))
+            total += loss.double()
+            if part is not None:
+                stats = part.double() if stats is None else stats + part.double()
+            count += n_loss
+    objective.train(was_training)
+    if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves the root's weights gathered
+        objective.reshard()
+    sums = [float(total), count] + ([] if stats is None else stats.tolist())
+    sums = distributed.all_sum(sums, world) if split else sums
+    loss, count = sums[0] / max(sums[1], 1), sums[1]
+    if stats is None:
+        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+    inner = unwrap(objective)
+    return {"eval_loss": loss, f"eval_{inner.unit}": int(count),
+            **{f"eval_{name}": value / max(count, 1) for name, value in zip(inner.stat_names, sums[2:])}}
+
+
+@dataclass
+class _Step:
+    """One optimizer step's input: its micro-batches prepared on the device, counted on the host."""
+
+    prepared: list[tuple[Batch, int, int]]  # (batch on the device, loss tokens, real tokens)
+    samples: int  # examples (a packed row holds several; a rank's empty filler row holds none)
+    token_sq: int
+    positions: int  # computed positions, padding included
+    position: tuple[int, int]  # the data position (epoch, batch_in_epoch) after this step's micro-batches
+    counts: list[int]  # the step's own loss units (a preference batch's `counts`, summed); empty for tokens
+    ready: Any = None  # CUDA event: the copies to the device are done (prefetched on a side stream)
+
+
+def _produce(next_micro_batch: Callable[[LoopState], Batch | None], at: LoopState, settings: LoopSettings) \
+        -> _Step | None:
+    micro = []
+    for _ in range(settings.grad_accum_steps):
+        batch = next_micro_batch(at)
+        if batch is None:
+            break
+        micro.append(batch)
+    if not micro:
+        return None
+    lengths = torch.cat([example_lengths(b) for b in micro])
+    lengths = lengths[lengths > 0]  # a rank's empty filler row is no example
+    counts = torch.stack([b["counts"] for b in micro]).sum(0).tolist() if "counts" in micro[0] else []
+    return _Step([prepare(b, settings.device, settings.pin_memory) for b in micro], len(lengths),
+                 int((lengths.long() ** 2).sum()), sum(b["input_ids"].numel() for b in micro),
+                 (at.epoch, at.batch_in_epoch), counts)
+
+
+class _Inline:
+    """The next step's input, made when it is asked for."""
+
+    def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings):
+        self.next_micro_batch, self.settings = next_micro_batch, settings
+        self.at = LoopState(epoch=state.epoch, batch_in_epoch=state.batch_in_epoch)
+
+    def next(self) -> _Step | None:
+        return _produce(self.next_micro_batch, self.at, self.settings)
+
+    def close(self) -> None:
+        pass
+
+
+class Prefetcher(_Inline):
+    """The next steps' inputs made on a background thread while the device computes this one: collated,
+    pinned and copied to the GPU on a side stream of their own, so the step never waits for the host.
+    It walks its own copy of the data position; the loop takes each step's position as it trains it,
+    so a checkpoint records the data consumed, never the data prefetched."""
+
+    def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings, depth: int = 2):
+        super().__init__(next_micro_batch, state, settings)
+        import queue
+        import threading
+
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopped = threading.Event()
+        device = settings.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._run, name="tunebench-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                while not self.stopped.is_set():
+                    step = _produce(self.next_micro_batch, self.at, self.settings)
+                    if step is not None and self.stream is not None:
+                        step.ready = torch.cuda.Event()
+                        step.ready.record(self.stream)
+                    self._put(step)
+                    if step is None:
+                        return
+        except BaseException as e:  # noqa: BLE001 - raised in the loop, where the step asks for it
+            self._put(e)
+
+    def _put(self, item) -> None:
+        import queue
+
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> _Step | None:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is not None and item.ready is not None:  # compute waits for the copies, on the device only
+            current = torch.cuda.current_stream(self.settings.device)
+            current.wait_event(item.ready)
+            for batch, _, _ in item.prepared:
+                for t in batch.values():
+                    t.record_stream(current)  # made on the side stream, used on this one
+        return item
+
+    def close(self) -> None:
+        self.stopped.set()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.thread.join(timeout=10)
+
+
+class StepTimer:
+    """Step times without a host sync: on CUDA a pair of events per step, read when the loop reads the
+    losses; elsewhere the host clock (a CPU step is done when its last op returns)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started):
+        if not self.cuda:
+            return time.perf_counter() - started
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return started, event
+
+    def seconds(self, mark) -> float:
+        if not self.cuda:
+            return mark
+        started, ended = mark
+        ended.synchronize()
+        return started.elapsed_time(ended) / 1000
+
+
+@dataclass
+class _Done:
+    """An optimizer step's figures; the device tensors are read at the next logging (or eval, save) step."""
+
+    step: int
+    epoch: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    stats: torch.Tensor | None  # sums of the objective's stat_names over the step's units (all ranks: at the read)
+    units: int  # the step's loss units, all ranks
+    lr: float
+    tokens: int  # real tokens of the step, all ranks
+    tokens_total: int  # state.tokens after it
+    time: Any  # StepTimer mark
+    positions: int
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[float]:
+    """The loop's only device-to-host read (one sync for all of them, flattened): tests count its calls."""
+    return torch.cat([t.float().reshape(-1) for t in tensors]).tolist()
+
+
+def train(
+    objective: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    next_micro_batch: Callable[[LoopState], Batch | None],
+    state: LoopState,
+    settings: LoopSettings,
+    hooks: Hooks,
+    scaler: torch.amp.GradScaler | None = None,
+) -> LoopState:
+    """Run optimizer steps from `state.step` to `settings.total_steps`.
+
+    `objective` is a CausalLMLoss, or the DDP/FSDP module wrapping one. `next_micro_batch(state)`
+    returns this rank's collated micro-batch at the state's data position and advances that position
+    (epoch, batch_in_epoch), or returns None when the data is exhausted. Every rank must get the same
+    number of micro-batches per step (one with no loss tokens still runs: its backward joins the
+    gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
+    log the same figures and stop at the same step.
+
+    The host never waits for the device inside a step: losses, gradient norms and step times stay on
+    the device until a logging, eval or save step reads them all at once (`to_host`), and with
+    `settings.prefetch` the next steps' batches are made on a background thread. (Several ranks still
+    sum their token counts before each step; with NCCL that collective is a sync of its own.)
+    """
+    from tqdm.auto import tqdm
+
+    device, world = settings.device, settings.world
+    # The optimizer's parameters, not objective.parameters(): FSDP swaps a module's registered parameters
+    # for gathered copies while they are in use (its root's stay gathered after an eval forward).
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    objective.train()
+    bar = tqdm(total=settings.total_steps, initial=state.step, disable=not (settings.progress and world.main),
+               unit="step", dynamic_ncols=True)
+    prefetch = settings.prefetch if settings.prefetch is not None else device.type == "cuda"
+    feed = (Prefetcher if prefetch else _Inline)(next_micro_batch, state, settings)
+    timer = StepTimer(device)
+    done: list[_Done] = []
+    try:
+        while state.step < settings.total_steps:
+            mark = timer.start()
+            waited = time.perf_counter()
+            item = feed.next()
+            if item is None:
+                break
+            # One collective before the step: the loss is normalised by the loss units (tokens, or an
+            # objective's own counts) of all ranks.
+            step_loss_tokens, step_tokens, step_samples, step_sq, *step_counts = distributed.all_sum(
+                [sum(n for _, n, _ in item.prepared), sum(n for _, _, n in item.prepared), item.samples,
+                 item.token_sq, *item.counts], world)
+            state.data_time_s += time.perf_counter() - waited
+            # DDP and FSDP average gradients over ranks; the world-size factor turns that into the sum.
+            scale = world.size / max(step_loss_tokens, 1)
+            totals = torch.tensor(step_counts, dtype=torch.float64).to(device, non_blocking=True) \
+                if step_counts else None
+            loss_acc = torch.zeros((), device=device)
+            stats_acc = None
+            for i, (b, n_loss, _) in enumerate(item.prepared):
+                if n_loss == 0 and world.backend is None:
+                    continue
+                if totals is not None:
+                    b["totals"] = totals  # the whole step's normalisers, not this micro-batch's
+                with distributed.gradient_sync(objective, enabled=i == len(item.prepared) - 1):
+                    loss, stats = split_output(objective(b))
+                    loss = loss * scale
+                    (scaler.scale(loss) if scaler else loss).backward()
+                loss_acc += loss.detach()
+                if stats is not None:
+                    stats_acc = stats if stats_acc is None else stats_acc + stats
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
+                grad_norm = grad_norm.full_tensor()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            state.step += 1
+            state.epoch, state.batch_in_epoch = item.position
+            state.tokens += int(step_tokens)
+            state.samples += int(step_samples)
+            state.token_sq += int(step_sq)
+            done.append(_Done(state.step, state.epoch, loss_acc, grad_norm, stats_acc, int(step_loss_tokens), lr,
+                              int(step_tokens), state.tokens, timer.stop(mark), item.positions))
+            bar.update(1)
+            due_eval = bool(hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0
+                            and state.step < settings.total_steps)
+            due_save = bool(hooks.save and settings.save_steps and state.step % settings.save_steps == 0)
+            if due_eval or due_save or state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
+                _read(done, state, settings, hooks, timer, bar, objective)
+                done = []
+            if due_eval:
+                hooks.log({"step": state.step, **hooks.evaluate(state.step)})
+            stop = distributed.all_sum([float(hooks.should_stop())], world)[0] > 0  # a signal to any rank stops all
+            if stop and done:  # a checkpoint holds every loss up to its step
+                _read(done, state, settings, hooks, timer, bar, objective)
+                done = []
+            if hooks.save and (due_save or stop):
+                hooks.save(state)
+            if stop:
+                raise Interrupted(state.step, world)
+        if done:  # the data ran out before total_steps
+            _read(done, state, settings, hooks, timer, bar, objective)
+    finally:
+        feed.close()
+        bar.close()
+    return state
+
+
+def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar,
+          objective: torch.nn.Module) -> None:
+    """Read the steps' device figures in one sync, check them, and log the logging steps among them."""
+    world = settings.world
+    names = unwrap(objective).stat_names if done[0].stats is not None else ()
+    width = 2 + len(names)
+    values = to_host([t for d in done for t in (d.loss, d.grad_norm, *([d.stats] if names else []))])
+    # The second collective, once per read: each step's loss (and metric sums) over all ranks.
+    losses = distributed.all_sum([v / world.size for v in values[0::width]], world)
+    sums = distributed.all_sum([v for i, v in enumerate(values) if i % width >= 2], world) if names else []
+    for n, (d, loss_value, grad_norm) in enumerate(zip(done, losses, values[1::width])):
+        dt = timer.seconds(d.time)
+        state.train_time_s += dt
+        if d.step > settings.warmup_steps_excluded:
+            state.measured_tokens += d.tokens
+            state.measured_time_s += dt
+        if not math.isfinite(loss_value):
+            raise TunebenchError(
+                f"loss became {loss_value} at step {d.step}; lower --lr, or use --precision fp32 "
+                "(the last good checkpoint is kept)"
+            )
+        state.losses.append(loss_value)
+        tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else d.tokens / dt
+        if d.step % settings.logging_steps == 0 or d.step == settings.total_steps:
+            metrics = {name: v / max(d.units, 1) for name, v in zip(names, sums[n * len(names):(n + 1) * len(names)])}
+            hooks.log({
+                "step": d.step, "epoch": d.epoch, "loss": loss_value, **metrics, "lr": d.lr, "grad_norm": grad_norm,
+                "tokens": d.tokens_total, "tokens_per_s": tokens_per_s, "elapsed_s": state.train_time_s,
+            })
+        hooks.step_done(d.step, dt, d.positions)
+    bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{done[-1].lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)

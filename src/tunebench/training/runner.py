@@ -1,0 +1,494 @@
+"""What every training job does around the loop: its opening (hardware plan, process group, output
+directory and resume point, batch, threads and seed), the settings table, signals, checkpoints and resume,
+the monitor, evaluation before and after, and the run's summary figures.
+
+A job builds its model, data and decisions, then hands them here; the loop itself is loop.train.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench.training import checkpoint, runplan
+
+from tunebench.machine import distributed, hardware
+
+from tunebench.core import startup
+from tunebench.core import precision as precision_
+from tunebench.core.batch_rule import BatchAsk
+from tunebench.data import batching
+from tunebench.core.decision import Decision
+from tunebench.machine.distributed import World
+from tunebench.core.errors import TunebenchError
+from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
+from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
+from tunebench.machine.monitor import Monitor, other_load
+
+Row = tuple[str, Any, str]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A run opened: its directory, the machine and its plan, the process group, this rank's device, the
+    checkpoint it resumes from (None: step 0), the effective batch it trains with and the checkpoint's batch
+    split, the batch the keys asked for and the run's seed."""
+
+    out: Path
+    hw: hardware.Hardware
+    hw_plan: hardware.Plan
+    world: World
+    device: torch.device
+    resume_from: Path | None
+    effective: int
+    resumed: tuple[int, int] | None
+    ask: BatchAsk
+    seed: int
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        return precision_.autocast_dtype(self.hw_plan.precision)
+
+
+def open_run(cfg, identity: dict[str, Any]) -> Opened:
+    """What both training jobs do first, in this order: plan the hardware from cfg.hardware (an impossible
+    request raises), join the process group torchrun set up, check the output directory and the checkpoint to
+    resume from (rank 0; every rank gets its answer), settle the effective batch at this world size, set
+    threads and seeds. `cfg` is either job's configuration: only the shared sections are read."""
+    h, o = cfg.hardware, cfg.output
+    device = "cpu" if h.force_cpu else h.device
+    hw = hardware.detect()
+    hw_plan = hardware.plan(device, precision_for(h.precision, device, hw), hw, h.compile, h.threads)
+    world = distributed.init(hw_plan.device, cfg.distributed.backend)
+    on = distributed.device_for(world, hw_plan.device)
+    out = Path(o.output_dir)
+    resume_from = checkpoint.open_run(world, out, o.resume, o.overwrite, identity)
+    ask = cfg.batch_ask()
+    effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
+    apply_plan(hw_plan)
+    seed_everything(cfg.schedule.seed)
+    return Opened(out, hw, hw_plan, world, on, resume_from, effective, resumed, ask, cfg.schedule.seed)
+
+
+def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
+    """The precision hardware.plan is asked for; `amp` (the CPU guide's use_amp: true) wants 16-bit and
+    refuses a device that has none, rather than training in fp32 under a 16-bit name."""
+    if request != "amp":
+        return request
+    auto = hardware.plan(device, "auto", hw).precision
+    if auto == "fp32":
+        raise TunebenchError("precision amp (use_amp: true) wants 16-bit arithmetic, and this device has no fast "
+                             "16-bit (a CPU without AVX512-BF16 or AMX); set precision fp32 (use_amp: false)")
+    return auto
+
+
+def host_rows(cfg, hw_plan: hardware.Plan) -> list[hardware.Decision]:
+    """The hardware plan's rows as this run takes them (compile is decided later, by measuring), with the
+    dataloader keys HF and the CPU guide use: batches are slices of tokenized data in memory."""
+    h = cfg.hardware
+    pin = bool(hw_plan.value("pin_memory")) and h.dataloader_pin_memory
+    rows = [d if d.setting != "pin_memory" or pin == d.value
+            else Decision("pin_memory", False, "hardware.dataloader_pin_memory: false")
+            for d in hw_plan.decisions if d.setting != "compile"]
+    if h.force_cpu:
+        rows.insert(0, Decision("force_cpu", True, f"training.force_cpu: the CPU, whatever device '{h.device}' says"))
+    if h.dataloader_num_workers or h.dataloader_prefetch_factor:
+        rows.append(Decision("dataloader", "in-process", "batches are slices of the tokenized data in memory"
+                             + (f"; dataloader_num_workers {h.dataloader_num_workers} not needed"
+                                if h.dataloader_num_workers else "")
+                             + (f"; dataloader_prefetch_factor {h.dataloader_prefetch_factor} not needed: nothing "
+                                "to prefetch" if h.dataloader_prefetch_factor else "")))
+    return rows
+
+
+def learning_rate(cfg, effective: int, steps: int) -> tuple["Optimization", Decision]:
+    """The optimizer's settings from cfg.optimizer and cfg.schedule, the lr scaled to the effective batch when
+    optimizer.lr_scaling asks, and its settings row."""
+    o, s = cfg.optimizer, cfg.schedule
+    lr, why = scaled_lr(o.lr, effective, o.lr_scaling, o.lr_reference_batch)
+    warmup = s.warmup_steps or int(s.warmup_ratio * steps)
+    return (Optimization(lr, o.weight_decay, s.schedule, warmup, o.max_grad_norm, (o.adam_beta1, o.adam_beta2)),
+            Decision("lr", f"{lr:g}", f"{why}; {s.schedule} after {warmup} warm-up steps"))
+
+
+def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[float, str]:
+    if rule == "none" or effective == reference:
+        return lr, "not scaled (--lr-scaling none)" if rule == "none" else f"effective batch is the reference {reference}"
+    factor = effective / reference if rule == "linear" else math.sqrt(effective / reference)
+    return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
+
+
+def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extra: Any) -> Callable[[], None]:
+    """What rank 0 writes once the run starts: config.yaml (the configuration as asked: auto stays auto) and
+    plan.json (what it became: the machine, the settings with their reasons, and the job's `extra`)."""
+    from tunebench.core.jsonfile import write_json
+
+    def write() -> None:
+        dump(cfg, opened.out / "config.yaml")
+        write_json(opened.out / "plan.json", {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(), **extra})
+
+    return write
+
+
+def steps_row(cfg, steps: int, what: str) -> Decision:
+    """The run's length and what set it: --max-steps, --max-tokens, or epochs of `what`."""
+    s = cfg.schedule
+    return Decision("total_steps", steps, "--max-steps" if s.max_steps else
+                    f"--max-tokens {s.max_tokens:,}" if s.max_tokens else f"{s.epochs:g} epoch(s) of {what}")
+
+
+def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, widest: int, attention_rows: int,
+            n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
+            asked_reason: str = "asked for") -> tuple[runplan.Measured, float]:
+    """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
+    checkpointing, compile) and the seconds they took. `step` is a tune.probe step; `what` names what is
+    trained for the measurement cache (model, method, quantization, rank, target modules)."""
+    from tunebench.training import tune
+    hw, hw_plan, world, h = opened.hw, opened.hw_plan, opened.world, cfg.hardware
+
+    def measure_() -> runplan.Measured:
+        shape = tune.Shape(*what, max_length, tune.where(hw, hw_plan, opened.device), hw_plan.precision,
+                           hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
+        return runplan.measure(
+            model, step, shape, world_size=world.size, device=opened.device, precision=hw_plan.precision,
+            attention_asked=h.attention, attention_rows=attention_rows, widest=widest, effective=opened.effective,
+            resumed=opened.resumed, micro_asked=opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
+            max_length=max_length, checkpointing=h.gradient_checkpointing,
+            compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode,
+            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size)
+
+    return measured_by_rank0(world, model, measure_)
+
+
+def measured_by_rank0(world: World, model, measure: Callable[[], runplan.Measured]) -> tuple[runplan.Measured, float]:
+    """The measured decisions and the seconds they took (reported apart from training): rank 0 measures, the
+    other ranks take its answers and apply them to their copy of the model (ranks never disagree, never race
+    on the cache)."""
+    started = time.perf_counter()
+    measured = distributed.agree(world, measure)
+    seconds = time.perf_counter() - started
+    if not world.main:
+        runplan.apply_measured(model, list(measured.decisions))
+    return measured, seconds
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[list[int]], Batch], world: World,
+                  micro_batch_size: int, grad_accum_steps: int) -> Callable[[LoopState], Batch]:
+    """The loop's `next_micro_batch`. `steps(epoch)` lists the epoch's optimizer steps (a pure function
+    of seed, epoch and effective batch: batching.epoch_steps); each is cut into `grad_accum_steps`
+    global micro-steps of micro batch x world size rows, and this rank collates its share. The data
+    position (epoch, batch_in_epoch) counts global micro-steps. A short last step can leave a rank no
+    rows: it gets a filler row with no loss and no real tokens, because every rank must run the same
+    number of forward/backward passes for the gradient sync (one process skips it)."""
+    epochs: dict[int, list[list[int]]] = {}
+
+    def next_micro_batch(s: LoopState) -> Batch:
+        order = epochs.get(s.epoch)
+        if order is None:  # once an epoch: the shuffle and its lists are O(rows), not O(1) a micro-batch
+            order = epochs[s.epoch] = steps(s.epoch)
+        if s.batch_in_epoch >= len(order) * grad_accum_steps:
+            epochs.pop(s.epoch, None)
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            return next_micro_batch(s)
+        k, j = divmod(s.batch_in_epoch, grad_accum_steps)
+        rows = batching.micro_steps(order[k], micro_batch_size * world.size, grad_accum_steps)[j]
+        s.batch_in_epoch += 1
+        mine = distributed.shard(rows, world, micro_batch_size)
+        if mine:
+            return collate(mine)
+        filler = collate(order[k][:1])
+        return {**filler, "labels": torch.full_like(filler["labels"], -100),
+                "attention_mask": torch.zeros_like(filler["attention_mask"])}
+
+    return next_micro_batch
+
+
+def every(steps: float | None, total: int) -> int | None:
+    """`eval_steps` as a step count: N steps, or below 1 that share of the run's `total` steps (HF Trainer's rule)."""
+    if steps is None:
+        return None
+    return max(1, round(steps * total)) if steps < 1 else int(steps)
+
+
+def compile_decision(plan: hardware.Plan, parallel: str) -> hardware.Decision:
+    """What compiler.pick is asked: the plan's, except under FSDP sharding, where it is off."""
+    if parallel == "fsdp":
+        return hardware.Decision("compile", False, "not combined with FSDP sharding here")
+    return plan.decision("compile")
+
+
+def apply_plan(plan: hardware.Plan) -> None:
+    torch.set_num_threads(plan.threads)
+    if plan.device == "cuda":
+        tf32 = bool(plan.value("tf32"))
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = bool(plan.value("cudnn_benchmark"))
+
+
+class SlowdownWatch:
+    """Says once when the loop runs far slower than the probe measured on this machine, with the likely
+    cause: OpenMP threads of two busy PyTorch processes on the same cores take turns (a LoRA run fell
+    from 911 to 221 tokens/s beside another one), and that should not pass silently.
+
+    Speed is counted in computed positions (padding included) over the last `window` steps, so padding
+    does not read as a slowdown; with no probe figure, the run's own fastest window is the reference.
+    """
+
+    def __init__(self, expected: float | None, other_load: Callable[[int], tuple[float | None, str | None]],
+                 threads: int, log: Callable[[dict[str, Any]], None], warmup: int = 2, window: int = 5,
+                 ratio: float = 0.5):
+        self.expected, self.other_load, self.threads, self.log = expected, other_load, threads, log
+        self.warmup, self.window, self.ratio = warmup, window, ratio
+        self.recent: list[tuple[float, int]] = []
+        self.best_own = 0.0
+        self.warned = False
+
+    def __call__(self, step: int, seconds: float, positions: int) -> None:
+        if self.warned or step <= self.warmup:
+            return
+        self.recent = (self.recent + [(seconds, positions)])[-self.window:]
+        if len(self.recent) < self.window:
+            return
+        speed = sum(p for _, p in self.recent) / sum(t for t, _ in self.recent)
+        reference = self.expected or self.best_own
+        self.best_own = max(self.best_own, speed)
+        if not reference or speed >= self.ratio * reference:
+            return
+        self.warned = True
+        source = "the probe measured on this machine" if self.expected else "this run reached earlier"
+        others, busiest = self.other_load(self.threads)
+        if others is not None and others >= 0.5:
+            cause = (f"other processes want {others:.1f} CPUs beside this run's {self.threads} threads (load "
+                     f"average {others + self.threads:.1f}" + (f"; busiest: {busiest}" if busiest else "")
+                     + "): stop them, or give each run fewer --threads")
+        else:
+            cause = ("no other process is busy" + (f" (load average {others + self.threads:.1f} for "
+                                                    f"{self.threads} threads)" if others is not None else "")
+                     + ": look for thermal throttling, swapping, or a noisy neighbour on a shared host")
+        message = (f"slowdown: the last {self.window} steps ran at {speed:,.0f} positions/s, "
+                   f"{100 * speed / reference:.0f}% of the {reference:,.0f} {source}; {cause}")
+        print(f"\nwarning: {message}")
+        self.log({"step": step, "warning": message})
+
+
+@dataclass
+class Outcome:
+    state: LoopState
+    wall_s: float  # the training loop's wall time
+    before: dict[str, float] | None  # eval before training (fresh runs only)
+    after: dict[str, float]
+    monitor: dict[str, float]
+    peak_memory_mb: float  # of the training loop, the largest of any rank
+    peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
+
+
+def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str,
+              loss: torch.nn.Module | None = None):
+    """(module the loop trains through, module evaluation runs through, whether evaluation splits the
+    batches over ranks). One process: the plain CausalLMLoss (or `loss`, another objective over the
+    model). DDP: wrapped for training; evaluation runs the unwrapped copy, each rank a share. FSDP:
+    sharded before the optimizer is built (it replaces the parameters); its forward gathers weights,
+    so every rank evaluates every batch."""
+    loss = loss or CausalLMLoss(model, autocast_dtype)
+    if world.backend is None:
+        return loss, loss, False
+    if parallel == "fsdp":
+        distributed.shard_fsdp(loss, model, world, device)
+        return loss, loss, False
+    return distributed.wrap_ddp(loss, world, device), loss, True
+
+
+def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
+             next_micro_batch: Callable[[LoopState], Batch | None],
+             evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
+             resume: Path | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
+             after_eval: Callable[[int], dict[str, Any]] | None = None, logging_dir: str | None = None,
+             probed_tokens_per_s: float | None = None) -> Outcome:
+    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train `objective_` (from
+    `objective`) to `settings.total_steps` with checkpoints, evaluate again.
+
+    Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
+    aborts); under several ranks, a signal to any one stops all of them at the same step.
+    `after_eval(step)` adds fields to each eval record (sample generations, say).
+    `probed_tokens_per_s`, what the probe measured for this micro batch, is what the loop's speed is
+    watched against (see SlowdownWatch). Only rank 0 writes records and talks; every rank runs the
+    rest (evaluation and saving are collectives).
+    """
+    startup.done()  # the libraries and the model are in: collection resumes, with them frozen
+    world = settings.world
+    state = LoopState()
+    ckpt_root = out / "checkpoints"
+    if resume:
+        state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler, world)
+        say(world, f"resume: continuing from {resume} (step {state.step})")
+    tensorboard = Path(logging_dir) if logging_dir else out / "tensorboard"
+    metrics = MetricsWriter(out / "metrics.jsonl", tensorboard if report_to == "tensorboard" else None) \
+        if world.main else None
+    log = metrics or (lambda record: None)
+    stop = {"requested": False, "at": 0.0}
+
+    def on_signal(signum, frame):
+        # torchrun passes the terminal's Ctrl-C on to its workers, which got it already: a repeat within a
+        # second is the same request, not the second one that aborts.
+        if stop["requested"] and time.monotonic() - stop["at"] > 1.0:
+            raise KeyboardInterrupt
+        if not stop["requested"]:
+            stop["requested"], stop["at"] = True, time.monotonic()
+            print(f"\n{signal.Signals(signum).name}" + (f" (rank {world.rank})" if world.backend else "")
+                  + ": saving a checkpoint after this step (again to abort)")
+
+    def save(s: LoopState):
+        path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, save_total_limit, scaler, world)
+        log({"step": s.step, "checkpoint": str(path)})
+
+    def run_eval(step: int) -> dict[str, Any]:
+        record = dict(evaluate())
+        if after_eval:
+            record.update(after_eval(step))
+        return record
+
+    device = settings.device
+    sampler = Monitor(out / "monitor.jsonl" if monitor and world.main else None,
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
+    watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size, log,
+                          settings.warmup_steps_excluded) if world.main else (lambda step, seconds, positions: None)
+    hooks = Hooks(log=log, evaluate=run_eval if evaluate else None, save=save,
+                  should_stop=lambda: stop["requested"], step_done=watch)
+    before = run_eval(0) if evaluate and state.step == 0 else None
+    if before:
+        log({"step": 0, **before})
+        say(world, f"eval before training: {describe_eval(before)}")
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    wall = time.perf_counter()
+    try:
+        try:
+            reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
+            with sampler:
+                state = train(objective_, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
+            if not (settings.save_steps and state.step % settings.save_steps == 0):  # the loop did not just save it
+                save(state)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        wall = time.perf_counter() - wall
+        peaks = distributed.gather(world, peak_memory_mb(device))
+        after = run_eval(state.step) if evaluate else {}
+        if after:
+            log({"step": state.step, **after})
+    finally:
+        if metrics:
+            metrics.close()
+    peaks = peaks or [0.0]
+    return Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What the optimizer and the schedule take, from whichever job's keys gave them."""
+
+    lr: float
+    weight_decay: float
+    schedule: str
+    warmup_steps: int
+    max_grad_norm: float
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """When the loop logs, evaluates and saves, and where it reports."""
+
+    logging_steps: int
+    eval_steps: float | None  # a fraction of the run, or a number of steps (every)
+    save_steps: int | None
+    save_total_limit: int
+    progress: bool
+    report_to: str
+    monitor: bool
+    logging_dir: str | None = None
+
+    @classmethod
+    def of(cls, cfg, logging_steps: int) -> "Outputs":
+        lg, o = cfg.logging, cfg.output
+        return cls(logging_steps, cfg.evaluation.eval_steps, o.save_steps, o.save_total_limit, lg.progress,
+                   lg.report_to, lg.monitor, lg.logging_dir)
+
+
+def train_run(opened: Opened, plan, model, *, optimization: Optimization, outputs: Outputs,
+              next_micro_batch: Callable[[LoopState], Batch | None], eval_sets: list[tuple[str, list[Batch]]],
+              identity: dict[str, Any], records: Callable[[], None], loss=None,
+              after_eval: Callable[[int], dict[str, Any]] | None = None) -> tuple[Outcome, dict | None]:
+    """The training half both jobs share, in this order: the objective as the process group wraps it (DDP,
+    FSDP), each rank's own dropout masks, the optimizer over the parameters FSDP sharded, the schedule, fp16's
+    GradScaler, the run's records (rank 0: `records()` writes config.yaml and plan.json), the loop with its
+    evaluation of each of `eval_sets` (one dataset's eval as it is; several, combined by per_source), then the
+    sharded weights gathered and the process group shut down. Returns (outcome, the gathered weights or None);
+    only rank 0 goes on to write the outputs."""
+    from tunebench.training import optim
+    from tunebench.training.tune import compiler
+
+    world, device, autocast, out = opened.world, opened.device, opened.autocast, opened.out
+    pin_memory = bool(plan.value("pin_memory"))
+    objective_, eval_objective, split_eval = objective(model, autocast, device, world, plan.parallel, loss)
+    if world.backend is not None:
+        torch.manual_seed(opened.seed + world.rank)  # each rank its own dropout masks
+    optimizer = optim.adamw(model, optimization.lr, optimization.weight_decay, device, optimization.betas)
+    scheduler = optim.scheduler(optimizer, optimization.schedule, optimization.warmup_steps, plan.total_steps)
+    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+    identity = identity | {"rows_per_micro_step": plan.micro_batch_size * world.size,
+                           "grad_accum_steps": plan.grad_accum_steps}
+    if world.main:
+        records()
+
+    def run_eval() -> dict[str, float]:
+        with compiler.eagerly(plan.compile):
+            return per_source([(name, evaluate(eval_objective, batches, device, world, split_eval))
+                               for name, batches in eval_sets])
+
+    settings = LoopSettings(
+        total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
+        device=device, autocast_dtype=autocast, logging_steps=outputs.logging_steps,
+        eval_steps=every(outputs.eval_steps, plan.total_steps), save_steps=outputs.save_steps,
+        progress=outputs.progress, pin_memory=pin_memory, world=world)
+    outcome = run_loop(out, model, objective_, optimizer, scheduler, scaler, next_micro_batch,
+                       run_eval if any(batches for _, batches in eval_sets) else None, settings, identity,
+                       opened.resume_from, outputs.save_total_limit, outputs.report_to, outputs.monitor,
+                       after_eval=after_eval, logging_dir=outputs.logging_dir,
+                       probed_tokens_per_s=plan.probed_tokens_per_s)
+    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
+    del objective_  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
+    distributed.shutdown(world)
+    return outcome, weights
+
+
+def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
+    """One dataset's eval as it is; several: the overall loss over all their held-out tokens, and each
+    dataset's own as eval_loss/<name>."""
+    if len(results) == 1:
+        return results[0][1]
+    tokens = sum(r["eval_tokens"] for _, r in results)
+    loss = sum(r["eval_loss"] * r["eval_tokens"] for _, r in results) / max(tokens, 1)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens,
+            **{f"eval_loss/{name}": r["eval_loss"] for name, r in results}}
+
+
+def say(world: World, message: str) -> None:
+    """Print on rank 0 only: one console, not one copy per rank."""
+    if world.main:
+        print(message)

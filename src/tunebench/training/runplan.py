@@ -1,0 +1,191 @@
+"""The run's plan: every decision, made once and frozen.
+
+Both training jobs and resume apply the batch rule (batch_rule.py: effective batch = micro batch x
+accumulation x world size) here: the effective batch is what the user asks (or the product they asked);
+the micro batch is a speed decision (measured with `auto`) that only splits each step's rows, never
+changes them (see data.batching.epoch_steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunebench.core.batch_rule import BatchAsk, accumulation
+from tunebench.core.decision import Decision
+from tunebench.core.errors import TunebenchError
+
+
+def total_steps(rows: int, effective: int, epochs: float, max_steps: int | None, max_tokens: int | None = None,
+                tokens_per_row: float = 1.0) -> int:
+    """Optimizer steps of a run: `max_steps`; else the steps whose rows hold about `max_tokens` real tokens
+    (`tokens_per_row` on average), so runs with different batch sizes see the same data; else `epochs`
+    of ceil(rows / effective batch) steps each (the last step of an epoch may be short)."""
+    if max_steps:
+        return max_steps
+    if max_tokens:
+        return max(1, round(max_tokens / (effective * tokens_per_row)))
+    return max(1, math.ceil(epochs * math.ceil(rows / effective)))
+
+
+def resumed_batch(resume: Path | None, world_size: int, micro_asked: int | None,
+                  accum_asked: int | None) -> tuple[int, int] | None:
+    """(micro batch per rank, accumulation) that continue checkpoint `resume` under this world size: its
+    rows per micro-step shared out over the ranks, so every optimizer step sees the same rows it would
+    have. None when not resuming. A micro batch or accumulation asked for (None: auto) that differs
+    is refused, not replaced."""
+    if resume is None:
+        return None
+    from tunebench.training import checkpoint
+    made = checkpoint.check_identity(resume, {})["identity"]
+    rows = made.get("rows_per_micro_step", made.get("micro_batch_size"))  # the latter: a single-process run's
+    accum = made.get("grad_accum_steps")
+    if not isinstance(rows, int) or not isinstance(accum, int):
+        raise TunebenchError(f"checkpoint {resume} does not record its batch layout; resume from another "
+                             "checkpoint or start a new --output-dir")
+    if rows % world_size:
+        raise TunebenchError(f"checkpoint {resume} took {rows} rows per micro-step, which {world_size} ranks cannot "
+                             f"share evenly; resume with a number of processes that divides {rows}")
+    micro = rows // world_size
+    if (micro_asked not in (None, micro)) or (accum_asked not in (None, accum)):
+        raise TunebenchError(f"checkpoint {resume} continues at micro batch {micro} x accumulation {accum} on "
+                             f"{world_size} rank(s) ({rows} rows per micro-step); pass --batch-size {micro} (or "
+                             "auto) and drop --grad-accum, or start a new --output-dir")
+    return micro, accum
+
+
+def effective_to_run(ask: BatchAsk, resume: Path | None, world_size: int) -> tuple[int, tuple[int, int] | None]:
+    """(effective batch, the checkpoint's (micro, accumulation) or None): what was asked, unless a checkpoint
+    being resumed fixes the batch it continues with (see resumed_batch)."""
+    effective = ask.check(world_size)
+    resumed = resumed_batch(resume, world_size, ask.micro, ask.accum)
+    return (resumed[0] * resumed[1] * world_size if resumed else effective), resumed
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every decision of a run, frozen: what the settings table prints, plan.json records and the
+    loop runs with. `decisions` is the table itself, in print order, one type of row."""
+
+    device: str
+    precision: str
+    threads: int
+    world_size: int
+    parallel: str
+    attention: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    effective_batch_size: int
+    total_steps: int
+    compile: bool
+    probed_tokens_per_s: float | None
+    decisions: tuple[Decision, ...]
+
+    def value(self, setting: str) -> Any:
+        return next(d.value for d in self.decisions if d.setting == setting)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [d._asdict() for d in self.decisions]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the measurements decided (rank 0 measures; the other ranks receive this)."""
+
+    decisions: tuple[Decision, ...]  # attention, gradient checkpointing, micro batch, compile
+    micro_batch_size: int
+    grad_accum_steps: int
+    tokens_per_s: float | None
+
+    @property
+    def compiled(self) -> bool:
+        return any(d.setting == "compile" and d.value is True for d in self.decisions)
+
+    @property
+    def attention(self) -> str:
+        return str(next((d.value for d in self.decisions if d.setting == "attention"), "sdpa"))
+
+
+def measure_batch(effective: int, world_size: int, resumed: tuple[int, int] | None, micro_asked: int | None,
+                  probe: Callable[[], tuple[int, list[Decision], float]], asked_reason: str,
+                  known_speed: Callable[[int], float | None] = lambda micro: None) -> \
+        tuple[int, list[Decision], float | None]:
+    """(micro batch, its rows, probed tokens/s): the checkpoint's, the one asked for, or `probe()`'s.
+    For a size asked for, the tokens/s is `known_speed`'s: what an earlier probe measured, if any."""
+    if resumed:
+        return resumed[0], [Decision("micro_batch_size", resumed[0], f"the checkpoint's rows per micro-step over "
+                                                                     f"{world_size} rank(s)")], None
+    if micro_asked is None:
+        micro, rows, speed = probe()
+        return micro, [Decision(*r) for r in rows], speed
+    return micro_asked, [Decision("micro_batch_size", micro_asked, asked_reason)], known_speed(micro_asked)
+
+
+def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str = "") -> Decision:
+    return Decision("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
+                    + (f" x {world_size} ranks" if world_size > 1 else "") + unit)
+
+
+def measure(model, step, shape, *, world_size: int, device, precision: str, attention_asked: str,
+            attention_rows: int, widest: int, effective: int, resumed: tuple[int, int] | None,
+            micro_asked: int | None, asked_reason: str, n_train: int, max_length: int, checkpointing: str,
+            compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1,
+            compile_mode: str = "default") -> Measured:
+    """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
+    batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
+    `run_tokens` the tokens the whole run will compute (compile pays off over those)."""
+    from tunebench.training.tune import attention, batch, compiler
+
+    rows: list[Decision] = []
+    if checkpointing == "on":
+        rows.append(Decision("gradient_checkpointing", True, "asked for"))
+    rows.append(attention.decide(model, attention_asked, lambda: step(attention_rows)[0], shape, attention_rows,
+                                 widest, precision, device))
+    micro, batch_rows, speed = measure_batch(
+        effective, world_size, resumed, micro_asked,
+        lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks),
+        asked_reason, lambda micro: batch.cached_speed(shape, effective // world_size, n_train, micro, local_ranks))
+    rows += batch_rows
+    if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
+        rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
+    accum = resumed[1] if resumed else accumulation(effective, micro, world_size)
+    rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens, shape, micro,
+                              speed, compile_mode))
+    return Measured(tuple(rows), micro, accum, speed)
+
+
+def make(hw_plan, world, parallel: Decision, measured: Measured, effective: int, accum: int, steps: int,
+         rows: list[Decision]) -> RunPlan:
+    """The frozen plan of a run from its parts; `rows` is the settings table in print order."""
+    return RunPlan(hw_plan.device, hw_plan.precision, hw_plan.threads, world.size, str(parallel.value),
+                   measured.attention, measured.micro_batch_size, accum, effective, steps, measured.compiled,
+                   measured.tokens_per_s, tuple(Decision(*r) for r in rows))
+
+
+def logging_row(asked: int | None, device_type: str) -> Decision:
+    if asked:
+        return Decision("logging_steps", asked, "logging.logging_steps")
+    if device_type in ("cuda", "mps"):
+        return Decision("logging_steps", 10, "every 10 steps: reading a loss makes the host wait for the GPU, so the "
+                                             "loop keeps them on the device in between")
+    return Decision("logging_steps", 1, "every step: on a CPU, reading the loss costs nothing")
+
+
+def apply_measured(model, rows: list[Decision]) -> None:
+    """Apply decisions rank 0 measured (its settings rows) to this rank's copy of the model, without
+    measuring: the attention kernel, gradient checkpointing, compiled blocks."""
+    from tunebench.model import kernels
+    from tunebench.training.tune.compiler import compile_blocks
+    from tunebench.training.tune.probe import enable_checkpointing
+
+    for setting, value, _ in rows:
+        if setting == "attention":
+            kernels.register()
+            model.set_attn_implementation(value)
+        elif setting == "gradient_checkpointing" and value is True:
+            enable_checkpointing(model)
+        elif setting == "compile" and value is True:
+            compile_blocks(model)

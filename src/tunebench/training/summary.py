@@ -1,0 +1,73 @@
+"""What a run tells its user: the settings table at the start, the summary figures and closing lines at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tunebench.machine import hardware
+
+from tunebench.model import models
+from tunebench.machine.distributed import World
+from tunebench.machine.hardware import Decision
+from tunebench.machine.metrics import describe_eval, mfu
+from tunebench.training.runner import Outcome
+
+
+def print_plan(rows: list[Decision] | tuple[Decision, ...], title: str = "settings:") -> None:
+    width = max(len(r.setting) for r in rows)
+    value_width = min(22, max(len(str(r.value)) for r in rows))
+    print(title)
+    for setting, value, reason in rows:
+        print(f"  {setting:<{width}}  {value!s:<{value_width}}  {reason}")
+
+
+def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: hardware.Hardware,
+            world: World = World()) -> dict[str, Any]:
+    """The summary figures every job reports: throughput over the measured steps (warm-up excluded),
+    real tokens of all ranks, MFU against the peak of all the devices the ranks use, memory, losses."""
+    s = outcome.state
+    measured = s.measured_time_s or s.train_time_s
+    tokens_per_s = (s.measured_tokens or s.tokens) / measured if measured else None
+    # One GPU per rank; on CPUs, the ranks of a machine share its cores: its peak at all their threads.
+    threads = plan.threads if plan.device == "cuda" else plan.threads * world.local_size
+    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, threads,
+                                             models.cache_dir() / "peak_flops.json")
+    if peak is not None:
+        peak *= world.size if plan.device == "cuda" else world.nodes
+    return {
+        "device": plan.device, "precision": plan.precision, "world_size": world.size,
+        "steps": s.step, "samples": s.samples, "tokens": s.tokens,
+        "duration_s": round(outcome.wall_s, 3), "train_time_s": round(s.train_time_s, 3),
+        "samples_per_s": s.samples / s.train_time_s if s.train_time_s else None,
+        "it_per_s": s.step / s.train_time_s if s.train_time_s else None,  # optimizer steps, as the study counts them
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops_per_token, "peak_tflops": peak, "peak_tflops_source": peak_source,
+        "mfu": mfu(flops_per_token, tokens_per_s, peak),
+        "data_wait_fraction": round(s.data_time_s / s.train_time_s, 4) if s.train_time_s else 0.0,
+        "peak_memory_mb": round(outcome.peak_memory_mb, 1),
+        "peak_memory_mb_total": round(outcome.peak_memory_mb_total, 1),
+        **outcome.monitor,
+        "train_loss": float(np.mean(s.losses)) if s.losses else None,
+        "final_train_loss": s.losses[-1] if s.losses else None,
+        "eval_loss_before": outcome.before["eval_loss"] if outcome.before else None,
+        "eval_loss": outcome.after.get("eval_loss"), "perplexity": outcome.after.get("perplexity"),
+    }
+
+
+def report(summary: dict[str, Any], out: Path) -> None:
+    """The closing lines of a run."""
+    if summary["eval_loss"] is not None:
+        print(f"eval after training: {describe_eval(summary)}")
+    if summary["data_wait_fraction"] > 0.1:
+        print(f"warning: input-bound: {100 * summary['data_wait_fraction']:.0f}% of step time went to producing "
+              "batches; lower --max-length padding waste or move tokenization off the hot path (see tunebench "
+              "bench-data)")
+    mfu_text = f"MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None \
+        else f"MFU n/a ({summary['peak_tflops_source']})"
+    # Memory beside speed: on a laptop the peak decides what fits as much as tokens/s decides how long it takes.
+    memory = f"peak {'GPU memory' if summary['device'] == 'cuda' else 'RSS'} {summary['peak_memory_mb']:,.0f} MB"
+    print(f"{summary['steps']} steps in {summary['duration_s']:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real "
+          f"tokens/s, {mfu_text}, {memory}; saved to {out}")

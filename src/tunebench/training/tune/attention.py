@@ -1,0 +1,105 @@
+"""`--attention auto`: time a probe step with each kernel that can run here, keep the fastest."""
+
+from __future__ import annotations
+
+
+
+import torch
+
+from tunebench.model import kernels
+from tunebench.core.errors import TunebenchError
+from tunebench.core.precision import DTYPES
+from tunebench.core.decision import Decision as Row
+from tunebench.training.tune import Shape, cached, store
+from tunebench.training.tune.probe import free_after_oom, is_oom, memory_free_mb
+
+ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
+
+
+def candidates(device: torch.device, precision: str) -> tuple[str, ...]:
+    """The kernels that can run here. flash-attn's joins on a CUDA GPU in 16-bit when installed; with
+    packed rows, transformers hands it the restarting position_ids and it runs variable-length
+    sequences without padding or a block mask."""
+    names = ATTENTION_KERNELS
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            names += ("flash_attention_2",)
+    return names
+
+
+# Kernels whose first-round speeds are this close are alike for the run: on 2 AVX2 cores, SmolLM2 at 128
+# tokens measured 227/224/205 tokens/s at 4 rows and 159/161/167 at 1 row (the order is noise), and the
+# second round took 25 of the measurement's 51 s on a cold cache.
+ALIKE = 1.05
+
+
+def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None, is_oom=is_oom,
+         candidates: tuple[str, ...] = ATTENTION_KERNELS) -> Row:
+    """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
+    fastest (cached).
+
+    `too_big(impl)` says why a kernel would not fit in memory (None if it would): on a CPU an
+    allocation past the RAM is not an exception but the kernel's OOM killer, so a kernel whose
+    T x T weights would not fit is never tried, and a cached choice that no longer fits is measured again.
+    """
+    kernels.register()
+    if requested != "auto":
+        if requested not in candidates:
+            raise TunebenchError(f"--attention {requested} cannot run here: it needs a CUDA GPU, bf16 or fp16, and "
+                                 "the flash-attn package; use --attention auto")
+        model.set_attn_implementation(requested)
+        return Row("attention", requested, "asked for")
+    key = shape.key("attention", candidates=candidates)
+    hit = cached(key)
+    if hit is None or too_big(hit["value"]):
+        skipped = {impl: why for impl in candidates if (why := too_big(impl))}
+        speeds = {impl: 0.0 for impl in candidates if impl not in skipped}
+        for round_ in range(2):  # round-robin, best of two: a shared machine's drift hits every kernel alike
+            if round_ and len(speeds) > 1 and max(speeds.values()) <= ALIKE * min(speeds.values()):
+                break  # within 5% after one round: the choice wins this run less than a second round costs
+            for impl in list(speeds):
+                model.set_attn_implementation(impl)
+                try:
+                    speeds[impl] = max(speeds[impl], measure())
+                except BaseException as e:  # noqa: BLE001 - only OOM is expected; anything else re-raises
+                    if not is_oom(e):
+                        raise
+                    free_after_oom(model)
+                    skipped[impl] = "out of memory"
+                    del speeds[impl]
+        if not speeds:
+            why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+            raise TunebenchError(f"no attention kernel fits in memory ({why}); lower --max-length or --batch-size")
+        ranked = sorted(speeds, key=speeds.get, reverse=True)
+        hit = {"value": ranked[0], "reason": "measured " + ", ".join(f"{speeds[k]:,.0f} ({k})" for k in ranked)
+                                            + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())}
+        store(key, hit)
+    model.set_attn_implementation(hit["value"])
+    return Row("attention", hit["value"], hit["reason"])
+
+
+def fit(model, rows: int, length: int, precision: str, device: torch.device):
+    """`too_big` for `pick`: a kernel whose kept attention weights would take over half the
+    memory free now (the rest of the step needs room too) is not tried."""
+    free = memory_free_mb(device)
+    itemsize = DTYPES[precision].itemsize
+
+    def too_big(impl: str) -> str | None:
+        need = kernels.saved_weights_mb(model.config, rows, length, impl, itemsize)
+        if need > free / 2:
+            return f"its {rows} x {length} x {length} attention weights need ~{need:,.0f} MB of {free:,.0f} MB free"
+        return None
+
+    return too_big
+
+
+def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int, precision: str,
+           device: torch.device) -> Row:
+    """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked."""
+    return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
+                candidates=candidates(device, precision))
+
+
+

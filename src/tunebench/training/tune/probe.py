@@ -1,0 +1,95 @@
+"""The probe step every measurement times: forward + backward on real rows, with no side effects.
+
+A probe must not change the run it measures: it runs in train mode (dropout on, compiled blocks
+traced for training, as the loop will run them), restores the RNG afterwards and leaves no
+gradient behind, so a run whose settings were measured gives the same losses and weights as the
+same run given those settings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from tunebench.training.loop import Batch, loss_sum, prepare, split_output
+from tunebench.machine.metrics import peak_memory_mb, reset_peak_memory
+
+StepFn = Callable[[int], tuple[float, float]]  # micro batch -> (tokens/s, peak memory MB)
+
+
+def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autocast,
+               objective: torch.nn.Module | None = None) -> StepFn:
+    """A step function for the measurements: `rows(size)` gives the collated batch to time, through
+    `objective` (default: the next-token loss), so a preference run's probe times pairs with their
+    reference passes."""
+
+    def step(size: int) -> tuple[float, float]:
+        batch = rows(size)
+        times = []
+        was_training = model.training
+        model.train()
+        reset_peak_memory(device)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    b, n_loss, n_real = prepare(batch, device)
+                    loss = loss_sum(model, b, autocast) if objective is None else split_output(objective(b))[0]
+                    (loss / max(n_loss, 1)).backward()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+        finally:  # also after an OOM part-way through a backward: its gradients must not reach the run's first step
+            model.zero_grad(set_to_none=True)
+            model.train(was_training)
+        # The best repeat: a busy machine only ever slows a step down, so the minimum is the steadiest.
+        return n_real / min(times[1:]), peak_memory_mb(device)
+
+    step.model = model  # type: ignore[attr-defined]
+    return step
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError)
+
+
+def free_after_oom(model) -> None:
+    """Drop what a step that ran out of memory left behind, so the next try starts where it did."""
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_initialized():  # hand the failed step's cached blocks back to the driver
+        torch.cuda.empty_cache()
+
+
+def memory_free_mb(device: torch.device, ranks_sharing: int = 1) -> float:
+    """Memory a step may still allocate: free GPU memory (the driver's free memory plus blocks this
+    process's allocator holds unused), or 80% of available RAM (never into swap), split evenly
+    between the ranks that share this machine's RAM."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) / 2**20
+    import psutil
+
+    return 0.8 * psutil.virtual_memory().available / 2**20 / ranks_sharing
+
+
+def memory_budget_mb(device: torch.device, ranks_sharing: int = 1) -> tuple[float, float]:
+    """(baseline, budget) for the batch probe: what the process holds now, and the peak a step may reach.
+
+    On a GPU the budget is what is held plus 92% of what is still free: memory held by other
+    processes (or by this one before the probe) is never counted as room, and 8% is left for the
+    allocator's fragmentation."""
+    if device.type == "cuda":
+        baseline = torch.cuda.memory_allocated(device) / 2**20
+        return baseline, baseline + 0.92 * memory_free_mb(device)
+    import psutil
+
+    baseline = psutil.Process().memory_info().rss / 2**20
+    return baseline, baseline + memory_free_mb(device, ranks_sharing)
+
+
+def enable_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
