@@ -137,3 +137,18 @@ def test_bench_data_measures_whole_passes_over_the_data(tmp_path, dataset, capsy
     assert result["ms_per_batch"] == pytest.approx(1000 / result["batches_per_s"], rel=0.01, abs=1e-3)  # 3 decimals
     assert list((models.cache_dir() / "tokenized").glob("*.npz"))  # the cached load read a real cache file
     assert f"{dataset}: 12 rows" in capsys.readouterr().out
+
+
+def test_rotation_keeps_the_good_checkpoints_when_a_later_one_is_damaged(tmp_path):
+    """Steps 3 and 6 saved, step 6's tensors truncated, the run resumed from 3 with keep 1: saving 4 and 5
+    used to delete every good checkpoint (the damaged step 6 sorted last and took the one place kept)."""
+    model, opt, sched = _run_parts()
+    for step in (3, 6):
+        checkpoint.save(tmp_path, model, opt, sched, LoopState(step=step), IDENTITY, keep=2)
+    tensors = tmp_path / "step-00000006" / checkpoint.TENSORS
+    tensors.write_bytes(tensors.read_bytes()[:100])
+    assert checkpoint.find("auto", tmp_path).name == "step-00000003"
+    for step in (4, 5):
+        checkpoint.save(tmp_path, model, opt, sched, LoopState(step=step), IDENTITY, keep=1)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000005", "step-00000006"]
+    assert checkpoint.find("auto", tmp_path).name == "step-00000005"  # a good one is left to resume from

@@ -3,6 +3,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare, report
@@ -186,3 +187,35 @@ def test_html_report_renders_its_charts_in_headless_chromium(tmp_path, chromium)
     title = proc.stdout.split("<title>")[1].split("</title>")[0]
     n_images = int(title.split(" images ok")[0])
     assert n_images == len(report.charts(report.build([str(STUDY)]))) >= 2 and "3 tables" in title
+
+
+def test_a_rerun_goes_on_from_the_checkpoint_an_interrupted_experiment_left(tmp_path, monkeypatch):
+    """An interrupted compare said "stopped with a checkpoint", and the rerun forced --overwrite, which deleted
+    it: the experiment began again at step 0. A run directory holding a checkpoint is now resumed."""
+    started = []
+    monkeypatch.setattr(compare.subprocess, "Popen", lambda argv, **kw: started.append(argv))
+    fresh, stopped = tmp_path / "fresh", tmp_path / "stopped"
+    (stopped / "checkpoints" / "step-00000003").mkdir(parents=True)
+    for run_dir in (fresh, stopped):
+        compare.start("train", {"model.name": "tiny"}, run_dir)
+    asked = {d.name: yaml.safe_load((d / "asked.yaml").read_text())["output"] for d in (fresh, stopped)}
+    assert asked["stopped"]["resume"] == "auto" and asked["fresh"]["resume"] is None
+    assert asked["stopped"]["overwrite"] and len(started) == 2
+
+
+def test_resume_auto_with_overwrite_replaces_a_checkpoint_of_other_settings(tmp_path, capsys):
+    import torch
+
+    from tunebench.training import checkpoint
+    from tunebench.training.loop import LoopState
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpoint.save(tmp_path / "checkpoints", model, opt, sched, LoopState(step=3), {"seed": 1}, keep=1)
+    with pytest.raises(TunebenchError, match="seed"):
+        checkpoint.resume_point("auto", tmp_path, {"seed": 2})  # refused, as before, without --overwrite
+    assert checkpoint.resume_point("auto", tmp_path, {"seed": 1}, overwrite=True).name == "step-00000003"
+    assert checkpoint.resume_point("auto", tmp_path, {"seed": 2}, overwrite=True) is None
+    assert "made with other settings; starting over" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists()

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,3 +164,39 @@ def test_repair_tail_cuts_only_a_partial_last_line(tmp_path):
     assert durable.repair_tail(path) and path.read_text() == "a\nb\n"
     path.write_text("no newline at all")
     assert durable.repair_tail(path) and path.read_text() == ""
+
+
+def test_a_kill_while_a_directory_is_replaced_loses_neither_copy(tmp_path, monkeypatch):
+    """Re-saving a step deleted the old directory before renaming the new one in: a kill in between lost it,
+    and the next start's clean-up deleted the complete new copy too."""
+    target = tmp_path / "step-00000006"
+    with durable.atomic_dir(target) as tmp:
+        (tmp / "state.json").write_text("old")
+    real_replace = os.replace
+
+    def killed_after_setting_aside(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt  # the kill: the old copy is aside, the new one not yet in place
+        real_replace(src, dst)
+
+    monkeypatch.setattr(durable.os, "replace", killed_after_setting_aside)
+    with pytest.raises(KeyboardInterrupt), durable.atomic_dir(target) as tmp:
+        (tmp / "state.json").write_text("new")
+    monkeypatch.setattr(durable.os, "replace", real_replace)
+    assert not target.exists() and (tmp_path / ".old-step-00000006").is_dir()
+    durable.clean_stale(tmp_path)
+    assert (target / "state.json").read_text() == "old" and not list(tmp_path.glob(".old-*"))
+
+
+def test_final_files_are_replaced_whole_or_not_at_all(tmp_path):
+    """The final adapter, model and tokenizer were written in place: a kill mid-save left a truncated file."""
+    (tmp_path / "adapter_model.safetensors").write_text("old")
+    with pytest.raises(KeyboardInterrupt), durable.atomic_files(tmp_path) as tmp:
+        (tmp / "adapter_model.safetensors").write_text("half of the ne")
+        raise KeyboardInterrupt
+    assert (tmp_path / "adapter_model.safetensors").read_text() == "old" and not list(tmp_path.glob(".tmp-*"))
+    with durable.atomic_files(tmp_path) as tmp:
+        (tmp / "adapter_model.safetensors").write_text("new")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "x.json").write_text("{}")
+    assert (tmp_path / "adapter_model.safetensors").read_text() == "new" and (tmp_path / "sub" / "x.json").is_file()

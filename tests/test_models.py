@@ -239,3 +239,31 @@ def test_a_gpt2_tokenizer_directory_loads_the_whole_vocabulary():
     assert len(tok) == 50257
     assert tok("hello world")["input_ids"] == [31373, 995]
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
+
+
+def test_a_gguf_replaced_at_the_same_path_is_converted_again(tmp_path):
+    """The conversion cache was keyed by the path alone: a new file at the same path got the old weights."""
+    import os
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF one")
+    first = models.converted_dir(str(gguf))
+    assert models.converted_dir(str(gguf)) == first  # the same file: the same conversion, kept between runs
+    gguf.write_bytes(b"GGUF two, longer")
+    os.utime(gguf, ns=(1, 1))
+    assert models.converted_dir(str(gguf)) != first
+
+
+def test_adapter_given_a_full_fine_tunes_run_loads_it_as_the_model(tmp_path):
+    """`generate --adapter RUN` on a full fine-tune's run was PEFT's raw "Can't find 'adapter_config.json'"."""
+    loaded = models.resolve("tiny")
+    run = tmp_path / "full-run"
+    loaded.model.save_pretrained(run)
+    loaded.tokenizer.save_pretrained(run)
+    again = inference.load_for_inference(None, str(run))
+    assert not hasattr(again.model, "peft_config") and str(run) in again.source
+    with pytest.raises(TunebenchError, match="holds a whole model .* pass it alone"):
+        inference.load_for_inference("tiny", str(run))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TunebenchError, match="holds neither an adapter"):
+        inference.load_for_inference(None, str(tmp_path / "empty"))

@@ -66,6 +66,19 @@ def test_tokenizer_refuses_a_vocabulary_below_its_alphabet(tmp_path, corpus):
         tokenizer.train([str(corpus)], 100, "bpe", tmp_path / "t", quiet=True)
 
 
+def test_tokenizer_train_never_silently_replaces_a_directory(tmp_path, corpus):
+    """It used to save over whatever --output-dir held; a model trained with the old tokenizer then read text
+    with another one."""
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(TunebenchError, match="already holds files.*--overwrite"):
+        tokenizer.train([str(corpus)], 300, "bpe", out, quiet=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    tokenizer.train([str(corpus)], 300, "bpe", out, quiet=True, overwrite=True)
+    assert (out / "tokenizer.json").is_file() and not (out / "notes.txt").exists()
+
+
 @pytest.mark.parametrize("settings", [
     {},  # GPT-2-style, tied
     {"tie_embeddings": False, "activation": "relu"},
@@ -119,6 +132,7 @@ def test_gelu_exact_is_the_erf_form_and_is_not_exported_as_gpt2s(char_tok):
     ({"data.pack_sequences": False}, "set pack_sequences: true"),
     ({"training.learning_rat": 1e-3}, "did you mean 'optimizer.lr'"),
     ({"training.batch_size": "auto"}, "needs training.effective_batch_size"),
+    ({"model.d_model": 2**40, "model.n_heads": 1}, "GiB per process .* lower model.d_model"),  # was the allocator's
 ])
 def test_bad_settings_are_refused_with_the_fix(keys, message):
     with pytest.raises(TunebenchError, match=message):
@@ -286,3 +300,19 @@ def test_cli_tokenizer_train_saves_and_reports(tmp_path, corpus):
     r = subprocess.run([sys.executable, "-m", "tunebench", "tokenizer", "train", "--data", str(tmp_path / "nope.txt"),
                         "--vocab-size", "300", "-o", str(tmp_path / "t2")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("latin1.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), "is not UTF-8 text"),
+    ("latin1.csv", "text\ncaf\xe9\n".encode("latin-1"), "is not UTF-8 text"),
+    ("open-quote.csv", b'text\n"a quote never closed\nand every row after it\n', "close the quote"),
+])
+def test_a_pretraining_file_that_cannot_be_read_as_written_is_refused(tmp_path, name, data, message):
+    """A non-UTF-8 .jsonl/.csv was a bare UnicodeDecodeError, and a CSV with an unclosed quote silently became
+    one giant row."""
+    from tunebench.data import text
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(TunebenchError, match=message):
+        list(text.pieces(str(path)))

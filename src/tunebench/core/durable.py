@@ -51,7 +51,9 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, prefix: str = ".tmp-") -> Iterator[Path]:
     """The same for a directory (a checkpoint): every file in it and the directory itself flushed before
-    the rename; a directory already at `path` is replaced."""
+    the rename; a directory already at `path` is replaced. Replacing is two renames (the old one aside as
+    `.old-NAME`, the new one into place), never a deletion before the rename: a kill between them leaves the
+    old directory whole under its aside name, and clean_stale puts it back."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=p.parent, prefix=prefix))
@@ -63,17 +65,53 @@ def atomic_dir(path: str | Path, prefix: str = ".tmp-") -> Iterator[Path]:
                 os.chmod(f, umask_mode())
                 fsync_path(f)
         fsync_path(tmp)
+        aside = p.parent / f"{OLD}{p.name}"
         if p.exists():
-            shutil.rmtree(p)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(p, aside)
         os.replace(tmp, p)
         fsync_path(p.parent)
+        shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def atomic_files(directory: str | Path, prefix: str = ".tmp-") -> Iterator[Path]:
+    """Yield a temp directory inside `directory` (a run's, which holds other files); once the block ends without
+    error each file written there is flushed and renamed into `directory`, replacing its old copy: a kill
+    leaves every file old or new, never half written. On an error nothing is moved."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=prefix))
+    try:
+        yield tmp
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                os.chmod(f, umask_mode())
+                fsync_path(f)
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                (out / f.relative_to(tmp)).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(f, out / f.relative_to(tmp))
+        fsync_path(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+OLD = ".old-"  # a directory atomic_dir set aside while replacing it
+
+
 def clean_stale(directory: str | Path, prefix: str = ".tmp-") -> list[Path]:
-    """Remove what a process killed mid-write left behind (temp files or directories named `prefix*`)."""
+    """Remove what a process killed mid-write left behind (temp files or directories named `prefix*`), and put
+    back a directory atomic_dir had set aside when the kill came before its replacement was in place."""
     removed = []
+    for aside in Path(directory).glob(f"{OLD}*") if Path(directory).is_dir() else []:
+        target = aside.parent / aside.name[len(OLD):]
+        if target.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, target)
     for p in Path(directory).glob(f"{prefix}*") if Path(directory).is_dir() else []:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         removed.append(p)

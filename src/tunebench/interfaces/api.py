@@ -42,11 +42,12 @@ def finetune(config: str | Path | None = None, **options: Any) -> dict[str, Any]
 
 
 def train_tokenizer(files: list[str], vocab_size: int, type: str = "bpe", output_dir: str | Path = "tokenizer",
-                    text_column: str = "text") -> dict[str, Any]:
-    """Train and save a tokenizer (`tunebench tokenizer train`); returns the vocabulary reached and bytes/token."""
+                    text_column: str = "text", overwrite: bool = False) -> dict[str, Any]:
+    """Train and save a tokenizer (`tunebench tokenizer train`); returns the vocabulary reached and bytes/token.
+    An output directory that holds files is refused unless `overwrite`."""
     from tunebench.jobs import tokenizer
 
-    return tokenizer.train(list(files), vocab_size, type, output_dir, text_column)
+    return tokenizer.train(list(files), vocab_size, type, output_dir, text_column, overwrite=overwrite)
 
 
 def generate(model: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, adapter: str | None = None,

@@ -112,7 +112,8 @@ def _launch(args: argparse.Namespace) -> int | None:
 def _tokenizer(args: argparse.Namespace) -> int | None:
     from tunebench.jobs import tokenizer
 
-    tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column)
+    tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column,
+                    overwrite=args.overwrite)
 
 
 def _generate(args: argparse.Namespace) -> int | None:
@@ -165,50 +166,19 @@ def _eval(args: argparse.Namespace) -> int | None:
 
 
 def _compare(args: argparse.Namespace) -> int | None:
-    from pathlib import Path
+    from tunebench.jobs import compare
 
-    from tunebench.jobs import compare, report
-
-    if args.repeats < 1:
-        raise TunebenchError(f"--repeats must be 1 or more, got {args.repeats}")
     extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
                                "data.max_samples": args.max_samples, "schedule.max_steps": args.max_steps}.items()
              if v is not None}
-    out = Path(args.output)
-    nproc = None
-    if args.nproc:
-        try:
-            nproc = [int(n) for n in args.nproc.split(",")]
-        except ValueError:
-            nproc = [0]
-        if min(nproc) < 1:
-            raise TunebenchError(f"--nproc {args.nproc}: give numbers of processes, 1 or more, such as 1,2")
-    results = compare.run(args.matrix, str(out), args.runs_dir or str(out.parent / "runs"), args.repeats, extra,
-                          args.device, args.retry_failed, nproc)
-    html = report.write([str(results)], args.report_dir or str(out.parent / "report"))
-    print(f"report: {html.resolve()}")
+    compare.main(args.matrix, args.output, args.runs_dir, args.repeats, extra, args.device, args.retry_failed,
+                 args.nproc, args.report_dir)
 
 
 def _report(args: argparse.Namespace) -> int | None:
-    from pathlib import Path
+    from tunebench.jobs import run_report
 
-    from tunebench.jobs import report, run_report
-
-    args.output_dir_given = args.output_dir is not None
-    args.output_dir = args.output_dir or "runs/report"
-    results = args.results + args.results_csv
-    if not results:
-        raise TunebenchError("report needs results: give CSVs (or --results_csv FILE), or a run directory")
-    runs = [r for r in results if Path(r).is_dir()]
-    if runs:  # the picture of each run: its own report, in RUN_DIR/report unless --output-dir says
-        if len(runs) != len(results):
-            raise TunebenchError("give results CSVs or run directories, not both")
-        for r in runs:
-            out = Path(args.output_dir) / Path(r).resolve().name if args.output_dir_given else None
-            print(f"report: {run_report.write(r, out).resolve()}")
-        return 0
-    html = report.write(results, args.output_dir, args.baseline_device, args.baseline_config)
-    print(f"report: {html.resolve()}")
+    run_report.main(args.results + args.results_csv, args.output_dir, args.baseline_device, args.baseline_config)
 
 
 def _bench_data(args: argparse.Namespace) -> int | None:

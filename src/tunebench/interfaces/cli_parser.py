@@ -199,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",
                         description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
                                     "--nproc-per-node 2 -- train [options]. Each rank gets the usable cores divided "
-                                    "by the ranks on its machine as threads (unless OMP_NUM_THREADS is set).")
+                                    "by the ranks on its machine as threads (unless OMP_NUM_THREADS is set). Across "
+                                    "machines: the rendezvous is unauthenticated and ranks unpickle objects their "
+                                    "peers send, so whoever reaches --rdzv-endpoint can run code in every rank; use "
+                                    "a network you trust.")
     la.add_argument("--nproc-per-node", type=int, required=True, help="processes on this machine")
     la.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
     la.add_argument("--node-rank", type=int, default=0, help="this machine's place among them (default 0)")
@@ -219,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bpe (byte-level, default) | unigram | wordpiece | char")
     tt.add_argument("-o", "--output-dir", required=True, help="where the tokenizer is saved")
     tt.add_argument("--text-column", default="text", help="column of JSONL/CSV/Parquet records (default text)")
+    tt.add_argument("--overwrite", action="store_true", help="replace what --output-dir already holds")
     _add_debug(tt)
 
     for name, help_text in (("generate", "complete one prompt"), ("chat", "talk to a model in the terminal")):

@@ -262,6 +262,27 @@ def _failure(stderr: str) -> tuple[str, str]:
     return ("oom" if oom else "error"), message[:500]
 
 
+def main(matrix: str, output: str, runs_dir: str | None, repeats: int, extra: dict[str, Any],
+         devices: list[str] | None, retry_failed: bool, nproc: str | None, report_dir: str | None) -> None:
+    """`tunebench compare`: the matrix run (its results beside `output`, runs under runs_dir, default the
+    output's folder/runs), then the report (default the output's folder/report)."""
+    from tunebench.jobs import report
+
+    if repeats < 1:
+        raise TunebenchError(f"--repeats must be 1 or more, got {repeats}")
+    counts = None
+    if nproc:
+        try:
+            counts = [int(n) for n in nproc.split(",")]
+        except ValueError:
+            counts = [0]
+        if min(counts) < 1:
+            raise TunebenchError(f"--nproc {nproc}: give numbers of processes, 1 or more, such as 1,2")
+    out = Path(output)
+    results = run(matrix, str(out), runs_dir or str(out.parent / "runs"), repeats, extra, devices, retry_failed, counts)
+    print(f"report: {report.write([str(results)], report_dir or str(out.parent / 'report')).resolve()}")
+
+
 def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, Any],
         devices: list[str] | None = None, retry_failed: bool = False, nproc: list[int] | None = None) -> Path:
     base, experiments = load_matrix(matrix, extra, nproc)
@@ -311,7 +332,7 @@ def _run_all(todo, base: dict[str, Any], runs_dir: str, results: Path, elapsed: 
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run checkpoints and stops with us
             stop(proc)
             raise TunebenchError(f"interrupted: {exp.name} stopped with a checkpoint in {run_dir}; rerun the same "
-                                 "command to go on with the experiments not yet in the results", 130) from None
+                                 "command to go on from it, then with the experiments not yet in the results", 130) from None
         elapsed.append(time.perf_counter() - t0)
         row = finish(proc, run_dir, device) | {"experiment": exp.name, "config": exp.name, "repeat": repeat}
         if row["status"] == "ok":
@@ -324,7 +345,7 @@ def _run_all(todo, base: dict[str, Any], runs_dir: str, results: Path, elapsed: 
 
 # Each job's keys for what the runner sets on every run.
 RUN_KEYS = {"device": "hardware.device", "output_dir": "output.output_dir", "progress": "logging.progress",
-            "overwrite": "output.overwrite"}  # the shared sections': the same keys for train and pretrain
+            "overwrite": "output.overwrite", "resume": "output.resume"}  # the shared sections': the same keys for train and pretrain
 
 
 def canonical(job: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -360,11 +381,14 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
     """Start one `tunebench train|pretrain` run in its own process (`launch` for several ranks), its
     output in run_dir/log.txt. The child gets its whole configuration as a file (run_dir/asked.yaml),
     runs in a process group of its own that `stop` ends, and is sent SIGTERM (it checkpoints and stops)
-    if this process dies first. A rerun replaces what a failed attempt left in run_dir."""
+    if this process dies first. A rerun goes on from the checkpoint an interrupted attempt left in run_dir, and
+    replaces what an attempt with other settings left."""
     keys = RUN_KEYS
     settings = {**settings, keys["output_dir"]: str(run_dir), keys["progress"]: False, keys["overwrite"]: True}
     if device is not None:
         settings[keys["device"]] = device
+    if any((run_dir / "checkpoints").glob("step-*")):  # an interrupted attempt: go on from its checkpoint
+        settings[keys["resume"]] = "auto"  # (one made with other settings is replaced: overwrite is asked too)
     cfg = load_job_config(job, config, settings, nproc)
     run_dir.mkdir(parents=True, exist_ok=True)
     asked = run_dir / "asked.yaml"
@@ -377,22 +401,11 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
 
 
 def _die_with_parent(parent: int):
-    """Linux's parent-death signal for a child: SIGTERM when the process that started it dies, even by
-    kill -9, so no run outlives its compare or tune (elsewhere a no-op: `stop` still ends it)."""
-    import ctypes
-    import ctypes.util
+    """A child's start: SIGTERM when the process that started it dies, even by kill -9, so no run outlives
+    its compare or tune (startup.die_with_parent)."""
+    from tunebench.core.startup import die_with_parent
 
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def setup() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
+    return lambda: die_with_parent(parent) and None
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:

@@ -19,6 +19,7 @@ from tunebench.settings.finetune import RunConfig, dump_yaml
 from tunebench.machine.hardware import Decision
 from tunebench.data import batching, mixture, pairs
 from tunebench.data.tokenize import split
+from tunebench.core.durable import atomic_files
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
@@ -326,10 +327,12 @@ def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:
 
 
 def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded, weights: dict | None = None) -> None:
-    """The model (or adapter) and tokenizer; `weights`, a sharded model's gathered state dict."""
-    if cfg.adapter.method == "full":
-        model.save_pretrained(out, state_dict=weights)
-    else:
-        model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
-        model.save_pretrained(out, save_embedding_layers=False)  # "auto" would look the base up on the hub
-    tokenizer.save_pretrained(out)
+    """The model (or adapter) and tokenizer, each file written whole (durable.atomic_files); `weights`, a
+    sharded model's gathered state dict."""
+    with atomic_files(out) as tmp:
+        if cfg.adapter.method == "full":
+            model.save_pretrained(tmp, state_dict=weights)
+        else:
+            model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
+            model.save_pretrained(tmp, save_embedding_layers=False)  # "auto" would look the base up on the hub
+        tokenizer.save_pretrained(tmp)

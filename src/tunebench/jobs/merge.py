@@ -56,9 +56,9 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
                              "into the base; use it as it is with --adapter (generate, chat, eval)")
     loaded = inference.load_for_inference(model, adapter, None, allow_download)
     merged = loaded.model.merge_and_unload()
-    out.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(out, safe_serialization=True)
-    loaded.tokenizer.save_pretrained(out)
+    with atomic_dir(out) as tmp:  # the merged model appears whole, or not at all
+        merged.save_pretrained(tmp, safe_serialization=True)
+        loaded.tokenizer.save_pretrained(tmp)
     print(f"merged {loaded.source} into {out}")
     return out
 

@@ -17,6 +17,7 @@ from tunebench.machine import distributed, hardware, metrics
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.data import batching, blocks, text
+from tunebench.core.durable import atomic_files
 from tunebench.core.errors import TunebenchError
 from tunebench.machine.hardware import Decision
 from tunebench.jobs import tokenizer as tokenizer_job
@@ -99,8 +100,9 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     if not world.main:
         return {}
     model.config.use_cache = True
-    model.save_pretrained(opened.out, state_dict=weights)
-    tok.save_pretrained(opened.out)
+    with atomic_files(opened.out) as tmp:  # each file whole, old or new, whenever a kill comes
+        model.save_pretrained(tmp, state_dict=weights)
+        tok.save_pretrained(tmp)
     return summarize(cfg, opened, plan, model, outcome, n_params, measure_s)
 
 
@@ -178,7 +180,7 @@ def load_or_train_tokenizer(cfg: PretrainRun):
     path = models.cache_dir() / "tokenizers" / key
     if not (path / "tokenizer.json").exists():
         print(f"training a byte-level BPE tokenizer ({vocab:,} tokens) on the training data (once)")
-        tokenizer_job.train(cfg.data_files, vocab, "bpe", path, d.text_column)
+        tokenizer_job.train(cfg.data_files, vocab, "bpe", path, d.text_column, overwrite=True)  # its cache
     return models.load_tokenizer(str(path)), f"byte-level BPE trained on the data, cached in {path}"
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunebench.model import quality
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_jsonl
 
@@ -434,7 +435,8 @@ def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
     for name, png in pngs:
         (out / f"{name}.png").write_bytes(png)
         md.append(f"![{name}]({name}.png)")
-    (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    with atomic_file(out / "report.md") as tmp:
+        tmp.write_text("\n".join(md) + "\n", encoding="utf-8")
 
     esc = html.escape
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>tunebench report</title><style>",
@@ -453,5 +455,6 @@ def write(paths: list[str], out_dir: str, baseline_device: str | None = None,
     for name, png in pngs:
         parts.append(f"<img id='{name}' alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
     parts.append("</body></html>")
-    (out / "report.html").write_text("\n".join(parts), encoding="utf-8")
+    with atomic_file(out / "report.html") as tmp:
+        tmp.write_text("\n".join(parts), encoding="utf-8")
     return out / "report.html"

@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.jobs import report
 from tunebench.jobs.report import _figure, _png
 
 
@@ -175,7 +177,8 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         if rows:
             md += [f"## {heading}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             md += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows] + [""]
-    (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    with atomic_file(out / "report.md") as tmp:
+        tmp.write_text("\n".join(md) + "\n", encoding="utf-8")
 
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>",
@@ -196,5 +199,23 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
             parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows]
             parts.append("</table>")
     parts.append("</body></html>")
-    (out / "report.html").write_text("\n".join(parts), encoding="utf-8")
+    with atomic_file(out / "report.html") as tmp:
+        tmp.write_text("\n".join(parts), encoding="utf-8")
     return out / "report.html"
+
+
+def main(results: list[str], output_dir: str | None, baseline_device: str | None = None,
+         baseline_config: str | None = None) -> None:
+    """`tunebench report`: results CSVs into one report (default runs/report), or run directories each into
+    the picture of that run (in RUN_DIR/report unless output_dir says)."""
+    if not results:
+        raise TunebenchError("report needs results: give CSVs (or --results_csv FILE), or a run directory")
+    runs = [r for r in results if Path(r).is_dir()]
+    if runs and len(runs) != len(results):
+        raise TunebenchError("give results CSVs or run directories, not both")
+    for r in runs:
+        out = Path(output_dir) / Path(r).resolve().name if output_dir is not None else None
+        print(f"report: {write(r, out).resolve()}")
+    if not runs:
+        html_ = report.write(results, output_dir or "runs/report", baseline_device, baseline_config)
+        print(f"report: {html_.resolve()}")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tunebench.data import text
+from tunebench.core.durable import atomic_dir
 from tunebench.core.errors import TunebenchError
 
 TYPES = ("bpe", "unigram", "wordpiece", "char")
@@ -56,8 +57,10 @@ def build(kind: str, vocab_size: int):
 
 
 def train(data: list[str], vocab_size: int, kind: str = "bpe", output_dir: str | Path = "tokenizer",
-          text_column: str = "text", quiet: bool = False) -> dict:
-    """Train, save and measure a tokenizer; returns what was reached."""
+          text_column: str = "text", quiet: bool = False, overwrite: bool = False) -> dict:
+    """Train, save and measure a tokenizer; returns what was reached. An output directory that already holds
+    something is refused unless `overwrite` (a tokenizer replaced under a trained model changes its text); the
+    new one is written beside it and renamed into place, so a kill leaves the old one whole."""
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < len(SPECIALS) + 1:
@@ -72,6 +75,9 @@ def train(data: list[str], vocab_size: int, kind: str = "bpe", output_dir: str |
         raise TunebenchError(f"--data {' '.join(data)} holds no text to learn a vocabulary from (column "
                              f"'{text_column}' for records); point --data at a corpus, or set --text-column")
     out = Path(output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise TunebenchError(f"--output-dir '{out}' already holds files; pick another directory, or pass --overwrite "
+                             "to replace them")
     tok, trainer = build(kind, vocab_size)
     held_out: list[str] = []
 
@@ -89,8 +95,8 @@ def train(data: list[str], vocab_size: int, kind: str = "bpe", output_dir: str |
     tok.train_from_iterator(corpus(), trainer)
     seconds = time.perf_counter() - t0
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIALS)
-    out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out)
+    with atomic_dir(out) as tmp:
+        fast.save_pretrained(tmp)
     n_bytes = sum(len(p.encode()) for p in held_out)
     n_tokens = sum(len(e.ids) for e in tok.encode_batch(held_out)) if held_out else 0
     result = {"type": kind, "vocab_size": tok.get_vocab_size(), "vocab_size_asked": vocab_size,

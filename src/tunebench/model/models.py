@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tunebench.data.tokenize import CHAT_TEMPLATE
+from tunebench.core.durable import fsync_path
 from tunebench.core.errors import TunebenchError
 from tunebench.core.paths import cache_dir  # noqa: F401 - models.cache_dir, the name its callers use
 
@@ -144,7 +145,10 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        for f in [*tmp.rglob("*"), tmp]:  # on disk before the rename names it (a power loss keeps no empty copy)
+            fsync_path(f)
         os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+        fsync_path(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -155,11 +159,15 @@ def smollm2_dir() -> Path:
 
 
 def converted_dir(spec: str) -> Path:
-    """Where the trainable conversion of a GGUF spec (the default model or a .gguf path) lives, made or not."""
+    """Where the trainable conversion of a GGUF spec (the default model or a .gguf path) lives, made or not:
+    keyed by the file's path, size and modification time, so a file replaced at the same path is converted
+    again rather than answered with the old file's weights."""
     if spec == SMOLLM2:
         return cache_dir() / "models" / SMOLLM2
     gguf = Path(spec)
-    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+    stat = gguf.stat() if gguf.is_file() else None
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}" if stat else str(gguf.resolve())
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_dir() / "models" / f"{gguf.stem}-{digest}"
 
 

@@ -76,10 +76,37 @@ def save(root: Path, model, optimizer, scheduler, state: LoopState, identity: di
             )
             (tmp / STATE).write_text(json.dumps({"loop": state.to_dict(), "identity": identity,
                                                  "world_size": world.size}, indent=1))
-        for old in list_checkpoints(root)[:-keep]:  # only once the new one is durable
-            shutil.rmtree(old, ignore_errors=True)
+        rotate(root, final, keep)  # only once the new one is durable
     distributed.barrier(world)  # no rank runs ahead of a checkpoint that is not yet on disk
     return final
+
+
+def rotate(root: Path, newest: Path, keep: int) -> None:
+    """Keep the `keep` newest checkpoints that load, counting back from `newest` (just written). A damaged
+    one is not counted, and so cannot crowd out the good ones; one from a later step than `newest` (what an
+    earlier run left after a checkpoint that this run skipped as damaged) is not this rotation's to judge and
+    stays. The checkpoint a run resumed from goes only once `keep` newer good ones are on disk."""
+    good = 0
+    for path in reversed([p for p in list_checkpoints(root) if p.name <= newest.name]):
+        if good < keep and (path == newest or verified(path)):
+            good += 1
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) of checkpoints whose checksums passed
+
+
+def verified(path: Path) -> bool:
+    """damaged(path) is None, remembered per file so that each save does not reread the kept checkpoints."""
+    try:
+        stat = (path / TENSORS).stat()
+    except OSError:
+        return False
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _VERIFIED and damaged(path) is None:
+        _VERIFIED.add(key)
+    return key in _VERIFIED
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -188,6 +215,7 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
         raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
     run = RunDir(path)
     clean_stale(run.checkpoints)
+    durable.clean_stale(path)  # a final save (durable.atomic_files) killed before its files moved into place
     earlier = [p for p in (run.checkpoints, run.metrics_file, run.summary_file) if p.exists()]
     if not earlier or resume:
         return
@@ -205,19 +233,28 @@ def open_run(world: World, out: Path, resume: str | None, overwrite: bool, ident
     files); every rank gets the checkpoint to resume from, or the same refusal."""
     def check() -> Path | None:
         prepare_output_dir(out, resume, overwrite)
-        return resume_point(resume, out, identity)
+        return resume_point(resume, out, identity, overwrite)
 
     return distributed.agree(world, check)
 
 
-def resume_point(resume: str | None, out: Path, identity: dict[str, Any]) -> Path | None:
+def resume_point(resume: str | None, out: Path, identity: dict[str, Any], overwrite: bool = False) -> Path | None:
     """The checkpoint to continue from, checked before anything expensive: a path that is not a checkpoint,
-    or one made with other settings (`identity`: those known before the model loads), is refused here."""
+    or one made with other settings (`identity`: those known before the model loads), is refused here;
+    with `resume: auto` and `overwrite` both asked, a checkpoint of other settings is replaced instead (the
+    run starts over, as overwrite says)."""
     if not resume:
         return None
     found = find(resume, RunDir(out).checkpoints)
     if found is None:
         print(f"resume: no checkpoint under {RunDir(out).checkpoints}; starting from step 0")
         return None
-    check_identity(found, identity)
+    try:
+        check_identity(found, identity)
+    except TunebenchError:
+        if not (overwrite and resume == "auto"):
+            raise
+        print(f"resume: {found.name} was made with other settings; starting over, as --overwrite asks")
+        prepare_output_dir(out, None, True)
+        return None
     return found
