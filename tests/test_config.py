@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -132,3 +133,28 @@ def test_two_spellings_of_one_key_in_one_place_must_agree_and_a_later_layer_wins
     y = tmp_path / "c.yaml"
     y.write_text("train:\n  lr: 0.001\n")
     assert load_config(y, {"optimizer.lr": 0.002}).optimizer.lr == 0.002  # the command line over the file
+
+
+def test_deeply_nested_yaml_and_json_get_one_line_not_a_recursion_error(tmp_path):
+    from tunebench.data.readers import read_records
+
+    y = tmp_path / "deep.yaml"
+    y.write_text("train: " + "[" * 20000 + "]" * 20000 + "\n")
+    with pytest.raises(TunebenchError, match="nests lists or mappings too deep"):
+        load_config(y)
+    for name, text in (("deep.json", "[" * 200000 + "]" * 200000), ("deep.jsonl", '{"a": ' + "[" * 200000 + "]" * 200000 + "}\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(TunebenchError, match="too deep to read"):
+            read_records(str(tmp_path / name))
+
+
+@pytest.mark.parametrize("template, message", [
+    ("### Q:\n{instruction:>999999999}\n### A:\n", "has the field {instruction:>999999999}"),  # a GB a prompt
+    ("{instruction!r}", "has the field {instruction!r}"),
+    ("{question}", "has the field {question}"),
+    ("{instruction", "is not a prompt format"),
+])
+def test_a_prompt_format_holds_instruction_alone(template, message):
+    with pytest.raises(TunebenchError, match=re.escape(message)):
+        load_config(options={"data.template": template})
+    assert load_config(options={"data.template": "{{json}} {instruction}"}).data.template == "{{json}} {instruction}"

@@ -230,3 +230,16 @@ def test_length_grouped_order_has_little_padding_and_is_reproducible():
     assert sorted(sum(grouped, [])) == list(range(640))  # every row once
     assert batching.padding_fraction(lengths, grouped) < 0.5 * batching.padding_fraction(lengths, plain)
     assert grouped != batching.epoch_order(idx, 2, 0, 1, lengths=lengths, effective_batch_size=16)  # per epoch
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"instruction": "a", "response": "b"}, {"instruction": "c"}], "row 2 lacks column 'response'"),
+    ([{"messages": [{"role": "user", "content": "hi"}, "not a turn"]}], "row 1: .*holds str 'not a turn'"),
+])
+def test_a_bad_row_later_in_the_file_names_its_row(tmp_path, rows, message):
+    """A row missing a column after the first (or a chat turn that is not an object) was a bare KeyError or
+    AttributeError: now one line naming the row."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(TunebenchError, match=message):
+        formats.records_to_messages(readers.read_records(str(path)), DataConfig(), str(path))

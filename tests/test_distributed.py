@@ -225,6 +225,36 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint(tmp_
     assert (saved[0] / "training_state.pt").is_file()
 
 
+def test_ranks_do_not_outlive_a_launch_killed_with_sigkill(tmp_path, rows):
+    """torchrun starts each rank in a session of its own, so a process-group kill never reached them, and a
+    `tunebench launch` (or the compare above it) killed with -9 left both ranks training. Each rank now gets
+    SIGTERM when its parent dies: it checkpoints and stops."""
+    import psutil
+
+    out = tmp_path / "orphans"
+    cmd = [sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", "2", "--",
+           *_train_args(rows, out, 2, max_steps=10000, eval_fraction=0.5)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=_env())
+    ranks, alive = [], []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "metrics.jsonl").exists() or not _losses(out):
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
+        assert len(ranks) == 2
+        proc.kill()
+        proc.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=90)
+    finally:
+        proc.kill()
+        for p in ranks:
+            if p.is_running():
+                p.kill()
+    assert not alive, f"ranks still running 90 s after their launch was killed: {[p.pid for p in alive]}"
+    saved = sorted((out / "checkpoints").glob("step-*"))
+    assert saved and json.loads((saved[-1] / "state.json").read_text())["world_size"] == 2
+
+
 def test_bad_input_under_launch_is_one_line_from_rank_0(tmp_path, rows):
     out = tmp_path / "taken"
     out.mkdir()

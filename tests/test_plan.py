@@ -442,6 +442,11 @@ def test_a_storage_password_is_never_printed(tmp_path, capsys):
     assert search.hide_password("postgresql://tb:s3cret@db.local:5432/study") == \
         "postgresql://tb:***@db.local:5432/study"
     assert search.hide_password("sqlite:////tmp/x.sqlite") == "sqlite:////tmp/x.sqlite"
+    # what the old pattern let through: a query parameter, an empty user name, an '@' inside the password
+    for url in ("postgresql://tb@db/study?password=s3cret", "postgresql://:s3cret@db/study",
+                "postgresql://tb:s3c@ret@db/study", "postgresql://tb:s3c%40ret@db/study"):
+        shown = search.hide_password(url)
+        assert "s3c" not in shown and "ret@" not in shown and "db/study" in shown, (url, shown)
     with pytest.raises(TunebenchError) as e:
         search.open_study(tmp_path, "postgresql://tb:s3cret@127.0.0.1:1/none", "x", "tpe", "none", 0, "m")
     assert "s3cret" not in str(e.value) and "tb:***@" in str(e.value)

@@ -35,6 +35,20 @@ def test_an_ab_store_yields_the_a_and_b_votes_as_pairs_oriented_by_the_vote(tmp_
     assert "2 preference pair(s)" in found.describe() and "1 ties, 1 both-bad votes" in found.describe()
 
 
+def test_reading_an_ab_store_to_train_on_leaves_the_file_as_it_was(tmp_path):
+    """Reading switched the user's file to WAL mode (and failed on a read-only one): it is opened read-only."""
+    import sqlite3
+
+    db = vote_store(tmp_path)
+    with sqlite3.connect(db) as con:
+        con.execute("PRAGMA journal_mode=DELETE")
+    before = db.read_bytes()
+    assert len(pairs.from_store(str(db)).chosen) == 2
+    with sqlite3.connect(db) as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert db.read_bytes() == before and not Path(f"{db}-wal").exists()
+
+
 def test_ab_report_exports_the_pairs_as_jsonl(tmp_path, capsys):
     db = vote_store(tmp_path)
     out = tmp_path / "pairs.jsonl"

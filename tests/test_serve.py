@@ -132,6 +132,12 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
         assert state["answer_a"] == answer_a and "Which answer is better?" in status
     assert shown == set(registry.labels)
     assert "tokens/s" not in status  # blind: a speed would name the model before the vote
+    # Nothing of either answer shows before both are done (A streaming first showed each side's speed), and
+    # greedy sampling, whose answers the Chat tab would name, is refused.
+    steps = list(app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.7, 0.9, 8))
+    assert all(a == b == "" for a, b, _, _ in steps[:-1]) and steps[-1][3]["answer_a"] == steps[-1][0]
+    with pytest.raises(gr.Error, match="temperature of 0.3 or more"):
+        list(app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.0, 0.9, 8))
     message, state = app.ab_vote(db, "b", state)
     assert f"A was {state['model_a']}" in message and state["voted"] and "tokens/s" in message  # revealed
     with pytest.raises(gr.Error):
@@ -371,3 +377,23 @@ def test_runs_of_one_base_share_it_and_answer_as_if_loaded_alone(tuned, tmp_path
         alone = models.Registry(models.entries([], [run]))
         assert reply(alone, alone.labels[0]) == answers[label]
     assert answers[both.labels[1]] != answers[both.labels[2]]
+
+
+def test_an_ipv6_loopback_host_is_checked_as_ipv6():
+    """`serve --host ::1` was refused as "port in use": the port was tried with an IPv4 socket."""
+    import socket
+
+    from tunebench.interfaces.web.app import check_port
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    check_port("::1", port)  # free again once closed
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::1", port))
+        s.listen()
+        with pytest.raises(TunebenchError, match=f"port {port} on ::1 is in use"):
+            check_port("::1", port)

@@ -100,3 +100,23 @@ def allocator() -> tuple[str, str]:
     if "glibc.malloc." in tunables:
         return "GLIBC_TUNABLES", "the malloc settings GLIBC_TUNABLES names, left as they are"
     return "C default", "freed memory goes back to the OS (the tunebench command keeps it)"
+
+
+def die_with_parent(parent: int) -> bool:
+    """Ask Linux to send this process SIGTERM when its parent dies, even by kill -9 (a training process then
+    checkpoints and stops; nothing keeps training for no one), and do it now if `parent` is already gone.
+    Children of compare and tune call it before they run; torchrun's ranks, whose agent starts each in a
+    session of its own that no process-group kill reaches, call it as they join the group. False where the
+    system has no prctl (elsewhere than Linux: the parent's own `stop` still ends them)."""
+    import ctypes
+    import ctypes.util
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

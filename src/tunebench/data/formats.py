@@ -74,6 +74,9 @@ def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
         raise TunebenchError(f"chat record has no '{cfg.messages_column}' list of messages; fix the record or --format")
     out = []
     for t in turns:
+        if not isinstance(t, dict):
+            raise TunebenchError(f"chat record's '{cfg.messages_column}' holds {type(t).__name__} {str(t)[:40]!r} "
+                                 "where a message ({role, content}) belongs; fix the record")
         role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))), str(t.get("role", t.get("from", ""))))
         out.append({"role": role, "content": _text(t.get("content", t.get("value")))})
     return out
@@ -90,7 +93,19 @@ def records_to_messages(records: list[dict[str, Any]], cfg: DataConfig, source: 
             f"dataset '{source}' ({fmt} format) lacks column(s) {', '.join(repr(m) for m in missing)}; it has "
             f"{', '.join(sorted(columns))}: name yours with --instruction-column / --response-column"
         )
-    return fmt, [to_messages(r, fmt, cfg) for r in records]
+    out = []
+    for i, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            raise TunebenchError(f"dataset '{source}' row {i} is {type(record).__name__}, not a record of columns; "
+                                 "fix that row")
+        try:
+            out.append(to_messages(record, fmt, cfg))
+        except KeyError as e:  # the first row's columns were checked; a later row may lack one
+            raise TunebenchError(f"dataset '{source}' row {i} lacks column {e.args[0]!r}, which the rows before it "
+                                 "have; fix that row") from None
+        except TunebenchError as e:
+            raise TunebenchError(f"dataset '{source}' row {i}: {e}") from None
+    return fmt, out
 
 
 def is_empty(messages: Messages) -> bool:

@@ -47,9 +47,15 @@ def _json_records(path: Path, text: str) -> list[Record]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise TunebenchError(f"dataset '{path}' line {i} is not valid JSON ({e.msg}); fix that line") from e
+                except RecursionError:
+                    raise TunebenchError(f"dataset '{path}' line {i} nests lists or objects too deep to read; a "
+                                         "record is a flat object of columns") from None
         return rows
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise TunebenchError(f"dataset '{path}' nests lists or objects too deep to read; give a list of flat "
+                             "records") from None
     except json.JSONDecodeError as e:
         if stripped.startswith("{"):  # JSON lines saved as .json
             return _json_records(path.with_suffix(".jsonl"), text)

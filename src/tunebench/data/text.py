@@ -49,6 +49,15 @@ def _opens_a_list(path: Path) -> bool:
 
 
 def _records(path: Path, column: str) -> Iterator[tuple[str, bool]]:
+    try:
+        yield from _rows(path, column)
+    except UnicodeDecodeError as e:
+        raise TunebenchError(f"'{path}' is not UTF-8 text ({e.reason}); re-save it as UTF-8") from None
+    except csv.Error as e:
+        raise TunebenchError(f"'{path}' is not a well-formed CSV ({e}); close the quote that is left open") from None
+
+
+def _rows(path: Path, column: str) -> Iterator[tuple[str, bool]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl" or suffix == ".json" and not _opens_a_list(path):
         with path.open(encoding="utf-8") as f:
@@ -58,13 +67,17 @@ def _records(path: Path, column: str) -> Iterator[tuple[str, bool]]:
                         row = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise TunebenchError(f"'{path}' line {i} is not valid JSON ({e.msg}); fix that line") from e
+                    except RecursionError:
+                        raise TunebenchError(f"'{path}' line {i} nests too deep to read; a record is a flat "
+                                             "object of columns") from None
                     yield _column(path, row, column, i), True
     elif suffix == ".json":
         for i, row in enumerate(json.loads(path.read_text(encoding="utf-8")), 1):
             yield _column(path, row, column, i), True
     elif suffix == ".csv":
         with path.open(encoding="utf-8", newline="") as f:
-            for i, row in enumerate(csv.DictReader(f), 2):
+            # strict: a quote left open raises instead of reading the rest of the file as one field
+            for i, row in enumerate(csv.DictReader(f, strict=True), 2):
                 yield _column(path, row, column, i), True
     elif suffix == ".parquet":
         import pyarrow.parquet as pq

@@ -129,10 +129,12 @@ class Pair:
 
 
 def votes(path: str | Path, columns: str) -> list[tuple]:
-    """`columns` of every vote, oldest first; a one-line error when the file is missing or not a store."""
+    """`columns` of every vote, oldest first; a one-line error when the file is missing or not a store.
+    Opened read-only: reading votes (a report, preference pairs to train on) never changes the user's file,
+    its journal mode included, and works on a file the reader may not write."""
     if not Path(path).is_file():
         raise TunebenchError(f"A/B database '{path}' not found; pass the --ab-db that tunebench serve wrote")
-    con = connect(path)
+    con = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
     try:
         return con.execute(f"SELECT {columns} FROM votes ORDER BY id").fetchall()
     except sqlite3.DatabaseError as e:

@@ -52,6 +52,8 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     if fmt != "hf":
         gguf_export.check_config(config)
     target = output_path(source.run_dir, fmt, quant, output)
+    if fmt == "ollama":
+        check_modelfile_text(_trained_template(source.run_dir) or "")
     name = model_name(source.run_dir)
     if fmt != "hf" and (source.run_dir / "tokenizer_config.json").is_file():
         gguf_export.pre_tokenizer(models.load_tokenizer(str(source.run_dir)))  # before minutes of loading
@@ -270,11 +272,21 @@ def compare(model, back, tokenizer, template: str | None, quant: str) -> Agreeme
     return agreement
 
 
+def check_modelfile_text(text: str) -> None:
+    """A Modelfile's triple-quoted TEMPLATE has no escapes: three double quotes inside would end it and let
+    the rest of the prompt format be read as Modelfile directives. Refused, never written."""
+    if '"""' in text:
+        raise TunebenchError('the prompt format holds """, which ends an Ollama Modelfile\'s TEMPLATE (it has no '
+                             "escape) and would turn the rest into directives; export --format gguf, or train "
+                             "with a template without it")
+
+
 def write_modelfile(directory: Path, gguf_file: Path, tokenizer, template: str | None, context: int | None) -> Path:
     """Ollama's Modelfile: the GGUF, the prompt format as a Go TEMPLATE, EOS as the stop word and the
     defaults `tunebench generate` uses (greedy)."""
     go = "{{ .Prompt }}" if template is None else gguf_export.ollama_template(
         lambda user: render(tokenizer, template, user), tokenizer.eos_token or "")
+    check_modelfile_text(go)
     lines = [f"FROM ./{gguf_file.name}", f'TEMPLATE """{go}"""']
     if tokenizer.eos_token:
         lines.append(f"PARAMETER stop {json.dumps(tokenizer.eos_token)}")

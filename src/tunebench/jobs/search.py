@@ -14,7 +14,6 @@ import csv
 import hashlib
 import json
 import math
-import re
 import signal
 import time
 import warnings
@@ -158,8 +157,22 @@ HEARTBEAT_S, GRACE_S = 10, 60  # a RUNNING trial whose search has not said it is
 
 
 def hide_password(url: str) -> str:
-    """A storage URL fit to print: postgresql://user:***@host/db."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    """A storage URL fit to print: postgresql://user:***@host/db, read by SQLAlchemy's own URL parser (what
+    optuna connects with), a `password=` query parameter masked too. A user part holding a second '@' (an
+    unescaped one in the password) is masked whole: parsers disagree on where such a password ends."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    scheme, sep, rest = url.partition("://")
+    authority = rest.split("/", 1)[0]
+    if sep and authority.count("@") > 1:
+        return f"{scheme}://***@{rest[authority.rindex('@') + 1:]}"
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return "(a storage URL SQLAlchemy cannot read)"
+    query = {k: "***" if "password" in k.lower() else v for k, v in parsed.query.items()}
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
 def open_study(out: Path, storage: str | None, name: str, sampler: str, pruner: str, seed: int, mark: str,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from tunebench.core import startup
 from tunebench.core.errors import TunebenchError
 
 T = TypeVar("T")
@@ -57,6 +58,8 @@ def init(device_type: str, backend: str = "auto") -> World:
     if not launched():
         return World()
     env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:  # a torchrun rank: its own session, so only this reaches it when the agent
+        startup.die_with_parent(os.getppid())  # (tunebench launch, or a compare above it) is killed
     world = World(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                   int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     chosen = backend if backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")

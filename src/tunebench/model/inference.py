@@ -32,6 +32,18 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
     own weights in fp32 (autocast_adapter_dtype), as training did."""
     if adapter is not None and not Path(adapter).is_dir():
         raise TunebenchError(f"--adapter '{adapter}' is not a directory; point it at a training --output-dir")
+    if adapter is not None:
+        from tunebench.settings.rundir import RunDir
+
+        kind = RunDir(adapter).kind()
+        if kind in ("model", "pretrain") and spec is None:  # a full fine-tune's run: the model itself
+            spec, adapter = adapter, None
+        elif kind in ("model", "pretrain"):
+            raise TunebenchError(f"--adapter '{adapter}' holds a whole model (a full fine-tune or pretraining), not "
+                                 f"an adapter to put on --model {spec}; pass it alone: --adapter {adapter}, or --model")
+        elif kind == "none":
+            raise TunebenchError(f"--adapter '{adapter}' holds neither an adapter (adapter_config.json) nor a model "
+                                 "(config.json); point it at a finished run's --output-dir")
     if spec is None:
         if adapter is None:
             spec = models.SMOLLM2

@@ -257,6 +257,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     world_size = world_size or launched_world_size()
     schema.check_shared(cfg, world_size, "train")
     d, a, e = cfg.data, cfg.adapter, cfg.evaluation
+    check_template(d.template)
     if d.sources and d.path != BUILTIN_DATA:
         raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
                              "(--data FILE:WEIGHT once per dataset)")
@@ -302,6 +303,24 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
     cfg.batch_ask().check(world_size)  # the job checks again once its group is up
+
+
+def check_template(template: str) -> None:
+    """A prompt format holds {instruction}, as is: no other field, no conversion and no format spec (a
+    `{instruction:>999999999}` would allocate a gigabyte for every prompt rendered)."""
+    if template in ("auto", "chat"):
+        return
+    import string
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise TunebenchError(f"data.template {short(template)} is not a prompt format ({e}); write literal braces "
+                             "as {{ and }}") from None
+    for name, spec, conv in fields:
+        if name != "instruction" or spec or conv:
+            raise TunebenchError(f"data.template {short(template)} has the field {{{name}{'!' + conv if conv else ''}"
+                                 f"{':' + spec if spec else ''}}}; a prompt format holds {{instruction}} alone, as is")
 
 
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:

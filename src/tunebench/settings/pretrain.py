@@ -275,6 +275,7 @@ def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -
                     ("data.validation_split", d.validation_split)):
         if not 0 <= p < 1:
             raise TunebenchError(f"{name} must be in [0, 1), got {p}")
+    check_size(m, world_size)
     if d.max_length > m.max_seq_len:
         raise TunebenchError(f"data.max_length {d.max_length} exceeds model.max_seq_len {m.max_seq_len}; lower "
                              "data.max_length or raise model.max_seq_len")
@@ -297,6 +298,25 @@ def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -
                              "validation data is plain text; use evaluation.sample_prompt for samples as it trains")
     cfg.batch_ask().check(world_size)
     return cfg
+
+
+TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and AdamW's two moments
+
+
+def check_size(m: ModelConfig, world_size: int) -> None:
+    """Refuse, at load, an architecture whose training cannot fit this machine's memory (d_model=2**40 used to
+    end in the allocator): its parameters x 16 bytes, shared by the processes (FSDP shards them), against the
+    machine's RAM. The count is the GPT-2/Llama formula arch.py prints; activations come on top."""
+    import psutil
+
+    mlp = (3 if m.activation == "swiglu" else 2) * m.d_model * m.d_ff
+    params = m.n_layers * (4 * m.d_model * m.d_model + mlp) + m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) \
+        + (m.max_seq_len * m.d_model if m.use_learned_pos_emb else 0)
+    need, have = params * TRAIN_BYTES_PER_PARAMETER / world_size, psutil.virtual_memory().total
+    if need > have:
+        raise TunebenchError(f"the model section makes about {params:,} parameters, whose training needs about "
+                             f"{need / 2**30:,.0f} GiB per process (weights, gradients, AdamW moments) and this "
+                             f"machine has {have / 2**30:,.0f} GiB; lower model.d_model, d_ff, n_layers or vocab_size")
 
 
 def dump_yaml(cfg: PretrainRun, path: str | Path) -> None:

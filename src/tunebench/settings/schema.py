@@ -492,6 +492,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TunebenchError(f"config file '{p}' is not valid YAML ({first}); fix the syntax") from e
+    except RecursionError:
+        raise TunebenchError(f"config file '{p}' nests lists or mappings too deep to read; a config is sections "
+                             "of keys and values") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

@@ -21,9 +21,16 @@ VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad":
 
 
 def check_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """The port is free on `host`, in the host's own address family (an IPv6 host such as ::1 was tried as
+    IPv4 and reported as a port in use); a host that does not resolve is said as that."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise TunebenchError(f"--host {host} is not an address of this machine ({e.strerror}); pass e.g. "
+                             "--host 127.0.0.1") from e
+    with socket.socket(family, kind, proto) as s:
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError as e:
             raise TunebenchError(f"port {port} on {host} is in use or not ours ({e.strerror}); pass --port with a "
                                  "free one, e.g. --port 7861") from e
@@ -51,12 +58,19 @@ def chat_turn(registry: Registry, label: str, message: str, history: list[dict],
         raise gr.Error(str(e)) from None
 
 
+AB_MIN_TEMPERATURE = 0.3  # greedy answers could be matched with the Chat tab's, which names its model
+
+
 def ab_answers(registry: Registry, first: str, second: str, prompt: str, temperature: float, top_p: float,
                max_new_tokens: int, rng: random.Random | None = None):
     """Both models answer `prompt`, shown as A and B in random order. Yields (answer A, answer B, status,
-    state); the state holds who is who until the vote."""
+    state); the state holds who is who until the vote. Both answers appear together once both are done:
+    streamed one after the other, each side's speed (an adapter is slower than its base) named its model."""
     import gradio as gr
 
+    if float(temperature) < AB_MIN_TEMPERATURE:
+        raise gr.Error(f"A/B samples at a temperature of {AB_MIN_TEMPERATURE} or more: greedy answers could be "
+                       "matched with the Chat tab's, which names the model. Raise the temperature.")
     if not prompt.strip():
         raise gr.Error("Type a prompt (or take the next one from the prompt set) first.")
     if first == second:
@@ -74,7 +88,7 @@ def ab_answers(registry: Registry, first: str, second: str, prompt: str, tempera
                 answers[side] = reply.text
                 if reply.done:
                     speeds[side] = reply.tokens_per_s
-                yield answers["a"], answers["b"], f"answering as {side.upper()} ...", None
+            yield "", "", "answering ..." if side == "a" else "almost done ...", None
     except TunebenchError as e:
         raise gr.Error(str(e)) from None
     # Speeds stay hidden until the vote: an adapter is slower than its base, so a speed names the model.
@@ -183,7 +197,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                 first = gr.Dropdown(labels, value=labels[0], label="Model 1")
                 second = gr.Dropdown(labels, value=labels[-1], label="Model 2")
             with gr.Row():
-                ab_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature")
+                ab_temp = gr.Slider(AB_MIN_TEMPERATURE, 1.5, value=0.7, step=0.05, label="Temperature")
                 ab_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
                 ab_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens")
             prompt_set = gr.State(list(prompts or []))
