@@ -79,6 +79,15 @@ SHARED_OPTIONS: list[tuple[tuple[str, ...], str]] = [
 SWITCHES = [(("--overwrite",), "output.overwrite", True), (("--no-progress",), "logging.progress", False)]
 
 
+def _training_job(sub, name: str, help_text: str, description: str, own: list) -> argparse.ArgumentParser:
+    """train or pretrain: a config and dotted overrides as positional items, the job's own options and the
+    shared sections'."""
+    p = sub.add_parser(name, help=help_text, description=description)
+    p.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    _add_options(p, own)
+    return p
+
+
 def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], str, str]]) -> None:
     from tunebench.settings import schema  # torch-free: the sections and their documentation
 
@@ -108,11 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(parser)
     sub = parser.add_subparsers(dest="job", parser_class=_Parser, metavar="JOB")
 
-    train = sub.add_parser("train", help="LoRA, QLoRA or full fine-tuning",
-                           description="Fine-tune a causal LM. Positional items: an optional CONFIG.yaml and "
-                                       "dotted overrides such as optimizer.lr=1e-4 (or train.lr=1e-4).")
-    train.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
-    _add_options(train, TRAIN_OPTIONS)
+    train = _training_job(sub, "train", "LoRA, QLoRA or full fine-tuning", "Fine-tune a causal LM. Positional "
+                          "items: an optional CONFIG.yaml and dotted overrides such as optimizer.lr=1e-4 (or "
+                          "train.lr=1e-4).", TRAIN_OPTIONS)
     train.add_argument("--profile", default=None, metavar="NAME",
                        help="hardware profile to start from: cpu, gpu-8-12gb, gpu-24gb, gpu-80gb (or a YAML path)")
     train.add_argument("--use_8bit", "--use-8bit", dest="adapter.quantization", action="store_const", const="8bit",
@@ -123,15 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                        default=argparse.SUPPRESS, help="let transformers fetch a hub model that is not cached")
     _add_debug(train)
 
-    pre = sub.add_parser("pretrain", help="train a causal LM from scratch (its own tokenizer, a config's architecture)",
-                         description="Pretrain a model from a YAML config (sections device, model, training, data, "
-                                     "in the CPU training guide's key names). Positional items: an optional "
-                                     "CONFIG.yaml and dotted overrides such as optimizer.lr=1e-3 (or the guide's "
-                                     "training.learning_rate=1e-3).")
-    pre.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value")
+    pre = _training_job(sub, "pretrain", "train a causal LM from scratch (its own tokenizer, a config's "
+                        "architecture)", "Pretrain a model from a YAML config (sections device, model, training, "
+                        "data, in the CPU training guide's key names). Positional items: an optional CONFIG.yaml "
+                        "and dotted overrides such as optimizer.lr=1e-3 (or the guide's training.learning_rate=1e-3).",
+                        PRETRAIN_OPTIONS)
     pre.add_argument("--config", dest="config_file", default=None, metavar="CONFIG.yaml",
                      help="the config (as the CPU training guide's scripts/train.py --config); same as the positional")
-    _add_options(pre, PRETRAIN_OPTIONS)
     _add_debug(pre)
 
     tu = sub.add_parser("tune", help="hyperparameter search (Optuna) over train or pretrain runs",

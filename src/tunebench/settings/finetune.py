@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunebench.settings import schema
-from tunebench.core.batch_rule import BatchAsk, asked, launched_world_size
+from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
-from tunebench.settings.schema import (Batch, Distributed, Evaluation, Hardware, Logging, Optimizer, Output, Schedule,
-                              parse_override, read_yaml, short)
+from tunebench.settings.schema import parse_override, read_yaml, short
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
@@ -69,37 +68,17 @@ class AdapterConfig:
 PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    hardware: Hardware = field(default_factory=Hardware)
-    batch: Batch = field(default_factory=Batch)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    schedule: Schedule = field(default_factory=Schedule)
-    output: Output = field(default_factory=Output)
-    evaluation: Evaluation = field(default_factory=Evaluation)
-    logging: Logging = field(default_factory=Logging)
-    distributed: Distributed = field(default_factory=Distributed)
+def _to_dict(self) -> dict[str, Any]:
+    d = SCHEMA.to_dict(self)
+    d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
+    return d
 
-    def to_dict(self) -> dict[str, Any]:
-        d = SCHEMA.to_dict(self)
-        d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
-        return d
 
-    def batch_ask(self) -> BatchAsk:
-        """What the batch keys ask for (batch_rule.asked: the rule both jobs share): an effective batch of 8
-        unless the keys say otherwise."""
-        b = self.batch
-        return asked(b.effective_batch_size, None if b.autotune_batch else b.micro_batch_size, b.grad_accum_steps,
-                     schema.DEFAULT_EFFECTIVE_BATCH)
-
-    @property
-    def effective_batch_size(self) -> int:
-        """Rows per optimizer step in one process."""
-        return self.batch_ask().effective_for(1)
-
+# model, data, adapter, then the eight shared sections (schema.SHARED); an effective batch of 8 unless the
+# batch keys say otherwise
+RunConfig = schema.run_type("RunConfig", {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig},
+                            schema.DEFAULT_EFFECTIVE_BATCH, "A fine-tuning run's whole configuration.", __name__,
+                            to_dict=_to_dict)
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, **schema.SHARED}
 

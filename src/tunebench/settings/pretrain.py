@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.settings import schema
-from tunebench.core.batch_rule import BatchAsk, asked, launched_world_size
+from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
-from tunebench.settings.schema import (Batch, Distributed, Evaluation, Hardware, Logging, Optimizer, Output, Schedule,
-                              parse_override, read_yaml)
+from tunebench.settings.schema import parse_override, read_yaml
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")
 
@@ -69,38 +68,16 @@ class DataConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class PretrainRun:
-    """A pretraining run's whole configuration: the architecture, the data, and the shared sections."""
+def _data_files(self) -> list[str]:
+    d = self.data
+    return [f.strip() for f in d.train_file.split(",") if f.strip()] if d.train_file else [d.dataset_name]
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    hardware: Hardware = field(default_factory=Hardware)
-    batch: Batch = field(default_factory=Batch)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    schedule: Schedule = field(default_factory=Schedule)
-    output: Output = field(default_factory=Output)
-    evaluation: Evaluation = field(default_factory=Evaluation)
-    logging: Logging = field(default_factory=Logging)
-    distributed: Distributed = field(default_factory=Distributed)
 
-    def to_dict(self) -> dict[str, Any]:
-        return SCHEMA.to_dict(self)
-
-    def batch_ask(self) -> BatchAsk:
-        """What the batch keys ask for (batch_rule.asked): with no effective batch given, the CPU guide's
-        batch_size x gradient_accumulation_steps in each process."""
-        b = self.batch
-        return asked(b.effective_batch_size, None if b.autotune_batch else b.micro_batch_size, b.grad_accum_steps, None)
-
-    @property
-    def effective_batch_size(self) -> int:
-        return self.batch_ask().effective_for(1)
-
-    @property
-    def data_files(self) -> list[str]:
-        d = self.data
-        return [f.strip() for f in d.train_file.split(",") if f.strip()] if d.train_file else [d.dataset_name]
+# model (the architecture), data, then the eight shared sections (schema.SHARED). With no effective batch
+# given, the CPU guide's batch_size x gradient_accumulation_steps in each process (default_effective None).
+PretrainRun = schema.run_type("PretrainRun", {"model": ModelConfig, "data": DataConfig}, None,
+                              "A pretraining run's whole configuration.", __name__,
+                              to_dict=lambda self: SCHEMA.to_dict(self), data_files=property(_data_files))
 
 
 def _report_to(value: Any) -> str:

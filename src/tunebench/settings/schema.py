@@ -345,6 +345,32 @@ class Schema:
         return {s: dataclasses.asdict(getattr(cfg, s)) for s in self.sections}
 
 
+def run_type(name: str, own: dict[str, type], default_effective: int | None, doc: str, module: str,
+             **methods: Any) -> type:
+    """A job's whole configuration as a frozen dataclass: its own sections (`own`), then the eight shared ones,
+    each defaulting to its section's defaults; with the batch request both jobs make (batch_rule.asked, with
+    the job's `default_effective`) and the job's own `methods`. Made here so that the shared sections are
+    listed once, not retyped in each job's class."""
+    from tunebench.core.batch_rule import asked
+
+    def batch_ask(self):
+        """What the batch keys ask for (batch_rule.asked holds the rule)."""
+        b = self.batch
+        return asked(b.effective_batch_size, None if b.autotune_batch else b.micro_batch_size, b.grad_accum_steps,
+                     default_effective)
+
+    def effective_batch_size(self) -> int:
+        """Rows per optimizer step in one process."""
+        return self.batch_ask().effective_for(1)
+
+    fields = [(section, cls, dataclasses.field(default_factory=cls)) for section, cls in {**own, **SHARED}.items()]
+    namespace = {"__doc__": doc, "batch_ask": batch_ask, "effective_batch_size": property(effective_batch_size),
+                 **methods}
+    cls = dataclasses.make_dataclass(name, fields, frozen=True, namespace=namespace)
+    cls.__module__ = module  # where it is defined for readers and pickling (make_dataclass's own argument is 3.12's)
+    return cls
+
+
 def check_shared(cfg: Any, world_size: int, job: str) -> None:
     """The shared sections' own rules (each job adds its own and checks its batch request)."""
     h, b, o, s, out, e, lg, dist = (getattr(cfg, name) for name in SHARED)
