@@ -401,9 +401,6 @@ def check_shared(cfg: Any, world_size: int, job: str) -> None:
         raise TunebenchError(f"schedule.warmup_ratio must be in [0, 1], got {s.warmup_ratio}; pass e.g. 0.03")
     if s.max_steps is not None and s.max_tokens is not None:
         raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
-    if b.autotune_batch and b.effective_batch_size is None and b.grad_accum_steps is not None:
-        raise TunebenchError("batch.micro_batch_size auto with batch.grad_accum_steps needs "
-                             "batch.effective_batch_size (the micro batches measured are those that divide it)")
     check_threads(h.threads, "--threads")
     if dist.world_size is not None and dist.world_size != world_size:
         raise TunebenchError(f"distributed.world_size is {dist.world_size}, and this run was started as {world_size} "
