@@ -34,8 +34,6 @@ from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, Lo
 from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.machine.monitor import Monitor, other_load
 
-Row = tuple[str, Any, str]
-
 
 @dataclass(frozen=True)
 class Opened:
