@@ -355,3 +355,57 @@ def test_parallel_auto_shards_what_does_not_fit_and_keeps_adapters_on_ddp():
 
     with pytest.raises(TunebenchError, match="--parallel ddp"):
         hardware.pick_parallel("fsdp", "lora", 10, 2, 10)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_this_machine_match_one_process(tmp_path, rows):
+    """Two `tunebench launch --nnodes 2` processes, one rank each, meeting at a localhost rendezvous (as two
+    machines would at the first one's address): the run is the one process's run."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    _tunebench(_train_args(rows, one, 4))
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", "1", "--nnodes", "2",
+                               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", "--",
+                               *_train_args(rows, two, 2)], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    _same(_losses(two), _losses(one))
+    _same_weights(_weights(two), _weights(one))
+    plan = {d["setting"]: d for d in json.loads((two / "plan.json").read_text())["decisions"]}
+    assert plan["world"]["value"] == 2
+    assert sum(out.count("settings:") for out, _ in outputs) == 1  # global rank 0 alone talks
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo ran",))
+
+
+def test_what_ranks_send_each_other_is_read_as_data_never_as_code():
+    """agree/gather carry bytes in tensors read by torch's weights_only unpickler: plain values, tensors and
+    the classes named come back; anything else (a peer's payload that would run code) is refused."""
+    from tunebench.core.decision import Decision
+    from tunebench.machine import distributed
+    from tunebench.training.runplan import Measured
+
+    value = ("ok", Measured((Decision("compile", True, "measured"),), 2, 4, 12.5))
+    back = distributed._decode(distributed._encode(value), (Measured, Decision))
+    assert back == value and isinstance(back[1], Measured)
+    rng = {"torch": torch.get_rng_state(), "python": [3, [1, 2], None]}
+    assert torch.equal(distributed._decode(distributed._encode(rng), ())["torch"], rng["torch"])
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        distributed._decode(distributed._encode(_RunsCode()), ())
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        distributed._decode(distributed._encode(value), ())  # a class not named is refused too

@@ -205,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
                                     "--nproc-per-node 2 -- train [options]. Each rank gets the usable cores divided "
                                     "by the ranks on its machine as threads (unless OMP_NUM_THREADS is set). Across "
-                                    "machines: the rendezvous is unauthenticated and ranks unpickle objects their "
-                                    "peers send, so whoever reaches --rdzv-endpoint can run code in every rank; use "
-                                    "a network you trust.")
+                                    "machines: the rendezvous is unauthenticated and torchrun's rendezvous pickles its "
+                                    "state in the store, so whoever reaches --rdzv-endpoint can run code in every "
+                                    "launch process; use a network you trust.")
     la.add_argument("--nproc-per-node", type=int, required=True, help="processes on this machine")
     la.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
     la.add_argument("--node-rank", type=int, default=0, help="this machine's place among them (default 0)")

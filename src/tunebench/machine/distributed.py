@@ -8,9 +8,11 @@ and talks to the user; the others receive its answers (`agree`), never race it f
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pathlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -111,37 +113,78 @@ def all_sum(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
-def agree(world: World, decide: Callable[[], T]) -> T:
+def _encode(value: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor, safe: Sequence[type]) -> Any:
+    """A peer's value, read back by torch's weights_only unpickler: plain containers, numbers, strings,
+    tensors and the classes in `safe` only. The rendezvous of a multi-node run is not authenticated, and
+    torch.distributed's *_object collectives unpickle whatever a peer sends (code included)."""
+    with torch.serialization.safe_globals([*SAFE, *safe]):
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+
+
+SAFE: tuple[type, ...] = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
+
+
+def agree(world: World, decide: Callable[[], T], safe: Sequence[type] = ()) -> T:
     """Rank 0 runs `decide` and every rank returns its answer, or raises its error: ranks never disagree,
-    and a refusal on rank 0 stops the others instead of leaving them waiting in a collective."""
+    and a refusal on rank 0 stops the others instead of leaving them waiting in a collective. The answer
+    travels as bytes in a tensor and is read with `_decode` (classes beyond plain data: `safe`)."""
     if world.backend is None:
         return decide()
-    box: list[Any] = [None]
     if world.main:
         try:
-            box[0] = ("ok", decide())
+            value = decide()
+            _broadcast(("ok", value), world, safe)
+            return value
         except TunebenchError as e:
-            box[0] = ("error", (str(e), e.exit_code))
-        except BaseException as e:  # noqa: BLE001 - told to the others, then raised here as it was
-            box[0] = ("error", (f"rank 0 failed: {type(e).__name__}: {e}", 1))
-            dist.broadcast_object_list(box, src=0)
+            _broadcast(("error", (str(e), e.exit_code)), world, safe)
             raise
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
+        except BaseException as e:  # noqa: BLE001 - told to the others, then raised here as it was
+            _broadcast(("error", (f"rank 0 failed: {type(e).__name__}: {e}", 1)), world, safe)
+            raise
+    kind, value = _broadcast(None, world, safe)
     if kind == "error":
         error = TunebenchError(*value)
-        error.echo = not world.main  # rank 0 has said it; the others need not repeat it
+        error.echo = True  # an echo of rank 0's refusal, which rank 0 says; the others stay quiet
         raise error
     return value
 
 
-def gather(world: World, value: T) -> list[T] | None:
-    """Every rank's `value`, on rank 0 (None elsewhere)."""
+def _broadcast(value: Any, world: World, safe: Sequence[type]) -> Any:
+    """Rank 0's `value` on every rank: its length, then its bytes (two plain-tensor broadcasts)."""
+    carrier = _carrier(world)
+    data = _encode(value).to(carrier) if world.main else None
+    size = torch.tensor([data.numel() if world.main else 0], dtype=torch.int64, device=carrier)
+    dist.broadcast(size, src=0)
+    if not world.main:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=carrier)
+    dist.broadcast(data, src=0)
+    return value if world.main else _decode(data, safe)
+
+
+def gather(world: World, value: T, safe: Sequence[type] = ()) -> list[T] | None:
+    """Every rank's `value`, on rank 0 (None elsewhere); it travels as bytes in a tensor, read with `_decode`."""
     if world.backend is None:
         return [value]
-    out: list[Any] | None = [None] * world.size if world.main else None
-    dist.gather_object(value, out, dst=0)
-    return out
+    carrier = _carrier(world)
+    data = _encode(value).to(carrier)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=carrier) for _ in range(world.size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=carrier))
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=carrier)
+    padded[:data.numel()] = data
+    # all_gather, not gather: every backend has it, and a few kilobytes per rank cost nothing
+    parts = [torch.empty(longest, dtype=torch.uint8, device=carrier) for _ in range(world.size)]
+    dist.all_gather(parts, padded)
+    if not world.main:
+        return None
+    return [value if r == 0 else _decode(part[:int(size.item())], safe)
+            for r, (part, size) in enumerate(zip(parts, sizes))]
 
 
 @contextlib.contextmanager
