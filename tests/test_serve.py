@@ -6,6 +6,7 @@ import multiprocessing
 import random
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -138,8 +139,18 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     assert all(a == b == "" for a, b, _, _ in steps[:-1]) and steps[-1][3]["answer_a"] == steps[-1][0]
     with pytest.raises(gr.Error, match="temperature of 0.3 or more"):
         list(app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.0, 0.9, 8))
-    message, state = app.ab_vote(db, "b", state)
+    # While the pair is open, the Chat tab hides the speed of both its models (it would name a side);
+    # the vote reveals them and the Chat tab shows speeds again.
+    blinded = app.Blinded()
+    *_, (_, _, _, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.7, 0.9, 8,
+                                          blinded=blinded)
+    for label in registry.labels:
+        _, status = list(app.chat_turn(registry, label, "hello", [], 0.7, 0.9, 8, blinded))[-1]
+        assert "tokens/s" not in status and "speed hidden" in status
+    message, state = app.ab_vote(db, "b", state, blinded)
     assert f"A was {state['model_a']}" in message and state["voted"] and "tokens/s" in message  # revealed
+    _, status = list(app.chat_turn(registry, registry.labels[0], "hello", [], 0.7, 0.9, 8, blinded))[-1]
+    assert "tokens/s" in status
     with pytest.raises(gr.Error):
         app.ab_vote(db, "a", state)  # one vote per pair of answers
     (pair,) = votes.pairs(db)
@@ -168,6 +179,26 @@ def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
         assert chatbot["render_markdown"] is False  # a reply's ![](http://...) is text, not a fetch
         assert served.show_error is False and served.max_file_size == 2**20  # launch's hardening
         assert served._queue.max_size == app.QUEUE_SIZE
+        # Gradio's run-history routes (no login check of their own) are off
+        for route in ("/gradio_api/run-history/records", "/gradio_api/runs"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{route}", timeout=30)
+            assert e.value.code == 404, route
+    finally:
+        served.close()
+
+
+def test_a_client_over_its_share_of_the_workers_is_told_busy(tmp_path, tuned, monkeypatch):
+    """The per-client limit is on the app's handlers: with a share of 0, every request is answered busy."""
+    from gradio_client import Client
+
+    monkeypatch.setattr(app, "PER_CLIENT", 0)
+    port = _free_port()
+    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        with pytest.raises(Exception, match="busy: you already have 0 answers being generated"):
+            client.predict("base: tiny", "hello", 0.7, 0.9, 8, api_name="/on_chat")
     finally:
         served.close()
 
@@ -186,6 +217,7 @@ def _browser(chromium):
 
 def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, chromium):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -218,13 +250,31 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
             button("Login").click()
             if secret == "wrong":
                 wait.until(lambda d: "incorrect" in d.page_source.lower())
-        tab("Chat")
-        tab("A/B")
-        box = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "textarea[placeholder^='Type a prompt']")))
-        box.send_keys("How do I cancel my order?")
+        def body():
+            return browser.find_element(By.TAG_NAME, "body").text
+
+        tab("Chat")  # a chat turn: the question and an answer with its speed
+        chat = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "textarea[placeholder^='Ask something']")))
+        chat.send_keys("Hello there" + Keys.ENTER)
+        wait.until(lambda d: "tokens/s" in body())
+        assert "Hello there" in body()
+        tab("A/B")  # a prompt set uploaded, its first prompt taken
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"prompt": "How do I cancel my order?"}\n{"prompt": "Where is my refund?"}\n')
+        browser.find_element(By.XPATH, "//*[normalize-space(text())='Prompt set: step through a fixed list of "
+                                       "prompts']").click()
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "input[type=file]"))).send_keys(str(prompts))
+        wait.until(lambda d: "2 prompts loaded" in body())
+        button("Next prompt from the set").click()
+        box = browser.find_element(By.CSS_SELECTOR, "textarea[placeholder^='Type a prompt']")
+        wait.until(lambda d: box.get_attribute("value") == "How do I cancel my order?")
         button("Get answers").click()
         wait.until(lambda d: "Which answer is better?" in d.page_source)
-        assert "tokens/s" not in browser.find_element(By.TAG_NAME, "body").text  # blind until the vote
+        assert "tokens/s" not in body()  # blind until the vote
+        tab("Chat")  # the chat's model is in the open pair: its speed is not shown now
+        chat.send_keys("Again" + Keys.ENTER)
+        wait.until(lambda d: "speed hidden while a blind A/B comparison" in body())
+        tab("A/B")
         from selenium.webdriver import ActionChains
 
         ActionChains(browser).double_click(button("A is better")).perform()  # two fast clicks, one vote
@@ -397,3 +447,35 @@ def test_an_ipv6_loopback_host_is_checked_as_ipv6():
         s.listen()
         with pytest.raises(TunebenchError, match=f"port {port} on ::1 is in use"):
             check_port("::1", port)
+
+
+def test_a_pair_left_without_a_vote_stops_hiding_speeds_after_its_time():
+    blinded = app.Blinded(hours=1)
+    blinded.open("p1", ("base", "run"))
+    assert blinded.hides("run") and blinded.hides("base") and not blinded.hides("other")
+    blinded.close("p1")
+    assert not blinded.hides("run")
+    blinded.open("p2", ("base", "run"))
+    blinded.seconds = 0  # an hour later
+    time.sleep(0.01)
+    assert not blinded.hides("run")
+
+
+def test_one_client_gets_its_share_of_the_workers_and_then_busy():
+    limit = app.ClientLimit(2)
+    with limit.hold("host:10.0.0.1"), limit.hold("host:10.0.0.1"):
+        with pytest.raises(app.Busy, match="busy: you already have 2 answers being generated"):
+            with limit.hold("host:10.0.0.1"):
+                pass
+        with limit.hold("host:10.0.0.2"):  # another client is not held back
+            pass
+    with limit.hold("host:10.0.0.1"):  # released when the answers end
+        pass
+    assert not limit._running
+
+    class Request:  # what Gradio passes: the login if any, else the address
+        username = None
+        client = type("Client", (), {"host": "10.0.0.1"})()
+    assert app.client_of(Request()) == "host:10.0.0.1"
+    Request.username = "ann"
+    assert app.client_of(Request()) == "user:ann"

@@ -2,15 +2,21 @@
 
 Gradio runs these (sync, generator) handlers on its worker threads, so generation never blocks the
 server's event loop; models come from one Registry shared by every session.
+
+No `from __future__ import annotations` here: Gradio hands a handler the visitor's request when its
+parameter is annotated gr.Request, and finds that by evaluating the annotation, which a string naming a
+module imported inside build() would defeat.
 """
 
-from __future__ import annotations
-
+import contextlib
 import os
 import random
 import shlex
 import socket
+import threading
+import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
@@ -40,9 +46,78 @@ def _settings(temperature: float, top_p: float, max_new_tokens: int) -> dict:
     return {"temperature": float(temperature), "top_p": float(top_p), "max_new_tokens": int(max_new_tokens)}
 
 
+class Blinded:
+    """The models of A/B pairs shown and not yet voted on, by any visitor: the Chat tab does not show their
+    speed (an adapter is slower than its base, so a speed seen there would name a side of the pair). A pair
+    left without a vote stops hiding anything after `hours`."""
+
+    def __init__(self, hours: float = 1.0):
+        self.seconds = hours * 3600
+        self._pairs: dict[str, tuple[tuple[str, str], float]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, pair_id: str, labels: tuple[str, str]) -> None:
+        with self._lock:
+            self._pairs[pair_id] = (labels, time.monotonic())
+
+    def close(self, pair_id: str | None) -> None:
+        with self._lock:
+            self._pairs.pop(pair_id, None)
+
+    def hides(self, label: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            for pair_id, (_, opened) in list(self._pairs.items()):
+                if now - opened > self.seconds:
+                    del self._pairs[pair_id]
+            return any(label in labels for labels, _ in self._pairs.values())
+
+
+class Busy(TunebenchError):
+    pass
+
+
+PER_CLIENT = 2  # generations one visitor may have running or waiting at once (the Chat and A/B tabs, say)
+
+
+class ClientLimit:
+    """At most `limit` generations at once per client (its login, else its address): one visitor cannot
+    hold every worker while the others wait. A request over the limit is answered "busy" at once, so a
+    burst from one client drains from the queue in no time instead of holding it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._running: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, client: str):
+        with self._lock:
+            if self._running[client] >= self.limit:
+                raise Busy(f"busy: you already have {self.limit} answers being generated; wait for them to finish, "
+                           "then send this again")
+            self._running[client] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running[client] -= 1
+                if not self._running[client]:
+                    del self._running[client]
+
+
+def client_of(request) -> str:
+    """Who sends a Gradio request: the login where there is one, else the address it comes from."""
+    if request is None:
+        return "local"
+    user = getattr(request, "username", None)
+    host = getattr(getattr(request, "client", None), "host", None)
+    return f"user:{user}" if user else f"host:{host or 'unknown'}"
+
+
 def chat_turn(registry: Registry, label: str, message: str, history: list[dict], temperature: float, top_p: float,
-              max_new_tokens: int):
-    """Yields (history, status) as the reply grows."""
+              max_new_tokens: int, blinded: Blinded | None = None):
+    """Yields (history, status) as the reply grows. The speed is left out while `label` is in an open A/B pair."""
     import gradio as gr
 
     if not message.strip():
@@ -51,8 +126,12 @@ def chat_turn(registry: Registry, label: str, message: str, history: list[dict],
     try:
         for reply in stream(registry, label, history, int(max_new_tokens), float(temperature), float(top_p)):
             shown = history + [{"role": "assistant", "content": reply.text}]
-            status = (f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s"
-                      if reply.done else "generating ...")
+            if not reply.done:
+                status = "generating ..."
+            elif blinded is not None and blinded.hides(label):
+                status = f"{reply.new_tokens} tokens (speed hidden while a blind A/B comparison of this model is open)"
+            else:
+                status = f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s"
             yield shown, status
     except TunebenchError as e:  # too long, an unknown model: said to the visitor; anything else stays server-side
         raise gr.Error(str(e)) from None
@@ -62,7 +141,7 @@ AB_MIN_TEMPERATURE = 0.3  # greedy answers could be matched with the Chat tab's,
 
 
 def ab_answers(registry: Registry, first: str, second: str, prompt: str, temperature: float, top_p: float,
-               max_new_tokens: int, rng: random.Random | None = None):
+               max_new_tokens: int, rng: random.Random | None = None, blinded: Blinded | None = None):
     """Both models answer `prompt`, shown as A and B in random order. Yields (answer A, answer B, status,
     state); the state holds who is who until the vote. Both answers appear together once both are done:
     streamed one after the other, each side's speed (an adapter is slower than its base) named its model."""
@@ -95,10 +174,12 @@ def ab_answers(registry: Registry, first: str, second: str, prompt: str, tempera
     state = {"prompt": prompt.strip(), "model_a": a, "model_b": b, "answer_a": answers["a"],
              "answer_b": answers["b"], "settings": settings, "speeds": speeds, "pair_id": uuid.uuid4().hex,
              "voted": False}
+    if blinded is not None:
+        blinded.open(state["pair_id"], (a, b))
     yield answers["a"], answers["b"], "Which answer is better?", state
 
 
-def ab_vote(db: Path, vote: str, state: dict | None) -> tuple[str, dict | None]:
+def ab_vote(db: Path, vote: str, state: dict | None, blinded: Blinded | None = None) -> tuple[str, dict | None]:
     """Store the vote with both answers, the prompt, the models and the settings; reveal who was who."""
     import gradio as gr
 
@@ -111,6 +192,8 @@ def ab_vote(db: Path, vote: str, state: dict | None) -> tuple[str, dict | None]:
                                state["answer_b"], vote, state["settings"], state.get("pair_id"))
     except votes.AlreadyVoted:
         raise gr.Error("This pair is already voted on; generate new answers.") from None
+    if blinded is not None:
+        blinded.close(state.get("pair_id"))
     speeds = state.get("speeds", {})
     shown = "".join(f", {side.upper()} {speeds[side]:.1f} tokens/s" for side in ("a", "b") if side in speeds)
     return (f"Vote #{vote_id} stored: {VOTE_LABELS[vote]}. A was {state['model_a']}, B was {state['model_b']}"
@@ -157,6 +240,16 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
     import gradio as gr
 
     labels = registry.labels
+    blinded, limit = Blinded(), ClientLimit(PER_CLIENT)
+
+    def limited(request, handler, *args):
+        """`handler`'s answers, within the client's share of the workers; over it, "busy" at once."""
+        try:
+            with limit.hold(client_of(request)):
+                yield from handler(*args)
+        except Busy as e:
+            raise gr.Error(str(e)) from None
+
     results_head = votes.table(db)[0] if db.is_file() else []
     with gr.Blocks(title="tunebench", analytics_enabled=False) as app:
         gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, and compare them blind.")
@@ -177,9 +270,9 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                 chat_clear = gr.Button("Clear", scale=1)
             chat_status = gr.Markdown("")
 
-            def on_chat(label, message, history, temp, top_p, max_new):
-                shown = history
-                for shown, status in chat_turn(registry, label, message, history, temp, top_p, max_new):
+            def on_chat(label, message, history, temp, top_p, max_new, request: gr.Request):
+                for shown, status in limited(request, chat_turn, registry, label, message, history, temp, top_p,
+                                             max_new, blinded):
                     yield shown, shown, "", status
 
             chat_inputs = [chat_model, chat_box, chat_history, chat_temp, chat_top_p, chat_max]
@@ -233,15 +326,15 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None):
                 index = (index + 1) % len(items)
                 return items[index], index, f"prompt {index + 1} of {len(items)}"
 
-            def on_answers(m1, m2, prompt, temp, top_p, max_new):
-                yield from ab_answers(registry, m1, m2, prompt, temp, top_p, max_new)
+            def on_answers(m1, m2, prompt, temp, top_p, max_new, request: gr.Request):
+                yield from limited(request, ab_answers, registry, m1, m2, prompt, temp, top_p, max_new, None, blinded)
 
             prompt_file.change(on_file, prompt_file, [prompt_set, prompt_index, set_status])
             next_prompt.click(on_next, [prompt_set, prompt_index], [ab_prompt, prompt_index, set_status])
             ab_go.click(on_answers, [first, second, ab_prompt, ab_temp, ab_top_p, ab_max],
                         [answer_a, answer_b, ab_status, ab_state])
             for v, button in vote_buttons.items():
-                button.click(lambda state, v=v: ab_vote(db, v, state), ab_state, [ab_status, ab_state])
+                button.click(lambda state, v=v: ab_vote(db, v, state, blinded), ab_state, [ab_status, ab_state])
 
         with gr.Tab("A/B results", id="results") as results_tab:
             gr.Markdown(f"Votes in `{db}`: the first model's win rate against the second, a tie counting half, "
@@ -306,5 +399,6 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
     # the visitor.
     app.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=True, share=False,
-               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD)
+               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD,
+               run_history=False)  # its /gradio_api/run-history/* routes have no login check (and need the hub)
     return app
