@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import needs_module
 from tunebench.interfaces import cli
 
 from tunebench.core import startup
@@ -49,7 +50,27 @@ def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
     # relative bound failed once, when four tiny steps took 67 ms)
     assert summary["samples"] / summary["samples_per_s"] == pytest.approx(summary["train_time_s"], abs=5e-4 + 1e-9)
     assert summary["tokens_per_s"] == pytest.approx(train_rows[-1]["tokens_per_s"])  # warm-up steps excluded, both
-    assert train_rows[0]["lr"] < train_rows[1]["lr"] or train_rows[0]["lr"] > train_rows[-1]["lr"]  # a schedule
+    # each step's learning rate is the schedule's at that step, from the rate and warm-up the plan names
+    import torch
+
+    from tunebench.training import optim
+    plan = {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
+    lr = float(plan["lr"]["value"])
+    schedule, warmup = re.search(r"; (\w+) after (\d+) warm-up steps", plan["lr"]["reason"]).groups()
+    expected = optim.scheduler(torch.optim.SGD([torch.zeros(1)], lr=lr), schedule, int(warmup), 4)
+    for row in train_rows:
+        assert row["lr"] == pytest.approx(expected.get_last_lr()[0], rel=1e-6), row["step"]
+        expected.optimizer.step()
+        expected.step()
+    assert len({r["lr"] for r in train_rows}) > 1  # it moves
+    # the machine in the run's plan.json is what `tunebench hw --json` reports
+    record = json.loads(tb("hw", "--json").stdout)
+    ran, now = json.loads((out / "plan.json").read_text())["hardware"], record["hardware"]
+    moving = {"ram_available_mb", "cpu_mhz"}  # read at that moment: they move between two processes
+    assert {k: v for k, v in ran.items() if k not in moving} == {k: v for k, v in now.items() if k not in moving}
+    assert ran.keys() == now.keys() and ran["physical_cores"] >= 1
+    decided = {d["setting"]: d["value"] for d in record["decisions"]}
+    assert {k: plan[k]["value"] for k in ("device", "precision")} == {k: decided[k] for k in ("device", "precision")}
 
     from peft import PeftModel
 
@@ -224,3 +245,58 @@ def test_the_command_pauses_collection_until_its_training_loop_and_leaves_caller
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_ctrl_c_leaves_a_checkpoint_the_next_run_resumes_from(tmp_path, dataset):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the run finishes its step, saves a
+    checkpoint, says how to resume and exits 130; --resume auto goes on from that step."""
+    import signal
+    import time
+
+    from tunebench.training import checkpoint
+
+    out = tmp_path / "run"
+    args = ["train", "--model", "tiny", "--data", str(dataset), "--output-dir", str(out), "--max-length", "64",
+            "--batch-size", "1", "--effective-batch-size", "1", "--precision", "fp32", "--compile", "off",
+            "--no-progress"]
+    proc = subprocess.Popen([sys.executable, "-m", "tunebench", *args, "--max-steps", "100000"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.is_file() and '"step": 2,' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "SIGINT: saving a checkpoint after this step" in stdout
+    step = int(re.search(r"interrupted at step (\d+); a checkpoint was saved: rerun with --resume auto", stderr)[1])
+    assert "Traceback" not in stderr and step >= 2
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == [f"step-{step:08d}"]
+    tb(*args, "--max-steps", step + 1, "--resume", "auto")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-2:] == [step, step + 1]  # one more step, after the saved one
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 1
+
+
+def test_report_to_tensorboard_writes_events_tensorboards_reader_loads(tmp_path, dataset):
+    """--report-to tensorboard: the event files hold every logged loss and eval loss, at its step, as
+    TensorBoard's own reader (EventAccumulator) reads them, equal to metrics.jsonl's."""
+    needs_module("tensorboard", "TensorBoard's reader is in the test extra: pip install -e '.[test]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    tb("train", "--model", "tiny", "--data", dataset, "--output-dir", out, "--max-length", 64, "--batch-size", 2,
+       "--max-steps", 4, "--eval-steps", 2, "--no-progress", "--report-to", "tensorboard", "--precision", "fp32")
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for tag, key in (("train/loss", "loss"), ("eval/eval_loss", "eval_loss")):
+        logged = [(r["step"], r[key]) for r in rows if key in r]
+        scalars = events.Scalars(tag)
+        assert [e.step for e in scalars] == [step for step, _ in logged], tag
+        assert [e.value for e in scalars] == pytest.approx([value for _, value in logged], rel=1e-6), tag
+    assert len(events.Scalars("train/loss")) == 4

@@ -1,4 +1,5 @@
 import csv
+import json
 import subprocess
 from pathlib import Path
 
@@ -51,7 +52,17 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     for key in ("duration_seconds", "tokens_per_s", "peak_memory_mb", "eval_loss", "final_train_loss", "steps"):
         assert float(ok[key]) > 0, key
     assert float(ok["eos_rate"]) in (0, 50, 100) and 0 <= float(ok["rougeL"]) <= 100 and ok["exact_match"] == ""
-    assert float(ok["chrf"]) >= 0
+    # the scores are those of the answers the run wrote down, recomputed here with the libraries themselves
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    lines = (tmp_path / "runs" / "bs2_ga2-cpu-r1" / "eval_answers.jsonl").read_text().splitlines()
+    answers = [json.loads(line) for line in lines[1:]]
+    hyps, refs = [a["answer"] for a in answers], [a["reference"] for a in answers]
+    assert float(ok["chrf"]) == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=0.01)
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    rouge = 100 * sum(scorer.score(r, h)["rougeL"].fmeasure for h, r in zip(hyps, refs)) / len(answers)
+    assert float(ok["rougeL"]) == pytest.approx(rouge, abs=0.01)
     assert by["broken"]["status"] == "error" and "not a HF directory" in by["broken"]["message"]
     assert "[2/2]" in capsys.readouterr().out
 

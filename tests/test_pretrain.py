@@ -243,8 +243,13 @@ def test_pretrained_output_loads_generates_and_fine_tunes(tmp_path, corpus, char
     pretrain.run(_config(corpus, tmp_path / "char-tok", tmp_path / "pre", max_steps=2))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "pre")
     tok = AutoTokenizer.from_pretrained(tmp_path / "pre")
-    out = model.generate(**tok("Line", return_tensors="pt"), max_new_tokens=5, do_sample=False)
-    assert out.shape[1] == len("Line") + 5
+    enc = tok("Line", return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert out.shape[1] == enc["input_ids"].shape[1] + 5
+    # tunebench's own generate reads the run as transformers does: the same greedy text
+    from tunebench.jobs import generate
+    expected = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert generate.generate(str(tmp_path / "pre"), None, "Line", 5, 0.0, raw=True, precision="fp32") == expected
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(12)))
     summary = finetune.run(load_config(options={

@@ -58,7 +58,11 @@ def test_compare_sizes_every_run_alike_and_resumes_with_the_same_rows(tmp_path, 
     rows = _rows(out)
     assert {r["status"] for r in rows} == {"ok"} and len(rows) == 2
     assert len({r["samples"] for r in rows}) == 1 and 24 <= int(rows[0]["samples"]) <= 30  # every run alike
-    assert all(float(r["measure_seconds"]) >= 0 for r in rows)
+    for r in rows:  # the seconds each run spent measuring, as its own summary records them
+        summary = json.loads((tmp_path / "runs" / f"{r['experiment']}-cpu-r1" / "summary.json").read_text())
+        assert float(r["measure_seconds"]) == pytest.approx(summary["measure_s"], abs=1e-3)
+    by = {r["experiment"]: float(r["measure_seconds"]) for r in rows}
+    assert by["auto"] > 0  # the micro batch was measured
     record = out.with_name("results.sizing.json")
     assert json.loads(record.read_text())["max_samples"] == 30 and calls == ["cpu"]
 

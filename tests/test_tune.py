@@ -144,10 +144,15 @@ def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path,
     assert len(_rows(out / "results.csv")) == 2
 
 
-def test_the_cli_refuses_a_budget_and_steps_together(tmp_path):
+def test_the_cli_refuses_a_budget_and_steps_together(tmp_path, capsys):
     from tunebench.interfaces.cli import main
 
     assert main(["tune", "--space", "customer_support_lora", "--budget-tokens", "10", "--max-steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tunebench: error: argument --max-steps: not allowed with argument --budget-tokens; see "
+                   "`tunebench tune --help`"]  # the parser's own refusal, before anything loads
+    with pytest.raises(TunebenchError, match="--budget-tokens and --max-steps both set a trial's length"):
+        search.run("train", None, {}, "customer_support_lora", 1, str(tmp_path / "t"), budget_tokens=10, max_steps=2)
 
 
 def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
@@ -214,3 +219,33 @@ def test_a_task_objective_that_cannot_work_is_refused(tmp_path, dataset, job, pr
         search.run(job, None, {**_base(dataset), **extra}, _space(tmp_path, "train.lr: [0.001]\n"), 1,
                    str(tmp_path / "t"), "random", pruner, max_steps=1, objective="rougeL")
     assert not (tmp_path / "t").exists()
+
+
+def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones_and_lets_a_better_one_run(tmp_path):
+    """The study's own median pruner (as open_study builds it), fed a running trial's evals as _follow reads
+    them: worse than the median of two finished trials at its first quarter, the trial's process is stopped
+    (SIGTERM to its group, as a pruned run gets); better, it runs to its end."""
+    study = search.open_study(tmp_path, None, "pruning", "random", "median", 0, "mark")
+    for losses in ([2.0, 1.8, 1.6], [2.2, 2.0, 1.9]):  # two finished trials: evals at quarters 1, 2, 3
+        done = study.ask()
+        for quarter, loss in enumerate(losses, 1):
+            done.report(loss, quarter)
+        study.tell(done, losses[-1])
+
+    def running(name, first_eval, seconds):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "plan.json").write_text(json.dumps({"decisions": [{"setting": "total_steps", "value": 12}]}))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval_loss": 3.0}) + "\n"
+                                           + json.dumps({"step": 3, "eval_loss": first_eval}) + "\n")
+        return run, subprocess.Popen(["sleep", str(seconds)], start_new_session=True)
+
+    run, proc = running("worse", 5.0, 120)
+    try:
+        seen, pruned = search._follow(proc, study.ask(), run)
+    finally:
+        proc.kill()
+    assert pruned == (1, 5.0) and seen == 2 and proc.wait(5) == -signal.SIGTERM
+    run, proc = running("better", 1.9, 2)
+    seen, pruned = search._follow(proc, study.ask(), run)
+    assert pruned is None and proc.returncode == 0
