@@ -57,8 +57,8 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
                      + ("key/value prefixes in every layer" if a.method == "prefix" else "input embeddings")
                      + (f", started from {a.prompt_init_text!r}" if a.method == "prompt" and a.prompt_init_text else "")))
     elif a.method == "ia3" and a.target_modules == "auto":
-        rows.append(("target_modules", "auto", "PEFT's IA3 defaults for this architecture (attention keys/values "
-                                               "and the feed-forward output)"))
+        targets, _, why = methods.ia3_modules(model, None)
+        rows.append(("target_modules", ",".join(targets), why))
     else:
         modules, why = methods.target_modules(model, a.target_modules)
         rows.append(("target_modules", ",".join(modules) if isinstance(modules, list) else modules, why))

@@ -15,8 +15,10 @@ from tunebench.core.errors import TunebenchError
 from tunebench.model.kernels import use_fast_dropout
 from tunebench.machine.metrics import quantized_linear_kinds
 
-# Attention projections LoRA targets by default, per naming family, most specific first.
-_AUTO_TARGETS = (("q_proj", "v_proj"), ("c_attn",), ("query_key_value",), ("Wqkv",), ("query", "value"))
+# Attention projections LoRA targets by default where PEFT's own table (by model type) has no entry, per
+# naming family, most specific first: Phi-3's fused qkv_proj is one PEFT 0.21 does not list.
+_AUTO_TARGETS = (("q_proj", "v_proj"), ("qkv_proj",), ("c_attn",), ("query_key_value",), ("Wqkv",),
+                 ("query", "value"))
 
 
 def load_quantized(loaded: models.Loaded, spec: str, bits: str, compute_dtype: torch.dtype, allow_download: bool):
@@ -71,6 +73,12 @@ def target_modules(model, requested: str) -> tuple[list[str] | str, str]:
     if requested == "all-linear":
         return "all-linear", "every linear layer but the output head"
     if requested == "auto":
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+        model_type = getattr(getattr(model, "config", None), "model_type", "")
+        known = PEFT_DEFAULTS.get(model_type)
+        if known and all(name in available for name in known):
+            return list(known), f"PEFT's default for {model_type} ({type(model).__name__})"
         for family in _AUTO_TARGETS:
             if all(name in available for name in family):
                 return list(family), f"attention projections of this architecture ({type(model).__name__})"
@@ -86,6 +94,32 @@ def target_modules(model, requested: str) -> tuple[list[str] | str, str]:
             f"--target-modules can name: {', '.join(available)}"
         )
     return wanted, "asked for"
+
+
+FEEDFORWARD_OUT = ("down_proj", "fc2", "dense_4h_to_h")  # the MLP's output projection, by naming family
+
+
+def ia3_modules(model, modules: list[str] | str | None) -> tuple[list[str] | str, list[str], str]:
+    """IA3's (target modules, the feed-forward ones among them, reason). `modules` None: PEFT's per-model-type
+    defaults, else (a type PEFT does not list, such as phi3) the attention projections `auto` picks for LoRA
+    and the MLP's output projection, which is IA3's own recipe (keys, values, feed-forward)."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD
+    from peft.utils import TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as TARGETS
+
+    model_type = getattr(model.config, "model_type", "")
+    if modules is not None:
+        wanted = modules if isinstance(modules, list) else []
+        return modules, [m for m in FEEDFORWARD.get(model_type, FEEDFORWARD_OUT) if m in wanted], "asked for"
+    if model_type in TARGETS:
+        return list(TARGETS[model_type]), list(FEEDFORWARD[model_type]), (
+            "PEFT's IA3 defaults for this architecture (attention keys/values and the feed-forward output)")
+    attention, _ = target_modules(model, "auto")
+    out = [m for m in FEEDFORWARD_OUT if m in linear_module_names(model)][:1]
+    if not out:
+        raise TunebenchError(f"IA3 has no default modules for model type '{model_type}'; pass --target-modules "
+                             f"with some of: {', '.join(linear_module_names(model))}")
+    return [*attention, *out], out, (f"PEFT has no IA3 defaults for {model_type}: its attention projections and "
+                                     "feed-forward output, as PEFT's defaults pick for other types")
 
 
 PROMPT_METHODS = ("prefix", "prompt")  # virtual tokens, not weights: nothing to merge, no packed rows
@@ -106,14 +140,8 @@ def peft_config(a, model, modules: list[str] | str | None):
     if a.method == "lokr":
         return peft.LoKrConfig(r=a.r, alpha=a.lora_alpha, target_modules=modules, **common)
     if a.method == "ia3":
-        from peft.utils import TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD
-
-        model_type = getattr(model.config, "model_type", "")
-        if modules is None and model_type not in FEEDFORWARD:
-            raise TunebenchError(f"IA3 has no default modules for model type '{model_type}'; pass --target-modules "
-                                 f"with some of: {', '.join(linear_module_names(model))}")
-        feedforward = None if modules is None else [m for m in FEEDFORWARD.get(model_type, []) if m in modules]
-        return peft.IA3Config(target_modules=modules, feedforward_modules=feedforward, **common)
+        targets, feedforward, _ = ia3_modules(model, modules)
+        return peft.IA3Config(target_modules=targets, feedforward_modules=feedforward, **common)
     if a.method == "prefix":
         return peft.PrefixTuningConfig(num_virtual_tokens=a.num_virtual_tokens, **common)
     if a.method == "prompt":

@@ -131,6 +131,7 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
         return dest
     print(f"converting {gguf.name} to a trainable checkpoint in {dest} (once)")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    restore_pre_tokenizer(tok, gguf)
     src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = src.config
     if hasattr(config, "quantization_config"):
@@ -154,6 +155,25 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     return dest
 
 
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) whose split transformers' GGUF reader does not rebuild:
+# it gives every byte-level BPE GPT-2's split alone, and SmolLM's tokenizer.json splits each digit first.
+PRE_TOKENIZERS = {"smollm": lambda pre: pre.Sequence([pre.Digits(individual_digits=True),
+                                                      pre.ByteLevel(add_prefix_space=False, use_regex=True)])}
+CONVERSION = 2  # bumped when a conversion changes (2: the pre-tokenizer restored): older caches convert again
+
+
+def restore_pre_tokenizer(tok, gguf: Path) -> None:
+    """Put back the pre-tokenizer the GGUF names, so the converted tokenizer splits text as the original did
+    (SmolLM2's lost its digit split: '2024' became one piece instead of four)."""
+    import gguf as gguf_py
+    from tokenizers import pre_tokenizers
+
+    field = gguf_py.GGUFReader(str(gguf)).fields.get("tokenizer.ggml.pre")
+    name = field.contents() if field is not None else None
+    if name in PRE_TOKENIZERS:
+        tok.backend_tokenizer.pre_tokenizer = PRE_TOKENIZERS[name](pre_tokenizers)
+
+
 def smollm2_dir() -> Path:
     return convert_gguf(_smollm2_gguf(), converted_dir(SMOLLM2))
 
@@ -163,10 +183,11 @@ def converted_dir(spec: str) -> Path:
     keyed by the file's path, size and modification time, so a file replaced at the same path is converted
     again rather than answered with the old file's weights."""
     if spec == SMOLLM2:
-        return cache_dir() / "models" / SMOLLM2
+        return cache_dir() / "models" / f"{SMOLLM2}-c{CONVERSION}"
     gguf = Path(spec)
     stat = gguf.stat() if gguf.is_file() else None
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}" if stat else str(gguf.resolve())
+    key += f"|c{CONVERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_dir() / "models" / f"{gguf.stem}-{digest}"
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-
-
 import torch
 
 from tunebench.model import kernels
@@ -16,17 +14,32 @@ from tunebench.training.tune.probe import free_after_oom, is_oom, memory_free_mb
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
 
 
-def candidates(device: torch.device, precision: str) -> tuple[str, ...]:
-    """The kernels that can run here. flash-attn's joins on a CUDA GPU in 16-bit when installed; with
-    packed rows, transformers hands it the restarting position_ids and it runs variable-length
-    sequences without padding or a block mask."""
+def candidates(device: torch.device, precision: str, model=None) -> tuple[str, ...]:
+    """The kernels that can run here, for this architecture. flash-attn's joins on a CUDA GPU in 16-bit when
+    installed; with packed rows, transformers hands it the restarting position_ids and it runs
+    variable-length sequences without padding or a block mask."""
     names = ATTENTION_KERNELS
     if device.type == "cuda" and precision in ("bf16", "fp16"):
         from transformers.utils import is_flash_attn_2_available
 
         if is_flash_attn_2_available():
             names += ("flash_attention_2",)
-    return names
+    return tuple(n for n in names if model is None or not unsupported(model, n))
+
+
+def unsupported(model, impl: str) -> str | None:
+    """Why `model`'s architecture cannot run kernel `impl` (None if it can), from the flags transformers
+    keeps on each model class. Gemma 2 has no sdpa path (its logits soft-capping is in eager and flex only);
+    ours falls back to sdpa for anything but plain causal attention, so it needs sdpa too."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    name = type(base).__name__
+    if impl in ("sdpa", kernels.NAME) and not getattr(base, "_supports_sdpa", True):
+        return f"{name} has no sdpa attention in transformers"
+    if impl == kernels.NAME and not getattr(base, "_supports_attention_backend", True):
+        return f"{name} takes no registered attention function"
+    if impl == "flash_attention_2" and not getattr(base, "_supports_flash_attn", True):
+        return f"{name} has no flash-attention path in transformers"
+    return None
 
 
 # Kernels whose first-round speeds are this close are alike for the run: on 2 AVX2 cores, SmolLM2 at 128
@@ -47,8 +60,9 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
     kernels.register()
     if requested != "auto":
         if requested not in candidates:
-            raise TunebenchError(f"--attention {requested} cannot run here: it needs a CUDA GPU, bf16 or fp16, and "
-                                 "the flash-attn package; use --attention auto")
+            why = unsupported(model, requested) or "it needs a CUDA GPU, bf16 or fp16, and the flash-attn package"
+            raise TunebenchError(f"--attention {requested} cannot run here: {why}; use --attention auto (it measures "
+                                 f"{', '.join(candidates)})")
         model.set_attn_implementation(requested)
         return Row("attention", requested, "asked for")
     key = shape.key("attention", candidates=candidates)
@@ -99,7 +113,7 @@ def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int,
            device: torch.device) -> Row:
     """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked."""
     return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
-                candidates=candidates(device, precision))
+                candidates=candidates(device, precision, model))
 
 
 
