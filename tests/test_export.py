@@ -237,7 +237,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, capsys)
         ([str(tmp_path / "empty")], "holds no model"),
         ([str(tmp_path / "opt")], "architecture 'opt' cannot be exported to GGUF yet; supported: llama"),
         ([str(runs / "lora"), "-o", str(tmp_path / "a-file" / "m.gguf")], "which is a file"),
-        ([str(runs / "lora"), "--quant", "q4_k_m"], "the k-quants (q4_k_m ...) need llama.cpp's llama-quantize"),
+        ([str(runs / "lora"), "--quant", "q4_k_x"], "--quant 'q4_k_x' is not one of f32, f16"),
         ([str(runs / "lora"), "--quant", "q3"], "--quant 'q3' is not one of f32, f16"),
         ([str(runs / "lora"), "--format", "onnx"], "--format 'onnx' is not one of gguf, ollama, hf"),
         ([str(tmp_path / "prefix")], "prefix tuning: virtual tokens, no weights to fold"),
@@ -255,7 +255,7 @@ def test_cli_export_prints_size_and_the_check(runs, tmp_path, capsys):
     target = tmp_path / "g.gguf"
     assert cli.main(["export", str(runs / "gpt2"), "--quant", "q8_0", "-o", str(target)]) == 0
     said = capsys.readouterr().out
-    assert f"wrote {target} (" in said and "MiB): gpt2 in q8_0" in said
+    assert f"wrote {target} (" in said and "MiB) with gpt2: tunebench's writer" in said and ": gpt2 in q8_0" in said
     assert "no prompt format (trained on plain text)" in said
     assert "held-out prompts give the merged model's next token" in said
     assert f"llama-cli -m {target}" in said

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tunebench.model import gguf_export, inference, models
+from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.core.durable import atomic_dir, atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.settings.rundir import RunDir
@@ -30,7 +31,8 @@ CHECK_PROMPTS = ("How do I cancel order 84213 and get a refund?", "Write a Pytho
 # Top-1 agreement the read-back must reach, per tensor type; the quantized ones follow llama.cpp's own
 # perplexity tables: 8-bit is near lossless, 4- and 5-bit change some near-tied choices.
 MIN_AGREEMENT = {"f32": 1.0, "f16": 0.97, "bf16": 0.9, "q8_0": 0.9, "q5_1": 0.75, "q5_0": 0.75, "q4_1": 0.6,
-                 "q4_0": 0.6}
+                 "q4_0": 0.6, "q6_k": 0.9, "q5_k_m": 0.75, "q5_k_s": 0.75, "q4_k_m": 0.6, "q4_k_s": 0.6,
+                 "q3_k_m": 0.5, "q2_k": 0.3}
 F32_MAX_DIFF = 1e-3  # f32 stores the weights as they are: only summation order differs
 
 
@@ -49,13 +51,14 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     quant = check_quant(fmt, quant)
     source = find_source(run_dir)
     config = base_config(source, allow_download)
-    if fmt != "hf":
-        gguf_export.check_config(config)
+    writer, why = gguf_export.route(config) if fmt != "hf" else ("hf", "")
+    if writer == "llama.cpp" or quant in llama_cpp_tools.K_QUANTS:
+        llama_cpp_tools.check_available(converter_needed=writer == "llama.cpp")
     target = output_path(source.run_dir, fmt, quant, output)
     if fmt == "ollama":
         check_modelfile_text(_trained_template(source.run_dir) or "")
     name = model_name(source.run_dir)
-    if fmt != "hf" and (source.run_dir / "tokenizer_config.json").is_file():
+    if writer == "tunebench" and (source.run_dir / "tokenizer_config.json").is_file():
         gguf_export.pre_tokenizer(models.load_tokenizer(str(source.run_dir)))  # before minutes of loading
 
     # 2. The model as it will run: the adapter folded into its (dequantised, fp32) base.
@@ -67,8 +70,9 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     tokenizer = loaded.tokenizer
     raw = trained_on_text(source.run_dir)
     template = None if raw else chat_template(tokenizer, _trained_template(source.run_dir))
-    if fmt != "hf":
+    if writer == "tunebench":
         gguf_export.pre_tokenizer(tokenizer)  # a base model's tokenizer (the run saved none): before writing
+    sentencepiece = sentencepiece_model(source)
 
     # 3. Written beside the target and moved into place only once the read-back agrees with the model;
     # SIGTERM ends it like Ctrl-C, so no half-written file (or new empty directory) is left either way.
@@ -80,21 +84,25 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
             if fmt == "ollama":
                 with atomic_dir(target) as tmp:
                     gguf_file = tmp / f"{name}-{quant}.gguf"
-                    written, agreement = _write_gguf(model, tokenizer, gguf_file, quant, template, name)
+                    written, agreement = _write_gguf(model, tokenizer, gguf_file, quant, template, name, writer,
+                                                     sentencepiece)
                     modelfile = write_modelfile(tmp, gguf_file, tokenizer, template, inference.context_limit(model))
                 gguf_file, modelfile = target / gguf_file.name, target / modelfile.name
             else:
                 with atomic_file(target, suffix=".gguf") as tmp:
-                    written, agreement = _write_gguf(model, tokenizer, tmp, quant, template, name)
+                    written, agreement = _write_gguf(model, tokenizer, tmp, quant, template, name, writer,
+                                                     sentencepiece)
                 gguf_file = target
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"wrote {gguf_file} ({_mb(written.bytes)}): {config.model_type} in {quant}, tokenizer "
+    print(f"wrote {gguf_file} ({_mb(written.bytes)}) with {why}: {config.model_type} in {quant}, tokenizer "
           f"({len(tokenizer)} tokens, EOS {tokenizer.eos_token!r}) and "
           f"{'no prompt format (trained on plain text)' if raw else 'the prompt format the run trained with'}")
-    if written.fallbacks:
+    if written.fallbacks and writer == "tunebench" and quant in gguf_export.QUANTS:
         print(f"  {len(written.fallbacks)} tensor(s) written f16: rows not a whole number of {quant} blocks "
               f"({', '.join(written.fallbacks[:3])}{', ...' if len(written.fallbacks) > 3 else ''})")
+    elif written.fallbacks:
+        print(f"  llama.cpp: {written.fallbacks[0]} (rows not a whole number of {quant}'s 256-value blocks)")
     print(agreement.line(quant))
     if fmt == "ollama":
         print(f"wrote {modelfile}; load it with:\n  ollama create {name} -f {modelfile}\n  ollama run {name}")
@@ -103,9 +111,49 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     return gguf_file
 
 
-def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, name: str):
-    written = gguf_export.write(model, tokenizer, path, quant, template, name)
-    return written, compare(model, gguf_export.read_back(path, model.config), tokenizer, template, quant)
+def sentencepiece_model(source: Source) -> Path | None:
+    """The SentencePiece model (tokenizer.model) of the run or its base, which llama.cpp's converter reads for
+    the families that tokenize with one (Gemma, Phi-3, Mistral's older releases): transformers 5 saves a fast
+    tokenizer without it."""
+    for d in (source.run_dir, Path(source.base)):
+        if (d / "tokenizer.model").is_file():
+            return d / "tokenizer.model"
+    return None
+
+
+def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, name: str, writer: str,
+                sentencepiece: Path | None = None):
+    """The GGUF at `path`, then its check. tunebench's writer writes its own tensor types directly; llama.cpp's
+    converter writes an f32 file from the merged model (saved as an HF directory beside `path`) where it cannot
+    write `quant` itself, and llama.cpp's quantizer makes the K-quants (and, after the converter, the legacy
+    quants) from an f32 file, so every quantization starts from the exact weights."""
+    import tempfile
+
+    direct = gguf_export.QUANTS if writer == "tunebench" else llama_cpp_tools.OUTTYPES
+    if quant in direct and writer == "tunebench":
+        written = gguf_export.write(model, tokenizer, path, quant, template, name)
+    else:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+            first = Path(tmp) / ("model.gguf" if quant in direct else "f32.gguf")
+            if writer == "tunebench":
+                gguf_export.write(model, tokenizer, first, "f32", template, name)
+            else:
+                _write_hf(model, tokenizer, Path(tmp) / "hf", "f32", template)
+                if sentencepiece is not None:
+                    shutil.copyfile(sentencepiece, Path(tmp) / "hf" / "tokenizer.model")
+                llama_cpp_tools.convert(Path(tmp) / "hf", first, quant if quant in direct else "f32")
+            warnings = [] if quant in direct else llama_cpp_tools.quantize(first, path, quant)
+            if quant in direct:
+                first.replace(path)
+        fallback = next((w for w in warnings if "fallback" in w), None)
+        written = gguf_export.Written(path, path.stat().st_size, [fallback] if fallback else [])
+    if writer == "tunebench":
+        return written, compare(model, gguf_export.read_back(path, model.config), tokenizer, template, quant)
+    reader = llama_cpp_tools.Reader(path)
+    try:
+        return written, compare(model, reader, tokenizer, template, quant, "llama.cpp")
+    finally:
+        reader.close()
 
 
 def _export_hf(model, tokenizer, target: Path, quant: str, template: str | None) -> Path:
@@ -137,12 +185,10 @@ def _interrupt(signum, frame):
 
 
 def check_quant(fmt: str, quant: str | None) -> str:
-    allowed = tuple(HF_DTYPES) if fmt == "hf" else tuple(gguf_export.QUANTS)
+    allowed = tuple(HF_DTYPES) if fmt == "hf" else (*gguf_export.QUANTS, *llama_cpp_tools.K_QUANTS)
     quant = quant or ("f32" if fmt == "hf" else "f16")
     if quant.lower() not in allowed:
-        extra = "; the k-quants (q4_k_m ...) need llama.cpp's llama-quantize on the f16 file" \
-            if quant.lower().startswith(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")) else ""
-        raise TunebenchError(f"--quant '{quant}' is not one of {', '.join(allowed)} for --format {fmt}{extra}")
+        raise TunebenchError(f"--quant '{quant}' is not one of {', '.join(allowed)} for --format {fmt}")
     return quant.lower()
 
 
@@ -245,15 +291,17 @@ class Agreement:
     max_diff: float  # largest |logit difference| over every position of the check prompts
     top1: float  # share of positions whose most likely next token is the same
     positions: int
+    reader: str = "transformers' GGUF reader"
 
     def line(self, quant: str) -> str:
-        return (f"checked: read back, {self.positions} positions of {len(CHECK_PROMPTS)} held-out prompts give the "
+        return (f"checked: read back by {self.reader}, {self.positions} positions of {len(CHECK_PROMPTS)} held-out prompts give the "
                 f"merged model's next token {self.top1:.1%} of the time (needed {MIN_AGREEMENT[quant]:.0%} at "
                 f"{quant}), max logit difference {self.max_diff:.3g}")
 
 
 @torch.no_grad()
-def compare(model, back, tokenizer, template: str | None, quant: str) -> Agreement:
+def compare(model, back, tokenizer, template: str | None, quant: str,
+            reader: str = "transformers' GGUF reader") -> Agreement:
     """Logits of the merged model and of what was written, on the check prompts; refused when the written
     file disagrees more than its tensor type explains (so it never reaches its final name)."""
     diffs, same, total = [], 0, 0
@@ -265,7 +313,7 @@ def compare(model, back, tokenizer, template: str | None, quant: str) -> Agreeme
         diffs.append((a - b).abs().max().item())
         same += (a.argmax(-1) == b.argmax(-1)).sum().item()
         total += ids.shape[1]
-    agreement = Agreement(max(diffs), same / total, total)
+    agreement = Agreement(max(diffs), same / total, total, reader)
     if agreement.top1 < MIN_AGREEMENT[quant] or (quant == "f32" and agreement.max_diff > F32_MAX_DIFF):
         raise TunebenchError(f"the written file does not reproduce the model: {agreement.line(quant)}; nothing "
                              "was kept. Export at a wider --quant (q8_0, f16), and report it if f16 fails", exit_code=1)

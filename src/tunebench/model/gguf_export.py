@@ -33,6 +33,33 @@ NARROW = {getattr(gguf.GGMLQuantizationType, QUANTS[q][0]) for q in ("q5_1", "q5
 GPT2_GELU = ("gelu_new", "gelu_pytorch_tanh")  # llama.cpp's gpt2 graph applies GELU's tanh form
 
 
+# Families tunebench's writer does not map: llama.cpp's own converter writes them (llama_cpp_tools).
+CONVERTED = {"mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "gemma2": "Gemma 2",
+             "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3"}
+
+
+OWN_CONFIG = ("gpt2", "qwen3")  # read_back: shapes transformers' GGUF reader does not take from the file
+
+
+def route(config) -> tuple[str, str]:
+    """(who writes the GGUF, why): "tunebench" (this module) for the Llama and GPT-2 shapes it maps, which
+    includes `tunebench pretrain` runs whose own trained tokenizer llama.cpp's converter would not recognise,
+    else "llama.cpp" (its convert_hf_to_gguf.py) for the families it knows and this module does not."""
+    kind = getattr(config, "model_type", "?")
+    if kind in ("llama", "gpt2"):
+        try:
+            check_config(config)
+            return "tunebench", f"{kind}: tunebench's writer (exact at f32, any byte-level BPE tokenizer)"
+        except TunebenchError as e:
+            if kind == "gpt2":
+                raise
+            return "llama.cpp", f"llama: llama.cpp's converter ({e})"
+    if kind in CONVERTED:
+        return "llama.cpp", f"{CONVERTED[kind]}: llama.cpp's own converter"
+    raise TunebenchError(f"architecture '{kind}' cannot be exported to GGUF yet; supported: {supported_list()}; "
+                         f"through llama.cpp's converter: {', '.join(CONVERTED.values())}")
+
+
 def supported_list() -> str:
     return "; ".join(f"{k}: {v}" for k, v in SUPPORTED.items())
 
@@ -269,10 +296,11 @@ def _add_tensors(w, model, arch: str, tensor_type) -> list[str]:
 
 def read_back(path: Path, config=None):
     """The file as an independent reader sees it: transformers' GGUF loader (its own tensor map, its own
-    un-permute and dequantisers), fp32 on the CPU. `config` is the model's own for GPT-2: transformers
-    maps no gpt2 context or feed-forward length from GGUF metadata (llama.cpp reads them: its test checks)."""
+    un-permute and dequantisers), fp32 on the CPU. `config` is the model's own where transformers maps a shape
+    from GGUF metadata wrongly: no gpt2 context or feed-forward length, no Qwen3 head size (llama.cpp reads
+    them: the tests running the file in llama.cpp check the metadata)."""
     from transformers import AutoModelForCausalLM
 
-    extra = {"config": config} if config is not None and config.model_type == "gpt2" else {}
+    extra = {"config": config} if config is not None and config.model_type in OWN_CONFIG else {}
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                 **extra).eval()

