@@ -142,3 +142,16 @@ def test_a_bpe_tokenizer_llama_cpps_converter_does_not_know_is_refused_with_the_
     with pytest.raises(TunebenchError, match="its tokenizer is not one llama.cpp knows") as e:
         export.export(str(tmp_path / "qwen2"), "gguf", "f16", str(tmp_path / "out" / "q.gguf"))
     assert e.value.exit_code == 1 and not (tmp_path / "out").exists()
+
+
+def test_without_llama_cpp_the_export_is_refused_before_anything_loads_with_the_install_line(monkeypatch):
+    import importlib.metadata
+
+    from tunebench.model import llama_cpp_tools
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(TunebenchError, match=r"needs llama.cpp's tools: pip install llama-cpp-python sentencepiece"):
+        llama_cpp_tools.check_available(converter_needed=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
+from tunebench.interfaces.web import openai_api
 from tunebench.interfaces.web.models import MAX_PROMPT_CHARS, Registry, entries, load_prompts, stream
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
@@ -90,12 +91,20 @@ class ClientLimit:
         self._running: Counter[str] = Counter()
         self._lock = threading.Lock()
 
+    def check(self, client: str) -> None:
+        """Busy if `client` is at its share now (hold() still decides, under the lock)."""
+        with self._lock:
+            self._refuse_at_limit(client)
+
+    def _refuse_at_limit(self, client: str) -> None:
+        if self._running[client] >= self.limit:
+            raise Busy(f"busy: you already have {self.limit} answers being generated; wait for them to finish, "
+                       "then send this again")
+
     @contextlib.contextmanager
     def hold(self, client: str):
         with self._lock:
-            if self._running[client] >= self.limit:
-                raise Busy(f"busy: you already have {self.limit} answers being generated; wait for them to finish, "
-                           "then send this again")
+            self._refuse_at_limit(client)
             self._running[client] += 1
         try:
             yield
@@ -236,11 +245,11 @@ def train_on_votes(db: Path, base: str | None = None) -> str:
             f"{shlex.quote(str(db))}{model} --output-dir runs/dpo-votes\n```")
 
 
-def build(registry: Registry, db: Path, prompts: list[str] | None = None):
+def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit: ClientLimit | None = None):
     import gradio as gr
 
     labels = registry.labels
-    blinded, limit = Blinded(), ClientLimit(PER_CLIENT)
+    blinded, limit = Blinded(), limit or ClientLimit(PER_CLIENT)
 
     def limited(request, handler, *args):
         """`handler`'s answers, within the client's share of the workers; over it, "busy" at once."""
@@ -391,14 +400,21 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     db = votes.open_store(ab_db)
     check_port(host, port)
     registry = Registry(choices, allow_download, device, precision)
-    app = build(registry, db, prompt_list)
+    limit = ClientLimit(PER_CLIENT)
+    app = build(registry, db, prompt_list, limit)
     app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
     print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "
           f"({registry.placement}), votes in {db}; http://{host}:{port}"
           + (f" (login: {credentials[0]})" if credentials else " (no login)"), flush=True)
     # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
     # the visitor.
-    app.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=True, share=False,
+    app.launch(server_name=host, server_port=port, prevent_thread_lock=True, quiet=True, share=False,
                show_error=False, auth=credentials, max_file_size=MAX_UPLOAD,
                run_history=False)  # its /gradio_api/run-history/* routes have no login check (and need the hub)
+    openai_api.add_routes(app.app, registry, credentials[1] if credentials else None, limit,
+                          lambda request: f"host:{request.client.host if request.client else 'unknown'}")
+    print(f"OpenAI-compatible API: http://{host}:{port}/v1 (models: {', '.join(openai_api.model_ids(registry))}"
+          + ("; API key: the --auth password)" if credentials else ")"), flush=True)
+    if block:
+        app.block_thread()
     return app

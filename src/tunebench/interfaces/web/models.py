@@ -123,6 +123,8 @@ class Reply:
     new_tokens: int = 0
     seconds: float = 0.0
     done: bool = False
+    prompt_tokens: int = 0
+    ended: bool = False  # the model ended its answer itself (EOS), rather than running into the token limit
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,7 +163,7 @@ class _Stop:
 
 
 def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
-           temperature: float = 0.7, top_p: float = 0.9, seed: int = 0) -> Iterator[Reply]:
+           temperature: float = 0.7, top_p: float = 0.9, seed: int = 0, raw: bool = False) -> Iterator[Reply]:
     """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
     (new tokens over the time from the call, prompt processing included). A conversation that does not
     fit the model's context is refused; a consumer that stops reading (a closed tab) stops the
@@ -174,7 +176,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
     placed, template = registry.get(label)
     tok = placed.tokenizer
-    enc = placed.encode(render_prompt(messages, tok, template))
+    enc = placed.encode(messages[-1]["content"] if raw else render_prompt(messages, tok, template))
     n_prompt = enc["input_ids"].shape[1]
     limit = inference.context_limit(placed.model)
     if limit is not None:
@@ -215,8 +217,9 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
         seconds = time.perf_counter() - t0
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
-    new = int(result["ids"].shape[1] - n_prompt)  # type: ignore[union-attr]
-    yield Reply(text.strip(), new, seconds, done=True)
+    ids = result["ids"][0, n_prompt:].tolist()  # type: ignore[index]
+    ended = tok.eos_token_id is not None and tok.eos_token_id in ids
+    yield Reply(text.strip(), len(ids), seconds, done=True, prompt_tokens=n_prompt, ended=ended)
 
 
 PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")

@@ -1,0 +1,268 @@
+"""The OpenAI-compatible API of `tunebench serve`, on the same server as the web app: GET /v1/models,
+POST /v1/chat/completions and /v1/completions, streamed (server-sent events) or not.
+
+The models are the app's: one Registry, so runs of one base share it as PEFT's named adapters and a request
+picks one by its model name without reloading the base. The same limits as the page (message size, context,
+512 new tokens, 2 answers at once per client) and the same login: with --auth, the password is the API key
+(`Authorization: Bearer PASSWORD`). Written with FastAPI, which Gradio already serves on; the wire format is
+OpenAI's (what the `openai` client, llama.cpp's server and Ollama speak), written by hand as no library here
+provides its server side. No `from __future__ import annotations`: FastAPI reads a route's `request: Request`
+annotation as the class itself to hand it the request, and Request is imported inside add_routes.
+"""
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from tunebench.core.errors import TunebenchError
+from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Registry, TooLong, stream
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def model_ids(registry: Registry) -> dict[str, str]:
+    """The API's name of each model served -> its label: a base by its spec (`tiny`, `smollm2-135m-instruct`),
+    a run or model directory by its path as given to serve."""
+    out = {}
+    for label, e in registry.choices.items():
+        out[e.adapter or e.model or label] = label
+    return out
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ApiError(400, f"'{key}' must be a number from {low:g} to {high:g}, got {value!r}", param=key)
+    return float(value)
+
+
+def parse(body: Any, registry: Registry, chat: bool) -> dict[str, Any]:
+    """A request's settings, checked before anything loads; OpenAI's defaults where it leaves one out."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    ids = model_ids(registry)
+    model = body.get("model")
+    if model not in ids:
+        raise ApiError(404, f"the model '{model}' is not served here; GET /v1/models lists: {', '.join(ids)}",
+                       param="model", code="model_not_found")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty list of {role: system|user|assistant, content: text}",
+                           param="messages")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string (one prompt a request)", param="prompt")
+        messages = [{"role": "user", "content": prompt}]
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "'n' must be 1: one answer a request", param="n")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = MAX_NEW_TOKENS if limit is None else limit
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_NEW_TOKENS:
+        raise ApiError(400, f"'max_tokens' must be a whole number from 1 to {MAX_NEW_TOKENS}, got {limit!r}",
+                       param="max_tokens")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
+    seed = body.get("seed", 0)
+    if seed is None:
+        seed = 0
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ApiError(400, f"'seed' must be a whole number, got {seed!r}", param="seed")
+    return {"model": model, "label": ids[model], "messages": messages, "max_tokens": limit, "stop": stop,
+            "temperature": _number(body, "temperature", 1.0, 0.0, 2.0), "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
+            "seed": seed, "stream": bool(body.get("stream", False)),
+            "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage", False)), "chat": chat}
+
+
+def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` up to the first stop sequence in it, and whether one was found."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(ends)], True) if ends else (text, False)
+
+
+def answer(registry: Registry, request: dict[str, Any]) -> Iterator[tuple[str, dict | None]]:
+    """The answer's text as it grows, then (text, usage and finish reason) once it ends. A stop sequence ends
+    the generation where it appears (closing the stream stops the model) and is not part of the text."""
+    text, tokenizer = "", None
+    replies = stream(registry, request["label"], request["messages"], request["max_tokens"], request["temperature"],
+                     request["top_p"], request["seed"], raw=not request["chat"])
+    try:
+        for reply in replies:
+            cut, stopped = _cut(reply.text, request["stop"])
+            if stopped:
+                replies.close()  # the model stops here
+                tokenizer = registry.get(request["label"])[0].tokenizer
+                prompt = _prompt_tokens(registry, request)
+                done = len(tokenizer(cut, add_special_tokens=False).input_ids)
+                yield cut, {"finish_reason": "stop", "prompt_tokens": prompt, "completion_tokens": done}
+                return
+            text = cut
+            if reply.done:
+                reason = "stop" if reply.ended else "length"
+                yield text, {"finish_reason": reason, "prompt_tokens": reply.prompt_tokens,
+                             "completion_tokens": reply.new_tokens}
+                return
+            yield text, None
+    except TooLong as e:
+        raise ApiError(400, str(e), code="context_length_exceeded") from None
+
+
+def _prompt_tokens(registry: Registry, request: dict[str, Any]) -> int:
+    from tunebench.data.tokenize import render_prompt
+
+    placed, template = registry.get(request["label"])
+    text = request["messages"][-1]["content"] if not request["chat"] else \
+        render_prompt(request["messages"], placed.tokenizer, template)
+    return int(placed.encode(text)["input_ids"].shape[1])
+
+
+def _usage(end: dict) -> dict[str, int]:
+    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": end["completion_tokens"],
+            "total_tokens": end["prompt_tokens"] + end["completion_tokens"]}
+
+
+def complete(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
+    """The whole answer as one response object."""
+    text, end = "", None
+    for text, end in answer(registry, request):
+        pass
+    created, model = int(time.time()), request["model"]
+    if request["chat"]:
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": end["finish_reason"], "logprobs": None}], "usage": _usage(end)}
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": end["finish_reason"], "logprobs": None}],
+            "usage": _usage(end)}
+
+
+def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
+    """The answer as server-sent events: a chunk per new piece of text, the finish reason, the usage if asked
+    (stream_options.include_usage), then [DONE]."""
+    chat, model, created = request["chat"], request["model"], int(time.time())
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+        return "data: " + json.dumps({"id": ident, "object": kind, "created": created, "model": model,
+                                      "choices": [choice]}) + "\n\n"
+
+    sent = ""
+    if chat:
+        yield chunk(None, None, first=True)
+    try:
+        for text, end in answer(registry, request):
+            if text.startswith(sent) and len(text) > len(sent):
+                yield chunk(text[len(sent):], None)
+                sent = text
+            if end is not None:
+                yield chunk(None, end["finish_reason"])
+                if request["usage_in_stream"]:
+                    yield "data: " + json.dumps({"id": ident, "object": kind, "created": created, "model": model,
+                                                 "choices": [], "usage": _usage(end)}) + "\n\n"
+    except ApiError as e:  # the status line is sent already: the error travels as an event
+        yield "data: " + json.dumps(e.body()) + "\n\n"
+    except TunebenchError as e:
+        yield "data: " + json.dumps(ApiError(400, str(e)).body()) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def check_key(authorization: str | None, password: str | None) -> None:
+    """With --auth, the API key is the login's password, sent as a Bearer token."""
+    if password is None:
+        return
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), password.encode()):
+        raise ApiError(401, "this server needs its API key: the --auth password, as 'Authorization: Bearer PASSWORD'",
+                       kind="authentication_error", code="invalid_api_key")
+
+
+def add_routes(fastapi_app, registry: Registry, password: str | None, limit, client_of) -> None:
+    """Put the API's routes on the FastAPI app the web app runs on. `limit` is the app's ClientLimit (shared:
+    the page and the API draw on one share per client); `client_of` names a request's client."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    started = int(time.time())
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def models_route(request: Request):
+        try:
+            check_key(request.headers.get("authorization"), password)
+        except ApiError as e:
+            return error(e)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "tunebench"}
+                                           for name in model_ids(registry)]}
+
+    def generation(chat: bool):
+        async def route(request: Request):
+            try:
+                check_key(request.headers.get("authorization"), password)
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise ApiError(400, "the request body is not JSON") from None
+                parsed = parse(body, registry, chat)
+            except ApiError as e:
+                return error(e)
+            client = client_of(request)
+            if parsed["stream"]:
+                try:
+                    limit.check(client)  # over the share: a 429 now, rather than an error event after a 200
+                except TunebenchError as e:
+                    return error(ApiError(429, str(e), kind="rate_limit_error"))
+
+                def sse():
+                    try:
+                        with limit.hold(client):
+                            yield from events(registry, parsed)
+                    except TunebenchError as e:  # another request of the client's took the share meanwhile
+                        yield "data: " + json.dumps(ApiError(429, str(e), kind="rate_limit_error").body()) + "\n\n"
+                        yield "data: [DONE]\n\n"
+                return StreamingResponse(sse(), media_type="text/event-stream")
+            from starlette.concurrency import run_in_threadpool
+
+            def whole():
+                with limit.hold(client):
+                    return complete(registry, parsed)
+            try:
+                return await run_in_threadpool(whole)
+            except ApiError as e:
+                return error(e)
+            except TunebenchError as e:  # busy, or a limit the request ran into
+                status = 429 if "busy" in str(e) else 400
+                return error(ApiError(status, str(e), kind="rate_limit_error" if status == 429 else
+                                      "invalid_request_error"))
+        return route
+
+    fastapi_app.add_api_route("/v1/models", models_route, methods=["GET"])
+    fastapi_app.add_api_route("/v1/chat/completions", generation(True), methods=["POST"])
+    fastapi_app.add_api_route("/v1/completions", generation(False), methods=["POST"])
