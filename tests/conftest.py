@@ -245,3 +245,28 @@ def postgres(tmp_path_factory) -> str:
     subprocess.run([*as_postgres, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"],
                    capture_output=True, timeout=120)
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_server(llama_cpp):
+    """llama-cpp-python's OpenAI-compatible server (its [server] extra: the web parts, over the llama.cpp already
+    built), installed when missing; the test skips with the reason only when it cannot be."""
+    import importlib
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    try:
+        return importlib.import_module("llama_cpp.server.app")
+    except ImportError:
+        pass
+    version = importlib.metadata.version("llama-cpp-python")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        f"llama-cpp-python[server]=={version}"], capture_output=True, text=True, timeout=3600,
+                       env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    try:
+        importlib.invalidate_caches()
+        return importlib.import_module("llama_cpp.server.app")
+    except ImportError:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        unavailable(f"llama-cpp-python's server could not be installed here ({tail})")

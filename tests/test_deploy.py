@@ -155,3 +155,4 @@ def test_without_llama_cpp_the_export_is_refused_before_anything_loads_with_the_
     monkeypatch.setattr(importlib.metadata, "version", missing)
     with pytest.raises(TunebenchError, match=r"needs llama.cpp's tools: pip install llama-cpp-python sentencepiece"):
         llama_cpp_tools.check_available(converter_needed=True)
+

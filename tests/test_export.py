@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import needs_module
 
 from tunebench.interfaces import cli
 
@@ -322,3 +323,69 @@ def test_the_default_models_tokenizer_keeps_its_digit_split_through_the_gguf_con
     assert tok.tokenize("in 2024") == ["in", "Ġ", "2", "0", "2", "4"]
     assert gguf_export.pre_tokenizer(tok) == "smollm"
     assert models.smollm2_dir().name.endswith(f"-c{models.CONVERSION}")
+
+
+def _port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs, tmp_path, llama_cpp_server):
+    """Exports served by llama.cpp's OpenAI-compatible server and the runs served by `tunebench serve`'s API,
+    asked the same through the openai client, answer alike: a chat to the LoRA run (the prompt rendered from the
+    run's awkward --template on our side, from the GGUF's embedded chat template on theirs: the same number of
+    prompt tokens) and a completion to the pretrained Llama-style run, whose greedy continuation of its corpus
+    is decided (a random model's near-tied logits would flip between runtimes)."""
+    import subprocess
+    import sys
+    import time
+
+    openai = needs_module("openai", "the servers are read with the openai client (in the test extra)")
+    needs_module("gradio", "serve needs gradio (the test extra)")
+    from tunebench.interfaces.web import app
+
+    served = {}
+    for name in ("lora", "llama"):
+        path = export.export(str(runs / name), "gguf", "f16", str(tmp_path / f"{name}.gguf"))
+        port = _port()
+        served[name] = (port, subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1", "--port",
+             str(port), "--n_ctx", "512", "--n_threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True))
+    ours_port = _port()
+    ours = app.serve([], [str(runs / "lora"), str(runs / "llama")], port=ours_port, ab_db=str(tmp_path / "ab.sqlite"),
+                     block=False)
+    try:
+        clients = {}
+        for name, (port, server) in served.items():
+            clients[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    clients[name].models.list()
+                    break
+                except openai.APIConnectionError:
+                    assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-2000:] \
+                        if server.poll() is not None else "llama.cpp's server did not start in 120 s"
+                    time.sleep(0.5)
+        mine = openai.OpenAI(base_url=f"http://127.0.0.1:{ours_port}/v1", api_key="none", max_retries=0)
+        greedy = {"temperature": 0, "max_tokens": 12}
+        chat = {"messages": [{"role": "user", "content": "What is 7 plus one?"}], **greedy}
+        theirs_chat = clients["lora"].chat.completions.create(model="x", **chat, extra_body={"repeat_penalty": 1.0})
+        mine_chat = mine.chat.completions.create(model=str(runs / "lora"), **chat)
+        text = {"prompt": "Line 12: the quick brown", **greedy}
+        theirs_text = clients["llama"].completions.create(model="x", **text, extra_body={"repeat_penalty": 1.0})
+        mine_text = mine.completions.create(model=str(runs / "llama"), **text)
+    finally:
+        for _, server in served.values():
+            server.terminate()
+            server.wait(30)
+        ours.close()
+    assert theirs_chat.usage.prompt_tokens == mine_chat.usage.prompt_tokens
+    assert theirs_chat.choices[0].message.content.strip() == mine_chat.choices[0].message.content
+    assert mine_text.choices[0].text  # a continuation, not two empty strings
+    assert theirs_text.usage.prompt_tokens == mine_text.usage.prompt_tokens
+    assert theirs_text.choices[0].text.strip() == mine_text.choices[0].text
