@@ -88,11 +88,31 @@ def _greedy(llm, ids, n):
     return out
 
 
+def _check_modelfile(modelfile, run):
+    """Ollama's TEMPLATE, with .Prompt filled as Ollama does (and Go's escape for a literal {{ undone), is the
+    prompt the run trained with; EOS closes a reply and is the stop word."""
+    from tunebench.data.tokenize import render_prompt
+    from tunebench.jobs.generate import trained_template
+
+    text = modelfile.read_text()
+    tok = models.load_tokenizer(str(run))
+    go = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    prompt, after_reply = go.split("{{ .Response }}")
+    expected = render_prompt([{"role": "user", "content": "Hi"}], tok, trained_template(str(run)))
+    assert prompt.replace('{{ "{{" }}', "{{").replace("{{ .Prompt }}", "Hi") == expected
+    assert after_reply == tok.eos_token and f"PARAMETER stop {json.dumps(tok.eos_token)}" in text
+
+
 @pytest.mark.parametrize("quant,tokens", [("f16", 8), ("q8_0", 4)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_exports_and_llama_cpp_generates_as_transformers(family_runs, tmp_path, llama_cpp, family, quant,
                                                                      tokens, capsys):
-    path = export.export(str(family_runs / family), "gguf", quant, str(tmp_path / f"{family}.gguf"))
+    if quant == "f16":  # through Ollama's format: the GGUF in a directory beside its Modelfile
+        out = export.export(str(family_runs / family), "ollama", quant, str(tmp_path / "ollama"))
+        path = next(out.glob("*.gguf"))
+        _check_modelfile(out / "Modelfile", family_runs / family)
+    else:
+        path = export.export(str(family_runs / family), "gguf", quant, str(tmp_path / f"{family}.gguf"))
     said = capsys.readouterr().out
     if family == "llama":  # tunebench's own writer, read back by transformers (llama.cpp runs it below)
         assert "tunebench's writer" in said and "read back by transformers' GGUF reader" in said
