@@ -175,28 +175,32 @@ def chromium() -> tuple[str, str]:
 LLAMA_CPP_CMAKE = "-DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF"
 
 
-@pytest.fixture(scope="session")
-def llama_cpp():
-    """llama-cpp-python (llama.cpp itself, from Python), installed when missing; the test skips with the
-    reason only when it cannot be built."""
+def _installed(module: str, requirement: str, what: str):
+    """`module`, imported; else pip-installed from `requirement` (llama.cpp built with LLAMA_CPP_CMAKE) and
+    imported; else unavailable, with pip's last line."""
     import importlib
-    import os
     import subprocess
     import sys
 
     try:
-        return importlib.import_module("llama_cpp")
+        return importlib.import_module(module)
     except ImportError:
         pass
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        "llama-cpp-python"], capture_output=True, text=True, timeout=3600,
-                       env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
+                       capture_output=True, text=True, timeout=3600, env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
     try:
         importlib.invalidate_caches()
-        return importlib.import_module("llama_cpp")
+        return importlib.import_module(module)
     except ImportError:
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        unavailable(f"llama-cpp-python could not be built here (pip install llama-cpp-python: {tail})")
+        unavailable(f"{what} could not be installed here (pip install {requirement}: {tail})")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama-cpp-python (llama.cpp itself, from Python), installed when missing; the test skips with the
+    reason only when it cannot be built."""
+    return _installed("llama_cpp", "llama-cpp-python", "llama-cpp-python")
 
 
 @pytest.fixture(scope="session")
@@ -251,22 +255,18 @@ def postgres(tmp_path_factory) -> str:
 def llama_cpp_server(llama_cpp):
     """llama-cpp-python's OpenAI-compatible server (its [server] extra: the web parts, over the llama.cpp already
     built), installed when missing; the test skips with the reason only when it cannot be."""
-    import importlib
     import importlib.metadata
-    import subprocess
-    import sys
 
-    try:
-        return importlib.import_module("llama_cpp.server.app")
-    except ImportError:
-        pass
     version = importlib.metadata.version("llama-cpp-python")
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        f"llama-cpp-python[server]=={version}"], capture_output=True, text=True, timeout=3600,
-                       env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
-    try:
-        importlib.invalidate_caches()
-        return importlib.import_module("llama_cpp.server.app")
-    except ImportError:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        unavailable(f"llama-cpp-python's server could not be installed here ({tail})")
+    return _installed("llama_cpp.server.app", f"llama-cpp-python[server]=={version}", "llama-cpp-python's server")
+
+
+def llama_greedy(llm, ids, n):
+    """llama.cpp's greedy tokens after `ids`, up to `n`, ending at its end-of-generation token."""
+    llm.reset()
+    out = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+        if t == llm.token_eos() or len(out) == n:
+            break
+        out.append(t)
+    return out

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import needs_installed, needs_module
+from conftest import llama_greedy, needs_installed, needs_module
 
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import export, finetune
@@ -78,14 +78,7 @@ def family_runs(tmp_path_factory):
     return root
 
 
-def _greedy(llm, ids, n):
-    llm.reset()
-    out = []
-    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
-        if t == llm.token_eos() or len(out) == n:
-            break
-        out.append(t)
-    return out
+_greedy = llama_greedy
 
 
 def _check_modelfile(modelfile, run):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import needs_module
+from conftest import llama_greedy, needs_module
 
 from tunebench.interfaces import cli
 
@@ -113,15 +113,7 @@ def _a_near_tie_split_them(loaded, ids, theirs, tie):
     assert gap <= tie, f"llama.cpp chose token {theirs[split]} at step {split}, {gap:.3f} below the model's choice"
 
 
-def _greedy(llm, ids, n):
-    """llama.cpp's greedy tokens after `ids`, up to `n`, ending at its end-of-generation token."""
-    llm.reset()
-    out = []
-    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
-        if t == llm.token_eos() or len(out) == n:
-            break
-        out.append(t)
-    return out
+_greedy = llama_greedy
 
 
 @pytest.mark.parametrize("run,quant", [("lora", "f16"), ("lora", "q8_0"), ("gpt2", "f16"), ("gpt2", "q8_0")])
