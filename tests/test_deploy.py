@@ -125,6 +125,30 @@ def test_each_family_exports_and_llama_cpp_generates_as_transformers(family_runs
     assert len(theirs) >= tokens and theirs == ours[:len(theirs)]
 
 
+def test_a_full_fine_tune_of_a_converted_family_exports_and_runs_in_llama_cpp(family_runs, tmp_path, llama_cpp):
+    """A full fine-tune's run directory (the whole model, no adapter) takes the converter's path too."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"What is {i} plus one?", "response": f"It is {i + 1}."})
+                            + "\n" for i in range(12)))
+    run = tmp_path / "full"
+    finetune.run(load_config(options={
+        "model.name": str(family_runs / "phi3-base"), "data.path": str(data), "data.max_length": 64,
+        "train.max_steps": 2, "data.template": "Q: {instruction}\nA: ", "train.micro_batch_size": 4,
+        "train.progress": False, "train.output_dir": str(run), "train.lr": 1e-3, "train.precision": "fp32",
+        "hardware.attention": "eager", "train.compile": "off", "adapter.method": "full"}))
+    path = export.export(str(run), "gguf", "q8_0", str(tmp_path / "full.gguf"))
+    model = inference.load_for_inference(str(run), None)
+    ids = model.tokenizer("Q: What is 7 plus one?\nA: ", add_special_tokens=False).input_ids
+    ours = model.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                pad_token_id=model.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        theirs = _greedy(llm, ids, 4)
+    finally:
+        llm.close()
+    assert len(theirs) >= 4 and theirs == ours[:len(theirs)]
+
+
 def test_k_quants_come_from_llama_cpps_quantizer_and_are_checked_in_llama_cpp(family_runs, tmp_path, llama_cpp,
                                                                                capsys):
     """A K-quant on a family of each path: llama.cpp's converter (gemma2, q4_k_m) and tunebench's writer (llama,

@@ -112,10 +112,13 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
 
 
 def sentencepiece_model(source: Source) -> Path | None:
-    """The SentencePiece model (tokenizer.model) of the run or its base, which llama.cpp's converter reads for
-    the families that tokenize with one (Gemma, Phi-3, Mistral's older releases): transformers 5 saves a fast
-    tokenizer without it."""
-    for d in (source.run_dir, Path(source.base)):
+    """The SentencePiece model (tokenizer.model) of the run or the model it started from, which llama.cpp's
+    converter reads for the families that tokenize with one (Gemma, Phi-3, Mistral's older releases):
+    transformers 5 saves a fast tokenizer without it, so a run's own directory has none."""
+    places = [source.run_dir, Path(source.base)]
+    with contextlib.suppress(TunebenchError):  # a full fine-tune's run: the model it started from
+        places.append(Path(RunDir(source.run_dir).base_model()))
+    for d in places:
         if (d / "tokenizer.model").is_file():
             return d / "tokenizer.model"
     return None
