@@ -244,6 +244,22 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, capsys)
     assert (_listing(tmp_path), _listing(runs)) == before
 
 
+def test_a_gpt2_run_takes_a_k_quant_an_ollama_modelfile_and_the_hf_format(runs, tmp_path, llama_cpp, capsys):
+    import gguf
+
+    path = export.export(str(runs / "gpt2"), "gguf", "q4_k_m", str(tmp_path / "g.gguf"))
+    said = capsys.readouterr().out
+    assert "tunebench's writer" in said and "gpt2 in q4_k_m" in said and "read back by transformers" in said
+    assert gguf.GGUFReader(str(path)).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    out = export.export(str(runs / "gpt2"), "ollama", "q8_0", str(tmp_path / "ollama"))
+    modelfile = (out / "Modelfile").read_text()  # trained on plain text: the prompt as it is, no format around it
+    assert 'TEMPLATE """{{ .Prompt }}"""' in modelfile and "FROM ./gpt2-q8_0.gguf" in modelfile
+    capsys.readouterr()
+    hf = export.export(str(runs / "gpt2"), "hf", "f32", str(tmp_path / "hf"))
+    assert "100.0% of the time" in capsys.readouterr().out  # transformers reads it back: the model's logits
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "gpt2"
+
+
 def test_cli_export_prints_size_and_the_check(runs, tmp_path, capsys):
     target = tmp_path / "g.gguf"
     assert cli.main(["export", str(runs / "gpt2"), "--quant", "q8_0", "-o", str(target)]) == 0

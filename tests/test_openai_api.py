@@ -110,7 +110,11 @@ def test_bad_requests_get_openais_errors_before_anything_runs(served):
     for kwargs, message in (({"max_tokens": 100_000}, "'max_tokens' must be a whole number from 1 to 512"),
                             ({"temperature": 3}, "'temperature' must be a number from 0 to 2"),
                             ({"n": 2}, "'n' must be 1"),
-                            ({"stop": ["a", "b", "c", "d", "e"]}, "'stop' must be a string or a list of up to 4")):
+                            ({"stop": ["a", "b", "c", "d", "e"]}, "'stop' must be a string or a list of up to 4"),
+                            ({"logprobs": True}, "'logprobs' is not supported by tunebench serve"),
+                            ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+                            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                             "'tools' is not supported")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model="tiny", messages=hi, **kwargs)
     with pytest.raises(openai.BadRequestError, match="the message is 9,000 characters; the limit is 8,000"):

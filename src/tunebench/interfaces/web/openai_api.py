@@ -40,6 +40,13 @@ def model_ids(registry: Registry) -> dict[str, str]:
     return out
 
 
+# Settings of OpenAI's API that would change the answer and that serve does not do (tool calls, log
+# probabilities, output formats, penalties, logit bias, echo, suffix, best_of)
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "response_format",
+               "presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", "best_of", "audio",
+               "modalities", "prediction", "parallel_tool_calls")
+
+
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
     value = body.get(key, default)
     if value is None:
@@ -73,8 +80,12 @@ def parse(body: Any, registry: Registry, chat: bool) -> dict[str, Any]:
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string (one prompt a request)", param="prompt")
         messages = [{"role": "user", "content": prompt}]
-    if body.get("n", 1) != 1:
+    if body.get("n", 1) not in (1, None):
         raise ApiError(400, "'n' must be 1: one answer a request", param="n")
+    for key in UNSUPPORTED:  # what would change the answer is refused, never silently dropped
+        value = body.get(key)
+        if value not in (None, False, 0, [], {}, "") and not (key == "response_format" and value == {"type": "text"}):
+            raise ApiError(400, f"'{key}' is not supported by tunebench serve; leave it out", param=key)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     limit = MAX_NEW_TOKENS if limit is None else limit
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_NEW_TOKENS:
