@@ -163,8 +163,9 @@ CONVERSION = 2  # bumped when a conversion changes (2: the pre-tokenizer restore
 
 
 def restore_pre_tokenizer(tok, gguf: Path) -> None:
-    """Put back the pre-tokenizer the GGUF names, so the converted tokenizer splits text as the original did
-    (SmolLM2's lost its digit split: '2024' became one piece instead of four)."""
+    """Put back the pre-tokenizer the GGUF names, so the converted tokenizer is the original: SmolLM2's lost its
+    digit split (the ids came out the same, its vocabulary holding no multi-digit piece, but exports named its
+    pre-tokenizer gpt-2 and llama.cpp's converter did not recognise it)."""
     import gguf as gguf_py
     from tokenizers import pre_tokenizers
 

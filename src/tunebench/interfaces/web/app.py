@@ -116,7 +116,8 @@ class ClientLimit:
 
 
 def client_of(request) -> str:
-    """Who sends a Gradio request: the login where there is one, else the address it comes from."""
+    """Who sends a request (Gradio's, or the API's Starlette one): the login where there is one, else the address
+    it comes from."""
     if request is None:
         return "local"
     user = getattr(request, "username", None)
@@ -411,8 +412,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     app.launch(server_name=host, server_port=port, prevent_thread_lock=True, quiet=True, share=False,
                show_error=False, auth=credentials, max_file_size=MAX_UPLOAD,
                run_history=False)  # its /gradio_api/run-history/* routes have no login check (and need the hub)
-    openai_api.add_routes(app.app, registry, credentials[1] if credentials else None, limit,
-                          lambda request: f"host:{request.client.host if request.client else 'unknown'}")
+    openai_api.add_routes(app.app, registry, credentials[1] if credentials else None, limit, client_of)
     print(f"OpenAI-compatible API: http://{host}:{port}/v1 (models: {', '.join(openai_api.model_ids(registry))}"
           + ("; API key: the --auth password)" if credentials else ")"), flush=True)
     if block:

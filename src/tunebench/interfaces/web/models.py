@@ -210,7 +210,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
         try:
             for piece in streamer:
                 text += piece
-                yield Reply(text.strip())
+                yield Reply(text.strip(), prompt_tokens=n_prompt)
         finally:  # also when the consumer closes this generator (GeneratorExit): no orphan generation
             stop.set()
             worker.join()

@@ -115,7 +115,7 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
 def answer(registry: Registry, request: dict[str, Any]) -> Iterator[tuple[str, dict | None]]:
     """The answer's text as it grows, then (text, usage and finish reason) once it ends. A stop sequence ends
     the generation where it appears (closing the stream stops the model) and is not part of the text."""
-    text, tokenizer = "", None
+    text = ""
     replies = stream(registry, request["label"], request["messages"], request["max_tokens"], request["temperature"],
                      request["top_p"], request["seed"], raw=not request["chat"])
     try:
@@ -124,9 +124,8 @@ def answer(registry: Registry, request: dict[str, Any]) -> Iterator[tuple[str, d
             if stopped:
                 replies.close()  # the model stops here
                 tokenizer = registry.get(request["label"])[0].tokenizer
-                prompt = _prompt_tokens(registry, request)
                 done = len(tokenizer(cut, add_special_tokens=False).input_ids)
-                yield cut, {"finish_reason": "stop", "prompt_tokens": prompt, "completion_tokens": done}
+                yield cut, {"finish_reason": "stop", "prompt_tokens": reply.prompt_tokens, "completion_tokens": done}
                 return
             text = cut
             if reply.done:
@@ -137,15 +136,6 @@ def answer(registry: Registry, request: dict[str, Any]) -> Iterator[tuple[str, d
             yield text, None
     except TooLong as e:
         raise ApiError(400, str(e), code="context_length_exceeded") from None
-
-
-def _prompt_tokens(registry: Registry, request: dict[str, Any]) -> int:
-    from tunebench.data.tokenize import render_prompt
-
-    placed, template = registry.get(request["label"])
-    text = request["messages"][-1]["content"] if not request["chat"] else \
-        render_prompt(request["messages"], placed.tokenizer, template)
-    return int(placed.encode(text)["input_ids"].shape[1])
 
 
 def _usage(end: dict) -> dict[str, int]:
