@@ -8,7 +8,6 @@ parameter is annotated gr.Request, and finds that by evaluating the annotation, 
 module imported inside build() would defeat.
 """
 
-import contextlib
 import os
 import random
 import shlex
@@ -16,13 +15,13 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
 from tunebench.interfaces.web import openai_api
-from tunebench.interfaces.web.models import MAX_PROMPT_CHARS, Registry, entries, load_prompts, stream
+from tunebench.interfaces.web.models import (MAX_PROMPT_CHARS, PER_CLIENT, Busy, ClientLimit, Registry, entries,
+                                             load_prompts, stream)
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
 
@@ -72,47 +71,6 @@ class Blinded:
                 if now - opened > self.seconds:
                     del self._pairs[pair_id]
             return any(label in labels for labels, _ in self._pairs.values())
-
-
-class Busy(TunebenchError):
-    pass
-
-
-PER_CLIENT = 2  # generations one visitor may have running or waiting at once (the Chat and A/B tabs, say)
-
-
-class ClientLimit:
-    """At most `limit` generations at once per client (its login, else its address): one visitor cannot
-    hold every worker while the others wait. A request over the limit is answered "busy" at once, so a
-    burst from one client drains from the queue in no time instead of holding it."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._running: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def check(self, client: str) -> None:
-        """Busy if `client` is at its share now (hold() still decides, under the lock)."""
-        with self._lock:
-            self._refuse_at_limit(client)
-
-    def _refuse_at_limit(self, client: str) -> None:
-        if self._running[client] >= self.limit:
-            raise Busy(f"busy: you already have {self.limit} answers being generated; wait for them to finish, "
-                       "then send this again")
-
-    @contextlib.contextmanager
-    def hold(self, client: str):
-        with self._lock:
-            self._refuse_at_limit(client)
-            self._running[client] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running[client] -= 1
-                if not self._running[client]:
-                    del self._running[client]
 
 
 def client_of(request) -> str:

@@ -3,10 +3,12 @@ every browser session, and streamed generation with its tokens/s. No Gradio here
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,6 +222,47 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     ids = result["ids"][0, n_prompt:].tolist()  # type: ignore[index]
     ended = tok.eos_token_id is not None and tok.eos_token_id in ids
     yield Reply(text.strip(), len(ids), seconds, done=True, prompt_tokens=n_prompt, ended=ended)
+
+
+class Busy(TunebenchError):
+    pass
+
+
+PER_CLIENT = 2  # generations one visitor may have running or waiting at once (the Chat and A/B tabs, say)
+
+
+class ClientLimit:
+    """At most `limit` generations at once per client (its login, else its address): one visitor cannot
+    hold every worker while the others wait. A request over the limit is answered "busy" at once, so a
+    burst from one client drains from the queue in no time instead of holding it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._running: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def check(self, client: str) -> None:
+        """Busy if `client` is at its share now (hold() still decides, under the lock)."""
+        with self._lock:
+            self._refuse_at_limit(client)
+
+    def _refuse_at_limit(self, client: str) -> None:
+        if self._running[client] >= self.limit:
+            raise Busy(f"busy: you already have {self.limit} answers being generated; wait for them to finish, "
+                       "then send this again")
+
+    @contextlib.contextmanager
+    def hold(self, client: str):
+        with self._lock:
+            self._refuse_at_limit(client)
+            self._running[client] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running[client] -= 1
+                if not self._running[client]:
+                    del self._running[client]
 
 
 PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
-from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Registry, TooLong, stream
+from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Busy, Registry, TooLong, stream
 
 
 class ApiError(Exception):
@@ -171,8 +171,7 @@ def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
-        return "data: " + json.dumps({"id": ident, "object": kind, "created": created, "model": model,
-                                      "choices": [choice]}) + "\n\n"
+        return _event({"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]})
 
     sent = ""
     if chat:
@@ -185,13 +184,18 @@ def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
             if end is not None:
                 yield chunk(None, end["finish_reason"])
                 if request["usage_in_stream"]:
-                    yield "data: " + json.dumps({"id": ident, "object": kind, "created": created, "model": model,
-                                                 "choices": [], "usage": _usage(end)}) + "\n\n"
+                    yield _event({"id": ident, "object": kind, "created": created, "model": model, "choices": [],
+                                  "usage": _usage(end)})
     except ApiError as e:  # the status line is sent already: the error travels as an event
-        yield "data: " + json.dumps(e.body()) + "\n\n"
+        yield _event(e.body())
     except TunebenchError as e:
-        yield "data: " + json.dumps(ApiError(400, str(e)).body()) + "\n\n"
-    yield "data: [DONE]\n\n"
+        yield _event(ApiError(400, str(e)).body())
+    yield _event("[DONE]")
+
+
+def _event(data: dict | str) -> str:
+    """One server-sent event: an object as JSON, or OpenAI's closing [DONE] as it is."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 def check_key(authorization: str | None, password: str | None) -> None:
@@ -238,16 +242,16 @@ def add_routes(fastapi_app, registry: Registry, password: str | None, limit, cli
             if parsed["stream"]:
                 try:
                     limit.check(client)  # over the share: a 429 now, rather than an error event after a 200
-                except TunebenchError as e:
+                except Busy as e:
                     return error(ApiError(429, str(e), kind="rate_limit_error"))
 
                 def sse():
                     try:
                         with limit.hold(client):
                             yield from events(registry, parsed)
-                    except TunebenchError as e:  # another request of the client's took the share meanwhile
-                        yield "data: " + json.dumps(ApiError(429, str(e), kind="rate_limit_error").body()) + "\n\n"
-                        yield "data: [DONE]\n\n"
+                    except Busy as e:  # another request of the client's took the share meanwhile
+                        yield _event(ApiError(429, str(e), kind="rate_limit_error").body())
+                        yield _event("[DONE]")
                 return StreamingResponse(sse(), media_type="text/event-stream")
             from starlette.concurrency import run_in_threadpool
 
@@ -258,10 +262,10 @@ def add_routes(fastapi_app, registry: Registry, password: str | None, limit, cli
                 return await run_in_threadpool(whole)
             except ApiError as e:
                 return error(e)
-            except TunebenchError as e:  # busy, or a limit the request ran into
-                status = 429 if "busy" in str(e) else 400
-                return error(ApiError(status, str(e), kind="rate_limit_error" if status == 429 else
-                                      "invalid_request_error"))
+            except Busy as e:
+                return error(ApiError(429, str(e), kind="rate_limit_error"))
+            except TunebenchError as e:  # a limit the request ran into
+                return error(ApiError(400, str(e)))
         return route
 
     fastapi_app.add_api_route("/v1/models", models_route, methods=["GET"])
