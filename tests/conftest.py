@@ -65,6 +65,10 @@ ROWS = [
 def _cache(tmp_path_factory):
     """Keep tests' converted models and tokenized data out of the user's cache."""
     os.environ["TUNEBENCH_CACHE"] = str(tmp_path_factory.mktemp("tbcache"))
+    trackers = tmp_path_factory.mktemp("trackers")  # and the trackers' local stores and caches out of the user's
+    os.environ["TRACKIO_DIR"] = str(trackers / "trackio")  # (read when trackio is imported: no test has yet)
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+        os.environ[name] = str(trackers / name.lower())
 
 
 @pytest.fixture
@@ -270,3 +274,77 @@ def llama_greedy(llm, ids, n):
             break
         out.append(t)
     return out
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> str:
+    """A real MLflow tracking server on a free loopback port for the session (SQLite backend store, its
+    artifacts served from a local folder), as its URL; unavailable when mlflow (the test extra) is missing or
+    the server does not come up."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    needs_installed("mlflow", "the MLflow tracking server is in the test extra: pip install -e '.[test]'")
+    root = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            tail = (root / "server.log").read_text()[-300:]
+            unavailable(f"the MLflow server did not start: {tail}")
+        time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+def wandb_history(run_dir: Path, run_id: str) -> tuple[dict[int, dict], list]:
+    """({step: the row W&B recorded}, the records) of every offline file of W&B run `run_id` under a tunebench
+    run directory (a resumed run writes a second one), decoded with wandb's own protobuf Record. wandb ships no
+    Python reader of its .wandb files since its core moved to Go (the datastore module is gone), so the file's
+    framing (LevelDB's log format under a 7-byte ':W&B' header: 32 KiB blocks of records with 7-byte headers)
+    is read here."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows: dict[int, dict] = {}
+    records = []
+    for path in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        data, pos, block, parts = path.read_bytes(), 7, 32768, b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            parts += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                records.append(wandb_internal_pb2.Record.FromString(parts))
+                parts = b""
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            rows.setdefault(row["_step"], {}).update(row)
+    return rows, records

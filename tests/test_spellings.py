@@ -163,8 +163,9 @@ def test_the_guides_python_api_as_written(tmp_path):
     with pytest.raises(Exception, match="'training.backend' and 'training.distributed_backend' both set distributed.backend"):
         validate(PretrainConfig(training=TrainingConfig(backend="nccl", distributed_backend="gloo"),
                                 data=DataConfig(train_file=str(tmp_path / "corpus.txt"))))
-    with pytest.raises(Exception, match="not supported"):
-        TrainingConfig(report_to=["wandb"])
+    assert TrainingConfig(report_to=["mlflow", "tensorboard"]).report_to == "mlflow,tensorboard"
+    with pytest.raises(Exception, match="comet: not one of tensorboard, mlflow, wandb, trackio"):
+        TrainingConfig(report_to=["comet"])
 
 
 def test_force_cpu_prefetch_and_cache_dir_reach_the_run(tmp_path, capsys):

@@ -99,6 +99,11 @@ def atomic_files(directory: str | Path, prefix: str = ".tmp-") -> Iterator[Path]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def landing(tmp: Path, out: Path) -> list[Path]:
+    """Where the files written so far in atomic_files' temp directory `tmp` will land in `out`."""
+    return [out / f.relative_to(tmp) for f in sorted(tmp.rglob("*")) if f.is_file()]
+
+
 OLD = ".old-"  # a directory atomic_dir set aside while replacing it
 
 

@@ -169,7 +169,8 @@ def _compare(args: argparse.Namespace) -> int | None:
     from tunebench.jobs import compare
 
     extra = {k: v for k, v in {"model.name": args.model, "model.tokenizer": args.tokenizer, "data.path": args.data,
-                               "data.max_samples": args.max_samples, "schedule.max_steps": args.max_steps}.items()
+                               "data.max_samples": args.max_samples, "schedule.max_steps": args.max_steps,
+                               "logging.report_to": args.report_to, "logging.project": args.project}.items()
              if v is not None}
     compare.main(args.matrix, args.output, args.runs_dir, args.repeats, extra, args.device, args.retry_failed,
                  args.nproc, args.report_dir)

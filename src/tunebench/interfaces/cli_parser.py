@@ -74,7 +74,8 @@ SHARED_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--eval-steps",), "evaluation.eval_steps"), (("--eval-generate",), "evaluation.eval_generate"),
     (("--eval-max-new-tokens",), "evaluation.eval_max_new_tokens"), (("--save-steps", "--save_steps"), "output.save_steps"),
     (("--save-total-limit",), "output.save_total_limit"), (("--resume",), "output.resume"),
-    (("--report-to",), "logging.report_to"),
+    (("--report-to", "--report_to"), "logging.report_to"), (("--run-name", "--run_name"), "logging.run_name"),
+    (("--project",), "logging.project"),
 ]
 SWITCHES = [(("--overwrite",), "output.overwrite", True), (("--no-progress",), "logging.progress", False)]
 
@@ -96,7 +97,8 @@ def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], st
         p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
                        **({"action": "append"} if key == "data.path" else {}))
     for flags, key in SHARED_OPTIONS:
-        p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=schema.help_for(key), metavar="V")
+        p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=schema.help_for(key), metavar="V",
+                       **({"nargs": "+"} if key == "logging.report_to" else {}))  # HF's list: --report-to mlflow wandb
     for flags, key, value in SWITCHES:
         p.add_argument(*flags, dest=key, action="store_const", const=value, default=argparse.SUPPRESS,
                        help=schema.help_for(key))
@@ -324,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--retry-failed", action="store_true", help="rerun experiments whose row is oom/error")
+    p.add_argument("--report-to", "--report_to", nargs="+", default=None, metavar="TRACKER",
+                   help="log every run to these trackers (tensorboard, mlflow, wandb, trackio), one experiment "
+                        "(project) and group named after the output's folder")
+    p.add_argument("--project", default=None, help="the trackers' experiment / project (default: the output's folder)")
     p.add_argument("--nproc", default=None, metavar="N[,M...]",
                    help="run every experiment on each of these numbers of processes (tunebench launch), e.g. 1,2")
     _add_debug(p)

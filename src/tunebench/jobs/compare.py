@@ -286,6 +286,7 @@ def main(matrix: str, output: str, runs_dir: str | None, repeats: int, extra: di
 def run(matrix: str, output: str, runs_dir: str, repeats: int, extra: dict[str, Any],
         devices: list[str] | None = None, retry_failed: bool = False, nproc: list[int] | None = None) -> Path:
     base, experiments = load_matrix(matrix, extra, nproc)
+    base = tracked("train", None, base, Path(output).resolve().parent.name)
     present, absent = devices_present()
     for d in devices or []:
         if d not in present:
@@ -355,6 +356,17 @@ def canonical(job: str, settings: dict[str, Any]) -> dict[str, Any]:
     else:
         from tunebench.settings.pretrain import SCHEMA
     return SCHEMA.canonical(settings)
+
+
+def tracked(job: str, config: str | None, settings: dict[str, Any], name: str) -> dict[str, Any]:
+    """`settings` with a compare's or a study's runs named for the trackers as one: their group `name`, and
+    `name` as their MLflow experiment (W&B, Trackio project) unless the config or settings name one."""
+    settings = canonical(job, settings)
+    cfg = load_job_config(job, config, settings)
+    named = {"logging.group": cfg.logging.group or name}
+    if cfg.logging.project is None:
+        named["logging.project"] = name
+    return settings | named
 
 
 def load_job_config(job: str, config: str | None, settings: dict[str, Any], nproc: int = 1):

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tunebench.jobs import run_report
 from tunebench.machine import distributed, hardware, metrics
 
 from tunebench.model import inference, methods, models
@@ -19,7 +20,7 @@ from tunebench.settings.finetune import RunConfig, dump_yaml
 from tunebench.machine.hardware import Decision
 from tunebench.data import batching, mixture, pairs
 from tunebench.data.tokenize import split
-from tunebench.core.durable import atomic_files
+from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
@@ -137,23 +138,26 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # -- train (optimizer, schedule, records, loop, evaluation), then the outputs on rank 0
     records = runner.records(opened, cfg, plan, dump_yaml, trainable_parameters=trainable, total_parameters=total,
                              model_source=loaded.source)
-    outcome, weights = runner.train_run(
-        opened, plan, model, loss=loss_module, records=records, optimization=optimization,
-        outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
-        eval_sets=eval_sets, identity=identity)
-    if not world.main:
-        return {}
-    save_final(model, tok, opened.out, cfg, loaded, weights)
-    summary = summarize(cfg, opened, plan, model, outcome, trainable, measure_s)
-    if prefer:
-        summary.update({"pairs_skipped": examples.skipped, "pairs_dropped": data.dropped})
-    n = cfg.evaluation.eval_generate  # preference runs answer their held-out pairs' prompts, scored against the chosen reply
-    groups = [("pairs", [examples.answered(data.source(i)) for i in np.concatenate(eval_parts)[:n]])] if prefer \
-        else [(p.name, [messages[data.rows[i]] for i in e[:n]]) for p, e in zip(parts, eval_parts)]
-    if n:
-        summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, opened.out, device, autocast))
-    write_json(opened.out / "summary.json", summary)
-    summary_.report(summary, opened.out)
+    with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
+        outcome, weights = runner.train_run(
+            opened, plan, model, loss=loss_module, records=records, optimization=optimization,
+            outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
+            eval_sets=eval_sets, identity=identity, tracking=tracking)
+        if not world.main:
+            return {}
+        saved = save_final(model, tok, opened.out, cfg, loaded, weights)
+        summary = summarize(cfg, opened, plan, model, outcome, trainable, measure_s)
+        if prefer:
+            summary.update({"pairs_skipped": examples.skipped, "pairs_dropped": data.dropped})
+        n = cfg.evaluation.eval_generate  # preference runs answer their held-out pairs' prompts, scored against the chosen reply
+        groups = [("pairs", [examples.answered(data.source(i)) for i in np.concatenate(eval_parts)[:n]])] if prefer \
+            else [(p.name, [messages[data.rows[i]] for i in e[:n]]) for p, e in zip(parts, eval_parts)]
+        if n:
+            summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, opened.out, device, autocast))
+        summary.update(tracking.costs())
+        write_json(opened.out / "summary.json", summary)
+        summary_.report(summary, opened.out)
+        run_report.send(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary
 
 
@@ -326,9 +330,10 @@ def check_rows(usable: int, cfg: RunConfig, dropped: int, why: str) -> None:
             f"effective batch of {cfg.effective_batch_size}; add rows or lower --effective-batch-size")
 
 
-def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded, weights: dict | None = None) -> None:
+def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded,
+               weights: dict | None = None) -> list[Path]:
     """The model (or adapter) and tokenizer, each file written whole (durable.atomic_files); `weights`, a
-    sharded model's gathered state dict."""
+    sharded model's gathered state dict. Returns the files written."""
     with atomic_files(out) as tmp:
         if cfg.adapter.method == "full":
             model.save_pretrained(tmp, state_dict=weights)
@@ -336,3 +341,4 @@ def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loade
             model.peft_config["default"].base_model_name_or_path = loaded.path or cfg.model.name
             model.save_pretrained(tmp, save_embedding_layers=False)  # "auto" would look the base up on the hub
         tokenizer.save_pretrained(tmp)
+        return landing(tmp, out)

@@ -17,10 +17,10 @@ from tunebench.machine import distributed, hardware, metrics
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.data import batching, blocks, text
-from tunebench.core.durable import atomic_files
+from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.machine.hardware import Decision
-from tunebench.jobs import tokenizer as tokenizer_job
+from tunebench.jobs import run_report, tokenizer as tokenizer_job
 from tunebench.core.jsonfile import write_json
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, dump_yaml, validate
@@ -93,23 +93,29 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     # -- train (optimizer, schedule, records, loop, evaluation and samples), then the outputs on rank 0
     identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
                  "split": [d.split, d.validation_split, d.validation_file]}
-    outcome, weights = runner.train_run(
-        opened, plan, model, records=runner.records(opened, cfg, plan, dump_yaml, parameters=n_params), after_eval=sample, optimization=optimization,
-        outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
-        eval_sets=[("validation", eval_batches)], identity=identity)
-    if not world.main:
-        return {}
-    model.config.use_cache = True
-    with atomic_files(opened.out) as tmp:  # each file whole, old or new, whenever a kill comes
-        model.save_pretrained(tmp, state_dict=weights)
-        tok.save_pretrained(tmp)
-    return summarize(cfg, opened, plan, model, outcome, n_params, measure_s)
+    with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
+        outcome, weights = runner.train_run(
+            opened, plan, model, records=runner.records(opened, cfg, plan, dump_yaml, parameters=n_params),
+            after_eval=sample, optimization=optimization, tracking=tracking,
+            outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
+            eval_sets=[("validation", eval_batches)], identity=identity)
+        if not world.main:
+            return {}
+        model.config.use_cache = True
+        with atomic_files(opened.out) as tmp:  # each file whole, old or new, whenever a kill comes
+            model.save_pretrained(tmp, state_dict=weights)
+            tok.save_pretrained(tmp)
+            saved = landing(tmp, opened.out)
+        summary = summarize(cfg, opened, plan, model, outcome, n_params, measure_s) | tracking.costs()
+        write_json(opened.out / "summary.json", summary)
+        summary_.report(summary, opened.out)
+        run_report.send(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
+    return summary
 
 
 def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: runner.Outcome, n_params: int,
               measure_s: float) -> dict[str, Any]:
-    """The run's figures (speed, MFU from the model's shape, memory, losses, batch, the last sample), written
-    to summary.json and the run's report."""
+    """The run's figures (speed, MFU from the model's shape, memory, losses, batch, the last sample)."""
     matmul, layers, width = metrics.flop_dims(model)
     fpt = training_flops_per_token(matmul, n_params, layers, width, cfg.data.max_length, full=True)
     summary = {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
@@ -117,8 +123,6 @@ def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: run
                "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
                "effective_batch_size": opened.effective, "max_length": cfg.data.max_length,
                "measure_s": round(measure_s, 3), "sample": outcome.after.get("sample")}
-    write_json(opened.out / "summary.json", summary)
-    summary_.report(summary, opened.out)
     return summary
 
 

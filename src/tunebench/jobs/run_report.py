@@ -219,3 +219,19 @@ def main(results: list[str], output_dir: str | None, baseline_device: str | None
     if not runs:
         html_ = report.write(results, output_dir or "runs/report", baseline_device, baseline_config)
         print(f"report: {html_.resolve()}")
+
+
+RECORDS = ("config.yaml", "plan.json", "summary.json", "metrics.jsonl", "monitor.jsonl", "eval_answers.jsonl")
+
+
+def send(tracking, summary: dict[str, Any], run_dir: Path, model_files: list[Path]) -> None:
+    """The end of a tracked run (machine.trackers): the summary's numbers, then, to the trackers that store
+    files, the run's records, its report (written here for them) and the adapter or model."""
+    if not tracking.lanes:
+        return
+    files: dict[str, list[Path]] = {}
+    if tracking.stores_files:
+        report_dir = write(run_dir).parent
+        files = {"run": [run_dir / n for n in RECORDS if (run_dir / n).is_file()],
+                 "report": sorted(f for f in report_dir.iterdir() if f.is_file()), "model": model_files}
+    tracking.finish(summary, files)

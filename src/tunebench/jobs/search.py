@@ -489,6 +489,7 @@ def run(job: str, config: str | None, overrides: dict[str, Any], space: str, tri
     study = open_study(out, storage, study_name, sampler, pruner, seed,
                        fingerprint(job, config, base, space, objective), OBJECTIVES[objective])
     study.set_user_attr("objective", objective)
+    base = compare.tracked(job, config, base, study_name)  # after the fingerprint: an older study still resumes
 
     def finished() -> int:
         return sum(counted(t) for t in study.get_trials(deepcopy=False))

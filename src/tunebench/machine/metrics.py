@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,35 +16,23 @@ from tunebench.core.durable import repair_tail
 
 
 class MetricsWriter:
-    """Appends one JSON object per line and flushes, so a killed run keeps what it logged."""
+    """Appends one JSON object per line and flushes, so a killed run keeps what it logged; each record also
+    goes to `also` (the run's trackers)."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+    def __init__(self, path: Path, also: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
         repair_tail(path)  # a resumed run appends after a torn last line, not onto it
         self._f = path.open("a", encoding="utf-8")
-        self._tb = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                from tunebench.core.errors import TunebenchError
-
-                raise TunebenchError("--report-to tensorboard needs tensorboard: pip install 'tunebench[tensorboard]'") from e
-            self._tb = SummaryWriter(str(tensorboard_dir))
+        self._also = also
 
     def __call__(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
-        if self._tb is not None:
-            step = record.get("step", 0)
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"train/{k}" if not k.startswith("eval") else f"eval/{k}", v, step)
+        if self._also is not None:
+            self._also(record)
 
     def close(self) -> None:
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 _earlier_windows_mb = 0.0  # the CPU's peak resident set in windows closed by reset_peak_memory

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,11 @@ from typing import Any
 class Monitor:
     """Samples into monitor.jsonl; `summary()` gives means and peaks for summary.json."""
 
-    def __init__(self, path: Path | None, interval_s: float = 1.0, gpu_indices: tuple[int, ...] = ()):
+    def __init__(self, path: Path | None, interval_s: float = 1.0, gpu_indices: tuple[int, ...] = (),
+                 sink: Callable[[dict[str, Any]], None] | None = None):
         import psutil
 
+        self._sink = sink  # each sample also goes here (the run's trackers)
         self._proc = psutil.Process()
         self._psutil = psutil
         self._path = path
@@ -59,6 +62,8 @@ class Monitor:
             while not self._stop.wait(self._interval):
                 row = self.sample()
                 self._samples.append(row)
+                if self._sink:
+                    self._sink(row)
                 if f:
                     f.write(json.dumps(row) + "\n")
                     f.flush()

@@ -80,16 +80,6 @@ PretrainRun = schema.run_type("PretrainRun", {"model": ModelConfig, "data": Data
                               to_dict=lambda self: SCHEMA.to_dict(self), data_files=property(_data_files))
 
 
-def _report_to(value: Any) -> str:
-    """HF TrainingArguments' spelling, report_to=["tensorboard"], as one value."""
-    if isinstance(value, (list, tuple)):
-        unknown = [r for r in value if r not in schema.REPORT_TO]
-        if unknown:
-            raise TunebenchError(f"training.report_to {unknown} is not supported; tensorboard or none")
-        return "tensorboard" if "tensorboard" in value else "none"
-    return schema.coerce_value("logging.report_to", value, str)
-
-
 def _files(value: Any) -> str | None:
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value))
@@ -109,7 +99,7 @@ SCHEMA = schema.Schema(
              "model.gradient_checkpointing": "hardware.gradient_checkpointing",
              "model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
     hints={"hidden_size": "d_model", "num_layers": "n_layers", "num_heads": "n_heads", "seq_len": "max_seq_len"},
-    converters={"logging.report_to": _report_to, "data.train_file": _files})
+    converters={"data.train_file": _files})
 
 
 class TrainingConfig:

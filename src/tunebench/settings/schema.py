@@ -45,7 +45,7 @@ OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused")  # HF's names; all ar
 LR_SCALING = ("none", "linear", "sqrt")
 PARALLELS = ("auto", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
-REPORT_TO = ("none", "tensorboard")
+TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")  # HF's report_to spellings of the backends tunebench feeds
 DEFAULT_EFFECTIVE_BATCH = 8  # rows per optimizer step when no batch key says otherwise (the study's 8)
 
 
@@ -162,7 +162,17 @@ class Logging:
     logging_steps: int | None = None
     """write metrics every N steps (default: every step on a CPU, every 10 on a GPU: each read is a sync)"""
     report_to: str = "none"
-    """none | tensorboard"""
+    """experiment trackers, a list or comma-separated: tensorboard, mlflow, wandb, trackio (none: metrics.jsonl
+    only). Each gets the settings with their reasons, every logged step, the summary and (MLflow, W&B, Trackio)
+    the report and model"""
+    project: str | None = None
+    """the MLflow experiment, W&B project and Trackio project (default: tunebench; in compare and tune, theirs)"""
+    run_name: str | None = None
+    """the run's name in the trackers (default: the output directory's name)"""
+    group: str | None = None
+    """the W&B and Trackio group, an MLflow tag (compare and tune: their name)"""
+    log_model: bool = True
+    """send the trained adapter or model to the trackers that store files (MLflow, W&B, Trackio)"""
     logging_dir: str | None = None
     """where tensorboard writes (default: RUN_DIR/tensorboard)"""
     progress: bool = True
@@ -187,7 +197,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "hardware.device": DEVICES, "hardware.precision": PRECISIONS, "hardware.compile": ON_OFF,
     "hardware.compile_mode": COMPILE_MODES, "hardware.attention": ATTENTIONS, "hardware.gradient_checkpointing": ON_OFF,
     "hardware.liger": ON_OFF, "optimizer.optimizer": OPTIMIZERS, "optimizer.lr_scaling": LR_SCALING,
-    "schedule.schedule": SCHEDULES, "logging.report_to": REPORT_TO, "distributed.parallel": PARALLELS,
+    "schedule.schedule": SCHEDULES, "distributed.parallel": PARALLELS,
     "distributed.backend": BACKENDS}
 ON_OFF_KEYS = {k for k, v in CHOICES.items() if v == ON_OFF}  # YAML's `true`/`false` reads as on/off there
 
@@ -282,6 +292,8 @@ class Schema:
         section, name = key.split(".")
         if key in self.converters:
             return self.converters[key](value)
+        if key == "logging.report_to":
+            return report_to(value)
         if isinstance(value, bool) and key in ON_OFF_KEYS:
             return "on" if value else "off"
         return coerce_value(spelled or key, value, typing.get_type_hints(self.sections[section])[name])
@@ -402,11 +414,79 @@ def check_shared(cfg: Any, world_size: int, job: str) -> None:
     if s.max_steps is not None and s.max_tokens is not None:
         raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
     check_threads(h.threads, "--threads")
+    check_trackers(lg.report_to)
     if dist.world_size is not None and dist.world_size != world_size:
         raise TunebenchError(f"distributed.world_size is {dist.world_size}, and this run was started as {world_size} "
                              f"process(es); start {dist.world_size}: `tunebench launch --nproc-per-node "
                              f"{dist.world_size} -- {job} ...` on one machine (--nnodes x --nproc-per-node across "
                              "machines), or drop world_size")
+
+
+def report_to(value: Any) -> str:
+    """HF's report_to, a list (`report_to: [mlflow, tensorboard]`, `--report-to mlflow wandb`) or one string
+    (`mlflow,wandb`, `none`), as the trackers' names joined by commas in the order given, or "none"."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, str):
+            raise TunebenchError(f"logging.report_to got {short(value)}; give tracker names: {', '.join(TRACKERS)} "
+                                 "or none")
+        names += [n for n in item.replace(",", " ").lower().split() if n not in names]
+    unknown = [n for n in names if n not in (*TRACKERS, "none")]
+    if unknown:
+        hint = ("'all' would depend on what happens to be installed; name the ones you want" if "all" in unknown
+                else "not one of " + ", ".join(TRACKERS))
+        raise TunebenchError(f"logging.report_to {', '.join(unknown)}: {hint} (or none)")
+    if "none" in names and len(names) > 1:
+        raise TunebenchError(f"logging.report_to {','.join(names)} lists none beside trackers; give one or the other")
+    return ",".join(names) if names else "none"
+
+
+def trackers(report: str) -> list[str]:
+    """The tracker names of a report_to value (report_to's output)."""
+    return [] if report == "none" else report.split(",")
+
+
+# What each tracker needs installed: (module, the extra that installs it)
+TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
+
+
+def check_trackers(report: str) -> None:
+    """Each tracker asked for is installed (and W&B can write somewhere), refused here with the fix, before
+    any model loads: found without importing them (find_spec)."""
+    import importlib.util
+
+    for name in trackers(report):
+        if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
+            raise TunebenchError(f"--report-to {name} needs the {name} package: pip install 'tunebench[{name}]'")
+    if "wandb" in trackers(report) and not wandb_can_write():
+        raise TunebenchError("--report-to wandb needs a W&B login: run `wandb login` (or set WANDB_API_KEY), or set "
+                             "WANDB_MODE=offline to keep the run on disk and `wandb sync` it later")
+
+
+def wandb_can_write() -> bool:
+    """Whether wandb.init would start without asking for a key: offline or disabled mode (the environment, or
+    `wandb offline`'s settings file), an API key in the environment, or one `wandb login` stored in ~/.netrc."""
+    import configparser
+    import netrc
+    from urllib.parse import urlparse
+
+    mode = os.environ.get("WANDB_MODE", "")
+    for path in (Path("wandb/settings"), Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config/wandb"))
+                 / "settings"):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:
+            continue
+        mode = mode or parser.get("default", "mode", fallback="")
+    if mode.lower() in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def check_threads(threads: int | None, flag: str) -> None:

@@ -7,6 +7,7 @@ A job builds its model, data and decisions, then hands them here; the loop itsel
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -21,7 +22,7 @@ import torch
 
 from tunebench.training import checkpoint, runplan
 
-from tunebench.machine import distributed, hardware
+from tunebench.machine import distributed, hardware, trackers
 
 from tunebench.core import startup
 from tunebench.core import precision as precision_
@@ -125,16 +126,35 @@ def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[flo
     return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
 
 
-def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extra: Any) -> Callable[[], None]:
+def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extra: Any
+            ) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
     """What rank 0 writes once the run starts: config.yaml (the configuration as asked: auto stays auto) and
-    plan.json (what it became: the machine, the settings with their reasons, and the job's `extra`)."""
+    plan.json (what it became: the machine, the settings with their reasons, and the job's `extra`). Returns
+    both as written, for the trackers' parameters."""
+    import yaml
+
     from tunebench.core.jsonfile import write_json
 
-    def write() -> None:
+    def write() -> tuple[dict[str, Any], dict[str, Any]]:
         dump(cfg, opened.out / "config.yaml")
-        write_json(opened.out / "plan.json", {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(), **extra})
+        plan_ = {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(), **extra}
+        write_json(opened.out / "plan.json", plan_)
+        return yaml.safe_load((opened.out / "config.yaml").read_text(encoding="utf-8")), json.loads(
+            (opened.out / "plan.json").read_text(encoding="utf-8"))
 
     return write
+
+
+def tracking(opened: Opened, logging) -> trackers.Tracking:
+    """The run's experiment trackers (logging.report_to) on rank 0, named by logging.project, run_name and
+    group; none elsewhere. A resumed run reopens its own tracker runs."""
+    from tunebench.settings.schema import trackers as names
+
+    if not opened.world.main or logging.report_to == "none":
+        return trackers.Tracking()
+    where = trackers.Where(opened.out, logging.project or "tunebench", logging.run_name or opened.out.resolve().name,
+                           logging.group, Path(logging.logging_dir) if logging.logging_dir else None)
+    return trackers.Tracking(names(logging.report_to), where, resume=opened.resume_from is not None)
 
 
 def steps_row(cfg, steps: int, what: str) -> Decision:
@@ -315,15 +335,16 @@ def objective(model, autocast_dtype, device: torch.device, world: World, paralle
 def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
              next_micro_batch: Callable[[LoopState], Batch | None],
              evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
-             resume: Path | None, save_total_limit: int, report_to: str = "none", monitor: bool = True,
-             after_eval: Callable[[int], dict[str, Any]] | None = None, logging_dir: str | None = None,
+             resume: Path | None, save_total_limit: int, tracking: trackers.Tracking = trackers.Tracking(),
+             monitor: bool = True, after_eval: Callable[[int], dict[str, Any]] | None = None,
              probed_tokens_per_s: float | None = None) -> Outcome:
     """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train `objective_` (from
     `objective`) to `settings.total_steps` with checkpoints, evaluate again.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
     aborts); under several ranks, a signal to any one stops all of them at the same step.
-    `after_eval(step)` adds fields to each eval record (sample generations, say).
+    `after_eval(step)` adds fields to each eval record (sample generations, say). Every record and monitor
+    sample also goes to `tracking`.
     `probed_tokens_per_s`, what the probe measured for this micro batch, is what the loop's speed is
     watched against (see SlowdownWatch). Only rank 0 writes records and talks; every rank runs the
     rest (evaluation and saving are collectives).
@@ -335,9 +356,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     if resume:
         state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler, world)
         say(world, f"resume: continuing from {resume} (step {state.step})")
-    tensorboard = Path(logging_dir) if logging_dir else out / "tensorboard"
-    metrics = MetricsWriter(out / "metrics.jsonl", tensorboard if report_to == "tensorboard" else None) \
-        if world.main else None
+    metrics = MetricsWriter(out / "metrics.jsonl", tracking.log) if world.main else None
     log = metrics or (lambda record: None)
     stop = {"requested": False, "at": 0.0}
 
@@ -363,7 +382,8 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
 
     device = settings.device
     sampler = Monitor(out / "monitor.jsonl" if monitor and world.main else None,
-                      gpu_indices=(device.index or 0,) if device.type == "cuda" else ())
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
+                      sink=tracking.system if world.main else None)
     watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size, log,
                           settings.warmup_steps_excluded) if world.main else (lambda step, seconds, positions: None)
     hooks = Hooks(log=log, evaluate=run_eval if evaluate else None, save=save,
@@ -417,24 +437,23 @@ class Outputs:
     save_steps: int | None
     save_total_limit: int
     progress: bool
-    report_to: str
     monitor: bool
-    logging_dir: str | None = None
 
     @classmethod
     def of(cls, cfg, logging_steps: int) -> "Outputs":
         lg, o = cfg.logging, cfg.output
-        return cls(logging_steps, cfg.evaluation.eval_steps, o.save_steps, o.save_total_limit, lg.progress,
-                   lg.report_to, lg.monitor, lg.logging_dir)
+        return cls(logging_steps, cfg.evaluation.eval_steps, o.save_steps, o.save_total_limit, lg.progress, lg.monitor)
 
 
 def train_run(opened: Opened, plan, model, *, optimization: Optimization, outputs: Outputs,
               next_micro_batch: Callable[[LoopState], Batch | None], eval_sets: list[tuple[str, list[Batch]]],
-              identity: dict[str, Any], records: Callable[[], None], loss=None,
-              after_eval: Callable[[int], dict[str, Any]] | None = None) -> tuple[Outcome, dict | None]:
+              identity: dict[str, Any], records: Callable[[], tuple[dict, dict]], loss=None,
+              after_eval: Callable[[int], dict[str, Any]] | None = None,
+              tracking: trackers.Tracking = trackers.Tracking()) -> tuple[Outcome, dict | None]:
     """The training half both jobs share, in this order: the objective as the process group wraps it (DDP,
     FSDP), each rank's own dropout masks, the optimizer over the parameters FSDP sharded, the schedule, fp16's
-    GradScaler, the run's records (rank 0: `records()` writes config.yaml and plan.json), the loop with its
+    GradScaler, the run's records (rank 0: `records()` writes config.yaml and plan.json, which `tracking` gets as
+    parameters), the loop with its
     evaluation of each of `eval_sets` (one dataset's eval as it is; several, combined by per_source), then the
     sharded weights gathered and the process group shut down. Returns (outcome, the gathered weights or None);
     only rank 0 goes on to write the outputs."""
@@ -452,7 +471,7 @@ def train_run(opened: Opened, plan, model, *, optimization: Optimization, output
     identity = identity | {"rows_per_micro_step": plan.micro_batch_size * world.size,
                            "grad_accum_steps": plan.grad_accum_steps}
     if world.main:
-        records()
+        tracking.start(trackers.params_of(*records()))
 
     def run_eval() -> dict[str, float]:
         with compiler.eagerly(plan.compile):
@@ -466,9 +485,8 @@ def train_run(opened: Opened, plan, model, *, optimization: Optimization, output
         progress=outputs.progress, pin_memory=pin_memory, world=world)
     outcome = run_loop(out, model, objective_, optimizer, scheduler, scaler, next_micro_batch,
                        run_eval if any(batches for _, batches in eval_sets) else None, settings, identity,
-                       opened.resume_from, outputs.save_total_limit, outputs.report_to, outputs.monitor,
-                       after_eval=after_eval, logging_dir=outputs.logging_dir,
-                       probed_tokens_per_s=plan.probed_tokens_per_s)
+                       opened.resume_from, outputs.save_total_limit, tracking, outputs.monitor,
+                       after_eval=after_eval, probed_tokens_per_s=plan.probed_tokens_per_s)
     weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
     del objective_  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
     distributed.shutdown(world)
