@@ -321,3 +321,29 @@ def test_a_pretraining_file_that_cannot_be_read_as_written_is_refused(tmp_path, 
     path.write_bytes(data)
     with pytest.raises(TunebenchError, match=message):
         list(text.pieces(str(path)))
+
+
+def test_a_pretraining_run_reports_to_trackio_as_the_guide_spells_it(tmp_path, corpus, char_tok):
+    """report_to in the CPU guide's TrainingConfig: Trackio's store holds every step's loss, the run's
+    settings with their reasons, the summary, and the model as an artifact."""
+    from conftest import needs_module
+
+    needs_module("trackio", "trackio is in the test extra: pip install -e '.[test]'")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    out = tmp_path / "pre"
+    summary = pretrain.run(_config(corpus, tmp_path / "char-tok", out, max_steps=3, report_to=["trackio"],
+                                   run_name="guide-run", project="pretrain-test"))
+    logs = SQLiteStorage.get_logs("pretrain-test", "guide-run")
+    assert {r["step"]: r["loss"] for r in logs if "loss" in r} == pytest.approx(_losses(out))
+    assert [r["summary/tokens_per_s"] for r in logs if "summary/tokens_per_s" in r] == \
+        pytest.approx([summary["tokens_per_s"]])
+    config = SQLiteStorage.get_run_config("pretrain-test", "guide-run")
+    plan = json.loads((out / "plan.json").read_text())
+    assert {k: v["reason"] for k, v in config["settings"].items()} == {r["setting"]: r["reason"] for r in plan["decisions"]}
+    import trackio
+
+    reader = trackio.init(project="pretrain-test", name="reader", embed=False, auto_log_cpu=False, auto_log_gpu=False)
+    model = Path(reader.use_artifact("guide-run-model", type="model").download(str(tmp_path / "fetched")))
+    reader.finish()
+    assert (model / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
