@@ -12,14 +12,14 @@ import yaml
 from conftest import needs_module, run_losses, sigterm_after_step, tiny_run_config, wandb_history
 from tunebench.core.errors import TunebenchError
 from tunebench.machine import trackers
-from tunebench.settings import schema
+from tunebench.settings import tracking
 
 
 @pytest.mark.parametrize("given, want", [
     (["mlflow", "tensorboard"], "mlflow,tensorboard"), ("wandb, trackio", "wandb,trackio"), ("MLflow", "mlflow"),
     (["mlflow", "mlflow"], "mlflow"), ("none", "none"), ([], "none")])
 def test_report_to_takes_hfs_list_and_a_comma_separated_string(given, want):
-    assert schema.report_to(given) == want
+    assert tracking.parse(given) == want
 
 
 @pytest.mark.parametrize("given, message", [
@@ -28,7 +28,7 @@ def test_report_to_takes_hfs_list_and_a_comma_separated_string(given, want):
     (["none", "mlflow"], "lists none beside trackers"), ([3], "give tracker names")])
 def test_report_to_refuses_what_it_cannot_honour(given, message):
     with pytest.raises(TunebenchError, match=message):
-        schema.report_to(given)
+        tracking.parse(given)
 
 
 def test_the_cli_list_and_the_pretraining_yaml_list_reach_the_config(tmp_path):
@@ -51,7 +51,7 @@ def test_a_missing_tracker_is_refused_with_its_install_line_before_anything_runs
                                                                                   capsys):
     from tunebench.interfaces.cli import main
 
-    monkeypatch.setitem(schema.TRACKER_MODULES, "mlflow", "tunebench_no_such_module")
+    monkeypatch.setitem(tracking.TRACKER_MODULES, "mlflow", "tunebench_no_such_module")
     out = tmp_path / "run"
     assert main(["train", "--model", "tiny", "--data", str(dataset), "--output-dir", str(out),
                  "--report-to", "mlflow"]) == 2
@@ -67,13 +67,13 @@ def test_wandb_without_a_login_is_refused_and_offline_mode_is_enough(tmp_path, m
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TunebenchError, match="--report-to wandb needs a W&B login: run `wandb login`"):
-        schema.check_trackers("wandb")
+        tracking.check("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    schema.check_trackers("wandb")
+    tracking.check("wandb")
     monkeypatch.delenv("WANDB_MODE")
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k3y\n")
     (tmp_path / ".netrc").chmod(0o600)
-    schema.check_trackers("wandb")
+    tracking.check("wandb")
 
 
 def test_compare_and_tune_name_their_runs_as_one_experiment_unless_the_user_named_one(tmp_path):
@@ -106,7 +106,7 @@ class Recorder:
         return call
 
 
-def test_a_failing_tracker_warns_once_and_a_stalled_one_never_holds_up_the_loop(tmp_path, capsys):
+def test_a_failing_tracker_warns_once_and_a_stalled_one_never_holds_up_the_loop_and_gets_its_rows_at_once(tmp_path, capsys):
     gate = threading.Event()
     failing, stalled, healthy = Recorder(fail_at="metrics"), Recorder(gate=gate), Recorder()
     made = {"failing": failing, "stalled": stalled, "healthy": healthy}
@@ -122,10 +122,12 @@ def test_a_failing_tracker_warns_once_and_a_stalled_one_never_holds_up_the_loop(
     assert capsys.readouterr().out.count("warning: tracking: failing stopped at its metrics call "
                                          "(ConnectionError: tracking server down)") == 1
     for recorder in (stalled, healthy):
-        assert [(c[1][0], c[1][1]) for c in recorder.calls if c[0] == "metrics"] == \
+        assert [row for c in recorder.calls if c[0] == "metrics" for row in c[1][0]] == \
             [(s, {"loss": 1.0 / s}) for s in range(1, 6)]
         assert ("summary", (5, {"tokens_per_s": 10.0})) in recorder.calls
         assert recorder.calls[-1] == ("close", ("FINISHED",))
+    # the rows that queued while the stalled tracker was busy went to it in one call
+    assert len([c for c in stalled.calls if c[0] == "metrics"]) <= 2
     assert [c[0] for c in failing.calls] == ["open", "metrics"]  # dropped after its failure
     assert json.loads((tmp_path / "trackers.json").read_text()) == {n: "run-1" for n in made}
 

@@ -10,8 +10,10 @@ What every tracker gets (HF Trainer's callbacks give each backend something diff
   tracker stores files (MLflow, W&B, Trackio): the run's records, its report, the adapter or model.
 
 Tracking never costs the run. Each tracker runs in its own thread behind a queue, so the training loop only
-enqueues (the time each tracker spends per record is measured, off the loop, and reported as
-`tracking_ms_per_step/<name>`); a tracker that raises (a server down, a full disk) warns once and is dropped,
+enqueues; the rows that queued while a tracker was busy go to it in one call (one request to an MLflow server,
+which is sent at most once a second), so a slow tracker falls behind by a batch, never by a request a step. The
+time each tracker spends per logged step is measured, off the loop, and reported as
+`tracking_ms_per_step/<name>`; a tracker that raises (a server down, a full disk) warns once and is dropped,
 and the run goes on with metrics.jsonl whole; at the end each queue is drained for as long as it makes progress.
 
 A resumed run continues the same tracker run: the ids are kept in the run directory's trackers.json.
@@ -92,7 +94,7 @@ class Backend(Protocol):
     """One tracker. Its methods run on the tracker's own thread, in the order the run called them."""
 
     def open(self, where: Where, resume_id: str | None, params: Params) -> str: ...  # the id to resume with
-    def metrics(self, step: int, values: dict[str, float]) -> None: ...
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None: ...  # (step, values), in step order
     def summary(self, step: int, values: dict[str, float]) -> None: ...
     def files(self, kind: str, paths: list[Path], root: Path) -> None: ...
     def close(self, status: str) -> None: ...  # FINISHED | KILLED (interrupted, resumable) | FAILED
@@ -112,10 +114,11 @@ class TensorBoard:
         self.writer.add_text("settings", "| setting | value | reason |\n|---|---|---|\n" + "\n".join(rows))
         return str(path)
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        for k, v in values.items():
-            section = "eval" if k.startswith("eval") else "system" if k.startswith("system/") else "train"
-            self.writer.add_scalar(k if section == "system" else f"{section}/{k}", v, step)
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            for k, v in values.items():
+                section = "eval" if k.startswith("eval") else "system" if k.startswith("system/") else "train"
+                self.writer.add_scalar(k if section == "system" else f"{section}/{k}", v, step)
 
     def summary(self, step: int, values: dict[str, float]) -> None:
         for k, v in values.items():
@@ -172,14 +175,17 @@ class MLflow:
     def key(self, name: str) -> str:
         return self.KEY.sub("_", name)[:250]
 
-    def metrics(self, step: int, values: dict[str, float], prefix: str = "") -> None:
+    FLUSH_S = 1.0  # a request to the server at most this often: the rows queued meanwhile go in one log_batch
+
+    def metrics(self, rows: list[tuple[int, dict[str, float]]], prefix: str = "") -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(self.key(prefix + k), v, now, step) for k, v in values.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(self.key(prefix + k), v, now, step)
+                                                    for step, values in rows for k, v in values.items()])
 
     def summary(self, step: int, values: dict[str, float]) -> None:
-        self.metrics(step, values, "summary/")
+        self.metrics([(step, values)], "summary/")
 
     def files(self, kind: str, paths: list[Path], root: Path) -> None:
         for path in paths:
@@ -206,8 +212,9 @@ class WandB:
               + (" (offline: `wandb sync` uploads it)" if self.run.settings.mode == "offline" else f": {self.run.url}"))
         return self.run.id
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            self.run.log(values, step=step)
 
     def summary(self, step: int, values: dict[str, float]) -> None:
         self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
@@ -238,8 +245,9 @@ class Trackio:
                                 auto_log_cpu=False, auto_log_gpu=False)  # tunebench's monitor samples the machine
         return self.run.name
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            self.run.log(values, step=step)
 
     def summary(self, step: int, values: dict[str, float]) -> None:
         self.run.log({f"summary/{k}": v for k, v in values.items()}, step=step)
@@ -262,14 +270,16 @@ BACKENDS: dict[str, Callable[[], Backend]] = {"tensorboard": TensorBoard, "mlflo
 
 class Lane:
     """One tracker on its own thread: calls run in order; the first that raises warns once and drops the
-    tracker. Counts the time its metrics calls take (off the training loop)."""
+    tracker. Rows queued while the tracker was busy (or within its FLUSH_S of the last send) go to it in one
+    metrics call. Counts the time its metrics calls take (off the training loop)."""
 
     def __init__(self, name: str, backend: Backend, opened: Callable[[str, str], None]):
         self.name, self.backend, self.opened = name, backend, opened
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.failed: str | None = None
         self.sent = self.done = 0  # calls queued, and completed (or skipped after a failure)
-        self.metrics_s, self.metrics_calls = 0.0, 0
+        self.metrics_s, self.metrics_rows = 0.0, 0
+        self.flush_s, self.flushed = float(getattr(type(backend), "FLUSH_S", 0.0)), 0.0  # a class constant
         self.thread = threading.Thread(target=self._work, name=f"tunebench-{name}", daemon=True)
         self.thread.start()
 
@@ -278,8 +288,25 @@ class Lane:
         self.calls.put((method, args))
 
     def _work(self) -> None:
+        held = None  # the call met while gathering rows: it runs next
         while True:
-            method, args = self.calls.get()
+            (method, args), held = held or self.calls.get(), None
+            taken = 1
+            if method == "metrics":
+                wait = self.flushed + self.flush_s - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                rows = [args]
+                while held is None:
+                    try:
+                        call = self.calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if call[0] == "metrics":
+                        rows.append(call[1])
+                    else:
+                        held = call
+                args, taken = (rows,), len(rows)
             if method is not None and self.failed is None:
                 started = time.perf_counter()
                 try:
@@ -293,8 +320,9 @@ class Lane:
                           "on without it, and metrics.jsonl keeps every record")
                 if method == "metrics":
                     self.metrics_s += time.perf_counter() - started
-                    self.metrics_calls += 1
-            self.done += 1
+                    self.metrics_rows += taken
+                    self.flushed = time.monotonic()
+            self.done += taken
             if method is None:
                 return
 
@@ -377,8 +405,8 @@ class Tracking:
         out = {}
         for lane in self.lanes:
             lane.drain()
-            if lane.metrics_calls and lane.failed is None:
-                out[f"tracking_ms_per_step/{lane.name}"] = round(1000 * lane.metrics_s / lane.metrics_calls, 3)
+            if lane.metrics_rows and lane.failed is None:
+                out[f"tracking_ms_per_step/{lane.name}"] = round(1000 * lane.metrics_s / lane.metrics_rows, 3)
         return out
 
     def finish(self, summary: dict[str, Any], files: dict[str, list[Path]]) -> None:

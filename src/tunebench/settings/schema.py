@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from tunebench.core.errors import TunebenchError
+from tunebench.settings import tracking
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp")
@@ -45,7 +46,6 @@ OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused")  # HF's names; all ar
 LR_SCALING = ("none", "linear", "sqrt")
 PARALLELS = ("auto", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
-TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")  # HF's report_to spellings of the backends tunebench feeds
 DEFAULT_EFFECTIVE_BATCH = 8  # rows per optimizer step when no batch key says otherwise (the study's 8)
 
 
@@ -293,7 +293,7 @@ class Schema:
         if key in self.converters:
             return self.converters[key](value)
         if key == "logging.report_to":
-            return report_to(value)
+            return tracking.parse(value)
         if isinstance(value, bool) and key in ON_OFF_KEYS:
             return "on" if value else "off"
         return coerce_value(spelled or key, value, typing.get_type_hints(self.sections[section])[name])
@@ -414,79 +414,12 @@ def check_shared(cfg: Any, world_size: int, job: str) -> None:
     if s.max_steps is not None and s.max_tokens is not None:
         raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
     check_threads(h.threads, "--threads")
-    check_trackers(lg.report_to)
+    tracking.check(lg.report_to)
     if dist.world_size is not None and dist.world_size != world_size:
         raise TunebenchError(f"distributed.world_size is {dist.world_size}, and this run was started as {world_size} "
                              f"process(es); start {dist.world_size}: `tunebench launch --nproc-per-node "
                              f"{dist.world_size} -- {job} ...` on one machine (--nnodes x --nproc-per-node across "
                              "machines), or drop world_size")
-
-
-def report_to(value: Any) -> str:
-    """HF's report_to, a list (`report_to: [mlflow, tensorboard]`, `--report-to mlflow wandb`) or one string
-    (`mlflow,wandb`, `none`), as the trackers' names joined by commas in the order given, or "none"."""
-    items = value if isinstance(value, (list, tuple)) else [value]
-    names: list[str] = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, str):
-            raise TunebenchError(f"logging.report_to got {short(value)}; give tracker names: {', '.join(TRACKERS)} "
-                                 "or none")
-        names += [n for n in item.replace(",", " ").lower().split() if n not in names]
-    unknown = [n for n in names if n not in (*TRACKERS, "none")]
-    if unknown:
-        hint = ("'all' would depend on what happens to be installed; name the ones you want" if "all" in unknown
-                else "not one of " + ", ".join(TRACKERS))
-        raise TunebenchError(f"logging.report_to {', '.join(unknown)}: {hint} (or none)")
-    if "none" in names and len(names) > 1:
-        raise TunebenchError(f"logging.report_to {','.join(names)} lists none beside trackers; give one or the other")
-    return ",".join(names) if names else "none"
-
-
-def trackers(report: str) -> list[str]:
-    """The tracker names of a report_to value (report_to's output)."""
-    return [] if report == "none" else report.split(",")
-
-
-# What each tracker needs installed: (module, the extra that installs it)
-TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
-
-
-def check_trackers(report: str) -> None:
-    """Each tracker asked for is installed (and W&B can write somewhere), refused here with the fix, before
-    any model loads: found without importing them (find_spec)."""
-    import importlib.util
-
-    for name in trackers(report):
-        if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
-            raise TunebenchError(f"--report-to {name} needs the {name} package: pip install 'tunebench[{name}]'")
-    if "wandb" in trackers(report) and not wandb_can_write():
-        raise TunebenchError("--report-to wandb needs a W&B login: run `wandb login` (or set WANDB_API_KEY), or set "
-                             "WANDB_MODE=offline to keep the run on disk and `wandb sync` it later")
-
-
-def wandb_can_write() -> bool:
-    """Whether wandb.init would start without asking for a key: offline or disabled mode (the environment, or
-    `wandb offline`'s settings file), an API key in the environment, or one `wandb login` stored in ~/.netrc."""
-    import configparser
-    import netrc
-    from urllib.parse import urlparse
-
-    mode = os.environ.get("WANDB_MODE", "")
-    for path in (Path("wandb/settings"), Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config/wandb"))
-                 / "settings"):
-        parser = configparser.ConfigParser()
-        try:
-            parser.read(path)
-        except configparser.Error:
-            continue
-        mode = mode or parser.get("default", "mode", fallback="")
-    if mode.lower() in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
 
 
 def check_threads(threads: int | None, flag: str) -> None:

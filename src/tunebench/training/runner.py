@@ -148,7 +148,7 @@ def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extr
 def tracking(opened: Opened, logging) -> trackers.Tracking:
     """The run's experiment trackers (logging.report_to) on rank 0, named by logging.project, run_name and
     group; none elsewhere. A resumed run reopens its own tracker runs."""
-    from tunebench.settings.schema import trackers as names
+    from tunebench.settings.tracking import names
 
     if not opened.world.main or logging.report_to == "none":
         return trackers.Tracking()
