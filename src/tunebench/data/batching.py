@@ -45,11 +45,15 @@ def epoch_order(indices: np.ndarray, micro_batch_size: int, seed: int, epoch: in
 
 def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     """(B, T) input_ids, attention_mask and labels; labels are IGNORE on padding and prompt tokens."""
-    examples = [data.example(i) for i in batch]
+    return pad_examples([data.example(i) for i in batch], pad_id)
+
+
+def pad_examples(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
+    """(ids, loss mask) rows, right-padded to the longest: collate's tensors."""
     width = max(len(ids) for ids, _ in examples)
-    input_ids = np.full((len(batch), width), pad_id, dtype=np.int64)
-    labels = np.full((len(batch), width), IGNORE, dtype=np.int64)
-    attention = np.zeros((len(batch), width), dtype=np.int64)
+    input_ids = np.full((len(examples), width), pad_id, dtype=np.int64)
+    labels = np.full((len(examples), width), IGNORE, dtype=np.int64)
+    attention = np.zeros((len(examples), width), dtype=np.int64)
     for row, (ids, mask) in enumerate(examples):
         n = len(ids)
         input_ids[row, :n] = ids

@@ -32,12 +32,16 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "group by length)"),
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
     (("--method",), "adapter.method",
-     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo: "
+     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo | kto: "
      "that objective with LoRA (QLoRA with --quantization)"),
     (("--objective",), "adapter.objective",
      "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
-     "store of tunebench serve as --data)"),
-    (("--beta",), "adapter.beta", "DPO's beta, how far the model may move from its reference (default 0.1)"),
+     "store of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store)"),
+    (("--beta",), "adapter.beta", "DPO's and KTO's beta, how far the model may move from its reference (default 0.1)"),
+    (("--desirable-weight", "--desirable_weight"), "adapter.desirable_weight",
+     "KTO: weight of a desirable completion's loss (default 1.0; TRL suggests balancing the two kinds' counts)"),
+    (("--undesirable-weight", "--undesirable_weight"), "adapter.undesirable_weight",
+     "KTO: weight of an undesirable completion's loss (default 1.0)"),
     (("--orpo-lambda",), "adapter.orpo_lambda", "ORPO's lambda, the weight of its odds-ratio term (default 0.1)"),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r", "rank of lora, qlora, dora, loha, lokr (default 8)"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha", "alpha of lora, qlora, dora, loha, lokr (default 16)"),

@@ -18,7 +18,7 @@ from tunebench.training import optim, preference, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.settings.finetune import RunConfig, dump_yaml
 from tunebench.machine.hardware import Decision
-from tunebench.data import batching, mixture, pairs
+from tunebench.data import batching, judged, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
@@ -76,8 +76,9 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    prefer = cfg.adapter.objective != "sft"  # DPO or ORPO: the rows are preference pairs, a pair the unit
-    unit = "pairs" if prefer else "rows"
+    prefer = cfg.adapter.objective != "sft"  # DPO or ORPO: a preference pair the unit; KTO: a judged completion
+    kto = cfg.adapter.objective == "kto"
+    unit = "examples" if kto else "pairs" if prefer else "rows"
     examples, parts = check_inputs(cfg, prefer)  # every input checked before anything expensive
 
     # -- the run opened: hardware plan, process group, output directory and resume point, batch, seed
@@ -90,7 +91,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with distributed.local_rank0_first(world):
         loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
         tok = loaded.tokenizer
-        data, spans, messages = (pairs.tokenize(examples, tok, cfg.data), [np.arange(len(examples))], []) if prefer \
+        data, spans, messages = ((judged if kto else pairs).tokenize(examples, tok, cfg.data),
+                                 [np.arange(len(examples))], []) if prefer \
             else mixture.tokenize(parts, tok, models.cache_dir())
     train_idx, train_parts, eval_parts = split_rows(cfg, data, spans, parts, prefer)
     model, autocast, loss_module, method_rows, (trainable, total) = trainable_model(cfg, loaded, opened, prefer)
@@ -101,7 +103,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     s, d, a = cfg.schedule, cfg.data, cfg.adapter
     steps = runplan.total_steps(len(train_idx), effective, s.epochs, s.max_steps, s.max_tokens, tokens_per_row)
     parallel = pick_parallel(cfg, opened, trainable)
-    collate_unit = pairs.collate if prefer else batching.collate  # a unit is a row, or a pair's two rows
+    # a unit is a row, a pair's two rows, or a judged completion and its KL row
+    collate_unit = judged.collate if kto else pairs.collate if prefer else batching.collate
     collate = lambda rows_: collate_unit(data, rows_, tok.pad_token_id)  # noqa: E731
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
     measured, measure_s = runner.measure(
@@ -109,7 +112,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         measured_as(cfg, prefer), max_length=d.max_length, attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)),
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
         widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), n_train=len(train_idx),
-        run_tokens=steps * effective * tokens_per_row, parallel=parallel, quantized=a.method == "qlora")
+        run_tokens=steps * effective * tokens_per_row, parallel=parallel, quantized=a.method == "qlora",
+        **kto_micro_batch(opened, kto))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     batch_layout, layout_row = decide_layout(cfg, prefer, lengths, train_idx, micro * world.size, effective)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
@@ -148,9 +152,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         saved = save_final(model, tok, opened.out, cfg, loaded, weights)
         summary = summarize(cfg, opened, plan, model, outcome, trainable, measure_s)
         if prefer:
-            summary.update({"pairs_skipped": examples.skipped, "pairs_dropped": data.dropped})
+            summary.update({f"{unit}_skipped": examples.skipped, f"{unit}_dropped": data.dropped})
         n = cfg.evaluation.eval_generate  # preference runs answer their held-out pairs' prompts, scored against the chosen reply
-        groups = [("pairs", [examples.answered(data.source(i)) for i in np.concatenate(eval_parts)[:n]])] if prefer \
+        # (KTO: the desirable completions only; an undesirable one is no answer to match)
+        held = [i for i in np.concatenate(eval_parts) if not kto or data.labels[i]][:n] if prefer else []
+        groups = [("pairs", [examples.answered(data.source(i)) for i in held])] if prefer \
             else [(p.name, [messages[data.rows[i]] for i in e[:n]]) for p, e in zip(parts, eval_parts)]
         if n:
             summary.update(task_scores(model, tok, [g for g in groups if g[1]], cfg, opened.out, device, autocast))
@@ -189,6 +195,18 @@ def pick_parallel(cfg: RunConfig, opened: runner.Opened, trainable: int) -> Deci
     return parallel
 
 
+def kto_micro_batch(opened: runner.Opened, kto: bool) -> dict[str, Any]:
+    """KTO's micro batch is part of its math (its KL reference point is estimated over each one, as over TRL's
+    per-device batch), so the probe never picks it: the whole effective batch on each rank, unless asked."""
+    if not kto:
+        return {}
+    why = "KTO estimates its KL reference point over each micro batch (TRL's per-device batch), so it is not measured"
+    if opened.ask.micro:
+        return {"asked_reason": f"asked for; {why}"}
+    return {"micro": opened.effective // opened.world.size,
+            "asked_reason": f"the effective batch: {why}; --batch-size N estimates it over N rows instead"}
+
+
 def measured_as(cfg: RunConfig, prefer: bool) -> tuple:
     """What is trained, as the measurement cache keys it: a preference step is a pair's two rows plus DPO's
     reference pass, measured apart from SFT's rows."""
@@ -204,7 +222,7 @@ def check_inputs(cfg: RunConfig, prefer: bool):
     """(preference pairs or None, the datasets) read and checked before anything expensive: enough rows for a
     step, a model that can be found, a max length it takes, a scored eval that has rows to answer."""
     if prefer:
-        examples, parts = pairs.load(cfg.data), []
+        examples, parts = (judged if cfg.adapter.objective == "kto" else pairs).load(cfg.data), []
         print(f"data: {examples.describe()}")
         check_rows(len(examples), cfg, 0, "")
     else:
@@ -257,8 +275,8 @@ def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runne
     state = outcome.state
     seq = state.token_sq / max(state.tokens, 1)  # attention over each example's own length, not the packed row's
     fpt = training_flops_per_token(matmul, trainable, layers, width, seq, a.method == "full")
-    if a.objective == "dpo":  # the reference's forward pass over every token: 2N for the matmuls, a third of attention
-        fpt += 2 * matmul + 4 * layers * width * seq
+    forwards = {"dpo": 1, "kto": 3}.get(a.objective, 0)  # DPO's reference pass; KTO's, and both over its KL rows
+    fpt += forwards * (2 * matmul + 4 * layers * width * seq)  # each 2N for the matmuls, a third of attention
     summary = {
         "model": cfg.model.name, "method": a.method, "quantization": a.quantization,
         **summary_.figures(outcome, fpt, opened.hw_plan, opened.hw, opened.world), "parallel": plan.parallel,
@@ -267,10 +285,10 @@ def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runne
         "max_length": cfg.data.max_length, "measure_s": round(measure_s, 3),
     }
     summary.update({k: v for k, v in outcome.after.items()
-                    if k.startswith(("eval_loss/", "eval_rewards/", "eval_pairs"))})
+                    if k.startswith(("eval_loss/", "eval_rewards/", "eval_pairs", "eval_kl", "eval_examples"))})
     if a.objective != "sft":
-        summary.update({"objective": a.objective, **({"beta": a.beta} if a.objective == "dpo" else
-                                                     {"orpo_lambda": a.orpo_lambda})})
+        summary.update({"objective": a.objective, **({"orpo_lambda": a.orpo_lambda} if a.objective == "orpo" else
+                                                     {"beta": a.beta})})
     return summary
 
 
@@ -280,6 +298,14 @@ def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.Prefere
     t = cfg.adapter
     dropped = preference.disable_dropout(model)
     dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
+    if t.objective == "kto":
+        weights = (t.desirable_weight, t.undesirable_weight)
+        reference = preference.reference_copy(model) if cfg.adapter.method == "full" else None
+        return (preference.PreferenceLoss(model, "kto", t.beta, autocast, reference, weights),
+                Decision("objective", "kto", f"beta {t.beta:g}, desirable/undesirable weights {weights[0]:g}/"
+                         f"{weights[1]:g}; reference: " + ("a frozen copy of the starting weights" if reference
+                                                           is not None else "the base with the adapter off (no copy)")
+                         + dropout))
     if t.objective == "orpo":
         return (preference.PreferenceLoss(model, "orpo", t.orpo_lambda, autocast),
                 Decision("objective", "orpo", f"lambda {t.orpo_lambda:g}; no reference model{dropout}"))

@@ -103,6 +103,10 @@ def describe_eval(e: dict[str, Any]) -> str:
     if "eval_rewards/accuracies" in e:
         return (f"loss {e['eval_loss']:.4f}, reward accuracy {e['eval_rewards/accuracies']:.3f}, margin "
                 f"{e['eval_rewards/margins']:.4f} on {e['eval_pairs']} held-out pairs")
+    if "eval_kl" in e:  # KTO
+        rewards = ", ".join(f"{kind} reward {e[f'eval_rewards/{key}']:.4f}" for kind, key in
+                            (("desirable", "chosen"), ("undesirable", "rejected")) if f"eval_rewards/{key}" in e)
+        return f"loss {e['eval_loss']:.4f}, KL {e['eval_kl']:.4f}, {rewards} on {e['eval_examples']} held-out completions"
     return f"loss {e['eval_loss']:.4f}, perplexity {e['perplexity']:.2f}"
 
 

@@ -19,7 +19,8 @@ from tunebench.settings.schema import parse_override, read_yaml, short
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
-OBJECTIVES = ("sft", "dpo", "orpo")  # next-token loss on the replies | preference pairs (data.pairs)
+OBJECTIVES = ("sft", "dpo", "orpo", "kto")  # next-token loss on the replies | preference pairs (data.pairs) |
+# single judgements (data.judged)
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,10 @@ class AdapterConfig:
     quantization: str = "none"  # none | 4bit | 8bit (lora/qlora)
     num_virtual_tokens: int = 20  # prefix, prompt
     prompt_init_text: str | None = None  # prompt: start the virtual tokens from this text's embeddings
-    objective: str = "sft"  # sft | dpo | orpo (preference pairs; `--method dpo` is DPO with LoRA)
-    beta: float | None = None  # DPO's beta: how far the policy may move from its reference (None: the paper's 0.1)
+    objective: str = "sft"  # sft | dpo | orpo (preference pairs) | kto (judged completions); `--method dpo` is DPO with LoRA
+    beta: float | None = None  # DPO's and KTO's beta: how far the policy may move from its reference (None: 0.1)
+    desirable_weight: float | None = None  # KTO: the weight of a desirable completion's loss (None: TRL's 1.0)
+    undesirable_weight: float | None = None  # KTO: the weight of an undesirable completion's loss (None: TRL's 1.0)
     orpo_lambda: float | None = None  # ORPO's lambda: the odds-ratio term's weight (None: the paper's 0.1; TRL's beta)
 
 
@@ -197,14 +200,17 @@ def load_config(
                                  "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
         adapter["objective"] = adapter.pop("method")
     objective = adapter.get("objective", "sft")
-    for key, owner in (("beta", "dpo"), ("orpo_lambda", "orpo")):
+    for key, owners, default in (("beta", ("dpo", "kto"), PAPERS_DEFAULT), ("orpo_lambda", ("orpo",), PAPERS_DEFAULT),
+                                 ("desirable_weight", ("kto",), 1.0), ("undesirable_weight", ("kto",), 1.0)):
         # TRL calls ORPO's lambda beta: a value given for another objective must not vanish unused
-        if adapter.get(key) is not None and objective != owner:
-            raise TunebenchError(f"--{key.replace('_', '-')} is {owner.upper()}'s, and this run's objective is "
-                                 f"{objective}; " + ("ORPO's weight is --orpo-lambda" if key == "beta" and
-                                                      objective == "orpo" else f"drop it or use --method {owner}"))
-        if objective == owner and adapter.get(key) is None:
-            adapter[key] = PAPERS_DEFAULT
+        if adapter.get(key) is not None and objective not in owners:
+            whose = " and ".join(o.upper() + "'s" for o in owners)
+            raise TunebenchError(f"--{key.replace('_', '-')} is {whose}, and this "
+                                 f"run's objective is {objective}; " + (
+                                     "ORPO's weight is --orpo-lambda" if key == "beta" and objective == "orpo"
+                                     else f"drop it or use --method {owners[0]}"))
+        if objective in owners and adapter.get(key) is None:
+            adapter[key] = default
     if objective != "sft":
         adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
@@ -272,6 +278,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if any(v is not None and v <= 0 for v in (a.beta, a.orpo_lambda)):
             raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {a.beta} and {a.orpo_lambda}; "
                                  "the papers' default is 0.1")
+        if any(v is not None and v <= 0 for v in (a.desirable_weight, a.undesirable_weight)):
+            raise TunebenchError(f"--desirable-weight and --undesirable-weight must be positive, got "
+                                 f"{a.desirable_weight} and {a.undesirable_weight}; TRL's default is 1.0")
         if d.packing == "on":
             raise TunebenchError(f"--objective {a.objective} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")

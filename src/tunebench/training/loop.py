@@ -219,7 +219,17 @@ def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: W
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
     inner = unwrap(objective)
     return {"eval_loss": loss, f"eval_{inner.unit}": int(count),
-            **{f"eval_{name}": value / max(count, 1) for name, value in zip(inner.stat_names, sums[2:])}}
+            **{f"eval_{name}": value for name, value in stat_means(inner, sums[2:], count).items()}}
+
+
+def stat_means(objective: torch.nn.Module, sums: list[float], units: float) -> dict[str, float]:
+    """An objective's metric sums as means: per loss unit, or per the count another of its stats holds (its
+    `stat_per`: KTO's rewards/chosen is a mean over the desirable rows); a mean over no rows is left out."""
+    inner = unwrap(objective)
+    per = getattr(inner, "stat_per", {})
+    named = dict(zip(inner.stat_names, sums))
+    return {name: v / (named[per[name]] if name in per else max(units, 1)) for name, v in named.items()
+            if name not in per or named[per[name]]}
 
 
 @dataclass
@@ -516,7 +526,7 @@ def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Ho
         state.losses.append(loss_value)
         tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else d.tokens / dt
         if d.step % settings.logging_steps == 0 or d.step == settings.total_steps:
-            metrics = {name: v / max(d.units, 1) for name, v in zip(names, sums[n * len(names):(n + 1) * len(names)])}
+            metrics = stat_means(objective, sums[n * len(names):(n + 1) * len(names)], d.units) if names else {}
             hooks.log({
                 "step": d.step, "epoch": d.epoch, "loss": loss_value, **metrics, "lr": d.lr, "grad_norm": grad_norm,
                 "tokens": d.tokens_total, "tokens_per_s": tokens_per_s, "elapsed_s": state.train_time_s,

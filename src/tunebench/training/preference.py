@@ -1,4 +1,4 @@
-"""Preference objectives, DPO and ORPO, as loss modules the one training loop runs like CausalLMLoss.
+"""Preference objectives, DPO, ORPO and KTO, as loss modules the one training loop runs like CausalLMLoss.
 
 A micro-batch holds P pairs as 2P rows, chosen first (data.pairs.collate). The module returns the sum
 of its per-pair losses and the sums of the field's metrics (TRL's names: rewards/chosen,
@@ -12,6 +12,12 @@ of the whole optimizer step, so accumulation gives the loss and gradients of one
 - ORPO (Hong et al., 2024): the NLL of the chosen rows (prompt and reply, TRL's and the paper's code)
   minus lambda * log sigmoid(log odds(c) - log odds(r)), on log-probabilities averaged over each reply's
   tokens. No reference model.
+- KTO (Ethayarajh et al., 2024), from single judgements (data.judged): a micro batch of N completions is 2N
+  rows, the N judged ones and N mismatched ones (prompt i, completion i - 1). The reference point z is the KL
+  estimate max(0, mean over the mismatched rows of log pi - log ref), no gradient; a desirable completion's loss
+  is 1 - sigmoid(beta * (log pi/ref - z)), an undesirable one's 1 - sigmoid(beta * (z - log pi/ref)), weighted by
+  desirable_weight / undesirable_weight. Like TRL's KTOTrainer, z is estimated per micro batch, so KTO's micro
+  batch is part of its math (finetune sets it, never the probe).
 
 Written here rather than taken from TRL: TRL's trainers are Trainer subclasses with their own data
 pipeline and loop, and these losses must run inside tunebench's loop (measured micro batch, exact
@@ -29,10 +35,15 @@ import torch.nn.functional as F
 from tunebench.training.loop import Batch, body_and_head
 from tunebench.core.precision import autocast
 
-OBJECTIVES = ("sft", "dpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "orpo", "kto")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-STATS = {"dpo": REWARDS, "orpo": REWARDS + ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
+STATS = {"dpo": REWARDS, "orpo": REWARDS + ("nll_loss", "log_odds_ratio", "log_odds_chosen"),
+         "kto": ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "desirable",
+                 "undesirable")}
+# KTO's means over one kind of row (TRL's): divided by that kind's count, not by all rows
+PER = {"kto": {"rewards/chosen": "desirable", "logps/chosen": "desirable", "rewards/rejected": "undesirable",
+               "logps/rejected": "undesirable"}}
 
 
 def reference_copy(model):
@@ -77,13 +88,14 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 class PreferenceLoss(torch.nn.Module):
-    unit = "pairs"
 
     def __init__(self, model, method: str, beta: float, autocast_dtype: torch.dtype | None = None,
-                 reference=None):
+                 reference=None, weights: tuple[float, float] = (1.0, 1.0)):
         super().__init__()
         self.model, self.method, self.beta, self.autocast_dtype = model, method, beta, autocast_dtype
-        self.stat_names = STATS[method]
+        self.stat_names, self.stat_per = STATS[method], PER.get(method, {})
+        self.unit = "examples" if method == "kto" else "pairs"
+        self.weights = weights  # KTO's (desirable_weight, undesirable_weight)
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
 
     def reference_logps(self, batch: Batch, index: torch.Tensor) -> torch.Tensor:
@@ -95,6 +107,8 @@ class PreferenceLoss(torch.nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
         pairs = rows // 2
+        if self.method == "kto":
+            return self.kto(batch, pairs, width)
         if self.method == "dpo":
             index = batch["loss_index"]
             row = index // width
@@ -127,3 +141,29 @@ class PreferenceLoss(torch.nn.Module):
         stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(),
                              (chosen - rejected).sum(), logps[:pairs].sum(), logps[pairs:].sum(), *extra])
         return loss, stats
+
+    def kto(self, batch: Batch, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows 0..n-1 judged (labels in batch["label"]), rows n..2n-1 their mismatched KL rows."""
+        index = batch["loss_index"]
+        judged = index < n * width  # flat positions are row-major: the judged rows' come first
+        ids = batch["input_ids"]
+        own, other = {"input_ids": ids[:n]}, {"input_ids": ids[n:]}
+        own_index, kl_index = index[judged], index[~judged] - n * width
+
+        def summed(logps: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:  # (n,) each row's tokens summed
+            return torch.zeros(n, device=flat.device, dtype=logps.dtype).index_add(0, flat // width, logps)
+
+        policy = summed(token_logps(self.model, own, own_index, self.autocast_dtype), own_index)
+        with torch.no_grad():
+            kl_policy = summed(token_logps(self.model, other, kl_index, self.autocast_dtype), kl_index)
+        reference = summed(self.reference_logps(own, own_index), own_index)
+        kl_reference = summed(self.reference_logps(other, kl_index), kl_index)
+        kl = (kl_policy - kl_reference).mean().clamp(min=0)  # z: TRL's estimate over the micro batch
+        ratios = policy - reference
+        good = batch["label"].bool()
+        losses = torch.where(good, self.weights[0] * (1 - torch.sigmoid(self.beta * (ratios - kl))),
+                             self.weights[1] * (1 - torch.sigmoid(self.beta * (kl - ratios))))
+        rewards, logps, g = self.beta * ratios.detach(), policy.detach(), good.to(policy.dtype)
+        stats = torch.stack([kl * n, (rewards * g).sum(), (rewards * (1 - g)).sum(), (logps * g).sum(),
+                             (logps * (1 - g)).sum(), g.sum(), (1 - g).sum()])
+        return losses.sum(), stats

@@ -166,10 +166,11 @@ def steps_row(cfg, steps: int, what: str) -> Decision:
 
 def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, widest: int, attention_rows: int,
             n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
-            asked_reason: str = "asked for") -> tuple[runplan.Measured, float]:
+            asked_reason: str = "asked for", micro: int | None = None) -> tuple[runplan.Measured, float]:
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
     checkpointing, compile) and the seconds they took. `step` is a tune.probe step; `what` names what is
-    trained for the measurement cache (model, method, quantization, rank, target modules)."""
+    trained for the measurement cache (model, method, quantization, rank, target modules). `micro`, a micro
+    batch the job's math fixes (with `asked_reason`), is taken like one the user asked for."""
     from tunebench.training import tune
     hw, hw_plan, world, h = opened.hw, opened.hw_plan, opened.world, cfg.hardware
 
@@ -179,7 +180,7 @@ def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, w
         return runplan.measure(
             model, step, shape, world_size=world.size, device=opened.device, precision=hw_plan.precision,
             attention_asked=h.attention, attention_rows=attention_rows, widest=widest, effective=opened.effective,
-            resumed=opened.resumed, micro_asked=opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
+            resumed=opened.resumed, micro_asked=micro or opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
             max_length=max_length, checkpointing=h.gradient_checkpointing,
             compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode,
             quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size)

@@ -1,0 +1,193 @@
+"""Single judgements for KTO: (prompt, completion, label), a completion judged desirable (True) or not, from a
+file in TRL's unpaired preference format or from the A/B store that `tunebench serve` writes.
+
+A file has `prompt` (text, or chat messages), `completion` (text, or messages whose last one is the reply) and
+`label` (true/false, 1/0). From an A/B store: a vote's chosen answer is desirable and the other undesirable,
+both answers of a "both bad" vote are undesirable, and ties say nothing about either and are skipped (counted).
+
+Tokenized, example k is one row: its prompt in the run's prompt format, then the completion and EOS, the loss
+mask on the completion (as DPO's pairs are rendered). KTO's reference point, the KL between the policy and its
+reference, is estimated from mismatched rows: in each micro batch, rows in file order, each prompt followed by
+the previous row's completion (TRL's rotation within a per-device batch: (x1, yn), (x2, y1), ...), built at
+collate time from the tokenized prompt and completion parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tunebench.settings.finetune import DataConfig
+from tunebench.data import batching, formats, pairs, readers
+from tunebench.data.tokenize import Tokenized, segments
+from tunebench.core.errors import TunebenchError
+
+TRUE, FALSE = ("true", "1", "yes", "good", "desirable"), ("false", "0", "no", "bad", "undesirable")
+
+
+@dataclass
+class JudgedExamples:
+    prompts: list[formats.Messages]
+    completions: list[str]
+    labels: list[bool]
+    source: str
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> judgements left out
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def answered(self, k: int) -> formats.Messages:
+        """Example k as a prompt/response row (what --eval-generate scores an answer against)."""
+        return self.prompts[k] + [{"role": "assistant", "content": self.completions[k]}]
+
+    def describe(self) -> str:
+        good = sum(self.labels)
+        kept = f"{len(self)} judged completion(s) ({good} desirable, {len(self) - good} undesirable) from {self.source}"
+        if not self.skipped:
+            return kept
+        return kept + "; skipped: " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
+
+
+def _skip(out: JudgedExamples, why: str) -> None:
+    out.skipped[why] = out.skipped.get(why, 0) + 1
+
+
+def _add(out: JudgedExamples, prompt: formats.Messages, completion: str, label: bool) -> None:
+    if not any(m["content"].strip() for m in prompt) or not completion.strip():
+        _skip(out, "with an empty prompt or completion")
+        return
+    out.prompts.append(prompt)
+    out.completions.append(completion)
+    out.labels.append(label)
+
+
+def label_of(value, source: str, row: int) -> bool:
+    """TRL's boolean label, also as 1/0 or the words true/false."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in TRUE or text in FALSE:
+        return text in TRUE
+    raise TunebenchError(f"dataset '{source}' row {row + 1}: label {value!r:.40} is not true or false; give each "
+                         "row label true (a desirable completion) or false")
+
+
+def from_records(records: list[dict], cfg: DataConfig, source: str) -> JudgedExamples:
+    if not records:
+        raise TunebenchError(f"dataset '{source}' has no rows; point --data at a file with data")
+    columns = set(records[0])
+    prompt_column = cfg.messages_column if "prompt" not in columns and cfg.messages_column in columns else "prompt"
+    missing = [c for c in (prompt_column, "completion", "label") if c not in columns]
+    if missing:
+        hint = ("; this looks like preference pairs: use --method dpo, or one row per completion for KTO"
+                if {"chosen", "rejected"} <= columns else "")
+        raise TunebenchError(
+            f"dataset '{source}' lacks column(s) {', '.join(map(repr, missing))} for KTO (it has "
+            f"{', '.join(sorted(columns))}); give prompt, completion and label (true/false) columns, or --data an "
+            f"A/B store (tunebench-ab.sqlite){hint}")
+    out = JudgedExamples([], [], [], source)
+    for row, record in enumerate(records):
+        prompt = record.get(prompt_column)
+        if isinstance(prompt, list):
+            messages = formats.to_messages({cfg.messages_column: prompt}, "chat", cfg)
+        else:
+            messages = [{"role": "user", "content": "" if prompt is None else str(prompt)}]
+        _add(out, messages, pairs._reply(record.get("completion"), "completion", source),
+             label_of(record.get("label"), source, row))
+    return out
+
+
+def from_store(path: str) -> JudgedExamples:
+    """A vote for A: A's answer desirable, B's undesirable (and the other way round); both bad: both undesirable;
+    a tie: skipped."""
+    from tunebench.data import votes
+
+    out = JudgedExamples([], [], [], path)
+    for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
+        if vote == "tie":
+            _skip(out, "ties")
+            continue
+        asked = [{"role": "user", "content": prompt}]
+        _add(out, asked, answer_a, vote == "a")
+        _add(out, asked, answer_b, vote == "b")
+    return out
+
+
+def load(cfg: DataConfig) -> JudgedExamples:
+    """Read and check the judgements before a model loads: a file without a usable one is refused, and so is
+    one whose completions are all judged alike (KTO learns from both kinds)."""
+    if cfg.sources:
+        raise TunebenchError("KTO takes one dataset; give --data once (a prompt/completion/label file or an A/B store)")
+    path = str(readers.resolve_path(cfg.path))
+    judged = from_store(path) if pairs.is_store(path) else from_records(readers.read_records(cfg.path), cfg, cfg.path)
+    if not len(judged):
+        raise TunebenchError(f"'{cfg.path}' holds no usable judgement ({judged.describe()}); vote in tunebench serve, "
+                             "or give prompt/completion/label rows")
+    return judged
+
+
+@dataclass
+class JudgedData:
+    """Tokenized judgements: example k is row k, its prompt (mask 0) then its completion (mask 1)."""
+
+    tokenized: Tokenized
+    labels: np.ndarray  # (examples,) bool, of the rows kept
+    dropped: int  # examples whose prompt alone fills max_length
+    max_length: int  # a KL row (a prompt with another row's completion) is cut here too
+    fmt = "judged completions"
+
+    def __len__(self) -> int:
+        return len(self.tokenized)
+
+    def source(self, k: int) -> int:
+        return int(self.tokenized.rows[k])
+
+    def lengths(self) -> np.ndarray:
+        """(examples,) a row's tokens; its KL row pads to the longest of the micro batch too."""
+        return self.tokenized.lengths()
+
+    def tokens(self) -> np.ndarray:
+        return self.tokenized.lengths()
+
+
+def tokenize(judged: JudgedExamples, tokenizer, cfg: DataConfig) -> JudgedData:
+    """Each prompt in the run's prompt format, the completion after it (and EOS); a row longer than max_length
+    loses its end, and an example whose prompt alone reaches max_length is dropped (counted)."""
+    ids, mask, offsets, rows, labels, dropped = [], [], [0], [], [], 0
+    for k, (prompt, completion, label) in enumerate(zip(judged.prompts, judged.completions, judged.labels)):
+        pieces = segments(prompt + [{"role": "assistant", "content": completion}], tokenizer, cfg)
+        prompt_ids = tokenizer("".join(text for text, _ in pieces[:-1]), add_special_tokens=False)["input_ids"]
+        if len(prompt_ids) >= cfg.max_length:
+            dropped += 1
+            continue
+        reply_ids = tokenizer(pieces[-1][0], add_special_tokens=False)["input_ids"]
+        row = (prompt_ids + reply_ids)[: cfg.max_length]
+        ids += row
+        mask += ([0] * len(prompt_ids) + [1] * len(reply_ids))[: cfg.max_length]
+        offsets.append(offsets[-1] + len(row))
+        rows.append(k)
+        labels.append(label)
+    if not rows:
+        raise TunebenchError(f"no example of '{cfg.path}' fits --max-length {cfg.max_length}: every prompt alone "
+                             "fills it; raise --max-length or shorten the prompts")
+    data = Tokenized(np.asarray(ids, np.int32), np.asarray(mask, np.int8), np.asarray(offsets, np.int64), "judged",
+                     dropped, np.asarray(rows, np.int64))
+    return JudgedData(data, np.asarray(labels, bool), dropped, cfg.max_length)
+
+
+def collate(data: JudgedData, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """N examples (in file order) as 2N padded rows: the N examples, then their N mismatched KL rows (prompt i,
+    completion i - 1, cyclically). Besides the usual tensors, `label` (N,) and `counts` (N,): the units this
+    micro batch adds to its optimizer step."""
+    rows = sorted(rows)
+    t = data.tokenized
+    parts = [(t.ids[t.offsets[k]:t.offsets[k + 1]], t.mask[t.offsets[k]:t.offsets[k + 1]]) for k in rows]
+    mismatched = [(np.concatenate([ids[mask == 0], parts[i - 1][0][parts[i - 1][1] == 1]])[:data.max_length],
+                   np.concatenate([mask[mask == 0], parts[i - 1][1][parts[i - 1][1] == 1]])[:data.max_length])
+                  for i, (ids, mask) in enumerate(parts)]
+    batch = batching.pad_examples(parts + mismatched, pad_id)
+    batch["label"] = torch.as_tensor(data.labels[rows])
+    batch["counts"] = torch.tensor([len(rows)])
+    return batch
