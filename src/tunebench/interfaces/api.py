@@ -32,13 +32,14 @@ def load_pretrain_config(path: str | Path, **overrides: Any) -> PretrainRun:
 
 
 def finetune(config: str | Path | None = None, **options: Any) -> dict[str, Any]:
-    """Fine-tune (LoRA, QLoRA, full; DPO or ORPO on preference pairs) as `tunebench train` does. Options
+    """Fine-tune (LoRA, QLoRA, full; DPO, ORPO, KTO or GRPO) as `tunebench train` does. Options
     are dotted config keys with `__` for the dot (`train__max_steps=10`, `adapter__method="full"`,
     `train__objective="dpo"`, `model__name="tiny"`)."""
     from tunebench.settings.finetune import load_config
-    from tunebench.jobs import finetune as job
+    from tunebench.jobs import finetune, grpo
 
-    return job.run(load_config(config, {k.replace("__", "."): v for k, v in options.items()}))
+    cfg = load_config(config, {k.replace("__", "."): v for k, v in options.items()})
+    return (grpo if cfg.adapter.objective == "grpo" else finetune).run(cfg)
 
 
 def train_tokenizer(files: list[str], vocab_size: int, type: str = "bpe", output_dir: str | Path = "tokenizer",

@@ -51,9 +51,10 @@ def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def _train(args: argparse.Namespace) -> int | None:
-    from tunebench.jobs import finetune
+    from tunebench.jobs import finetune, grpo
 
-    finetune.run(train_config(args))
+    cfg = train_config(args)
+    (grpo if cfg.adapter.objective == "grpo" else finetune).run(cfg)
 
 
 def _pretrain(args: argparse.Namespace) -> int | None:

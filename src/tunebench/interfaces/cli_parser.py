@@ -32,12 +32,28 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "group by length)"),
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
     (("--method",), "adapter.method",
-     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo | kto: "
+     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo | kto | grpo: "
      "that objective with LoRA (QLoRA with --quantization)"),
     (("--objective",), "adapter.objective",
      "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
-     "store of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store)"),
-    (("--beta",), "adapter.beta", "DPO's and KTO's beta, how far the model may move from its reference (default 0.1)"),
+     "store of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store)"
+     " | grpo (prompts, and --reward)"),
+    (("--beta",), "adapter.beta", "DPO's and KTO's beta, how far the model may move from its reference (default 0.1); "
+     "GRPO's KL weight (default 0: no reference pass)"),
+    (("--reward",), "adapter.reward", "GRPO: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | "
+     "contains[:COLUMN] | path/to/file.py:function (TRL's signature: prompts, completions, **columns)"),
+    (("--reward-weights", "--reward_weights"), "adapter.reward_weights", "GRPO: one weight per --reward (default 1 each)"),
+    (("--num-generations", "--num_generations"), "adapter.num_generations", "GRPO: completions per prompt (default 8)"),
+    (("--max-completion-length", "--max_completion_length"), "adapter.max_completion_length",
+     "GRPO: new tokens per completion (default 256)"),
+    (("--temperature",), "adapter.temperature", "GRPO: sampling temperature (default 1.0)"),
+    (("--top-p", "--top_p"), "adapter.top_p", "GRPO: nucleus sampling (default 1.0: off)"),
+    (("--epsilon",), "adapter.epsilon", "GRPO: clipping epsilon (default 0.2)"),
+    (("--epsilon-high", "--epsilon_high"), "adapter.epsilon_high", "GRPO: upper clipping epsilon (default: --epsilon)"),
+    (("--loss-type", "--loss_type"), "adapter.loss_type",
+     "GRPO: dapo (default, TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"),
+    (("--scale-rewards", "--scale_rewards"), "adapter.scale_rewards",
+     "GRPO: group (default: advantages divided by the group's std) | none (Dr. GRPO)"),
     (("--desirable-weight", "--desirable_weight"), "adapter.desirable_weight",
      "KTO: weight of a desirable completion's loss (default 1.0; TRL suggests balancing the two kinds' counts)"),
     (("--undesirable-weight", "--undesirable_weight"), "adapter.undesirable_weight",
@@ -99,7 +115,8 @@ def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], st
     for flags, key, help_text in own:
         # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
         p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
-                       **({"action": "append"} if key == "data.path" else {}))
+                       **({"action": "append"} if key in ("data.path", "adapter.reward")
+                          else {"nargs": "+"} if key == "adapter.reward_weights" else {}))
     for flags, key in SHARED_OPTIONS:
         p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=schema.help_for(key), metavar="V",
                        **({"nargs": "+"} if key == "logging.report_to" else {}))  # HF's list: --report-to mlflow wandb

@@ -19,8 +19,8 @@ from tunebench.settings.schema import parse_override, read_yaml, short
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
-OBJECTIVES = ("sft", "dpo", "orpo", "kto")  # next-token loss on the replies | preference pairs (data.pairs) |
-# single judgements (data.judged)
+OBJECTIVES = ("sft", "dpo", "orpo", "kto", "grpo")  # next-token loss on the replies | preference pairs (data.pairs)
+# | single judgements (data.judged) | rewards of sampled completions (data.prompts, training.grpo)
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,31 @@ class AdapterConfig:
     beta: float | None = None  # DPO's and KTO's beta: how far the policy may move from its reference (None: 0.1)
     desirable_weight: float | None = None  # KTO: the weight of a desirable completion's loss (None: TRL's 1.0)
     undesirable_weight: float | None = None  # KTO: the weight of an undesirable completion's loss (None: TRL's 1.0)
+    # GRPO, with TRL's names (None: TRL's default, but max_completion_length, whose 512 would be slow on a CPU)
+    reward: tuple[str, ...] = ()  # the reward functions (training.rewards): gsm8k, format:REGEX, exact, contains, file.py:fn
+    reward_weights: tuple[float, ...] = ()  # one per reward (default 1 each)
+    num_generations: int | None = None  # completions sampled per prompt, the group (None: 8)
+    max_completion_length: int | None = None  # new tokens per completion (None: 256)
+    temperature: float | None = None  # sampling temperature (None: 1.0)
+    top_p: float | None = None  # nucleus sampling (None: 1.0, off)
+    epsilon: float | None = None  # clipping (None: 0.2)
+    epsilon_high: float | None = None  # upper clipping (None: epsilon; DAPO's paper: 0.28)
+    loss_type: str | None = None  # dapo (TRL's default) | grpo | dr_grpo
+    scale_rewards: str | None = None  # group (TRL's default: advantages over the group's std) | none (Dr. GRPO)
     orpo_lambda: float | None = None  # ORPO's lambda: the odds-ratio term's weight (None: the paper's 0.1; TRL's beta)
 
 
 PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
+# The settings that belong to some objectives: (key, its objectives, its default there); GRPO's beta is TRL's 0
+# (no KL term, no reference pass).
+OWNED = (("beta", ("dpo", "kto", "grpo"), {"dpo": PAPERS_DEFAULT, "kto": PAPERS_DEFAULT, "grpo": 0.0}),
+         ("orpo_lambda", ("orpo",), {"orpo": PAPERS_DEFAULT}),
+         ("desirable_weight", ("kto",), {"kto": 1.0}), ("undesirable_weight", ("kto",), {"kto": 1.0}),
+         ("num_generations", ("grpo",), {"grpo": 8}), ("max_completion_length", ("grpo",), {"grpo": 256}),
+         ("temperature", ("grpo",), {"grpo": 1.0}), ("top_p", ("grpo",), {"grpo": 1.0}),
+         ("epsilon", ("grpo",), {"grpo": 0.2}), ("epsilon_high", ("grpo",), {"grpo": None}),
+         ("loss_type", ("grpo",), {"grpo": "dapo"}), ("scale_rewards", ("grpo",), {"grpo": "group"}),
+         ("reward", ("grpo",), {"grpo": ()}), ("reward_weights", ("grpo",), {"grpo": ()}))
 
 
 def _to_dict(self) -> dict[str, Any]:
@@ -169,7 +190,16 @@ SCHEMA = schema.Schema(
     # the hardware guide's Hydra key; the rest of its keys are the flat sections' (schema.FLAT_SECTIONS)
     aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
     hints=SYNONYMS, converters={"data.sources": _sources, "data.packing": lambda value: (
-        "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str)})
+        "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str),
+        "adapter.reward": lambda value: _items("adapter.reward", value, str),
+        "adapter.reward_weights": lambda value: _items("adapter.reward_weights", value, float)})
+
+
+def _items(key: str, value: Any, kind: type) -> tuple:
+    """A list setting (GRPO's rewards and their weights): YAML's list, or the command line's items, each a `kind`."""
+    if value in (None, "", [], ()):
+        return ()
+    return tuple(schema.coerce_value(key, v, kind) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
 def all_keys() -> list[str]:
@@ -200,17 +230,18 @@ def load_config(
                                  "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
         adapter["objective"] = adapter.pop("method")
     objective = adapter.get("objective", "sft")
-    for key, owners, default in (("beta", ("dpo", "kto"), PAPERS_DEFAULT), ("orpo_lambda", ("orpo",), PAPERS_DEFAULT),
-                                 ("desirable_weight", ("kto",), 1.0), ("undesirable_weight", ("kto",), 1.0)):
+    for key, owners, default in OWNED:
         # TRL calls ORPO's lambda beta: a value given for another objective must not vanish unused
-        if adapter.get(key) is not None and objective not in owners:
+        if adapter.get(key) not in (None, ()) and objective not in owners:
             whose = " and ".join(o.upper() + "'s" for o in owners)
             raise TunebenchError(f"--{key.replace('_', '-')} is {whose}, and this "
                                  f"run's objective is {objective}; " + (
                                      "ORPO's weight is --orpo-lambda" if key == "beta" and objective == "orpo"
                                      else f"drop it or use --method {owners[0]}"))
         if objective in owners and adapter.get(key) is None:
-            adapter[key] = default
+            adapter[key] = default[objective]
+    if objective == "grpo" and adapter.get("epsilon_high") is None:
+        adapter["epsilon_high"] = adapter["epsilon"]
     if objective != "sft":
         adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
@@ -275,9 +306,15 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise TunebenchError(f"--quantization {a.quantization} is QLoRA's: use --method qlora, or --quantization none "
                              f"with --method {a.method}")
     if a.objective != "sft":
-        if any(v is not None and v <= 0 for v in (a.beta, a.orpo_lambda)):
+        if any(v is not None and v <= 0 for v in (a.beta if a.objective != "grpo" else None, a.orpo_lambda)):
             raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {a.beta} and {a.orpo_lambda}; "
                                  "the papers' default is 0.1")
+        if a.objective == "grpo":
+            check_grpo(a)
+            if e.eval_generate:
+                raise TunebenchError("--eval-generate scores answers against held-out replies, and GRPO's prompts have "
+                                     "none: a GRPO run reports its held-out reward instead (--eval-fraction); drop "
+                                     "--eval-generate")
         if any(v is not None and v <= 0 for v in (a.desirable_weight, a.undesirable_weight)):
             raise TunebenchError(f"--desirable-weight and --undesirable-weight must be positive, got "
                                  f"{a.desirable_weight} and {a.undesirable_weight}; TRL's default is 1.0")
@@ -291,6 +328,29 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
     cfg.batch_ask().check(world_size)  # the job checks again once its group is up
+
+
+def check_grpo(a: AdapterConfig) -> None:
+    """GRPO's settings, each with the fix. The rewards themselves are built by the job (training.rewards: a file or
+    function that is not there, a regex that does not compile) before any model loads."""
+    _choice("adapter.loss_type (--loss-type)", a.loss_type, ("dapo", "grpo", "dr_grpo"))
+    _choice("adapter.scale_rewards (--scale-rewards)", a.scale_rewards, ("group", "none"))
+    if a.num_generations < 2:
+        raise TunebenchError(f"--num-generations must be 2 or more, got {a.num_generations}: GRPO's advantage is a "
+                             "completion's reward against its group's; TRL's default is 8")
+    if a.max_completion_length < 1:
+        raise TunebenchError(f"--max-completion-length must be 1 or more, got {a.max_completion_length}")
+    if not a.temperature > 0 or not 0 < a.top_p <= 1:
+        raise TunebenchError(f"--temperature must be above 0 and --top-p in (0, 1], got {a.temperature} and {a.top_p}")
+    if a.beta < 0 or a.epsilon < 0 or a.epsilon_high < 0:
+        raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {a.beta}, {a.epsilon} and "
+                             f"{a.epsilon_high}")
+    if not a.reward:
+        raise TunebenchError("--method grpo needs at least one --reward: gsm8k, format:REGEX, exact, contains or "
+                             "path/to/file.py:function")
+    if a.reward_weights and len(a.reward_weights) != len(a.reward):
+        raise TunebenchError(f"--reward-weights gives {len(a.reward_weights)} weight(s) for {len(a.reward)} reward(s); "
+                             "give one weight per --reward, in the same order")
 
 
 def check_template(template: str) -> None:

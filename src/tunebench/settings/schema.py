@@ -354,7 +354,15 @@ class Schema:
                     raise TunebenchError(f"{key} '{value}' is not one of {', '.join(CHOICES[key])}; pick one of those")
 
     def to_dict(self, cfg: Any) -> dict[str, Any]:
-        return {s: dataclasses.asdict(getattr(cfg, s)) for s in self.sections}
+        """The configuration as plain data, shaped as JSON and YAML read it back (a tuple as a list), so that a
+        run's identity compares equal to the one its checkpoint saved."""
+        return {s: _plain(dataclasses.asdict(getattr(cfg, s))) for s in self.sections}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def run_type(name: str, own: dict[str, type], default_effective: int | None, doc: str, module: str,

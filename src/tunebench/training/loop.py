@@ -224,12 +224,15 @@ def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: W
 
 def stat_means(objective: torch.nn.Module, sums: list[float], units: float) -> dict[str, float]:
     """An objective's metric sums as means: per loss unit, or per the count another of its stats holds (its
-    `stat_per`: KTO's rewards/chosen is a mean over the desirable rows); a mean over no rows is left out."""
+    `stat_per`: KTO's rewards/chosen is a mean over the desirable rows); a mean over no rows is left out. Its
+    `stat_finish(means, units)`, if any, makes the figures that are not means (GRPO's reward_std)."""
     inner = unwrap(objective)
     per = getattr(inner, "stat_per", {})
     named = dict(zip(inner.stat_names, sums))
-    return {name: v / (named[per[name]] if name in per else max(units, 1)) for name, v in named.items()
-            if name not in per or named[per[name]]}
+    means = {name: v / (named[per[name]] if name in per else max(units, 1)) for name, v in named.items()
+             if name not in per or named[per[name]]}
+    finish = getattr(inner, "stat_finish", None)  # figures not a mean of sums (GRPO's reward_std)
+    return finish(means, units) if finish else means
 
 
 @dataclass

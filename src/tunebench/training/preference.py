@@ -65,8 +65,9 @@ def disable_dropout(model) -> int:
     return n
 
 
-def token_logps(model, batch: Batch, index: torch.Tensor, autocast_dtype) -> torch.Tensor:
-    """(N,) log-probability of the next token at each flat position `index` of (rows, T - 1)."""
+def token_logps(model, batch: Batch, index: torch.Tensor, autocast_dtype, temperature: float = 1.0) -> torch.Tensor:
+    """(N,) log-probability of the next token at each flat position `index` of (rows, T - 1), of the logits
+    divided by `temperature` (GRPO's: the distribution its completions were sampled from, as TRL scores it)."""
     ids = batch["input_ids"]
     targets = ids[:, 1:].reshape(-1).index_select(0, index)
     parts = body_and_head(model)
@@ -79,7 +80,17 @@ def token_logps(model, batch: Batch, index: torch.Tensor, autocast_dtype) -> tor
             body, head = parts
             hidden = body(**inputs).last_hidden_state
             picked = head(hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, index))
-    return -F.cross_entropy(picked.float(), targets, reduction="none")
+    logits = picked.float() if temperature == 1.0 else picked.float() / temperature
+    return -F.cross_entropy(logits, targets, reduction="none")
+
+
+def reference_logps(model, reference, batch: Batch, index: torch.Tensor, autocast_dtype,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """token_logps of the reference, without gradients: `reference` (a frozen copy), or `model` with its
+    adapter off when None (the base: no second copy of the weights)."""
+    off = model.disable_adapter() if reference is None else contextlib.nullcontext()
+    with torch.no_grad(), off:
+        return token_logps(reference or model, batch, index, autocast_dtype, temperature)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -99,10 +110,7 @@ class PreferenceLoss(torch.nn.Module):
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
 
     def reference_logps(self, batch: Batch, index: torch.Tensor) -> torch.Tensor:
-        reference = self._reference[0]
-        off = self.model.disable_adapter() if reference is None else contextlib.nullcontext()
-        with torch.no_grad(), off:
-            return token_logps(reference or self.model, batch, index, self.autocast_dtype)
+        return reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1

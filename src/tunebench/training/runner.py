@@ -450,14 +450,16 @@ def train_run(opened: Opened, plan, model, *, optimization: Optimization, output
               next_micro_batch: Callable[[LoopState], Batch | None], eval_sets: list[tuple[str, list[Batch]]],
               identity: dict[str, Any], records: Callable[[], tuple[dict, dict]], loss=None,
               after_eval: Callable[[int], dict[str, Any]] | None = None,
-              tracking: trackers.Tracking = trackers.Tracking()) -> tuple[Outcome, dict | None]:
+              tracking: trackers.Tracking = trackers.Tracking(), prefetch: bool | None = None
+              ) -> tuple[Outcome, dict | None]:
     """The training half both jobs share, in this order: the objective as the process group wraps it (DDP,
     FSDP), each rank's own dropout masks, the optimizer over the parameters FSDP sharded, the schedule, fp16's
     GradScaler, the run's records (rank 0: `records()` writes config.yaml and plan.json, which `tracking` gets as
     parameters), the loop with its
     evaluation of each of `eval_sets` (one dataset's eval as it is; several, combined by per_source), then the
     sharded weights gathered and the process group shut down. Returns (outcome, the gathered weights or None);
-    only rank 0 goes on to write the outputs."""
+    only rank 0 goes on to write the outputs. `prefetch` False keeps the batches on the loop's thread (GRPO's
+    batches are sampled from the weights being trained)."""
     from tunebench.training import optim
     from tunebench.training.tune import compiler
 
@@ -483,7 +485,7 @@ def train_run(opened: Opened, plan, model, *, optimization: Optimization, output
         total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
         device=device, autocast_dtype=autocast, logging_steps=outputs.logging_steps,
         eval_steps=every(outputs.eval_steps, plan.total_steps), save_steps=outputs.save_steps,
-        progress=outputs.progress, pin_memory=pin_memory, world=world)
+        progress=outputs.progress, pin_memory=pin_memory, world=world, prefetch=prefetch)
     outcome = run_loop(out, model, objective_, optimizer, scheduler, scaler, next_micro_batch,
                        run_eval if any(batches for _, batches in eval_sets) else None, settings, identity,
                        opened.resume_from, outputs.save_total_limit, tracking, outputs.monitor,

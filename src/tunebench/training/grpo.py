@@ -1,0 +1,310 @@
+"""GRPO (Shao et al., 2024; DeepSeek-R1's method) inside tunebench's one training loop.
+
+A unit is a prompt. For each optimizer step the policy samples `num_generations` completions of every prompt of
+the step at once (its own weights, no copy; the KV cache; the run's precision and autocast), each completion is
+scored by the rewards (training.rewards), and each one's advantage is its weighted reward against its group's:
+(r - mean) / (std + 1e-4) with TRL's scale_rewards="group" (std with Bessel's correction), r - mean with "none".
+The step's micro batches then train on (prompt + completion) rows, the loss on the completion tokens:
+
+    per token: -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL * ratio,
+    KL = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator), ratio = exp(logp - logp_old)
+
+with one update per generation (TRL's num_iterations=1), so logp_old is logp without its gradient and the ratio
+is 1 in value; log-probabilities are of the logits divided by the sampling temperature, as TRL scores them. The reference (only when beta > 0) is the base with the adapter off, or a frozen copy under full
+fine-tuning. TRL's loss normalisations: "dapo" (its default: the step's completion tokens), "grpo" (each
+completion's mean over its tokens, then the mean over the step's completions), "dr_grpo" (the step's
+completions x max_completion_length). All three are sums over the step divided by a count of the whole step, so
+the micro batch never changes the math; and the sampling is seeded by (seed, epoch, step) and made for the whole
+step whatever its micro batches, so the completions a step learns from depend on neither the micro batch nor a
+resume (exact resume needs no sampler state beyond the checkpoint's).
+
+Written here rather than taken from TRL: TRL's GRPOTrainer is a Trainer subclass with its own loop and
+generation; tests/golden/make_grpo_golden.py checks losses, advantages, rewards and KL against it step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench.data.prompts import PromptData, PromptRows
+from tunebench.training import rewards as rewards_
+from tunebench.training.loop import Batch
+from tunebench.training.preference import reference_logps, token_logps
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+SCALE_REWARDS = ("group", "none")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """TRL's names and meanings."""
+
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    top_p: float
+    beta: float
+    epsilon: float
+    epsilon_high: float
+    loss_type: str
+    scale_rewards: str
+
+
+def stat_names(rewards: list[rewards_.Reward]) -> tuple[str, ...]:
+    """What each step logs (TRL's names), summed over completions; `count/<name>` counts the completions a
+    reward scored (a user's function may return None), reward_sq gives reward_std (see finish)."""
+    per = [n for r in rewards for n in (f"rewards/{r.name}/mean", f"count/{r.name}")]
+    return ("kl", "reward", "reward_sq", "frac_reward_zero_std", "completions/mean_length",
+            "completions/clipped_ratio", *per)
+
+
+def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages, weighted rewards, zero-spread flags), each (completions,), from `scores` (completions,
+    rewards), NaN where a reward had no opinion. A completion no reward scored has advantage 0 and is left out of
+    its group's mean (TRL's unscorable rows)."""
+    unscorable = torch.isnan(scores).all(1)
+    total = (scores * weights).nansum(1)
+    total[unscorable] = torch.nan
+    grouped = total.view(-1, group)
+    mean = torch.nanmean(grouped, 1, keepdim=True)
+    count = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    variance = torch.nanmean((grouped - mean) ** 2, 1, keepdim=True) * count / (count - 1)  # Bessel's, as TRL
+    std = torch.where(count > 1, variance.sqrt(), torch.full_like(variance, torch.nan)).expand_as(grouped).reshape(-1)
+    adv = total - mean.expand_as(grouped).reshape(-1)
+    if scale == "group":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
+
+
+def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: Settings,
+           seed: int) -> list[list[int]]:
+    """`num_generations` completions of each prompt (consecutive), each up to and including its EOS: one
+    batched, left-padded generate call with the KV cache, sampled from the policy (top_k off, temperature and
+    top_p as set), the random draws seeded by `seed` alone (the global generator is left as it was)."""
+    from tunebench.model.inference import Placed
+
+    g = s.num_generations
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(prompts) * g, width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i * g:(i + 1) * g, width - len(p):] = torch.tensor(p)
+        mask[i * g:(i + 1) * g, width - len(p):] = 1
+    placed = Placed(model, tokenizer, device, autocast)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = placed.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                              temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=s.max_completion_length,
+                              pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    completions = []
+    for row in out[:, width:].tolist():
+        stop = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        completions.append(row[:stop])
+    return completions
+
+
+@dataclass
+class Groups:
+    """One step's prompts, their completions and what each completion carries into the loss."""
+
+    keys: list[int]  # the prompts (PromptData indices), in step order
+    completions: list[list[int]]  # num_generations per prompt, consecutive
+    advantages: torch.Tensor  # (completions,)
+    row_stats: torch.Tensor  # (completions, len(stat_names) - 1): the per-completion terms of every stat but kl
+
+
+class Sampler:
+    """The GRPO batches: for each optimizer step, the groups of all its prompts made once (generated and
+    scored), then each micro batch's rows. `record_steps` wraps the epoch's step lists so a micro batch's rows
+    name their step."""
+
+    def __init__(self, model, tokenizer, data: PromptData, rows: PromptRows, rewards: list[rewards_.Reward],
+                 settings: Settings, device: torch.device, autocast, seed: int,
+                 eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.model, self.tokenizer, self.data, self.rows, self.rewards = model, tokenizer, data, rows, rewards
+        self.s, self.device, self.autocast, self.seed, self.eagerly = settings, device, autocast, seed, eagerly
+        self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+        self.step_of: dict[int, tuple[int, int, list[int]]] = {}
+        self.cached: tuple[tuple[int, int], Groups] | None = None
+        self.generated_tokens, self.generation_s = 0, 0.0
+
+    def record_steps(self, steps: Callable[[int], list[list[int]]]) -> Callable[[int], list[list[int]]]:
+        def recorded(epoch: int) -> list[list[int]]:
+            order = steps(epoch)
+            for k, keys in enumerate(order):
+                for key in keys:
+                    self.step_of[key] = (epoch, k, keys)
+            return order
+        return recorded
+
+    def texts(self, keys: list[int], completions: list[list[int]], g: int
+              ) -> tuple[list[str], list[str], dict[str, list]]:
+        """(prompts, completions, columns) as the rewards read them, one item a completion (`g` a prompt)."""
+        from tunebench.data.tokenize import render_prompt
+
+        sources = [self.data.source(k) for k in keys for _ in range(g)]
+        prompts = [render_prompt(self.rows.prompts[i], self.tokenizer) for i in sources]
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        names = self.rows.column_names()
+        return prompts, texts, {n: [self.rows.columns[i].get(n) for i in sources] for n in names}
+
+    def score(self, keys: list[int], completions: list[list[int]], g: int) -> torch.Tensor:
+        """(completions, rewards) each reward's score, NaN where it returned None (`g` completions a prompt)."""
+        prompts, texts, columns = self.texts(keys, completions, g)
+        scores = [[torch.nan if v is None else v for v in r.score(prompts, texts, columns)] for r in self.rewards]
+        return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.rewards))
+
+    def groups(self, keys: list[int], seed: int) -> Groups:
+        import time
+
+        started = time.perf_counter()
+        with self.eagerly():
+            completions = sample(self.model, self.tokenizer, self.device, self.autocast,
+                                 [self.data.ids[k] for k in keys], self.s, seed)
+        self.generation_s += time.perf_counter() - started
+        self.generated_tokens += sum(map(len, completions))
+        scores = self.score(keys, completions, self.s.num_generations)
+        adv, total, zero = advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
+        eos = self.tokenizer.eos_token_id
+        clipped = torch.tensor([float(not c or c[-1] != eos) for c in completions])
+        per = [t for j in range(len(self.rewards)) for t in (torch.nan_to_num(scores[:, j]), (~torch.isnan(scores[:, j])).float())]
+        stats = torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), lengths, clipped,
+                             *per], 1)
+        return Groups(keys, completions, adv, stats)
+
+    def collate(self, keys: list[int]) -> Batch:
+        epoch, k, step_keys = self.step_of[keys[0]]
+        if self.cached is None or self.cached[0] != (epoch, k):
+            seed = int(np.random.SeedSequence([self.seed, epoch, k]).generate_state(1)[0])
+            self.cached = ((epoch, k), self.groups(step_keys, seed))
+        groups = self.cached[1]
+        return rows_of(groups, keys, self.data, self.s.num_generations, self.tokenizer.pad_token_id)
+
+    def probe_rows(self, keys: list[int]) -> Batch:
+        """A micro batch as large as `keys` can make (every completion max_completion_length long, zero
+        advantages), without generating: what the probe times and sizes."""
+        g, length = self.s.num_generations, self.s.max_completion_length
+        filler = [self.tokenizer.eos_token_id] * length
+        groups = Groups(keys, [filler] * (len(keys) * g), torch.zeros(len(keys) * g),
+                        torch.zeros(len(keys) * g, len(stat_names(self.rewards)) - 1))
+        return rows_of(groups, keys, self.data, g, self.tokenizer.pad_token_id)
+
+    def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
+        """The weighted reward of one greedy completion of each of `keys` (held-out prompts), and each reward's."""
+        s = Settings(1, self.s.max_completion_length, 1.0, 1.0, 0.0, 0.0, 0.0, "dapo", "none")
+        totals, per = [], []
+        for start in range(0, len(keys), batch_size):
+            chunk = keys[start:start + batch_size]
+            with self.eagerly():
+                completions = greedy(self.model, self.tokenizer, self.device, self.autocast,
+                                     [self.data.ids[k] for k in chunk], s)
+            scores = self.score(chunk, completions, 1)
+            per.append(scores)
+            totals.append((scores * self.weights).nansum(1))
+        scores = torch.cat(per)
+        return {"eval_reward": float(torch.cat(totals).mean()),
+                **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
+
+
+def greedy(model, tokenizer, device, autocast, prompts: list[list[int]], s: Settings) -> list[list[int]]:
+    """One greedy completion of each prompt (held-out rewards): as `sample`, without sampling."""
+    from tunebench.model.inference import Placed
+
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = Placed(model, tokenizer, device, autocast).generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, top_p=None, top_k=None,
+        temperature=None, max_new_tokens=s.max_completion_length, pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    completions = []
+    for row in out[:, width:].tolist():
+        stop = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        completions.append(row[:stop])
+    return completions
+
+
+def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int) -> Batch:
+    """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens.
+    Besides the usual tensors: `advantages` (rows,), `row_stats` (rows, stats) and `counts` (completions,
+    completion tokens): the units this micro batch adds to its optimizer step's normalisers (loop.prepare)."""
+    from tunebench.data.batching import pad_examples
+
+    where = {key: i for i, key in enumerate(groups.keys)}
+    picked = [where[key] * g + j for key in keys for j in range(g)]
+    examples = []
+    for key, i in zip([key for key in keys for _ in range(g)], picked):
+        prompt, completion = data.ids[key], groups.completions[i]
+        examples.append((np.asarray(prompt + completion), np.asarray([0] * len(prompt) + [1] * len(completion))))
+    batch = pad_examples(examples, pad_id)
+    index = torch.tensor(picked)
+    batch["advantages"] = groups.advantages[index]
+    batch["row_stats"] = groups.row_stats[index]
+    batch["counts"] = torch.tensor([len(picked), sum(len(groups.completions[i]) for i in picked)])
+    return batch
+
+
+class GRPOLoss(torch.nn.Module):
+    """The GRPO objective over `model` (module docstring); returns (loss sum, stat sums over completions)."""
+
+    unit = "completions"
+
+    def __init__(self, model, settings: Settings, rewards: list[rewards_.Reward], autocast_dtype=None,
+                 reference=None):
+        super().__init__()
+        self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype
+        self.stat_names = stat_names(rewards)
+        self.stat_per = {f"rewards/{r.name}/mean": f"count/{r.name}" for r in rewards}
+        self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
+
+    def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:
+        """reward_std from the mean reward and mean squared reward (Bessel's correction, as TRL)."""
+        square = means.pop("reward_sq", None)
+        if square is not None and units > 1:
+            means["reward_std"] = max(0.0, (square - means["reward"] ** 2) * units / (units - 1)) ** 0.5
+        return means
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.s
+        index = batch["loss_index"]
+        width = batch["input_ids"].shape[1] - 1
+        rows = batch["input_ids"].shape[0]
+        row = index // width
+        logp = token_logps(self.model, batch, index, self.autocast_dtype, s.temperature)
+        adv = batch["advantages"].to(logp.dtype)[row]
+        ratio = torch.exp(logp - logp.detach())  # 1 in value: one update per generation
+        per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high) * adv)
+        totals = batch["totals"]  # (completions, completion tokens) of the whole step
+        per_completion_token = (totals[0] / totals[1]).to(logp.dtype)
+        kl_sum = torch.zeros((), device=logp.device, dtype=logp.dtype)
+        if s.beta:
+            ref = reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype, s.temperature)
+            delta = ref - logp
+            kl = torch.exp(delta) - delta - 1
+            # times the ratio, 1 in value: the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default,
+            # use_bias_correction_kl=True)
+            per_token = per_token + s.beta * kl * ratio
+            kl_sum = kl.detach().sum() * per_completion_token  # the step's token mean, once divided by completions
+        if s.loss_type == "dapo":
+            loss = per_token.sum() * per_completion_token
+        elif s.loss_type == "grpo":
+            tokens = torch.zeros(rows, device=logp.device, dtype=logp.dtype).index_add(0, row, torch.ones_like(logp))
+            loss = (torch.zeros(rows, device=logp.device, dtype=logp.dtype).index_add(0, row, per_token)
+                    / tokens.clamp(min=1)).sum()
+        else:  # dr_grpo
+            loss = per_token.sum() / s.max_completion_length
+        stats = torch.cat([kl_sum.reshape(1), batch["row_stats"].to(logp.dtype).sum(0)])
+        return loss, stats

@@ -1,0 +1,113 @@
+"""GRPO's reward functions: the verifiable ones built in, and a user's own Python function.
+
+A reward is named by a spec, given once per `--reward` (TRL's reward_funcs), each with its weight
+(`--reward-weights`, TRL's reward_weights, default 1 each):
+- `gsm8k[:COLUMN]`: 1 when the completion's final number equals the reference's (the row's COLUMN, default
+  `answer`), as the task metric reads both (quality.final_answer: what follows `####`, else the last number);
+- `format:REGEX`: 1 when the completion matches REGEX (re.search, DOTALL: anchor it with ^ and $ to match the
+  whole completion);
+- `exact[:COLUMN]`, `contains[:COLUMN]`: 1 when the stripped completion equals the reference, or holds it;
+- `path/to/file.py:function`: the function, called as TRL calls one, `fn(prompts=..., completions=..., **columns)`
+  (the row's other columns as lists, one item a completion), returning a float (or None: no opinion) for each
+  completion.
+Each is checked before any model loads: a column the data lacks, a regex that does not compile, a file or
+function that is not there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunebench.core.errors import TunebenchError
+
+BUILT_IN = ("gsm8k", "format", "exact", "contains")
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str  # as metrics name it: rewards/<name>/mean
+    weight: float
+    score: Callable[[list[str], list[str], dict[str, list[Any]]], list[float | None]]  # (prompts, completions, columns)
+    column: str | None = None  # the reference column it reads
+
+
+def parse(specs: Sequence[str], weights: Sequence[float] | None) -> list[Reward]:
+    """The rewards of `specs` with their weights (one each, as settings.finetune.check_grpo has checked); refused
+    with the fix when one cannot be built."""
+    weights = list(weights) if weights else [1.0] * len(specs)
+    rewards = [one(spec, float(w)) for spec, w in zip(specs, weights)]
+    names = [r.name for r in rewards]
+    if len(set(names)) != len(names):
+        raise TunebenchError(f"--reward names one reward twice ({', '.join(names)}); give each once, with its weight")
+    return rewards
+
+
+def one(spec: str, weight: float) -> Reward:
+    kind, _, arg = spec.partition(":")
+    if not math.isfinite(weight):
+        raise TunebenchError(f"--reward-weights {weight} for {spec} is not a number; give a finite weight")
+    if kind == "gsm8k":
+        from tunebench.model.quality import final_answer
+        column = arg or "answer"
+        return Reward("gsm8k", weight, lambda p, c, cols: [
+            float(final_answer(x) is not None and final_answer(x) == final_answer(str(ref)))
+            for x, ref in zip(c, cols[column])], column)
+    if kind == "format":
+        if not arg:
+            raise TunebenchError("--reward format needs its regex: format:REGEX, e.g. 'format:^<think>.*</think>'")
+        try:
+            pattern = re.compile(arg, re.DOTALL)
+        except re.error as e:
+            raise TunebenchError(f"--reward {spec}: the regex does not compile ({e}); fix the pattern") from None
+        return Reward("format", weight, lambda p, c, cols: [float(pattern.search(x) is not None) for x in c])
+    if kind in ("exact", "contains"):
+        column = arg or "answer"
+        test = (lambda x, ref: x.strip() == ref.strip()) if kind == "exact" else (lambda x, ref: ref.strip() in x)
+        return Reward(kind, weight, lambda p, c, cols: [float(test(x, str(ref))) for x, ref in zip(c, cols[column])],
+                      column)
+    return user_function(spec, weight)
+
+
+def user_function(spec: str, weight: float) -> Reward:
+    """`path/to/file.py:function`, loaded from the file (not from an installed package)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name or not path.endswith(".py"):
+        raise TunebenchError(f"--reward {spec!r:.80} is not one of {', '.join(BUILT_IN)} nor path/to/file.py:function; "
+                             "name a built-in reward or a Python file and the function in it")
+    file = Path(path)
+    if not file.is_file():
+        raise TunebenchError(f"--reward {spec}: no file {path}; give the path of the Python file that defines {name}")
+    module_spec = importlib.util.spec_from_file_location(f"tunebench_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: any error it raises is theirs to see, in one line
+        raise TunebenchError(f"--reward {spec}: importing {path} failed ({type(e).__name__}: {e}); fix the file") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise TunebenchError(f"--reward {spec}: {path} has no function {name}; define def {name}(prompts, "
+                             "completions, **kwargs) returning one float per completion")
+
+    def score(prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> list[float | None]:
+        values = fn(prompts=prompts, completions=completions, **columns)
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            raise TunebenchError(f"reward {name} returned {type(values).__name__} of "
+                                 f"{len(values) if hasattr(values, '__len__') else '?'} item(s) for "
+                                 f"{len(completions)} completions; return one float (or None) per completion")
+        return [None if v is None else float(v) for v in values]
+
+    return Reward(name, weight, score)
+
+
+def check_columns(rewards: list[Reward], columns: set[str], source: str) -> None:
+    for r in rewards:
+        if r.column is not None and r.column not in columns:
+            raise TunebenchError(f"--reward {r.name} reads the reference column '{r.column}', and '{source}' has "
+                                 f"{', '.join(sorted(columns))}; give {r.name}:COLUMN with the column holding the "
+                                 "reference")

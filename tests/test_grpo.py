@@ -1,0 +1,176 @@
+"""GRPO: rewards, group advantages, the loss against TRL's GRPOTrainer (tests/golden/make_grpo_golden.py: the same
+completions handed to both), sampling that depends on (seed, epoch, step) only, exact resume, and the command line."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_losses, sigterm_after_step
+from tunebench.core.errors import TunebenchError
+from tunebench.interfaces.cli import main
+from tunebench.jobs import grpo as grpo_job
+from tunebench.settings.finetune import load_config
+from tunebench.training import grpo, rewards
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "grpo.json").read_text())
+
+
+def test_builtin_rewards_score_what_they_say():
+    cols = {"answer": ["he had 3 + 4 = 7\n#### 7", "#### 12", "Paris", "Paris"]}
+    completions = ["So the answer is 7.", "it is 1 or 2", "paris", "The capital is Paris."]
+    score = {r.name: r.score([""] * 4, completions, cols) for r in rewards.parse(
+        ["gsm8k", "format:^So", "exact", "contains"], None)}
+    assert score == {"gsm8k": [1.0, 0.0, 0.0, 0.0], "format": [1.0, 0.0, 0.0, 0.0],
+                     "exact": [0.0, 0.0, 0.0, 0.0], "contains": [0.0, 0.0, 0.0, 1.0]}
+
+
+@pytest.mark.parametrize("specs, weights, message", [
+    (["format:("], None, "the regex does not compile"),
+    (["gsm8k", "gsm8k"], None, "names one reward twice"),
+    (["nope"], None, "is not one of gsm8k, format, exact, contains nor path/to/file.py:function"),
+    (["missing.py:fn"], None, "no file missing.py"),
+])
+def test_a_reward_that_cannot_be_built_is_refused_with_the_fix(specs, weights, message):
+    with pytest.raises(TunebenchError, match=message):
+        rewards.parse(specs, weights)
+
+
+def test_advantages_are_each_rewards_distance_from_its_groups_mean_in_group_stds():
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0],  # group 1
+                           [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])  # group 2: no spread
+    adv, total, zero = grpo.advantages(scores, torch.tensor([1.0, 0.5]), 4, "group")
+    group = torch.tensor([1.0, 0.5, 1.5, 0.0])
+    assert total[:4].tolist() == group.tolist()
+    assert adv[:4] == pytest.approx(((group - group.mean()) / (group.std() + 1e-4)).tolist(), abs=1e-6)
+    assert adv[4:].tolist() == [0.0] * 4 and zero.tolist() == [False] * 4 + [True] * 4
+    adv, _, _ = grpo.advantages(scores, torch.tensor([1.0, 0.5]), 4, "none")
+    assert adv[:4] == pytest.approx((group - group.mean()).tolist())
+
+
+def _config(tmp_path, name, **extra):
+    s = GOLDEN["settings"][name]
+    (tmp_path / "rewards.py").write_text(GOLDEN["rewards"])
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": GOLDEN["prompt"]}) + "\n" for _ in range(8)))
+    return load_config(options={
+        "model.name": "tiny", "data.path": str(data), "data.template": GOLDEN["template"], "data.max_length": 256,
+        "data.eval_fraction": 0.0, "adapter.method": "grpo", "adapter.r": 8, "adapter.lora_alpha": 16,
+        "adapter.lora_dropout": 0.0, "adapter.reward": [f"{tmp_path / 'rewards.py'}:length",
+                                                        f"{tmp_path / 'rewards.py'}:five"],
+        "adapter.reward_weights": GOLDEN["weights"], "adapter.num_generations": GOLDEN["group"],
+        "adapter.max_completion_length": GOLDEN["max_completion_length"], "adapter.temperature": GOLDEN["temperature"],
+        "adapter.beta": s["beta"], "adapter.loss_type": s["loss_type"], "adapter.scale_rewards": s["scale_rewards"],
+        "train.effective_batch_size": 1, "train.micro_batch_size": 1, "train.max_steps": GOLDEN["steps"],
+        "train.lr": GOLDEN["lr"], "train.schedule": "linear", "train.warmup_ratio": 0.0, "train.weight_decay": 0.0,
+        "train.max_grad_norm": 1.0, "train.precision": "fp32", "train.seed": GOLDEN["seed"],
+        "train.output_dir": str(tmp_path / name), "train.progress": False, **extra})
+
+
+@pytest.mark.parametrize("name", ["dapo", "dr_grpo", "grpo"])
+def test_losses_rewards_and_kl_match_trls_grpo_trainer_on_the_same_completions(tmp_path, monkeypatch, tiny, name):
+    tok = tiny.tokenizer
+    table = [[tok(c + tok.eos_token, add_special_tokens=False)["input_ids"] for c in group]
+             for group in GOLDEN["completions"]]
+    calls = []
+
+    def fixed(model, tokenizer, device, autocast, prompts, s, seed):
+        assert len(prompts) == 1 and s.num_generations == GOLDEN["group"]
+        calls.append(seed)
+        return table[len(calls) - 1]
+
+    monkeypatch.setattr(grpo, "sample", fixed)
+    grpo_job.run(_config(tmp_path, name))
+    steps = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    golden = GOLDEN[name]
+    assert len(calls) == len(steps) == len(golden) == GOLDEN["steps"]
+    for ours, theirs in zip(steps, golden):
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours["step"], key)
+    if GOLDEN["settings"][name]["beta"]:
+        assert golden[-1]["kl"] > 0.1  # the policy really moved from its reference
+
+
+def _gsm8k_prompts(tmp_path) -> Path:
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
+                            for a in range(1, 5) for b in range(1, 4)))
+    return path
+
+
+def _sampled(tmp_path, out, **extra):
+    return ["train", "--model", "tiny", "--method", "grpo", "--reward", "gsm8k", "--reward", "format:\\d",
+            "--reward-weights", "1", "0.5", "--data", str(_gsm8k_prompts(tmp_path)), "--num-generations", "3",
+            "--max-completion-length", "8", "--effective-batch-size", "2", "--max-steps", "4", "--precision", "fp32",
+            "--no-progress", "--output-dir", str(out), *[str(x) for kv in extra.items() for x in kv]]
+
+
+def test_the_sampled_completions_depend_on_seed_and_step_not_the_micro_batch_and_a_resume_is_exact(tmp_path):
+    """The same run as 1 x (2 prompts) and as 2 x (1 prompt), and stopped by SIGTERM at step 2 and resumed: the
+    same rewards, losses and adapter (sampling is seeded by (seed, epoch, step) and made for the whole step)."""
+    one, two, stopped = tmp_path / "one", tmp_path / "two", tmp_path / "stopped"
+    assert main(_sampled(tmp_path, one, **{"--batch-size": 2, "--eval-fraction": 0.25})) == 0
+    assert main(_sampled(tmp_path, two, **{"--batch-size": 1, "--eval-fraction": 0.25})) == 0
+    with sigterm_after_step(2):
+        assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, "--eval-fraction": 0.25})) == 130
+    assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, "--eval-fraction": 0.25, "--resume": "auto"})) == 0
+
+    def rows(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    base = {r["step"]: r for r in rows(one) if "loss" in r}
+    assert sorted(base) == [1, 2, 3, 4]
+    for other in (two, stopped):
+        theirs = {r["step"]: r for r in rows(other) if "loss" in r}
+        for step, r in base.items():
+            for key in ("reward", "reward_std", "completions/mean_length", "rewards/format/mean"):
+                assert theirs[step][key] == pytest.approx(r[key], abs=1e-6), (other.name, step, key)
+            assert theirs[step]["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6)
+    from safetensors.torch import load_file
+    a, b = load_file(one / "adapter_model.safetensors"), load_file(stopped / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    summary = json.loads((one / "summary.json").read_text())
+    assert summary["objective"] == "grpo" and summary["generated_tokens"] > 0
+    assert summary["generation_tokens_per_s"] > 0 and summary["update_tokens_per_s"] > 0
+    assert math.isfinite(summary["eval_reward_before"]) and math.isfinite(summary["eval_reward"])
+
+
+def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_sampled(tmp_path, out, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04})) == 0
+    printed = capsys.readouterr().out
+    assert "rewards: gsm8k x 1, format x 0.5" in printed
+    assert re.search(r"objective +grpo +3 completions a prompt of up to 8 tokens at temperature 1 .*beta 0.04; "
+                     r"reference: the base with the adapter off", printed)
+    assert re.search(r"held-out reward before training: [\d.]+, gsm8k [\d.]+, format [\d.]+ on 3 prompts", printed)
+    assert "sampling: " in printed and "generated tokens/s" in printed
+    assert sorted(run_losses(out)) == [1, 2, 3, 4]
+    first = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line)
+    assert {"reward", "reward_std", "kl", "frac_reward_zero_std", "completions/mean_length", "rewards/gsm8k/mean",
+            "rewards/format/mean"} <= set(first)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"adapter.num_generations": 1}, "--num-generations must be 2 or more"),
+    ({"adapter.loss_type": "bnpo"}, "adapter.loss_type .--loss-type. 'bnpo' is not one of dapo, grpo, dr_grpo"),
+    ({"adapter.temperature": 0.0}, "--temperature must be above 0"),
+    ({"evaluation.eval_generate": 4}, "GRPO's prompts have none"),
+    ({"adapter.reward": []}, "needs at least one --reward"),
+    ({"adapter.reward": ["gsm8k", "format:x"], "adapter.reward_weights": [1.0]}, "gives 1 weight.s. for 2 reward"),
+])
+def test_grpo_settings_are_checked_at_load(options, message):
+    with pytest.raises(TunebenchError, match=message):
+        load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"]} | options)
+
+
+def test_grpo_settings_belong_to_grpo_and_default_to_trls():
+    with pytest.raises(TunebenchError, match="--num-generations is GRPO's, and this run's objective is sft"):
+        load_config(options={"adapter.num_generations": 4})
+    a = load_config(options={"adapter.method": "grpo", "adapter.reward": "gsm8k"}).adapter
+    assert (a.beta, a.num_generations, a.temperature, a.epsilon, a.epsilon_high, a.loss_type, a.scale_rewards,
+            a.reward) == (0.0, 8, 1.0, 0.2, 0.2, "dapo", "group", ("gsm8k",))
