@@ -153,6 +153,9 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
     first = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line)
     assert {"reward", "reward_std", "kl", "frac_reward_zero_std", "completions/mean_length", "rewards/gsm8k/mean",
             "rewards/format/mean"} <= set(first)
+    assert main(["report", str(out)]) == 0  # the run's report draws the rewards and the KL
+    assert {"grpo_rewards.png", "grpo_kl.png"} <= {f.name for f in (out / "report").iterdir()}
+    assert "GRPO: the mean reward of each step's completions" in (out / "report" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("options, message", [

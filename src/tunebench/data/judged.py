@@ -3,7 +3,8 @@ file in TRL's unpaired preference format or from the A/B store that `tunebench s
 
 A file has `prompt` (text, or chat messages), `completion` (text, or messages whose last one is the reply) and
 `label` (true/false, 1/0). From an A/B store: a vote's chosen answer is desirable and the other undesirable,
-both answers of a "both bad" vote are undesirable, and ties say nothing about either and are skipped (counted).
+both answers of a "both bad" vote are undesirable, and ties say nothing about either and are skipped (counted);
+a thumbs up or down on a Chat answer is one judgement, the conversation before the answer its prompt.
 
 Tokenized, example k is one row: its prompt in the run's prompt format, then the completion and EOS, the loss
 mask on the completion (as DPO's pairs are rendered). KTO's reference point, the KL between the policy and its
@@ -101,7 +102,8 @@ def from_records(records: list[dict], cfg: DataConfig, source: str) -> JudgedExa
 
 def from_store(path: str) -> JudgedExamples:
     """A vote for A: A's answer desirable, B's undesirable (and the other way round); both bad: both undesirable;
-    a tie: skipped."""
+    a tie: skipped. Then each thumbs up (desirable) or down (undesirable) on a Chat answer, its prompt the
+    conversation before it."""
     from tunebench.data import votes
 
     out = JudgedExamples([], [], [], path)
@@ -112,6 +114,8 @@ def from_store(path: str) -> JudgedExamples:
         asked = [{"role": "user", "content": prompt}]
         _add(out, asked, answer_a, vote == "a")
         _add(out, asked, answer_b, vote == "b")
+    for messages, answer, liked in votes.feedback(path):
+        _add(out, messages, answer, liked)
     return out
 
 

@@ -30,6 +30,17 @@ CREATE TABLE IF NOT EXISTS votes (
     vote TEXT NOT NULL CHECK (vote IN ('a', 'b', 'tie', 'both_bad')),
     settings TEXT NOT NULL  -- generation settings, JSON
 )"""
+# A thumbs up or down on one chat answer (the Chat tab): single judgements, KTO's data (data.judged).
+FEEDBACK = """
+CREATE TABLE IF NOT EXISTS feedback (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created TEXT NOT NULL,
+    messages TEXT NOT NULL,  -- the conversation before the answer, JSON chat messages
+    model TEXT NOT NULL,
+    answer TEXT NOT NULL,
+    liked INTEGER NOT NULL CHECK (liked IN (0, 1)),
+    settings TEXT NOT NULL  -- generation settings, JSON
+)"""
 
 
 def connect(path: str | Path) -> sqlite3.Connection:
@@ -47,6 +58,7 @@ def open_store(path: str | Path) -> Path:
         con = connect(p)
         try:
             con.execute(SCHEMA)
+            con.execute(FEEDBACK)
             con.execute("SELECT id, prompt, model_a, model_b, answer_a, answer_b, vote, settings FROM votes LIMIT 1")
             if "pair_id" not in {row[1] for row in con.execute("PRAGMA table_info(votes)")}:
                 con.execute("ALTER TABLE votes ADD COLUMN pair_id TEXT")  # a store from before one vote per pair
@@ -84,6 +96,33 @@ def record(path: str | Path, prompt: str, model_a: str, model_b: str, answer_a: 
             raise AlreadyVoted(f"answer pair {pair_id} already has its vote") from None
         con.execute("COMMIT")
         return int(cur.lastrowid)
+    finally:
+        con.close()
+
+
+def record_feedback(path: str | Path, messages: list[dict], model: str, answer: str, liked: bool,
+                    settings: dict) -> int:
+    """Store one thumbs up (liked) or down on a chat answer; returns its id."""
+    con = connect(path)
+    try:
+        cur = con.execute(
+            "INSERT INTO feedback (created, messages, model, answer, liked, settings) VALUES (?, ?, ?, ?, ?, ?)",
+            (datetime.now(timezone.utc).isoformat(timespec="seconds"), json.dumps(messages, ensure_ascii=False),
+             model, answer, int(bool(liked)), json.dumps(settings, sort_keys=True)))
+        return int(cur.lastrowid)
+    finally:
+        con.close()
+
+
+def feedback(path: str | Path) -> list[tuple[list[dict], str, bool]]:
+    """(conversation before the answer, answer, liked) of every thumbs up or down, oldest first; none in a store
+    from before the Chat tab had them. Read-only, as `votes`."""
+    con = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    try:
+        if not con.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='feedback'").fetchone():
+            return []
+        return [(json.loads(m), a, bool(liked)) for m, a, liked in
+                con.execute("SELECT messages, answer, liked FROM feedback ORDER BY id")]
     finally:
         con.close()
 

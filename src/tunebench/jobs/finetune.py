@@ -91,9 +91,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with distributed.local_rank0_first(world):
         loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
         tok = loaded.tokenizer
-        data, spans, messages = ((judged if kto else pairs).tokenize(examples, tok, cfg.data),
-                                 [np.arange(len(examples))], []) if prefer \
-            else mixture.tokenize(parts, tok, models.cache_dir())
+        if prefer:  # the pairs or judgements that fit max_length, one span
+            data, messages = (judged if kto else pairs).tokenize(examples, tok, cfg.data), []
+            spans = [np.arange(len(data))]
+        else:
+            data, spans, messages = mixture.tokenize(parts, tok, models.cache_dir())
     train_idx, train_parts, eval_parts = split_rows(cfg, data, spans, parts, prefer)
     model, autocast, loss_module, method_rows, (trainable, total) = trainable_model(cfg, loaded, opened, prefer)
 

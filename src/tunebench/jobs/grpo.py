@@ -5,6 +5,7 @@ measure it again, save."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         runplan.batch_row(effective, micro, accum, world.size), lr_row,
         runplan.logging_row(cfg.logging.logging_steps, device.type),
         runner.steps_row(cfg, steps, f"{len(train_idx)} prompts, {effective} a step")])
+    # The probe timed updates alone, and a step's time includes its sampling: no slowdown watch against it
+    plan = dataclasses.replace(plan, probed_tokens_per_s=None)
     if world.main:
         print(f"model: {loaded.source}\ndata: {d.path}, {len(train_idx)} train / {len(held_out)} held-out prompts"
               + (f"; {data.dropped} dropped: the prompt and --max-completion-length pass --max-length" if data.dropped

@@ -110,6 +110,35 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
                                    "Rewards", "optimizer step", "accuracy",
                                    twin=[("margin", [r["step"] for r in rewarded], [r["rewards/margins"] for r in rewarded],
                                           {"color": "tab:red"})], twin_label="margin")))
+    sampled = [r for r in steps if "frac_reward_zero_std" in r]
+    if sampled:  # a GRPO run
+        names = sorted({k for r in sampled for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+        x = [r["step"] for r in sampled]
+        out.insert(1, ("grpo_rewards", "GRPO: the mean reward of each step's completions (weighted sum) and each "
+                                       "reward function's, with the share of groups whose rewards do not differ "
+                                       "(they teach nothing)",
+                       _line_chart([("reward", x, [r["reward"] for r in sampled], {}),
+                                    *[(n[len("rewards/"):-len("/mean")], [r["step"] for r in sampled if n in r],
+                                       [r[n] for r in sampled if n in r], {"linestyle": "--"}) for n in names]],
+                                   "Rewards", "optimizer step", "reward",
+                                   twin=[("zero-spread groups", x, [r["frac_reward_zero_std"] for r in sampled],
+                                          {"color": "tab:gray", "linestyle": ":"})], twin_label="share")))
+        out.insert(2, ("grpo_kl", "GRPO: the completions' mean length in tokens, and the KL from the reference "
+                                  "(0 when beta is 0)",
+                       _line_chart([("completion tokens", x, [r["completions/mean_length"] for r in sampled], {})],
+                                   "Completions", "optimizer step", "tokens",
+                                   twin=[("KL", x, [r["kl"] for r in sampled], {"color": "tab:red"})],
+                                   twin_label="KL")))
+    judged = [r for r in steps if "desirable" in r]
+    if judged:  # a KTO run
+        out.insert(1, ("kto", "KTO: the mean implied reward of the desirable and the undesirable completions, and the "
+                              "KL reference point",
+                       _line_chart([(label, [r["step"] for r in judged if key in r], [r[key] for r in judged if key in r],
+                                     {}) for label, key in (("desirable", "rewards/chosen"),
+                                                            ("undesirable", "rewards/rejected"))],
+                                   "Rewards", "optimizer step", "reward",
+                                   twin=[("KL", [r["step"] for r in judged], [r["kl"] for r in judged],
+                                          {"color": "tab:red"})], twin_label="KL")))
     for g in gpus:
         out.append((f"{g}", f"{g.upper()}: utilisation and memory over the run", _line_chart(
             [("utilisation %", at, [r.get(f"{g}_util_percent", 0) for r in monitor], {})], g.upper(), "seconds", "%",

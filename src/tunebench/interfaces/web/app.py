@@ -105,6 +105,22 @@ def chat_turn(registry: Registry, label: str, message: str, history: list[dict],
         raise gr.Error(str(e)) from None
 
 
+def chat_feedback(db: Path, label: str, history: list[dict], index: int, liked: bool, temperature: float,
+                  top_p: float, max_new_tokens: int) -> str:
+    """A thumbs up or down on the Chat answer at `index` of `history`, stored with the conversation before it:
+    KTO's data (`tunebench train --method kto --data` the store)."""
+    import gradio as gr
+
+    history = list(history or [])
+    if not 0 <= index < len(history) or history[index].get("role") != "assistant" or index == 0:
+        raise gr.Error("That message is not an answer of the model; rate one of its answers.")
+    messages = [{"role": m["role"], "content": m["content"]} for m in history[:index]]
+    votes.record_feedback(db, messages, label, history[index]["content"], liked,
+                          _settings(temperature, top_p, max_new_tokens))
+    return (f"Stored: answer {'liked' if liked else 'disliked'} ({'desirable' if liked else 'undesirable'} for "
+            "`tunebench train --method kto`).")
+
+
 AB_MIN_TEMPERATURE = 0.3  # greedy answers could be matched with the Chat tab's, which names its model
 
 
@@ -250,6 +266,12 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
             chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
             chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
             chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
+
+            def on_like(label, history, temp, top_p, max_new, data: gr.LikeData):
+                index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+                return chat_feedback(db, label, history, int(index), bool(data.liked), temp, top_p, max_new)
+
+            chatbot.like(on_like, [chat_model, chat_history, chat_temp, chat_top_p, chat_max], [chat_status])
 
         with gr.Tab("A/B", id="ab"):
             gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
