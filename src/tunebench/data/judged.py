@@ -22,7 +22,7 @@ import torch
 
 from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching, formats, pairs, readers
-from tunebench.data.tokenize import Tokenized, segments
+from tunebench.data.tokenize import Tokenized
 from tunebench.core.errors import TunebenchError
 
 TRUE, FALSE = ("true", "1", "yes", "good", "desirable"), ("false", "0", "no", "bad", "undesirable")
@@ -45,19 +45,13 @@ class JudgedExamples:
 
     def describe(self) -> str:
         good = sum(self.labels)
-        kept = f"{len(self)} judged completion(s) ({good} desirable, {len(self) - good} undesirable) from {self.source}"
-        if not self.skipped:
-            return kept
-        return kept + "; skipped: " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
-
-
-def _skip(out: JudgedExamples, why: str) -> None:
-    out.skipped[why] = out.skipped.get(why, 0) + 1
+        return pairs.described(f"{len(self)} judged completion(s) ({good} desirable, {len(self) - good} undesirable) "
+                               f"from {self.source}", self.skipped)
 
 
 def _add(out: JudgedExamples, prompt: formats.Messages, completion: str, label: bool) -> None:
     if not any(m["content"].strip() for m in prompt) or not completion.strip():
-        _skip(out, "with an empty prompt or completion")
+        pairs.skip(out, "with an empty prompt or completion")
         return
     out.prompts.append(prompt)
     out.completions.append(completion)
@@ -79,8 +73,8 @@ def from_records(records: list[dict], cfg: DataConfig, source: str) -> JudgedExa
     if not records:
         raise TunebenchError(f"dataset '{source}' has no rows; point --data at a file with data")
     columns = set(records[0])
-    prompt_column = cfg.messages_column if "prompt" not in columns and cfg.messages_column in columns else "prompt"
-    missing = [c for c in (prompt_column, "completion", "label") if c not in columns]
+    column = pairs.prompt_column(columns, cfg)
+    missing = [c for c in (column, "completion", "label") if c not in columns]
     if missing:
         hint = ("; this looks like preference pairs: use --method dpo, or one row per completion for KTO"
                 if {"chosen", "rejected"} <= columns else "")
@@ -90,12 +84,7 @@ def from_records(records: list[dict], cfg: DataConfig, source: str) -> JudgedExa
             f"A/B store (tunebench-ab.sqlite){hint}")
     out = JudgedExamples([], [], [], source)
     for row, record in enumerate(records):
-        prompt = record.get(prompt_column)
-        if isinstance(prompt, list):
-            messages = formats.to_messages({cfg.messages_column: prompt}, "chat", cfg)
-        else:
-            messages = [{"role": "user", "content": "" if prompt is None else str(prompt)}]
-        _add(out, messages, pairs._reply(record.get("completion"), "completion", source),
+        _add(out, pairs.prompt_of(record.get(column), cfg), pairs.reply(record.get("completion"), "completion", source),
              label_of(record.get("label"), source, row))
     return out
 
@@ -109,7 +98,7 @@ def from_store(path: str) -> JudgedExamples:
     out = JudgedExamples([], [], [], path)
     for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
         if vote == "tie":
-            _skip(out, "ties")
+            pairs.skip(out, "ties")
             continue
         asked = [{"role": "user", "content": prompt}]
         _add(out, asked, answer_a, vote == "a")
@@ -159,26 +148,10 @@ class JudgedData:
 def tokenize(judged: JudgedExamples, tokenizer, cfg: DataConfig) -> JudgedData:
     """Each prompt in the run's prompt format, the completion after it (and EOS); a row longer than max_length
     loses its end, and an example whose prompt alone reaches max_length is dropped (counted)."""
-    ids, mask, offsets, rows, labels, dropped = [], [], [0], [], [], 0
-    for k, (prompt, completion, label) in enumerate(zip(judged.prompts, judged.completions, judged.labels)):
-        pieces = segments(prompt + [{"role": "assistant", "content": completion}], tokenizer, cfg)
-        prompt_ids = tokenizer("".join(text for text, _ in pieces[:-1]), add_special_tokens=False)["input_ids"]
-        if len(prompt_ids) >= cfg.max_length:
-            dropped += 1
-            continue
-        reply_ids = tokenizer(pieces[-1][0], add_special_tokens=False)["input_ids"]
-        row = (prompt_ids + reply_ids)[: cfg.max_length]
-        ids += row
-        mask += ([0] * len(prompt_ids) + [1] * len(reply_ids))[: cfg.max_length]
-        offsets.append(offsets[-1] + len(row))
-        rows.append(k)
-        labels.append(label)
-    if not rows:
-        raise TunebenchError(f"no example of '{cfg.path}' fits --max-length {cfg.max_length}: every prompt alone "
-                             "fills it; raise --max-length or shorten the prompts")
-    data = Tokenized(np.asarray(ids, np.int32), np.asarray(mask, np.int8), np.asarray(offsets, np.int64), "judged",
-                     dropped, np.asarray(rows, np.int64))
-    return JudgedData(data, np.asarray(labels, bool), dropped, cfg.max_length)
+    data = pairs.prompt_reply_rows(((p, (c,)) for p, c in zip(judged.prompts, judged.completions)), tokenizer, cfg,
+                                   "judged", "example")
+    labels = np.asarray(judged.labels, bool)[data.rows]
+    return JudgedData(data, labels, data.dropped, cfg.max_length)
 
 
 def collate(data: JudgedData, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:

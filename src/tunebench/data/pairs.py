@@ -45,10 +45,7 @@ class PairExamples:
         return self.prompts[k] + [{"role": "assistant", "content": self.chosen[k]}]
 
     def describe(self) -> str:
-        kept = f"{len(self)} preference pair(s) from {self.source}"
-        if not self.skipped:
-            return kept
-        return kept + "; skipped: " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
+        return described(f"{len(self)} preference pair(s) from {self.source}", self.skipped)
 
     def records(self) -> list[dict]:
         """The pairs as TRL's preference format (what `ab-report --export-pairs` writes)."""
@@ -74,29 +71,46 @@ def from_store(path: str) -> PairExamples:
     out = PairExamples([], [], [], path)
     for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
         if vote in ("tie", "both_bad"):
-            _skip(out, "ties" if vote == "tie" else "both-bad votes")
+            skip(out, "ties" if vote == "tie" else "both-bad votes")
             continue
         chosen, rejected = (answer_a, answer_b) if vote == "a" else (answer_b, answer_a)
         _add(out, [{"role": "user", "content": prompt}], chosen, rejected)
     return out
 
 
-def _skip(out: PairExamples, why: str) -> None:
+def skip(out, why: str) -> None:
+    """Count one example left out of `out` (pairs, or KTO's judgements) for the reason `why`."""
     out.skipped[why] = out.skipped.get(why, 0) + 1
+
+
+def described(kept: str, skipped: dict[str, int]) -> str:
+    return kept + ("; skipped: " + ", ".join(f"{n} {why}" for why, n in skipped.items()) if skipped else "")
+
+
+def prompt_column(columns: set[str], cfg: DataConfig) -> str:
+    """Where a preference file's prompt is: `prompt`, else a chat `messages` column."""
+    return cfg.messages_column if "prompt" not in columns and cfg.messages_column in columns else "prompt"
+
+
+def prompt_of(value, cfg: DataConfig) -> formats.Messages:
+    """A prompt given as text, or as chat messages."""
+    if isinstance(value, list):
+        return formats.to_messages({cfg.messages_column: value}, "chat", cfg)
+    return [{"role": "user", "content": "" if value is None else str(value)}]
 
 
 def _add(out: PairExamples, prompt: formats.Messages, chosen: str, rejected: str) -> None:
     if not any(m["content"].strip() for m in prompt) or not chosen.strip() or not rejected.strip():
-        _skip(out, "with an empty prompt or answer")
+        skip(out, "with an empty prompt or answer")
     elif chosen == rejected:
-        _skip(out, "with the same answer on both sides")
+        skip(out, "with the same answer on both sides")
     else:
         out.prompts.append(prompt)
         out.chosen.append(chosen)
         out.rejected.append(rejected)
 
 
-def _reply(value, column: str, source: str) -> str:
+def reply(value, column: str, source: str) -> str:
     """A reply given as text, or as chat messages (TRL's conversational format): the last message's text."""
     if isinstance(value, list):
         if not value or not isinstance(value[-1], dict):
@@ -109,8 +123,8 @@ def from_records(records: list[dict], cfg: DataConfig, source: str) -> PairExamp
     if not records:
         raise TunebenchError(f"dataset '{source}' has no rows; point --data at a file with data")
     columns = set(records[0])
-    prompt_column = cfg.messages_column if "prompt" not in columns and cfg.messages_column in columns else "prompt"
-    missing = [c for c in (prompt_column, "chosen", "rejected") if c not in columns]
+    column = prompt_column(columns, cfg)
+    missing = [c for c in (column, "chosen", "rejected") if c not in columns]
     if missing:
         raise TunebenchError(
             f"dataset '{source}' lacks column(s) {', '.join(map(repr, missing))} for preference training (it has "
@@ -118,13 +132,8 @@ def from_records(records: list[dict], cfg: DataConfig, source: str) -> PairExamp
             "(tunebench-ab.sqlite)")
     out = PairExamples([], [], [], source)
     for record in records:
-        prompt = record.get(prompt_column)
-        if isinstance(prompt, list):
-            messages = formats.to_messages({cfg.messages_column: prompt}, "chat", cfg)
-        else:
-            messages = [{"role": "user", "content": "" if prompt is None else str(prompt)}]
-        _add(out, messages, _reply(record.get("chosen"), "chosen", source),
-             _reply(record.get("rejected"), "rejected", source))
+        _add(out, prompt_of(record.get(column), cfg), reply(record.get("chosen"), "chosen", source),
+             reply(record.get("rejected"), "rejected", source))
     return out
 
 
@@ -169,12 +178,19 @@ def tokenize(pairs: PairExamples, tokenizer, cfg: DataConfig) -> PairData:
     """Each pair's prompt is rendered once, in the run's prompt format, and shared by both rows; rows
     longer than max_length lose their end (the reply's tail), and a pair whose prompt alone reaches
     max_length is dropped (counted), since none of its reply would be left to compare."""
+    data = prompt_reply_rows(((p, (c, r)) for p, c, r in zip(pairs.prompts, pairs.chosen, pairs.rejected)),
+                             tokenizer, cfg, "pairs", "preference pair")
+    return PairData(data, data.dropped)
+
+
+def prompt_reply_rows(items, tokenizer, cfg: DataConfig, fmt: str, what: str) -> Tokenized:
+    """Each (prompt, replies) item as one row per reply: the prompt, rendered once in the run's prompt format
+    (loss mask 0), then the reply and EOS (mask 1); a row longer than max_length loses its end (the reply's tail),
+    and an item whose prompt alone reaches max_length is dropped (counted in `dropped`), since none of its replies
+    would be left. `rows` holds each row's item index."""
     ids, mask, offsets, rows, dropped = [], [], [0], [], 0
-    for k, (prompt, chosen, rejected) in enumerate(zip(pairs.prompts, pairs.chosen, pairs.rejected)):
-        sides = []
-        for reply in (chosen, rejected):
-            pieces = segments(prompt + [{"role": "assistant", "content": reply}], tokenizer, cfg)
-            sides.append(("".join(text for text, _ in pieces[:-1]), pieces[-1][0]))
+    for k, (prompt, replies) in enumerate(items):
+        sides = [rendered(prompt, reply, tokenizer, cfg) for reply in replies]
         prompt_ids = tokenizer(sides[0][0], add_special_tokens=False)["input_ids"]
         if len(prompt_ids) >= cfg.max_length:
             dropped += 1
@@ -187,11 +203,16 @@ def tokenize(pairs: PairExamples, tokenizer, cfg: DataConfig) -> PairData:
             offsets.append(offsets[-1] + len(row))
             rows.append(k)
     if not rows:
-        raise TunebenchError(f"no preference pair of '{cfg.path}' fits --max-length {cfg.max_length}: every prompt "
-                             "alone fills it; raise --max-length or shorten the prompts")
-    data = Tokenized(np.asarray(ids, np.int32), np.asarray(mask, np.int8), np.asarray(offsets, np.int64), "pairs",
+        raise TunebenchError(f"no {what} of '{cfg.path}' fits --max-length {cfg.max_length}: every prompt alone "
+                             "fills it; raise --max-length or shorten the prompts")
+    return Tokenized(np.asarray(ids, np.int32), np.asarray(mask, np.int8), np.asarray(offsets, np.int64), fmt,
                      dropped, np.asarray(rows, np.int64))
-    return PairData(data, dropped)
+
+
+def rendered(prompt: formats.Messages, reply: str, tokenizer, cfg: DataConfig) -> tuple[str, str]:
+    """(the prompt's text, the reply's text with EOS) as the run's prompt format renders them for SFT."""
+    pieces = segments(prompt + [{"role": "assistant", "content": reply}], tokenizer, cfg)
+    return "".join(text for text, _ in pieces[:-1]), pieces[-1][0]
 
 
 def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Tensor]:
