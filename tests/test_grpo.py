@@ -177,3 +177,19 @@ def test_grpo_settings_belong_to_grpo_and_default_to_trls():
     a = load_config(options={"adapter.method": "grpo", "adapter.reward": "gsm8k"}).adapter
     assert (a.beta, a.num_generations, a.temperature, a.epsilon, a.epsilon_high, a.loss_type, a.scale_rewards,
             a.reward) == (0.0, 8, 1.0, 0.2, 0.2, "dapo", "group", ("gsm8k",))
+
+
+def test_a_users_reward_gets_the_prompts_as_the_model_saw_them_and_the_rows_columns(tmp_path):
+    (tmp_path / "mine.py").write_text(
+        "def seen(prompts, completions, answer, **kwargs):\n"
+        "    assert len(prompts) == len(completions) == len(answer)\n"
+        "    for p, a in zip(prompts, answer):\n"
+        "        assert p.startswith('Q: What is ') and p.endswith('\\nA:'), p\n"
+        "        assert a.startswith('#### ') and a[5:].isdigit(), a\n"
+        "    return [float(len(c) % 2) for c in completions]\n")
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--method", "grpo", "--reward", f"{tmp_path / 'mine.py'}:seen",
+                 "--data", str(_gsm8k_prompts(tmp_path)), "--template", "Q: {instruction}\nA:", "--num-generations",
+                 "2", "--max-completion-length", "4", "--effective-batch-size", "2", "--max-steps", "2",
+                 "--eval-fraction", "0", "--no-progress", "--output-dir", str(out)]) == 0
+    assert sorted(run_losses(out)) == [1, 2]

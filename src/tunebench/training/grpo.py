@@ -85,30 +85,31 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
 
 def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: Settings,
            seed: int) -> list[list[int]]:
-    """`num_generations` completions of each prompt (consecutive), each up to and including its EOS: one
-    batched, left-padded generate call with the KV cache, sampled from the policy (top_k off, temperature and
-    top_p as set), the random draws seeded by `seed` alone (the global generator is left as it was)."""
-    from tunebench.model.inference import Placed
-
-    g = s.num_generations
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(prompts) * g, width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i * g:(i + 1) * g, width - len(p):] = torch.tensor(p)
-        mask[i * g:(i + 1) * g, width - len(p):] = 1
-    placed = Placed(model, tokenizer, device, autocast)
+    """`num_generations` completions of each prompt (consecutive), each up to and including its EOS, sampled
+    from the policy (top_k off, temperature and top_p as set), the random draws seeded by `seed` alone (the
+    global generator is left as it was)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        out = placed.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                              temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=s.max_completion_length,
-                              pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, use_cache=True)
-    completions = []
-    for row in out[:, width:].tolist():
-        stop = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-        completions.append(row[:stop])
-    return completions
+        return complete(model, tokenizer, device, autocast, prompts, s.num_generations, s.max_completion_length,
+                        do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
+
+
+def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], n: int,
+             max_new_tokens: int, **decoding: Any) -> list[list[int]]:
+    """`n` completions of each prompt (consecutive) in one batched, left-padded generate call with the KV cache,
+    through inference.Placed (the run's precision and autocast), each cut after its EOS."""
+    from tunebench.model.inference import Placed
+
+    width, pad, eos = max(map(len, prompts)), tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = torch.full((len(prompts) * n, width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i * n:(i + 1) * n, width - len(p):] = torch.tensor(p)
+        mask[i * n:(i + 1) * n, width - len(p):] = 1
+    out = Placed(model, tokenizer, device, autocast).generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens, pad_token_id=pad,
+        eos_token_id=eos, use_cache=True, **decoding)
+    return [row[:row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
 @dataclass
@@ -147,11 +148,11 @@ class Sampler:
 
     def texts(self, keys: list[int], completions: list[list[int]], g: int
               ) -> tuple[list[str], list[str], dict[str, list]]:
-        """(prompts, completions, columns) as the rewards read them, one item a completion (`g` a prompt)."""
-        from tunebench.data.tokenize import render_prompt
-
+        """(prompts, completions, columns) as the rewards read them, one item a completion (`g` a prompt): each
+        prompt the text the model was given, in the run's prompt format."""
+        rendered = {k: self.tokenizer.decode(self.data.ids[k]) for k in keys}
         sources = [self.data.source(k) for k in keys for _ in range(g)]
-        prompts = [render_prompt(self.rows.prompts[i], self.tokenizer) for i in sources]
+        prompts = [rendered[k] for k in keys for _ in range(g)]
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         names = self.rows.column_names()
         return prompts, texts, {n: [self.rows.columns[i].get(n) for i in sources] for n in names}
@@ -200,41 +201,19 @@ class Sampler:
 
     def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
         """The weighted reward of one greedy completion of each of `keys` (held-out prompts), and each reward's."""
-        s = Settings(1, self.s.max_completion_length, 1.0, 1.0, 0.0, 0.0, 0.0, "dapo", "none")
         totals, per = [], []
         for start in range(0, len(keys), batch_size):
             chunk = keys[start:start + batch_size]
             with self.eagerly():
-                completions = greedy(self.model, self.tokenizer, self.device, self.autocast,
-                                     [self.data.ids[k] for k in chunk], s)
+                completions = complete(self.model, self.tokenizer, self.device, self.autocast,
+                                       [self.data.ids[k] for k in chunk], 1, self.s.max_completion_length,
+                                       do_sample=False, top_p=None, top_k=None, temperature=None)
             scores = self.score(chunk, completions, 1)
             per.append(scores)
             totals.append((scores * self.weights).nansum(1))
         scores = torch.cat(per)
         return {"eval_reward": float(torch.cat(totals).mean()),
                 **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
-
-
-def greedy(model, tokenizer, device, autocast, prompts: list[list[int]], s: Settings) -> list[list[int]]:
-    """One greedy completion of each prompt (held-out rewards): as `sample`, without sampling."""
-    from tunebench.model.inference import Placed
-
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = Placed(model, tokenizer, device, autocast).generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, top_p=None, top_k=None,
-        temperature=None, max_new_tokens=s.max_completion_length, pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id, use_cache=True)
-    completions = []
-    for row in out[:, width:].tolist():
-        stop = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-        completions.append(row[:stop])
-    return completions
 
 
 def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int) -> Batch:
