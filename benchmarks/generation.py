@@ -3,8 +3,9 @@ by the built-in SmolLM2-135M-Instruct at batch 1, 8 and 32, 128 new tokens each 
 row runs the full length), through
 
 - `hf`: transformers' `generate` on the model as transformers loads it (fp32), the peer;
-- `tunebench`: the path every tunebench job generates through (inference.Placed: the precision and autocast a
-  training run picks on this machine, the KV cache), with the same call;
+- `placed`: transformers' `generate` through inference.Placed (the precision and autocast a training run picks on
+  this machine), what eval --generate and serve run;
+- `decode`: model/decoding.py's loop under the same Placed, what GRPO samples with;
 
 interleaved over --repeats rounds, each ratio against the peer in the same round.
 
@@ -31,7 +32,7 @@ def main() -> int:
 
     import torch
 
-    from tunebench.model import inference, models
+    from tunebench.model import decoding, inference, models
 
     loaded = models.resolve("smollm2-135m-instruct")
     tok = loaded.tokenizer
@@ -58,9 +59,14 @@ def main() -> int:
         with torch.no_grad():
             return peer.generate(**kwargs)
 
-    paths = {"hf": hf, "tunebench": placed.generate}
-    run(peer, hf, 1)  # warm-up: first-call allocations out of the figures
-    run(placed.model, placed.generate, 1)
+    def decode(input_ids, attention_mask, temperature, top_p, max_new_tokens, pad_token_id, **_):
+        with placed.running() as model:  # EOS ignored, as min_new_tokens makes generate do
+            return torch.cat([input_ids, decoding.decode(model, input_ids, attention_mask, max_new_tokens, -1,
+                                                         pad_token_id, temperature, top_p)], 1)
+
+    paths = {"hf": hf, "placed": placed.generate, "decode": decode}
+    for fn in paths.values():
+        run(None, fn, 1)  # warm-up: first-call allocations out of the figures
     figures = {(p, b): [] for p in paths for b in args.batches}
     for r in range(args.repeats):
         for b in args.batches:
@@ -68,12 +74,13 @@ def main() -> int:
                 figures[(name, b)].append(run(None, fn, b))
                 print(f"round {r + 1}: {name:<10} batch {b:>3}: {figures[(name, b)][-1]:8.1f} tokens/s", flush=True)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
-          f"tunebench's path: {device}, {precision} ({why}); {args.new_tokens} new tokens, medians of {args.repeats}")
-    print(f"{'batch':>5} {'hf tokens/s':>12} {'tunebench':>10} {'ratio':>7}")
+          f"placed and decode: {device}, {precision} ({why}); {args.new_tokens} new tokens, medians of {args.repeats}")
+    print(f"{'batch':>5} {'hf tokens/s':>12} {'placed':>8} {'ratio':>6} {'decode':>8} {'ratio':>6}")
     for b in args.batches:
-        hf_, ours = (statistics.median(figures[(p, b)]) for p in paths)
-        ratio = statistics.median(o / h for o, h in zip(figures[("tunebench", b)], figures[("hf", b)]))
-        print(f"{b:>5} {hf_:>12.1f} {ours:>10.1f} {ratio:>7.2f}")
+        hf_, placed_, ours = (statistics.median(figures[(p, b)]) for p in paths)
+        ratios = [statistics.median(o / h for o, h in zip(figures[(p, b)], figures[("hf", b)]))
+                  for p in ("placed", "decode")]
+        print(f"{b:>5} {hf_:>12.1f} {placed_:>8.1f} {ratios[0]:>6.2f} {ours:>8.1f} {ratios[1]:>6.2f}")
     return 0
 
 

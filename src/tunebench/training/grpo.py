@@ -1,7 +1,8 @@
 """GRPO (Shao et al., 2024; DeepSeek-R1's method) inside tunebench's one training loop.
 
 A unit is a prompt. For each optimizer step the policy samples `num_generations` completions of every prompt of
-the step at once (its own weights, no copy; the KV cache; the run's precision and autocast), each completion is
+the step at once (its own weights, no copy; model/decoding.py's loop with the KV cache; the run's precision and
+autocast), each completion is
 scored by the rewards (training.rewards), and each one's advantage is its weighted reward against its group's:
 (r - mean) / (std + 1e-4) with TRL's scale_rewards="group" (std with Bessel's correction), r - mean with "none".
 The step's micro batches then train on (prompt + completion) rows, the loss on the completion tokens:
@@ -91,13 +92,15 @@ def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         return complete(model, tokenizer, device, autocast, prompts, s.num_generations, s.max_completion_length,
-                        do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
+                        s.temperature, s.top_p)
 
 
 def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], n: int,
-             max_new_tokens: int, **decoding: Any) -> list[list[int]]:
-    """`n` completions of each prompt (consecutive) in one batched, left-padded generate call with the KV cache,
-    through inference.Placed (the run's precision and autocast), each cut after its EOS."""
+             max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0) -> list[list[int]]:
+    """`n` completions of each prompt (consecutive), decoded as one left-padded batch with the KV cache
+    (model.decoding; greedy when temperature is None) under inference.Placed (the run's precision and
+    autocast), each cut after its EOS."""
+    from tunebench.model import decoding
     from tunebench.model.inference import Placed
 
     width, pad, eos = max(map(len, prompts)), tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -106,10 +109,9 @@ def complete(model, tokenizer, device: torch.device, autocast, prompts: list[lis
     for i, p in enumerate(prompts):
         ids[i * n:(i + 1) * n, width - len(p):] = torch.tensor(p)
         mask[i * n:(i + 1) * n, width - len(p):] = 1
-    out = Placed(model, tokenizer, device, autocast).generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens, pad_token_id=pad,
-        eos_token_id=eos, use_cache=True, **decoding)
-    return [row[:row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    with Placed(model, tokenizer, device, autocast).running() as running:
+        new = decoding.decode(running, ids.to(device), mask.to(device), max_new_tokens, eos, pad, temperature, top_p)
+    return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 
 @dataclass
@@ -206,8 +208,7 @@ class Sampler:
             chunk = keys[start:start + batch_size]
             with self.eagerly():
                 completions = complete(self.model, self.tokenizer, self.device, self.autocast,
-                                       [self.data.ids[k] for k in chunk], 1, self.s.max_completion_length,
-                                       do_sample=False, top_p=None, top_k=None, temperature=None)
+                                       [self.data.ids[k] for k in chunk], 1, self.s.max_completion_length)
             scores = self.score(chunk, completions, 1)
             per.append(scores)
             totals.append((scores * self.weights).nansum(1))

@@ -1,0 +1,57 @@
+"""model/decoding.py: the batched decoding loop GRPO samples with, against transformers' generate (greedy, the
+same tokens) and against the distribution it samples from."""
+
+import pytest
+import torch
+
+from tunebench.model import decoding
+
+
+def _left_padded(tok, texts):
+    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_each_row_of_a_left_padded_batch_decodes_as_generate_decodes_it_alone(family):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok = loaded.tokenizer
+    if family == "gpt2":  # learned positions: a left-padded row's must start at 0
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2,
+                                           initializer_range=0.5)).eval()  # logits far from flat: argmax tells
+    else:
+        model = loaded.model.eval()
+    kernel = model.config._attn_implementation
+    texts = ["Hello there, how are", "Hi", "The order number is 12"]
+    ids, mask = _left_padded(tok, texts)
+    ours = decoding.decode(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id)
+    assert model.config._attn_implementation == kernel  # eager only while decoding
+    for row, text in zip(ours.tolist(), texts):  # each row as generate makes it alone, with no padding
+        alone = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        theirs = model.generate(input_ids=alone, attention_mask=torch.ones_like(alone), do_sample=False,
+                                max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                                eos_token_id=tok.eos_token_id)[0, alone.shape[1]:].tolist()
+        assert row[:len(theirs)] == theirs and all(t == tok.pad_token_id for t in row[len(theirs):])
+
+
+def test_sampling_draws_from_the_tempered_distribution_and_top_p_keeps_only_the_nucleus():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    want = torch.softmax(logits[0] / 0.7, -1)
+    got = torch.bincount(decoding.sample_from(logits, 0.7, 1.0)[:, 0], minlength=4).float() / 20000
+    assert got.tolist() == pytest.approx(want.tolist(), abs=0.012)
+    # top_p 0.8: the two likeliest tokens hold 0.92 of the mass, and the first alone 0.73 < 0.8
+    nucleus = torch.bincount(decoding.sample_from(logits, 0.7, 0.8)[:, 0], minlength=4).float() / 20000
+    kept = want[:2] / want[:2].sum()
+    assert nucleus[2:].tolist() == [0.0, 0.0] and nucleus[:2].tolist() == pytest.approx(kept.tolist(), abs=0.012)
+    assert decoding.sample_from(logits[:2], None, 1.0).tolist() == [[0], [0]]
