@@ -277,7 +277,8 @@ def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runne
     state = outcome.state
     seq = state.token_sq / max(state.tokens, 1)  # attention over each example's own length, not the packed row's
     fpt = training_flops_per_token(matmul, trainable, layers, width, seq, a.method == "full")
-    forwards = {"dpo": 1, "kto": 3}.get(a.objective, 0)  # DPO's reference pass; KTO's, and both over its KL rows
+    # DPO's reference pass; KTO's, and both over its KL rows; GRPO's when beta puts a KL term in its loss
+    forwards = {"dpo": 1, "kto": 3, "grpo": 1 if a.beta else 0}.get(a.objective, 0)
     fpt += forwards * (2 * matmul + 4 * layers * width * seq)  # each 2N for the matmuls, a third of attention
     summary = {
         "model": cfg.model.name, "method": a.method, "quantization": a.quantization,
@@ -295,28 +296,30 @@ def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runne
 
 
 def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.PreferenceLoss, Decision]:
-    """The DPO or ORPO objective over `model`, and its settings row. DPO's reference is the model with its
-    adapter off, or (full fine-tuning) a frozen copy made here, before any step, so the probe counts it."""
+    """The DPO, ORPO or KTO objective over `model`, and its settings row (see reference_for)."""
     t = cfg.adapter
     dropped = preference.disable_dropout(model)
     dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
-    if t.objective == "kto":
-        weights = (t.desirable_weight, t.undesirable_weight)
-        reference = preference.reference_copy(model) if cfg.adapter.method == "full" else None
-        return (preference.PreferenceLoss(model, "kto", t.beta, autocast, reference, weights),
-                Decision("objective", "kto", f"beta {t.beta:g}, desirable/undesirable weights {weights[0]:g}/"
-                         f"{weights[1]:g}; reference: " + ("a frozen copy of the starting weights" if reference
-                                                           is not None else "the base with the adapter off (no copy)")
-                         + dropout))
     if t.objective == "orpo":
         return (preference.PreferenceLoss(model, "orpo", t.orpo_lambda, autocast),
                 Decision("objective", "orpo", f"lambda {t.orpo_lambda:g}; no reference model{dropout}"))
-    full = cfg.adapter.method == "full"
-    reference = preference.reference_copy(model) if full else None
+    reference, words = reference_for(model, t.method == "full")
+    if t.objective == "kto":
+        weights = (t.desirable_weight, t.undesirable_weight)
+        return (preference.PreferenceLoss(model, "kto", t.beta, autocast, reference, weights),
+                Decision("objective", "kto", f"beta {t.beta:g}, desirable/undesirable weights {weights[0]:g}/"
+                         f"{weights[1]:g}; reference: {words}{dropout}"))
     return (preference.PreferenceLoss(model, "dpo", t.beta, autocast, reference),
-            Decision("objective", "dpo", f"beta {t.beta:g}; reference: " + (
-                "a frozen copy of the starting weights" if full else "the base with the adapter off (no copy)")
-                + dropout))
+            Decision("objective", "dpo", f"beta {t.beta:g}; reference: {words}{dropout}"))
+
+
+def reference_for(model, full: bool):
+    """(the reference model, its description) of an objective that compares the policy with its start: the
+    model with its adapter off (None: no second copy), or under full fine-tuning a frozen copy made here, before
+    any step, so the probe counts its memory."""
+    if full:
+        return preference.reference_copy(model), "a frozen copy of the starting weights"
+    return None, "the base with the adapter off (no copy)"
 
 
 def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out: Path, device: torch.device,

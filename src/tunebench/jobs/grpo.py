@@ -46,8 +46,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, _, eval_parts = finetune.split_rows(cfg, data, [np.arange(len(data))], [], True)
     held_out = np.concatenate(eval_parts).tolist()
     model, autocast, _, method_rows, (trainable, total) = finetune.trainable_model(cfg, loaded, opened, False)
-    method_rows.append(objective_row(model, cfg))
-    reference = preference.reference_copy(model) if a.beta and a.method == "full" else None
+    dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
+    reference, words = finetune.reference_for(model, a.method == "full") if a.beta else (None, "none (beta 0: no KL term)")
+    method_rows.append(objective_row(cfg, words, dropped))
     loss_module = grpo.GRPOLoss(model, settings, scoring, autocast, reference)
 
     # -- measured decisions: a probe step is a micro batch of groups at the longest completions, never sampled
@@ -110,11 +111,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def objective_row(model, cfg: RunConfig) -> Decision:
+def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
     a = cfg.adapter
-    dropped = preference.disable_dropout(model)
-    reference = ("none (beta 0: no KL term)" if not a.beta else "a frozen copy of the starting weights"
-                 if a.method == "full" else "the base with the adapter off (no copy)")
     return Decision("objective", "grpo", f"{a.num_generations} completions a prompt of up to {a.max_completion_length} "
                     f"tokens at temperature {a.temperature:g} (top_p {a.top_p:g}); loss {a.loss_type}, advantages "
                     f"scaled by {a.scale_rewards}, epsilon {a.epsilon:g}/{a.epsilon_high:g}, beta {a.beta:g}; reference: "

@@ -26,9 +26,9 @@ generation; tests/golden/make_grpo_golden.py checks losses, advantages, rewards 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -166,8 +166,6 @@ class Sampler:
         return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.rewards))
 
     def groups(self, keys: list[int], seed: int) -> Groups:
-        import time
-
         started = time.perf_counter()
         with self.eagerly():
             completions = sample(self.model, self.tokenizer, self.device, self.autocast,
@@ -203,17 +201,15 @@ class Sampler:
 
     def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
         """The weighted reward of one greedy completion of each of `keys` (held-out prompts), and each reward's."""
-        totals, per = [], []
+        per = []
         for start in range(0, len(keys), batch_size):
             chunk = keys[start:start + batch_size]
             with self.eagerly():
                 completions = complete(self.model, self.tokenizer, self.device, self.autocast,
                                        [self.data.ids[k] for k in chunk], 1, self.s.max_completion_length)
-            scores = self.score(chunk, completions, 1)
-            per.append(scores)
-            totals.append((scores * self.weights).nansum(1))
+            per.append(self.score(chunk, completions, 1))
         scores = torch.cat(per)
-        return {"eval_reward": float(torch.cat(totals).mean()),
+        return {"eval_reward": float((scores * self.weights).nansum(1).mean()),
                 **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
 
 
