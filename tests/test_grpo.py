@@ -193,3 +193,23 @@ def test_a_users_reward_gets_the_prompts_as_the_model_saw_them_and_the_rows_colu
                  "2", "--max-completion-length", "4", "--effective-batch-size", "2", "--max-steps", "2",
                  "--eval-fraction", "0", "--no-progress", "--output-dir", str(out)]) == 0
     assert sorted(run_losses(out)) == [1, 2]
+
+
+def test_prompts_come_as_text_chat_messages_gsm8k_questions_or_instruction_rows(tmp_path):
+    from tunebench.data import prompts
+    from tunebench.settings.finetune import DataConfig
+
+    def read(*rows):
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        found = prompts.load(DataConfig(path=str(path)))
+        return found.prompts, found.columns
+
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a reply given with it"}]
+    assert read({"prompt": "hi", "answer": "1"}, {"prompt": chat, "answer": "2"}) == (
+        [[{"role": "user", "content": "hi"}], chat[:1]], [{"answer": "1"}, {"answer": "2"}])
+    assert read({"question": "2+2?", "answer": "#### 4"})[0] == [[{"role": "user", "content": "2+2?"}]]
+    assert read({"instruction": "do", "input": "x", "output": "y"})[0] == [[{"role": "user", "content": "do\n\nx"}]]
+    assert read({"messages": chat})[0] == [chat[:1]]
+    with pytest.raises(TunebenchError, match="has no prompt column .it has text."):
+        read({"text": "plain"})

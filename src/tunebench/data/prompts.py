@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from tunebench.settings.finetune import DataConfig
-from tunebench.data import formats, readers
+from tunebench.data import formats, pairs, readers
 from tunebench.core.errors import TunebenchError
 
 PROMPT_COLUMNS = ("prompt", "question")  # TRL's prompt-only format; GSM8K's
@@ -44,18 +44,16 @@ def load(cfg: DataConfig) -> PromptRows:
                              "'prompt' (text or chat messages) or 'question' column, or instruction/input columns")
     out = PromptRows([], [], cfg.path)
     for record in records:
-        value = record.get(column) if column else None
-        if column is None and cfg.instruction_column in names:  # instruction/alpaca rows: the instruction and input
+        if column is not None:  # text, or chat messages (pairs.prompt_of reads a preference file's prompt alike)
+            messages = pairs.prompt_of(record.get(column), cfg)
+        elif cfg.instruction_column in names:  # instruction/alpaca rows: the instruction and input
             extra = str(record.get(cfg.input_column) or "").strip()
             messages = [{"role": "user", "content": str(record.get(cfg.instruction_column) or "")
                          + (f"\n\n{extra}" if extra else "")}]
-        elif column is None or isinstance(value, list):
-            turns = value if column else record.get(cfg.messages_column)
-            messages = formats.to_messages({cfg.messages_column: turns}, "chat", cfg)
-            while messages and messages[-1]["role"] == "assistant":  # a reply given with the prompt: not asked
-                messages.pop()
         else:
-            messages = [{"role": "user", "content": "" if value is None else str(value)}]
+            messages = formats.to_messages({cfg.messages_column: record.get(cfg.messages_column)}, "chat", cfg)
+        while messages and messages[-1]["role"] == "assistant":  # a reply given with the prompt: not asked
+            messages.pop()
         if not any(m["content"].strip() for m in messages):
             continue
         out.prompts.append(messages)
