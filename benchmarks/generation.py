@@ -1,11 +1,15 @@
 """Generation alone, the part of GRPO (and eval --generate, serve) that costs most: tokens generated per second
-by the built-in SmolLM2-135M-Instruct at batch 1, 8 and 32, 128 new tokens each (sampled, EOS ignored so every
-row runs the full length), through
+by the built-in SmolLM2-135M-Instruct at batch 1, 8 and 32, 128 new tokens each (sampled at temperature 1 from
+the whole vocabulary, EOS ignored so every row runs the full length), through
 
 - `hf`: transformers' `generate` on the model as transformers loads it (fp32), the peer;
-- `placed`: transformers' `generate` through inference.Placed (the precision and autocast a training run picks on
-  this machine), what eval --generate and serve run;
-- `decode`: model/decoding.py's loop under the same Placed, what GRPO samples with;
+- `hf-placed`: transformers' `generate` under inference.Placed (the precision and autocast a training run picks on
+  this machine): what eval --generate, generate, chat and serve ran before they moved to the loop below;
+- `tunebench`: inference.Placed.decode, model/decoding.py's loop under the same Placed: what GRPO's sampling,
+  eval --generate, generate, chat, serve and its OpenAI API run;
+- `llama.cpp`: the f16 GGUF of the same model (tunebench's own GGUF writer) through llama.cpp's C API
+  (llama-cpp-python's bindings: every row a sequence of one batch, llama.cpp's own sampler), the physical
+  reference: a C++ runtime built for this CPU, which GRPO cannot train through;
 
 interleaved over --repeats rounds, each ratio against the peer in the same round.
 
@@ -28,11 +32,12 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (llama-cpp-python missing)")
     args = ap.parse_args()
 
     import torch
 
-    from tunebench.model import decoding, inference, models
+    from tunebench.model import inference, models
 
     loaded = models.resolve("smollm2-135m-instruct")
     tok = loaded.tokenizer
@@ -59,12 +64,18 @@ def main() -> int:
         with torch.no_grad():
             return peer.generate(**kwargs)
 
-    def decode(input_ids, attention_mask, temperature, top_p, max_new_tokens, pad_token_id, **_):
-        with placed.running() as model:  # EOS ignored, as min_new_tokens makes generate do
-            return torch.cat([input_ids, decoding.decode(model, input_ids, attention_mask, max_new_tokens, -1,
-                                                         pad_token_id, temperature, top_p)], 1)
+    def hf_placed(**kwargs):
+        with placed.running() as model:
+            return model.generate(**kwargs)
 
-    paths = {"hf": hf, "placed": placed.generate, "decode": decode}
+    def ours(input_ids, attention_mask, temperature, top_p, max_new_tokens, **_):
+        # EOS ignored (eos None), as min_new_tokens makes generate do
+        return torch.cat([input_ids, placed.decode(input_ids, attention_mask, max_new_tokens, temperature, top_p,
+                                                   eos=None)], 1)
+
+    paths = {"hf": hf, "hf-placed": hf_placed, "tunebench": ours}
+    if not args.no_llama_cpp:
+        paths["llama.cpp"] = LlamaCpp(loaded, max(args.batches), ids.shape[1] + args.new_tokens)
     for fn in paths.values():
         run(None, fn, 1)  # warm-up: first-call allocations out of the figures
     figures = {(p, b): [] for p in paths for b in args.batches}
@@ -74,14 +85,78 @@ def main() -> int:
                 figures[(name, b)].append(run(None, fn, b))
                 print(f"round {r + 1}: {name:<10} batch {b:>3}: {figures[(name, b)][-1]:8.1f} tokens/s", flush=True)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
-          f"placed and decode: {device}, {precision} ({why}); {args.new_tokens} new tokens, medians of {args.repeats}")
-    print(f"{'batch':>5} {'hf tokens/s':>12} {'placed':>8} {'ratio':>6} {'decode':>8} {'ratio':>6}")
+          f"hf-placed and tunebench: {device}, {precision} ({why}); {args.new_tokens} new tokens, medians of "
+          f"{args.repeats}; ratios: against hf in the same round")
+    others = [p for p in paths if p != "hf"]
+    print(f"{'batch':>5} {'hf tokens/s':>12}" + "".join(f" {p:>10} {'ratio':>6}" for p in others))
     for b in args.batches:
-        hf_, placed_, ours = (statistics.median(figures[(p, b)]) for p in paths)
-        ratios = [statistics.median(o / h for o, h in zip(figures[(p, b)], figures[("hf", b)]))
-                  for p in ("placed", "decode")]
-        print(f"{b:>5} {hf_:>12.1f} {placed_:>8.1f} {ratios[0]:>6.2f} {ours:>8.1f} {ratios[1]:>6.2f}")
+        line = f"{b:>5} {statistics.median(figures[('hf', b)]):>12.1f}"
+        for p in others:
+            ratio = statistics.median(o / h for o, h in zip(figures[(p, b)], figures[("hf", b)]))
+            line += f" {statistics.median(figures[(p, b)]):>10.1f} {ratio:>6.2f}"
+        print(line)
     return 0
+
+
+class LlamaCpp:
+    """`generate`'s call answered by llama.cpp on the f16 GGUF of `loaded` (written once to a temporary file):
+    the rows are sequences of one llama_batch, the prompts prefilled together, then one token per row a step,
+    each drawn by llama.cpp's sampler chain (temperature 1, the whole vocabulary, as the others sample)."""
+
+    def __init__(self, loaded, batch: int, length: int):
+        import tempfile
+        from pathlib import Path
+
+        import llama_cpp as L
+
+        from tunebench.model import gguf_export
+
+        self.L, self.batch = L, batch
+        self.dir = tempfile.TemporaryDirectory()
+        path = Path(self.dir.name) / "smollm2-f16.gguf"
+        gguf_export.write(loaded.model, loaded.tokenizer, path, "f16", None, "smollm2")
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+        params = L.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = batch * (length + 8)
+        params.n_seq_max, params.kv_unified = batch, True
+        params.n_threads = params.n_threads_batch = os.cpu_count() or 1
+        self.ctx = L.llama_init_from_model(self.model, params)
+        self.llama_batch = L.llama_batch_init(params.n_batch, 0, batch)
+
+    def __call__(self, input_ids, max_new_tokens, **_):
+        import torch
+
+        L, b, rows = self.L, self.llama_batch, input_ids.shape[0]
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(1.0))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(0))
+        prompt = input_ids[0].tolist()
+        out = [[] for _ in range(rows)]
+        try:
+            self._fill([(s, t, p, p == len(prompt) - 1) for s in range(rows) for p, t in enumerate(prompt)])
+            last = [s * len(prompt) + len(prompt) - 1 for s in range(rows)]  # each row's logits in the batch
+            for step in range(max_new_tokens):
+                tokens = [L.llama_sampler_sample(chain, self.ctx, i) for i in last]
+                for s, t in enumerate(tokens):
+                    out[s].append(t)
+                if step == max_new_tokens - 1:
+                    break
+                self._fill([(s, t, len(prompt) + step, True) for s, t in enumerate(tokens)])
+                last = list(range(rows))
+        finally:
+            L.llama_sampler_free(chain)
+        return torch.cat([input_ids, torch.tensor(out)], 1)
+
+    def _fill(self, entries) -> None:
+        b = self.llama_batch
+        for i, (seq, token, pos, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
 
 
 if __name__ == "__main__":

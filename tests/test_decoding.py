@@ -55,3 +55,19 @@ def test_sampling_draws_from_the_tempered_distribution_and_top_p_keeps_only_the_
     kept = want[:2] / want[:2].sum()
     assert nucleus[2:].tolist() == [0.0, 0.0] and nucleus[:2].tolist() == pytest.approx(kept.tolist(), abs=0.012)
     assert decoding.sample_from(logits[:2], None, 1.0).tolist() == [[0], [0]]
+    # top_k 2: only the two likeliest tokens are ever drawn, in their tempered proportion
+    top2 = torch.bincount(decoding.sample_from(logits, 0.7, 1.0, top_k=2)[:, 0], minlength=4).float() / 20000
+    assert top2[2:].tolist() == [0.0, 0.0] and top2[:2].tolist() == pytest.approx(kept.tolist(), abs=0.012)
+
+
+def test_each_sees_every_step_and_stops_the_decoding_when_it_says_so():
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok, model = loaded.tokenizer, loaded.model.eval()
+    ids, mask = _left_padded(tok, ["Hello there", "Hi"])
+    seen = []
+    out = decoding.decode(model, ids, mask, 10, None, tok.pad_token_id, each=lambda t: seen.append(t.tolist()) or
+                          len(seen) == 3)
+    assert out.shape == (2, 3) and out.T.tolist() == seen
+    assert decoding.decode(model, ids, mask, 0, None, tok.pad_token_id).shape == (2, 0)

@@ -56,12 +56,11 @@ def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
     tok, eos = tiny.tokenizer, tiny.tokenizer.eos_token_id
     a, b = tok.convert_tokens_to_ids(["a", "b"])
 
-    def fake_generate(input_ids, attention_mask, max_new_tokens, **kwargs):
-        assert max_new_tokens == 3 and kwargs["do_sample"] is False and kwargs["eos_token_id"] == eos
-        new = torch.tensor([[a, eos, tok.pad_token_id], [a, b, a]])
-        return torch.cat([input_ids, new], dim=1)
+    def fake_decode(model, ids, mask, max_new_tokens, eos_, pad, temperature, *args):
+        assert max_new_tokens == 3 and temperature is None and eos_ == eos
+        return torch.tensor([[a, eos, tok.pad_token_id], [a, b, a]])
 
-    monkeypatch.setattr(tiny.model, "generate", fake_generate)
+    monkeypatch.setattr("tunebench.model.decoding.decode", fake_decode)
     rows = [[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a"}],
             [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "aba"}]]
     answers, _ = quality.generate_answers(inference.place(tiny, "cpu", "fp32"), rows, "auto", max_new_tokens=3)

@@ -33,12 +33,9 @@ def complete(placed: inference.Placed, messages: list[dict[str, str]], max_new_t
     if limit is not None:  # learned positions end there
         max_new_tokens = max(0, min(max_new_tokens, limit - enc["input_ids"].shape[1]))
     torch.manual_seed(seed)
-    out = placed.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )
-    return tok.decode(out[0, enc["input_ids"].shape[1]:].cpu(), skip_special_tokens=True).strip()
+    out = placed.decode(enc["input_ids"], enc["attention_mask"], max_new_tokens,
+                        temperature if temperature > 0 else None)
+    return tok.decode(out[0].cpu(), skip_special_tokens=True).strip()
 
 
 def generate(model: str | None, adapter: str | None, prompt: str, max_new_tokens: int, temperature: float,

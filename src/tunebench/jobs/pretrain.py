@@ -203,7 +203,5 @@ def generate_sample(model, tok, prompt: list[int], max_new_tokens: int, seed: in
         torch.manual_seed(seed)
         ids = torch.tensor([prompt], device=device)
         room = model.config.max_position_embeddings - len(prompt)  # learned positions end there
-        outputs = placed.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                  max_new_tokens=min(max_new_tokens, room), do_sample=True, temperature=0.8,
-                                  top_k=50, use_cache=True, pad_token_id=tok.pad_token_id)
-    return tok.decode(outputs[0].tolist(), skip_special_tokens=True)
+        new = placed.decode(ids, torch.ones_like(ids), min(max_new_tokens, room), temperature=0.8, top_k=50)
+    return tok.decode(prompt + new[0].tolist(), skip_special_tokens=True)

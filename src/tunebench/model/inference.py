@@ -70,7 +70,7 @@ class Placed:
     Training keeps LoRA's inputs in the compute dtype (methods.compute_adapters_in), so a bf16 base meets fp32
     adapter weights: only autocast makes that one matmul. Whatever generates or scores (eval-generate at the
     end of training, pretraining samples, eval, generate, chat, serve, merge's before/after) goes through
-    `running` or `generate` here, and no job opens its own inference path."""
+    `running` or `decode` here, and no job opens its own inference path."""
 
     model: Any
     tokenizer: Any
@@ -90,9 +90,17 @@ class Placed:
         finally:
             self.model.train(was_training)
 
-    def generate(self, **kwargs) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, temperature: float | None = None,
+               top_p: float = 1.0, top_k: int = 0, each=None, eos: int | None = -1) -> torch.Tensor:
+        """(B, new) tokens after the left-padded prompts `ids`: model/decoding.py's batched loop with the KV
+        cache under `running` (greedy when temperature is None), padding after each row's EOS (the tokenizer's,
+        unless `eos` names another or None for none); `each` as decoding.decode's."""
+        from tunebench.model import decoding
+
+        eos = self.tokenizer.eos_token_id if eos == -1 else eos
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
         with self.running() as model:
-            return model.generate(**kwargs)
+            return decoding.decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each)
 
     def encode(self, texts: str | list[str], **kwargs):
         """Token ids (and attention mask) of `texts` on the model's device; no special tokens added (the

@@ -72,10 +72,9 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
             width = enc["input_ids"].shape[1]
             cap = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - width))
             began = time.perf_counter()
-            out = placed.generate(**enc, max_new_tokens=cap, do_sample=False, top_p=None, top_k=None,
-                                 temperature=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            out = placed.decode(enc["input_ids"], enc["attention_mask"], cap)
             seconds += time.perf_counter() - began
-            for (turns, reference), prompt, new in zip(chunk, prompts, out[:, width:].tolist()):
+            for (turns, reference), prompt, new in zip(chunk, prompts, out.tolist()):
                 stop = new.index(tok.eos_token_id) if tok.eos_token_id in new else None
                 kept = new if stop is None else new[:stop]
                 answers.append(Answer(prompt, reference, tok.decode(kept, skip_special_tokens=True).strip(),

@@ -100,7 +100,6 @@ def complete(model, tokenizer, device: torch.device, autocast, prompts: list[lis
     """`n` completions of each prompt (consecutive), decoded as one left-padded batch with the KV cache
     (model.decoding; greedy when temperature is None) under inference.Placed (the run's precision and
     autocast), each cut after its EOS."""
-    from tunebench.model import decoding
     from tunebench.model.inference import Placed
 
     width, pad, eos = max(map(len, prompts)), tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -109,8 +108,8 @@ def complete(model, tokenizer, device: torch.device, autocast, prompts: list[lis
     for i, p in enumerate(prompts):
         ids[i * n:(i + 1) * n, width - len(p):] = torch.tensor(p)
         mask[i * n:(i + 1) * n, width - len(p):] = 1
-    with Placed(model, tokenizer, device, autocast).running() as running:
-        new = decoding.decode(running, ids.to(device), mask.to(device), max_new_tokens, eos, pad, temperature, top_p)
+    new = Placed(model, tokenizer, device, autocast).decode(ids.to(device), mask.to(device), max_new_tokens,
+                                                           temperature, top_p)
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 

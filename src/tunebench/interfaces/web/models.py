@@ -154,23 +154,13 @@ def check_request(messages: list[dict[str, str]]) -> None:
                       "reach; clear it and start again")
 
 
-class _Stop:
-    """transformers' StoppingCriteria protocol: stop generating once the client has gone away."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
 def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
            temperature: float = 0.7, top_p: float = 0.9, seed: int = 0, raw: bool = False) -> Iterator[Reply]:
     """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
     (new tokens over the time from the call, prompt processing included). A conversation that does not
     fit the model's context is refused; a consumer that stops reading (a closed tab) stops the
     generation, and the generation lock is held until it has really stopped."""
-    from transformers import StoppingCriteriaList, TextIteratorStreamer
+    from transformers import TextIteratorStreamer
 
     from tunebench.data.tokenize import render_prompt
 
@@ -186,21 +176,24 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
             raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
                           "shorten the prompt")
         max_new_tokens = min(max_new_tokens, limit - n_prompt)
-    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True, timeout=600)
+    streamer = TextIteratorStreamer(tok, skip_special_tokens=True, timeout=600)  # fed the new tokens only
     stop = threading.Event()
     sampling = temperature > 0
     result: dict[str, object] = {}
 
+    def each(token: torch.Tensor) -> bool:
+        streamer.put(token.cpu())
+        return stop.is_set()
+
     def run() -> None:
         try:
             torch.manual_seed(seed)
-            result["ids"] = placed.generate(  # in this thread: autocast is per thread
-                **enc, max_new_tokens=max_new_tokens, do_sample=sampling,
-                temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, streamer=streamer,
-                stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
+            result["ids"] = placed.decode(  # in this thread: autocast is per thread
+                enc["input_ids"], enc["attention_mask"], max_new_tokens, temperature if sampling else None,
+                top_p if sampling else 1.0, each=each)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             result["error"] = e
+        finally:
             streamer.end()
 
     with registry.generate_lock:
@@ -219,7 +212,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
         seconds = time.perf_counter() - t0
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
-    ids = result["ids"][0, n_prompt:].tolist()  # type: ignore[index]
+    ids = result["ids"][0].tolist()  # type: ignore[index]
     ended = tok.eos_token_id is not None and tok.eos_token_id in ids
     yield Reply(text.strip(), len(ids), seconds, done=True, prompt_tokens=n_prompt, ended=ended)
 
