@@ -5,49 +5,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
-from typing import Any
 
 from tunebench.core import startup
-from tunebench.interfaces.cli_parser import build_parser
+from tunebench.interfaces.cli_parser import build_parser, items as _items, train_config
 from tunebench.core.errors import TunebenchError
-
-
-def train_config(args: argparse.Namespace):
-    from tunebench.settings.finetune import load_config
-
-    options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
-    if isinstance(options.get("data.path"), list):
-        from tunebench.settings.finetune import parse_source
-
-        given = options.pop("data.path")
-        if len(given) == 1 and parse_source(given[0])[1] is None:
-            options["data.path"] = given[0]
-        else:
-            options["data.sources"] = given
-    configs, overrides = _items(args)
-    profile = getattr(args, "profile", None)
-    hydra = [o for o in overrides if o.startswith("hardware=")]  # the guide's Hydra-style `hardware=gpu_4090`
-    if hydra:
-        if profile is not None or len(hydra) > 1:
-            raise TunebenchError("give the hardware profile once (--profile NAME or hardware=NAME)")
-        profile = hydra[0].split("=", 1)[1]
-        overrides = [o for o in overrides if o not in hydra]
-    return load_config(configs[0] if configs else None, options, overrides, profile)
-
-
-OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
-
-
-def _items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(config files, dotted overrides) among a job's positional items; one config file at most."""
-    items = getattr(args, "items", [])
-    overrides = [i for i in items if OVERRIDE.match(i)]  # key=value; a path may hold '=' (runs/compile=on/...)
-    configs = [i for i in items if i not in overrides]
-    if len(configs) > 1:
-        raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
-    return configs, overrides
 
 
 def _train(args: argparse.Namespace) -> int | None:
@@ -88,7 +50,8 @@ def _serve(args: argparse.Namespace) -> int | None:
 
     app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
               args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
-              no_auth=args.no_auth, device=args.device, precision=args.precision)
+              no_auth=args.no_auth, device=args.device, precision=args.precision,
+              runs_dir=None if args.no_studio else args.runs_dir)
 
 
 def _ab_report(args: argparse.Namespace) -> int | None:

@@ -4,6 +4,8 @@ config and runs the job."""
 from __future__ import annotations
 
 import argparse
+import re
+from typing import Any
 
 from tunebench import __version__
 
@@ -209,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0.0.0.0 to be reached from other machines (then --auth, or --no-auth on purpose)")
     sv.add_argument("--ab-db", default="tunebench-ab.sqlite", help="A/B votes database (default ./tunebench-ab.sqlite)")
     sv.add_argument("--prompts", default=None, help="a prompt set (JSONL or CSV) for the A/B tab")
+    sv.add_argument("--runs-dir", default="runs", help="where the Train tab's runs go and the Runs tab looks "
+                                                       "(default ./runs)")
+    sv.add_argument("--no-studio", action="store_true", help="serve chat and A/B only: no Train or Runs tab")
     sv.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
     sv.add_argument("--auth", default=None, metavar="USER:PASS",
                     help="a login for the page (default: $TUNEBENCH_AUTH, which keeps the password out of `ps`); "
@@ -401,3 +406,40 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="base model (default: the adapter's base, else SmolLM2)")
     p.add_argument("--adapter", default=None, help="a training --output-dir holding a LoRA adapter")
     p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
+
+
+def train_config(args: argparse.Namespace):
+    """`tunebench train`'s parsed arguments as its run configuration (every value checked there)."""
+    from tunebench.settings.finetune import load_config
+
+    options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
+    if isinstance(options.get("data.path"), list):
+        from tunebench.settings.finetune import parse_source
+
+        given = options.pop("data.path")
+        if len(given) == 1 and parse_source(given[0])[1] is None:
+            options["data.path"] = given[0]
+        else:
+            options["data.sources"] = given
+    configs, overrides = items(args)
+    profile = getattr(args, "profile", None)
+    hydra = [o for o in overrides if o.startswith("hardware=")]  # the guide's Hydra-style `hardware=gpu_4090`
+    if hydra:
+        if profile is not None or len(hydra) > 1:
+            raise TunebenchError("give the hardware profile once (--profile NAME or hardware=NAME)")
+        profile = hydra[0].split("=", 1)[1]
+        overrides = [o for o in overrides if o not in hydra]
+    return load_config(configs[0] if configs else None, options, overrides, profile)
+
+
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def items(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(config files, dotted overrides) among a job's positional items; one config file at most."""
+    items = getattr(args, "items", [])
+    overrides = [i for i in items if OVERRIDE.match(i)]  # key=value; a path may hold '=' (runs/compile=on/...)
+    configs = [i for i in items if i not in overrides]
+    if len(configs) > 1:
+        raise TunebenchError(f"one config file at most, got {', '.join(configs)}")
+    return configs, overrides

@@ -220,7 +220,9 @@ def train_on_votes(db: Path, base: str | None = None) -> str:
             f"{shlex.quote(str(db))}{model} --output-dir runs/dpo-votes\n```")
 
 
-def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit: ClientLimit | None = None):
+def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit: ClientLimit | None = None,
+          studio=None):
+    """The page: Chat, A/B and its results, and (with a `studio`, interfaces/web/studio.py) Train and Runs."""
     import gradio as gr
 
     labels = registry.labels
@@ -236,112 +238,122 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
 
     results_head = votes.table(db)[0] if db.is_file() else []
     with gr.Blocks(title="tunebench", analytics_enabled=False) as app:
-        gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, and compare them blind.")
-        with gr.Tab("Chat", id="chat"):
-            with gr.Row():
-                chat_model = gr.Dropdown(labels, value=labels[-1], label="Model", scale=3)
-                chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
-                chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
-                chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
-            # Plain text, not Markdown: a reply cannot make the browser fetch a remote image (offline; no tracking).
-            chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy", "copy_all"],  # no share: offline
-                                 render_markdown=False, sanitize_html=True)
-            chat_history = gr.State([])
-            with gr.Row():
-                chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5,
-                                      max_length=MAX_PROMPT_CHARS)
-                chat_send = gr.Button("Send", variant="primary", scale=1)
-                chat_clear = gr.Button("Clear", scale=1)
-            chat_status = gr.Markdown("")
-
-            def on_chat(label, message, history, temp, top_p, max_new, request: gr.Request):
-                for shown, status in limited(request, chat_turn, registry, label, message, history, temp, top_p,
-                                             max_new, blinded):
-                    yield shown, shown, "", status
-
-            chat_inputs = [chat_model, chat_box, chat_history, chat_temp, chat_top_p, chat_max]
-            chat_outputs = [chatbot, chat_history, chat_box, chat_status]
-            chat_send.click(on_chat, chat_inputs, chat_outputs)
-            chat_box.submit(on_chat, chat_inputs, chat_outputs)
-            chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
-            chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
-            chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
-
-            def on_like(label, history, temp, top_p, max_new, data: gr.LikeData):
-                index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
-                return chat_feedback(db, label, history, int(index), bool(data.liked), temp, top_p, max_new)
-
-            chatbot.like(on_like, [chat_model, chat_history, chat_temp, chat_top_p, chat_max], [chat_status])
-
-        with gr.Tab("A/B", id="ab"):
-            gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
-                        "order. Vote, and the models are revealed.")
-            with gr.Row():
-                first = gr.Dropdown(labels, value=labels[0], label="Model 1")
-                second = gr.Dropdown(labels, value=labels[-1], label="Model 2")
-            with gr.Row():
-                ab_temp = gr.Slider(AB_MIN_TEMPERATURE, 1.5, value=0.7, step=0.05, label="Temperature")
-                ab_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
-                ab_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens")
-            prompt_set = gr.State(list(prompts or []))
-            prompt_index = gr.State(-1)
-            with gr.Accordion("Prompt set: step through a fixed list of prompts", open=bool(prompts)):
+        gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, compare them blind"
+                    + (", and train new ones." if studio else "."))
+        with gr.Tabs() as tabs:
+            with gr.Tab("Chat", id="chat"):
                 with gr.Row():
-                    prompt_file = gr.File(label="Prompt set (JSONL or CSV)", file_types=[".jsonl", ".csv"], scale=2,
-                                          height=110)
-                    with gr.Column(scale=1):
-                        next_prompt = gr.Button("Next prompt from the set")
-                        set_status = gr.Markdown(f"{len(prompts)} prompts loaded" if prompts
-                                                 else "No prompt set loaded")
-            ab_prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Type a prompt, or take the next from the set",
-                                   max_length=MAX_PROMPT_CHARS)
-            ab_go = gr.Button("Get answers", variant="primary")
-            with gr.Row():
-                answer_a = gr.Textbox(label="A", lines=8, interactive=False)
-                answer_b = gr.Textbox(label="B", lines=8, interactive=False)
-            ab_state = gr.State(None)
-            with gr.Row():
-                vote_buttons = {v: gr.Button(text) for v, text in VOTE_LABELS.items()}
-            ab_status = gr.Markdown("")
+                    chat_model = gr.Dropdown(labels, value=labels[-1], label="Model", scale=3)
+                    chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
+                    chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
+                    chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
+                # Plain text, not Markdown: a reply cannot make the browser fetch a remote image (offline; no tracking).
+                chatbot = gr.Chatbot(label="Conversation", height=380,
+                                     buttons=["copy", "copy_all"],  # no share: offline
+                                     render_markdown=False, sanitize_html=True)
+                chat_history = gr.State([])
+                with gr.Row():
+                    chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5,
+                                          max_length=MAX_PROMPT_CHARS)
+                    chat_send = gr.Button("Send", variant="primary", scale=1)
+                    chat_clear = gr.Button("Clear", scale=1)
+                chat_status = gr.Markdown("")
 
-            def on_file(file):
-                if file is None:
-                    return gr.update(), -1, gr.update()
-                loaded = read_upload(file)
-                return loaded, -1, f"{len(loaded)} prompts loaded"
+                def on_chat(label, message, history, temp, top_p, max_new, request: gr.Request):
+                    for shown, status in limited(request, chat_turn, registry, label, message, history, temp, top_p,
+                                                 max_new, blinded):
+                        yield shown, shown, "", status
 
-            def on_next(items, index):
-                if not items:
-                    raise gr.Error("Load a prompt set first (JSONL or CSV).")
-                index = (index + 1) % len(items)
-                return items[index], index, f"prompt {index + 1} of {len(items)}"
+                chat_inputs = [chat_model, chat_box, chat_history, chat_temp, chat_top_p, chat_max]
+                chat_outputs = [chatbot, chat_history, chat_box, chat_status]
+                chat_send.click(on_chat, chat_inputs, chat_outputs)
+                chat_box.submit(on_chat, chat_inputs, chat_outputs)
+                chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+                chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+                chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
 
-            def on_answers(m1, m2, prompt, temp, top_p, max_new, request: gr.Request):
-                yield from limited(request, ab_answers, registry, m1, m2, prompt, temp, top_p, max_new, None, blinded)
+                def on_like(label, history, temp, top_p, max_new, data: gr.LikeData):
+                    index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+                    return chat_feedback(db, label, history, int(index), bool(data.liked), temp, top_p, max_new)
 
-            prompt_file.change(on_file, prompt_file, [prompt_set, prompt_index, set_status])
-            next_prompt.click(on_next, [prompt_set, prompt_index], [ab_prompt, prompt_index, set_status])
-            ab_go.click(on_answers, [first, second, ab_prompt, ab_temp, ab_top_p, ab_max],
-                        [answer_a, answer_b, ab_status, ab_state])
-            for v, button in vote_buttons.items():
-                button.click(lambda state, v=v: ab_vote(db, v, state, blinded), ab_state, [ab_status, ab_state])
+                chatbot.like(on_like, [chat_model, chat_history, chat_temp, chat_top_p, chat_max], [chat_status])
 
-        with gr.Tab("A/B results", id="results") as results_tab:
-            gr.Markdown(f"Votes in `{db}`: the first model's win rate against the second, a tie counting half, "
-                        "with its Wilson 95% interval.")
-            results = gr.Dataframe(headers=results_head or None, value=results_rows(db), interactive=False,
-                                   wrap=True)
-            base = next((e.model for e in registry.choices.values() if e.model), None)
-            train = gr.Markdown(train_on_votes(db, base))
-            refresh = gr.Button("Refresh")
-            refresh.click(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
-            results_tab.select(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+            with gr.Tab("A/B", id="ab"):
+                gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
+                            "order. Vote, and the models are revealed.")
+                with gr.Row():
+                    first = gr.Dropdown(labels, value=labels[0], label="Model 1")
+                    second = gr.Dropdown(labels, value=labels[-1], label="Model 2")
+                with gr.Row():
+                    ab_temp = gr.Slider(AB_MIN_TEMPERATURE, 1.5, value=0.7, step=0.05, label="Temperature")
+                    ab_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
+                    ab_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens")
+                prompt_set = gr.State(list(prompts or []))
+                prompt_index = gr.State(-1)
+                with gr.Accordion("Prompt set: step through a fixed list of prompts", open=bool(prompts)):
+                    with gr.Row():
+                        prompt_file = gr.File(label="Prompt set (JSONL or CSV)", file_types=[".jsonl", ".csv"], scale=2,
+                                              height=110)
+                        with gr.Column(scale=1):
+                            next_prompt = gr.Button("Next prompt from the set")
+                            set_status = gr.Markdown(f"{len(prompts)} prompts loaded" if prompts
+                                                     else "No prompt set loaded")
+                ab_prompt = gr.Textbox(label="Prompt", lines=2,
+                                       placeholder="Type a prompt, or take the next from the set",
+                                       max_length=MAX_PROMPT_CHARS)
+                ab_go = gr.Button("Get answers", variant="primary")
+                with gr.Row():
+                    answer_a = gr.Textbox(label="A", lines=8, interactive=False)
+                    answer_b = gr.Textbox(label="B", lines=8, interactive=False)
+                ab_state = gr.State(None)
+                with gr.Row():
+                    vote_buttons = {v: gr.Button(text) for v, text in VOTE_LABELS.items()}
+                ab_status = gr.Markdown("")
+
+                def on_file(file):
+                    if file is None:
+                        return gr.update(), -1, gr.update()
+                    loaded = read_upload(file)
+                    return loaded, -1, f"{len(loaded)} prompts loaded"
+
+                def on_next(items, index):
+                    if not items:
+                        raise gr.Error("Load a prompt set first (JSONL or CSV).")
+                    index = (index + 1) % len(items)
+                    return items[index], index, f"prompt {index + 1} of {len(items)}"
+
+                def on_answers(m1, m2, prompt, temp, top_p, max_new, request: gr.Request):
+                    yield from limited(request, ab_answers, registry, m1, m2, prompt, temp, top_p, max_new, None,
+                                       blinded)
+
+                prompt_file.change(on_file, prompt_file, [prompt_set, prompt_index, set_status])
+                next_prompt.click(on_next, [prompt_set, prompt_index], [ab_prompt, prompt_index, set_status])
+                ab_go.click(on_answers, [first, second, ab_prompt, ab_temp, ab_top_p, ab_max],
+                            [answer_a, answer_b, ab_status, ab_state])
+                for v, button in vote_buttons.items():
+                    button.click(lambda state, v=v: ab_vote(db, v, state, blinded), ab_state, [ab_status, ab_state])
+
+            with gr.Tab("A/B results", id="results") as results_tab:
+                gr.Markdown(f"Votes in `{db}`: the first model's win rate against the second, a tie counting half, "
+                            "with its Wilson 95% interval.")
+                results = gr.Dataframe(headers=results_head or None, value=results_rows(db), interactive=False,
+                                       wrap=True)
+                base = next((e.model for e in registry.choices.values() if e.model), None)
+                train = gr.Markdown(train_on_votes(db, base))
+                refresh = gr.Button("Refresh")
+                refresh.click(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+                results_tab.select(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+            if studio is not None:
+                from tunebench.interfaces.web import studio_tabs
+
+                studio_tabs.add_tabs(gr, studio, registry, tabs, chat_model, first, second, db)
     return app
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 QUEUE_SIZE = 16  # requests waiting for a generation; more are turned away rather than queued for hours
 MAX_UPLOAD = "1mb"  # a prompt set is text: a megabyte is thousands of prompts
+MAX_UPLOAD_STUDIO = "200mb"  # the Train tab takes training data
 
 
 def parse_auth(auth: str | None) -> tuple[str, str] | None:
@@ -366,7 +378,7 @@ def check_exposure(host: str, auth: tuple[str, str] | None, no_auth: bool) -> No
 def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", port: int = 7860,
           ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None, allow_download: bool = False,
           block: bool = True, auth: str | None = None, no_auth: bool = False, device: str = "auto",
-          precision: str = "auto"):
+          precision: str = "auto", runs_dir: str | None = None):
     """Check every input (exposure, models, port, database, prompt file), then start the app; returns it."""
     import importlib.util
 
@@ -382,15 +394,21 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     check_port(host, port)
     registry = Registry(choices, allow_download, device, precision)
     limit = ClientLimit(PER_CLIENT)
-    app = build(registry, db, prompt_list, limit)
+    studio = None
+    if runs_dir is not None:
+        from tunebench.interfaces.web.studio import Studio
+
+        studio = Studio(runs_dir, db)
+    app = build(registry, db, prompt_list, limit, studio)
     app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
     print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "
-          f"({registry.placement}), votes in {db}; http://{host}:{port}"
+          f"({registry.placement}), votes in {db}" + (f", runs in {runs_dir}" if studio else "")
+          + f"; http://{host}:{port}"
           + (f" (login: {credentials[0]})" if credentials else " (no login)"), flush=True)
     # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
     # the visitor.
     app.launch(server_name=host, server_port=port, prevent_thread_lock=True, quiet=True, share=False,
-               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD,
+               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD_STUDIO if studio else MAX_UPLOAD,
                run_history=False)  # its /gradio_api/run-history/* routes have no login check (and need the hub)
     openai_api.add_routes(app.app, registry, credentials[1] if credentials else None, limit, client_of)
     print(f"OpenAI-compatible API: http://{host}:{port}/v1 (models: {', '.join(openai_api.model_ids(registry))}"

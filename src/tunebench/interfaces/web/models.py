@@ -70,6 +70,12 @@ class Registry:
     def labels(self) -> list[str]:
         return list(self.choices)
 
+    def add(self, entry: Entry) -> str:
+        """A model or run offered from now on (the studio's finished runs); its label. Loads on first use."""
+        with self._load_lock:
+            self.choices.setdefault(entry.label, entry)
+        return entry.label
+
     def get(self, label: str) -> tuple[inference.Placed, str]:
         """(the model, placed as it trained, and its prompt template)."""
         from tunebench.jobs.generate import trained_template

@@ -1,0 +1,438 @@
+"""The studio: what serve's Train and Runs tabs do, with no Gradio here (tested on its own).
+
+A data file is previewed as training will read it; the settings a run will use are shown with their reasons
+before it starts; the run itself is a plain `tunebench train` child process in its own directory under the
+runs directory (the same files as from the command line, so closing the page does not stop it and the CLI can
+inspect, resume or export it). One run trains at a time on a CPU (two would only split the same cores, and
+both their tokens/s would be wrong); a second start waits in a queue the page shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunebench.core.errors import TunebenchError
+from tunebench.settings.rundir import RunDir
+
+SAMPLE = "builtin:customer-support"  # the built-in Bitext-style sample, what `./run compare` trains on
+METHODS = ("lora", "qlora", "dora", "full", "ia3", "dpo", "orpo", "kto")
+SHOWN_EXAMPLES = 3
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+QUANTS = ("f16", "q8_0", "q4_k_m", "q4_0")
+EXPORT_FORMATS = ("gguf", "ollama", "hf")
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class DataPreview:
+    source: str
+    fmt: str
+    columns: dict[str, str]  # what each part of an example is read from
+    rows: int
+    kept: int
+    dropped: dict[str, int]  # why -> rows
+    over_max_length: int  # kept rows longer than max_length: training cuts them
+    max_length: int
+    examples: list[str]  # HTML: the text the model sees, the part it learns (its loss) marked
+
+    def markdown(self) -> str:
+        why = ", ".join(f"{n} {k}" for k, n in self.dropped.items() if n) or "none"
+        cols = "; ".join(f"{part} from `{col}`" for part, col in self.columns.items())
+        return (f"**{self.source}**: {self.rows} rows, **{self.fmt}** format ({cols}). Kept {self.kept}, dropped "
+                f"{self.rows - self.kept} ({why}); {self.over_max_length} of the kept rows are longer than "
+                f"max_length {self.max_length} tokens and will be cut. Below, {len(self.examples)} training examples "
+                "exactly as the model sees them: the highlighted part is what it learns to write (the loss); the "
+                "rest is the prompt.")
+
+
+def columns_of(fmt: str, cfg) -> dict[str, str]:
+    return {"instruction": {"prompt": cfg.instruction_column, "response": cfg.response_column},
+            "alpaca": {"prompt": "instruction (+ input)", "response": "output"},
+            "question": {"prompt": "question", "response": "answer"},
+            "chat": {"turns": cfg.messages_column},
+            "text": {"text": cfg.text_column}}[fmt]
+
+
+def preview(path: str, model: str, max_length: int = 128, template: str = "auto") -> DataPreview:
+    """`path` read, mapped and rendered as training would (the same readers, format detection, prompt format
+    and loss mask); bad data raises the CLI's one-line error."""
+    from tunebench.data import formats, readers
+    from tunebench.data.tokenize import segments, tokenize_messages
+    from tunebench.model import models
+    from tunebench.settings.finetune import load_config
+
+    cfg = load_config(options={"data.path": path, "data.max_length": max_length, "data.template": template}).data
+    records = readers.read_records(path)
+    fmt, messages = formats.records_to_messages(records, cfg, path)
+    kept = [m for m in messages if not formats.is_empty(m)]
+    if not kept:
+        raise TunebenchError(f"'{path}' has no usable rows: every row has an empty prompt or response")
+    tok = models.tokenizer_for(model)
+    whole = dataclasses.replace(cfg, max_length=10 ** 9)
+    over = int((tokenize_messages(kept, tok, whole, fmt).lengths() > max_length).sum())
+    shown = []
+    for m in kept[:SHOWN_EXAMPLES]:
+        parts = [f"<mark>{html.escape(text)}</mark>" if loss else html.escape(text)
+                 for text, loss in segments(m, tok, cfg)]
+        shown.append("".join(parts))
+    return DataPreview(Path(path).name if not path.startswith("builtin:") else path, fmt, columns_of(fmt, cfg),
+                       len(messages), len(kept), {"empty prompt or response": len(messages) - len(kept)}, over,
+                       max_length, shown)
+
+
+def examples_html(p: DataPreview) -> str:
+    return "".join(f'<pre class="tb-example" style="white-space:pre-wrap">{e}</pre>' for e in p.examples)
+
+
+# -- settings --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ask:
+    """What the Train tab asks for; everything else is auto."""
+
+    data: str
+    name: str
+    model: str = "smollm2-135m-instruct"
+    method: str = "lora"
+    effective_batch: int | None = None  # None: the default (8)
+    max_steps: int | None = None
+    epochs: float | None = None
+    max_length: int = 128  # the study's
+
+    def argv(self, runs_dir: Path) -> list[str]:
+        """`tunebench train`'s arguments for this ask."""
+        out = ["--data", self.data, "--model", self.model, "--method", self.method, "--max-length",
+               str(self.max_length), "--output-dir", str(runs_dir / self.name)]
+        if self.effective_batch is not None:
+            out += ["--effective-batch-size", str(self.effective_batch)]
+        if self.max_steps is not None:
+            out += ["--max-steps", str(self.max_steps)]
+        if self.epochs is not None:
+            out += ["--epochs", str(self.epochs)]
+        return out
+
+
+def check(ask: Ask, runs_dir: Path):
+    """The run's configuration, through the CLI's own parser and checks (the same one-line errors), before
+    anything starts; a name already taken under the runs directory is refused."""
+    from tunebench.interfaces.cli_parser import build_parser, train_config
+
+    if not NAME.match(ask.name):
+        raise TunebenchError(f"run name {ask.name!r}: use letters, digits, '.', '_' or '-' (up to 64), starting "
+                             "with a letter or digit")
+    if (runs_dir / ask.name).exists():
+        raise TunebenchError(f"a run named {ask.name!r} already exists in {runs_dir}; pick another name, or resume "
+                             "it from the Runs tab")
+    if ask.method not in METHODS:
+        raise TunebenchError(f"method {ask.method!r}: pick one of {', '.join(METHODS)}")
+    if ask.max_steps is not None and ask.epochs is not None:
+        raise TunebenchError("give steps or epochs, not both")
+    try:
+        args = build_parser().parse_args(["train", *ask.argv(runs_dir)])
+    except SystemExit:  # argparse has printed its usage line to stderr
+        raise TunebenchError(f"these settings are not a valid `tunebench train` call: {shlex.join(ask.argv(runs_dir))}"
+                             ) from None
+    cfg = train_config(args)
+    from tunebench.jobs import finetune
+
+    finetune.check_inputs(cfg, cfg.adapter.objective != "sft")
+    return cfg
+
+
+def settings_rows(ask: Ask, cfg) -> list[list[str]]:
+    """[setting, value, reason]: what was asked on the page, then what tunebench picks on this machine (`tunebench
+    hw`'s rows), the measured ones marked as measured when the run starts, as the run's plan will record them."""
+    from tunebench.core.batch_rule import micro_candidates
+    from tunebench.machine import hardware
+
+    effective = cfg.batch_ask().check(1)
+    rows = [["model", ask.model, "asked on this page"], ["method", ask.method, "asked on this page"],
+            ["data", ask.data, "asked on this page"], ["max_length", str(ask.max_length), "asked on this page"],
+            ["effective_batch_size", str(effective),
+             "asked on this page" if ask.effective_batch else "the default; = micro x accumulation x ranks"],
+            ["length", f"{ask.max_steps} steps" if ask.max_steps else f"{cfg.schedule.epochs:g} epochs",
+             "asked on this page" if ask.max_steps or ask.epochs else "the default"]]
+    plan = hardware.plan(cfg.hardware.device, cfg.hardware.precision, hardware.detect(), cfg.hardware.compile)
+    rows += [[d.setting, str(d.value), d.reason] for d in plan.decisions]
+    sizes = micro_candidates(effective, 1, effective)
+    rows += [["micro_batch_size", "measured at start", f"the fastest that fits of {', '.join(map(str, sizes))} "
+                                                      f"(the divisors of {effective}), timed on this run's model"],
+             ["attention", "measured at start", "the fastest kernel on this run's rows"],
+             ["learning_rate", f"{cfg.optimizer.lr:g}", "the default (--lr on the command line)"]]
+    return rows
+
+
+# -- runs ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    name: str
+    argv: list[str]
+    log: Path
+    process: subprocess.Popen | None = None
+    stopping: bool = False
+
+
+class Studio:
+    """The runs directory's training queue: one `tunebench train` child at a time, the others waiting in
+    order; a watcher thread starts the next when one ends, whether or not a page is open."""
+
+    def __init__(self, runs_dir: str | Path, votes_db: Path | None = None):
+        self.runs_dir = Path(runs_dir)
+        self.logs = self.runs_dir / ".studio"
+        self.votes_db = votes_db
+        self.queue: list[Job] = []
+        self.current: Job | None = None
+        self.finished: dict[str, int] = {}  # name -> exit code, of the runs this studio started
+        self.program = [sys.executable, "-m", "tunebench", "train"]  # what runs a job's arguments
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="tunebench-studio")
+        self._watcher.start()
+
+    # -- the queue
+    def start(self, ask: Ask) -> str:
+        check(ask, self.runs_dir)
+        return self._enqueue(Job(ask.name, ask.argv(self.runs_dir), self.logs / f"{ask.name}.log"))
+
+    def resume(self, name: str) -> str:
+        run = self._run(name)
+        if self.state(name) in ("running", "queued"):
+            raise TunebenchError(f"run {name!r} is already {self.state(name)}")
+        if RunDir(run).summary_file.is_file():
+            raise TunebenchError(f"run {name!r} has finished; start a new run to train more")
+        # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal
+        return self._enqueue(Job(name, [str(RunDir(run).config_file), "--resume", "auto"], self.logs / f"{name}.log"))
+
+    def stop(self, name: str) -> str:
+        """SIGTERM to a running run (it saves a checkpoint, which Resume continues from); a queued one leaves
+        the queue."""
+        with self._lock:
+            for job in self.queue:
+                if job.name == name:
+                    self.queue.remove(job)
+                    return f"{name} taken out of the queue"
+            job = self.current
+            if job is None or job.name != name or job.process is None:
+                raise TunebenchError(f"run {name!r} is not running")
+            job.stopping = True
+            job.process.send_signal(signal.SIGTERM)
+        return f"{name}: stopping (SIGTERM); it saves a checkpoint first, and Resume continues from it"
+
+    def _enqueue(self, job: Job) -> str:
+        with self._lock:
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            self.logs.mkdir(exist_ok=True)
+            self.finished.pop(job.name, None)
+            self.queue.append(job)
+            ahead = len(self.queue) - 1 + (self.current is not None)
+        self._wake.set()
+        return f"{job.name}: " + ("starting" if not ahead else f"queued, {ahead} run{'s' * (ahead > 1)} ahead")
+
+    def _watch(self) -> None:
+        while True:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            with self._lock:
+                job = self.current
+                if job is not None and job.process is not None and job.process.poll() is not None:
+                    self.finished[job.name] = job.process.returncode
+                    self.current = job = None
+                if job is None and self.queue:
+                    job = self.current = self.queue.pop(0)
+                    with open(job.log, "ab") as log:
+                        log.write(f"\n$ tunebench train {shlex.join(job.argv)}\n".encode())
+                        log.flush()
+                        job.process = subprocess.Popen(
+                            [*self.program, *job.argv, "--no-progress"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True,  # a Ctrl-C to the server does not reach the run
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait(self, name: str, timeout: float) -> int | None:
+        """The run's exit code once it has ended (None if it is still going after `timeout` seconds)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if name in self.finished:
+                return self.finished[name]
+            time.sleep(0.2)
+        return None
+
+    # -- what the page shows
+    def state(self, name: str) -> str:
+        with self._lock:
+            if self.current is not None and self.current.name == name:
+                return "stopping" if self.current.stopping else "running"
+            if any(j.name == name for j in self.queue):
+                return "queued"
+            code = self.finished.get(name)
+        run = RunDir(self.runs_dir / name)
+        if run.summary_file.is_file():
+            return "finished"
+        if run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
+            return "stopped (checkpoint kept)"
+        return "failed" if code else "incomplete"
+
+    def queue_text(self) -> str:
+        with self._lock:
+            running = self.current.name if self.current else None
+            waiting = [j.name for j in self.queue]
+        if running is None and not waiting:
+            return "Nothing training."
+        return (f"Training: **{running}**" if running else "Starting...") + (
+            f"; waiting: {', '.join(waiting)}" if waiting else "")
+
+    def names(self) -> list[str]:
+        """Every run under the runs directory (those the CLI started too), newest first."""
+        if not self.runs_dir.is_dir():
+            return []
+        found = [d for d in self.runs_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+                 and (RunDir(d).config_file.is_file() or (self.logs / f"{d.name}.log").is_file())]
+        with self._lock:
+            pending = [j.name for j in self.queue] + ([self.current.name] if self.current else [])
+        names = [d.name for d in sorted(found, key=lambda d: d.stat().st_mtime, reverse=True)]
+        return [n for n in pending if n not in names] + names
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        log = self.logs / f"{name}.log"
+        if not log.is_file():
+            return ""
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+    def _run(self, name: str) -> Path:
+        if not NAME.match(name or "") or not (self.runs_dir / name).is_dir():
+            raise TunebenchError(f"no run named {name!r} in {self.runs_dir}; pick one from the list")
+        return self.runs_dir / name
+
+
+def metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The run's curves as rows {step, value, series}, read from metrics.jsonl and monitor.jsonl as they grow:
+    loss (train and eval), tokens/s and memory (MB: the process's resident set, every second, x as seconds)."""
+    out: dict[str, list[dict[str, Any]]] = {"loss": [], "tokens_per_s": [], "memory_mb": []}
+    run = RunDir(run_dir)
+    for row in _jsonl(run.metrics_file):
+        step = row.get("step")
+        for key, series in (("loss", "train loss"), ("eval_loss", "eval loss")):
+            if isinstance(row.get(key), (int, float)):
+                out["loss"].append({"step": step, "value": row[key], "series": series})
+        if isinstance(row.get("tokens_per_s"), (int, float)):
+            out["tokens_per_s"].append({"step": step, "value": row["tokens_per_s"], "series": "tokens/s"})
+    monitor = _jsonl(run.path / "monitor.jsonl")
+    if monitor:
+        t0 = monitor[0].get("time", 0)
+        for row in monitor:
+            if isinstance(row.get("process_rss_mb"), (int, float)):
+                out["memory_mb"].append({"step": round(row["time"] - t0, 1), "value": row["process_rss_mb"],
+                                         "series": "process RSS MB"})
+    return out
+
+
+LIVE_CHARTS = ("loss", "tokens_per_s", "memory")
+METHOD_CHARTS = ("rewards", "grpo_rewards", "kto")  # a preference, GRPO or KTO run's own chart, where it has one
+
+
+def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
+    """(caption, PNG) of the loss, tokens/s and memory charts and the method's own, as the run's report draws
+    them (jobs/run_report.py: one drawing of a run, live or finished), from what it has logged so far."""
+    from tunebench.jobs import run_report
+
+    run = RunDir(run_dir)
+    drawn = {name: (caption, png) for name, caption, png in
+             run_report.charts(_jsonl(run.metrics_file), _jsonl(run.path / "monitor.jsonl"))}
+    method = next((n for n in METHOD_CHARTS if n in drawn), None)
+    return [drawn.get(n, ("", None)) for n in (*LIVE_CHARTS, method)]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a JSONL file another process is appending to (a half-written last line skipped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+RUN_COLUMNS = ["run", "state", "method", "model", "steps", "eval loss", "ROUGE-L", "tokens/s", "peak MB"]
+
+
+def run_row(studio: Studio, name: str) -> list[str]:
+    run = RunDir(studio.runs_dir / name)
+    raw = run.raw_config() if run.config_file.is_file() else {}
+    summary = json.loads(run.summary_file.read_text()) if run.summary_file.is_file() else {}
+    steps = [r["step"] for r in _jsonl(run.metrics_file) if "loss" in r]
+
+    def fmt(v, digits=3):
+        return "" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+    method, model = (raw.get("adapter") or {}).get("method", ""), (raw.get("model") or {}).get("name", "")
+    return [name, studio.state(name), summary.get("method", method), summary.get("model", model),
+            str(summary.get("steps", steps[-1] if steps else "")), fmt(summary.get("eval_loss")),
+            fmt(summary.get("rougeL"), 2), fmt(summary.get("tokens_per_s"), 1),
+            fmt(summary.get("peak_memory_mb"), 0)]
+
+
+def runs_table(studio: Studio) -> list[list[str]]:
+    return [run_row(studio, n) for n in studio.names()]
+
+
+def report_html(studio: Studio, name: str) -> str:
+    """The run's report (`tunebench report RUN`: its charts, memory, settings and why, summary), written now
+    from what the run has logged so far, as the body of its self-contained report.html."""
+    from tunebench.jobs import run_report
+
+    run = studio._run(name)
+    if not RunDir(run).metrics_file.is_file():
+        return f"<p>{html.escape(name)} has logged nothing yet ({html.escape(studio.state(name))}).</p>"
+    page = run_report.write(run).read_text(encoding="utf-8")
+    body = page[page.index("<body>") + len("<body>"):page.rindex("</body>")]
+    return f"<p>Report: <code>{html.escape(str(run / 'report' / 'report.html'))}</code></p>" + body
+
+
+def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
+    """`tunebench export` of a finished run, as a child process (the server stays light); the written path, or
+    the export's own one-line error."""
+    run = studio._run(name)
+    if fmt not in EXPORT_FORMATS:
+        raise TunebenchError(f"format {fmt!r}: pick one of {', '.join(EXPORT_FORMATS)}")
+    if studio.state(name) != "finished":
+        raise TunebenchError(f"run {name!r} is {studio.state(name)}; export a finished run")
+    from tunebench.jobs.export import check_quant, output_path
+
+    quant = check_quant(fmt, quant)
+    target = output_path(run, fmt, quant, None)
+    done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise TunebenchError(lines[-1] if lines else f"export failed (exit {done.returncode})")
+    return str(target)
+
+
+def dpo_from_votes(studio: Studio, name: str, db: Path) -> str:
+    """A DPO run on the A/B store's votes, from this run's base model, queued like any other run."""
+    from tunebench.data import pairs
+
+    run = studio._run(name)
+    if not db.is_file() or not len(pairs.from_store(str(db))):
+        raise TunebenchError("no A or B votes yet: vote on the A/B tab first (ties and \"both bad\" give DPO no pair)")
+    base = RunDir(run).base_model() if RunDir(run).kind() == "adapter" else str(run)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return studio.start(Ask(data=str(db), name=f"{name}-dpo-{stamp}", model=base, method="dpo"))

@@ -1,0 +1,244 @@
+"""serve's Train and Runs tabs: the page over interfaces/web/studio.py (which holds the logic, tested without a
+browser). Built inside app.build's Blocks, beside Chat and A/B, whose model lists they add finished runs to."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tunebench.core.errors import TunebenchError
+from tunebench.interfaces.web import studio as studio_
+from tunebench.interfaces.web.models import Registry, entries
+from tunebench.model import models
+from tunebench.settings.rundir import RunDir
+
+SETTINGS_HEAD = ["setting", "value", "reason"]
+
+
+def _image(png: bytes | None):
+    import io
+
+    from PIL import Image
+
+    return None if png is None else Image.open(io.BytesIO(png))
+
+
+def _keep_upload(studio: studio_.Studio, file: str) -> str:
+    """The uploaded file copied under the runs directory (Gradio's temporary copy goes when the page does; the
+    run reads its data for as long as it trains, and its config.yaml names the path)."""
+    src = Path(file)
+    dest = studio.logs / "data" / src.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while dest.exists() and dest.read_bytes() != src.read_bytes():
+        dest = dest.with_name(f"{src.stem}-{n}{src.suffix}")
+        n += 1
+    if not dest.exists():
+        shutil.copyfile(src, dest)
+    return str(dest)
+
+
+def _ask(data, name, model, method, batch, steps, epochs, max_length) -> studio_.Ask:
+    if not data:
+        raise TunebenchError("no data yet: upload a file (CSV, JSON, JSONL or Parquet) or use the built-in sample")
+    return studio_.Ask(data=data, name=(name or "").strip(), model=(model or "").strip(), method=method,
+                       effective_batch=int(batch) if batch else None, max_steps=int(steps) if steps else None,
+                       epochs=float(epochs) if epochs else None, max_length=int(max_length))
+
+
+def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, ab_first, ab_second, db: Path) -> None:
+    """The Train and Runs tabs, inside the caller's `gr.Tabs` (`tabs`)."""
+
+    def error(e: Exception) -> str:
+        return f"**Error:** {e}"
+
+    with gr.Tab("Train", id="train"):
+        gr.Markdown("Fine-tune from this page: pick data, see the settings the run will use and why, then watch it "
+                    "train. The run is a `tunebench train` process in its own directory under "
+                    f"`{studio.runs_dir}`: closing the page does not stop it.")
+        data_path = gr.State("")
+        with gr.Row():
+            upload = gr.File(label="Training data (CSV, JSON, JSONL, Parquet)", type="filepath", height=110,
+                             file_types=[".csv", ".json", ".jsonl", ".parquet"], elem_id="tb-upload")
+            with gr.Column():
+                sample = gr.Button("Use the built-in sample (customer support)", elem_id="tb-sample")
+                max_length = gr.Number(128, label="max_length (tokens)", precision=0, minimum=8)
+        data_info = gr.Markdown("", elem_id="tb-data-info")
+        examples = gr.HTML("", elem_id="tb-examples")
+        with gr.Row():
+            bases = [e.model for e in registry.choices.values() if e.model and e.adapter is None]
+            model = gr.Dropdown(list(dict.fromkeys([*bases, *models.PRESETS])), value=(bases or [models.SMOLLM2])[0],
+                                allow_custom_value=True,
+                                label="Model (a preset or a local directory)", elem_id="tb-model")
+            method = gr.Dropdown(list(studio_.METHODS), value="lora", label="Method", elem_id="tb-method")
+            batch = gr.Number(0, label="Effective batch (0: auto, 8)", precision=0, minimum=0)
+            steps = gr.Number(0, label="Steps (0: by epochs)", precision=0, minimum=0, elem_id="tb-steps")
+            epochs = gr.Number(0, label="Epochs (0: the default, 1)", minimum=0)
+            name = gr.Textbox(label="Run name", placeholder="my-run", elem_id="tb-name")
+        with gr.Row():
+            check = gr.Button("Show the settings", elem_id="tb-check")
+            start = gr.Button("Start training", variant="primary", elem_id="tb-start")
+        settings = gr.Dataframe(headers=SETTINGS_HEAD, value=[], interactive=False, wrap=True, elem_id="tb-settings")
+        message = gr.Markdown("", elem_id="tb-message")
+        queue = gr.Markdown(studio.queue_text(), elem_id="tb-queue")
+        gr.Markdown("### Live")
+        with gr.Row():
+            watched = gr.Dropdown(studio.names(), value=(studio.names() or [None])[0], label="Run",
+                                  allow_custom_value=True, elem_id="tb-watched")
+            state = gr.Markdown("", elem_id="tb-state")
+            stop = gr.Button("Stop (checkpoint kept)", elem_id="tb-stop")
+            resume = gr.Button("Resume", elem_id="tb-resume")
+        with gr.Row():  # the run report's own charts (jobs/run_report.py), redrawn as the run logs
+            plots = [gr.Image(label=label, show_label=False, interactive=False, height=300, elem_id=f"tb-{key}",
+                              buttons=["download", "fullscreen"])
+                     for key, label in (("loss", "loss"), ("speed", "tokens/s"), ("memory", "memory"),
+                                        ("method", "the method's own"))]
+        points = gr.Markdown("", elem_id="tb-points")
+        log = gr.Textbox(label="The run's output (its settings, the measurements as they happen)", lines=12,
+                         interactive=False, max_lines=12, autoscroll=True, elem_id="tb-log")
+        timer = gr.Timer(2.0)
+
+        def on_data(path, length, model_):
+            try:
+                shown = studio_.preview(path, model_, int(length or 128))
+            except TunebenchError as e:
+                return "", error(e), ""
+            return path, shown.markdown(), studio_.examples_html(shown)
+
+        def on_upload(file, length, model_):
+            if not file:
+                return "", "", ""
+            return on_data(_keep_upload(studio, file), length, model_)
+
+        upload.upload(on_upload, [upload, max_length, model], [data_path, data_info, examples])
+        sample.click(lambda length, m: on_data(studio_.SAMPLE, length, m), [max_length, model],
+                     [data_path, data_info, examples])
+        asked = [data_path, name, model, method, batch, steps, epochs, max_length]
+
+        def on_check(*values):
+            try:
+                a = _ask(*values)
+                return studio_.settings_rows(a, studio_.check(a, studio.runs_dir)), "The run will use these settings."
+            except TunebenchError as e:
+                return [], error(e)
+
+        def on_start(*values):
+            try:
+                a = _ask(*values)
+                rows = studio_.settings_rows(a, studio_.check(a, studio.runs_dir))
+                said = studio.start(a)
+            except TunebenchError as e:
+                return gr.update(), error(e), gr.update(), studio.queue_text()
+            return rows, said, gr.Dropdown(choices=studio.names(), value=a.name), studio.queue_text()
+
+        check.click(on_check, asked, [settings, message])
+        start.click(on_start, asked, [settings, message, watched, queue])
+
+        drawn: dict[str, tuple] = {}  # run -> (its logs' sizes when drawn, its charts), shared by every page
+        shown = gr.State(None)  # what this page shows: (run, its logs' sizes)
+
+        def on_tick(run, showing):
+            if not run:
+                return studio.queue_text(), "", *[None] * len(plots), "", "", None
+            run_dir = studio.runs_dir / run
+            key = tuple(p.stat().st_size if p.is_file() else -1
+                        for p in (run_dir / "metrics.jsonl", run_dir / "monitor.jsonl"))
+            if showing == (run, key):  # nothing new: the page keeps its pictures
+                images = [gr.skip()] * len(plots)
+            else:  # drawn again only when the logs have grown since (pages tick every 2 s)
+                if drawn.get(run, (None,))[0] != key:
+                    drawn[run] = (key, studio_.live_charts(run_dir))
+                images = [gr.update(value=_image(png), label=caption, visible=png is not None)
+                          for caption, png in drawn[run][1]]
+            m = studio_.metrics(run_dir)
+            return (studio.queue_text(), f"**{run}**: {studio.state(run)}", *images,
+                    f"{sum(r['series'] == 'train loss' for r in m['loss'])} train-loss points, "
+                    f"{sum(r['series'] == 'eval loss' for r in m['loss'])} eval-loss points", studio.log_tail(run),
+                    (run, key))
+
+        live = [queue, state, *plots, points, log, shown]
+        timer.tick(on_tick, [watched, shown], live)
+        watched.change(on_tick, [watched, shown], live)
+
+        def act(fn, run):
+            try:
+                return fn(run)
+            except TunebenchError as e:
+                return error(e)
+
+        stop.click(lambda run: act(studio.stop, run), watched, message)
+        resume.click(lambda run: act(studio.resume, run), watched, message)
+
+    with gr.Tab("Runs", id="runs") as runs_tab:
+        gr.Markdown(f"Every run under `{studio.runs_dir}`, those started from the command line too.")
+        table = gr.Dataframe(headers=studio_.RUN_COLUMNS, value=studio_.runs_table(studio), interactive=False,
+                             wrap=True, elem_id="tb-runs")
+        with gr.Row():
+            picked = gr.Dropdown(studio.names(), label="Run", allow_custom_value=True, elem_id="tb-picked")
+            refresh = gr.Button("Refresh", elem_id="tb-refresh")
+        with gr.Row():
+            chat_it = gr.Button("Chat with it", elem_id="tb-chat")
+            ab_it = gr.Button("A/B it against its base", elem_id="tb-ab")
+            dpo = gr.Button("DPO from the A/B votes", elem_id="tb-dpo")
+        with gr.Row():
+            fmt = gr.Dropdown(list(studio_.EXPORT_FORMATS), value="gguf", label="Export format")
+            quant = gr.Dropdown(list(studio_.QUANTS), value="q8_0", label="Quantization", allow_custom_value=True)
+            export = gr.Button("Export", elem_id="tb-export")
+        runs_message = gr.Markdown("", elem_id="tb-runs-message")
+        report = gr.HTML("", elem_id="tb-report")
+
+        def listing():
+            names = studio.names()
+            return studio_.runs_table(studio), gr.Dropdown(choices=names)
+
+        refresh.click(listing, None, [table, picked])
+        runs_tab.select(listing, None, [table, picked])
+
+        def on_pick(run):
+            if not run:
+                return ""
+            try:
+                return studio_.report_html(studio, run)
+            except TunebenchError as e:
+                return f"<p>{e}</p>"
+
+        picked.change(on_pick, picked, report)
+
+        def served(run) -> tuple[str, str]:
+            """(the run's label, its base's) in the served models, added when missing."""
+            run_dir = str(studio._run(run))
+            if studio.state(run) != "finished":
+                raise TunebenchError(f"run {run!r} is {studio.state(run)}; chat with or compare a finished run")
+            label = registry.add(entries([], [run_dir])[0])
+            base = RunDir(run_dir).base_model() if RunDir(run_dir).kind() == "adapter" else None
+            return label, registry.add(entries([base], [])[0]) if base else label
+
+        def on_chat(run):
+            try:
+                label, _ = served(run)
+            except TunebenchError as e:
+                return gr.update(), gr.update(), gr.update(), gr.update(), error(e)
+            keep = gr.Dropdown(choices=registry.labels)
+            return gr.Tabs(selected="chat"), gr.Dropdown(choices=registry.labels, value=label), keep, keep, ""
+
+        def on_ab(run):
+            try:
+                label, base = served(run)
+            except TunebenchError as e:
+                return gr.update(), gr.update(), gr.update(), gr.update(), error(e)
+            return (gr.Tabs(selected="ab"), gr.Dropdown(choices=registry.labels),
+                    gr.Dropdown(choices=registry.labels, value=base), gr.Dropdown(choices=registry.labels, value=label),
+                    "")
+
+        switch = [tabs, chat_model, ab_first, ab_second, runs_message]
+        chat_it.click(on_chat, picked, switch)
+        ab_it.click(on_ab, picked, switch)
+
+        def on_export(run, fmt_, quant_):
+            try:
+                return f"Exported {run} ({fmt_}, {quant_}): `{studio_.export(studio, run, fmt_, quant_)}`"
+            except TunebenchError as e:
+                return error(e)
+
+        export.click(on_export, [picked, fmt, quant], runs_message)
+        dpo.click(lambda run: act(lambda r: studio_.dpo_from_votes(studio, r, db), run), picked, runs_message)

@@ -1,0 +1,292 @@
+"""serve's studio (interfaces/web/studio.py): data previewed as training reads it, the settings with their reasons,
+one training child at a time with a visible queue, stop and resume; and a real browser going from a CSV to an
+exported GGUF through the Train and Runs tabs."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import needs_module
+
+from tunebench.core.errors import TunebenchError
+
+needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
+
+from tunebench.interfaces.web import studio  # noqa: E402
+
+ARTIFACTS = Path(os.environ.get("TUNEBENCH_ARTIFACTS", "test-artifacts")) / "studio"
+
+
+def _csv(path: Path, rows: int = 40, empty: int = 0) -> Path:
+    lines = ["instruction,response"] + [f"What is {i} plus one?,It is {i + 1}." for i in range(rows)]
+    lines += ["Why?," for _ in range(empty)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_preview_shows_the_format_columns_counts_and_the_loss_marked(tmp_path):
+    shown = studio.preview(str(_csv(tmp_path / "d.csv", 5, empty=2)), "tiny", max_length=40)
+    assert (shown.fmt, shown.columns) == ("instruction", {"prompt": "instruction", "response": "response"})
+    assert (shown.rows, shown.kept, shown.dropped) == (7, 5, {"empty prompt or response": 2})
+    # the tiny preset's tokenizer is one token per byte: "What is 0 plus one?" and its prompt format pass 40
+    assert shown.over_max_length == 5 and len(shown.examples) == studio.SHOWN_EXAMPLES
+    first = shown.examples[0]
+    assert first.index("What is 0 plus one?") < first.index("<mark>It is 1.")  # the prompt, then the loss part
+    assert "What is 0" not in first[first.index("<mark>"):]
+    assert "dropped 2 (2 empty prompt or response)" in shown.markdown()
+
+
+def test_bad_data_and_bad_settings_get_the_clis_one_line_errors(tmp_path):
+    (tmp_path / "bad.csv").write_text("question_text,reply\nhi,there\n")
+    with pytest.raises(TunebenchError, match="cannot tell the dataset format from its columns"):
+        studio.preview(str(tmp_path / "bad.csv"), "tiny")
+    data = str(_csv(tmp_path / "d.csv"))
+    with pytest.raises(TunebenchError, match="run name"):
+        studio.check(studio.Ask(data, "../escape", "tiny"), tmp_path / "runs")
+    with pytest.raises(TunebenchError, match="not both"):
+        studio.check(studio.Ask(data, "r", "tiny", max_steps=3, epochs=1), tmp_path / "runs")
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    with pytest.raises(TunebenchError, match="already exists"):
+        studio.check(studio.Ask(data, "taken", "tiny"), tmp_path / "runs")
+    with pytest.raises(TunebenchError, match="effective"):  # the CLI's own check of the value
+        studio.check(studio.Ask(data, "r", "tiny", effective_batch=-3), tmp_path / "runs")
+
+
+def test_the_settings_table_says_what_was_asked_what_is_picked_and_what_will_be_measured(tmp_path):
+    ask = studio.Ask(str(_csv(tmp_path / "d.csv")), "r", "tiny", effective_batch=4, max_steps=7)
+    rows = {r[0]: r[1:] for r in studio.settings_rows(ask, studio.check(ask, tmp_path / "runs"))}
+    assert rows["effective_batch_size"] == ["4", "asked on this page"] and rows["length"][0] == "7 steps"
+    assert rows["micro_batch_size"][0] == "measured at start" and "1, 2, 4" in rows["micro_batch_size"][1]
+    assert {"device", "precision", "torch_threads"} <= set(rows)  # the hardware plan's rows, with reasons
+    assert all(reason for _, reason in rows.values())
+
+
+FAKE_TRAIN = """
+import json, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--output-dir") + 1]) if "--output-dir" in sys.argv else Path(sys.argv[1]).parent
+out.mkdir(parents=True, exist_ok=True)
+(out / "config.yaml").write_text("model: {name: tiny}\\n")
+stopped = []
+signal.signal(signal.SIGTERM, lambda *a: stopped.append(1))
+with open(out / "metrics.jsonl", "a") as f:
+    for step in range(1, 400):
+        f.write(json.dumps({"step": step, "loss": 1.0 / step, "tokens_per_s": 100.0}) + "\\n"); f.flush()
+        if stopped:
+            (out / "checkpoints" / "step-1").mkdir(parents=True, exist_ok=True)
+            sys.exit(130)
+        time.sleep(float(open(out.parent / "pace").read()))
+(out / "summary.json").write_text(json.dumps({"steps": step, "eval_loss": 0.5}))
+"""
+
+
+def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumable_checkpoint(tmp_path):
+    """With a stand-in for `tunebench train` (the queue's logic, not training: that is the browser test's)."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "pace").write_text("0.05")
+    s = studio.Studio(runs)
+    s.program = [sys.executable, str(fake)]
+    data = str(_csv(tmp_path / "d.csv"))
+    assert s.start(studio.Ask(data, "first", "tiny")) == "first: starting"
+    assert s.start(studio.Ask(data, "second", "tiny")) == "second: queued, 1 run ahead"
+    deadline = time.monotonic() + 30
+    while len(studio.metrics(runs / "first")["loss"]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s.state("first") == "running" and s.state("second") == "queued"
+    assert s.queue_text() == "Training: **first**; waiting: second"
+    assert not (runs / "second").exists()  # it has not started beside the first
+    assert s.stop("first").startswith("first: stopping")
+    assert s.wait("first", 30) == 130 and s.state("first") == "stopped (checkpoint kept)"
+    (runs / "pace").write_text("0")
+    assert s.wait("second", 60) == 0 and s.state("second") == "finished"
+    assert s.resume("first") == "first: starting"
+    assert s.wait("first", 60) == 0 and s.state("first") == "finished"
+    assert "--resume auto" in s.log_tail("first")  # the run's own config.yaml, resumed as from a terminal
+    table = {r[0]: r for r in studio.runs_table(s)}
+    assert table["second"][1] == "finished" and table["second"][5] == "0.500"
+    with pytest.raises(TunebenchError, match="has finished"):
+        s.resume("first")
+    with pytest.raises(TunebenchError, match="is not running"):
+        s.stop("first")
+
+
+def test_metrics_skip_a_half_written_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n"
+                                            + json.dumps({"step": 0, "eval_loss": 3.0}) + "\n{\"step\": 2, \"lo")
+    got = studio.metrics(tmp_path)
+    assert got["loss"] == [{"step": 1, "value": 2.0, "series": "train loss"},
+                           {"step": 0, "value": 3.0, "series": "eval loss"}]
+
+
+def test_dpo_from_votes_queues_a_dpo_run_on_the_votes_from_the_runs_base(tmp_path):
+    from tunebench.data import votes
+
+    runs = tmp_path / "runs"
+    (runs / "tuned").mkdir(parents=True)
+    (runs / "tuned" / "config.json").write_text("{}")  # a whole model (a full fine-tune): DPO starts from it
+    (runs / "tuned" / "summary.json").write_text("{}")
+    s = studio.Studio(runs)
+    s.program = [sys.executable, "-c", "import sys; print(sys.argv)"]
+    db = votes.open_store(tmp_path / "ab.sqlite")
+    with pytest.raises(TunebenchError, match="no A or B votes yet"):
+        studio.dpo_from_votes(s, "tuned", db)
+    votes.record(db, "p", "base: tiny", "run: tuned", "answer a", "answer b", "a", {"temperature": 0.7})
+    with pytest.raises(TunebenchError, match="fewer than one effective batch of 8"):  # the CLI's own check
+        studio.dpo_from_votes(s, "tuned", db)
+    for i in range(10):
+        votes.record(db, f"p{i}", "base: tiny", "run: tuned", f"answer a{i}", f"answer b{i}", "b", {})
+    said = studio.dpo_from_votes(s, "tuned", db)
+    name = said.split(":")[0]
+    assert name.startswith("tuned-dpo-") and s.wait(name, 30) == 0
+    logged = s.log_tail(name)
+    assert f"--data {db} --model {runs / 'tuned'} --method dpo" in logged
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory) -> Path:
+    """A tiny random Llama on a trained byte-level BPE tokenizer: small enough to train in seconds, and a
+    tokenizer GGUF can hold (the `tiny` preset's one token per byte has no merges)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tunebench.jobs import tokenizer
+
+    root = tmp_path_factory.mktemp("bpe")
+    (root / "corpus.txt").write_text("\n".join(f"What is {i} plus one? It is {i + 1}. The order ships in "
+                                               f"{i % 5 + 1} days." for i in range(300)))
+    tokenizer.train([str(root / "corpus.txt")], 300, "bpe", root / "tok", quiet=True)
+    tok = AutoTokenizer.from_pretrained(root / "tok")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id))
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    return root / "model"
+
+
+STEPS = 1500  # long enough to be stopped mid-way from the page (about 100 tiny steps a second here)
+
+
+def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tmp_path, bpe_model, chromium):
+    """The issue's whole path on the page: upload a CSV, see its examples and the settings table, start a run,
+    see its chart gain points, stop it, resume it to the end, export a GGUF, compare it blind against its
+    base and vote, and chat with it; a screenshot of each tab kept under $TUNEBENCH_ARTIFACTS/studio."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+    from test_serve import _browser, _free_port
+
+    from tunebench.data import votes
+    from tunebench.interfaces.web import app
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    runs, db, port = tmp_path / "runs", tmp_path / "ab.sqlite", _free_port()
+    served = app.serve([str(bpe_model)], [], port=port, ab_db=str(db), block=False, runs_dir=str(runs))
+    browser = _browser(chromium)
+    wait, slow = WebDriverWait(browser, 60), WebDriverWait(browser, 240)
+
+    def body():
+        return browser.find_element(By.TAG_NAME, "body").text
+
+    def tab(name):
+        wait.until(lambda d: any(b.text.strip() == name for b in d.find_elements(By.CSS_SELECTOR, "button[role=tab]")))
+        next(b for b in browser.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text.strip() == name).click()
+        time.sleep(1)
+
+    def button(text):
+        return wait.until(ec.element_to_be_clickable(
+            (By.XPATH, f"//button[normalize-space()='{text}' and not(@role='tab')]")))
+
+    def field(elem_id, value):
+        box = browser.find_element(By.CSS_SELECTOR, f"#{elem_id} input, #{elem_id} textarea")
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys(str(value) + Keys.TAB)
+
+    def points():
+        found = browser.find_element(By.ID, "tb-points").text.split(" train-loss points")[0].split()
+        return int(found[-1]) if found and found[-1].isdigit() else 0
+
+    def shot(name, at=None):
+        if at is not None:  # scrolled to what the picture is of
+            browser.execute_script("arguments[0].scrollIntoView({block: 'start'})", browser.find_element(By.ID, at))
+            time.sleep(0.5)
+        browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+    try:
+        browser.get(f"http://127.0.0.1:{port}/")
+        tab("Train")
+        data = _csv(tmp_path / "support.csv")
+        browser.find_element(By.CSS_SELECTOR, "#tb-upload input[type=file]").send_keys(str(data))
+        wait.until(lambda d: "instruction** format" in d.find_element(By.ID, "tb-data-info").get_attribute(
+            "innerHTML") or "instruction</strong> format" in d.find_element(By.ID, "tb-data-info").get_attribute(
+            "innerHTML"))
+        assert "Kept 40, dropped 0" in body()
+        shot("train-data")
+        marked = browser.find_elements(By.CSS_SELECTOR, "#tb-examples mark")
+        assert len(marked) == studio.SHOWN_EXAMPLES and marked[0].text.startswith("It is 1.")
+        field("tb-steps", STEPS)
+        field("tb-name", "support")
+        button("Show the settings").click()
+        wait.until(lambda d: "measured at start" in body() and "asked on this page" in body())
+        button("Start training").click()
+        wait.until(lambda d: "support: starting" in body())
+        slow.until(lambda d: points() >= 3)  # redrawn every 2 s as metrics.jsonl grows
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#tb-loss img"))  # the loss chart, drawn
+        seen = points()
+        shot("train-settings", "tb-settings")
+        shot("train-live", "tb-state")
+        button("Stop (checkpoint kept)").click()
+        slow.until(lambda d: "support: stopped (checkpoint kept)" in body())
+        stopped_at = points()
+        assert seen <= stopped_at < STEPS
+        button("Resume").click()
+        slow.until(lambda d: "support: finished" in body())
+        wait.until(lambda d: points() == STEPS)  # one loss point a step, none lost or repeated over the stop
+        shot("train-finished", "tb-state")
+
+        tab("Runs")
+        button("Refresh").click()
+        wait.until(lambda d: "support" in d.find_element(By.ID, "tb-runs").text)
+        picked = browser.find_element(By.CSS_SELECTOR, "#tb-picked input")
+        picked.click()
+        picked.send_keys("support" + Keys.ENTER)
+        wait.until(lambda d: "loss" in d.find_element(By.ID, "tb-report").text)  # its report, drawn now
+        assert browser.find_elements(By.CSS_SELECTOR, "#tb-report img")
+        button("Export").click()
+        slow.until(lambda d: "Exported support (gguf, q8_0)" in body())
+        gguf = runs / "support" / "export" / "support-q8_0.gguf"
+        assert gguf.is_file() and str(gguf) in body()
+        shot("runs")
+
+        button("A/B it against its base").click()
+        wait.until(lambda d: "Which answer is better?" not in body() and "Get answers" in body())
+        prompt = browser.find_element(By.CSS_SELECTOR, "textarea[placeholder^='Type a prompt']")
+        prompt.send_keys("What is 3 plus one?")
+        button("Get answers").click()
+        wait.until(lambda d: "Which answer is better?" in d.page_source)
+        button("A is better").click()
+        wait.until(lambda d: "Vote #1 stored" in d.page_source)
+        shot("ab")
+        tab("Runs")
+        button("Chat with it").click()
+        chat = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "textarea[placeholder^='Ask something']")))
+        chat.send_keys("What is 5 plus one?" + Keys.ENTER)
+        wait.until(lambda d: "tokens/s" in body())
+        shot("chat")
+    finally:
+        browser.quit()
+        served.close()
+    (pair,) = votes.pairs(db)
+    assert {pair.first, pair.second} == {f"base: {bpe_model}", f"run: {runs / 'support'} (lora)"}
+    assert json.loads((runs / "support" / "summary.json").read_text())["steps"] == STEPS
+    for name in ("train-settings", "train-live", "train-finished", "runs", "ab", "chat"):
+        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
