@@ -389,6 +389,11 @@ def test_an_upload_is_read_once_and_removed(tmp_path):
     with pytest.raises(gr.Error):
         app.read_upload(str(bad))
     assert not bad.exists()
+    big = tmp_path / "big.jsonl"  # the studio's page takes 200 MB uploads; a prompt set stays at 1 MB
+    big.write_text('{"prompt": "one"}\n' * (app.PROMPT_SET_BYTES // 18 + 1))
+    with pytest.raises(gr.Error, match="the limit is 1,048,576"):
+        app.read_upload(str(big))
+    assert not big.exists()
 
 
 def test_serving_places_the_model_as_training_would(monkeypatch):

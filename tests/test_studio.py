@@ -85,7 +85,7 @@ with open(out / "metrics.jsonl", "a") as f:
 
 def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumable_checkpoint(tmp_path):
     """With a stand-in for `tunebench train` (the queue's logic, not training: that is the browser test's)."""
-    fake = tmp_path / "fake_train.py"
+    fake = tmp_path / "tunebench_fake_train.py"
     fake.write_text(FAKE_TRAIN)
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -101,7 +101,11 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     assert s.state("first") == "running" and s.state("second") == "queued"
     assert s.queue_text() == "Training: **first**; waiting: second"
     assert not (runs / "second").exists()  # it has not started beside the first
-    assert s.stop("first").startswith("first: stopping")
+    restarted = studio.Studio(runs)  # a server started again while the run trains: it sees the run, and waits
+    assert restarted.state("first") == "running (started by an earlier server)"
+    assert restarted.queue_text() == "Training: **first**"
+    assert restarted.stop("first") == "first: stopping (SIGTERM); it saves a checkpoint first, and Resume continues " \
+                                      "from it"
     assert s.wait("first", 30) == 130 and s.state("first") == "stopped (checkpoint kept)"
     (runs / "pace").write_text("0")
     assert s.wait("second", 60) == 0 and s.state("second") == "finished"

@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--seed", type=int, default=42, help="the sampler's seed (default 42)")
     _add_debug(tu)
 
-    sv = sub.add_parser("serve", help="web app: chat with models and runs, compare two blind (A/B)",
+    sv = sub.add_parser("serve", help="web app: chat with models and runs, compare two blind (A/B), train new runs",
                         description="A Gradio app (the web extra): a chat tab, a blind A/B tab whose votes go to an "
-                                    "SQLite file, and the A/B results. Offline; models load once, on first use.")
+                                    "SQLite file, the A/B results, and the studio's Train and Runs tabs (runs in "
+                                    "--runs-dir). Offline; models load once, on first use.")
     sv.add_argument("--model", action="append", default=[], help="a base model spec or model directory (repeatable; "
                                                                    "default: SmolLM2 when nothing else is given)")
     sv.add_argument("--adapter", action="append", default=[], help="a training run directory (repeatable)")

@@ -191,6 +191,8 @@ def read_upload(file) -> list[str]:
 
     path = Path(file if isinstance(file, str) else file.name)
     try:
+        if path.stat().st_size > PROMPT_SET_BYTES:  # the page takes bigger uploads (training data) when it trains
+            raise TunebenchError(f"the prompt set is {path.stat().st_size:,} bytes; the limit is {PROMPT_SET_BYTES:,}")
         return load_prompts(path)
     except TunebenchError as e:
         raise gr.Error(str(e)) from None
@@ -353,6 +355,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 QUEUE_SIZE = 16  # requests waiting for a generation; more are turned away rather than queued for hours
 MAX_UPLOAD = "1mb"  # a prompt set is text: a megabyte is thousands of prompts
+PROMPT_SET_BYTES = 2 ** 20
 MAX_UPLOAD_STUDIO = "200mb"  # the Train tab takes training data
 
 

@@ -228,9 +228,13 @@ class Studio:
                     return f"{name} taken out of the queue"
             job = self.current
             if job is None or job.name != name or job.process is None:
-                raise TunebenchError(f"run {name!r} is not running")
-            job.stopping = True
-            job.process.send_signal(signal.SIGTERM)
+                orphan = self.left_running().get(name)
+                if orphan is None:
+                    raise TunebenchError(f"run {name!r} is not running")
+                os.kill(orphan, signal.SIGTERM)
+            else:
+                job.stopping = True
+                job.process.send_signal(signal.SIGTERM)
         return f"{name}: stopping (SIGTERM); it saves a checkpoint first, and Resume continues from it"
 
     def _enqueue(self, job: Job) -> str:
@@ -239,7 +243,7 @@ class Studio:
             self.logs.mkdir(exist_ok=True)
             self.finished.pop(job.name, None)
             self.queue.append(job)
-            ahead = len(self.queue) - 1 + (self.current is not None)
+            ahead = len(self.queue) - 1 + (self.current is not None) + len(self.left_running())
         self._wake.set()
         return f"{job.name}: " + ("starting" if not ahead else f"queued, {ahead} run{'s' * (ahead > 1)} ahead")
 
@@ -251,8 +255,9 @@ class Studio:
                 job = self.current
                 if job is not None and job.process is not None and job.process.poll() is not None:
                     self.finished[job.name] = job.process.returncode
+                    (self.logs / f"{job.name}.pid").unlink(missing_ok=True)
                     self.current = job = None
-                if job is None and self.queue:
+                if job is None and self.queue and not self.left_running():
                     job = self.current = self.queue.pop(0)
                     with open(job.log, "ab") as log:
                         log.write(f"\n$ tunebench train {shlex.join(job.argv)}\n".encode())
@@ -262,6 +267,25 @@ class Studio:
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True,  # a Ctrl-C to the server does not reach the run
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                    (self.logs / f"{job.name}.pid").write_text(str(job.process.pid))
+
+    def left_running(self) -> dict[str, int]:
+        """{run: pid} of the runs an earlier server started that still train (a restarted server sees them, and
+        starts nothing beside them)."""
+        found = {}
+        for pidfile in self.logs.glob("*.pid") if self.logs.is_dir() else []:
+            if self.current is not None and pidfile.stem == self.current.name:
+                continue
+            try:
+                pid = int(pidfile.read_text())
+                alive = b"tunebench" in Path(f"/proc/{pid}/cmdline").read_bytes()  # not a reused pid
+            except (OSError, ValueError):
+                alive = False
+            if alive:
+                found[pidfile.stem] = pid
+            else:
+                pidfile.unlink(missing_ok=True)
+        return found
 
     def wait(self, name: str, timeout: float) -> int | None:
         """The run's exit code once it has ended (None if it is still going after `timeout` seconds)."""
@@ -279,6 +303,8 @@ class Studio:
                 return "stopping" if self.current.stopping else "running"
             if any(j.name == name for j in self.queue):
                 return "queued"
+            if name in self.left_running():
+                return "running (started by an earlier server)"
             code = self.finished.get(name)
         run = RunDir(self.runs_dir / name)
         if run.summary_file.is_file():
@@ -291,6 +317,8 @@ class Studio:
         with self._lock:
             running = self.current.name if self.current else None
             waiting = [j.name for j in self.queue]
+        if running is None:
+            running = next(iter(self.left_running()), None)
         if running is None and not waiting:
             return "Nothing training."
         return (f"Training: **{running}**" if running else "Starting...") + (
@@ -418,6 +446,8 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
 
     quant = check_quant(fmt, quant)
     target = output_path(run, fmt, quant, None)
+    if target.exists():  # exports never overwrite: the file already there is this run's, in this format
+        raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
     done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if done.returncode != 0:

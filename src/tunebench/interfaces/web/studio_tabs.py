@@ -174,7 +174,8 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         table = gr.Dataframe(headers=studio_.RUN_COLUMNS, value=studio_.runs_table(studio), interactive=False,
                              wrap=True, elem_id="tb-runs")
         with gr.Row():
-            picked = gr.Dropdown(studio.names(), label="Run", allow_custom_value=True, elem_id="tb-picked")
+            picked = gr.Dropdown(studio.names(), value=None, label="Run", allow_custom_value=True,  # none picked yet
+                                 elem_id="tb-picked")
             refresh = gr.Button("Refresh", elem_id="tb-refresh")
         with gr.Row():
             chat_it = gr.Button("Chat with it", elem_id="tb-chat")
