@@ -95,6 +95,8 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     data = str(_csv(tmp_path / "d.csv"))
     assert s.start(studio.Ask(data, "first", "tiny")) == "first: starting"
     assert s.start(studio.Ask(data, "second", "tiny")) == "second: queued, 1 run ahead"
+    with pytest.raises(TunebenchError, match="'second' is already queued"):  # no directory yet, but taken
+        s.start(studio.Ask(data, "second", "tiny"))
     deadline = time.monotonic() + 30
     while len(studio.metrics(runs / "first")["loss"]) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -401,7 +401,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     if runs_dir is not None:
         from tunebench.interfaces.web.studio import Studio
 
-        studio = Studio(runs_dir, db)
+        studio = Studio(runs_dir)
     app = build(registry, db, prompt_list, limit, studio)
     app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
     print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "

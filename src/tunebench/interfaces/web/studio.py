@@ -191,10 +191,9 @@ class Studio:
     """The runs directory's training queue: one `tunebench train` child at a time, the others waiting in
     order; a watcher thread starts the next when one ends, whether or not a page is open."""
 
-    def __init__(self, runs_dir: str | Path, votes_db: Path | None = None):
+    def __init__(self, runs_dir: str | Path):
         self.runs_dir = Path(runs_dir)
         self.logs = self.runs_dir / ".studio"
-        self.votes_db = votes_db
         self.queue: list[Job] = []
         self.current: Job | None = None
         self.finished: dict[str, int] = {}  # name -> exit code, of the runs this studio started
@@ -206,13 +205,15 @@ class Studio:
 
     # -- the queue
     def start(self, ask: Ask) -> str:
+        if self.state(ask.name) in ("queued", "running", "stopping"):  # not on disk yet when only queued
+            raise TunebenchError(f"a run named {ask.name!r} is already {self.state(ask.name)}; pick another name")
         check(ask, self.runs_dir)
         return self._enqueue(Job(ask.name, ask.argv(self.runs_dir), self.logs / f"{ask.name}.log"))
 
     def resume(self, name: str) -> str:
         run = self._run(name)
-        if self.state(name) in ("running", "queued"):
-            raise TunebenchError(f"run {name!r} is already {self.state(name)}")
+        if self.state(name).startswith(("running", "queued", "stopping")):
+            raise TunebenchError(f"run {name!r} is {self.state(name)}; resume it once it has stopped")
         if RunDir(run).summary_file.is_file():
             raise TunebenchError(f"run {name!r} has finished; start a new run to train more")
         # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal
