@@ -55,3 +55,8 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
         else:
             bad += 1
     return records, bad
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """read_jsonl's records of a file another process may still be writing; [] before it exists."""
+    return read_jsonl(path)[0] if path.is_file() else []

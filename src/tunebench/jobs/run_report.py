@@ -13,31 +13,13 @@ from typing import Any
 
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import read_json, records
 from tunebench.jobs import report
 from tunebench.jobs.report import _figure, _png
 
 
 def is_run(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "metrics.jsonl").is_file()
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file; a torn last line (a killed run) is left out."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}
 
 
 def _line_chart(series: list[tuple[str, list[float], list[float], dict]], title: str, xlabel: str, ylabel: str,
@@ -184,8 +166,8 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if not is_run(run):
         raise TunebenchError(f"'{run}' is not a run directory (no metrics.jsonl); pass a train or pretrain "
                              "--output-dir, or results CSVs")
-    metrics, monitor = _jsonl(run / "metrics.jsonl"), _jsonl(run / "monitor.jsonl")
-    summary, plan = _json(run / "summary.json"), _json(run / "plan.json")
+    metrics, monitor = records(run / "metrics.jsonl"), records(run / "monitor.jsonl")
+    summary, plan = read_json(run / "summary.json"), read_json(run / "plan.json")
     out = Path(out_dir) if out_dir else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     pngs = charts(metrics, monitor)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import os
 import re
 import shlex
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import read_json, records
 from tunebench.settings.rundir import RunDir
 
 SAMPLE = "builtin:customer-support"  # the built-in Bitext-style sample, what `./run compare` trains on
@@ -353,14 +353,14 @@ def metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     loss (train and eval), tokens/s and memory (MB: the process's resident set, every second, x as seconds)."""
     out: dict[str, list[dict[str, Any]]] = {"loss": [], "tokens_per_s": [], "memory_mb": []}
     run = RunDir(run_dir)
-    for row in _jsonl(run.metrics_file):
+    for row in records(run.metrics_file):
         step = row.get("step")
         for key, series in (("loss", "train loss"), ("eval_loss", "eval loss")):
             if isinstance(row.get(key), (int, float)):
                 out["loss"].append({"step": step, "value": row[key], "series": series})
         if isinstance(row.get("tokens_per_s"), (int, float)):
             out["tokens_per_s"].append({"step": step, "value": row["tokens_per_s"], "series": "tokens/s"})
-    monitor = _jsonl(run.path / "monitor.jsonl")
+    monitor = records(run.path / "monitor.jsonl")
     if monitor:
         t0 = monitor[0].get("time", 0)
         for row in monitor:
@@ -381,22 +381,9 @@ def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
 
     run = RunDir(run_dir)
     drawn = {name: (caption, png) for name, caption, png in
-             run_report.charts(_jsonl(run.metrics_file), _jsonl(run.path / "monitor.jsonl"))}
+             run_report.charts(records(run.metrics_file), records(run.path / "monitor.jsonl"))}
     method = next((n for n in METHOD_CHARTS if n in drawn), None)
     return [drawn.get(n, ("", None)) for n in (*LIVE_CHARTS, method)]
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSONL file another process is appending to (a half-written last line skipped)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 RUN_COLUMNS = ["run", "state", "method", "model", "steps", "eval loss", "ROUGE-L", "tokens/s", "peak MB"]
@@ -405,8 +392,8 @@ RUN_COLUMNS = ["run", "state", "method", "model", "steps", "eval loss", "ROUGE-L
 def run_row(studio: Studio, name: str) -> list[str]:
     run = RunDir(studio.runs_dir / name)
     raw = run.raw_config() if run.config_file.is_file() else {}
-    summary = json.loads(run.summary_file.read_text()) if run.summary_file.is_file() else {}
-    steps = [r["step"] for r in _jsonl(run.metrics_file) if "loss" in r]
+    summary = read_json(run.summary_file)
+    steps = [r["step"] for r in records(run.metrics_file) if "loss" in r]
 
     def fmt(v, digits=3):
         return "" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
