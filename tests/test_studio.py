@@ -273,7 +273,7 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
         assert gguf.is_file() and str(gguf) in body()
         shot("runs")
 
-        button("A/B it against its base").click()
+        button("A/B it").click()  # against its base, the default
         wait.until(lambda d: "Which answer is better?" not in body() and "Get answers" in body())
         prompt = browser.find_element(By.CSS_SELECTOR, "textarea[placeholder^='Type a prompt']")
         prompt.send_keys("What is 3 plus one?")

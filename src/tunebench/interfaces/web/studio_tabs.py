@@ -13,6 +13,7 @@ from tunebench.model import models
 from tunebench.settings.rundir import RunDir
 
 SETTINGS_HEAD = ["setting", "value", "reason"]
+BASE = "its base"  # the Runs tab's A/B: the picked run against the model it was trained from
 
 
 def _image(png: bytes | None):
@@ -179,7 +180,8 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             refresh = gr.Button("Refresh", elem_id="tb-refresh")
         with gr.Row():
             chat_it = gr.Button("Chat with it", elem_id="tb-chat")
-            ab_it = gr.Button("A/B it against its base", elem_id="tb-ab")
+            versus = gr.Dropdown([BASE, *studio.names()], value=BASE, label="A/B against", elem_id="tb-versus")
+            ab_it = gr.Button("A/B it", elem_id="tb-ab")
             dpo = gr.Button("DPO from the A/B votes", elem_id="tb-dpo")
         with gr.Row():
             fmt = gr.Dropdown(list(studio_.EXPORT_FORMATS), value="gguf", label="Export format")
@@ -190,10 +192,10 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
         def listing():
             names = studio.names()
-            return studio_.runs_table(studio), gr.Dropdown(choices=names)
+            return studio_.runs_table(studio), gr.Dropdown(choices=names), gr.Dropdown(choices=[BASE, *names])
 
-        refresh.click(listing, None, [table, picked])
-        runs_tab.select(listing, None, [table, picked])
+        refresh.click(listing, None, [table, picked, versus])
+        runs_tab.select(listing, None, [table, picked, versus])
 
         def on_pick(run):
             if not run:
@@ -211,8 +213,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             if studio.state(run) != "finished":
                 raise TunebenchError(f"run {run!r} is {studio.state(run)}; chat with or compare a finished run")
             label = registry.add(entries([], [run_dir])[0])
-            base = RunDir(run_dir).base_model() if RunDir(run_dir).kind() == "adapter" else None
-            return label, registry.add(entries([base], [])[0]) if base else label
+            return label, registry.add(entries([RunDir(run_dir).base_model()], [])[0])
 
         def on_chat(run):
             try:
@@ -222,9 +223,13 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             keep = gr.Dropdown(choices=registry.labels)
             return gr.Tabs(selected="chat"), gr.Dropdown(choices=registry.labels, value=label), keep, keep, ""
 
-        def on_ab(run):
+        def on_ab(run, against):
             try:
                 label, base = served(run)
+                if against != BASE:
+                    if against == run:
+                        raise TunebenchError("pick another run (or its base) to compare it against")
+                    base = served(against)[0]
             except TunebenchError as e:
                 return gr.update(), gr.update(), gr.update(), gr.update(), error(e)
             return (gr.Tabs(selected="ab"), gr.Dropdown(choices=registry.labels),
@@ -233,7 +238,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
         switch = [tabs, chat_model, ab_first, ab_second, runs_message]
         chat_it.click(on_chat, picked, switch)
-        ab_it.click(on_ab, picked, switch)
+        ab_it.click(on_ab, [picked, versus], switch)
 
         def on_export(run, fmt_, quant_):
             try:
