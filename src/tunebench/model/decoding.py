@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from tunebench.model import methods
+
 
 def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, top_k: int = 0) -> torch.Tensor:
     """(B, 1) next tokens: greedy when temperature is None, else drawn from softmax(logits / temperature) kept to
@@ -63,8 +65,7 @@ def eager_attention(model, device: torch.device):
 def cache_keyword(model) -> str:
     """The name transformers' forward takes the KV cache by: `cache` from 5.24 (`past_key_values` deprecated
     there, to go in 5.40), `past_key_values` before; the output carries it under the same name."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(methods.base_of(model).forward).parameters else "past_key_values"
 
 
 Each = Callable[[torch.Tensor], bool]  # called with each step's (B,) new tokens; True stops the decoding
@@ -79,7 +80,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
     stop the decoding. The caller holds the model in eval mode under its autocast (inference.Placed.running)."""
     if max_new_tokens <= 0:
         return ids.new_zeros((ids.shape[0], 0))
-    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+    if methods.is_prompt_learning(model):
         return _by_generate(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each)
     device = ids.device
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -21,6 +21,17 @@ _AUTO_TARGETS = (("q_proj", "v_proj"), ("qkv_proj",), ("c_attn",), ("query_key_v
                  ("query", "value"))
 
 
+def base_of(model):
+    """The transformers model under a PEFT wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def is_prompt_learning(model) -> bool:
+    """A PEFT prefix, prompt or p-tuning model: its virtual tokens go in through its own forward and generate's
+    input preparation, not through the base model's layers."""
+    return bool(getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False))
+
+
 def load_quantized(loaded: models.Loaded, spec: str, bits: str, compute_dtype: torch.dtype, allow_download: bool):
     """Reload the base through bitsandbytes: nf4 with double quant, or LLM.int8."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig

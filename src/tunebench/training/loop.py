@@ -20,6 +20,7 @@ import torch
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.core.errors import TunebenchError
+from tunebench.model import methods
 from tunebench.model.kernels import cross_entropy_sum, linear_cross_entropy_sum
 from tunebench.core.precision import autocast
 
@@ -84,10 +85,9 @@ def body_and_head(model):
     Running the head only on positions that carry loss skips the logits (and their gradient) of
     prompt and padding positions: with a 49k vocabulary that is a fifth of the model's FLOPs.
     """
-    config = getattr(model, "active_peft_config", None)
-    if getattr(config, "is_prompt_learning", False):
+    if methods.is_prompt_learning(model):
         return None  # prefix and prompt tuning add their virtual tokens in the PEFT model's own forward
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = methods.base_of(model)
     c = inner.config
     if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) or getattr(
             c, "output_multiplier_scale", None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebench.model import kernels
+from tunebench.model import kernels, methods
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.core.decision import Decision as Row
@@ -31,7 +31,7 @@ def unsupported(model, impl: str) -> str | None:
     """Why `model`'s architecture cannot run kernel `impl` (None if it can), from the flags transformers
     keeps on each model class. Gemma 2 has no sdpa path (its logits soft-capping is in eager and flex only);
     ours falls back to sdpa for anything but plain causal attention, so it needs sdpa too."""
-    base = getattr(model, "get_base_model", lambda: model)()
+    base = methods.base_of(model)
     name = type(base).__name__
     if impl in ("sdpa", kernels.NAME) and not getattr(base, "_supports_sdpa", True):
         return f"{name} has no sdpa attention in transformers"
