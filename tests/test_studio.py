@@ -98,7 +98,7 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     with pytest.raises(TunebenchError, match="'second' is already queued"):  # no directory yet, but taken
         s.start(studio.Ask(data, "second", "tiny"))
     deadline = time.monotonic() + 30
-    while len(studio.metrics(runs / "first")["loss"]) < 3 and time.monotonic() < deadline:
+    while len(studio.loss_points(runs / "first")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert s.state("first") == "running" and s.state("second") == "queued"
     assert s.queue_text() == "Training: **first**; waiting: second"
@@ -122,12 +122,12 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
         s.stop("first")
 
 
-def test_metrics_skip_a_half_written_line(tmp_path):
+def test_loss_points_skip_a_half_written_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n"
                                             + json.dumps({"step": 0, "eval_loss": 3.0}) + "\n{\"step\": 2, \"lo")
-    got = studio.metrics(tmp_path)
-    assert got["loss"] == [{"step": 1, "value": 2.0, "series": "train loss"},
-                           {"step": 0, "value": 3.0, "series": "eval loss"}]
+    got = studio.loss_points(tmp_path)
+    assert got == [{"step": 1, "value": 2.0, "series": "train loss"},
+                   {"step": 0, "value": 3.0, "series": "eval loss"}]
 
 
 def test_dpo_from_votes_queues_a_dpo_run_on_the_votes_from_the_runs_base(tmp_path):

@@ -348,25 +348,14 @@ class Studio:
         return self.runs_dir / name
 
 
-def metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """The run's curves as rows {step, value, series}, read from metrics.jsonl and monitor.jsonl as they grow:
-    loss (train and eval), tokens/s and memory (MB: the process's resident set, every second, x as seconds)."""
-    out: dict[str, list[dict[str, Any]]] = {"loss": [], "tokens_per_s": [], "memory_mb": []}
-    run = RunDir(run_dir)
-    for row in records(run.metrics_file):
-        step = row.get("step")
+def loss_points(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's loss curve as rows {step, value, series}, train and eval, read from metrics.jsonl as it grows:
+    how far the live view has come (its charts are the run report's)."""
+    out = []
+    for row in records(RunDir(run_dir).metrics_file):
         for key, series in (("loss", "train loss"), ("eval_loss", "eval loss")):
             if isinstance(row.get(key), (int, float)):
-                out["loss"].append({"step": step, "value": row[key], "series": series})
-        if isinstance(row.get("tokens_per_s"), (int, float)):
-            out["tokens_per_s"].append({"step": step, "value": row["tokens_per_s"], "series": "tokens/s"})
-    monitor = records(run.path / "monitor.jsonl")
-    if monitor:
-        t0 = monitor[0].get("time", 0)
-        for row in monitor:
-            if isinstance(row.get("process_rss_mb"), (int, float)):
-                out["memory_mb"].append({"step": round(row["time"] - t0, 1), "value": row["process_rss_mb"],
-                                         "series": "process RSS MB"})
+                out.append({"step": row.get("step"), "value": row[key], "series": series})
     return out
 
 

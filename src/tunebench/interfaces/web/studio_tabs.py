@@ -151,10 +151,10 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
                     drawn[run] = (key, studio_.live_charts(run_dir))
                 images = [gr.update(value=_image(png), label=caption, visible=png is not None)
                           for caption, png in drawn[run][1]]
-            m = studio_.metrics(run_dir)
+            loss = studio_.loss_points(run_dir)
             return (studio.queue_text(), f"**{run}**: {studio.state(run)}", *images,
-                    f"{sum(r['series'] == 'train loss' for r in m['loss'])} train-loss points, "
-                    f"{sum(r['series'] == 'eval loss' for r in m['loss'])} eval-loss points", studio.log_tail(run),
+                    f"{sum(r['series'] == 'train loss' for r in loss)} train-loss points, "
+                    f"{sum(r['series'] == 'eval loss' for r in loss)} eval-loss points", studio.log_tail(run),
                     (run, key))
 
         live = [queue, state, *plots, points, log, shown]
