@@ -38,8 +38,9 @@ def served(tmp_path_factory):
                                                            "train.lr": lr}))
         runs.append(str(root / name))
     port = _port()
-    server = app.serve(["tiny"], runs, port=port, ab_db=str(root / "ab.sqlite"), block=False, auth="ann:s3cret")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0, timeout=120)
+    server = app.serve(["tiny"], runs, port=port, ab_db=str(root / "ab.sqlite"), block=False, auth="ann:s3cret",
+                       api_key="sk-api-key")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-api-key", max_retries=0, timeout=120)
     yield client, runs, port
     server.close()
 
@@ -51,12 +52,13 @@ def _alone(spec, messages, max_new_tokens, raw=False, **kw):
     return done
 
 
-def test_the_models_are_listed_by_name_and_the_key_is_the_login_password(served):
+def test_the_models_are_listed_by_name_and_the_key_is_its_own_not_the_login_password(served):
     client, runs, port = served
     assert [m.id for m in client.models.list()] == ["tiny", *runs]
-    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError, match="the --auth password"):
-        wrong.models.list()
+    for key in ("nope", "s3cret"):  # a wrong key, and the page's password, which is no API key
+        wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="needs its API key"):
+            wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 

@@ -196,7 +196,7 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     runs, db, port = tmp_path / "runs", tmp_path / "ab.sqlite", _free_port()
-    served = app.serve([str(bpe_model)], [], port=port, ab_db=str(db), block=False, runs_dir=str(runs))
+    served = app.serve([str(bpe_model)], [], port=port, ab_db=str(db), block=False, runs_dir=str(runs), no_auth=True)
     browser = _browser(chromium)
     wait, slow = WebDriverWait(browser, 60), WebDriverWait(browser, 240)
 

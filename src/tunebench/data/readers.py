@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,13 @@ def resolve_path(spec: str) -> Path:
     return path
 
 
-def _utf8(path: Path) -> str:
+def _utf8(path: Path, lines: int | None = None) -> str:
+    """The file's text; with `lines`, its first `lines` lines only (JSON lines: a record a line)."""
     try:
-        return path.read_text(encoding="utf-8-sig")
+        if lines is None:
+            return path.read_text(encoding="utf-8-sig")
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            return "".join(itertools.islice(f, lines))
     except UnicodeDecodeError as e:
         raise TunebenchError(
             f"dataset '{path}' is not UTF-8 text (bad byte at offset {e.start}); re-save it as UTF-8"
@@ -68,10 +73,11 @@ def _json_records(path: Path, text: str) -> list[Record]:
     return data
 
 
-def _csv_records(path: Path, text: str) -> list[Record]:
-    """Rows of a CSV file, refused at the first line that does not parse: the csv module's default
-    reading swallows everything after an unclosed quote into one field and trains on that."""
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+def _csv_records(path: Path, text, limit: int | None = None) -> list[Record]:
+    """Rows of a CSV file (its text, or the open file; the first `limit` rows), refused at the first line that
+    does not parse: the csv module's default reading swallows everything after an unclosed quote into one field
+    and trains on that."""
+    reader = csv.reader(io.StringIO(text, newline="") if isinstance(text, str) else text, strict=True)
     start = 1  # the line the current record begins on
     try:
         header = next(reader, [])
@@ -86,6 +92,8 @@ def _csv_records(path: Path, text: str) -> list[Record]:
                     "quote fields that contain commas (\"a, b\") and fix that line")
             if fields:  # a blank line is no record
                 rows.append(dict(zip(header, fields)))
+                if limit is not None and len(rows) >= limit:
+                    break
             start = reader.line_num + 1
     except csv.Error as e:
         if "unexpected end of data" in str(e):
@@ -95,20 +103,32 @@ def _csv_records(path: Path, text: str) -> list[Record]:
     return rows
 
 
-def read_records(spec: str) -> list[Record]:
+def read_records(spec: str, limit: int | None = None) -> list[Record]:
+    """The file's records; with `limit`, its first `limit` only, read without loading the rest (a preview of a
+    large upload; a JSON array is the exception: it parses whole)."""
     path = resolve_path(spec)
     if path.is_dir():
-        return _read_hf_dir(path)
+        return _read_hf_dir(path)[:limit]
     suffix = path.suffix.lower()
-    if suffix == ".csv":
+    if suffix == ".csv" and limit is not None:  # read as a stream: a quoted field may hold line breaks
+        try:
+            with open(path, encoding="utf-8-sig", newline="") as f:
+                rows = _csv_records(path, f, limit)
+        except UnicodeDecodeError as e:
+            raise TunebenchError(f"dataset '{path}' is not UTF-8 text ({e.reason}); re-save it as UTF-8") from e
+    elif suffix == ".csv":
         rows = _csv_records(path, _utf8(path))
     elif suffix in (".json", ".jsonl"):
-        rows = _json_records(path, _utf8(path))
+        rows = _json_records(path, _utf8(path, limit if suffix == ".jsonl" else None))
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
-            rows = pq.read_table(path).to_pylist()
+            if limit is None:
+                rows = pq.read_table(path).to_pylist()
+            else:
+                first = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
+                rows = first.to_pylist() if first is not None else []
         except Exception as e:  # pyarrow raises several types for a bad file
             raise TunebenchError(f"dataset '{path}' is not a readable Parquet file ({e}); check the file") from e
     elif suffix in (".sqlite", ".sqlite3", ".db"):
@@ -118,7 +138,22 @@ def read_records(spec: str) -> list[Record]:
         raise TunebenchError(f"dataset '{path}' has suffix '{suffix}'; use .csv, .json, .jsonl or .parquet")
     if not all(isinstance(r, dict) for r in rows):
         raise TunebenchError(f"dataset '{path}' must hold records (objects with named fields)")
-    return rows
+    return rows[:limit]
+
+
+def check_parquet(path: Path, max_bytes: int) -> None:
+    """Refuse a Parquet file whose rows would unpack to more than `max_bytes`, from its metadata alone (a few
+    compressed megabytes can hold gigabytes of repeated text)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise TunebenchError(f"'{path.name}' is not a readable Parquet file ({e}); check the file") from e
+    size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if size > max_bytes:
+        raise TunebenchError(f"'{path.name}' unpacks to {size / 2 ** 20:,.0f} MB, over the {max_bytes / 2 ** 20:,.0f} MB "
+                             "this server reads; train it from a terminal, or upload a smaller part")
 
 
 def _read_hf_dir(path: Path) -> list[Record]:

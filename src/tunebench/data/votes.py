@@ -7,6 +7,7 @@ timeout, so two people voting at once (threads of one server, or two servers on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sqlite3
@@ -64,6 +65,9 @@ def open_store(path: str | Path) -> Path:
                 con.execute("ALTER TABLE votes ADD COLUMN pair_id TEXT")  # a store from before one vote per pair
             # One vote per answer pair, enforced where two fast clicks (two handler threads) meet: here.
             con.execute("CREATE UNIQUE INDEX IF NOT EXISTS votes_pair ON votes(pair_id)")
+            if "key" not in {row[1] for row in con.execute("PRAGMA table_info(feedback)")}:
+                con.execute("ALTER TABLE feedback ADD COLUMN key TEXT")  # a store from before one judgement an answer
+            con.execute("CREATE UNIQUE INDEX IF NOT EXISTS feedback_key ON feedback(key)")
         finally:
             con.close()
     except sqlite3.DatabaseError as e:
@@ -102,14 +106,19 @@ def record(path: str | Path, prompt: str, model_a: str, model_b: str, answer_a: 
 
 def record_feedback(path: str | Path, messages: list[dict], model: str, answer: str, liked: bool,
                     settings: dict) -> int:
-    """Store one thumbs up (liked) or down on a chat answer; returns its id."""
+    """Store one thumbs up (liked) or down on a chat answer; returns its id. An answer (its conversation, model
+    and text) holds one judgement: clicked again, the newer one replaces it (KTO would count a repeat twice)."""
+    text = json.dumps(messages, ensure_ascii=False)
+    key = hashlib.sha256(json.dumps([text, model, answer]).encode()).hexdigest()
     con = connect(path)
     try:
-        cur = con.execute(
-            "INSERT INTO feedback (created, messages, model, answer, liked, settings) VALUES (?, ?, ?, ?, ?, ?)",
-            (datetime.now(timezone.utc).isoformat(timespec="seconds"), json.dumps(messages, ensure_ascii=False),
-             model, answer, int(bool(liked)), json.dumps(settings, sort_keys=True)))
-        return int(cur.lastrowid)
+        con.execute(
+            "INSERT INTO feedback (created, messages, model, answer, liked, settings, key) VALUES (?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET liked = excluded.liked, created = excluded.created, "
+            "settings = excluded.settings",
+            (datetime.now(timezone.utc).isoformat(timespec="seconds"), text, model, answer, int(bool(liked)),
+             json.dumps(settings, sort_keys=True), key))
+        return int(con.execute("SELECT id FROM feedback WHERE key = ?", (key,)).fetchone()[0])
     finally:
         con.close()
 

@@ -51,12 +51,22 @@ def _serve(args: argparse.Namespace) -> int | None:
     app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
               args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
               no_auth=args.no_auth, device=args.device, precision=args.precision,
-              runs_dir=None if args.no_studio else args.runs_dir)
+              runs_dir=None if args.no_studio else args.runs_dir or "runs", runs_dir_asked=args.runs_dir is not None,
+              api_key=args.api_key or os.environ.get("TUNEBENCH_API_KEY") or None, studio_models=args.studio_model,
+              allowed_host=args.allowed_host)
+
+
+def new_file(path: str, flag: str) -> None:
+    """A file a command writes is a new one: an existing file (the A/B store itself, say) is never replaced."""
+    if os.path.lexists(path):
+        raise TunebenchError(f"{flag} {path} already exists; give a new file name (or delete that file first)")
 
 
 def _ab_report(args: argparse.Namespace) -> int | None:
     from tunebench.data import votes
 
+    if args.export_pairs:
+        new_file(args.export_pairs, "--export-pairs")
     print(votes.report(args.path))
     if args.export_pairs:
         from tunebench.data import pairs
@@ -155,6 +165,8 @@ def _bench_data(args: argparse.Namespace) -> int | None:
 def _hw(args: argparse.Namespace) -> int | None:
     from tunebench.jobs import hw
 
+    if args.text:
+        new_file(args.text, "--text")
     hw.run(as_json=args.json, text=args.text, machine_record=args.machine)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 from tunebench import __version__
@@ -132,6 +133,27 @@ class _Parser(argparse.ArgumentParser):
         raise TunebenchError(f"{message}; see `{self.prog} --help`")
 
 
+def positive(text: str) -> int:
+    """argparse's type for a count that must be 1 or more (a bad one is refused before anything loads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
+    return value
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number: pass one from 1 to 65535, e.g. 7860")
+    return value
+
+
 def _add_debug(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
@@ -207,19 +229,29 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", action="append", default=[], help="a base model spec or model directory (repeatable; "
                                                                    "default: SmolLM2 when nothing else is given)")
     sv.add_argument("--adapter", action="append", default=[], help="a training run directory (repeatable)")
-    sv.add_argument("--port", type=int, default=7860)
+    sv.add_argument("--port", type=port, default=7860, help="1 to 65535 (default 7860)")
     sv.add_argument("--host", default="127.0.0.1",
                     help="0.0.0.0 to be reached from other machines (then --auth, or --no-auth on purpose)")
     sv.add_argument("--ab-db", default="tunebench-ab.sqlite", help="A/B votes database (default ./tunebench-ab.sqlite)")
     sv.add_argument("--prompts", default=None, help="a prompt set (JSONL or CSV) for the A/B tab")
-    sv.add_argument("--runs-dir", default="runs", help="where the Train tab's runs go and the Runs tab looks "
-                                                       "(default ./runs)")
+    sv.add_argument("--runs-dir", default=None, help="where the Train tab's runs go and the Runs tab looks "
+                                                     "(default ./runs); the tabs need --auth, or --no-auth on purpose")
+    sv.add_argument("--studio-model", action="append", default=[], metavar="DIR",
+                    help="a model directory the Train tab may start runs from, besides the presets, the served bases "
+                         "and the runs (repeatable)")
     sv.add_argument("--no-studio", action="store_true", help="serve chat and A/B only: no Train or Runs tab")
     sv.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
     sv.add_argument("--auth", default=None, metavar="USER:PASS",
                     help="a login for the page (default: $TUNEBENCH_AUTH, which keeps the password out of `ps`); "
                          "required with a --host other machines can reach")
-    sv.add_argument("--no-auth", action="store_true", help="serve a non-loopback --host without a login, on purpose")
+    sv.add_argument("--no-auth", action="store_true", help="serve without a login on purpose: a non-loopback --host, "
+                                                            "or the Train and Runs tabs to every local user")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="the OpenAI-compatible API's own key, sent as 'Authorization: Bearer KEY' (default: "
+                         "$TUNEBENCH_API_KEY); with a login and no key, the API is closed")
+    sv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                    help="a Host name a server without a login answers besides its own (repeatable; the others "
+                         "are refused, which keeps DNS-rebinding pages out)")
     _placement_options(sv)
     _add_debug(sv)
 
@@ -267,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--raw", action="store_true", help="no chat template or prompt format")
         p.add_argument("--template", default=None,
                        help="prompt format, as train's --template (default: the one the run trained with)")
-        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--max-new-tokens", type=positive, default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         _placement_options(p)
         _add_debug(p)
@@ -318,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", action="store_true", help="also evaluate the adapters' base model, for a base vs tuned table")
     p.add_argument("--generate", type=int, default=0,
                    help="answer N held-out rows (greedy, the run's prompt format) and score them")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="the cap on each answer (default 128)")
+    p.add_argument("--max-new-tokens", type=positive, default=128, help="the cap on each answer (default 128)")
     p.add_argument("--output-dir", default="eval-results",
                    help="where the answers (answers-MODEL.jsonl) and scores.json go (default eval-results)")
     p.add_argument("--lm-eval", default=None, metavar="TASKS",
@@ -329,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=positive, default=8)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                    help="auto (default: a GPU when present) | cpu | cuda | mps")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
@@ -430,7 +462,23 @@ def train_config(args: argparse.Namespace):
             raise TunebenchError("give the hardware profile once (--profile NAME or hardware=NAME)")
         profile = hydra[0].split("=", 1)[1]
         overrides = [o for o in overrides if o not in hydra]
-    return load_config(configs[0] if configs else None, options, overrides, profile)
+    cfg = load_config(configs[0] if configs else None, options, overrides, profile)
+    if configs and cfg.output.resume:
+        check_resumed_where_saved(Path(configs[0]), Path(cfg.output.output_dir))
+    return cfg
+
+
+def check_resumed_where_saved(config: Path, out: Path) -> None:
+    """`train RUN/config.yaml --resume` continues RUN: a config saved in a run's directory whose output_dir names
+    another place (the run was renamed or moved since) is refused, rather than resumed into that other place."""
+    from tunebench.settings.rundir import RunDir
+
+    home = RunDir(config.resolve().parent)
+    if home.config_file != config.resolve() or not (home.checkpoints.is_dir() or home.metrics_file.is_file()):
+        return  # not a run's own saved config
+    if out.resolve() != home.path:
+        raise TunebenchError(f"{config} is the saved config of the run in {home.path}, and its output_dir is {out}; "
+                             f"resume it where it is with --output-dir {home.path}")
 
 
 OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")

@@ -17,7 +17,7 @@ from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig, dump_yaml
-from tunebench.training import grpo, optim, preference, rewards, runner, runplan
+from tunebench.training import checkpoint, grpo, optim, preference, rewards, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.training.tune import compiler
 from tunebench.training.tune.probe import probe_step
@@ -29,6 +29,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                              a.epsilon_high, a.loss_type, a.scale_rewards)
     # -- every input checked before anything expensive: the prompts, the rewards and the columns they read
     rows = prompts.load(d)
+    code = rewards.files(a.reward)  # a resume runs the user's reward file again: the same file, or refused
+    if code and cfg.output.resume:
+        checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
     scoring = rewards.parse(a.reward, a.reward_weights)
     rewards.check_columns(scoring, rows.column_names(), d.path)
     print(f"data: {len(rows)} prompt(s) from {d.path}; rewards: " + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
@@ -36,7 +39,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     models.check_spec(cfg.model.name, cfg.model.allow_download)
 
     # -- the run opened, the model and prompts
-    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": s.seed, "data": d.path}
+    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": s.seed, "data": d.path,
+                **({"reward_files": code} if code else {})}
     opened = runner.open_run(cfg, identity)
     world, device, effective = opened.world, opened.device, opened.effective
     with distributed.local_rank0_first(world):

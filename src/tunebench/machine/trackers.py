@@ -28,6 +28,7 @@ import queue
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,15 @@ from tunebench.core.jsonfile import read_json, write_json
 
 STALL_S = 60.0  # at the end, a tracker that completes nothing for this long is given up on
 OPEN_WAIT_S = 30.0  # the loop waits this long at most for the trackers to open (imports, a server's first reply)
+
+
+def redact(uri: str) -> str:
+    """A tracking URI as it may be printed: a password in it (http://user:secret@host) shown as ***."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,7 @@ class MLflow:
         changed = [RunTag(f"resumed/{k}"[:250], v) for k, v in flat.items() if k in have and have[k] != v]
         client.log_batch(self.run_id, params=[Param(k, v) for k, v in flat.items() if k not in have],
                          tags=changed)  # the client sends them in batches of MLflow's limits
-        print(f"tracking: mlflow run {self.run_id} in experiment '{where.project}' at {client.tracking_uri}")
+        print(f"tracking: mlflow run {self.run_id} in experiment '{where.project}' at {redact(client.tracking_uri)}")
         return self.run_id
 
     def _experiment(self, name: str) -> str:
@@ -204,7 +214,9 @@ class WandB:
     def open(self, where: Where, resume_id: str | None, params: Params) -> str:
         import wandb
 
-        self.run = wandb.init(project=where.project, name=where.run_name, group=where.group, dir=str(where.out),
+        # the user's WANDB_DIR wins where it is set (init's dir= would override it); else the run directory
+        self.run = wandb.init(project=where.project, name=where.run_name, group=where.group,
+                              dir=os.environ.get("WANDB_DIR") or str(where.out),
                               config=params.nested, id=resume_id, resume="must" if resume_id else None,
                               reinit="create_new")
         self.name = where.run_name

@@ -41,6 +41,7 @@ def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, t
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the tokens before the mass reaches top_p, and it
+        keep[:, 0] = True  # the likeliest always (top_p 0 would keep nothing, and token 0 would come out forever)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
     cdf = probs.cumsum(-1)
     u = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]

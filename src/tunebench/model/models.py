@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tunebench.core.paths import cache_dir  # noqa: F401 - models.cache_dir, the
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRESETS = ("tiny", "gpt2-124m", SMOLLM2)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")  # the hub's own rule, checked before it is asked
 
 
 
@@ -224,6 +226,9 @@ def check_spec(spec: str, allow_download: bool = False) -> Path | None:
         return path
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise TunebenchError(f"model path '{spec}' is not a HF directory or .gguf file; check --model")
+    if not HUB_ID.match(spec):
+        raise TunebenchError(f"model '{spec}' is not a preset ({', '.join(PRESETS)}), a local path, or a hub id "
+                             "(letters, digits, '-', '_', '.', one '/': org/name); check --model")
     if not allow_download:
         from huggingface_hub import try_to_load_from_cache
 

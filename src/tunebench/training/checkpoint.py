@@ -22,7 +22,7 @@ import torch
 
 from tunebench.machine import distributed
 
-from tunebench.core import durable
+from tunebench.core import durable, runlock
 from tunebench.machine.distributed import World
 from tunebench.core.errors import TunebenchError
 from tunebench.training.loop import LoopState
@@ -174,6 +174,14 @@ def check_identity(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def check_before_resume(out: str | Path, resume: str, identity: dict[str, Any]) -> None:
+    """The checkpoint a resume would continue from, checked against `identity` before the run opens: for what
+    must be refused before it runs at all (a reward file that changed since would run on import)."""
+    found = find(resume, RunDir(Path(out)).checkpoints)
+    if found is not None:
+        check_identity(found, identity)
+
+
 def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None,
          world: World = World()) -> LoopState:
     """Restore a checkpoint into a freshly built run, on every rank. The schedule is the new run's (its
@@ -206,6 +214,9 @@ def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scal
 # -- the output directory and the checkpoint a run resumes from, decided before anything expensive
 def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
     """Check the output directory is writable, and never silently replace an earlier run in it."""
+    if resume and not path.exists():  # a mistyped --output-dir: said, not a silent step 0
+        print(f"resume: --output-dir '{path}' does not exist, so it holds no checkpoint to continue from; starting a "
+              f"new run there from step 0 (check the path if you meant to continue a run)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -213,6 +224,7 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
+    runlock.hold(path)  # before anything below deletes: a second process must not touch a live run's files
     run = RunDir(path)
     clean_stale(run.checkpoints)
     durable.clean_stale(path)  # a final save (durable.atomic_files) killed before its files moved into place

@@ -16,6 +16,7 @@ function that is not there.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 import re
@@ -72,6 +73,17 @@ def one(spec: str, weight: float) -> Reward:
         return Reward(kind, weight, lambda p, c, cols: [float(test(x, str(ref))) for x, ref in zip(c, cols[column])],
                       column)
     return user_function(spec, weight)
+
+
+def files(specs: Sequence[str]) -> dict[str, str]:
+    """{path: sha256} of the user's reward files among `specs`, read without running them: a run records them, and
+    a resume refuses a file that changed since (the function would run other code than the run trained with)."""
+    out = {}
+    for spec in specs:
+        path = spec.rpartition(":")[0]
+        if spec.partition(":")[0] not in BUILT_IN and path.endswith(".py") and Path(path).is_file():
+            out[str(Path(path).resolve())] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return out
 
 
 def user_function(spec: str, weight: float) -> Reward:

@@ -7,12 +7,13 @@ A job builds its model, data and decisions, then hands them here; the loop itsel
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from tunebench.training import checkpoint, runplan
 
 from tunebench.machine import distributed, hardware, trackers
 
-from tunebench.core import startup
+from tunebench.core import runlock, startup
 from tunebench.core import precision as precision_
 from tunebench.core.batch_rule import BatchAsk
 from tunebench.data import batching
@@ -145,16 +146,25 @@ def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extr
     return write
 
 
-def tracking(opened: Opened, logging) -> trackers.Tracking:
+@contextlib.contextmanager
+def tracking(opened: Opened, logging) -> Iterator[trackers.Tracking]:
     """The run's experiment trackers (logging.report_to) on rank 0, named by logging.project, run_name and
-    group; none elsewhere. A resumed run reopens its own tracker runs."""
+    group; none elsewhere. A resumed run reopens its own tracker runs. Closing it ends the run: the trackers
+    get its outcome, and the run directory's lock (core.runlock, taken when the run opened) is let go."""
     from tunebench.settings.tracking import names
 
     if not opened.world.main or logging.report_to == "none":
-        return trackers.Tracking()
-    where = trackers.Where(opened.out, logging.project or "tunebench", logging.run_name or opened.out.resolve().name,
-                           logging.group, Path(logging.logging_dir) if logging.logging_dir else None)
-    return trackers.Tracking(names(logging.report_to), where, resume=opened.resume_from is not None)
+        found = trackers.Tracking()
+    else:
+        where = trackers.Where(opened.out, logging.project or "tunebench",
+                               logging.run_name or opened.out.resolve().name, logging.group,
+                               Path(logging.logging_dir) if logging.logging_dir else None)
+        found = trackers.Tracking(names(logging.report_to), where, resume=opened.resume_from is not None)
+    try:
+        with found:
+            yield found
+    finally:
+        runlock.release(opened.out)
 
 
 def steps_row(cfg, steps: int, what: str) -> Decision:
@@ -333,6 +343,28 @@ def objective(model, autocast_dtype, device: torch.device, world: World, paralle
     return distributed.wrap_ddp(loss, world, device), loss, True
 
 
+class StopRequest:
+    """Ctrl-C or SIGTERM asks the loop to stop after this step and save a checkpoint. A second Ctrl-C (a person
+    at a terminal, more than a second after the first) aborts without it; SIGTERM never does: it is what a
+    process manager or the studio's Stop sends, and a second Stop click must not throw away the checkpoint
+    being written (the only one, with the studio's defaults)."""
+
+    def __init__(self, rank: int | None = None):
+        self.requested, self.at, self.rank = False, 0.0, rank
+
+    def on_signal(self, signum, frame) -> None:
+        # torchrun passes the terminal's Ctrl-C on to its workers, which got it already: a repeat within a
+        # second is the same request, not the second one that aborts.
+        if self.requested:
+            if signum == signal.SIGINT and time.monotonic() - self.at > 1.0:
+                raise KeyboardInterrupt
+            return
+        self.requested, self.at = True, time.monotonic()
+        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+        print(f"\n{signal.Signals(signum).name}" + (f" (rank {self.rank})" if self.rank is not None else "")
+              + f": saving a checkpoint after this step{again}", flush=True)
+
+
 def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
              next_micro_batch: Callable[[LoopState], Batch | None],
              evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
@@ -342,8 +374,8 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train `objective_` (from
     `objective`) to `settings.total_steps` with checkpoints, evaluate again.
 
-    Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second one
-    aborts); under several ranks, a signal to any one stops all of them at the same step.
+    Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second Ctrl-C
+    aborts; see StopRequest); under several ranks, a signal to any one stops all of them at the same step.
     `after_eval(step)` adds fields to each eval record (sample generations, say). Every record and monitor
     sample also goes to `tracking`.
     `probed_tokens_per_s`, what the probe measured for this micro batch, is what the loop's speed is
@@ -359,17 +391,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
         say(world, f"resume: continuing from {resume} (step {state.step})")
     metrics = MetricsWriter(out / "metrics.jsonl", tracking.log) if world.main else None
     log = metrics or (lambda record: None)
-    stop = {"requested": False, "at": 0.0}
-
-    def on_signal(signum, frame):
-        # torchrun passes the terminal's Ctrl-C on to its workers, which got it already: a repeat within a
-        # second is the same request, not the second one that aborts.
-        if stop["requested"] and time.monotonic() - stop["at"] > 1.0:
-            raise KeyboardInterrupt
-        if not stop["requested"]:
-            stop["requested"], stop["at"] = True, time.monotonic()
-            print(f"\n{signal.Signals(signum).name}" + (f" (rank {world.rank})" if world.backend else "")
-                  + ": saving a checkpoint after this step (again to abort)")
+    stop = StopRequest(world.rank if world.backend else None)
 
     def save(s: LoopState):
         path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, save_total_limit, scaler, world)
@@ -388,12 +410,12 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
     watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size, log,
                           settings.warmup_steps_excluded) if world.main else (lambda step, seconds, positions: None)
     hooks = Hooks(log=log, evaluate=run_eval if evaluate else None, save=save,
-                  should_stop=lambda: stop["requested"], step_done=watch)
+                  should_stop=lambda: stop.requested, step_done=watch)
     before = run_eval(0) if evaluate and state.step == 0 else None
     if before:
         log({"step": 0, **before})
         say(world, f"eval before training: {describe_eval(before)}")
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, stop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     wall = time.perf_counter()
     try:
         try:

@@ -20,8 +20,8 @@ from pathlib import Path
 from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
 from tunebench.interfaces.web import openai_api
-from tunebench.interfaces.web.models import (MAX_PROMPT_CHARS, PER_CLIENT, Busy, ClientLimit, Registry, entries,
-                                             load_prompts, stream)
+from tunebench.interfaces.web.models import (MAX_PROMPT_CHARS, PER_CLIENT, Busy, ClientLimit, Pending, Registry,
+                                             client_of, entries, load_prompts, stream)
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
 
@@ -29,6 +29,8 @@ VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad":
 def check_port(host: str, port: int) -> None:
     """The port is free on `host`, in the host's own address family (an IPv6 host such as ::1 was tried as
     IPv4 and reported as a port in use); a host that does not resolve is said as that."""
+    if isinstance(port, bool) or not 1 <= port <= 65535:
+        raise TunebenchError(f"--port {port} is not a port number; pass one from 1 to 65535, e.g. --port 7860")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
@@ -71,16 +73,6 @@ class Blinded:
                 if now - opened > self.seconds:
                     del self._pairs[pair_id]
             return any(label in labels for labels, _ in self._pairs.values())
-
-
-def client_of(request) -> str:
-    """Who sends a request (Gradio's, or the API's Starlette one): the login where there is one, else the address
-    it comes from."""
-    if request is None:
-        return "local"
-    user = getattr(request, "username", None)
-    host = getattr(getattr(request, "client", None), "host", None)
-    return f"user:{user}" if user else f"host:{host or 'unknown'}"
 
 
 def chat_turn(registry: Registry, label: str, message: str, history: list[dict], temperature: float, top_p: float,
@@ -239,7 +231,8 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
             raise gr.Error(str(e)) from None
 
     results_head = votes.table(db)[0] if db.is_file() else []
-    with gr.Blocks(title="tunebench", analytics_enabled=False) as app:
+    # delete_cache: the live view's charts and the uploads' copies go after an hour, not at the server's end
+    with gr.Blocks(title="tunebench", analytics_enabled=False, delete_cache=(600, 3600)) as app:
         gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, compare them blind"
                     + (", and train new ones." if studio else "."))
         with gr.Tabs() as tabs:
@@ -354,9 +347,11 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 QUEUE_SIZE = 16  # requests waiting for a generation; more are turned away rather than queued for hours
+API_PENDING = 6  # the API's generations waiting or running, from everyone (see models.Pending)
 MAX_UPLOAD = "1mb"  # a prompt set is text: a megabyte is thousands of prompts
 PROMPT_SET_BYTES = 2 ** 20
 MAX_UPLOAD_STUDIO = "200mb"  # the Train tab takes training data
+FAILED_LOGIN_DELAY_S = 1.0  # a wrong password is answered after this, one at a time: guessing is slow
 
 
 def parse_auth(auth: str | None) -> tuple[str, str] | None:
@@ -378,20 +373,97 @@ def check_exposure(host: str, auth: tuple[str, str] | None, no_auth: bool) -> No
         raise TunebenchError("--auth and --no-auth contradict each other; give one")
 
 
+def studio_allowed(runs_dir: str | None, asked: bool, auth: tuple[str, str] | None, no_auth: bool) -> str | None:
+    """The runs directory the Train and Runs tabs get, or None. They start training, export and load models on
+    this machine, so they need a login, or --no-auth said on purpose: loopback is shared by every local user
+    (and a web page can reach it). A --runs-dir asked for without either is refused; the default is left off,
+    said in one line."""
+    if runs_dir is None or auth is not None or no_auth:
+        return runs_dir
+    if asked:
+        raise TunebenchError("the Train and Runs tabs start training on this machine: give --auth USER:PASS (or "
+                             "TUNEBENCH_AUTH), or --no-auth to open them to every local user on purpose")
+    print("tunebench serve: the Train and Runs tabs are off: they start training on this machine, and there is no "
+          "login; give --auth USER:PASS, or --no-auth to open them to every local user on purpose", flush=True)
+    return None
+
+
+def allowed_hosts(host: str, extra: list[str]) -> set[str]:
+    """The Host headers a server without a login answers: its loopback names, the address it listens on, this
+    machine's own names and addresses when it listens on all of them, and the operator's --allowed-host. Any
+    other (a DNS-rebinding page's own name, pointed at this machine) is refused."""
+    names = {"127.0.0.1", "localhost", "::1", host.strip("[]").lower(), *(h.lower() for h in extra)}
+    if host in ("0.0.0.0", "::"):
+        import psutil
+
+        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        names |= {a.address.split("%")[0].lower() for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return names
+
+
+class HostAllowlist:
+    """ASGI middleware: a request whose Host header is not an allowed name gets 403. Written here because
+    Starlette's TrustedHostMiddleware cuts the header at its first ':', which breaks an IPv6 literal ([::1]:7860)."""
+
+    def __init__(self, app, allowed: set[str]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()
+            name = host[1:host.find("]")] if host.startswith("[") else host.split(":")[0]
+            if name not in self.allowed:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = b"this server answers only its own host names (serve --allowed-host adds one)"
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def login_check(credentials: tuple[str, str]):
+    """Gradio's login check: the one USER:PASSWORD; a wrong one answered after FAILED_LOGIN_DELAY_S, one at a time."""
+    import asyncio
+    import secrets
+
+    failures = asyncio.Lock()
+
+    async def check(user: str, password: str) -> bool:
+        if user == credentials[0] and secrets.compare_digest(password.encode(), credentials[1].encode()):
+            return True
+        async with failures:
+            await asyncio.sleep(FAILED_LOGIN_DELAY_S)
+        return False
+    return check
+
+
 def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", port: int = 7860,
           ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None, allow_download: bool = False,
           block: bool = True, auth: str | None = None, no_auth: bool = False, device: str = "auto",
-          precision: str = "auto", runs_dir: str | None = None):
+          precision: str = "auto", runs_dir: str | None = None, runs_dir_asked: bool = True,
+          api_key: str | None = None, studio_models: list[str] = (), allowed_host: list[str] = ()):
     """Check every input (exposure, models, port, database, prompt file), then start the app; returns it."""
     import importlib.util
 
     credentials = parse_auth(auth)
     check_exposure(host, credentials, no_auth)
+    if api_key is not None and len(api_key) < 8:
+        raise TunebenchError("--api-key (or TUNEBENCH_API_KEY) must be 8 characters or more")
+    runs_dir = studio_allowed(runs_dir, runs_dir_asked, credentials, no_auth)
     if importlib.util.find_spec("gradio") is None:
         raise TunebenchError("tunebench serve needs the web extra: pip install -e '.[web]' (./run serve installs "
                              "it on first use)")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     choices = entries(model_specs, run_dirs, allow_download)
+    offered = [str(Path(d).resolve()) for d in studio_models]
+    for d in offered:
+        if not (Path(d) / "config.json").is_file():
+            raise TunebenchError(f"--studio-model {d} is not a model directory (no config.json); give a HF model "
+                                 "directory the Train tab may start runs from")
     prompt_list = load_prompts(prompts) if prompts else None
     db = votes.open_store(ab_db)
     check_port(host, port)
@@ -401,21 +473,32 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     if runs_dir is not None:
         from tunebench.interfaces.web.studio import Studio
 
-        studio = Studio(runs_dir)
+        studio = Studio(runs_dir, [*model_specs, *offered], f"user:{credentials[0]}" if credentials else None)
     app = build(registry, db, prompt_list, limit, studio)
     app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
     print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "
-          f"({registry.placement}), votes in {db}" + (f", runs in {runs_dir}" if studio else "")
+          f"({registry.placement}), votes in {db}" + (f", runs in {studio.runs_dir}" if studio else "")
           + f"; http://{host}:{port}"
-          + (f" (login: {credentials[0]})" if credentials else " (no login)"), flush=True)
+          + (f" (login: {credentials[0]})" if credentials else " (no login: anyone who can reach the port)"),
+          flush=True)
+    middleware = []
+    if credentials is None:  # a login is what keeps a DNS-rebinding page out; without one, the Host header
+        from starlette.middleware import Middleware
+
+        middleware.append(Middleware(HostAllowlist, allowed=allowed_hosts(host, list(allowed_host))))
     # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
     # the visitor.
     app.launch(server_name=host, server_port=port, prevent_thread_lock=True, quiet=True, share=False,
-               show_error=False, auth=credentials, max_file_size=MAX_UPLOAD_STUDIO if studio else MAX_UPLOAD,
+               show_error=False, auth=login_check(credentials) if credentials else None,
+               max_file_size=MAX_UPLOAD_STUDIO if studio else MAX_UPLOAD,
+               app_kwargs={"middleware": middleware},
                run_history=False)  # its /gradio_api/run-history/* routes have no login check (and need the hub)
-    openai_api.add_routes(app.app, registry, credentials[1] if credentials else None, limit, client_of)
-    print(f"OpenAI-compatible API: http://{host}:{port}/v1 (models: {', '.join(openai_api.model_ids(registry))}"
-          + ("; API key: the --auth password)" if credentials else ")"), flush=True)
+    openai_api.add_routes(app.app, registry, api_key, credentials is not None, ClientLimit(PER_CLIENT),
+                          Pending(API_PENDING), client_of)
+    api = ("API key: --api-key" if api_key else "closed: the page has a login; --api-key opens it" if credentials
+           else "no key: anyone who can reach the port")
+    print(f"OpenAI-compatible API: http://{host}:{port}/v1 (models: {', '.join(openai_api.model_ids(registry))}; "
+          f"{api})", flush=True)
     if block:
         app.block_thread()
     return app

@@ -139,8 +139,10 @@ class Reply:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+LOCK_WAIT_S = 300  # a generation waits this long for the ones ahead of it, then is told "busy"
 MAX_NEW_TOKENS = 512  # per answer, whatever a client sends: the page's slider stops there too
 MAX_PROMPT_CHARS = 8_000  # a message, and a whole conversation's text at 4x that
+MAX_MESSAGES = 200  # in one conversation
 
 
 class TooLong(TunebenchError):
@@ -150,6 +152,8 @@ class TooLong(TunebenchError):
 def check_request(messages: list[dict[str, str]]) -> None:
     """Bound what one visitor can ask for before anything is tokenized: the browser's own limits are
     only advice, so the server checks again."""
+    if len(messages) > MAX_MESSAGES:
+        raise TooLong(f"the conversation holds {len(messages):,} messages; the limit is {MAX_MESSAGES}")
     if any(not isinstance(m.get("content"), str) for m in messages):
         raise TooLong("every message must be text")
     if len(messages[-1]["content"]) > MAX_PROMPT_CHARS:
@@ -163,9 +167,9 @@ def check_request(messages: list[dict[str, str]]) -> None:
 def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
            temperature: float = 0.7, top_p: float = 0.9, seed: int = 0, raw: bool = False) -> Iterator[Reply]:
     """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
-    (new tokens over the time from the call, prompt processing included). A conversation that does not
-    fit the model's context is refused; a consumer that stops reading (a closed tab) stops the
-    generation, and the generation lock is held until it has really stopped."""
+    (new tokens over the decoding's time, prompt processing included, waiting for the lock not). A conversation
+    that does not fit the model's context is refused; a consumer that closes the stream (a closed tab) stops the
+    generation, and one that only stops reading holds nothing: the generation lock is the decoding's alone."""
     from transformers import TextIteratorStreamer
 
     from tunebench.data.tokenize import render_prompt
@@ -182,8 +186,11 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
             raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
                           "shorten the prompt")
         max_new_tokens = min(max_new_tokens, limit - n_prompt)
-    streamer = TextIteratorStreamer(tok, skip_special_tokens=True, timeout=600)  # fed the new tokens only
-    stop = threading.Event()
+    # The decoding runs in a worker that holds the generation lock only while it decodes; the text goes through
+    # the streamer's queue, so a client that stops reading (and so stops pulling from this generator) holds no
+    # lock: the next request decodes meanwhile, and this one's text waits in the queue (max_new_tokens at most).
+    streamer = TextIteratorStreamer(tok, skip_special_tokens=True, timeout=LOCK_WAIT_S + 600)  # the new tokens only
+    stop, decoding = threading.Event(), threading.Event()
     sampling = temperature > 0
     result: dict[str, object] = {}
 
@@ -193,38 +200,56 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
 
     def run() -> None:
         try:
-            torch.manual_seed(seed)
-            result["ids"] = placed.decode(  # in this thread: autocast is per thread
-                enc["input_ids"], enc["attention_mask"], max_new_tokens, temperature if sampling else None,
-                top_p if sampling else 1.0, each=each)
+            if not registry.generate_lock.acquire(timeout=LOCK_WAIT_S):
+                raise Busy(f"busy: the server has been generating for others for {LOCK_WAIT_S} s; try again later")
+            try:
+                if stop.is_set():  # the client left while this request waited
+                    return
+                decoding.set()
+                registry.activate(label)
+                torch.manual_seed(seed)
+                t0 = time.perf_counter()
+                result["ids"] = placed.decode(  # in this thread: autocast is per thread
+                    enc["input_ids"], enc["attention_mask"], max_new_tokens, temperature if sampling else None,
+                    top_p if sampling else 1.0, each=each)
+                result["seconds"] = time.perf_counter() - t0
+            finally:
+                registry.generate_lock.release()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             result["error"] = e
         finally:
             streamer.end()
 
-    with registry.generate_lock:
-        registry.activate(label)
-        t0 = time.perf_counter()
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        text = ""
-        try:
-            for piece in streamer:
-                text += piece
-                yield Reply(text.strip(), prompt_tokens=n_prompt)
-        finally:  # also when the consumer closes this generator (GeneratorExit): no orphan generation
-            stop.set()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    text = ""
+    try:
+        for piece in streamer:
+            text += piece
+            yield Reply(text.strip(), prompt_tokens=n_prompt)
+    finally:  # also when the consumer closes this generator (GeneratorExit): no orphan generation
+        stop.set()
+        if decoding.is_set():  # it stops at its next token; one still waiting for the lock ends by itself
             worker.join()
-        seconds = time.perf_counter() - t0
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
     ids = result["ids"][0].tolist()  # type: ignore[index]
     ended = tok.eos_token_id is not None and tok.eos_token_id in ids
-    yield Reply(text.strip(), len(ids), seconds, done=True, prompt_tokens=n_prompt, ended=ended)
+    yield Reply(text.strip(), len(ids), float(result["seconds"]), done=True, prompt_tokens=n_prompt, ended=ended)
 
 
 class Busy(TunebenchError):
     pass
+
+
+def client_of(request) -> str:
+    """Who sends a request (Gradio's, or the API's Starlette one): the login where there is one, else the address
+    it comes from."""
+    if request is None:
+        return "local"
+    user = getattr(request, "username", None)
+    host = getattr(getattr(request, "client", None), "host", None)
+    return f"user:{user}" if user else f"host:{host or 'unknown'}"
 
 
 PER_CLIENT = 2  # generations one visitor may have running or waiting at once (the Chat and A/B tabs, say)
@@ -262,6 +287,41 @@ class ClientLimit:
                 self._running[client] -= 1
                 if not self._running[client]:
                     del self._running[client]
+
+
+class Pending:
+    """At most `limit` generations waiting or running at once, from everyone (the API's bound: each waiting
+    request holds one of the server's shared worker threads, so an unbounded line of them starves the page and
+    then everything). Past it, a request is told at once to come back, never queued for hours."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        """Full if the bound is reached now (hold() still decides, under the lock)."""
+        with self._lock:
+            self._refuse_at_limit()
+
+    def _refuse_at_limit(self) -> None:
+        if self.count >= self.limit:
+            raise Full(f"the server is busy: {self.count} answers are being generated or waiting; retry in a "
+                       "few seconds")
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self._lock:
+            self._refuse_at_limit()
+            self.count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.count -= 1
+
+
+class Full(Busy):
+    """Every client's generations together are at the bound (HTTP 503), as against one client's share (429)."""
 
 
 PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")

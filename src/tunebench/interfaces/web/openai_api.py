@@ -3,8 +3,9 @@ POST /v1/chat/completions and /v1/completions, streamed (server-sent events) or 
 
 The models are the app's: one Registry, so runs of one base share it as PEFT's named adapters and a request
 picks one by its model name without reloading the base. The same limits as the page (message size, context,
-512 new tokens, 2 answers at once per client) and the same login: with --auth, the password is the API key
-(`Authorization: Bearer PASSWORD`). Written with FastAPI, which Gradio already serves on; the wire format is
+512 new tokens, 2 answers at once per client), with a share and a bound of its own (the page stays answerable
+while the API is saturated), a capped body, and its own key (`--api-key` or TUNEBENCH_API_KEY, sent as
+`Authorization: Bearer KEY`), never the page's password. Written with FastAPI, which Gradio already serves on; the wire format is
 OpenAI's (what the `openai` client, llama.cpp's server and Ollama speak), written by hand as no library here
 provides its server side. No `from __future__ import annotations`: FastAPI reads a route's `request: Request`
 annotation as the class itself to hand it the request, and Request is imported inside add_routes.
@@ -18,7 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
-from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Busy, Registry, TooLong, stream
+from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Busy, Full, Registry, TooLong, stream
+
+MAX_BODY = 2 ** 20  # bytes: a request within the message limits is a few hundred kilobytes at most
+FAILED_KEY_DELAY_S = 1.0  # a wrong key is answered after this, one at a time: guessing is slow
 
 
 class ApiError(Exception):
@@ -98,12 +102,19 @@ def parse(body: Any, registry: Registry, chat: bool) -> dict[str, Any]:
     seed = body.get("seed", 0)
     if seed is None:
         seed = 0
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ApiError(400, f"'seed' must be a whole number, got {seed!r}", param="seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ApiError(400, f"'seed' must be a whole number from 0 to 2**63 - 1, got {str(seed)[:40]}", param="seed")
+    stream_ = body.get("stream", False)
+    if stream_ is not None and not isinstance(stream_, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {stream_!r}", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}",
+                       param="stream_options")
     return {"model": model, "label": ids[model], "messages": messages, "max_tokens": limit, "stop": stop,
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0), "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
-            "seed": seed, "stream": bool(body.get("stream", False)),
-            "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage", False)), "chat": chat}
+            "seed": seed, "stream": bool(stream_), "usage_in_stream": bool((options or {}).get("include_usage", False)),
+            "chat": chat}
 
 
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -198,30 +209,69 @@ def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def check_key(authorization: str | None, password: str | None) -> None:
-    """With --auth, the API key is the login's password, sent as a Bearer token."""
-    if password is None:
+def check_key(authorization: str | None, key: str | None, locked: bool) -> None:
+    """With an API key, a request must send it as a Bearer token; without one, the API is open where the page is
+    (`locked`: the page has a login, and the API no key of its own, so it is closed)."""
+    if key is None:
+        if locked:
+            raise ApiError(401, "this server's page has a login and its API no key: start it with --api-key KEY (or "
+                                "TUNEBENCH_API_KEY) to open the API", kind="authentication_error",
+                           code="invalid_api_key")
         return
-    scheme, _, key = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), password.encode()):
-        raise ApiError(401, "this server needs its API key: the --auth password, as 'Authorization: Bearer PASSWORD'",
+    scheme, _, sent = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(sent.strip().encode(), key.encode()):
+        raise ApiError(401, "this server needs its API key (serve's --api-key), as 'Authorization: Bearer KEY'",
                        kind="authentication_error", code="invalid_api_key")
 
 
-def add_routes(fastapi_app, registry: Registry, password: str | None, limit, client_of) -> None:
-    """Put the API's routes on the FastAPI app the web app runs on. `limit` is the app's ClientLimit (shared:
-    the page and the API draw on one share per client); `client_of` names a request's client."""
+async def read_body(request) -> Any:
+    """The request's JSON, read up to MAX_BODY bytes (a larger one is refused as it arrives, not after)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY):
+        raise ApiError(413, f"the request body is over {MAX_BODY:,} bytes")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY:,} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not JSON") from None
+
+
+def add_routes(fastapi_app, registry: Registry, key: str | None, locked: bool, limit, pending, client_of) -> None:
+    """Put the API's routes on the FastAPI app the web app runs on. `key`, `locked`: see check_key. `limit` is the
+    API's own ClientLimit (one client's share), `pending` its Pending (everyone's generations waiting or running);
+    `client_of` names a request's client."""
+    import asyncio
+
     from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
 
     started = int(time.time())
+    failures = asyncio.Lock()
 
     def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status,
+                            headers={"Retry-After": "5"} if e.status in (429, 503) else None)
 
-    def models_route(request: Request):
+    async def authorized(request: Request) -> None:
         try:
-            check_key(request.headers.get("authorization"), password)
+            check_key(request.headers.get("authorization"), key, locked)
+        except ApiError:
+            async with failures:  # one wrong key a second, whoever sends them
+                await asyncio.sleep(FAILED_KEY_DELAY_S)
+            raise
+
+    def busy(e: Busy) -> ApiError:
+        return ApiError(503, str(e), kind="server_error", code="overloaded") if isinstance(e, Full) else \
+            ApiError(429, str(e), kind="rate_limit_error")
+
+    async def models_route(request: Request):
+        try:
+            await authorized(request)
         except ApiError as e:
             return error(e)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "tunebench"}
@@ -230,40 +280,36 @@ def add_routes(fastapi_app, registry: Registry, password: str | None, limit, cli
     def generation(chat: bool):
         async def route(request: Request):
             try:
-                check_key(request.headers.get("authorization"), password)
-                try:
-                    body = await request.json()
-                except ValueError:
-                    raise ApiError(400, "the request body is not JSON") from None
-                parsed = parse(body, registry, chat)
+                await authorized(request)
+                parsed = parse(await read_body(request), registry, chat)
             except ApiError as e:
                 return error(e)
             client = client_of(request)
             if parsed["stream"]:
-                try:
-                    limit.check(client)  # over the share: a 429 now, rather than an error event after a 200
+                try:  # over the share or the bound: a 429/503 now, rather than an error event after a 200
+                    limit.check(client)
+                    pending.check()
                 except Busy as e:
-                    return error(ApiError(429, str(e), kind="rate_limit_error"))
+                    return error(busy(e))
 
                 def sse():
                     try:
-                        with limit.hold(client):
+                        with pending.hold(), limit.hold(client):
                             yield from events(registry, parsed)
-                    except Busy as e:  # another request of the client's took the share meanwhile
-                        yield _event(ApiError(429, str(e), kind="rate_limit_error").body())
+                    except Busy as e:  # another request took the place meanwhile
+                        yield _event(busy(e).body())
                         yield _event("[DONE]")
                 return StreamingResponse(sse(), media_type="text/event-stream")
-            from starlette.concurrency import run_in_threadpool
 
             def whole():
-                with limit.hold(client):
+                with pending.hold(), limit.hold(client):
                     return complete(registry, parsed)
             try:
                 return await run_in_threadpool(whole)
             except ApiError as e:
                 return error(e)
             except Busy as e:
-                return error(ApiError(429, str(e), kind="rate_limit_error"))
+                return error(busy(e))
             except TunebenchError as e:  # a limit the request ran into
                 return error(ApiError(400, str(e)))
         return route

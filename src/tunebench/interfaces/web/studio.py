@@ -10,10 +10,13 @@ both their tokens/s would be wrong); a second start waits in a queue the page sh
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import html
+import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunebench.core import runlock
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, records
 from tunebench.settings.rundir import RunDir
@@ -31,8 +35,24 @@ SAMPLE = "builtin:customer-support"  # the built-in Bitext-style sample, what `.
 METHODS = ("lora", "qlora", "dora", "full", "ia3", "dpo", "orpo", "kto")
 SHOWN_EXAMPLES = 3
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# What one page may ask of the server: the queue, the page's numbers, the uploads it keeps (see Studio).
+MAX_QUEUED, MAX_QUEUED_PER_CLIENT = 8, 2
+BOUNDS = {"max_steps": (1, 1_000_000), "epochs": (0.01, 100), "effective_batch": (1, 4096), "max_length": (8, 32_768)}
+MAX_UPLOADS, MAX_UPLOAD_BYTES = 16, 2 * 2 ** 30  # files kept for runs, and their total size
+UPLOAD_GRACE_S = 3600  # an upload no run uses yet is kept this long (the page between upload and Start)
+PARQUET_MAX_BYTES = 2 * 2 ** 30  # uncompressed, from the file's own metadata, before a row is read
+PREVIEW_ROWS = 2000  # the preview reads this many rows, not the whole file
 QUANTS = ("f16", "q8_0", "q4_k_m", "q4_0")
 EXPORT_FORMATS = ("gguf", "ollama", "hf")
+
+
+def run_name(name) -> str:
+    """The one check for a run name that arrives from a page: a plain name under the runs directory (letters,
+    digits, '.', '_', '-'), never a path; every place a run name comes in goes through here."""
+    if not isinstance(name, str) or not NAME.match(name):
+        raise TunebenchError(f"no run named {str(name)[:80]!r}: a run name is letters, digits, '.', '_' or '-' (up "
+                             "to 64), starting with a letter or digit; pick one from the list")
+    return name
 
 
 # -- data ------------------------------------------------------------------------------------------------------
@@ -67,16 +87,18 @@ def columns_of(fmt: str, cfg) -> dict[str, str]:
             "text": {"text": cfg.text_column}}[fmt]
 
 
-def preview(path: str, model: str, max_length: int = 128, template: str = "auto") -> DataPreview:
-    """`path` read, mapped and rendered as training would (the same readers, format detection, prompt format
-    and loss mask); bad data raises the CLI's one-line error."""
+def preview(path: str, model: str, max_length: int = 128, template: str = "auto",
+            rows: int | None = PREVIEW_ROWS) -> DataPreview:
+    """`path`'s first `rows` rows (None: all) read, mapped and rendered as training would (the same readers,
+    format detection, prompt format and loss mask); bad data raises the CLI's one-line error. The web server
+    reads a sample, never a whole upload."""
     from tunebench.data import formats, readers
     from tunebench.data.tokenize import segments, tokenize_messages
     from tunebench.model import models
     from tunebench.settings.finetune import load_config
 
     cfg = load_config(options={"data.path": path, "data.max_length": max_length, "data.template": template}).data
-    records = readers.read_records(path)
+    records = readers.read_records(path, limit=rows)
     fmt, messages = formats.records_to_messages(records, cfg, path)
     kept = [m for m in messages if not formats.is_empty(m)]
     if not kept:
@@ -89,7 +111,10 @@ def preview(path: str, model: str, max_length: int = 128, template: str = "auto"
         parts = [f"<mark>{html.escape(text)}</mark>" if loss else html.escape(text)
                  for text, loss in segments(m, tok, cfg)]
         shown.append("".join(parts))
-    return DataPreview(Path(path).name if not path.startswith("builtin:") else path, fmt, columns_of(fmt, cfg),
+    source = Path(path).name if not path.startswith("builtin:") else path
+    if rows is not None and len(records) == rows:
+        source += f" (its first {rows:,} rows)"
+    return DataPreview(source, fmt, columns_of(fmt, cfg),
                        len(messages), len(kept), {"empty prompt or response": len(messages) - len(kept)}, over,
                        max_length, shown)
 
@@ -132,8 +157,13 @@ def check(ask: Ask, runs_dir: Path):
     from tunebench.interfaces.cli_parser import build_parser, train_config
 
     if not NAME.match(ask.name):
-        raise TunebenchError(f"run name {ask.name!r}: use letters, digits, '.', '_' or '-' (up to 64), starting "
+        raise TunebenchError(f"run name {ask.name[:80]!r}: use letters, digits, '.', '_' or '-' (up to 64), starting "
                              "with a letter or digit")
+    for key, (low, high) in BOUNDS.items():
+        value = getattr(ask, key)
+        if value is not None and not low <= value <= high:
+            raise TunebenchError(f"{key.replace('_', ' ')} {value:g} is out of this page's range ({low:g} to "
+                                 f"{high:g}); run bigger jobs with `tunebench train` from a terminal")
     if (runs_dir / ask.name).exists():
         raise TunebenchError(f"a run named {ask.name!r} already exists in {runs_dir}; pick another name, or resume "
                              "it from the Runs tab")
@@ -183,17 +213,32 @@ class Job:
     name: str
     argv: list[str]
     log: Path
+    owner: str = "local"  # who queued it (interfaces/web/models.client_of): they or an admin may stop it
     process: subprocess.Popen | None = None
     stopping: bool = False
 
 
+# The server's own secrets stay in the server: a training child needs neither the page's login nor the API key.
+SECRET_ENV = ("TUNEBENCH_AUTH", "TUNEBENCH_API_KEY")
+
+
 class Studio:
     """The runs directory's training queue: one `tunebench train` child at a time, the others waiting in
-    order; a watcher thread starts the next when one ends, whether or not a page is open."""
+    order; a watcher thread starts the next when one ends, whether or not a page is open.
 
-    def __init__(self, runs_dir: str | Path):
-        self.runs_dir = Path(runs_dir)
+    Shared by strangers: a run is stopped or resumed only by whoever queued it or an admin (`admin`, the
+    first login's client; None: no login, where everyone is), the queue is bounded in all and per client, a
+    Stop is sent once however often it is clicked, and the models a run may start from are the `offered`
+    ones (presets, served bases, the operator's directories) and this directory's full-model runs."""
+
+    def __init__(self, runs_dir: str | Path, offered: list[str] | None = None, admin: str | None = None):
+        from tunebench.model import models
+
+        self.runs_dir = Path(runs_dir).resolve()  # absolute: children and config.yaml name it wherever they run
         self.logs = self.runs_dir / ".studio"
+        self.uploads = self.logs / "data"
+        self.offered = list(dict.fromkeys([*(offered or []), *models.PRESETS]))
+        self.admin = admin
         self.queue: list[Job] = []
         self.current: Job | None = None
         self.finished: dict[str, int] = {}  # name -> exit code, of the runs this studio started
@@ -203,46 +248,93 @@ class Studio:
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="tunebench-studio")
         self._watcher.start()
 
+    # -- who may do what
+    def models(self) -> list[str]:
+        """What the Train tab's Model field offers: the offered models, then this directory's finished runs that
+        hold a whole model (a full fine-tune, a merge), by path."""
+        found = sorted(self.runs_dir.iterdir()) if self.runs_dir.is_dir() else []
+        runs = [str(d) for d in found if NAME.match(d.name) and (d / "config.json").is_file()
+                and RunDir(d).summary_file.is_file()]
+        return [*self.offered, *runs]
+
+    def check_model(self, model: str) -> str:
+        # the same words whether or not such a path exists on the server: the field is no way to probe its files
+        if model not in self.models():
+            raise TunebenchError(f"model {model[:80]!r} is not offered here; pick one from the list (the operator "
+                                 "offers more directories with `tunebench serve --studio-model DIR`)")
+        return model
+
+    def _may(self, client: str, owner: str | None, name: str, what: str) -> None:
+        if self.admin is None or client in (owner, self.admin):
+            return
+        raise TunebenchError(f"run {name!r} was started by someone else; only they or the admin may {what} it")
+
+    def _owner(self, name: str) -> str | None:
+        return read_json(self.logs / f"{name}.json").get("owner")
+
     # -- the queue
-    def start(self, ask: Ask) -> str:
+    def start(self, ask: Ask, client: str = "local") -> str:
         if self.state(ask.name) in ("queued", "running", "stopping"):  # not on disk yet when only queued
             raise TunebenchError(f"a run named {ask.name!r} is already {self.state(ask.name)}; pick another name")
+        self.check_model(ask.model)
         check(ask, self.runs_dir)
-        return self._enqueue(Job(ask.name, ask.argv(self.runs_dir), self.logs / f"{ask.name}.log"))
+        return self._enqueue(Job(ask.name, ask.argv(self.runs_dir), self.logs / f"{ask.name}.log", client))
 
-    def resume(self, name: str) -> str:
+    def resume(self, name: str, client: str = "local") -> str:
         run = self._run(name)
         if self.state(name).startswith(("running", "queued", "stopping")):
             raise TunebenchError(f"run {name!r} is {self.state(name)}; resume it once it has stopped")
         if RunDir(run).summary_file.is_file():
             raise TunebenchError(f"run {name!r} has finished; start a new run to train more")
-        # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal
-        return self._enqueue(Job(name, [str(RunDir(run).config_file), "--resume", "auto"], self.logs / f"{name}.log"))
+        self._may(client, self._owner(name), name, "resume")
+        # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal,
+        # written where the run is (its config's output_dir may name where it was before a rename)
+        return self._enqueue(Job(name, [str(RunDir(run).config_file), "--resume", "auto", "--output-dir", str(run)],
+                                 self.logs / f"{name}.log", self._owner(name) or client))
 
-    def stop(self, name: str) -> str:
-        """SIGTERM to a running run (it saves a checkpoint, which Resume continues from); a queued one leaves
-        the queue."""
+    def stop(self, name: str, client: str = "local") -> str:
+        """SIGTERM to a running run (it saves a checkpoint, which Resume continues from), once: a second click
+        says so and sends nothing (a second signal must not cost the checkpoint being written); a queued run
+        leaves the queue."""
+        run_name(name)
+        said = f"{name}: stopping (SIGTERM); it saves a checkpoint first, and Resume continues from it"
         with self._lock:
             for job in self.queue:
                 if job.name == name:
+                    self._may(client, job.owner, name, "stop")
                     self.queue.remove(job)
                     return f"{name} taken out of the queue"
             job = self.current
-            if job is None or job.name != name or job.process is None:
-                orphan = self.left_running().get(name)
-                if orphan is None:
-                    raise TunebenchError(f"run {name!r} is not running")
-                os.kill(orphan, signal.SIGTERM)
-            else:
-                job.stopping = True
-                job.process.send_signal(signal.SIGTERM)
-        return f"{name}: stopping (SIGTERM); it saves a checkpoint first, and Resume continues from it"
+            if job is not None and job.name == name and job.process is not None:
+                self._may(client, job.owner, name, "stop")
+                if not job.stopping:
+                    job.stopping = True
+                    job.process.send_signal(signal.SIGTERM)
+                    return said
+                return f"{name} is already stopping; it saves its checkpoint, then ends"
+            held = self._pidfile(name)
+            if not held or not runlock.alive(held.get("pid", 0), held.get("start")):
+                raise TunebenchError(f"run {name!r} is not running" + (
+                    " here: it trains in another process; stop it from there" if self._elsewhere(name) else ""))
+            self._may(client, held.get("owner"), name, "stop")
+            if held.get("stopping"):
+                return f"{name} is already stopping; it saves its checkpoint, then ends"
+            os.kill(held["pid"], signal.SIGTERM)
+            self._write_pidfile(name, {**held, "stopping": True})
+        return said
 
     def _enqueue(self, job: Job) -> str:
         with self._lock:
+            waiting = [j for j in self.queue if j.owner == job.owner]
+            if len(self.queue) >= MAX_QUEUED:
+                raise TunebenchError(f"the queue is full ({MAX_QUEUED} runs waiting); start this once one has begun")
+            if len(waiting) >= MAX_QUEUED_PER_CLIENT:
+                raise TunebenchError(f"you have {len(waiting)} runs waiting already ({MAX_QUEUED_PER_CLIENT} at most);"
+                                     " start this once one of them has begun")
             self.runs_dir.mkdir(parents=True, exist_ok=True)
             self.logs.mkdir(exist_ok=True)
             self.finished.pop(job.name, None)
+            (self.logs / f"{job.name}.json").write_text(json.dumps({"owner": job.owner}))
             self.queue.append(job)
             ahead = len(self.queue) - 1 + (self.current is not None) + len(self.left_running())
         self._wake.set()
@@ -252,38 +344,59 @@ class Studio:
         while True:
             self._wake.wait(timeout=1.0)
             self._wake.clear()
-            with self._lock:
-                job = self.current
-                if job is not None and job.process is not None and job.process.poll() is not None:
-                    self.finished[job.name] = job.process.returncode
-                    (self.logs / f"{job.name}.pid").unlink(missing_ok=True)
-                    self.current = job = None
-                if job is None and self.queue and not self.left_running():
-                    job = self.current = self.queue.pop(0)
-                    with open(job.log, "ab") as log:
-                        log.write(f"\n$ tunebench train {shlex.join(job.argv)}\n".encode())
-                        log.flush()
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - the queue outlives any one start; said in the console
+                print(f"studio: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _step(self) -> None:
+        with self._lock:
+            job = self.current
+            if job is not None and job.process is not None and job.process.poll() is not None:
+                self.finished[job.name] = job.process.returncode
+                (self.logs / f"{job.name}.pid").unlink(missing_ok=True)
+                self.current = job = None
+            if job is None and self.queue and not self.left_running():
+                job = self.current = self.queue.pop(0)
+                with open(job.log, "ab") as log:
+                    log.write(f"\n$ tunebench train {shlex.join(job.argv)}\n".encode())
+                    log.flush()
+                    try:
                         job.process = subprocess.Popen(
                             [*self.program, *job.argv, "--no-progress"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True,  # a Ctrl-C to the server does not reach the run
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                    (self.logs / f"{job.name}.pid").write_text(str(job.process.pid))
+                            env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV},
+                                 "PYTHONUNBUFFERED": "1"})
+                    except OSError as e:  # recorded as failed, with its reason in its log; the queue goes on
+                        log.write(f"could not start the run: {e}\n".encode())
+                        self.finished[job.name] = 127
+                        self.current = None
+                        self._wake.set()
+                        return
+                self._write_pidfile(job.name, {"pid": job.process.pid, "start": runlock.process_start(
+                    job.process.pid), "owner": job.owner})
+
+    def _pidfile(self, name: str) -> dict:
+        return read_json(self.logs / f"{name}.pid")
+
+    def _write_pidfile(self, name: str, held: dict) -> None:
+        (self.logs / f"{name}.pid").write_text(json.dumps(held))
+
+    def _elsewhere(self, name: str) -> bool:
+        """The run's directory is locked by a training process this studio did not start (a terminal's)."""
+        return runlock.holder(self.runs_dir / name) is not None
 
     def left_running(self) -> dict[str, int]:
         """{run: pid} of the runs an earlier server started that still train (a restarted server sees them, and
-        starts nothing beside them)."""
+        starts nothing beside them). A pid counts only with the start time it was written with: pids are reused."""
         found = {}
         for pidfile in self.logs.glob("*.pid") if self.logs.is_dir() else []:
             if self.current is not None and pidfile.stem == self.current.name:
                 continue
-            try:
-                pid = int(pidfile.read_text())
-                alive = b"tunebench" in Path(f"/proc/{pid}/cmdline").read_bytes()  # not a reused pid
-            except (OSError, ValueError):
-                alive = False
-            if alive:
-                found[pidfile.stem] = pid
+            held = read_json(pidfile)
+            if runlock.alive(held.get("pid", 0), held.get("start")):
+                found[pidfile.stem] = held["pid"]
             else:
                 pidfile.unlink(missing_ok=True)
         return found
@@ -299,15 +412,18 @@ class Studio:
 
     # -- what the page shows
     def state(self, name: str) -> str:
+        run_name(name)
         with self._lock:
             if self.current is not None and self.current.name == name:
                 return "stopping" if self.current.stopping else "running"
             if any(j.name == name for j in self.queue):
                 return "queued"
             if name in self.left_running():
-                return "running (started by an earlier server)"
+                return "stopping" if self._pidfile(name).get("stopping") else "running (started by an earlier server)"
             code = self.finished.get(name)
         run = RunDir(self.runs_dir / name)
+        if self._elsewhere(name):
+            return "running (another process)"
         if run.summary_file.is_file():
             return "finished"
         if run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
@@ -329,7 +445,7 @@ class Studio:
         """Every run under the runs directory (those the CLI started too), newest first."""
         if not self.runs_dir.is_dir():
             return []
-        found = [d for d in self.runs_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+        found = [d for d in self.runs_dir.iterdir() if d.is_dir() and NAME.match(d.name)
                  and (RunDir(d).config_file.is_file() or (self.logs / f"{d.name}.log").is_file())]
         with self._lock:
             pending = [j.name for j in self.queue] + ([self.current.name] if self.current else [])
@@ -337,15 +453,63 @@ class Studio:
         return [n for n in pending if n not in names] + names
 
     def log_tail(self, name: str, lines: int = 30) -> str:
-        log = self.logs / f"{name}.log"
+        log = self.logs / f"{run_name(name)}.log"
         if not log.is_file():
             return ""
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
     def _run(self, name: str) -> Path:
-        if not NAME.match(name or "") or not (self.runs_dir / name).is_dir():
-            raise TunebenchError(f"no run named {name!r} in {self.runs_dir}; pick one from the list")
+        if not NAME.match(name if isinstance(name, str) else "") or not (self.runs_dir / name).is_dir():
+            raise TunebenchError(f"no run named {str(name)[:80]!r} in {self.runs_dir}; pick one from the list")
         return self.runs_dir / name
+
+    # -- uploads
+    def keep_upload(self, file: str) -> str:
+        """An uploaded data file kept under the runs directory (Gradio's temporary copy is deleted here): by its
+        content, once; a Parquet file whose rows would unpack past PARQUET_MAX_BYTES refused from its metadata;
+        uploads no run uses are dropped after UPLOAD_GRACE_S, and the rest are bounded in count and bytes."""
+        from tunebench.data import readers
+
+        src = Path(file)
+        try:
+            if src.suffix.lower() == ".parquet":
+                readers.check_parquet(src, PARQUET_MAX_BYTES)
+            digest = hashlib.sha256()
+            with open(src, "rb") as f:
+                for block in iter(lambda: f.read(2 ** 20), b""):
+                    digest.update(block)
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", src.name)[-64:]
+            dest = self.uploads / f"{digest.hexdigest()[:16]}-{safe}"
+            with self._lock:
+                if not dest.exists():
+                    kept = self._prune_uploads()
+                    held = sum(f.stat().st_size for f in kept)
+                    if len(kept) >= MAX_UPLOADS or held + src.stat().st_size > MAX_UPLOAD_BYTES:
+                        raise TunebenchError(f"the studio already keeps {len(kept)} uploads ({held / 2 ** 20:,.0f} MB) "
+                                             "for runs; delete finished runs, or train this file from a terminal")
+                    self.uploads.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(src, dest)
+                os.utime(dest)
+        finally:
+            src.unlink(missing_ok=True)
+        return str(dest)
+
+    def _prune_uploads(self) -> list[Path]:
+        """Delete the uploads no run (queued, running, or on disk) uses that are older than the grace time; the
+        uploads kept."""
+        if not self.uploads.is_dir():
+            return []
+        used = {a for job in [*self.queue, *([self.current] if self.current else [])] for a in job.argv}
+        for d in self.runs_dir.iterdir():
+            if d.is_dir() and RunDir(d).config_file.is_file():
+                used.add(str((RunDir(d).raw_config().get("data") or {}).get("path")))
+        kept = []
+        for f in self.uploads.iterdir():
+            if str(f) not in used and time.time() - f.stat().st_mtime > UPLOAD_GRACE_S:
+                f.unlink(missing_ok=True)
+            else:
+                kept.append(f)
+        return kept
 
 
 def loss_points(run_dir: Path) -> list[dict[str, Any]]:
@@ -373,6 +537,30 @@ def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
              run_report.charts(records(run.metrics_file), records(run.path / "monitor.jsonl"))}
     method = next((n for n in METHOD_CHARTS if n in drawn), None)
     return [drawn.get(n, ("", None)) for n in (*LIVE_CHARTS, method)]
+
+
+class Charts:
+    """The live view's charts, shared by every page: a run's are drawn again only when its logs have grown and
+    `every` seconds have passed since the last drawing (each drawing is four PNGs that Gradio keeps in its
+    cache; a page ticks every 2 s), and at once when the run is no longer training."""
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self._drawn: dict[str, tuple[tuple, float, list]] = {}  # run -> (its logs' sizes, when, its charts)
+        self._lock = threading.Lock()
+
+    def get(self, run_dir: Path, training: bool) -> tuple[tuple, list[tuple[str, bytes | None]]]:
+        """(the key of the drawing, its (caption, PNG) charts)."""
+        key = tuple(p.stat().st_size if p.is_file() else -1
+                    for p in (run_dir / "metrics.jsonl", run_dir / "monitor.jsonl"))
+        with self._lock:
+            was = self._drawn.get(run_dir.name)
+            if was is not None and (was[0] == key or (training and time.monotonic() - was[1] < self.every)):
+                return was[0], was[2]
+        charts = live_charts(run_dir)
+        with self._lock:
+            self._drawn[run_dir.name] = (key, time.monotonic(), charts)
+        return key, charts
 
 
 RUN_COLUMNS = ["run", "state", "method", "model", "steps", "eval loss", "ROUGE-L", "tokens/s", "peak MB"]
@@ -426,14 +614,15 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     if target.exists():  # exports never overwrite: the file already there is this run's, in this format
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
     done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          env={k: v for k, v in os.environ.items() if k not in SECRET_ENV})
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise TunebenchError(lines[-1] if lines else f"export failed (exit {done.returncode})")
     return str(target)
 
 
-def dpo_from_votes(studio: Studio, name: str, db: Path) -> str:
+def dpo_from_votes(studio: Studio, name: str, db: Path, client: str = "local") -> str:
     """A DPO run on the A/B store's votes, from this run's base model, queued like any other run."""
     from tunebench.data import pairs
 
@@ -442,4 +631,4 @@ def dpo_from_votes(studio: Studio, name: str, db: Path) -> str:
         raise TunebenchError("no A or B votes yet: vote on the A/B tab first (ties and \"both bad\" give DPO no pair)")
     base = RunDir(run).base_model() if RunDir(run).kind() == "adapter" else str(run)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return studio.start(Ask(data=str(db), name=f"{name}-dpo-{stamp}", model=base, method="dpo"))
+    return studio.start(Ask(data=str(db), name=f"{name}-dpo-{stamp}", model=base, method="dpo"), client)

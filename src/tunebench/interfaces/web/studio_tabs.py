@@ -1,15 +1,18 @@
 """serve's Train and Runs tabs: the page over interfaces/web/studio.py (which holds the logic, tested without a
-browser). Built inside app.build's Blocks, beside Chat and A/B, whose model lists they add finished runs to."""
+browser). Built inside app.build's Blocks, beside Chat and A/B, whose model lists they add finished runs to.
 
-from __future__ import annotations
+No `from __future__ import annotations`: a handler gets the visitor's request (who started a run may stop it)
+through a parameter annotated gr.Request, which Gradio must be able to evaluate (see app.py).
+Every value the page sends is checked by the studio's own checks (a run name, a model, a number's bounds):
+a dropdown's list is only advice to a browser.
+"""
 
-import shutil
+import html
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
 from tunebench.interfaces.web import studio as studio_
-from tunebench.interfaces.web.models import Registry, entries
-from tunebench.model import models
+from tunebench.interfaces.web.models import Registry, client_of, entries
 from tunebench.settings.rundir import RunDir
 
 SETTINGS_HEAD = ["setting", "value", "reason"]
@@ -22,21 +25,6 @@ def _image(png: bytes | None):
     from PIL import Image
 
     return None if png is None else Image.open(io.BytesIO(png))
-
-
-def _keep_upload(studio: studio_.Studio, file: str) -> str:
-    """The uploaded file copied under the runs directory (Gradio's temporary copy goes when the page does; the
-    run reads its data for as long as it trains, and its config.yaml names the path)."""
-    src = Path(file)
-    dest = studio.logs / "data" / src.name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while dest.exists() and dest.read_bytes() != src.read_bytes():
-        dest = dest.with_name(f"{src.stem}-{n}{src.suffix}")
-        n += 1
-    if not dest.exists():
-        shutil.copyfile(src, dest)
-    return str(dest)
 
 
 def _ask(data, name, model, method, batch, steps, epochs, max_length) -> studio_.Ask:
@@ -67,10 +55,9 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         data_info = gr.Markdown("", elem_id="tb-data-info")
         examples = gr.HTML("", elem_id="tb-examples")
         with gr.Row():
-            bases = [e.model for e in registry.choices.values() if e.model and e.adapter is None]
-            model = gr.Dropdown(list(dict.fromkeys([*bases, *models.PRESETS])), value=(bases or [models.SMOLLM2])[0],
-                                allow_custom_value=True,
-                                label="Model (a preset or a local directory)", elem_id="tb-model")
+            offered = studio.models()
+            model = gr.Dropdown(offered, value=offered[0], label="Model (a preset, a served base, a run, or a "
+                                "directory the operator offers)", elem_id="tb-model")
             method = gr.Dropdown(list(studio_.METHODS), value="lora", label="Method", elem_id="tb-method")
             batch = gr.Number(0, label="Effective batch (0: auto, 8)", precision=0, minimum=0)
             steps = gr.Number(0, label="Steps (0: by epochs)", precision=0, minimum=0, elem_id="tb-steps")
@@ -85,7 +72,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         gr.Markdown("### Live")
         with gr.Row():
             watched = gr.Dropdown(studio.names(), value=(studio.names() or [None])[0], label="Run",
-                                  allow_custom_value=True, elem_id="tb-watched")
+                                  elem_id="tb-watched")
             state = gr.Markdown("", elem_id="tb-state")
             stop = gr.Button("Stop (checkpoint kept)", elem_id="tb-stop")
             resume = gr.Button("Resume", elem_id="tb-resume")
@@ -101,7 +88,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
         def on_data(path, length, model_):
             try:
-                shown = studio_.preview(path, model_, int(length or 128))
+                shown = studio_.preview(path, studio.check_model(model_), int(length or 128))
             except TunebenchError as e:
                 return "", error(e), ""
             return path, shown.markdown(), studio_.examples_html(shown)
@@ -109,7 +96,11 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         def on_upload(file, length, model_):
             if not file:
                 return "", "", ""
-            return on_data(_keep_upload(studio, file), length, model_)
+            try:
+                kept = studio.keep_upload(file)
+            except TunebenchError as e:
+                return "", error(e), ""
+            return on_data(kept, length, model_)
 
         upload.upload(on_upload, [upload, max_length, model], [data_path, data_info, examples])
         sample.click(lambda length, m: on_data(studio_.SAMPLE, length, m), [max_length, model],
@@ -119,15 +110,17 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         def on_check(*values):
             try:
                 a = _ask(*values)
+                studio.check_model(a.model)
                 return studio_.settings_rows(a, studio_.check(a, studio.runs_dir)), "The run will use these settings."
             except TunebenchError as e:
                 return [], error(e)
 
-        def on_start(*values):
+        def on_start(data_, name_, model_, method_, batch_, steps_, epochs_, length_, request: gr.Request):
             try:
-                a = _ask(*values)
+                a = _ask(data_, name_, model_, method_, batch_, steps_, epochs_, length_)
+                studio.check_model(a.model)
                 rows = studio_.settings_rows(a, studio_.check(a, studio.runs_dir))
-                said = studio.start(a)
+                said = studio.start(a, client_of(request))
             except TunebenchError as e:
                 return gr.update(), error(e), gr.update(), studio.queue_text()
             return rows, said, gr.Dropdown(choices=studio.names(), value=a.name), studio.queue_text()
@@ -135,24 +128,26 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         check.click(on_check, asked, [settings, message])
         start.click(on_start, asked, [settings, message, watched, queue])
 
-        drawn: dict[str, tuple] = {}  # run -> (its logs' sizes when drawn, its charts), shared by every page
-        shown = gr.State(None)  # what this page shows: (run, its logs' sizes)
+        charts = studio_.Charts()  # shared by every page
+        shown = gr.State(None)  # what this page shows: (run, the key of its drawing)
 
         def on_tick(run, showing):
             if not run:
                 return studio.queue_text(), "", *[None] * len(plots), "", "", None
+            try:
+                run = studio_.run_name(run)
+                state_ = studio.state(run)
+            except TunebenchError as e:
+                return studio.queue_text(), error(e), *[None] * len(plots), "", "", None
             run_dir = studio.runs_dir / run
-            key = tuple(p.stat().st_size if p.is_file() else -1
-                        for p in (run_dir / "metrics.jsonl", run_dir / "monitor.jsonl"))
+            key, drawn = charts.get(run_dir, training=state_.startswith(("running", "stopping")))
             if showing == (run, key):  # nothing new: the page keeps its pictures
                 images = [gr.skip()] * len(plots)
-            else:  # drawn again only when the logs have grown since (pages tick every 2 s)
-                if drawn.get(run, (None,))[0] != key:
-                    drawn[run] = (key, studio_.live_charts(run_dir))
+            else:
                 images = [gr.update(value=_image(png), label=caption, visible=png is not None)
-                          for caption, png in drawn[run][1]]
+                          for caption, png in drawn]
             loss = studio_.loss_points(run_dir)
-            return (studio.queue_text(), f"**{run}**: {studio.state(run)}", *images,
+            return (studio.queue_text(), f"**{run}**: {state_}", *images,
                     f"{sum(r['series'] == 'train loss' for r in loss)} train-loss points, "
                     f"{sum(r['series'] == 'eval loss' for r in loss)} eval-loss points", studio.log_tail(run),
                     (run, key))
@@ -167,16 +162,21 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             except TunebenchError as e:
                 return error(e)
 
-        stop.click(lambda run: act(studio.stop, run), watched, message)
-        resume.click(lambda run: act(studio.resume, run), watched, message)
+        def on_stop(run, request: gr.Request):
+            return act(lambda r: studio.stop(r, client_of(request)), run)
+
+        def on_resume(run, request: gr.Request):
+            return act(lambda r: studio.resume(r, client_of(request)), run)
+
+        stop.click(on_stop, watched, message)
+        resume.click(on_resume, watched, message)
 
     with gr.Tab("Runs", id="runs") as runs_tab:
         gr.Markdown(f"Every run under `{studio.runs_dir}`, those started from the command line too.")
         table = gr.Dataframe(headers=studio_.RUN_COLUMNS, value=studio_.runs_table(studio), interactive=False,
                              wrap=True, elem_id="tb-runs")
         with gr.Row():
-            picked = gr.Dropdown(studio.names(), value=None, label="Run", allow_custom_value=True,  # none picked yet
-                                 elem_id="tb-picked")
+            picked = gr.Dropdown(studio.names(), value=None, label="Run", elem_id="tb-picked")  # none picked yet
             refresh = gr.Button("Refresh", elem_id="tb-refresh")
         with gr.Row():
             chat_it = gr.Button("Chat with it", elem_id="tb-chat")
@@ -185,7 +185,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             dpo = gr.Button("DPO from the A/B votes", elem_id="tb-dpo")
         with gr.Row():
             fmt = gr.Dropdown(list(studio_.EXPORT_FORMATS), value="gguf", label="Export format")
-            quant = gr.Dropdown(list(studio_.QUANTS), value="q8_0", label="Quantization", allow_custom_value=True)
+            quant = gr.Dropdown(list(studio_.QUANTS), value="q8_0", label="Quantization")
             export = gr.Button("Export", elem_id="tb-export")
         runs_message = gr.Markdown("", elem_id="tb-runs-message")
         report = gr.HTML("", elem_id="tb-report")
@@ -203,7 +203,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             try:
                 return studio_.report_html(studio, run)
             except TunebenchError as e:
-                return f"<p>{e}</p>"
+                return f"<p>{html.escape(str(e))}</p>"
 
         picked.change(on_pick, picked, report)
 
@@ -247,4 +247,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
                 return error(e)
 
         export.click(on_export, [picked, fmt, quant], runs_message)
-        dpo.click(lambda run: act(lambda r: studio_.dpo_from_votes(studio, r, db), run), picked, runs_message)
+        def on_dpo(run, request: gr.Request):
+            return act(lambda r: studio_.dpo_from_votes(studio, r, db, client_of(request)), run)
+
+        dpo.click(on_dpo, picked, runs_message)
