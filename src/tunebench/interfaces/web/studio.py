@@ -479,9 +479,10 @@ class Studio:
                 for block in iter(lambda: f.read(2 ** 20), b""):
                     digest.update(block)
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", src.name)[-64:]
-            dest = self.uploads / f"{digest.hexdigest()[:16]}-{safe}"
             with self._lock:
-                if not dest.exists():
+                dest = next(self.uploads.glob(f"{digest.hexdigest()[:16]}-*"), None) if self.uploads.is_dir() else None
+                if dest is None:
+                    dest = self.uploads / f"{digest.hexdigest()[:16]}-{safe}"
                     kept = self._prune_uploads()
                     held = sum(f.stat().st_size for f in kept)
                     if len(kept) >= MAX_UPLOADS or held + src.stat().st_size > MAX_UPLOAD_BYTES:
