@@ -126,8 +126,8 @@ def test_bad_requests_get_openais_errors_before_anything_runs(served):
 
 
 def test_a_client_over_its_share_is_told_to_wait(tmp_path, monkeypatch):
-    """The API draws on the page's per-client share: with a share of 0, a request is a 429 the client can act on."""
-    monkeypatch.setattr(app, "PER_CLIENT", 0)
+    """The API has its own per-client share: with a share of 0, a request is a 429 the client can act on."""
+    monkeypatch.setattr(app, "API_PER_CLIENT", 0)
     port = _port()
     server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:

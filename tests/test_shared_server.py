@@ -454,3 +454,36 @@ def test_a_reward_file_changed_since_the_checkpoint_is_refused_before_it_runs(tm
     reward.write_text("import os\nos.remove('everything')\n")
     with pytest.raises(TunebenchError, match="different reward_files"):
         checkpoint.check_before_resume(tmp_path / "run", str(step), {"reward_files": rewards.files([f"{reward}:score"])})
+
+
+# -- load --------------------------------------------------------------------------------------------------------
+
+def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_path):
+    """benchmarks/serve_load.py's clients for a few seconds against the tiny model and a run of it: streaming and
+    whole OpenAI clients, abandoned streams, bad bodies, and a page session chatting and voting blind."""
+    import importlib.util
+
+    import psutil
+    from conftest import tiny_run_config
+
+    from tunebench.jobs import finetune
+
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "benchmarks" / "serve_load.py")
+    serve_load = sys.modules["serve_load"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q {i}", "response": f"a {i}"}) + "\n" for i in range(12)))
+    finetune.run(tiny_run_config(data, tmp_path / "run", **{"train.max_steps": 2}))
+    port = _port()
+    server = app.serve(["tiny"], [str(tmp_path / "run")], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False,
+                       auth="ann:s3cret-pw", api_key="sk-load-test")
+    labels = tuple(e.label for e in models.entries(["tiny"], [str(tmp_path / "run")]))
+    try:
+        serve_load.load(port, "sk-load-test", "tiny", 3.0, labels)  # loaded and warm before RSS is read
+        rss_before = psutil.Process().memory_info().rss
+        figures = serve_load.load(port, "sk-load-test", "tiny", 8.0, labels)
+        growth = (psutil.Process().memory_info().rss - rss_before) / 2 ** 20
+    finally:
+        server.close()
+    assert figures["refused"] + figures["answered"] > 10 and figures["bad-input-refused"] >= 3, figures
+    assert serve_load.passed(figures, growth, 400) == [], figures

@@ -348,6 +348,7 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 QUEUE_SIZE = 16  # requests waiting for a generation; more are turned away rather than queued for hours
 API_PENDING = 6  # the API's generations waiting or running, from everyone (see models.Pending)
+API_PER_CLIENT = 4  # one API client's (a program's parallel requests); the page's visitors have PER_CLIENT
 MAX_UPLOAD = "1mb"  # a prompt set is text: a megabyte is thousands of prompts
 PROMPT_SET_BYTES = 2 ** 20
 MAX_UPLOAD_STUDIO = "200mb"  # the Train tab takes training data
@@ -493,7 +494,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
                max_file_size=MAX_UPLOAD_STUDIO if studio else MAX_UPLOAD,
                app_kwargs={"middleware": middleware},
                run_history=False)  # its /gradio_api/run-history/* routes have no login check (and need the hub)
-    openai_api.add_routes(app.app, registry, api_key, credentials is not None, ClientLimit(PER_CLIENT),
+    openai_api.add_routes(app.app, registry, api_key, credentials is not None, ClientLimit(API_PER_CLIENT),
                           Pending(API_PENDING), client_of)
     api = ("API key: --api-key" if api_key else "closed: the page has a login; --api-key opens it" if credentials
            else "no key: anyone who can reach the port")
