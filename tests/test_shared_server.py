@@ -65,6 +65,12 @@ sys.exit(130)
 """
 
 
+def test_the_runs_tabs_errors_are_escaped(tmp_path):
+    s = studio.Studio(tmp_path / "runs")
+    shown = studio.report_or_error(s, "<img src=x onerror=alert(1)>")
+    assert "<img" not in shown and "&lt;img" in shown
+
+
 @pytest.mark.parametrize("restarted", [False, True], ids=["this-server", "an-earlier-server"])
 def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_path, restarted):
     fake = tmp_path / "tunebench_fake_train.py"
@@ -460,7 +466,7 @@ def test_a_reward_file_changed_since_the_checkpoint_is_refused_before_it_runs(tm
 
 def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_path):
     """benchmarks/serve_load.py's clients for a few seconds against the tiny model and a run of it: streaming and
-    whole OpenAI clients, abandoned streams, bad bodies, and a page session chatting and voting blind."""
+    whole OpenAI clients, abandoned streams, bad bodies, and a page session chatting and voting blind (6 s)."""
     import importlib.util
 
     import psutil
@@ -479,9 +485,9 @@ def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_pa
                        auth="ann:s3cret-pw", api_key="sk-load-test")
     labels = tuple(e.label for e in models.entries(["tiny"], [str(tmp_path / "run")]))
     try:
-        serve_load.load(port, "sk-load-test", "tiny", 3.0, labels)  # loaded and warm before RSS is read
+        serve_load.load(port, "sk-load-test", "tiny", 2.0, labels)  # loaded and warm before RSS is read
         rss_before = psutil.Process().memory_info().rss
-        figures = serve_load.load(port, "sk-load-test", "tiny", 8.0, labels)
+        figures = serve_load.load(port, "sk-load-test", "tiny", 6.0, labels)
         growth = (psutil.Process().memory_info().rss - rss_before) / 2 ** 20
     finally:
         server.close()

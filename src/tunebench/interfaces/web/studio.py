@@ -587,6 +587,15 @@ def runs_table(studio: Studio) -> list[list[str]]:
     return [run_row(studio, n) for n in studio.names()]
 
 
+def report_or_error(studio: Studio, name: str) -> str:
+    """The Runs tab's report pane: the run's report, or why there is none, escaped (an error's words quote what
+    the page sent, and the pane is HTML)."""
+    try:
+        return report_html(studio, name)
+    except TunebenchError as e:
+        return f"<p>{html.escape(str(e))}</p>"
+
+
 def report_html(studio: Studio, name: str) -> str:
     """The run's report (`tunebench report RUN`: its charts, memory, settings and why, summary), written now
     from what the run has logged so far, as the body of its self-contained report.html."""

@@ -7,7 +7,6 @@ Every value the page sends is checked by the studio's own checks (a run name, a 
 a dropdown's list is only advice to a browser.
 """
 
-import html
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
@@ -198,12 +197,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         runs_tab.select(listing, None, [table, picked, versus])
 
         def on_pick(run):
-            if not run:
-                return ""
-            try:
-                return studio_.report_html(studio, run)
-            except TunebenchError as e:
-                return f"<p>{html.escape(str(e))}</p>"
+            return studio_.report_or_error(studio, run) if run else ""
 
         picked.change(on_pick, picked, report)
 
