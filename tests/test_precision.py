@@ -140,19 +140,35 @@ def test_dpo_and_orpo_answer_their_held_out_pairs(tmp_path, objective, precision
     assert isinstance(summary["rougeL"], float) and "eval_rewards/accuracies" in summary
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_qlora_trains_and_answers_in_its_compute_precision(tmp_path, data, precision):
-    """QLoRA's 4-bit base computes in the run's precision (bitsandbytes' compute dtype), without autocast;
-    its answers at the end are generated the same way."""
-    from conftest import needs_module
+@pytest.mark.parametrize("method, precision", [("lora", "bf16"), ("dora", "bf16"), ("full", "bf16"),
+                                               ("qlora", "bf16"), ("qlora", "fp16"), ("qlora", "fp32")])
+def test_the_probe_the_steps_and_the_answers_run_under_one_autocast(tmp_path, data, monkeypatch, method, precision):
+    """One autocast, decided once: every forward pass of a run (the probe that picks the micro batch, each
+    training step, the evaluations, the end-of-run answers) runs under the run's precision's autocast. QLoRA's
+    probe and answers ran without it while its steps ran with it, so the probe timed, and the answers scored,
+    another computation than the one trained."""
+    if method == "qlora":
+        from conftest import needs_module
 
-    needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
+        needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
+    seen = []
+    built = finetune.build_model
+
+    def watched(*args, **kwargs):
+        made = built(*args, **kwargs)
+        layer = next(m for name, m in made[0].named_modules() if name.endswith("self_attn"))
+        layer.register_forward_pre_hook(lambda module, inputs: seen.append(
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
+        return made
+
+    monkeypatch.setattr(finetune, "build_model", watched)
     out = tmp_path / "run"
     summary = finetune.run(tiny_run_config(data, out, **{
-        "adapter.method": "qlora", "adapter.quantization": "4bit", "train.precision": precision,
-        "train.eval_generate": 2, "train.eval_max_new_tokens": 4, "train.max_steps": 2, "data.eval_fraction": 0.25}))
-    assert summary["precision"] == precision and summary["quantization"] == "4bit"
-    assert len(_answers(out / "eval_answers.jsonl")) == 2
+        "adapter.method": method, "train.precision": precision, "train.eval_generate": 2,
+        "train.eval_max_new_tokens": 4, "train.max_steps": 2, "data.eval_fraction": 0.25,
+        **({"adapter.quantization": "4bit"} if method == "qlora" else {})}))
+    assert summary["precision"] == precision and len(_answers(out / "eval_answers.jsonl")) == 2
+    assert len(seen) > 10 and set(seen) == {None if precision == "fp32" else DTYPE[precision]}, set(seen)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

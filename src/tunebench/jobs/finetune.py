@@ -29,7 +29,9 @@ from tunebench.training.tune import compiler, layout
 from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb, probe_step
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
-    """Apply the method. Returns (model, autocast dtype, reasons). Frozen bases live in the compute dtype."""
+    """Apply the method. Returns (model, reasons). Frozen bases live in the compute dtype. The autocast every
+    method trains, probes, evaluates and answers under is the run's precision's (core.precision.autocast_dtype,
+    read as runner.Opened.autocast): one source, not one per method."""
     a = cfg.adapter
     compute = DTYPES[precision]
     rows: list[tuple[str, Any, str]] = []
@@ -37,10 +39,9 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     if a.method == "full":
         rows.append(methods.apply_liger(model, cfg.hardware.liger, device.type))
         model.to(device)
-        autocast = None if precision == "fp32" else compute
         rows.append(("weights", "fp32", "full fine-tuning keeps fp32 master weights" +
-                     (f"; {precision} autocast for matmuls" if autocast else "")))
-        return model, autocast, rows
+                     (f"; {precision} autocast for matmuls" if precision != "fp32" else "")))
+        return model, rows
     if a.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
@@ -70,9 +71,13 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
             methods.compute_adapters_in(model)
         rows.append(("adapters", f"fp32 + {precision} autocast", "fp32 master weights, low-precision matmuls"
                      + (": no fp32 copies of activations per adapted layer" if a.method in ("lora", "dora") else "")))
-        return model, compute, rows
-    rows.append(("adapters", "fp32", "fp32 weights and compute"))
-    return model, None, rows
+    elif a.method == "qlora" and precision != "fp32":
+        rows.append(("adapters", f"fp32 + {precision} autocast", f"fp32 master weights; the 4-bit base computes in "
+                     f"{precision}, and the adapters' matmuls run under the same {precision} autocast in the probe, "
+                     "every step and the answers (as HF Trainer's bf16=True trains QLoRA)"))
+    else:
+        rows.append(("adapters", "fp32", "fp32 weights and compute"))
+    return model, rows
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
@@ -172,7 +177,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 def trainable_model(cfg: RunConfig, loaded: models.Loaded, opened: runner.Opened, prefer: bool):
     """(model with its method applied, autocast dtype, the preference loss or None, its settings rows,
     (trainable, total) parameters); refused when nothing would train."""
-    model, autocast, rows = build_model(cfg, loaded, opened.hw_plan.precision, opened.device)
+    model, rows = build_model(cfg, loaded, opened.hw_plan.precision, opened.device)
+    autocast = opened.autocast
     model.config.use_cache = False
     if cfg.hardware.gradient_checkpointing == "on":
         enable_checkpointing(model)

@@ -90,6 +90,7 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
     from tunebench.training import runner
     from tunebench.settings.finetune import load_config
     from tunebench.data import batching, mixture
+    from tunebench.core import precision as precision_
     from tunebench.jobs.finetune import build_model
     from tunebench.training.tune.probe import probe_step
 
@@ -99,7 +100,8 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
     runner.apply_plan(hw_plan)
     loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
     data, _, _ = mixture.tokenize(parts, loaded.tokenizer, models.cache_dir())
-    model, autocast, _ = build_model(cfg, loaded, hw_plan.precision, torch.device(hw_plan.device))
+    model, _ = build_model(cfg, loaded, hw_plan.precision, torch.device(hw_plan.device))
+    autocast = precision_.autocast_dtype(hw_plan.precision)
     lengths = data.lengths()
     median_row = int(np.argsort(lengths)[len(lengths) // 2])
     step = probe_step(model, lambda size: batching.collate(data, [median_row] * size, loaded.tokenizer.pad_token_id),

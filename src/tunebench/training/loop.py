@@ -52,8 +52,7 @@ class LoopSettings:
     total_steps: int
     grad_accum_steps: int
     max_grad_norm: float
-    device: torch.device
-    autocast_dtype: torch.dtype | None = None
+    device: torch.device  # the autocast is the objective's own (CausalLMLoss, PreferenceLoss, GRPOLoss)
     logging_steps: int = 1
     eval_steps: int | None = None
     save_steps: int | None = None

@@ -505,7 +505,7 @@ def train_run(opened: Opened, plan, model, *, optimization: Optimization, output
 
     settings = LoopSettings(
         total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
-        device=device, autocast_dtype=autocast, logging_steps=outputs.logging_steps,
+        device=device, logging_steps=outputs.logging_steps,
         eval_steps=every(outputs.eval_steps, plan.total_steps), save_steps=outputs.save_steps,
         progress=outputs.progress, pin_memory=pin_memory, world=world, prefetch=prefetch)
     outcome = run_loop(out, model, objective_, optimizer, scheduler, scaler, next_micro_batch,
