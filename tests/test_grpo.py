@@ -146,7 +146,7 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
     printed = capsys.readouterr().out
     assert "rewards: gsm8k x 1, format x 0.5" in printed
     assert re.search(r"objective +grpo +3 completions a prompt of up to 8 tokens at temperature 1 .*beta 0.04; "
-                     r"reference: the base with the adapter off", printed)
+                     r"reference: the base: the adapter at its starting values", printed)
     assert re.search(r"held-out reward before training: [\d.]+, gsm8k [\d.]+, format [\d.]+ on 3 prompts", printed)
     assert "sampling: " in printed and "generated tokens/s" in printed
     assert sorted(run_losses(out)) == [1, 2, 3, 4]

@@ -63,7 +63,7 @@ _losses, _weights = run_losses, run_weights
     {"data.packing": "on"},
     {"adapter.method": "prefix", "adapter.num_virtual_tokens": 4},  # virtual tokens: PEFT's own forward
     {"adapter.method": "dora"},  # LoRA plus learned magnitudes
-    {"train.objective": "dpo"},  # preference pairs, the reference through the disabled adapter
+    {"train.objective": "dpo"},  # preference pairs, the reference through the adapter at its starting values
     {"train.objective": "orpo"},  # its normalisers: pairs and the chosen rows' tokens of each step
 ], ids=["lora", "full", "packed", "prefix", "dora", "dpo", "orpo"])
 def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset, extra):

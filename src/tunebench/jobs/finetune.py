@@ -320,12 +320,15 @@ def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.Prefere
 
 
 def reference_for(model, full: bool):
-    """(the reference model, its description) of an objective that compares the policy with its start: the
-    model with its adapter off (None: no second copy), or under full fine-tuning a frozen copy made here, before
-    any step, so the probe counts its memory."""
+    """(the reference, its description) of an objective that compares the policy with its start: under full
+    fine-tuning a frozen copy made here, before any step, so the probe counts its memory; else the adapter's
+    starting values, put back for the reference pass (preference.StartingAdapter: the same computation as the
+    policy's, compiled or not); a prompt-learning adapter, whose start is not the base, switched off."""
     if full:
         return preference.reference_copy(model), "a frozen copy of the starting weights"
-    return None, "the base with the adapter off (no copy)"
+    if methods.is_prompt_learning(model):
+        return None, "the base with the adapter off (no copy)"
+    return preference.StartingAdapter(model), "the base: the adapter at its starting values (no copy of the base)"
 
 
 def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out: Path, device: torch.device,

@@ -258,6 +258,9 @@ class GRPOLoss(torch.nn.Module):
         width = batch["input_ids"].shape[1] - 1
         rows = batch["input_ids"].shape[0]
         row = index // width
+        # the reference first (see preference.reference_logps: it may write the adapter's starting values in place)
+        ref = reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype, s.temperature) \
+            if s.beta else None
         logp = token_logps(self.model, batch, index, self.autocast_dtype, s.temperature)
         adv = batch["advantages"].to(logp.dtype)[row]
         ratio = torch.exp(logp - logp.detach())  # 1 in value: one update per generation
@@ -266,7 +269,6 @@ class GRPOLoss(torch.nn.Module):
         per_completion_token = (totals[0] / totals[1]).to(logp.dtype)
         kl_sum = torch.zeros((), device=logp.device, dtype=logp.dtype)
         if s.beta:
-            ref = reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype, s.temperature)
             delta = ref - logp
             kl = torch.exp(delta) - delta - 1
             # times the ratio, 1 in value: the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default,
