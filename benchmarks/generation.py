@@ -127,7 +127,7 @@ class LlamaCpp:
     def __call__(self, input_ids, max_new_tokens, **_):
         import torch
 
-        L, b, rows = self.L, self.llama_batch, input_ids.shape[0]
+        L, _b, rows = self.L, self.llama_batch, input_ids.shape[0]
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(1.0))

@@ -43,9 +43,9 @@ def _cfg(args, out: str):
 
 def _data(cfg):
     """Tokenizer, (train, validation) blocks and the first epoch's batch order, exactly as pretrain makes them."""
-    from tunebench.model import models
     from tunebench.data import batching, blocks
     from tunebench.jobs import pretrain
+    from tunebench.model import models
 
     tok, _ = pretrain.load_or_train_tokenizer(cfg)
     tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir())
@@ -155,7 +155,6 @@ def main() -> None:
         return
 
     from tunebench.machine import hardware
-
     from tunebench.model import models
     hw = hardware.detect()
     args.precision = args.precision or ("bf16" if hw.cpu_bf16 else "fp32")

@@ -40,9 +40,9 @@ def _common(args):
     """Model, tokenizer, tokenized data and the (train, eval) split both sides use."""
     import torch
 
+    from tunebench.data.tokenize import load_tokenized, split
     from tunebench.model import models
     from tunebench.settings.finetune import DataConfig
-    from tunebench.data.tokenize import load_tokenized, split
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     loaded = models.resolve(args.model, args.tokenizer)
@@ -134,8 +134,8 @@ def worker_peer(args) -> dict:
 
 def worker_tunebench(args) -> dict:
     harness.as_the_command()
-    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune
+    from tunebench.settings.finetune import load_config
 
     out = tempfile.mkdtemp()
     cfg = load_config(options={
@@ -211,7 +211,7 @@ def worker_sweep(args) -> dict:
         if args.steps == 0:
             return {"attention": row[1]}
     times = []
-    for i in range(args.steps):
+    for _i in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
@@ -281,8 +281,8 @@ def main() -> None:
         print(f"{'model':>22} {'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} "
               f"{'tok/s':>8} {'MFU':>6} {'peak MB':>8}  ({args.sweep_precision})", flush=True)
         rows = []
-        from tunebench.model import inference
         from tunebench.core.errors import TunebenchError
+        from tunebench.model import inference
 
         for model in (args.sweep_models or args.model).split(","):
             for length in (int(n) for n in args.sweep_lengths.split(",")):

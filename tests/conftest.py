@@ -101,12 +101,15 @@ def tiny():
 
 
 def tiny_run_config(data, out, **extra):
-    """A fine-tuning config for the tiny model on `data`: 6 steps of micro 2 x accumulation 2, 20% held out."""
+    """A fine-tuning config for the tiny model on `data`: 6 steps of micro 2 x accumulation 2, 20% held out, in
+    fp32 unless the test names its precision (never the machine's pick: bit-exact checks must mean the same
+    computation on every CPU)."""
     from tunebench.settings.finetune import SCHEMA, load_config
 
     options = {"model.name": "tiny", "data.path": str(data), "data.max_length": 256, "output.output_dir": str(out),
                "batch.micro_batch_size": 2, "batch.effective_batch_size": 4, "schedule.max_steps": 6,
-               "logging.progress": False, "optimizer.lr": 1e-2, "data.eval_fraction": 0.2}
+               "logging.progress": False, "optimizer.lr": 1e-2, "data.eval_fraction": 0.2,
+               "hardware.precision": "fp32"}  # forced: auto is bf16 on one CPU and fp32 on another
     options.update(SCHEMA.canonical(extra))  # the test's own spelling of a key replaces the default's
     return load_config(options=options)
 

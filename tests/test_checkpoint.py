@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench.training import checkpoint
-
-from tunebench.model import models
-from tunebench.settings.finetune import DataConfig
+from tunebench.core.errors import TunebenchError
 from tunebench.data import batching
 from tunebench.data.tokenize import load_tokenized
-from tunebench.core.errors import TunebenchError
 from tunebench.jobs import bench_data
+from tunebench.model import models
+from tunebench.settings.finetune import DataConfig
+from tunebench.training import checkpoint
 from tunebench.training.loop import LoopState
 
 IDENTITY = {"model": "tiny", "seed": 1}
@@ -96,7 +95,7 @@ def test_a_failed_save_leaves_the_earlier_checkpoints_and_no_partial_one(tmp_pat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left on device"):
         checkpoint.save(tmp_path, model, opt, sched, LoopState(step=2), IDENTITY, keep=2)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]

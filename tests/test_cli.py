@@ -9,9 +9,8 @@ import sys
 import pytest
 
 from conftest import needs_module
-from tunebench.interfaces import cli
-
 from tunebench.core import startup
+from tunebench.interfaces import cli
 from tunebench.interfaces.cli import main
 
 
@@ -223,8 +222,8 @@ def test_the_command_pauses_collection_until_its_training_loop_and_leaves_caller
     even one that turned it off itself."""
     import gc
 
-    from tunebench.jobs import finetune
     from conftest import tiny_run_config
+    from tunebench.jobs import finetune
 
     real_run, seen, kept = finetune.run, [], []
     monkeypatch.setattr(finetune, "run", lambda cfg: seen.append(gc.isenabled()))

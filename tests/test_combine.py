@@ -5,10 +5,9 @@ import torch
 from safetensors.torch import load_file
 
 from tunebench.interfaces import cli
-
+from tunebench.jobs import finetune, generate, merge
 from tunebench.model import inference
 from tunebench.settings.finetune import load_config
-from tunebench.jobs import finetune, generate, merge
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from tunebench.settings.finetune import load_config, replace
 from tunebench.core.errors import TunebenchError
+from tunebench.settings.finetune import load_config, replace
 
 
 def test_defaults_are_the_study_recipe():
@@ -86,13 +86,14 @@ def test_quantization_implies_qlora_and_full_refuses_it():
 def test_replace_validates():
     cfg = load_config()
     assert replace(cfg, **{"train.lr": 1e-3}).optimizer.lr == 1e-3
-    with pytest.raises(TunebenchError):
+    with pytest.raises(TunebenchError, match="lr"):
         replace(cfg, **{"train.lr": -1})
 
 
 def test_both_jobs_share_one_definition_of_each_common_section():
     """The eight shared sections are one set of dataclasses; only model and data (and train's adapter) differ."""
-    from tunebench.settings import pretrain as pretrain_config, schema
+    from tunebench.settings import pretrain as pretrain_config
+    from tunebench.settings import schema
     train, pre = load_config(), pretrain_config.load(None, {"data.train_file": "x.txt"})
     for section, cls in schema.SHARED.items():
         assert type(getattr(train, section)) is cls and type(getattr(pre, section)) is cls, section
@@ -102,8 +103,8 @@ def test_both_jobs_share_one_definition_of_each_common_section():
 
 
 def test_a_fields_documentation_is_its_help():
-    from tunebench.settings import schema
     from tunebench.interfaces.cli_parser import build_parser
+    from tunebench.settings import schema
 
     helps = {a.dest: a.help for p in build_parser()._subparsers._group_actions[0].choices.values() for a in p._actions}
     assert helps["schedule.warmup_steps"] == schema.help_for("schedule.warmup_steps") == "steps of linear warm-up"

@@ -4,13 +4,12 @@ import json
 import numpy as np
 import pytest
 
-from tunebench.settings.finetune import DataConfig
+from conftest import ROWS
+from tunebench.core.errors import TunebenchError
 from tunebench.data import batching, formats, readers, sample_gen
 from tunebench.data.tokenize import DEFAULT_PROMPT, load_tokenized, split, tokenize_messages
-from tunebench.core.errors import TunebenchError
 from tunebench.model.models import byte_tokenizer
-
-from conftest import ROWS
+from tunebench.settings.finetune import DataConfig
 
 
 def _write(tmp_path, kind):

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import llama_greedy, needs_installed, needs_module
 
+from conftest import llama_greedy, needs_installed, needs_module
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import export, finetune
 from tunebench.model import inference, models

@@ -18,8 +18,8 @@ import torch
 
 from conftest import run_losses, run_weights
 from tunebench.machine import hardware
-from tunebench.training import runner
 from tunebench.machine.distributed import World
+from tunebench.training import runner
 
 ROWS = [{"instruction": f"question {i}{' and more words' * (i % 4)}", "response": f"answer {i}" + " yes" * (i % 5)}
         for i in range(20)]  # uneven lengths: ranks hold unequal numbers of loss tokens
@@ -207,7 +207,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint(tmp_
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not (out / "metrics.jsonl").exists() or not _losses(out):
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and _losses(out)):
             time.sleep(0.5)
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if p.environ().get("RANK") == "1"]
@@ -238,7 +238,7 @@ def test_ranks_do_not_outlive_a_launch_killed_with_sigkill(tmp_path, rows):
     ranks, alive = [], []
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not (out / "metrics.jsonl").exists() or not _losses(out):
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and _losses(out)):
             time.sleep(0.5)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
         assert len(ranks) == 2

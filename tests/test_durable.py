@@ -15,15 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench.training import checkpoint
-
+from conftest import run_losses, tiny_run_config
 from tunebench.core import durable
 from tunebench.core.errors import TunebenchError
-from tunebench.jobs import compare, finetune
 from tunebench.core.jsonfile import read_jsonl
+from tunebench.jobs import compare, finetune
 from tunebench.machine.metrics import MetricsWriter
-
-from conftest import run_losses, tiny_run_config
+from tunebench.training import checkpoint
 
 
 def test_rng_states_round_trip_as_tensors_and_numbers():
@@ -117,9 +115,9 @@ def test_a_kill_storm_during_checkpoint_writes_still_resumes_exactly(tmp_path, d
 
 
 def test_a_corrupt_tokenized_cache_is_recomputed(tmp_path, dataset, capsys):
+    from tunebench.data.tokenize import load_tokenized
     from tunebench.model import models
     from tunebench.settings.finetune import load_config
-    from tunebench.data.tokenize import load_tokenized
 
     cfg = load_config(options={"data.path": str(dataset), "data.max_length": 64}).data
     tok = models.byte_tokenizer()

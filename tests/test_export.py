@@ -4,15 +4,14 @@ import json
 
 import pytest
 import torch
+
 from conftest import llama_greedy, needs_module
-
+from tunebench.core.errors import TunebenchError
+from tunebench.data.tokenize import render_prompt
 from tunebench.interfaces import cli
-
+from tunebench.jobs import export, finetune, generate, pretrain, tokenizer
 from tunebench.model import gguf_export, inference, models
 from tunebench.settings.finetune import load_config
-from tunebench.data.tokenize import render_prompt
-from tunebench.core.errors import TunebenchError
-from tunebench.jobs import export, finetune, generate, pretrain, tokenizer
 from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))

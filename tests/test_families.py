@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_run_config
 
+from conftest import tiny_run_config
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.model import methods, models

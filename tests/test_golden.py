@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import unavailable
-
-from tunebench.settings.finetune import load_config
 from tunebench.jobs import finetune
+from tunebench.settings.finetune import load_config
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "losses.json").read_text())
 

@@ -28,13 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tunebench.training import checkpoint, optim, runner
-
-from tunebench.machine import hardware
+from conftest import SHARED, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
-
-from conftest import SHARED, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
+from tunebench.machine import hardware
+from tunebench.training import checkpoint, optim, runner
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
@@ -303,8 +301,8 @@ def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fi
                                                                                    capsys, monkeypatch):
     """The GPU is filled until one row of 1,024 tokens fits only with recomputation: the headroom left is
     measured here, between one row's peak with and without gradient checkpointing, on the run's own model."""
-    from tunebench.model import models
     from tunebench.data import batching
+    from tunebench.model import models
     from tunebench.training.tune import batch
     from tunebench.training.tune.probe import enable_checkpointing, probe_step
 
@@ -402,8 +400,8 @@ def test_dpo_on_the_gpu_starts_at_ln2_and_logs_the_rewards(tmp_path):
 
 def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
     """The shipped gpu_model (Llama-style: rotary positions, SwiGLU), cut to 2 x 256 at 128 tokens, on the GPU."""
-    from tunebench.settings import pretrain as pretrain_config
     from tunebench.jobs import pretrain, tokenizer
+    from tunebench.settings import pretrain as pretrain_config
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n"
@@ -432,10 +430,10 @@ def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
 
 
 def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, monkeypatch):
+    from tunebench.interfaces.web.models import Registry, entries
+    from tunebench.jobs import evaluate, generate
     from tunebench.model import inference
     from tunebench.settings.finetune import DataConfig
-    from tunebench.jobs import evaluate, generate
-    from tunebench.interfaces.web.models import Registry, entries
 
     out = tmp_path / "run"
     finetune.run(cuda_config(dataset, out, **{"train.max_steps": 2}))

@@ -5,22 +5,19 @@ import os
 import re
 
 import pytest
-from conftest import add_lora
 import torch
 
-from tunebench.machine import hardware, metrics
-
-from tunebench.model import kernels, methods, models
-
+from conftest import add_lora
 from tunebench.core import startup
-
-from tunebench.training import tune
-from tunebench.training.tune import attention, batch, compiler
-from tunebench.settings.finetune import load_config, profiles
 from tunebench.core.errors import TunebenchError
+from tunebench.machine import hardware, metrics
 from tunebench.machine.hardware import GPU, Hardware
 from tunebench.machine.metrics import mfu, training_flops_per_token
 from tunebench.machine.monitor import Monitor
+from tunebench.model import kernels, methods, models
+from tunebench.settings.finetune import load_config, profiles
+from tunebench.training import tune
+from tunebench.training.tune import attention, batch, compiler
 
 SPR_FLAGS = "fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
 
@@ -409,7 +406,7 @@ def test_autotune_never_tries_a_size_predicted_over_budget():
     result = batch.probe(step, [1, 2, 4, 8], budget_mb=2500.0, baseline_mb=1000.0, is_oom=lambda e: False)
     assert tried == [1, 2, 4]  # 4 -> 2200 MB fits; 8 -> predicted 3400 MB is never run
     assert result.micro_batch_size == 4 and result.probes[-1].status.startswith("skipped")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^bug$"):  # not an OOM: the step's own error, unchanged
         batch.probe(lambda s: (_ for _ in ()).throw(ValueError("bug")), [1], 1e9, 0, lambda e: False)
 
 

@@ -4,11 +4,10 @@ import json
 
 import pytest
 
+from conftest import needs_installed
+from tunebench.jobs import finetune
 from tunebench.model import methods
 from tunebench.settings.finetune import load_config
-from tunebench.jobs import finetune
-
-from conftest import needs_installed
 
 pytestmark = pytest.mark.slow
 

@@ -4,18 +4,16 @@ import json
 import pytest
 import torch
 
-from tunebench.training import checkpoint, runner
-
-from tunebench.model import inference
+from conftest import ROWS, add_lora, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
+from tunebench.core.errors import TunebenchError
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
-from tunebench.settings.finetune import DataConfig
-from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
-from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
+from tunebench.model import inference
 from tunebench.model.models import byte_tokenizer
-
-from conftest import ROWS, add_lora, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
+from tunebench.settings.finetune import DataConfig
+from tunebench.training import checkpoint, runner
+from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
 
 
 def _data():
@@ -280,9 +278,8 @@ def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tunebench"])
 def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
     """In train mode (dropout 0 in the tiny model), so the gradients a packed step applies are checked too."""
-    from tunebench.training.loop import loss_sum, prepare
-
     from tunebench.model import kernels
+    from tunebench.training.loop import loss_sum, prepare
     tok, data = _data()
     kernels.register()
     model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
@@ -354,10 +351,10 @@ def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
 @pytest.mark.parametrize("method, precision", [("full", "bf16"), ("full", "fp32"), ("lora", "fp32")])
 def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precision):
     """What a run saves is what it trained: reloaded, it gives the run's own final eval loss."""
-    from tunebench.model import models
-    from tunebench.data.tokenize import load_tokenized, split
-    from tunebench.training.loop import CausalLMLoss, evaluate
     from tunebench.core.precision import DTYPES
+    from tunebench.data.tokenize import load_tokenized, split
+    from tunebench.model import models
+    from tunebench.training.loop import CausalLMLoss, evaluate
 
     out = tmp_path / f"{method}-{precision}"
     cfg = _cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import yaml
 
-from tunebench.interfaces import cli
-from tunebench.settings.finetune import load_config, parse_source
-from tunebench.data import batching, mixture
 from tunebench.core.errors import TunebenchError
+from tunebench.data import batching, mixture
+from tunebench.interfaces import cli
 from tunebench.jobs import finetune
+from tunebench.settings.finetune import load_config, parse_source
 
 
 def test_the_mixture_follows_its_weights_within_every_stretch_of_steps():

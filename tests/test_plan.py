@@ -13,18 +13,15 @@ import numpy as np
 import pytest
 import yaml
 
-from tunebench.core import batch_rule
-
-from tunebench.settings import pretrain as pretrain_config
-
-from tunebench.training import runplan
-from tunebench.interfaces.cli import main
-from tunebench.settings.finetune import dump_yaml, load_config
-from tunebench.data import batching
-from tunebench.core.errors import TunebenchError
-from tunebench.jobs import compare, finetune, search
-
 from conftest import ROWS, run_losses, run_weights, tiny_run_config
+from tunebench.core import batch_rule
+from tunebench.core.errors import TunebenchError
+from tunebench.data import batching
+from tunebench.interfaces.cli import main
+from tunebench.jobs import compare, finetune, search
+from tunebench.settings import pretrain as pretrain_config
+from tunebench.settings.finetune import dump_yaml, load_config
+from tunebench.training import runplan
 
 # ---------------------------------------------------------------- values that survive the trip to a child
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import ROWS, pairs_file, tiny_run_config
+from tunebench.interfaces.web import models as served
+from tunebench.jobs import evaluate, export, finetune, generate, merge, pretrain
 from tunebench.model import inference
 from tunebench.settings.finetune import DataConfig
-from tunebench.jobs import evaluate, export, finetune, generate, merge, pretrain
-from tunebench.interfaces.web import models as served
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_module, pairs_file, run_losses
-from tunebench.interfaces.cli import main
-from tunebench.settings.finetune import DataConfig, load_config
-from tunebench.data import pairs
 from tunebench.core.errors import TunebenchError
+from tunebench.data import pairs, votes
+from tunebench.interfaces.cli import main
 from tunebench.jobs import finetune
-from tunebench.data import votes
+from tunebench.settings.finetune import DataConfig, load_config
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "preference.json").read_text())
 

@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from conftest import run_losses, sigterm_after_step
+from tunebench.core.errors import TunebenchError
+from tunebench.data import blocks
+from tunebench.jobs import pretrain, tokenizer
 from tunebench.model import arch
 from tunebench.settings import pretrain as pretrain_config
-from tunebench.training import runner
-from tunebench.data import blocks
-from tunebench.core.errors import TunebenchError
-from tunebench.jobs import pretrain, tokenizer
 from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
-
-
+from tunebench.training import runner
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))
 
@@ -237,8 +235,8 @@ def test_pretrain_resume_after_sigterm_reproduces_losses_and_weights(tmp_path, c
 def test_pretrained_output_loads_generates_and_fine_tunes(tmp_path, corpus, char_tok):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune
+    from tunebench.settings.finetune import load_config
 
     pretrain.run(_config(corpus, tmp_path / "char-tok", tmp_path / "pre", max_steps=2))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "pre")

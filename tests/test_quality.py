@@ -4,15 +4,13 @@ the columns compare writes and the quality-vs-speed chart."""
 import json
 
 import pytest
-
-from conftest import needs_module
 import torch
 
+from conftest import needs_module
 from tunebench.interfaces import cli
-
+from tunebench.jobs import finetune, report
 from tunebench.model import inference, quality
 from tunebench.settings.finetune import load_config
-from tunebench.jobs import finetune, report
 
 PAIRS = [("The refund was sent to your card.", "Your refund has been sent to your card."),
          ("Please reset your password from the login page.", "You can reset the password on the login page."),

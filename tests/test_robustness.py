@@ -7,20 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from tunebench.machine import hardware, metrics, monitor
-
-from tunebench.training import loop, runner
-
-from tunebench.model import models
-from tunebench.interfaces.cli import main
-from tunebench.settings.finetune import DataConfig
-from tunebench.data import batching, formats
-from tunebench.data.tokenize import segments, render_prompt
+from conftest import ROWS, tiny_run_config
 from tunebench.core.errors import TunebenchError
+from tunebench.data import batching, formats
+from tunebench.data.tokenize import render_prompt, segments
+from tunebench.interfaces.cli import main
 from tunebench.jobs import finetune
 from tunebench.jobs.generate import trained_template
-
-from conftest import ROWS, tiny_run_config
+from tunebench.machine import hardware, metrics, monitor
+from tunebench.model import models
+from tunebench.settings.finetune import DataConfig
+from tunebench.training import loop, runner
 
 
 def _cfg(data, out, **extra):

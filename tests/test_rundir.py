@@ -5,12 +5,12 @@ import json
 import pytest
 
 from conftest import ROWS, tiny_run_config
-from tunebench.model import inference
-from tunebench.settings.finetune import BUILTIN_DATA, DataConfig
+from tunebench.core.errors import TunebenchError
 from tunebench.data import formats
 from tunebench.data.tokenize import load_tokenized
-from tunebench.core.errors import TunebenchError
 from tunebench.jobs import evaluate, finetune, merge
+from tunebench.model import inference
+from tunebench.settings.finetune import BUILTIN_DATA, DataConfig
 from tunebench.settings.rundir import RunDir
 
 

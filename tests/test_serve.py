@@ -10,8 +10,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import needs_module, tiny_run_config
 
+from conftest import needs_module, tiny_run_config
 from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
 
@@ -36,7 +36,7 @@ def test_the_store_reports_each_pair_whichever_side_its_models_were_shown_on(tmp
     assert pairs[("tuned", "x")].second_wins == 1
     text = votes.report(db)
     assert "6 vote(s)" in text and "37.5%" in text
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="vote must be one of"):
         _vote(db, "a", "b", "maybe")
     row = json.loads(votes.connect(db).execute("SELECT settings FROM votes LIMIT 1").fetchone()[0])
     assert row == {"temperature": 0.7}
@@ -51,7 +51,7 @@ def test_the_wilson_interval_on_a_known_case():
 
 
 def _writer(db, n, name):
-    for i in range(n):
+    for _i in range(n):
         _vote(db, name, "other", random.choice(votes.VOTES))
 
 
@@ -151,7 +151,7 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     assert f"A was {state['model_a']}" in message and state["voted"] and "tokens/s" in message  # revealed
     _, status = list(app.chat_turn(registry, registry.labels[0], "hello", [], 0.7, 0.9, 8, blinded))[-1]
     assert "tokens/s" in status
-    with pytest.raises(gr.Error):
+    with pytest.raises(gr.Error, match="already voted on"):
         app.ab_vote(db, "a", state)  # one vote per pair of answers
     (pair,) = votes.pairs(db)
     winner = state["model_b"]
@@ -281,8 +281,9 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
         wait.until(lambda d: "Vote #1 stored" in d.page_source)
         time.sleep(2)  # the second click's handler has answered too
         browser.save_screenshot(str(tmp_path / "voted.png"))
-        tab("A/B results")
-        wait.until(lambda d: "1" in d.page_source and "base: tiny" in d.page_source)
+        tab("A/B results")  # the stored vote's row: its win rate and its Wilson interval, as the store computes them
+        (row,) = votes.table(db)[1]
+        wait.until(lambda d: f"{row[7]}" in body() and row[8] in body())
     finally:
         browser.quit()
         served.close()
@@ -386,7 +387,7 @@ def test_an_upload_is_read_once_and_removed(tmp_path):
     assert app.read_upload(str(upload)) == ["one", "two"] and not upload.exists()
     bad = tmp_path / "bad.csv"
     bad.write_text("")
-    with pytest.raises(gr.Error):
+    with pytest.raises(gr.Error, match="holds no prompts"):
         app.read_upload(str(bad))
     assert not bad.exists()
     big = tmp_path / "big.jsonl"  # the studio's page takes 200 MB uploads; a prompt set stays at 1 MB

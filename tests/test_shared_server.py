@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_module
 
+from conftest import needs_module
 from tunebench.core import runlock
 from tunebench.core.errors import TunebenchError
 
@@ -470,8 +470,8 @@ def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_pa
     import importlib.util
 
     import psutil
-    from conftest import tiny_run_config
 
+    from conftest import tiny_run_config
     from tunebench.jobs import finetune
 
     spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "benchmarks" / "serve_load.py")

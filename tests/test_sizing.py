@@ -4,10 +4,9 @@ compared like with like."""
 import csv
 import json
 
-from conftest import ROWS
-
 import pytest
 
+from conftest import ROWS
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare, report, sizing
 

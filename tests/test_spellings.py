@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from tunebench.interfaces import cli
-
-from tunebench.settings import finetune as config, pretrain as pretrain_config
 from tunebench.jobs import compare, hw
+from tunebench.settings import finetune as config
+from tunebench.settings import pretrain as pretrain_config
 
 STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"
 
@@ -157,7 +157,7 @@ def test_the_guides_python_api_as_written(tmp_path):
     base_config = PretrainConfig(ModelConfig(), training_config,
                                  DataConfig(train_file=str(tmp_path / "corpus.txt"), cache_dir=str(tmp_path / "cache")))
     config = base_config.copy()
-    setattr(config.training, "learning_rate", 1e-3)  # the guide's search loop
+    config.training.learning_rate = 0.001  # the guide's search loop
     assert base_config.training.learning_rate == 3e-4 and config.training.learning_rate == 1e-3
     validate(config)
     with pytest.raises(Exception, match="'training.backend' and 'training.distributed_backend' both set distributed.backend"):
@@ -206,8 +206,8 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(tmp_path, dataset,
     """The guide's "Compilation failed": the run goes on eagerly, and the settings table says why."""
     import json
 
-    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune
+    from tunebench.settings.finetune import load_config
     from tunebench.training.tune import compiler
 
     def broken(*args, **kwargs):
@@ -251,8 +251,8 @@ def test_prepare_writes_seeded_splits_and_says_what_it_dropped(tmp_path, capsys)
     held = [json.loads(x) for x in (tmp_path / "small" / "eval.jsonl").read_text().splitlines()]
     assert (len(train), len(held)) == (27, 3) and not {r["instruction"] for r in train} & {r["instruction"] for r in held}
     tok = models.tokenizer_for("tiny")
-    from tunebench.settings.finetune import load_config
     from tunebench.data.tokenize import tokenize_messages
+    from tunebench.settings.finetune import load_config
 
     cfg = load_config(options={"data.max_length": 10**9}).data
     lengths = tokenize_messages([[{"role": "user", "content": r["instruction"]},

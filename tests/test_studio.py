@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_module
 
+from conftest import needs_module
 from tunebench.core.errors import TunebenchError
 
 needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
@@ -189,8 +189,8 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
-    from test_serve import _browser, _free_port
 
+    from test_serve import _browser, _free_port
     from tunebench.data import votes
     from tunebench.interfaces.web import app
 

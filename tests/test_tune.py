@@ -2,8 +2,8 @@
 crashing trial, and writes a best YAML that reproduces its trial."""
 
 import csv
-import re
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tunebench.settings.finetune import load_config
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune, search
+from tunebench.settings.finetune import load_config
 
 
 def _space(tmp_path, text):
@@ -171,8 +171,8 @@ def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
 
 
 def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
-    from tunebench.settings import pretrain as pretrain_config
     from tunebench.jobs import pretrain, tokenizer
+    from tunebench.settings import pretrain as pretrain_config
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n"

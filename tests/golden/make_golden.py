@@ -96,8 +96,8 @@ def reference_losses(method: str, lr: float) -> list[float]:
 
 
 def main() -> None:
-    import transformers
     import peft
+    import transformers
 
     out = {"template": TEMPLATE, "steps": STEPS, "seed": SEED, "batch": len(ROWS),
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from make_preference_golden import SEED, TEMPLATE, Record, lora
 
 HERE = Path(__file__).parent

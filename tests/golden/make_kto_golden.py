@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from make_preference_golden import PAIRS, SEED, TEMPLATE, Record, lora
 
 HERE = Path(__file__).parent

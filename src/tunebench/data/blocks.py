@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tunebench.data import text
 from tunebench.core.durable import fsync_path, umask_mode
 from tunebench.core.errors import TunebenchError
+from tunebench.data import text
 
 FORMAT_VERSION = 1
 BATCH_CHARS = 8_000_000  # text handed to the tokenizer per call

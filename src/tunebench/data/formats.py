@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tunebench.settings.finetune import DataConfig
-from tunebench.data import readers
 from tunebench.core.errors import TunebenchError
+from tunebench.data import readers
+from tunebench.settings.finetune import DataConfig
 
 Messages = list[dict[str, str]]
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tunebench.settings.finetune import DataConfig
+from tunebench.core.errors import TunebenchError
 from tunebench.data import batching, formats, pairs, readers
 from tunebench.data.tokenize import Tokenized
-from tunebench.core.errors import TunebenchError
+from tunebench.settings.finetune import DataConfig
 
 TRUE, FALSE = ("true", "1", "yes", "good", "desirable"), ("false", "0", "no", "bad", "undesirable")
 

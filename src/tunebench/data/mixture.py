@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tunebench.settings.finetune import DataConfig
 from tunebench.data import formats
 from tunebench.data.tokenize import Tokenized, load_tokenized, split
+from tunebench.settings.finetune import DataConfig
 
 
 @dataclass

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tunebench.settings.finetune import DataConfig
+from tunebench.core.errors import TunebenchError
 from tunebench.data import batching, formats, readers
 from tunebench.data.tokenize import Tokenized, segments
-from tunebench.core.errors import TunebenchError
+from tunebench.settings.finetune import DataConfig
 
 STORE_SUFFIXES = (".sqlite", ".sqlite3", ".db")
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.settings.finetune import DataConfig
-from tunebench.data import formats, pairs, readers
 from tunebench.core.errors import TunebenchError
+from tunebench.data import formats, pairs, readers
+from tunebench.settings.finetune import DataConfig
 
 PROMPT_COLUMNS = ("prompt", "question")  # TRL's prompt-only format; GSM8K's
 

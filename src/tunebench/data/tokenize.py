@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tunebench.settings.finetune import DataConfig
-from tunebench.data import formats, readers
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.data import formats, readers
+from tunebench.settings.finetune import DataConfig
 
 DEFAULT_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 FORMAT_VERSION = 3  # bump when tokenization changes, to invalidate caches

@@ -35,8 +35,8 @@ def finetune(config: str | Path | None = None, **options: Any) -> dict[str, Any]
     """Fine-tune (LoRA, QLoRA, full; DPO, ORPO, KTO or GRPO) as `tunebench train` does. Options
     are dotted config keys with `__` for the dot (`train__max_steps=10`, `adapter__method="full"`,
     `train__objective="dpo"`, `model__name="tiny"`)."""
-    from tunebench.settings.finetune import load_config
     from tunebench.jobs import finetune, grpo
+    from tunebench.settings.finetune import load_config
 
     cfg = load_config(config, {k.replace("__", "."): v for k, v in options.items()})
     return (grpo if cfg.adapter.objective == "grpo" else finetune).run(cfg)

@@ -8,8 +8,9 @@ import os
 import sys
 
 from tunebench.core import startup
-from tunebench.interfaces.cli_parser import build_parser, items as _items, train_config
 from tunebench.core.errors import TunebenchError
+from tunebench.interfaces.cli_parser import build_parser, train_config
+from tunebench.interfaces.cli_parser import items as _items
 
 
 def _train(args: argparse.Namespace) -> int | None:
@@ -20,8 +21,8 @@ def _train(args: argparse.Namespace) -> int | None:
 
 
 def _pretrain(args: argparse.Namespace) -> int | None:
-    from tunebench.settings import pretrain as pretrain_config
     from tunebench.jobs import pretrain
+    from tunebench.settings import pretrain as pretrain_config
 
     configs, overrides = _items(args)
     if args.config_file:
@@ -33,8 +34,8 @@ def _pretrain(args: argparse.Namespace) -> int | None:
 
 
 def _tune(args: argparse.Namespace) -> int | None:
-    from tunebench.settings.finetune import parse_override
     from tunebench.jobs import search
+    from tunebench.settings.finetune import parse_override
 
     configs, overrides = _items(args)
     search.run(args.job_kind, configs[0] if configs else None,
@@ -45,8 +46,8 @@ def _tune(args: argparse.Namespace) -> int | None:
 
 
 def _serve(args: argparse.Namespace) -> int | None:
-    from tunebench.model.models import SMOLLM2
     from tunebench.interfaces.web import app
+    from tunebench.model.models import SMOLLM2
 
     app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
               args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tunebench import __version__
-
-from tunebench.model import quality
 from tunebench.core.errors import TunebenchError
+from tunebench.model import quality
 
 # (flags, config key, help). The reference study's underscore spellings are aliases.
 # (flags, config key, help). The reference study's underscore spellings are aliases.

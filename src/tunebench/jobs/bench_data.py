@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 
-from tunebench.model import models
-from tunebench.settings.finetune import DataConfig
 from tunebench.data import batching
 from tunebench.data.tokenize import load_tokenized
+from tunebench.model import models
+from tunebench.settings.finetune import DataConfig
 
 
 def run(model: str | None, data: DataConfig, micro_batch_size: int, seconds: float = 2.0) -> dict[str, float]:

@@ -25,11 +25,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tunebench.model import quality
-from tunebench.settings.finetune import load_config, read_yaml, shipped_yaml
 from tunebench.core.durable import repair_tail
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import sizing
+from tunebench.model import quality
+from tunebench.settings.finetune import load_config, read_yaml, shipped_yaml
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
 

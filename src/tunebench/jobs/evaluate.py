@@ -9,17 +9,15 @@ import json
 import re
 from pathlib import Path
 
-from tunebench.machine import hardware
-
-from tunebench.model import inference, models, quality
-
-from tunebench.training import runner
-from tunebench.settings.finetune import DataConfig
+from tunebench.core.errors import TunebenchError
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
-from tunebench.core.errors import TunebenchError
-from tunebench.training.loop import CausalLMLoss, evaluate
+from tunebench.machine import hardware
+from tunebench.model import inference, models, quality
+from tunebench.settings.finetune import DataConfig
 from tunebench.settings.rundir import RunDir
+from tunebench.training import runner
+from tunebench.training.loop import CausalLMLoss, evaluate
 
 
 def table(model: str | None, adapters: list[str | None], base: bool, data: DataConfig, output_dir: str, *,
@@ -28,8 +26,8 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
           lm_eval_include: str | None) -> None:
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
     `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`)."""
-    from tunebench.model.inference import base_of
     from tunebench.core.jsonfile import write_json
+    from tunebench.model.inference import base_of
 
     if base and adapters == [None]:
         raise TunebenchError("--base compares a base model with its adapters; give --adapter too")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.core.durable import atomic_dir, atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.settings.rundir import RunDir
 
 FORMATS = ("gguf", "ollama", "hf")

@@ -9,24 +9,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench.jobs import run_report
-from tunebench.machine import distributed, hardware, metrics
-
-from tunebench.model import inference, methods, models
-
-from tunebench.training import optim, preference, runner, runplan
-from tunebench.training import summary as summary_
-from tunebench.settings.finetune import RunConfig, dump_yaml
-from tunebench.machine.hardware import Decision
-from tunebench.data import batching, judged, mixture, pairs
-from tunebench.data.tokenize import split
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
+from tunebench.data import batching, judged, mixture, pairs
+from tunebench.data.tokenize import split
+from tunebench.jobs import run_report
+from tunebench.machine import distributed, hardware, metrics
+from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import training_flops_per_token
+from tunebench.model import inference, methods, models
+from tunebench.settings.finetune import RunConfig, dump_yaml
+from tunebench.training import optim, preference, runner, runplan
+from tunebench.training import summary as summary_
 from tunebench.training.tune import compiler, layout
 from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb, probe_step
+
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):
     """Apply the method. Returns (model, reasons). Frozen bases live in the compute dtype. The autocast every

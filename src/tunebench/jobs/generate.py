@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tunebench.model import inference
-from tunebench.data.tokenize import render_prompt
 from tunebench.core.errors import TunebenchError
+from tunebench.data.tokenize import render_prompt
+from tunebench.model import inference
 from tunebench.settings.rundir import RunDir
 
 

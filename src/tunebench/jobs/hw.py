@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import json
 
-from tunebench.machine import hardware
-
-from tunebench.training import runplan, summary
 from tunebench.core.batch_rule import micro_candidates
-from tunebench.settings.finetune import load_config
+from tunebench.machine import hardware
 from tunebench.machine.hardware import Decision
 from tunebench.model.models import cache_dir
+from tunebench.settings.finetune import load_config
+from tunebench.training import runplan, summary
 
 
 def profile_for(hw) -> tuple[str, str]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-from tunebench.machine import distributed, hardware
 from tunebench.core.errors import TunebenchError
+from tunebench.machine import distributed, hardware
 
 JOBS = ("train", "pretrain")
 

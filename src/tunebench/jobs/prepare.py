@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.model import models
-from tunebench.settings.finetune import DataConfig, load_config
-from tunebench.data import formats, readers
-from tunebench.data.tokenize import tokenize_messages
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
+from tunebench.data import formats, readers
+from tunebench.data.tokenize import tokenize_messages
+from tunebench.model import models
+from tunebench.settings.finetune import DataConfig, load_config
 
 PERCENTILES = (50, 90, 99)
 

@@ -10,22 +10,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench.model import arch, inference, kernels, models
-
-from tunebench.machine import distributed, hardware, metrics
-
-from tunebench.training import optim, runner, runplan
-from tunebench.training import summary as summary_
-from tunebench.data import batching, blocks, text
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
-from tunebench.machine.hardware import Decision
-from tunebench.jobs import run_report, tokenizer as tokenizer_job
 from tunebench.core.jsonfile import write_json
+from tunebench.data import batching, blocks, text
+from tunebench.jobs import run_report
+from tunebench.jobs import tokenizer as tokenizer_job
+from tunebench.machine import distributed, hardware, metrics
+from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import training_flops_per_token
+from tunebench.model import arch, inference, kernels, models
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, dump_yaml, validate
+from tunebench.training import optim, runner, runplan
+from tunebench.training import summary as summary_
 from tunebench.training.tune import compiler
 from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb, probe_step
+
 
 def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     cfg = validate(cfg)  # the CPU guide's trio becomes the run it describes

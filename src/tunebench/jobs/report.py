@@ -15,10 +15,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunebench.model import quality
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_jsonl
+from tunebench.model import quality
 
 
 @dataclass

@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
-from tunebench.model import quality
-from tunebench.settings.finetune import read_yaml, shipped_yaml
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare
+from tunebench.model import quality
+from tunebench.settings.finetune import read_yaml, shipped_yaml
 
 SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
 MAX_DUPLICATES = 30  # proposals in a row that repeat earlier trials: the space is exhausted
@@ -315,7 +315,6 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     """One trial: its process, its evals reported to the pruner as they appear; returns its results row
     (None: its choices duplicate an earlier trial's, so it did not run)."""
     import optuna
-
     from optuna.storages._heartbeat import get_heartbeat_thread
 
     try:

@@ -11,9 +11,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tunebench.data import text
 from tunebench.core.durable import atomic_dir
 from tunebench.core.errors import TunebenchError
+from tunebench.data import text
 
 TYPES = ("bpe", "unigram", "wordpiece", "char")
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}

@@ -147,8 +147,8 @@ def flop_dims(model) -> tuple[int, int, int]:
         if isinstance(m, kinds) and "lora_" not in name:
             total += logical_numel(m.weight)
     c = model.config
-    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
-    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
-    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd")
+    layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     return total, layers, heads * head_dim

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from tunebench.model import methods, models
 from tunebench.core import precision as precision_
 from tunebench.core.errors import TunebenchError
+from tunebench.model import methods, models
 
 
 def base_of(adapter_dir: str) -> str:

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from tunebench.model import models
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
-from tunebench.model.kernels import use_fast_dropout
 from tunebench.machine.metrics import quantized_linear_kinds
+from tunebench.model import models
+from tunebench.model.kernels import use_fast_dropout
 
 # Attention projections LoRA targets by default where PEFT's own table (by model type) has no entry, per
 # naming family, most specific first: Phi-3's fused qkv_proj is one PEFT 0.21 does not list.
@@ -203,7 +203,10 @@ def apply_liger(model, requested: str, device_type: str) -> tuple[str, Any, str]
         why_not = "Liger's kernels are Triton kernels for CUDA GPUs"
     else:
         try:
-            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+            from liger_kernel.transformers.monkey_patch import (
+                MODEL_TYPE_TO_APPLY_LIGER_FN,
+                _apply_liger_kernel_to_instance,
+            )
         except ImportError:
             why_not = "liger-kernel is not installed (pip install liger-kernel)"
         else:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from tunebench.data.tokenize import CHAT_TEMPLATE
 from tunebench.core.durable import fsync_path
 from tunebench.core.errors import TunebenchError
 from tunebench.core.paths import cache_dir  # noqa: F401 - models.cache_dir, the name its callers use
+from tunebench.data.tokenize import CHAT_TEMPLATE
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from tunebench.core.errors import TunebenchError
 
 if TYPE_CHECKING:  # torch, the model and the data load only when answers are generated: the names below are
-    from tunebench.model import inference  # read by the command line's parser and the torch-free report
     from tunebench.data import formats
+    from tunebench.model import inference  # read by the command line's parser and the torch-free report
 
 # The one list of task metrics: every quality figure travels under these names (summary.json, compare's CSV
 # and report, eval's table, train's per-dataset columns, tune's objectives).
@@ -52,8 +52,8 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
     """Greedy answers for `rows` (batched, left-padded), and the seconds generation took."""
     import torch
 
-    from tunebench.model import inference
     from tunebench.data.tokenize import render_prompt
+    from tunebench.model import inference
 
     pairs = [p for p in (prompt_and_reference(m) for m in rows) if p is not None]
     if not pairs:
@@ -74,7 +74,7 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
             began = time.perf_counter()
             out = placed.decode(enc["input_ids"], enc["attention_mask"], cap)
             seconds += time.perf_counter() - began
-            for (turns, reference), prompt, new in zip(chunk, prompts, out.tolist()):
+            for (_turns, reference), prompt, new in zip(chunk, prompts, out.tolist()):
                 stop = new.index(tok.eos_token_id) if tok.eos_token_id in new else None
                 kept = new if stop is None else new[:stop]
                 answers.append(Answer(prompt, reference, tok.decode(kept, skip_special_tokens=True).strip(),

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunebench.settings import schema
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
+from tunebench.settings import schema
 from tunebench.settings.schema import parse_override, read_yaml, short
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

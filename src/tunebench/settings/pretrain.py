@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunebench.settings import schema
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
+from tunebench.settings import schema
 from tunebench.settings.schema import parse_override, read_yaml
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")

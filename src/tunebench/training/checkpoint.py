@@ -20,13 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench.machine import distributed
-
 from tunebench.core import durable, runlock
-from tunebench.machine.distributed import World
 from tunebench.core.errors import TunebenchError
-from tunebench.training.loop import LoopState
+from tunebench.machine import distributed
+from tunebench.machine.distributed import World
 from tunebench.settings.rundir import RunDir
+from tunebench.training.loop import LoopState
 
 STATE = "state.json"
 TENSORS = "training_state.pt"

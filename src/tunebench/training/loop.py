@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from tunebench.core.errors import TunebenchError
+from tunebench.core.precision import autocast
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
-from tunebench.core.errors import TunebenchError
 from tunebench.model import methods
 from tunebench.model.kernels import cross_entropy_sum, linear_cross_entropy_sum
-from tunebench.core.precision import autocast
 
 Batch = dict[str, torch.Tensor]
 

@@ -32,8 +32,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from tunebench.training.loop import Batch, body_and_head
 from tunebench.core.precision import autocast
+from tunebench.training.loop import Batch, body_and_head
 
 OBJECTIVES = ("sft", "dpo", "orpo", "kto")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

@@ -21,20 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench.training import checkpoint, runplan
-
-from tunebench.machine import distributed, hardware, trackers
-
-from tunebench.core import runlock, startup
 from tunebench.core import precision as precision_
+from tunebench.core import runlock, startup
 from tunebench.core.batch_rule import BatchAsk
-from tunebench.data import batching
 from tunebench.core.decision import Decision
-from tunebench.machine.distributed import World
 from tunebench.core.errors import TunebenchError
-from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
+from tunebench.data import batching
+from tunebench.machine import distributed, hardware, trackers
+from tunebench.machine.distributed import World
 from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.machine.monitor import Monitor, other_load
+from tunebench.training import checkpoint, runplan
+from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
 
 
 @dataclass(frozen=True)

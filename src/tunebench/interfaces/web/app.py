@@ -20,8 +20,18 @@ from pathlib import Path
 from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
 from tunebench.interfaces.web import openai_api
-from tunebench.interfaces.web.models import (MAX_PROMPT_CHARS, PER_CLIENT, Busy, ClientLimit, Pending, Registry,
-                                             client_of, entries, load_prompts, stream)
+from tunebench.interfaces.web.models import (
+    MAX_PROMPT_CHARS,
+    PER_CLIENT,
+    Busy,
+    ClientLimit,
+    Pending,
+    Registry,
+    client_of,
+    entries,
+    load_prompts,
+    stream,
+)
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
 
@@ -199,8 +209,8 @@ def results_rows(db: Path) -> list[list[str]]:
 def train_on_votes(db: Path, base: str | None = None) -> str:
     """The results view's next step: the command that trains on the votes, as text to copy (training
     never runs inside the web server). `base`, the model to start from where it is not the default."""
-    from tunebench.settings.finetune import DEFAULT_MODEL
     from tunebench.data import pairs
+    from tunebench.settings.finetune import DEFAULT_MODEL
 
     if not db.is_file():
         return "No votes yet: vote A or B on the blind A/B tab, and the votes become DPO training pairs."

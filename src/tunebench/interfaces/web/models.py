@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tunebench.model import inference, models
 from tunebench.core.errors import TunebenchError
+from tunebench.model import inference, models
 from tunebench.settings.rundir import RunDir
 
 

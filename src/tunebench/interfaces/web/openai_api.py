@@ -157,8 +157,8 @@ def _usage(end: dict) -> dict[str, int]:
 def complete(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
     """The whole answer as one response object."""
     text, end = "", None
-    for text, end in answer(registry, request):
-        pass
+    for piece in answer(registry, request):  # the last piece is the whole answer and its end
+        text, end = piece
     created, model = int(time.time()), request["model"]
     if request["chat"]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created, "model": model,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tunebench.model import kernels, methods
+from tunebench.core.decision import Decision as Row
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
-from tunebench.core.decision import Decision as Row
+from tunebench.model import kernels, methods
 from tunebench.training.tune import Shape, cached, store
 from tunebench.training.tune.probe import free_after_oom, is_oom, memory_free_mb
 

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tunebench.core.batch_rule import micro_candidates
-from tunebench.core.errors import TunebenchError
 from tunebench.core.decision import Decision as Row
+from tunebench.core.errors import TunebenchError
 from tunebench.training.tune import Shape, cached, store
 from tunebench.training.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_budget_mb
 

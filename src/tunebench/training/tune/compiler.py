@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from tunebench.machine import hardware
-from tunebench.core.paths import cache_dir
 from tunebench.core.decision import Decision as Row
+from tunebench.core.paths import cache_dir
+from tunebench.machine import hardware
 from tunebench.training.tune import Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
