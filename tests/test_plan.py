@@ -192,7 +192,8 @@ def test_micro_batch_accumulation_and_ranks_learn_the_same_model(tmp_path):
     on the batch's shape)."""
     data = _long_rows(tmp_path)
     extra = {"train.effective_batch_size": 4, "adapter.lora_dropout": 0.0, "train.max_steps": 5, "optimizer.lr": 2e-3,
-             "data.eval_fraction": 0.0, "hardware.compile": "off", "train.attention": "sdpa", "data.packing": "off"}
+             "data.eval_fraction": 0.0, "hardware.compile": "off", "train.attention": "sdpa", "data.packing": "off",
+             "hardware.precision": "fp32"}  # the launched ranks too, not their machine's pick
     runs = {}
     for micro in (4, 2, 1):
         out = tmp_path / f"m{micro}"
