@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.settings.finetune import BUILTIN_DATA
 
-BUILTIN = {"builtin:customer-support": Path(__file__).parent / "sample" / "customer_support.jsonl"}
+BUILTIN = {BUILTIN_DATA: Path(__file__).parent / "sample" / "customer_support.jsonl"}
 
 Record = dict[str, Any]
 

@@ -11,6 +11,7 @@ from typing import Any
 from tunebench import __version__
 from tunebench.core.errors import TunebenchError
 from tunebench.model import quality
+from tunebench.settings.finetune import METHODS, OBJECTIVES
 
 # (flags, config key, help). The reference study's underscore spellings are aliases.
 # (flags, config key, help). The reference study's underscore spellings are aliases.
@@ -34,7 +35,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
      "group by length)"),
     (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
     (("--method",), "adapter.method",
-     "lora (default) | qlora | dora | ia3 | loha | lokr | prefix | prompt (PEFT methods) | full; dpo | orpo | kto | grpo: "
+     f"{' | '.join(METHODS)} (default lora; all but full are PEFT methods); {' | '.join(OBJECTIVES[1:])}: "
      "that objective with LoRA (QLoRA with --quantization)"),
     (("--objective",), "adapter.objective",
      "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "

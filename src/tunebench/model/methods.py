@@ -14,6 +14,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.machine.metrics import quantized_linear_kinds
 from tunebench.model import models
 from tunebench.model.kernels import use_fast_dropout
+from tunebench.settings.finetune import METHODS
 
 # Attention projections LoRA targets by default where PEFT's own table (by model type) has no entry, per
 # naming family, most specific first: Phi-3's fused qkv_proj is one PEFT 0.21 does not list.
@@ -134,7 +135,7 @@ def ia3_modules(model, modules: list[str] | str | None) -> tuple[list[str] | str
 
 
 PROMPT_METHODS = ("prefix", "prompt")  # virtual tokens, not weights: nothing to merge, no packed rows
-PEFT_METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr") + PROMPT_METHODS
+PEFT_METHODS = tuple(m for m in METHODS if m != "full")  # the one list is settings.finetune.METHODS
 
 
 def peft_config(a, model, modules: list[str] | str | None):

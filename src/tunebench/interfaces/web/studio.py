@@ -29,10 +29,13 @@ from typing import Any
 from tunebench.core import runlock
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, records
+from tunebench.settings import finetune as finetune_settings
+from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL
 from tunebench.settings.rundir import RunDir
 
-SAMPLE = "builtin:customer-support"  # the built-in Bitext-style sample, what `./run compare` trains on
-METHODS = ("lora", "qlora", "dora", "full", "ia3", "dpo", "orpo", "kto")
+SAMPLE = BUILTIN_DATA  # the built-in Bitext-style sample, what `./run compare` trains on
+# every method, and the objectives that need no more than a data file (GRPO needs a reward: the CLI's)
+METHODS = (*finetune_settings.METHODS, *(o for o in finetune_settings.OBJECTIVES if o not in ("sft", "grpo")))
 SHOWN_EXAMPLES = 3
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # What one page may ask of the server: the queue, the page's numbers, the uploads it keeps (see Studio).
@@ -131,7 +134,7 @@ class Ask:
 
     data: str
     name: str
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     method: str = "lora"
     effective_batch: int | None = None  # None: the default (8)
     max_steps: int | None = None
