@@ -105,7 +105,7 @@ def test_a_kill_storm_during_checkpoint_writes_still_resumes_exactly(tmp_path, d
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.6))  # somewhere in the next steps and their saves
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        assert proc.wait() == -signal.SIGKILL, f"attempt {attempt} ended before its kill: the storm missed it"
     newest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
     (newest / checkpoint.TENSORS).write_bytes((newest / checkpoint.TENSORS).read_bytes()[:100])
     final = train(out, "--resume", "auto")
