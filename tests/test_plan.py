@@ -115,9 +115,9 @@ def test_tune_runs_what_the_space_chose(tmp_path, dataset):
     template = "Q: {instruction} #1\n'A':"
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump({"data.template": [template], "hardware.compile": ["off"]}))
-    search.run("train", None, {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
+    search.run(search.Search("train", None, {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
                                "data.eval_fraction": 0.2, "train.effective_batch_size": 4},
-               str(space), 1, str(tmp_path / "tune"), max_steps=1)
+               str(space), 1, str(tmp_path / "tune"), max_steps=1))
     (cfg_path,) = (tmp_path / "tune" / "trials").glob("*/config.yaml")
     cfg = yaml.safe_load(cfg_path.read_text())
     assert cfg["data"]["template"] == template and cfg["hardware"]["compile"] == "off"
@@ -425,8 +425,8 @@ def test_a_stale_trial_is_marked_failed_and_its_choices_run_again(tmp_path, data
     stale.suggest_categorical("train.lr", [0.01, 0.02, 0.03])
     study._storage.record_heartbeat(stale._trial_id)
     time.sleep(2.5)
-    search.run("train", None, {k: v for k, v in base.items() if k not in ("train.max_steps", "evaluation.eval_steps")},
-               str(space), 1, str(out), pruner="none", max_steps=1)
+    search.run(search.Search("train", None, {k: v for k, v in base.items() if k not in ("train.max_steps", "evaluation.eval_steps")},
+               str(space), 1, str(out), pruner="none", max_steps=1))
     trials = optuna.load_study(study_name="tunebench", storage=f"sqlite:///{(out / 'study.sqlite').resolve()}") \
         .get_trials(deepcopy=False)
     S = optuna.trial.TrialState

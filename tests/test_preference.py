@@ -206,8 +206,8 @@ def test_tune_searches_beta_by_the_held_out_reward_accuracy(tmp_path, capsys):
     base = {"model.name": "tiny", "data.path": str(pairs_file(tmp_path)), "data.max_length": 256,
             "data.eval_fraction": 0.34, "train.objective": "dpo", "train.micro_batch_size": 2,
             "train.effective_batch_size": 2, "train.lr": 1e-2}
-    summary = search.run("train", None, base, str(space), 2, str(tmp_path / "tune"), "random", "auto", max_steps=2,
-                         objective="reward_accuracy")
+    summary = search.run(search.Search("train", None, base, str(space), 2, str(tmp_path / "tune"), "random", "auto", max_steps=2,
+                         objective="reward_accuracy"))
     assert "reward accuracy on each trial's held-out preference pairs (maximized)" in capsys.readouterr().out
     with open(tmp_path / "tune" / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))

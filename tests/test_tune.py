@@ -101,7 +101,7 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
 
     # The same command again resumes: one trial done, one to run (the interrupted one does not count).
     overrides = dict(_base(dataset))
-    summary = search.run("train", None, overrides, space, 2, str(out), "random", "none", 160)
+    summary = search.run(search.Search("train", None, overrides, space, 2, str(out), "random", "none", 160))
     assert summary["trials"] == 2
     rows = _rows(out / "results.csv")
     assert [r["experiment"] for r in rows] == ["trial-0", "trial-2"] and {r["status"] for r in rows} == {"ok"}
@@ -112,7 +112,7 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
     assert interrupted.user_attrs["interrupted"] and rerun_trial.params == interrupted.params  # run again
     # Equal token budget: a trial at effective batch 2 runs twice the steps of one at 4, on the same rows.
     assert {int(r["samples"]) for r in rows} == {int(rows[0]["samples"])}
-    again = search.run("train", None, overrides, space, 2, str(out), "random", "none", 160)  # nothing left to do
+    again = search.run(search.Search("train", None, overrides, space, 2, str(out), "random", "none", 160))  # nothing left to do
     assert again["best_trial"] == summary["best_trial"] and not (out / "trials" / "trial-003").exists()
     assert (out / "report" / "report.html").is_file() and (out / "report" / "optimization_history.png").is_file()
 
@@ -124,14 +124,14 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
     assert rerun["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-4)
 
     with pytest.raises(TunebenchError, match="another space"):  # same directory, another search
-        search.run("train", None, overrides, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out))
+        search.run(search.Search("train", None, overrides, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out)))
 
 
 def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path, dataset, capsys):
     out = tmp_path / "tune"
     base = dict(_base(dataset), **{"model.name": str(tmp_path / "no-such-model")})
-    summary = search.run("train", None, base, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out), "random",
-                         "none", max_steps=2)
+    summary = search.run(search.Search("train", None, base, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out), "random",
+                         "none", max_steps=2))
     rows = _rows(out / "results.csv")
     assert [r["status"] for r in rows] == ["error", "error"] and "no-such-model" in rows[0]["message"]
     assert summary["trials"] == 2 and summary["best_yaml"] is None and not (out / "best.yaml").exists()
@@ -139,8 +139,8 @@ def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path,
     # Every choice failing alike is a setting every trial shares: asked for more, the search says so
     # rather than running a failed choice again.
     with pytest.raises(TunebenchError, match="the last 2 trials all failed the same way"):
-        search.run("train", None, base, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 6, str(out), "random",
-                   "none", max_steps=2)
+        search.run(search.Search("train", None, base, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 6, str(out), "random",
+                   "none", max_steps=2))
     assert len(_rows(out / "results.csv")) == 2
 
 
@@ -152,7 +152,7 @@ def test_the_cli_refuses_a_budget_and_steps_together(tmp_path, capsys):
     assert err == ["tunebench: error: argument --max-steps: not allowed with argument --budget-tokens; see "
                    "`tunebench tune --help`"]  # the parser's own refusal, before anything loads
     with pytest.raises(TunebenchError, match="--budget-tokens and --max-steps both set a trial's length"):
-        search.run("train", None, {}, "customer_support_lora", 1, str(tmp_path / "t"), budget_tokens=10, max_steps=2)
+        search.run(search.Search("train", None, {}, "customer_support_lora", 1, str(tmp_path / "t"), budget_tokens=10, max_steps=2))
 
 
 def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
@@ -183,8 +183,8 @@ def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
             "data.max_length": 32, "data.max_eval_blocks": 8, "training.batch_size": 2,
             "training.precision": "fp32"}
     space = _space(tmp_path, "training.learning_rate: {low: 1.0e-3, high: 1.0e-2, log: true}\n")
-    summary = search.run("pretrain", None, base, space, 2, str(tmp_path / "tune"), "random", "none",
-                         budget_tokens=32 * 2 * 8)
+    summary = search.run(search.Search("pretrain", None, base, space, 2, str(tmp_path / "tune"), "random", "none",
+                         budget_tokens=32 * 2 * 8))
     rows = _rows(tmp_path / "tune" / "results.csv")
     assert [r["status"] for r in rows] == ["ok", "ok"] and {r["steps"] for r in rows} == {"8"}
     assert {r["method"] for r in rows} == {"pretrain"} and int(rows[0]["trainable_params"]) > 0
@@ -197,8 +197,8 @@ def test_a_task_metric_objective_is_maximized_over_the_trials_answers(tmp_path, 
     space = _space(tmp_path, "train.lr: [0.001, 0.01]\n")
     out = tmp_path / "tune"
     # bf16, forced: the answers come from 16-bit trials on every machine (emulated where the CPU lacks it)
-    summary = search.run("train", None, {**_base(dataset), "train.eval_max_new_tokens": 4, "train.precision": "bf16"},
-                         space, 2, str(out), "random", "auto", max_steps=2, objective="rougeL")
+    summary = search.run(search.Search("train", None, {**_base(dataset), "train.eval_max_new_tokens": 4, "train.precision": "bf16"},
+                         space, 2, str(out), "random", "auto", max_steps=2, objective="rougeL"))
     said = capsys.readouterr().out
     assert "objective: rougeL of each trial's answers to 16 held-out rows (maximized); pruner none" in said
     rows = _rows(out / "results.csv")
@@ -216,8 +216,8 @@ def test_a_task_metric_objective_is_maximized_over_the_trials_answers(tmp_path, 
 ])
 def test_a_task_objective_that_cannot_work_is_refused(tmp_path, dataset, job, pruner, extra, message):
     with pytest.raises(TunebenchError, match=re.escape(message)):
-        search.run(job, None, {**_base(dataset), **extra}, _space(tmp_path, "train.lr: [0.001]\n"), 1,
-                   str(tmp_path / "t"), "random", pruner, max_steps=1, objective="rougeL")
+        search.run(search.Search(job, None, {**_base(dataset), **extra}, _space(tmp_path, "train.lr: [0.001]\n"), 1,
+                   str(tmp_path / "t"), "random", pruner, max_steps=1, objective="rougeL"))
     assert not (tmp_path / "t").exists()
 
 

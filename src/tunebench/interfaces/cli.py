@@ -38,11 +38,11 @@ def _tune(args: argparse.Namespace) -> int | None:
     from tunebench.settings.finetune import parse_override
 
     configs, overrides = _items(args)
-    search.run(args.job_kind, configs[0] if configs else None,
-               dict(parse_override(o) for o in overrides), args.space, args.trials, args.output_dir,
-               args.sampler, args.pruner, args.budget_tokens, args.max_steps,
-               args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name,
-               args.device, args.seed, args.objective)
+    search.run(search.Search(
+        args.job_kind, configs[0] if configs else None, dict(parse_override(o) for o in overrides), args.space,
+        args.trials, args.output_dir, args.sampler, args.pruner, args.budget_tokens, args.max_steps,
+        args.storage or os.environ.get("TUNEBENCH_STORAGE") or None, args.study_name, args.device, args.seed,
+        args.objective))
 
 
 def _serve(args: argparse.Namespace) -> int | None:

@@ -442,10 +442,31 @@ def charts(study) -> list[tuple[str, bytes]]:
     return out
 
 
-def run(job: str, config: str | None, overrides: dict[str, Any], space: str, trials: int, out_dir: str,
-        sampler: str = "tpe", pruner: str = "auto", budget_tokens: int | None = None, max_steps: int | None = None,
-        storage: str | None = None, study_name: str = "tunebench", device: str | None = None, seed: int = 42,
-        objective: str = "eval_loss") -> dict:
+@dataclass(frozen=True)
+class Search:
+    """What `tunebench tune` asks for: a study of `trials` runs of `job` over the search `space`."""
+
+    job: str  # train | pretrain
+    config: str | None  # the job's YAML, if any
+    overrides: dict[str, Any]  # dotted settings every trial shares
+    space: str  # a search-space YAML, or a shipped space's name
+    trials: int
+    out_dir: str  # the study database, the trials, results.csv, best.yaml, report/
+    sampler: str = "tpe"
+    pruner: str = "auto"  # median while eval_loss is the objective, none otherwise
+    budget_tokens: int | None = None  # a trial's length in real tokens, whatever its batch
+    max_steps: int | None = None  # or in steps
+    storage: str | None = None  # a shared study's database URL (PostgreSQL); default out_dir/study.sqlite
+    study_name: str = "tunebench"
+    device: str | None = None
+    seed: int = 42  # the sampler's
+    objective: str = "eval_loss"  # or a task metric, or reward_accuracy
+
+
+def run(s: Search) -> dict:
+    job, config, overrides, space, trials, out_dir = s.job, s.config, s.overrides, s.space, s.trials, s.out_dir
+    sampler, pruner, budget_tokens, max_steps, storage = s.sampler, s.pruner, s.budget_tokens, s.max_steps, s.storage
+    study_name, device, seed, objective = s.study_name, s.device, s.seed, s.objective
     if objective not in OBJECTIVES:
         raise TunebenchError(f"--objective '{objective}' is not one of {', '.join(OBJECTIVES)}")
     if pruner == "auto":  # the median pruner compares eval losses mid-run; a task metric exists only at the end

@@ -2,7 +2,8 @@
 
 A run's configuration is sections, each a typed, frozen dataclass. `train` and `pretrain` share eight of
 them, defined here once: hardware, batch, optimizer, schedule, output, evaluation, logging, distributed.
-Each job adds its own `model` and `data` (config.py, pretrain_config.py; fine-tuning also `adapter`).
+Each job adds its own `model` and `data` (settings/finetune.py, settings/pretrain.py; fine-tuning also
+`adapter`).
 The string under each field is its documentation and the command line's help for it.
 
 Values arrive in layers, lowest first: the job's defaults, a hardware profile, the YAML file, command-line
