@@ -201,7 +201,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     def run() -> None:
         try:
             if not registry.generate_lock.acquire(timeout=LOCK_WAIT_S):
-                raise Busy(f"busy: the server has been generating for others for {LOCK_WAIT_S} s; try again later")
+                raise Full(f"busy: the server has been generating for others for {LOCK_WAIT_S} s; try again later")
             try:
                 if stop.is_set():  # the client left while this request waited
                     return

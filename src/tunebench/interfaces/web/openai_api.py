@@ -199,6 +199,8 @@ def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
                                   "usage": _usage(end)})
     except ApiError as e:  # the status line is sent already: the error travels as an event
         yield _event(e.body())
+    except Busy as e:  # waited past its time for the generations ahead of it: the server's load, not the request
+        yield _event(ApiError(503, str(e), kind="server_error", code="overloaded").body())
     except TunebenchError as e:
         yield _event(ApiError(400, str(e)).body())
     yield _event("[DONE]")
