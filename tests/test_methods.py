@@ -150,6 +150,10 @@ def test_generate_and_eval_load_each_methods_adapter(tmp_path, dataset, method):
     ids = reference.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id)
     assert text == tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    # and token for token (the text alone can be '' on both sides: special tokens decode to nothing)
+    placed = inference.load(None, str(out), precision="fp32")
+    ours = placed.decode(enc["input_ids"], enc["attention_mask"], 4, None)
+    assert ours[0].tolist() == ids[0, enc["input_ids"].shape[1]:].tolist() and len(ours[0]) > 0
     data = load_config(options={"data.path": str(dataset), "data.max_length": 256}).data
     scored = evaluate.run(None, str(out), data, 4, precision="fp32")
     base = evaluate.run("tiny", None, data, 4, precision="fp32")
