@@ -4,6 +4,7 @@ config and runs the job."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -13,64 +14,44 @@ from tunebench.core.errors import TunebenchError
 from tunebench.model import quality
 from tunebench.settings.finetune import METHODS, OBJECTIVES
 
-# (flags, config key, help). The reference study's underscore spellings are aliases.
-# (flags, config key, help). The reference study's underscore spellings are aliases.
-TRAIN_OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
-    (("--model", "--model_name"), "model.name",
-     "preset (smollm2-135m-instruct [default], gpt2-124m, tiny), hub id, HF directory or .gguf file"),
-    (("--tokenizer",), "model.tokenizer", "tokenizer directory or id, when not the model's own"),
-    (("--data", "--dataset"), "data.path",
-     "CSV, JSON, JSONL, Parquet or saved datasets dir (default: built-in customer-support sample); several "
-     "--data FILE:WEIGHT train on a mixture"),
-    (("--format",), "data.format", "auto | instruction | alpaca | question | chat | text (default auto: from the columns)"),
-    (("--instruction-column",), "data.instruction_column", "prompt column of instruction data (default instruction)"),
-    (("--response-column",), "data.response_column", "answer column of instruction data (default response)"),
-    (("--template",), "data.template",
-     "auto (the tokenizer's chat template if any) or a prompt such as '### Q:\\n{instruction}\\n### A:\\n'"),
-    (("--train-on",), "data.train_on", "response (loss on answers only, default) | all"),
-    (("--max-samples", "--max_samples"), "data.max_samples", "use a seeded random subset of this many rows"),
-    (("--max-length", "--max_length"), "data.max_length", "truncate examples to this many tokens (default 128)"),
-    (("--packing",), "data.packing",
-     "auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off: may still "
-     "group by length)"),
-    (("--eval-fraction",), "data.eval_fraction", "share of rows held out for eval loss (default 0.05)"),
-    (("--method",), "adapter.method",
-     f"{' | '.join(METHODS)} (default lora; all but full are PEFT methods); {' | '.join(OBJECTIVES[1:])}: "
-     "that objective with LoRA (QLoRA with --quantization)"),
-    (("--objective",), "adapter.objective",
-     "sft (default: loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
-     "store of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store)"
-     " | grpo (prompts, and --reward)"),
-    (("--beta",), "adapter.beta", "DPO's and KTO's beta, how far the model may move from its reference (default 0.1); "
-     "GRPO's KL weight (default 0: no reference pass)"),
-    (("--reward",), "adapter.reward", "GRPO: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | "
-     "contains[:COLUMN] | path/to/file.py:function (TRL's signature: prompts, completions, **columns)"),
-    (("--reward-weights", "--reward_weights"), "adapter.reward_weights", "GRPO: one weight per --reward (default 1 each)"),
-    (("--num-generations", "--num_generations"), "adapter.num_generations", "GRPO: completions per prompt (default 8)"),
-    (("--max-completion-length", "--max_completion_length"), "adapter.max_completion_length",
-     "GRPO: new tokens per completion (default 256)"),
-    (("--temperature",), "adapter.temperature", "GRPO: sampling temperature (default 1.0)"),
-    (("--top-p", "--top_p"), "adapter.top_p", "GRPO: nucleus sampling (default 1.0: off)"),
-    (("--epsilon",), "adapter.epsilon", "GRPO: clipping epsilon (default 0.2)"),
-    (("--epsilon-high", "--epsilon_high"), "adapter.epsilon_high", "GRPO: upper clipping epsilon (default: --epsilon)"),
-    (("--loss-type", "--loss_type"), "adapter.loss_type",
-     "GRPO: dapo (default, TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"),
-    (("--scale-rewards", "--scale_rewards"), "adapter.scale_rewards",
-     "GRPO: group (default: advantages divided by the group's std) | none (Dr. GRPO)"),
-    (("--desirable-weight", "--desirable_weight"), "adapter.desirable_weight",
-     "KTO: weight of a desirable completion's loss (default 1.0; TRL suggests balancing the two kinds' counts)"),
-    (("--undesirable-weight", "--undesirable_weight"), "adapter.undesirable_weight",
-     "KTO: weight of an undesirable completion's loss (default 1.0)"),
-    (("--orpo-lambda",), "adapter.orpo_lambda", "ORPO's lambda, the weight of its odds-ratio term (default 0.1)"),
-    (("--lora-r", "--lora_r", "--rank"), "adapter.r", "rank of lora, qlora, dora, loha, lokr (default 8)"),
-    (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha", "alpha of lora, qlora, dora, loha, lokr (default 16)"),
-    (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout", "LoRA dropout (default 0.1)"),
-    (("--target-modules",), "adapter.target_modules",
-     "auto (attention projections) | all-linear | comma-separated module names"),
-    (("--quantization",), "adapter.quantization", "none | 4bit (nf4, QLoRA) | 8bit"),
-    (("--num-virtual-tokens",), "adapter.num_virtual_tokens", "virtual tokens of prefix and prompt tuning (default 20)"),
-    (("--prompt-init-text",), "adapter.prompt_init_text",
-     "prompt tuning: start the virtual tokens from this text's embeddings (default: random)"),
+# (flags, config key): the help is the field's documentation in settings/finetune.py, with its default.
+# The reference study's underscore spellings are aliases.
+TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
+    (("--model", "--model_name"), "model.name"),
+    (("--tokenizer",), "model.tokenizer"),
+    (("--data", "--dataset"), "data.path"),
+    (("--format",), "data.format"),
+    (("--instruction-column",), "data.instruction_column"),
+    (("--response-column",), "data.response_column"),
+    (("--template",), "data.template"),
+    (("--train-on",), "data.train_on"),
+    (("--max-samples", "--max_samples"), "data.max_samples"),
+    (("--max-length", "--max_length"), "data.max_length"),
+    (("--packing",), "data.packing"),
+    (("--eval-fraction",), "data.eval_fraction"),
+    (("--method",), "adapter.method"),
+    (("--objective",), "adapter.objective"),
+    (("--beta",), "adapter.beta"),
+    (("--reward",), "adapter.reward"),
+    (("--reward-weights", "--reward_weights"), "adapter.reward_weights"),
+    (("--num-generations", "--num_generations"), "adapter.num_generations"),
+    (("--max-completion-length", "--max_completion_length"), "adapter.max_completion_length"),
+    (("--temperature",), "adapter.temperature"),
+    (("--top-p", "--top_p"), "adapter.top_p"),
+    (("--epsilon",), "adapter.epsilon"),
+    (("--epsilon-high", "--epsilon_high"), "adapter.epsilon_high"),
+    (("--loss-type", "--loss_type"), "adapter.loss_type"),
+    (("--scale-rewards", "--scale_rewards"), "adapter.scale_rewards"),
+    (("--desirable-weight", "--desirable_weight"), "adapter.desirable_weight"),
+    (("--undesirable-weight", "--undesirable_weight"), "adapter.undesirable_weight"),
+    (("--orpo-lambda",), "adapter.orpo_lambda"),
+    (("--lora-r", "--lora_r", "--rank"), "adapter.r"),
+    (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha"),
+    (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout"),
+    (("--target-modules",), "adapter.target_modules"),
+    (("--quantization",), "adapter.quantization"),
+    (("--num-virtual-tokens",), "adapter.num_virtual_tokens"),
+    (("--prompt-init-text",), "adapter.prompt_init_text"),
 ]
 
 PRETRAIN_OPTIONS = [
@@ -115,7 +96,9 @@ def _training_job(sub, name: str, help_text: str, description: str, own: list) -
 def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], str, str]]) -> None:
     from tunebench.settings import schema  # torch-free: the sections and their documentation
 
-    for flags, key, help_text in own:
+    for option in own:
+        flags, key = option[0], option[1]
+        help_text = option[2] if len(option) > 2 else train_help(key)
         # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
         p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
                        **({"action": "append"} if key in ("data.path", "adapter.reward")
@@ -126,6 +109,22 @@ def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], st
     for flags, key, value in SWITCHES:
         p.add_argument(*flags, dest=key, action="store_const", const=value, default=argparse.SUPPRESS,
                        help=schema.help_for(key))
+
+
+def train_help(key: str) -> str:
+    """A fine-tuning option's help: its field's documentation (settings/finetune.py), the method list where the
+    key is the method, and the field's default where it has one and the words do not give it."""
+    from tunebench.settings import schema
+    from tunebench.settings.finetune import SECTIONS
+
+    section, name = key.split(".")
+    words = schema.help_for(key, SECTIONS)
+    if key == "adapter.method":
+        words = f"{' | '.join(METHODS)} | {' | '.join(OBJECTIVES[1:])}: {words}"
+    default = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])}[name]
+    if default not in (None, (), "", False) and "default" not in words:
+        words += f" (default {default})"
+    return words
 
 
 class _Parser(argparse.ArgumentParser):

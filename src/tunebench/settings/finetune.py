@@ -25,27 +25,46 @@ OBJECTIVES = ("sft", "dpo", "orpo", "kto", "grpo")  # next-token loss on the rep
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = DEFAULT_MODEL  # preset, hub id, local HF directory or .gguf file
-    tokenizer: str | None = None  # defaults to the model's own
-    allow_download: bool = False  # tunebench never reaches the hub unless asked
+    name: str = DEFAULT_MODEL
+    """a preset (smollm2-135m-instruct, gpt2-124m, tiny), a hub id in the HF cache, a HF directory or a .gguf file"""
+    tokenizer: str | None = None
+    """a tokenizer directory or id, when not the model's own"""
+    allow_download: bool = False
+    """let transformers fetch an uncached hub model (tunebench never reaches the hub unless asked)"""
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str = BUILTIN_DATA
-    format: str = "auto"  # auto | instruction | alpaca | question (question+answer, GSM8K) | chat | text
+    """CSV, JSON, JSONL, Parquet or a saved datasets directory (the built-in customer-support sample by default);
+    several --data FILE:WEIGHT train on a mixture"""
+    format: str = "auto"
+    """auto (from the columns) | instruction | alpaca | question (question + answer, GSM8K) | chat | text"""
     instruction_column: str = "instruction"
+    """the prompt column of instruction data"""
     input_column: str = "input"
+    """the extra input column of instruction data, appended to the prompt"""
     response_column: str = "response"
+    """the answer column of instruction data"""
     messages_column: str = "messages"
+    """the turns column of chat data"""
     text_column: str = "text"
-    template: str = "auto"  # auto (chat template when the tokenizer has one) | a format string
-    train_on: str = "response"  # response | all
+    """the column of plain-text data"""
+    template: str = "auto"
+    """auto (the tokenizer's chat template if any) or a prompt such as '### Q:\\n{instruction}\\n### A:\\n'"""
+    train_on: str = "response"
+    """response (the loss on the answers only) | all"""
     max_length: int = 128
-    packing: str = "auto"  # auto (packed or length-grouped rows when they remove padding) | on | off
+    """truncate examples to this many tokens"""
+    packing: str = "auto"
+    """auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off may still group
+    rows by length)"""
     max_samples: int | None = None
+    """use a seeded random subset of this many rows"""
     eval_fraction: float = 0.05
-    eval_samples: int | None = None  # cap on eval rows (after the split)
+    """the share of rows held out for the eval loss"""
+    eval_samples: int | None = None
+    """a cap on the eval rows (after the split)"""
     # several datasets in one run: ((path, mixture weight), ...); each is formatted and split on its own,
     # and training draws from them in proportion to the weights. Empty: `path` alone.
     sources: tuple[tuple[str, float], ...] = ()
@@ -53,30 +72,59 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    method: str = "lora"  # lora | qlora | dora | ia3 | loha | lokr | prefix | prompt | full
-    r: int = 8  # rank: lora, qlora, dora, loha, lokr
-    lora_alpha: int = 16  # scaling alpha: lora, qlora, dora, loha, lokr
-    lora_dropout: float = 0.1  # lora, qlora, dora
-    target_modules: str = "auto"  # auto | comma-separated module names | all-linear (the weight methods)
-    quantization: str = "none"  # none | 4bit | 8bit (lora/qlora)
-    num_virtual_tokens: int = 20  # prefix, prompt
-    prompt_init_text: str | None = None  # prompt: start the virtual tokens from this text's embeddings
-    objective: str = "sft"  # sft | dpo | orpo (preference pairs) | kto (judged completions); `--method dpo` is DPO with LoRA
-    beta: float | None = None  # DPO's and KTO's beta: how far the policy may move from its reference (None: 0.1)
-    desirable_weight: float | None = None  # KTO: the weight of a desirable completion's loss (None: TRL's 1.0)
-    undesirable_weight: float | None = None  # KTO: the weight of an undesirable completion's loss (None: TRL's 1.0)
+    method: str = "lora"
+    """the fine-tuning method (all but full are PEFT methods), or an objective, which then trains with LoRA (QLoRA
+    with --quantization)"""
+    r: int = 8
+    """the rank of lora, qlora, dora, loha, lokr"""
+    lora_alpha: int = 16
+    """the scaling alpha of lora, qlora, dora, loha, lokr"""
+    lora_dropout: float = 0.1
+    """LoRA's dropout (lora, qlora, dora)"""
+    target_modules: str = "auto"
+    """auto (the attention projections) | all-linear | comma-separated module names (the weight methods)"""
+    quantization: str = "none"
+    """none | 4bit (nf4, QLoRA) | 8bit"""
+    num_virtual_tokens: int = 20
+    """the virtual tokens of prefix and prompt tuning"""
+    prompt_init_text: str | None = None
+    """prompt tuning: start the virtual tokens from this text's embeddings (default: random)"""
+    objective: str = "sft"
+    """sft (the loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B store
+    of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store) |
+    grpo (prompts, and --reward)"""
+    beta: float | None = None
+    """DPO's and KTO's beta, how far the model may move from its reference (default 0.1); GRPO's KL weight
+    (default 0: no reference pass)"""
+    desirable_weight: float | None = None
+    """KTO: the weight of a desirable completion's loss (default 1.0; TRL suggests balancing the two kinds'
+    counts)"""
+    undesirable_weight: float | None = None
+    """KTO: the weight of an undesirable completion's loss (default 1.0)"""
     # GRPO, with TRL's names (None: TRL's default, but max_completion_length, whose 512 would be slow on a CPU)
-    reward: tuple[str, ...] = ()  # the reward functions (training.rewards): gsm8k, format:REGEX, exact, contains, file.py:fn
-    reward_weights: tuple[float, ...] = ()  # one per reward (default 1 each)
-    num_generations: int | None = None  # completions sampled per prompt, the group (None: 8)
-    max_completion_length: int | None = None  # new tokens per completion (None: 256)
-    temperature: float | None = None  # sampling temperature (None: 1.0)
-    top_p: float | None = None  # nucleus sampling (None: 1.0, off)
-    epsilon: float | None = None  # clipping (None: 0.2)
-    epsilon_high: float | None = None  # upper clipping (None: epsilon; DAPO's paper: 0.28)
-    loss_type: str | None = None  # dapo (TRL's default) | grpo | dr_grpo
-    scale_rewards: str | None = None  # group (TRL's default: advantages over the group's std) | none (Dr. GRPO)
-    orpo_lambda: float | None = None  # ORPO's lambda: the odds-ratio term's weight (None: the paper's 0.1; TRL's beta)
+    reward: tuple[str, ...] = ()
+    """GRPO: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
+    path/to/file.py:function (TRL's signature: prompts, completions, **columns)"""
+    reward_weights: tuple[float, ...] = ()
+    """GRPO: one weight per --reward (default 1 each)"""
+    num_generations: int | None = None
+    """GRPO: completions per prompt, the group (default 8)"""
+    max_completion_length: int | None = None
+    """GRPO: new tokens per completion (default 256)"""
+    temperature: float | None = None
+    """GRPO: the sampling temperature (default 1.0)"""
+    top_p: float | None = None
+    """GRPO: nucleus sampling (default 1.0: off)"""
+    epsilon: float | None = None
+    """GRPO: the clipping epsilon (default 0.2)"""
+    epsilon_high: float | None = None
+    """GRPO: the upper clipping epsilon (default: --epsilon; DAPO's paper: 0.28)"""
+    loss_type: str | None = None
+    """GRPO: dapo (default, TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
+    scale_rewards: str | None = None
+    """GRPO: group (default: advantages divided by the group's std) | none (Dr. GRPO)"""
+    orpo_lambda: float | None = None
+    """ORPO's lambda, the weight of its odds-ratio term (default 0.1, the paper's; TRL calls it beta)"""
 
 
 PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
