@@ -21,6 +21,7 @@ from tunebench.core.errors import TunebenchError
 needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
 from tunebench.interfaces.web import app, models, studio  # noqa: E402
+from tunebench.interfaces.web import studio_views as views  # noqa: E402
 
 
 def _csv(path: Path, rows: int = 40) -> Path:
@@ -67,7 +68,7 @@ sys.exit(130)
 
 def test_the_runs_tabs_errors_are_escaped(tmp_path):
     s = studio.Studio(tmp_path / "runs")
-    shown = studio.report_or_error(s, "<img src=x onerror=alert(1)>")
+    shown = views.report_or_error(s, "<img src=x onerror=alert(1)>")
     assert "<img" not in shown and "&lt;img" in shown
 
 
@@ -255,8 +256,8 @@ def test_uploads_are_kept_by_content_for_their_runs_bounded_and_previewed_from_a
 
 def test_the_live_views_charts_are_drawn_again_at_most_every_few_seconds(tmp_path, monkeypatch):
     drawn = []
-    monkeypatch.setattr(studio, "live_charts", lambda run_dir: drawn.append(1) or [("loss", b"png")])
-    charts, run = studio.Charts(every=3600), tmp_path / "r"
+    monkeypatch.setattr(views, "live_charts", lambda run_dir: drawn.append(1) or [("loss", b"png")])
+    charts, run = views.Charts(every=3600), tmp_path / "r"
     run.mkdir()
     for step in range(5):  # a training run logs every tick
         with open(run / "metrics.jsonl", "a") as f:

@@ -16,6 +16,7 @@ from tunebench.core.errors import TunebenchError
 needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
 from tunebench.interfaces.web import studio  # noqa: E402
+from tunebench.interfaces.web import studio_views as views
 
 ARTIFACTS = Path(os.environ.get("TUNEBENCH_ARTIFACTS", "test-artifacts")) / "studio"
 
@@ -98,7 +99,7 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     with pytest.raises(TunebenchError, match="'second' is already queued"):  # no directory yet, but taken
         s.start(studio.Ask(data, "second", "tiny"))
     deadline = time.monotonic() + 30
-    while len(studio.loss_points(runs / "first")) < 3 and time.monotonic() < deadline:
+    while len(views.loss_points(runs / "first")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert s.state("first") == "running" and s.state("second") == "queued"
     assert s.queue_text() == "Training: **first**; waiting: second"
@@ -114,7 +115,7 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     assert s.resume("first") == "first: starting"
     assert s.wait("first", 60) == 0 and s.state("first") == "finished"
     assert "--resume auto" in s.log_tail("first")  # the run's own config.yaml, resumed as from a terminal
-    table = {r[0]: r for r in studio.runs_table(s)}
+    table = {r[0]: r for r in views.runs_table(s)}
     assert table["second"][1] == "finished" and table["second"][5] == "0.500"
     with pytest.raises(TunebenchError, match="has finished"):
         s.resume("first")
@@ -125,7 +126,7 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
 def test_loss_points_skip_a_half_written_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n"
                                             + json.dumps({"step": 0, "eval_loss": 3.0}) + "\n{\"step\": 2, \"lo")
-    got = studio.loss_points(tmp_path)
+    got = views.loss_points(tmp_path)
     assert got == [{"step": 1, "value": 2.0, "series": "train loss"},
                    {"step": 0, "value": 3.0, "series": "eval loss"}]
 
@@ -141,13 +142,13 @@ def test_dpo_from_votes_queues_a_dpo_run_on_the_votes_from_the_runs_base(tmp_pat
     s.program = [sys.executable, "-c", "import sys; print(sys.argv)"]
     db = votes.open_store(tmp_path / "ab.sqlite")
     with pytest.raises(TunebenchError, match="no A or B votes yet"):
-        studio.dpo_from_votes(s, "tuned", db)
+        views.dpo_from_votes(s, "tuned", db)
     votes.record(db, "p", "base: tiny", "run: tuned", "answer a", "answer b", "a", {"temperature": 0.7})
     with pytest.raises(TunebenchError, match="fewer than one effective batch of 8"):  # the CLI's own check
-        studio.dpo_from_votes(s, "tuned", db)
+        views.dpo_from_votes(s, "tuned", db)
     for i in range(10):
         votes.record(db, f"p{i}", "base: tiny", "run: tuned", f"answer a{i}", f"answer b{i}", "b", {})
-    said = studio.dpo_from_votes(s, "tuned", db)
+    said = views.dpo_from_votes(s, "tuned", db)
     name = said.split(":")[0]
     assert name.startswith("tuned-dpo-") and s.wait(name, 30) == 0
     logged = s.log_tail(name)

@@ -24,11 +24,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tunebench.core import runlock
 from tunebench.core.errors import TunebenchError
-from tunebench.core.jsonfile import read_json, records
+from tunebench.core.jsonfile import read_json
 from tunebench.settings import finetune as finetune_settings
 from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL
 from tunebench.settings.rundir import RunDir
@@ -289,11 +288,12 @@ class Studio:
             raise TunebenchError(f"run {name!r} is {self.state(name)}; resume it once it has stopped")
         if RunDir(run).summary_file.is_file():
             raise TunebenchError(f"run {name!r} has finished; start a new run to train more")
-        self._may(client, self._owner(name), name, "resume")
+        owner = self._owner(name)
+        self._may(client, owner, name, "resume")
         # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal,
         # written where the run is (its config's output_dir may name where it was before a rename)
         return self._enqueue(Job(name, [str(RunDir(run).config_file), "--resume", "auto", "--output-dir", str(run)],
-                                 self.logs / f"{name}.log", self._owner(name) or client))
+                                 self.logs / f"{name}.log", owner or client))
 
     def stop(self, name: str, client: str = "local") -> str:
         """SIGTERM to a running run (it saves a checkpoint, which Resume continues from), once: a second click
@@ -514,134 +514,3 @@ class Studio:
             else:
                 kept.append(f)
         return kept
-
-
-def loss_points(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's loss curve as rows {step, value, series}, train and eval, read from metrics.jsonl as it grows:
-    how far the live view has come (its charts are the run report's)."""
-    out = []
-    for row in records(RunDir(run_dir).metrics_file):
-        for key, series in (("loss", "train loss"), ("eval_loss", "eval loss")):
-            if isinstance(row.get(key), (int, float)):
-                out.append({"step": row.get("step"), "value": row[key], "series": series})
-    return out
-
-
-LIVE_CHARTS = ("loss", "tokens_per_s", "memory")
-METHOD_CHARTS = ("rewards", "grpo_rewards", "kto")  # a preference, GRPO or KTO run's own chart, where it has one
-
-
-def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
-    """(caption, PNG) of the loss, tokens/s and memory charts and the method's own, as the run's report draws
-    them (jobs/run_report.py: one drawing of a run, live or finished), from what it has logged so far."""
-    from tunebench.jobs import run_report
-
-    run = RunDir(run_dir)
-    drawn = {name: (caption, png) for name, caption, png in
-             run_report.charts(records(run.metrics_file), records(run.path / "monitor.jsonl"))}
-    method = next((n for n in METHOD_CHARTS if n in drawn), None)
-    return [drawn.get(n, ("", None)) for n in (*LIVE_CHARTS, method)]
-
-
-class Charts:
-    """The live view's charts, shared by every page: a run's are drawn again only when its logs have grown and
-    `every` seconds have passed since the last drawing (each drawing is four PNGs that Gradio keeps in its
-    cache; a page ticks every 2 s), and at once when the run is no longer training."""
-
-    def __init__(self, every: float = 10.0):
-        self.every = every
-        self._drawn: dict[str, tuple[tuple, float, list]] = {}  # run -> (its logs' sizes, when, its charts)
-        self._lock = threading.Lock()
-
-    def get(self, run_dir: Path, training: bool) -> tuple[tuple, list[tuple[str, bytes | None]]]:
-        """(the key of the drawing, its (caption, PNG) charts)."""
-        key = tuple(p.stat().st_size if p.is_file() else -1
-                    for p in (run_dir / "metrics.jsonl", run_dir / "monitor.jsonl"))
-        with self._lock:
-            was = self._drawn.get(run_dir.name)
-            if was is not None and (was[0] == key or (training and time.monotonic() - was[1] < self.every)):
-                return was[0], was[2]
-        charts = live_charts(run_dir)
-        with self._lock:
-            self._drawn[run_dir.name] = (key, time.monotonic(), charts)
-        return key, charts
-
-
-RUN_COLUMNS = ["run", "state", "method", "model", "steps", "eval loss", "ROUGE-L", "tokens/s", "peak MB"]
-
-
-def run_row(studio: Studio, name: str) -> list[str]:
-    run = RunDir(studio.runs_dir / name)
-    raw = run.raw_config() if run.config_file.is_file() else {}
-    summary = read_json(run.summary_file)
-    steps = [r["step"] for r in records(run.metrics_file) if "loss" in r]
-
-    def fmt(v, digits=3):
-        return "" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-    method, model = (raw.get("adapter") or {}).get("method", ""), (raw.get("model") or {}).get("name", "")
-    return [name, studio.state(name), summary.get("method", method), summary.get("model", model),
-            str(summary.get("steps", steps[-1] if steps else "")), fmt(summary.get("eval_loss")),
-            fmt(summary.get("rougeL"), 2), fmt(summary.get("tokens_per_s"), 1),
-            fmt(summary.get("peak_memory_mb"), 0)]
-
-
-def runs_table(studio: Studio) -> list[list[str]]:
-    return [run_row(studio, n) for n in studio.names()]
-
-
-def report_or_error(studio: Studio, name: str) -> str:
-    """The Runs tab's report pane: the run's report, or why there is none, escaped (an error's words quote what
-    the page sent, and the pane is HTML)."""
-    try:
-        return report_html(studio, name)
-    except TunebenchError as e:
-        return f"<p>{html.escape(str(e))}</p>"
-
-
-def report_html(studio: Studio, name: str) -> str:
-    """The run's report (`tunebench report RUN`: its charts, memory, settings and why, summary), written now
-    from what the run has logged so far, as the body of its self-contained report.html."""
-    from tunebench.jobs import run_report
-
-    run = studio._run(name)
-    if not RunDir(run).metrics_file.is_file():
-        return f"<p>{html.escape(name)} has logged nothing yet ({html.escape(studio.state(name))}).</p>"
-    page = run_report.write(run).read_text(encoding="utf-8")
-    body = page[page.index("<body>") + len("<body>"):page.rindex("</body>")]
-    return f"<p>Report: <code>{html.escape(str(run / 'report' / 'report.html'))}</code></p>" + body
-
-
-def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
-    """`tunebench export` of a finished run, as a child process (the server stays light); the written path, or
-    the export's own one-line error."""
-    run = studio._run(name)
-    if fmt not in EXPORT_FORMATS:
-        raise TunebenchError(f"format {fmt!r}: pick one of {', '.join(EXPORT_FORMATS)}")
-    if studio.state(name) != "finished":
-        raise TunebenchError(f"run {name!r} is {studio.state(name)}; export a finished run")
-    from tunebench.jobs.export import check_quant, output_path
-
-    quant = check_quant(fmt, quant)
-    target = output_path(run, fmt, quant, None)
-    if target.exists():  # exports never overwrite: the file already there is this run's, in this format
-        raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
-    done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env={k: v for k, v in os.environ.items() if k not in SECRET_ENV})
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        raise TunebenchError(lines[-1] if lines else f"export failed (exit {done.returncode})")
-    return str(target)
-
-
-def dpo_from_votes(studio: Studio, name: str, db: Path, client: str = "local") -> str:
-    """A DPO run on the A/B store's votes, from this run's base model, queued like any other run."""
-    from tunebench.data import pairs
-
-    run = studio._run(name)
-    if not db.is_file() or not len(pairs.from_store(str(db))):
-        raise TunebenchError("no A or B votes yet: vote on the A/B tab first (ties and \"both bad\" give DPO no pair)")
-    base = RunDir(run).base_model() if RunDir(run).kind() == "adapter" else str(run)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return studio.start(Ask(data=str(db), name=f"{name}-dpo-{stamp}", model=base, method="dpo"), client)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
 from tunebench.interfaces.web import studio as studio_
+from tunebench.interfaces.web import studio_views as views
 from tunebench.interfaces.web.models import Registry, client_of, entries
 from tunebench.settings.rundir import RunDir
 
@@ -127,7 +128,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         check.click(on_check, asked, [settings, message])
         start.click(on_start, asked, [settings, message, watched, queue])
 
-        charts = studio_.Charts()  # shared by every page
+        charts = views.Charts()  # shared by every page
         shown = gr.State(None)  # what this page shows: (run, the key of its drawing)
 
         def on_tick(run, showing):
@@ -145,7 +146,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             else:
                 images = [gr.update(value=_image(png), label=caption, visible=png is not None)
                           for caption, png in drawn]
-            loss = studio_.loss_points(run_dir)
+            loss = views.loss_points(run_dir)
             return (studio.queue_text(), f"**{run}**: {state_}", *images,
                     f"{sum(r['series'] == 'train loss' for r in loss)} train-loss points, "
                     f"{sum(r['series'] == 'eval loss' for r in loss)} eval-loss points", studio.log_tail(run),
@@ -172,7 +173,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
     with gr.Tab("Runs", id="runs") as runs_tab:
         gr.Markdown(f"Every run under `{studio.runs_dir}`, those started from the command line too.")
-        table = gr.Dataframe(headers=studio_.RUN_COLUMNS, value=studio_.runs_table(studio), interactive=False,
+        table = gr.Dataframe(headers=views.RUN_COLUMNS, value=views.runs_table(studio), interactive=False,
                              wrap=True, elem_id="tb-runs")
         with gr.Row():
             picked = gr.Dropdown(studio.names(), value=None, label="Run", elem_id="tb-picked")  # none picked yet
@@ -191,13 +192,13 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
         def listing():
             names = studio.names()
-            return studio_.runs_table(studio), gr.Dropdown(choices=names), gr.Dropdown(choices=[BASE, *names])
+            return views.runs_table(studio), gr.Dropdown(choices=names), gr.Dropdown(choices=[BASE, *names])
 
         refresh.click(listing, None, [table, picked, versus])
         runs_tab.select(listing, None, [table, picked, versus])
 
         def on_pick(run):
-            return studio_.report_or_error(studio, run) if run else ""
+            return views.report_or_error(studio, run) if run else ""
 
         picked.change(on_pick, picked, report)
 
@@ -236,12 +237,12 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
         def on_export(run, fmt_, quant_):
             try:
-                return f"Exported {run} ({fmt_}, {quant_}): `{studio_.export(studio, run, fmt_, quant_)}`"
+                return f"Exported {run} ({fmt_}, {quant_}): `{views.export(studio, run, fmt_, quant_)}`"
             except TunebenchError as e:
                 return error(e)
 
         export.click(on_export, [picked, fmt, quant], runs_message)
         def on_dpo(run, request: gr.Request):
-            return act(lambda r: studio_.dpo_from_votes(studio, r, db, client_of(request)), run)
+            return act(lambda r: views.dpo_from_votes(studio, r, db, client_of(request)), run)
 
         dpo.click(on_dpo, picked, runs_message)
