@@ -33,21 +33,29 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (llama-cpp-python missing)")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a preset or model directory")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (gpt2-124m where no tokenizer ships)")
+    ap.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)  # gpu_session.sh --dry-run
     args = ap.parse_args()
+    if args.check_args:
+        from harness import check_imports  # benchmarks/harness.py: run as a script, this directory is on the path
+        check_imports(__file__)
+        return 0
 
     import torch
 
     from tunebench.model import inference, models
 
-    loaded = models.resolve("smollm2-135m-instruct")
+    loaded = models.resolve(args.model, args.tokenizer)
     tok = loaded.tokenizer
     device, precision, why = inference.placement()
-    placed = inference.load("smollm2-135m-instruct", None)
-    peer = loaded.model.eval()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, "
-                                       "and then she sold half as many clips in May. How many clips did she sell?"}],
-                                     tokenize=False, add_generation_prompt=True)
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    placed = inference.load(args.model, None, args.tokenizer)
+    peer = loaded.model.eval().to(device)  # transformers' own load (fp32), on the device the others use
+    question = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                "How many clips did she sell?")
+    prompt = (tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                      add_generation_prompt=True) if tok.chat_template else question)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
 
     def run(model, generate, batch: int) -> float:
         x = ids.repeat(batch, 1)
@@ -57,6 +65,8 @@ def main() -> int:
         torch.manual_seed(0)
         began = time.perf_counter()
         out = generate(**kwargs)
+        if x.is_cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - began
         return (out.shape[1] - x.shape[1]) * batch / seconds
 
@@ -84,7 +94,9 @@ def main() -> int:
             for name, fn in paths.items():
                 figures[(name, b)].append(run(None, fn, b))
                 print(f"round {r + 1}: {name:<10} batch {b:>3}: {figures[(name, b)][-1]:8.1f} tokens/s", flush=True)
-    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+    where = (torch.cuda.get_device_name(0) if device == "cuda"
+             else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"\n{args.model} on {where}, torch {torch.__version__}; "
           f"hf-placed and tunebench: {device}, {precision} ({why}); {args.new_tokens} new tokens, medians of "
           f"{args.repeats}; ratios: against hf in the same round")
     others = [p for p in paths if p != "hf"]

@@ -1,50 +1,104 @@
 #!/usr/bin/env bash
-# What a lent GPU machine (the device tool) runs, from the repository root: the `gpu` tests, then
-# the HF Trainer + PEFT comparison on the gpt2-124m preset and on a Llama-family model built from a
-# config. Logs, the tests' JUnit XML, each test run's records (plan.json, summary.json, monitor.jsonl,
-# metrics.jsonl) and the benchmarks' raw JSON go to $OUT; copy them to benchmarks/gpu-<GPU>-<date>/.
-#   bash benchmarks/gpu_session.sh tests|study|gpu-sized|llama
-# Needs .gpu/ carried beside the checkout: .gpu/site (bitsandbytes, unpacked from its wheel: the
-# machine has no registry) and .gpu/data (GPT-2's tokenizer and the Bitext sample from ../shared/data).
+# What a lent GPU machine (the device tool) runs, from the repository root: the `gpu` tests, the HF Trainer +
+# PEFT comparison at the study's settings and at GPU-sized ones (gpt2-124m, and a 360M Llama-family model built
+# from a config), a torch.profiler trace of one step of each side, the decoding loop against HF generate, and
+# `compare --matrix study` on the CPU and the GPU in one report. Everything goes to $OUT (logs, the tests'
+# JUnit XML and run records, the benchmarks' raw JSON, the traces); copy it to benchmarks/gpu-<GPU>-<date>/.
+#   bash benchmarks/gpu_session.sh [--dry-run] STEP...   STEP: tests study gpu-sized llama generation compare, all
+# --dry-run runs on any machine without a GPU: every step's Python imports and arguments are checked (the
+# tests are collected, each benchmark parses its arguments, tunebench parses its command line) and nothing
+# trains; tests/test_benchmarks.py runs it, so the script is ready the day a GPU is lent.
+# Sizes come from the environment: REPEATS (2), SAMPLES (4514), EPOCHS (3; the Llama run takes 1), TEST_WORKERS (4).
+# Needs .gpu/ carried beside the checkout: .gpu/site (bitsandbytes, unpacked from its wheel: the machine has
+# no registry) and .gpu/data (GPT-2's tokenizer, the Bitext sample and GSM8K from ../shared/data).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src:$PWD/.gpu/site" PYTHONUNBUFFERED=1 TUNEBENCH_SHARED_DATA="$PWD/.gpu/data" \
-       HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+dry=0
+if [[ ${1:-} == --dry-run ]]; then dry=1; shift; fi
+export PYTHONPATH="$PWD/src:$PWD/.gpu/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TUNEBENCH_SHARED_DATA=${TUNEBENCH_SHARED_DATA:-$PWD/.gpu/data}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-tok=.gpu/data/gpt2-tokenizer
-case ${1:-tests} in
-  tests)
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-    python3 -c "import torch, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| bitsandbytes', bitsandbytes.__version__)"
-    python3 -m tunebench hw 2>&1 | tee "$OUT/hw.txt"
-    TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
-      -o addopts="-ra" --timeout 300 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
-    ;;
-  study)  # the study's settings: max_length 128, LoRA r=8, effective batch 8
-    python3 benchmarks/vs_hf_trainer.py --model gpt2-124m --tokenizer $tok --repeats 2 \
-      --save "$OUT/vs_hf_gpt2_study.json" 2>&1 | tee "$OUT/vs_hf_gpt2_study.log"
-    ;;
-  gpu-sized)  # max_length 512, the micro batch chosen by tunebench's probe, the peer at the same one
-    python3 benchmarks/vs_hf_trainer.py --model gpt2-124m --tokenizer $tok --max-length 512 --effective-batch 64 \
-      --peer-micro same --peer-padding longest --samples 4514 --epochs 3 --repeats 2 \
-      --save "$OUT/vs_hf_gpt2_512.json" 2>&1 | tee "$OUT/vs_hf_gpt2_512.log"
-    ;;
-  llama)  # a Llama-family model of 360M parameters from a config (random weights: Liger and flash-attn
-          # apply), GPT-2's tokenizer, max_length 1024, the probe's micro batch on both sides
-    python3 - "$tok" .gpu/llama-350m <<'PY'
-import sys
-from transformers import LlamaConfig, LlamaForCausalLM
-from tunebench.models import load_tokenizer  # GPT-2's vocab.json + merges.txt, as tunebench reads them
-tok = load_tokenizer(sys.argv[1])
-cfg = LlamaConfig(vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
-                  tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[2])
-tok.save_pretrained(sys.argv[2])
-PY
-    python3 benchmarks/vs_hf_trainer.py --model .gpu/llama-350m --max-length 1024 --effective-batch 64 \
-      --peer-micro same --peer-padding longest --samples 4514 --epochs 1 --repeats 2 \
-      --save "$OUT/vs_hf_llama350m_1024.json" 2>&1 | tee "$OUT/vs_hf_llama350m_1024.log"
-    ;;
-esac
+tok=$TUNEBENCH_SHARED_DATA/gpt2-tokenizer
+bitext=$TUNEBENCH_SHARED_DATA/bitext-early-official-4514rows/Bitext_Sample_Customer_Support_Training_Dataset.csv
+llama=.gpu/llama-360m
+repeats=${REPEATS:-2} samples=${SAMPLES:-4514} epochs=${EPOCHS:-3}
+
+bench() {  # bench SCRIPT LOG ARGS...: a benchmark script, its output kept in $OUT/LOG
+  local script=$1 log=$2
+  shift 2
+  if ((dry)); then python3 "$script" "$@" --check-args || exit 1; return; fi
+  python3 "$script" "$@" 2>&1 | tee "$OUT/$log"
+}
+
+tunebench() {  # tunebench LOG ARGS...: the command line, parsed only in a dry run
+  local log=$1
+  shift
+  if ((dry)); then
+    python3 -c 'import sys; from tunebench.interfaces import cli_parser; cli_parser.build_parser().parse_args(sys.argv[1:])' \
+      "$@" || exit 1
+    return
+  fi
+  python3 -m tunebench "$@" 2>&1 | tee "$OUT/$log"
+}
+
+step_tests() {
+  local pytest=(python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts=-ra --timeout 300)
+  if ((dry)); then "${pytest[@]}" --collect-only -q >/dev/null || exit 1; tunebench hw.txt hw; return; fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
+  python3 -c "import torch, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| bitsandbytes', bitsandbytes.__version__)" | tee "$OUT/versions.txt"
+  tunebench hw.txt hw
+  # Tests that fill the GPU's memory run alone, after the others (which share the GPU across workers).
+  local alone="cuda_oom or falls_back_to_gradient_checkpointing"
+  TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -n "${TEST_WORKERS:-4}" -k "not ($alone)" \
+    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+  TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -k "$alone" \
+    --junitxml="$OUT/gpu_tests_alone.xml" 2>&1 | tee "$OUT/gpu_tests_alone.log"
+}
+
+step_study() {  # the study's settings: max_length 128, LoRA r=8, effective batch 8
+  bench benchmarks/vs_hf_trainer.py vs_hf_gpt2_study.log --model gpt2-124m --tokenizer "$tok" --data "$bitext" \
+    --repeats "$repeats" --save "$OUT/vs_hf_gpt2_study.json"
+}
+
+step_gpu_sized() {  # max_length 512, the micro batch chosen by tunebench's probe, the peer at the same one
+  bench benchmarks/vs_hf_trainer.py vs_hf_gpt2_512.log --model gpt2-124m --tokenizer "$tok" --data "$bitext" \
+    --max-length 512 --effective-batch 64 --peer-micro same --peer-padding longest --samples "$samples" \
+    --epochs "$epochs" --repeats "$repeats" --save "$OUT/vs_hf_gpt2_512.json"
+  ((dry)) || mkdir -p "$OUT/trace"  # one optimizer-free step of each side at 1,024 tokens x 8 rows, timed and profiled
+  bench benchmarks/vs_hf_trainer.py sweep_gpt2_1024.log --sweep --model gpt2-124m --tokenizer "$tok" \
+    --sweep-lengths 1024 --sweep-micros 8 --trace "$OUT/trace/step" --save "$OUT/sweep_gpt2_1024.json"
+}
+
+step_llama() {  # a Llama-family model of 360M parameters from a config (random weights: Liger and flash-attn
+                # apply), GPT-2's tokenizer, max_length 1024, the probe's micro batch on both sides
+  if ((dry)); then python3 benchmarks/llama_from_config.py "$tok" "$llama" --check-args || exit 1
+  else python3 benchmarks/llama_from_config.py "$tok" "$llama" || return; fi
+  bench benchmarks/vs_hf_trainer.py vs_hf_llama360m_1024.log --model "$llama" --data "$bitext" --max-length 1024 \
+    --effective-batch 64 --peer-micro same --peer-padding longest --samples "$samples" --epochs 1 \
+    --repeats "$repeats" --save "$OUT/vs_hf_llama360m_1024.json"
+  ((dry)) || mkdir -p "$OUT/trace"
+  bench benchmarks/vs_hf_trainer.py sweep_llama360m_1024.log --sweep --model "$llama" --sweep-lengths 1024 \
+    --sweep-micros 8 --trace "$OUT/trace/step" --save "$OUT/sweep_llama360m_1024.json"
+}
+
+step_generation() {  # model/decoding.py's loop against transformers' generate, on the GPU
+  bench benchmarks/generation.py generation.log --model gpt2-124m --tokenizer "$tok" --no-llama-cpp \
+    --repeats "$repeats"
+}
+
+step_compare() {  # the study's CPU and GPU configurations in one report, with the CPU-vs-GPU speedups
+  tunebench compare.log compare --matrix study --model gpt2-124m --tokenizer "$tok" --data "$bitext" \
+    --max-samples 400 --max-steps 30 --output "$OUT/compare/results.csv"
+}
+
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests)
+[[ ${steps[*]} == all ]] && steps=(tests study gpu-sized llama generation compare)
+for s in "${steps[@]}"; do
+  case $s in
+    tests|study|gpu-sized|llama|generation|compare) echo "== $s $(date -u +%H:%M:%S)"; "step_${s//-/_}" ;;
+    *) echo "gpu_session.sh: unknown step '$s'; the steps are tests study gpu-sized llama generation compare, all" >&2
+       exit 2 ;;
+  esac
+done

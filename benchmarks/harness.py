@@ -35,6 +35,37 @@ def as_the_command() -> None:
     startup.pause()
 
 
+def check_imports(script: str) -> None:
+    """Import every `from tunebench... import Y` and `import tunebench...` in `script`, wherever it sits (the
+    workers import lazily), and fail on the first name that is gone: gpu_session.sh --dry-run calls this through
+    each benchmark's --check-args, so a benchmark that tunebench's own moves have broken fails on a machine
+    without a GPU. Other packages are left out: which are installed is the machine's business (llama-cpp-python
+    is missing on the GPU machine, bitsandbytes' CUDA half on a CPU one)."""
+    import ast
+    import importlib
+
+    def ours(name: str) -> bool:
+        return name == "tunebench" or name.startswith("tunebench.")
+
+    for node in ast.walk(ast.parse(Path(script).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and ours(node.module):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    importlib.import_module(f"{node.module}.{alias.name}")  # a submodule, or ImportError
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if ours(alias.name):
+                    importlib.import_module(alias.name)
+
+
+def sync(device) -> None:
+    """Wait for the GPU's queued kernels, so that a clock read after a step has the step's time."""
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+
+
 def peak_mb() -> float:
     """The process's peak resident set, probes included (tunebench's probes reset the kernel's counter)."""
     from tunebench.machine.metrics import process_peak_mb

@@ -157,7 +157,8 @@ def worker_tunebench(args) -> dict:
 
 
 def worker_sweep(args) -> dict:
-    """A few optimizer-free steps at one (side, max_length, micro batch): seconds per step and peak memory."""
+    """A few optimizer-free steps at one (side, max_length, micro batch), on the CPU or the GPU: seconds per
+    step and peak memory; with --trace, one more step under torch.profiler, written as a Chrome trace."""
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model
@@ -166,6 +167,7 @@ def worker_sweep(args) -> dict:
     from tunebench.settings.finetune import AdapterConfig
     from tunebench.training.loop import loss_sum, prepare
 
+    device = torch.device(_device(args))
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     bf16 = args.sweep_precision == "bf16"
@@ -176,21 +178,23 @@ def worker_sweep(args) -> dict:
                         generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if args.side == "peer":
-        model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
+        model = get_peft_model(loaded.model.to(device), LoraConfig(task_type="CAUSAL_LM", target_modules=modules,
+                                                                   **LORA))
         model.train()
+        on_device = {k: v.to(device) for k, v in batch.items()}
 
         def step():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                model(**batch).loss.backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                model(**on_device).loss.backward()
     else:
         from tunebench.training import tune
         from tunebench.training.tune import attention
 
-        base = loaded.model.to(torch.bfloat16 if bf16 else torch.float32)
+        base = loaded.model.to(device, torch.bfloat16 if bf16 else torch.float32)
         model = methods.add_adapter(base, AdapterConfig(r=LORA["r"], lora_alpha=LORA["lora_alpha"],
                                                         lora_dropout=LORA["lora_dropout"]), modules)
         model.train()
-        b, n, _ = prepare(batch, torch.device("cpu"))
+        b, n, _ = prepare(batch, device)
 
         def step():
             (loss_sum(model, b, None) / n).backward()
@@ -198,6 +202,7 @@ def worker_sweep(args) -> dict:
         def measure():
             t0 = time.perf_counter()
             step()
+            harness.sync(device)
             return ids.numel() / (time.perf_counter() - t0)
 
         # The kernel probe runs in a process of its own (--steps 0) and is read back from the cache
@@ -206,28 +211,53 @@ def worker_sweep(args) -> dict:
                            f"sweep, micro batch {args.micro_batch}", args.sweep_precision, torch.__version__, "auto",
                            "off", "off")
         row = attention.pick(model, "auto", measure, shape,
-                             attention.fit(model, args.micro_batch, args.max_length, args.sweep_precision,
-                                           torch.device("cpu")))
+                             attention.fit(model, args.micro_batch, args.max_length, args.sweep_precision, device))
         if args.steps == 0:
             return {"attention": row[1]}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _i in range(args.steps):
         t0 = time.perf_counter()
         step()
+        harness.sync(device)
         times.append(time.perf_counter() - t0)
+    if args.trace:
+        trace(step, device, f"{args.trace}-{args.side}")
     from tunebench.machine import hardware, metrics
     from tunebench.machine.metrics import training_flops_per_token
 
     matmul, layers, width = metrics.flop_dims(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    peak, _ = hardware.peak_tflops("cpu", args.sweep_precision, hardware.detect(), threads,
+    peak, _ = hardware.peak_tflops(device.type, args.sweep_precision, hardware.detect(), threads,
                                    models.cache_dir() / "peak_flops.json")
     s_per_step = float(np.median(times[1:]))
     tokens_per_s = ids.numel() / s_per_step
     fpt = training_flops_per_token(matmul, trainable, layers, width, args.max_length, full=False)
     return {"side": args.side, "max_length": args.max_length, "micro_batch": args.micro_batch,
             "s_per_step": s_per_step, "tokens_per_s": tokens_per_s, "mfu": fpt * tokens_per_s / (peak * 1e12),
-            "peak_memory_mb": harness.peak_mb(), "attention": "sdpa" if args.side == "peer" else row[1]}
+            "peak_memory_mb": _gpu_peak_mb(device.type) or harness.peak_mb(),
+            "attention": "sdpa" if args.side == "peer" else row[1]}
+
+
+def trace(step, device, stem: str) -> None:
+    """One more `step` under torch.profiler: STEM.json.gz (a Chrome trace, for chrome://tracing or Perfetto)
+    and STEM.txt (the 25 costliest operators by device time, then by CPU time)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        harness.sync(device)
+    raw = Path(f"{stem}.json")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(f"{stem}.json.gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    Path(f"{stem}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
 def main() -> None:
@@ -257,6 +287,9 @@ def main() -> None:
     p.add_argument("--sweep-models", default=None, help="models the sweep runs, comma-separated (default --model)")
     p.add_argument("--sweep-lengths", default="128,512,2048")
     p.add_argument("--sweep-micros", default="1,4")
+    p.add_argument("--trace", default=None, metavar="STEM",
+                   help="with --sweep: profile one more step of each side to STEM-SIDE.json.gz and STEM-SIDE.txt")
+    p.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)  # gpu_session.sh --dry-run
     p.add_argument("--sweep-precision", default="bf16", choices=["bf16", "fp32"],
                    help="both sides' precision (fp32 on a CPU without native bf16)")
     p.add_argument("--worker", choices=["peer", "tunebench", "sweep"], help=argparse.SUPPRESS)
@@ -267,7 +300,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
-
+    if args.check_args:
+        harness.check_imports(__file__)
+        return
     if args.worker:
         result = {"peer": worker_peer, "tunebench": worker_tunebench, "sweep": worker_sweep}[args.worker](args)
         Path(args.result).write_text(json.dumps(result))
@@ -296,8 +331,10 @@ def main() -> None:
                     for side in ("peer", "tunebench"):
                         argv = ["--worker", "sweep", "--side", side, "--max-length", str(length),
                                 "--micro-batch", str(micro), "--model", model,
-                                "--sweep-precision", args.sweep_precision,
-                                *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+                                "--sweep-precision", args.sweep_precision, "--device", args.device,
+                                *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+                                *(["--trace", f"{args.trace}-{model.replace('/', '_')}-{length}-{micro}"]
+                                  if args.trace else [])]
                         if side == "tunebench":
                             harness.spawn(__file__, [*argv, "--steps", "0"])
                         r = pair[side] = harness.spawn(__file__, argv)

@@ -65,8 +65,10 @@ def gpt2_tokenizer() -> str:
 
 
 def cuda_config(data, out, model="tiny", tokenizer=None, **extra):
-    """tiny_run_config on the GPU (6 steps of micro 2 x accumulation 2), compile off unless asked."""
-    options = {"train.device": "cuda", "train.compile": "off", "model.name": model}
+    """tiny_run_config on the GPU (6 steps of micro 2 x accumulation 2), compile off unless asked, in the
+    precision the GPU picks (bf16 on Ampere and newer, fp16 before: the same on every GPU of a kind) unless the
+    test names one; tiny_run_config's fp32 is for CPUs, whose pick varies."""
+    options = {"train.device": "cuda", "train.compile": "off", "model.name": model, "train.precision": "auto"}
     if tokenizer:
         options["model.tokenizer"] = tokenizer
     if model != "tiny":

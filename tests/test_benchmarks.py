@@ -1,0 +1,37 @@
+"""The scripts a lent GPU machine runs (benchmarks/gpu_session.sh and the benchmarks it calls) hold on any
+machine: a dry run collects the GPU tests, parses every benchmark's arguments, imports every tunebench name
+each one uses and parses every tunebench command line, without training anything."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dry_run(*steps: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path))
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--dry-run", *steps], env=env,
+                          capture_output=True, text=True)
+
+
+def test_every_step_of_the_gpu_session_is_ready_without_a_gpu(tmp_path):
+    proc = dry_run("all", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("== ")] == [
+        "tests", "study", "gpu-sized", "llama", "generation", "compare"]
+    assert not list(tmp_path.iterdir())  # nothing ran, so nothing was written
+
+
+def test_a_benchmark_that_imports_a_name_tunebench_no_longer_has_fails_the_dry_run(tmp_path):
+    """The rot this guards against: the llama step once imported `tunebench.models`, gone since the move
+    to tunebench.model; only a lazy import inside the worker named it."""
+    script = tmp_path / "rotted.py"
+    script.write_text("import sys\nsys.path.insert(0, sys.argv[1])\nfrom harness import check_imports\n"
+                      "def worker():\n    from tunebench.model.models import no_such_name\n"
+                      "check_imports(__file__)\n")
+    proc = subprocess.run([sys.executable, str(script), str(ROOT / "benchmarks")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode != 0 and "no_such_name" in proc.stderr, proc.stderr[-2000:]
+    assert dry_run("bogus", tmp_path=tmp_path).returncode == 2
