@@ -16,6 +16,7 @@ from pathlib import Path
 
 import tunebench
 from tunebench import DataConfig, ModelConfig, TrainingConfig
+
 BUILTIN = Path(tunebench.__file__).parent / "data" / "sample" / "customer_support.jsonl"
 
 
