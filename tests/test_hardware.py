@@ -570,3 +570,47 @@ def test_mfu_is_against_the_units_that_do_the_math(monkeypatch, tmp_path, flags,
     monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda dtype, threads: asked.append(dtype) or 1e-3)
     hardware.peak_tflops("cpu", precision, machine(flags), 8, tmp_path / "peak.json")
     assert asked == [measured]
+
+
+def test_rows_that_fit_no_attention_kernel_turn_on_checkpointing_and_a_cached_run_does_too():
+    """An H200 filled to 1.5 GB fit one 1,024-token GPT-2 row under no kernel without recomputation, and the run
+    stopped before the batch probe could turn it on: with checkpointing on auto, the pick turns it on and
+    measures again; the batch probe's cache records it, so a run that finds both cached turns it on as well."""
+    from tunebench.model import models
+    from tunebench.training.tune import batch
+    from tunebench.training.tune.probe import checkpointing_on
+
+    def step_for(model):
+        def step(size):
+            if not checkpointing_on(model):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return 100.0 * size, 1000.0 + size
+        step.model = model
+        return step
+
+    cpu, shape = torch.device("cpu"), _shape("recompute")
+    model = models.resolve("tiny").model
+    with pytest.raises(attention.NoneFit, match="no attention kernel fits"):
+        attention.decide(model, "auto", lambda: step_for(model)(1)[0], shape, 1, 256, "fp32", cpu, "off")
+    rows = attention.decide(model, "auto", lambda: step_for(model)(1)[0], shape, 1, 256, "fp32", cpu, "auto")
+    assert [r.setting for r in rows] == ["gradient_checkpointing", "attention"] and rows[0].value is True
+    assert "fit no attention kernel without it" in rows[0].reason and checkpointing_on(model)
+    micro, batch_rows, _ = batch.micro_batch(step_for(model), shape, 4, 100, 256, cpu)
+    assert micro == 4 and [r[0] for r in batch_rows] == ["micro_batch_size"]
+
+    again = models.resolve("tiny").model  # a later run of the same shape: both picks come from the cache
+    assert [r.setting for r in attention.decide(again, "auto", lambda: step_for(again)(1)[0], shape, 1, 256, "fp32",
+                                                cpu, "auto")] == ["attention"]
+    micro, batch_rows, _ = batch.micro_batch(step_for(again), shape, 4, 100, 256, cpu)
+    assert micro == 4 and checkpointing_on(again)
+    assert ("gradient_checkpointing", True, "micro batch 1 did not fit without it (cached probe)") in batch_rows
+
+
+def test_a_cuda_error_that_says_out_of_memory_is_an_oom_to_the_probes():
+    """torch 2.11 on an H200 raised a full GPU's failed stream allocation as torch.AcceleratorError."""
+    from tunebench.training.tune.probe import is_oom
+
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(torch.AcceleratorError("CUDA error: out of memory"))
+    assert not is_oom(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert not is_oom(RuntimeError("out of memory"))  # not a device error: a bug, re-raised

@@ -142,8 +142,8 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
     rows: list[Decision] = []
     if checkpointing == "on":
         rows.append(Decision("gradient_checkpointing", True, "asked for"))
-    rows.append(attention.decide(model, attention_asked, lambda: step(attention_rows)[0], shape, attention_rows,
-                                 widest, precision, device))
+    rows += attention.decide(model, attention_asked, lambda: step(attention_rows)[0], shape, attention_rows, widest,
+                             precision, device, checkpointing)
     micro, batch_rows, speed = measure_batch(
         effective, world_size, resumed, micro_asked,
         lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks),

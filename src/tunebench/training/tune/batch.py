@@ -15,7 +15,14 @@ from tunebench.core.batch_rule import micro_candidates
 from tunebench.core.decision import Decision as Row
 from tunebench.core.errors import TunebenchError
 from tunebench.training.tune import Shape, cached, store
-from tunebench.training.tune.probe import StepFn, enable_checkpointing, free_after_oom, is_oom, memory_budget_mb
+from tunebench.training.tune.probe import (
+    StepFn,
+    checkpointing_on,
+    enable_checkpointing,
+    free_after_oom,
+    is_oom,
+    memory_budget_mb,
+)
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,10 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
                 f"no micro batch fits in memory at --max-length {max_length}; lower --max-length, "
                 "use --quantization 4bit, or --gradient-checkpointing on"
             )
-        store(key, {"result": result.to_dict(), "gradient_checkpointing": bool(rows)})
+        # Whether the chosen size needed recomputation, this probe's finding or the attention pick's (which
+        # turns it on before this probe when one row fits no kernel): a cached run turns it on again.
+        store(key, {"result": result.to_dict(),
+                    "gradient_checkpointing": bool(rows) or checkpointing_on(step.model)})
     print(f"batch-size probe ({source}):\n{format_table(result)}")
     rows.insert(0, Row("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
     speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)

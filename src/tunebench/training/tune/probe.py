@@ -52,7 +52,13 @@ def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autoca
 
 
 def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError)
+    """A step that ran out of memory. Not only torch.OutOfMemoryError (the caching allocator's): an allocation
+    the driver makes itself (a stream, a library's workspace) fails as torch.AcceleratorError with CUDA's
+    "out of memory", as an H200 run of torch 2.11 showed when a full GPU could not create a stream."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return accelerator_error is not None and isinstance(e, accelerator_error) and "out of memory" in str(e)
 
 
 def free_after_oom(model) -> None:
@@ -87,6 +93,15 @@ def memory_budget_mb(device: torch.device, ranks_sharing: int = 1) -> tuple[floa
 
     baseline = psutil.Process().memory_info().rss / 2**20
     return baseline, baseline + memory_free_mb(device, ranks_sharing)
+
+
+def checkpointing_on(model) -> bool:
+    """Whether `model` recomputes activations: transformers 5.2x renamed is_gradient_checkpointing (which warns
+    there) to is_activation_checkpointing; earlier 5.x has only the old name."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def enable_checkpointing(model) -> None:
