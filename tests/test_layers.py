@@ -144,3 +144,44 @@ def test_every_module_lives_in_a_layer_folder():
     beside = sorted(p.name for p in PACKAGE.glob("*.py")) + sorted(
         p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file() and p.name not in FOLDERS)
     assert beside == ["__init__.py", "__main__.py"], beside
+
+
+def private_imports(source: str) -> list[str]:
+    """`from tunebench.x import _name` and `module._name` where `module` was imported from the package: a name
+    another module keeps to itself, reached from outside it."""
+    tree = ast.parse(source)
+    modules: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tunebench"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"from {node.module} import {a.name}")
+                modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name.startswith("tunebench")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    assert private_imports("from tunebench.jobs.report import _png\nfrom tunebench.model import models\n"
+                           "models._tiny()\nmodels.tiny()\nself._x\n") == ["from tunebench.jobs.report import _png",
+                                                                           "models._tiny"]
+    found = {str(p.relative_to(PACKAGE)): hits for p in PACKAGE.rglob("*.py") if (hits := private_imports(p.read_text()))}
+    assert not found, found
+
+
+# The training jobs are recipes over training.recipe: none builds on another (what two share lives below the jobs,
+# in training.adapted), and nothing but the command line and the pages starts one.
+RECIPES = ("tunebench.jobs.finetune", "tunebench.jobs.grpo", "tunebench.jobs.pretrain")
+
+
+def test_no_training_recipe_imports_another():
+    graph = import_graph()
+    found = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                   if d in RECIPES and m.startswith("tunebench.jobs."))
+    assert not found, found

@@ -201,7 +201,7 @@ def test_loss_sum_equals_the_models_own_loss_and_gradients(tied):
     from tunebench.model import models
     from tunebench.training.loop import loss_sum, prepare
 
-    model, _ = models._tiny()
+    model, _ = models.tiny()
     if tied:
         model.config.tie_word_embeddings = True
         model.tie_weights()

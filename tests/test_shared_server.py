@@ -398,7 +398,7 @@ def test_bad_numbers_and_names_are_one_line_before_anything_loads(argv, words, c
     from tunebench.interfaces import cli
     from tunebench.model import models as model_loading
 
-    monkeypatch.setattr(model_loading, "_tiny", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(model_loading, "tiny", lambda *a, **k: pytest.fail("a model loaded"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("a model loaded"))
     assert cli.main(argv) == 2

@@ -73,7 +73,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def _figure(row: dict, key: str) -> float:
+def figure(row: dict, key: str) -> float:
     """A trial's figure; a trial that has none fails the test with which trial it was and why."""
     if row.get(key) in (None, ""):
         pytest.fail(f"{row['experiment']} has no {key} (status {row['status']}: {row['message'] or 'no message'}; "
@@ -202,7 +202,7 @@ def test_a_task_metric_objective_is_maximized_over_the_trials_answers(tmp_path, 
     said = capsys.readouterr().out
     assert "objective: rougeL of each trial's answers to 16 held-out rows (maximized); pruner none" in said
     rows = _rows(out / "results.csv")
-    scores = {int(r["experiment"].split("-")[1]): _figure(r, "rougeL") for r in rows}
+    scores = {int(r["experiment"].split("-")[1]): figure(r, "rougeL") for r in rows}
     assert len(scores) == 2 and summary["best_rougeL"] == max(scores.values())
     assert scores[summary["best_trial"]] == max(scores.values())
     assert f"rougeL {summary['best_rougeL']:.4f}" in (out / "best.yaml").read_text()

@@ -222,7 +222,7 @@ def base_config(source: Source, allow_download: bool):
 
     base = source.base
     if base == "tiny":
-        return models._tiny()[0].config
+        return models.tiny()[0].config
     if base == "gpt2-124m":
         return GPT2Config()
     if base == models.SMOLLM2:

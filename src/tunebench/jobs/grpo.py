@@ -1,118 +1,98 @@
-"""`tunebench train --method grpo`: GRPO on a file of prompts with reward functions (training/grpo.py). Reads
-top to bottom like fine-tuning, whose steps it shares: plan the hardware, load the model and prompts, set up the
-method, decide the measured settings, measure the held-out reward, train (each step sampling its groups first),
-measure it again, save."""
+"""`tunebench train --objective grpo`: GRPO on a file of prompts with reward functions (training/grpo.py), as one
+recipe over training.recipe: inputs checked, the run opened, the model and prompts, the sampler, the held-out
+reward before training, training (each step samples its groups first), the held-out reward after."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
-from tunebench.core.jsonfile import write_json
 from tunebench.data import batching, prompts
-from tunebench.jobs import finetune, run_report
+from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig, dump_yaml
-from tunebench.training import checkpoint, grpo, optim, preference, rewards, runner, runplan
-from tunebench.training import summary as summary_
+from tunebench.training import adapted, checkpoint, grpo, preference, recipe, rewards, runner
 from tunebench.training.tune import compiler
-from tunebench.training.tune.probe import probe_step
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, s = cfg.adapter, cfg.data, cfg.schedule
     settings = grpo.Settings(a.num_generations, a.max_completion_length, a.temperature, a.top_p, a.beta, a.epsilon,
                              a.epsilon_high, a.loss_type, a.scale_rewards)
-    # -- every input checked before anything expensive: the prompts, the rewards and the columns they read
-    rows = prompts.load(d)
-    code = rewards.files(a.reward)  # a resume runs the user's reward file again: the same file, or refused
-    if code and cfg.output.resume:
-        checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
-    scoring = rewards.parse(a.reward, a.reward_weights)
-    rewards.check_columns(scoring, rows.column_names(), d.path)
-    print(f"data: {len(rows)} prompt(s) from {d.path}; rewards: " + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
-    finetune.check_rows(len(rows), cfg, 0, "")
-    models.check_spec(cfg.model.name, cfg.model.allow_download)
-
-    # -- the run opened, the model and prompts
+    rows, code, scoring = check_inputs(cfg)  # every input checked before anything expensive
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": s.seed, "data": d.path,
                 **({"reward_files": code} if code else {})}
     opened = runner.open_run(cfg, identity)
-    world, device, effective = opened.world, opened.device, opened.effective
-    with distributed.local_rank0_first(world):
+    with distributed.local_rank0_first(opened.world):
         loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
         tok = loaded.tokenizer
         data = prompts.tokenize(rows, tok, d, a.max_completion_length)
-    train_idx, _, eval_parts = finetune.split_rows(cfg, data, [np.arange(len(data))], [], True)
+    train_idx, _, eval_parts = adapted.split_rows(cfg, data, [np.arange(len(data))], [], True)
     held_out = np.concatenate(eval_parts).tolist()
-    model, autocast, _, method_rows, (trainable, total) = finetune.trainable_model(cfg, loaded, opened, False)
+    model, _, method_rows, (trainable, total) = adapted.trainable_model(cfg, loaded, opened, False)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
-    reference, words = finetune.reference_for(model, a.method == "full") if a.beta else (None, "none (beta 0: no KL term)")
+    reference, words = adapted.reference_for(model, a.method == "full") if a.beta else (None, "none (beta 0: no KL term)")
     method_rows.append(objective_row(cfg, words, dropped))
-    loss_module = grpo.GRPOLoss(model, settings, scoring, autocast, reference)
+    compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
+    sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
+                           eagerly=lambda: compiler.eagerly(compiled[0]))
+    before: dict[str, float] = {}
 
-    # -- measured decisions: a probe step is a micro batch of groups at the longest completions, never sampled
-    sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, device, autocast, s.seed,
-                           eagerly=lambda: compiler.eagerly(plan.compile))  # generate without the compiled blocks
-    unit_tokens = float(a.num_generations * (data.lengths()[train_idx].mean() + a.max_completion_length))
-    steps = runplan.total_steps(len(train_idx), effective, s.epochs, s.max_steps, s.max_tokens, unit_tokens)
-    parallel = finetune.pick_parallel(cfg, opened, trainable)
-    longest = sorted(train_idx.tolist(), key=lambda i: -data.lengths()[i])
-    measured, measure_s = runner.measure(
-        opened, cfg, model, probe_step(model, lambda size: sampler.probe_rows(longest[:size]), device, autocast,
-                                       loss_module),
-        (cfg.model.name, f"{a.method}+grpo{a.num_generations}x{a.max_completion_length}", a.quantization, a.r,
-         a.target_modules), max_length=d.max_length,
-        attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)),
-        widest=int(data.lengths()[train_idx].max()) + a.max_completion_length, n_train=len(train_idx),
-        run_tokens=steps * effective * unit_tokens, parallel=parallel, quantized=a.method == "qlora")
-    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    optimization, lr_row = runner.learning_rate(cfg, effective, steps)
-    plan = runplan.make(opened.hw_plan, world, parallel, measured, effective, accum, steps, [
-        *runner.host_rows(cfg, opened.hw_plan), Decision("world", world.size, world.describe()), parallel,
-        *method_rows, *measured.decisions, optim.optimizer_row(device, optimization.weight_decay),
-        runplan.batch_row(effective, micro, accum, world.size), lr_row,
-        runplan.logging_row(cfg.logging.logging_steps, device.type),
-        runner.steps_row(cfg, steps, f"{len(train_idx)} prompts, {effective} a step")])
-    # The probe timed updates alone, and a step's time includes its sampling: no slowdown watch against it
-    plan = dataclasses.replace(plan, probed_tokens_per_s=None)
-    if world.main:
-        print(f"model: {loaded.source}\ndata: {d.path}, {len(train_idx)} train / {len(held_out)} held-out prompts"
-              + (f"; {data.dropped} dropped: the prompt and --max-completion-length pass --max-length" if data.dropped
-                 else "") + f"\ntrainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
-        summary_.print_plan(plan.decisions)
+    def start(plan):  # the held-out reward before training (greedy completions)
+        compiled.append(plan.compile)
+        before.update(sampler.held_out_reward(held_out) if held_out else {})
+        if before:
+            print(f"held-out reward before training: {describe(before)} on {len(held_out)} prompts")
 
-    # -- the held-out reward before training (greedy completions), then training: each step samples its groups
-    before = sampler.held_out_reward(held_out) if held_out else {}
-    if before:
-        print(f"held-out reward before training: {describe(before)} on {len(held_out)} prompts")
-    next_micro_batch = runner.micro_batches(sampler.record_steps(lambda epoch: batching.epoch_steps(
-        train_idx, effective, s.seed, epoch)), sampler.collate, world, micro, accum)
-    records = runner.records(opened, cfg, plan, dump_yaml, trainable_parameters=trainable,
-                             total_parameters=total, model_source=loaded.source)
-    with runner.tracking(opened, cfg.logging) as tracking:
-        outcome, weights = runner.train_run(
-            opened, plan, model, loss=loss_module, records=records, optimization=optimization,
-            outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
-            eval_sets=[], identity=identity, tracking=tracking, prefetch=False)  # sampling needs the live weights
-        if not world.main:
-            return {}
-        saved = finetune.save_final(model, tok, opened.out, cfg, loaded, weights)
-        summary = finetune.summarize(cfg, opened, plan, model, outcome, trainable, measure_s)
-        summary.update(generation(sampler, outcome, settings), prompts_dropped=data.dropped)
+    def finish(done: recipe.Finished):
+        saved = adapted.save_final(model, tok, opened.out, cfg, loaded, done.weights)
+        summary = adapted.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
+        summary.update(generation(sampler, done.outcome, settings), prompts_dropped=data.dropped)
         if held_out:
             after = sampler.held_out_reward(held_out)
             print(f"held-out reward after training: {describe(after)} (before: {before['eval_reward']:.4f})")
             summary.update({"eval_reward_before": before["eval_reward"], **after})
-        summary.update(tracking.costs())
-        write_json(opened.out / "summary.json", summary)
-        summary_.report(summary, opened.out)
-        run_report.send(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
-    return summary
+        return summary, saved
+
+    longest = sorted(train_idx.tolist(), key=lambda i: -data.lengths()[i])
+    epoch_steps = sampler.record_steps(lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch))
+    return recipe.train(cfg, opened, recipe.Recipe(
+        model=model, loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
+        rows=runner.host_rows(cfg, opened.hw_plan), method_rows=method_rows,
+        header=f"model: {loaded.source}\ndata: {d.path}, {len(train_idx)} train / {len(held_out)} held-out prompts"
+               + (f"; {data.dropped} dropped: the prompt and --max-completion-length pass --max-length" if data.dropped
+                  else "") + f"\ntrainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)",
+        parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit="prompts",
+        tokens_per_unit=float(a.num_generations * (data.lengths()[train_idx].mean() + a.max_completion_length)),
+        # a probe step is a micro batch of groups at the longest completions, never sampled
+        what=(cfg.model.name, f"{a.method}+grpo{a.num_generations}x{a.max_completion_length}", a.quantization, a.r,
+              a.target_modules), probe_rows=lambda size: sampler.probe_rows(longest[:size]),
+        widest=int(data.lengths()[train_idx].max()) + a.max_completion_length, max_length=d.max_length,
+        attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)),
+        batches=lambda micro: (epoch_steps, sampler.collate, []), eval_sets=lambda micro: [], identity=identity,
+        dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
+        records={"trainable_parameters": trainable, "total_parameters": total, "model_source": loaded.source},
+        before_training=start, prefetch=False,  # sampling needs the live weights
+        watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling
+
+
+def check_inputs(cfg: RunConfig):
+    """(the prompts, the reward files' hashes, the rewards) read and checked: the columns the rewards read, a
+    resume's reward files unchanged, enough prompts for a step, a model that can be found."""
+    rows = prompts.load(cfg.data)
+    code = rewards.files(cfg.adapter.reward)  # a resume runs the user's reward file again: the same file, or refused
+    if code and cfg.output.resume:
+        checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
+    scoring = rewards.parse(cfg.adapter.reward, cfg.adapter.reward_weights)
+    rewards.check_columns(scoring, rows.column_names(), cfg.data.path)
+    print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
+          + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
+    adapted.check_rows(len(rows), cfg, 0, "")
+    models.check_spec(cfg.model.name, cfg.model.allow_download)
+    return rows, code, scoring
 
 
 def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:

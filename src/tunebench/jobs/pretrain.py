@@ -12,7 +12,6 @@ import torch
 
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
-from tunebench.core.jsonfile import write_json
 from tunebench.data import batching, blocks, text
 from tunebench.jobs import run_report
 from tunebench.jobs import tokenizer as tokenizer_job
@@ -21,96 +20,65 @@ from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import arch, inference, kernels, models
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, dump_yaml, validate
-from tunebench.training import optim, runner, runplan
+from tunebench.training import recipe, runner
 from tunebench.training import summary as summary_
 from tunebench.training.tune import compiler
-from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb, probe_step
+from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
 
 
 def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     cfg = validate(cfg)  # the CPU guide's trio becomes the run it describes
-    m, d = cfg.model, cfg.data
+    m, d, s = cfg.model, cfg.data, cfg.schedule
     check_inputs(cfg)
-
-    # -- the run opened: hardware plan, process group, output directory and resume point, batch, seed
-    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": cfg.schedule.seed}
+    identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": s.seed}
     opened = runner.open_run(cfg, identity)
-    world, device, effective = opened.world, opened.device, opened.effective
-
-    # -- tokenizer and token blocks (tokenized once, cached, memory-mapped; each machine's first rank fills the caches)
-    with distributed.local_rank0_first(world):
+    world, device = opened.world, opened.device
+    with distributed.local_rank0_first(world):  # tokenized once, cached, memory-mapped by each machine's first rank
         tok, tok_source = load_or_train_tokenizer(cfg)
         arch.check_vocab(m, tok)
         train, val, n_tokens = token_blocks(cfg, tok, opened.hw_plan.threads)
-
-    # -- model
-    model = arch.build(m, tok, cfg.schedule.seed).to(device)
+    model = arch.build(m, tok, s.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    rows = model_rows(cfg, model, opened)
-
-    # -- measured decisions: attention kernel, micro batch (the effective batch stays fixed), compile
-    s = cfg.schedule
-    steps = runplan.total_steps(len(train), effective, s.epochs, s.max_steps, s.max_tokens, d.max_length)
-    parallel = hardware.pick_parallel(cfg.distributed.parallel, "pretrain", n_params, world.size,
-                                      memory_free_mb(device, world.local_size))
-    measured, measure_s = runner.measure(
-        opened, cfg, model, probe_step(model, lambda size: train.collate(range(min(size, len(train)))), device,
-                                       opened.autocast),
-        (f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None), max_length=d.max_length,
-        widest=d.max_length, attention_rows=cfg.batch.micro_batch_size, n_train=len(train),
-        run_tokens=steps * effective * d.max_length, parallel=parallel, asked_reason="training.batch_size")
-    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    optimization, lr_row = runner.learning_rate(cfg, effective, steps)
-    plan = runplan.make(opened.hw_plan, world, parallel, measured, effective, accum, steps, [
-        *rows, Decision("world", world.size, world.describe()), parallel, *measured.decisions,
-        optim.optimizer_row(device, optimization.weight_decay),
-        runplan.batch_row(effective, micro, accum, world.size, f" blocks of {d.max_length}"), lr_row,
-        runplan.logging_row(cfg.logging.logging_steps, device.type),
-        runner.steps_row(cfg, steps, f"{len(train)} blocks of {d.max_length}")])
-    if world.main:
-        print(f"tokenizer: {tok_source} ({len(tok):,} tokens)\ndata: {', '.join(cfg.data_files)}: {n_tokens:,} "
-              f"tokens, {len(train):,} train / {len(val):,} validation blocks of {d.max_length}\n"
-              f"model: {type(model).__name__}, {n_params:,} parameters")
-        summary_.print_plan(plan.decisions)
-
-    # -- batches: each epoch's optimizer steps of blocks (seed, epoch, effective batch), this rank's share of each
-    next_micro_batch = runner.micro_batches(
-        lambda epoch: batching.epoch_steps(np.arange(len(train)), effective, s.seed, epoch), train.collate, world,
-        micro, accum)
-    eval_batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
     prompt = sample_prompt(cfg.evaluation.sample_prompt, tok, val if len(val) else train)
 
-    def sample(step_: int) -> dict[str, str]:
+    def sample(plan, step: int) -> dict[str, str]:
         # Rank 0 alone, on its whole replica; a sharded model's blocks are not whole on any rank.
         if not world.main or plan.parallel == "fsdp":
             return {}
         with compiler.eagerly(plan.compile):
             generated = generate_sample(model, tok, prompt, cfg.evaluation.sample_tokens or SAMPLE_TOKENS, s.seed,
                                         device, opened.autocast)
-        print(f"\nsample at step {step_}: {generated!r}")
+        print(f"\nsample at step {step}: {generated!r}")
         return {"sample": generated}
 
-    # -- train (optimizer, schedule, records, loop, evaluation and samples), then the outputs on rank 0
-    identity |= {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
-                 "split": [d.split, d.validation_split, d.validation_file]}
-    with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
-        outcome, weights = runner.train_run(
-            opened, plan, model, records=runner.records(opened, cfg, plan, dump_yaml, parameters=n_params),
-            after_eval=sample, optimization=optimization, tracking=tracking,
-            outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), next_micro_batch=next_micro_batch,
-            eval_sets=[("validation", eval_batches)], identity=identity)
-        if not world.main:
-            return {}
+    def finish(done: recipe.Finished):
         model.config.use_cache = True
         with atomic_files(opened.out) as tmp:  # each file whole, old or new, whenever a kill comes
-            model.save_pretrained(tmp, state_dict=weights)
+            model.save_pretrained(tmp, state_dict=done.weights)
             tok.save_pretrained(tmp)
             saved = landing(tmp, opened.out)
-        summary = summarize(cfg, opened, plan, model, outcome, n_params, measure_s) | tracking.costs()
-        write_json(opened.out / "summary.json", summary)
-        summary_.report(summary, opened.out)
-        run_report.send(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
-    return summary
+        return summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
+
+    blocks_of = f"blocks of {d.max_length}"
+    return recipe.train(cfg, opened, recipe.Recipe(
+        model=model, loss=None, rows=model_rows(cfg, model, opened), method_rows=[],
+        header=f"tokenizer: {tok_source} ({len(tok):,} tokens)\ndata: {', '.join(cfg.data_files)}: {n_tokens:,} "
+               f"tokens, {len(train):,} train / {len(val):,} validation {blocks_of}\n"
+               f"model: {type(model).__name__}, {n_params:,} parameters",
+        parallel=hardware.pick_parallel(cfg.distributed.parallel, "pretrain", n_params, world.size,
+                                        memory_free_mb(device, world.local_size)),
+        n_train=len(train), unit=blocks_of, tokens_per_unit=d.max_length,
+        what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
+        probe_rows=lambda size: train.collate(range(min(size, len(train)))), widest=d.max_length,
+        max_length=d.max_length, attention_rows=cfg.batch.micro_batch_size, asked_reason="training.batch_size",
+        batches=lambda micro: (lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed,
+                                                                  epoch), train.collate, []),
+        eval_sets=lambda micro: [("validation", [val.collate(range(i, min(i + 2 * micro, len(val))))
+                                                 for i in range(0, len(val), 2 * micro)])],
+        identity=identity | {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
+                             "split": [d.split, d.validation_split, d.validation_file]},
+        dump=dump_yaml, finish=finish, publish=run_report.send, records={"parameters": n_params},
+        batch_unit=f" {blocks_of}", after_eval=sample))
 
 
 def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: runner.Outcome, n_params: int,

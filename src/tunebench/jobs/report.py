@@ -194,7 +194,7 @@ def _auto_finding(device: str, by_config: dict[str, Cell]) -> str | None:
 # -- charts (matplotlib, headless)
 
 
-def _figure():
+def figure():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,15 +203,15 @@ def _figure():
     return plt
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _figure().close(fig)
+    figure().close(fig)
     return buf.getvalue()
 
 
 def bar_chart(cells, key: str, title: str, ylabel: str) -> bytes | None:
-    plt = _figure()
+    plt = figure()
     configs = list(dict.fromkeys(c for by in cells.values() for c in by))
     devices = list(cells)
     if not any(cells[d][c].median(key) is not None for d in devices for c in configs if c in cells[d]):
@@ -226,11 +226,11 @@ def bar_chart(cells, key: str, title: str, ylabel: str) -> bytes | None:
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def batch_chart(cells) -> bytes | None:
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for device, by in cells.items():
@@ -240,14 +240,14 @@ def batch_chart(cells) -> bytes | None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=device)
             drawn = True
     if not drawn:
-        _figure().close(fig)
+        figure().close(fig)
         return None
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro batch (accumulation keeps the effective batch)")
     ax.set_ylabel("duration (s)")
     ax.set_title("Batch size / accumulation effect")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 # The quality axis: the first task metric the runs have (higher is better), else eval loss (lower is).
@@ -282,7 +282,7 @@ def quality_chart(cells) -> bytes | None:
     key, label, higher, pts = quality_points(cells)
     if len(pts) < 2:
         return None
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     front = pareto_front(pts, higher)
     ax.scatter([p[1] for p in pts], [p[2] for p in pts], color="#999999", label="configuration")
@@ -295,11 +295,11 @@ def quality_chart(cells) -> bytes | None:
     ax.set_ylabel(label)
     ax.set_title(f"Quality vs speed ({key})")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def loss_chart(runs: list[Run]) -> bytes | None:
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for r in runs:
@@ -313,13 +313,13 @@ def loss_chart(runs: list[Run]) -> bytes | None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r.device} {r.config}", linewidth=1)
             drawn = True
     if not drawn:
-        _figure().close(fig)
+        figure().close(fig)
         return None
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title("Training loss")
     ax.legend(fontsize=7)
-    return _png(fig)
+    return png(fig)
 
 
 # -- rendering

@@ -15,7 +15,6 @@ from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, records
 from tunebench.jobs import report
-from tunebench.jobs.report import _figure, _png
 
 
 def is_run(path: str | Path) -> bool:
@@ -26,7 +25,7 @@ def _line_chart(series: list[tuple[str, list[float], list[float], dict]], title:
                 twin: list[tuple[str, list[float], list[float], dict]] = (), twin_label: str = "") -> bytes | None:
     if not any(xs for _, xs, _, _ in series):
         return None
-    plt = _figure()
+    plt = report.figure()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for label, xs, ys, style in series:
         if xs:
@@ -46,7 +45,7 @@ def _line_chart(series: list[tuple[str, list[float], list[float], dict]], title:
         handles, labels = handles + h2, labels + l2
     if handles:
         ax.legend(handles, labels, fontsize=8, loc="best")
-    return _png(fig)
+    return report.png(fig)
 
 
 def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, bytes]]:

@@ -422,7 +422,7 @@ def charts(study) -> list[tuple[str, bytes]]:
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as ov
 
-    from tunebench.jobs.report import _png
+    from tunebench.jobs.report import png
 
     out = []
     with warnings.catch_warnings():
@@ -438,7 +438,7 @@ def charts(study) -> list[tuple[str, bytes]]:
             if not fig.get_axes() or not any(a.has_data() for a in fig.get_axes()):
                 plt.close(fig)
                 continue
-            out.append((name, _png(fig)))
+            out.append((name, png(fig)))
     return out
 
 

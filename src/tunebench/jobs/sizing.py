@@ -85,11 +85,11 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
 
     from tunebench.core import precision as precision_
     from tunebench.data import batching, mixture
-    from tunebench.jobs.finetune import build_model
     from tunebench.machine import hardware
     from tunebench.model import models
     from tunebench.settings.finetune import load_config
     from tunebench.training import runner
+    from tunebench.training.adapted import build_model
     from tunebench.training.tune.probe import probe_step
 
     cfg = load_config(options={**settings, "hardware.device": device})

@@ -170,7 +170,7 @@ def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
                 return config.get("n_positions") or config.get("max_position_embeddings"), "the GGUF's context length"
             from gguf import GGUFReader
 
-            reader = GGUFReader(str(models._smollm2_gguf() if spec == models.SMOLLM2 else spec))
+            reader = GGUFReader(str(models.smollm2_gguf() if spec == models.SMOLLM2 else spec))
             arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
             field_ = reader.fields.get(f"{arch}.context_length")
             return (int(field_.parts[-1][0]) if field_ else None), "the GGUF's context length"

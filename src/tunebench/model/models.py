@@ -59,7 +59,7 @@ def byte_tokenizer():
 TINY_POSITIONS = 512
 
 
-def _tiny(seed: int = 0):
+def tiny(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = byte_tokenizer()
@@ -106,7 +106,7 @@ def load_tokenizer(spec: str):
     return tok
 
 
-def _smollm2_gguf() -> Path:
+def smollm2_gguf() -> Path:
     import importlib.util
 
     # Only the GGUF inside the package is needed: importing it would need `llm`, which we never install.
@@ -179,7 +179,7 @@ def restore_pre_tokenizer(tok, gguf: Path) -> None:
 
 
 def smollm2_dir() -> Path:
-    return convert_gguf(_smollm2_gguf(), converted_dir(SMOLLM2))
+    return convert_gguf(smollm2_gguf(), converted_dir(SMOLLM2))
 
 
 def converted_dir(spec: str) -> Path:
@@ -214,7 +214,7 @@ def check_spec(spec: str, allow_download: bool = False) -> Path | None:
     Returns the local HF directory it names, if any."""
     if spec in PRESETS:
         if spec == SMOLLM2:
-            _smollm2_gguf()
+            smollm2_gguf()
         return None
     if spec.endswith(".gguf"):
         if not Path(spec).is_file():
@@ -246,7 +246,7 @@ def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = Fals
     from transformers import AutoModelForCausalLM
 
     if spec == "tiny":
-        model, tok = _tiny()
+        model, tok = tiny()
         return Loaded(model, load_tokenizer(tokenizer) if tokenizer else tok, "preset tiny (random weights)", None)
     if spec == "gpt2-124m":
         model, tok = _gpt2_124m(tokenizer)

@@ -179,9 +179,9 @@ def check(ask: Ask, runs_dir: Path):
         raise TunebenchError(f"these settings are not a valid `tunebench train` call: {shlex.join(ask.argv(runs_dir))}"
                              ) from None
     cfg = train_config(args)
-    from tunebench.jobs import finetune
+    from tunebench.training import adapted
 
-    finetune.check_inputs(cfg, cfg.adapter.objective != "sft")
+    adapted.check_inputs(cfg, cfg.adapter.objective != "sft")
     return cfg
 
 

@@ -1,0 +1,117 @@
+"""The one contract between a training job and the runner. A job (jobs/finetune.py, grpo.py, pretrain.py) opens the
+run, builds its model and data, and hands a Recipe to `train`, which does the rest once, in this order: the steps
+the run takes, the measured settings (attention kernel, micro batch, checkpointing, compile), the plan and its
+printed table, the batches, the records, the loop with its evaluations, then, on rank 0, the job's outputs and
+summary, summary.json, the closing lines and the trackers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunebench.core.jsonfile import write_json
+from tunebench.machine.hardware import Decision
+from tunebench.training import optim, runner, runplan
+from tunebench.training import summary as summary_
+from tunebench.training.loop import Batch
+from tunebench.training.tune.probe import probe_step
+
+EpochSteps = Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a recipe's `finish` gets on rank 0 once the loop has ended: the plan it ran, the loop's outcome, a
+    sharded model's gathered weights (None when whole) and the seconds the measurements took."""
+
+    plan: runplan.RunPlan
+    outcome: runner.Outcome
+    weights: dict | None
+    measure_s: float
+
+
+@dataclass
+class Recipe:
+    """What one objective trains, as the runner needs it. A unit is what one row of the effective batch is: a
+    row, a preference pair, a judged completion, a GRPO prompt and its group, a block of tokens."""
+
+    model: torch.nn.Module
+    loss: torch.nn.Module | None  # None: the next-token loss over the rows (runner.objective builds it)
+    rows: list[Decision]  # the settings rows above the world's: the host's, the model's
+    method_rows: list[Decision]  # below the world and parallel rows: the method's, the objective's
+    header: str  # printed above the settings table: the model, the data and what trains
+    parallel: Decision
+    n_train: int  # training units
+    unit: str  # their name in the steps row: "rows", "pairs", "prompts", "blocks of 256"
+    tokens_per_unit: float  # for the total steps under --max-tokens and compile's pay-off
+    what: tuple  # the measurement cache's key for what is trained (model, method, quantization, rank, targets)
+    probe_rows: Callable[[int], Batch]  # size -> the widest units collated, for the probe's steps
+    widest: int  # tokens an attention kernel must fit per row
+    max_length: int
+    attention_rows: int  # rows the attention kernel is measured at
+    batches: Callable[[int], tuple[EpochSteps, Callable[[list[int]], Batch], list[Decision]]]
+    # micro batch -> (each epoch's steps, the collate of a micro batch, rows such as the batch layout's)
+    eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
+    identity: dict[str, Any]  # what a resume must match
+    dump: Callable[[Any, Path], None]  # writes the config as config.yaml
+    finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
+    publish: Callable[..., None]  # the trackers' end of the run (jobs.run_report.send)
+    records: dict[str, Any] = field(default_factory=dict)  # plan.json's extra fields
+    quantized: bool = False
+    micro: int | None = None  # a micro batch the objective's math fixes, taken as one asked for
+    asked_reason: str = "asked for"
+    batch_unit: str = ""  # after the effective batch's product in its row: " blocks of 256"
+    before_training: Callable[[runplan.RunPlan], None] | None = None  # after the table, before the loop
+    after_eval: Callable[[runplan.RunPlan, int], dict[str, Any]] | None = None
+    prefetch: bool | None = None  # False: batches made on the loop's thread (GRPO samples from live weights)
+    watch_speed: bool = True  # False: a step's time is not the probe's (GRPO's steps sample as well)
+
+
+def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
+    """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
+    world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
+    steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
+    measured, measure_s = runner.measure(
+        opened, cfg, r.model, probe_step(r.model, r.probe_rows, device, opened.autocast, r.loss), r.what,
+        max_length=r.max_length, widest=r.widest, attention_rows=r.attention_rows, n_train=r.n_train,
+        run_tokens=steps * effective * r.tokens_per_unit, parallel=r.parallel, quantized=r.quantized, micro=r.micro,
+        asked_reason=r.asked_reason)
+    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
+    epoch_steps, collate, batch_rows = r.batches(micro)
+    optimization, lr_row = runner.learning_rate(cfg, effective, steps)
+    plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
+        *r.rows, Decision("world", world.size, world.describe()), r.parallel, *r.method_rows,
+        *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,
+        *[d for d in measured.decisions if d.setting == "compile"], optim.optimizer_row(device, optimization.weight_decay),
+        runplan.batch_row(effective, micro, accum, world.size, r.batch_unit), lr_row,
+        runplan.logging_row(cfg.logging.logging_steps, device.type),
+        runner.steps_row(cfg, steps, f"{r.n_train} {r.unit}, {effective} a step")])
+    if not r.watch_speed:
+        plan = dataclasses.replace(plan, probed_tokens_per_s=None)
+    if world.main:
+        print(r.header)
+        summary_.print_plan(plan.decisions)
+    if r.before_training:
+        r.before_training(plan)
+
+    records = runner.records(opened, cfg, plan, r.dump, **r.records)
+    after_eval = (lambda step: r.after_eval(plan, step)) if r.after_eval else None
+    with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
+        outcome, weights = runner.train_run(
+            opened, plan, r.model, loss=r.loss, records=records, optimization=optimization,
+            outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), eval_sets=r.eval_sets(micro),
+            next_micro_batch=runner.micro_batches(epoch_steps, collate, world, micro, accum), identity=r.identity,
+            tracking=tracking, prefetch=r.prefetch, after_eval=after_eval)
+        if not world.main:
+            return {}
+        summary, saved = r.finish(Finished(plan, outcome, weights, measure_s))
+        summary.update(tracking.costs())
+        write_json(opened.out / "summary.json", summary)
+        summary_.report(summary, opened.out)
+        r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
+    return summary
