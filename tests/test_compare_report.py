@@ -118,9 +118,9 @@ def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
                     "experiments:\n  - {name: pair, nproc: 2, set: {train.micro_batch_size: 1}}\n")
     experiments = compare.load_matrix(str(grid))[1]
     assert [(e.name, e.nproc, e.overrides) for e in experiments] == [
-        ("pair", 2, {"batch.micro_batch_size": 1, "batch.autotune_batch": False}),
-        ("micro_batch_size=2_nproc=1", 1, {"batch.micro_batch_size": 2, "batch.autotune_batch": False}),
-        ("micro_batch_size=2_nproc=2", 2, {"batch.micro_batch_size": 2, "batch.autotune_batch": False})]
+        ("pair", 2, {"batch.micro_batch_size": 1}),
+        ("micro_batch_size=2_nproc=1", 1, {"batch.micro_batch_size": 2}),
+        ("micro_batch_size=2_nproc=2", 2, {"batch.micro_batch_size": 2})]
     grid.write_text("experiments:\n  - {name: x, nproc: 0}\n")
     with pytest.raises(TunebenchError, match="nproc must be a whole number"):
         compare.load_matrix(str(grid))

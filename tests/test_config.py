@@ -11,7 +11,7 @@ def test_defaults_are_the_study_recipe():
     cfg = load_config()
     assert (cfg.adapter.r, cfg.adapter.lora_alpha, cfg.adapter.lora_dropout) == (8, 16, 0.1)
     assert cfg.data.max_length == 128
-    assert cfg.effective_batch_size == 8 and cfg.batch.autotune_batch  # the micro batch is measured
+    assert cfg.effective_batch_size == 8 and cfg.batch.micro_batch_size is None  # None: the micro batch is measured
 
 
 def test_precedence_yaml_then_options_then_overrides(tmp_path):
@@ -159,3 +159,21 @@ def test_a_prompt_format_holds_instruction_alone(template, message):
     with pytest.raises(TunebenchError, match=re.escape(message)):
         load_config(options={"data.template": template})
     assert load_config(options={"data.template": "{{json}} {instruction}"}).data.template == "{{json}} {instruction}"
+
+
+def test_auto_is_none_and_an_earlier_runs_config_still_loads(tmp_path):
+    """The micro batch's auto is None (no second field beside a phantom size); config.yaml of earlier runs holds
+    batch.autotune_batch beside the size it was written with, and true there still means auto."""
+    assert load_config(options={"train.micro_batch_size": "auto"}).batch.micro_batch_size is None
+    assert load_config(options={"train.micro_batch_size": 2}).batch.micro_batch_size == 2
+    old = tmp_path / "config.yaml"
+    old.write_text("batch:\n  micro_batch_size: 4\n  autotune_batch: true\n  effective_batch_size: 8\n")
+    assert load_config(str(old)).batch.micro_batch_size is None
+    old.write_text("batch:\n  micro_batch_size: 2\n  autotune_batch: false\n  effective_batch_size: 8\n")
+    cfg = load_config(str(old))
+    assert cfg.batch.micro_batch_size == 2 and cfg.batch_ask().micro == 2
+    from tunebench.settings.finetune import dump_yaml
+
+    dump_yaml(cfg, tmp_path / "again.yaml")  # read, never written
+    assert "autotune_batch" not in (tmp_path / "again.yaml").read_text()
+    assert load_config(str(tmp_path / "again.yaml")).batch.micro_batch_size == 2

@@ -463,7 +463,7 @@ def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, data
 @pytest.mark.parametrize("name", profiles())
 def test_every_shipped_profile_loads_and_validates(name):
     cfg = load_config(profile=name)
-    assert cfg.batch.autotune_batch
+    assert cfg.batch.micro_batch_size is None
     assert set(profiles()) == {"cpu", "gpu-8-12gb", "gpu-24gb", "gpu-80gb"}
 
 

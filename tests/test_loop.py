@@ -101,7 +101,7 @@ def test_resume_with_another_micro_batch_is_refused_not_replaced(tmp_path, datas
     finetune.run(_cfg(dataset, out, **{"train.max_steps": 2}))
     with pytest.raises(TunebenchError, match="continues at micro batch 2 x accumulation 2 on 1 rank.*--batch-size 2"):
         finetune.run(_cfg(dataset, out, **{"train.max_steps": 4, "train.resume": "auto", "train.micro_batch_size": 1,
-                                            "train.autotune_batch": False, "train.grad_accum_steps": 4}))
+                                            "train.grad_accum_steps": 4}))
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, monkeypatch):

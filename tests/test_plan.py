@@ -70,7 +70,7 @@ def test_pretraining_config_survives_the_round_trip(tmp_path):
                                                    "training.sample_prompt": "Q: x\n#"})
     path = tmp_path / "asked.yaml"
     pretrain_config.dump_yaml(cfg, path)
-    assert pretrain_config.load(path) == cfg and cfg.hardware.compile == "on" and cfg.batch.autotune_batch
+    assert pretrain_config.load(path) == cfg and cfg.hardware.compile == "on" and cfg.batch.micro_batch_size is None
 
 
 def _child_configs(runs):

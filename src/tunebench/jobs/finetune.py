@@ -13,7 +13,7 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig, dump_yaml
-from tunebench.training import adapted, recipe, runner
+from tunebench.training import adapted, recipe, runner, runplan
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         what=adapted.measured_as(cfg, prefer), probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
         widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), max_length=d.max_length,
-        attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)), batches=batches,
+        attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, len(train_idx)), batches=batches,
         eval_sets=lambda micro: [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                                  for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)],
         identity=identity, dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",

@@ -14,7 +14,7 @@ from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig, dump_yaml
-from tunebench.training import adapted, checkpoint, grpo, preference, recipe, rewards, runner
+from tunebench.training import adapted, checkpoint, grpo, preference, recipe, rewards, runner, runplan
 from tunebench.training.tune import compiler
 
 
@@ -71,7 +71,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         what=(cfg.model.name, f"{a.method}+grpo{a.num_generations}x{a.max_completion_length}", a.quantization, a.r,
               a.target_modules), probe_rows=lambda size: sampler.probe_rows(longest[:size]),
         widest=int(data.lengths()[train_idx].max()) + a.max_completion_length, max_length=d.max_length,
-        attention_rows=min(opened.ask.micro or cfg.batch.micro_batch_size, len(train_idx)),
+        attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, len(train_idx)),
         batches=lambda micro: (epoch_steps, sampler.collate, []), eval_sets=lambda micro: [], identity=identity,
         dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
         records={"trainable_parameters": trainable, "total_parameters": total, "model_source": loaded.source},

@@ -20,7 +20,7 @@ from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import arch, inference, kernels, models
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, dump_yaml, validate
-from tunebench.training import recipe, runner
+from tunebench.training import recipe, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.training.tune import compiler
 from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
@@ -70,7 +70,7 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         n_train=len(train), unit=blocks_of, tokens_per_unit=d.max_length,
         what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
         probe_rows=lambda size: train.collate(range(min(size, len(train)))), widest=d.max_length,
-        max_length=d.max_length, attention_rows=cfg.batch.micro_batch_size, asked_reason="training.batch_size",
+        max_length=d.max_length, attention_rows=opened.ask.micro or runplan.ATTENTION_ROWS, asked_reason="training.batch_size",
         batches=lambda micro: (lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed,
                                                                   epoch), train.collate, []),
         eval_sets=lambda micro: [("validation", [val.collate(range(i, min(i + 2 * micro, len(val))))

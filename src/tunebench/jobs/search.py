@@ -118,7 +118,7 @@ def check(job: str, config: str | None, base: dict[str, Any], params: list[Param
     base = compare.canonical(job, base)
     keys = set(base)
     for p in params:
-        if set(compare.canonical(job, {p.key: p.corners()[0]})) & keys - {"batch.autotune_batch"}:
+        if set(compare.canonical(job, {p.key: p.corners()[0]})) & keys:
             raise TunebenchError(f"'{p.key}' is both searched and set (by tune itself or on the command line); "
                                  "drop one of them")
         for value in p.corners():

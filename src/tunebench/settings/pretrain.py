@@ -254,7 +254,7 @@ def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -
                              "data.max_length tokens cut from the concatenated documents; set pack_sequences: true")
     if not d.train_file and not d.dataset_name:
         raise TunebenchError("no training data: pass --data FILE (data.train_file) or data.dataset_name")
-    if cfg.batch.autotune_batch and cfg.batch.effective_batch_size is None:
+    if cfg.batch.micro_batch_size is None and cfg.batch.effective_batch_size is None:
         raise TunebenchError("training.batch_size auto needs training.effective_batch_size (the micro batches "
                              "measured are those that divide it)")
     if h.liger == "on":

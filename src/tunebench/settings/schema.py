@@ -81,10 +81,9 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Batch:
-    micro_batch_size: int = 4
-    """rows per forward pass, or auto: measure the sizes that divide the effective batch, keep the fastest"""
-    autotune_batch: bool = True
-    """set by micro_batch_size: auto measures, a number is used as given"""
+    micro_batch_size: int | None = None
+    """rows per forward pass, or auto (the default, held as None): measure the sizes that divide the effective
+    batch and keep the fastest"""
     grad_accum_steps: int | None = None
     """micro batches per optimizer step (default: effective batch / (micro batch x processes))"""
     effective_batch_size: int | None = None
@@ -222,6 +221,9 @@ def precision_alias(name: str, value: Any) -> str | None:
 
 
 PRECISION_ALIASES = ("use_amp", "fp16", "bf16")
+# batch.autotune_batch, the flag beside the micro batch before "auto" became None: config.yaml files of earlier runs
+# and profiles still hold it, so it is read (true: auto, whatever size beside it), never written.
+LEGACY_AUTOTUNE = "batch.autotune_batch"
 
 
 @functools.cache
@@ -260,6 +262,8 @@ class Schema:
         key = self.aliases.get(spelled, spelled)
         if key.count(".") != 1:
             return None
+        if key.endswith(".autotune_batch"):
+            return LEGACY_AUTOTUNE
         section, name = key.split(".")
         if section in FLAT_SECTIONS and section not in self.sections:
             if name in PRECISION_ALIASES:
@@ -282,10 +286,10 @@ class Schema:
         if name in PRECISION_ALIASES and key == "hardware.precision":
             precision = precision_alias(name, value)
             return [] if precision is None else [(key, precision)]
-        if key == "batch.micro_batch_size":  # a given size is used as given; auto measures
-            if str(value).lower() == "auto":
-                return [("batch.autotune_batch", True)]
-            return [(key, self.coerce(key, value, spelled)), ("batch.autotune_batch", False)]
+        if key == "batch.micro_batch_size" and (value is None or str(value).lower() == "auto"):
+            return [(key, None)]  # auto measures; a number is used as given
+        if key == LEGACY_AUTOTUNE:  # config.yaml of earlier runs, older profiles: true meant auto
+            return [(key, coerce_value(spelled, value, bool))]
         return [(key, self.coerce(key, value, spelled))]
 
     def coerce(self, key: str, value: Any, spelled: str | None = None) -> Any:
@@ -319,10 +323,12 @@ class Schema:
         seen: dict[str, str] = {}
         for spelled, raw in mapping.items():
             for key, value in self.resolve(spelled, raw):
-                if key in out and out[key] != value and key != "batch.autotune_batch":
+                if key in out and out[key] != value:
                     raise TunebenchError(f"'{seen[key]}' and '{spelled}' both set {key} ({out[key]!r} and {value!r}); "
                                          "give one of them")
                 out[key], seen[key] = value, spelled
+        if out.pop(LEGACY_AUTOTUNE, False):  # beside the size it was written with: auto won, as it did then
+            out["batch.micro_batch_size"] = None
         return out
 
     def build(self, tree: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -377,8 +383,7 @@ def run_type(name: str, own: dict[str, type], default_effective: int | None, doc
     def batch_ask(self):
         """What the batch keys ask for (batch_rule.asked holds the rule)."""
         b = self.batch
-        return asked(b.effective_batch_size, None if b.autotune_batch else b.micro_batch_size, b.grad_accum_steps,
-                     default_effective)
+        return asked(b.effective_batch_size, b.micro_batch_size, b.grad_accum_steps, default_effective)
 
     def effective_batch_size(self) -> int:
         """Rows per optimizer step in one process."""
@@ -395,11 +400,12 @@ def run_type(name: str, own: dict[str, type], default_effective: int | None, doc
 def check_shared(cfg: Any, world_size: int, job: str) -> None:
     """The shared sections' own rules (each job adds its own and checks its batch request)."""
     h, b, o, s, out, e, lg, dist = (getattr(cfg, name) for name in SHARED)
-    positive = {"batch.micro_batch_size (--batch-size)": b.micro_batch_size,
-                "output.save_total_limit": out.save_total_limit, "optimizer.lr (--lr)": o.lr,
+    positive = {"output.save_total_limit": out.save_total_limit, "optimizer.lr (--lr)": o.lr,
                 "schedule.epochs (--epochs)": s.epochs, "optimizer.max_grad_norm": o.max_grad_norm,
                 "optimizer.lr_reference_batch": o.lr_reference_batch,
                 "evaluation.eval_max_new_tokens (--eval-max-new-tokens)": e.eval_max_new_tokens}
+    if b.micro_batch_size is not None:
+        positive["batch.micro_batch_size (--batch-size)"] = b.micro_batch_size
     for section, names in (("batch", ("grad_accum_steps", "effective_batch_size")),
                            ("schedule", ("max_steps", "max_tokens")), ("output", ("save_steps",)),
                            ("evaluation", ("eval_steps", "sample_tokens")), ("logging", ("logging_steps",)),

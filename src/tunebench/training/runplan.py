@@ -109,6 +109,9 @@ class Measured:
         return str(next((d.value for d in self.decisions if d.setting == "attention"), "sdpa"))
 
 
+ATTENTION_ROWS = 4  # rows the attention kernels are timed at when the micro batch is itself measured (not asked)
+
+
 def measure_batch(effective: int, world_size: int, resumed: tuple[int, int] | None, micro_asked: int | None,
                   probe: Callable[[], tuple[int, list[Decision], float]], asked_reason: str,
                   known_speed: Callable[[int], float | None] = lambda micro: None) -> \
