@@ -242,3 +242,48 @@ def test_a_bad_row_later_in_the_file_names_its_row(tmp_path, rows, message):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(TunebenchError, match=message):
         formats.records_to_messages(readers.read_records(str(path)), DataConfig(), str(path))
+
+
+def _tool_rows(n: int) -> list[dict]:
+    """The issue's file: OpenAI's fine-tuning format, a tool call with JSON arguments, its result, the answer."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    return [{"messages": [
+        {"role": "system", "content": "You can call tools."},
+        {"role": "user", "content": f"Weather in city {i}?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": f"city {i}"})}}]},
+        {"role": "tool", "tool_call_id": f"c{i}", "content": "sunny"},
+        {"role": "assistant", "content": f"It is sunny in city {i}."}], "tools": tools} for i in range(n)]
+
+
+@pytest.mark.parametrize("case", ["openai-tools", "tool-calls-alone", "sharegpt-function", "reasoning", "thinking"])
+def test_tool_calls_and_reasoning_are_refused_not_trained_half_rendered(tmp_path, capsys, case):
+    """Tool calls, tool results, tool definitions and reasoning traces were dropped on the way to the text (the
+    tool-call turn trained as an empty reply, the trace vanished) and the run exited 0: such rows are refused, in
+    one line naming what the row carries, before a model loads, by train and prepare alike."""
+    from tunebench.interfaces import cli
+
+    rows = _tool_rows(48)
+    if case == "tool-calls-alone":  # no tools list and no tool turn: the call itself is the loss
+        rows = [{"messages": r["messages"][1:3]} for r in rows]
+    elif case == "sharegpt-function":
+        rows = [{"conversations": [{"from": "human", "value": "Weather?"},
+                                   {"from": "function_call", "value": '{"name": "get_weather"}'},
+                                   {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}] * 48
+    elif case in ("reasoning", "thinking"):
+        field = "reasoning_content" if case == "reasoning" else "thinking"
+        rows = [{"messages": [{"role": "user", "content": "2+2?"},
+                              {"role": "assistant", "content": "4", field: "Two and two make four."}]}] * 48
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = {"openai-tools": "the row carries tools", "tool-calls-alone": "message 2 carries tool_calls",
+                "sharegpt-function": "message 2 carries role 'function_call'",
+                "reasoning": "message 2 carries reasoning_content", "thinking": "message 2 carries thinking"}[case]
+    for argv in (["train", "--model", "tiny", "--data", str(path), "--output-dir", str(tmp_path / "out")],
+                 ["prepare", "--data", str(path), "-o", str(tmp_path / "prepared")]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "row 1" in err and expected in err, err
+        assert "would train this row without them" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "prepared").exists()

@@ -53,6 +53,7 @@ def _text(value: Any) -> str:
 
 
 def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
+    check_renderable(record)
     if fmt == "instruction":
         return [
             {"role": "user", "content": _text(record[cfg.instruction_column])},
@@ -73,13 +74,38 @@ def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
     if not isinstance(turns, list):
         raise TunebenchError(f"chat record has no '{cfg.messages_column}' list of messages; fix the record or --format")
     out = []
-    for t in turns:
+    for n, t in enumerate(turns, 1):
         if not isinstance(t, dict):
             raise TunebenchError(f"chat record's '{cfg.messages_column}' holds {type(t).__name__} {str(t)[:40]!r} "
                                  "where a message ({role, content}) belongs; fix the record")
         role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))), str(t.get("role", t.get("from", ""))))
+        check_renderable(t, n, role)
         out.append({"role": role, "content": _text(t.get("content", t.get("value")))})
     return out
+
+
+# What chat data carries beyond role and content, which rows become here without: tool definitions, tool calls
+# and their results (OpenAI's fine-tuning format, ShareGPT's function_call/observation turns) and reasoning traces.
+# Trained without them, a tool-call turn would become an empty reply and a distilled answer would lose its trace,
+# so such a row is refused, never trained half-rendered.
+TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+TOOL_ROLES = ("tool", "function", "observation", "ipython", "function_call")
+ROW_TOOL_FIELDS = ("tools", "functions")
+UNRENDERED = ("tunebench does not render tool calls or reasoning into the training text yet, and would train this "
+              "row without them; leave such rows out, or write what the model should produce into each turn's "
+              "'content'")
+
+
+def check_renderable(part: dict[str, Any], turn: int | None = None, role: str | None = None) -> None:
+    """Refuse a record (turn None) or a message whose tool or reasoning fields training would drop."""
+    where = "the row" if turn is None else f"message {turn}"
+    fields = ROW_TOOL_FIELDS if turn is None else (*TOOL_FIELDS, *REASONING_FIELDS)
+    found = [f for f in fields if part.get(f) not in (None, "", [], {})]
+    if role in TOOL_ROLES:
+        found.insert(0, f"role '{role}'")
+    if found:
+        raise TunebenchError(f"{where} carries {', '.join(found)}: {UNRENDERED}")
 
 
 def records_to_messages(records: list[dict[str, Any]], cfg: DataConfig, source: str) -> tuple[str, list[Messages]]:
