@@ -57,3 +57,19 @@ def test_a_run_config_is_read_by_the_safe_loader(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "tiny"}))
     with pytest.raises(TunebenchError, match="config.yaml"):
         inference.base_of(str(tmp_path))
+
+
+def test_a_runs_summary_reads_back_typed_and_writes_the_same_json(mixture_run, tmp_path):
+    """summary.json read through RunDir is a Summary: the figures every run has as fields, the keyed families
+    (each dataset's eval loss here) as extras under their own names, and the same JSON when written back."""
+    from tunebench.settings.rundir import Summary
+
+    out, _, _ = mixture_run
+    raw = json.loads((out / "summary.json").read_text())
+    summary = RunDir(out).summary()
+    assert isinstance(summary, Summary) and summary.to_dict() == raw
+    assert summary.steps == 2 and summary.method == "lora" and summary.device == "cpu"
+    assert summary.micro_batch_size * summary.grad_accum_steps == summary.effective_batch_size
+    assert {k for k in summary.extra if k.startswith("eval_loss/")} == {k for k in raw if k.startswith("eval_loss/")}
+    assert summary.get("eval_loss") == raw["eval_loss"] and summary.get("perplexity") == raw["perplexity"]
+    assert RunDir(tmp_path).summary() is None  # not finished

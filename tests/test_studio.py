@@ -80,7 +80,11 @@ with open(out / "metrics.jsonl", "a") as f:
             (out / "checkpoints" / "step-1").mkdir(parents=True, exist_ok=True)
             sys.exit(130)
         time.sleep(float(open(out.parent / "pace").read()))
-(out / "summary.json").write_text(json.dumps({"steps": step, "eval_loss": 0.5}))
+(out / "summary.json").write_text(json.dumps({  # the fields every tunebench summary has
+    "device": "cpu", "precision": "fp32", "steps": step, "samples": 4 * step, "tokens": 100 * step,
+    "duration_s": 1.0, "train_time_s": 1.0, "tokens_per_s": 100.0, "samples_per_s": 4.0, "peak_memory_mb": 1.0,
+    "mfu": None, "peak_tflops_source": "stand-in", "final_train_loss": 1.0 / step, "eval_loss": 0.5,
+    "micro_batch_size": 4, "grad_accum_steps": 1, "effective_batch_size": 4, "max_length": 128, "method": "lora"}))
 """
 
 

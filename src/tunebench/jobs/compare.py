@@ -30,6 +30,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.jobs import sizing
 from tunebench.model import quality
 from tunebench.settings.finetune import load_config, read_yaml, shipped_yaml
+from tunebench.settings.rundir import RunDir
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
 
@@ -230,7 +231,7 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
 
 
 def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
-    s = json.loads((run_dir / "summary.json").read_text())
+    s = RunDir(run_dir).summary()
     plan = json.loads((run_dir / "plan.json").read_text())
     hw = plan["hardware"]
     decided = {d["setting"]: d["value"] for d in plan["decisions"]}
@@ -238,18 +239,19 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         f"{hw['cpu_model']} ({decided.get('torch_threads')} threads)"
     v = hw["versions"]
     return {
-        "device_name": device_name, "cores": hw["physical_cores"], "processes": s.get("world_size", 1),
+        "device_name": device_name, "cores": hw["physical_cores"], "processes": s.world_size,
         "threads": decided.get("torch_threads"),
-        "batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum_steps"],
-        "effective_batch": s["effective_batch_size"], "method": s["method"], "quantization": s.get("quantization", "none"),
-        "precision": s["precision"], "max_length": s["max_length"], "samples": s["samples"], "steps": s["steps"],
-        "duration_seconds": round(s["train_time_s"], 3), "measure_seconds": s.get("measure_s"),
-        "samples_per_s": s["samples_per_s"], "it_per_s": s.get("it_per_s"),
-        "tokens_per_s": s["tokens_per_s"], "peak_memory_mb": s["peak_memory_mb"],
-        "final_train_loss": s["final_train_loss"], "eval_loss": s["eval_loss"], "mfu": s["mfu"],
+        # batch_size: the study's name for the column (its report script and results CSVs read it)
+        "batch_size": s.micro_batch_size, "grad_accum": s.grad_accum_steps,
+        "effective_batch": s.effective_batch_size, "method": s.method, "quantization": s.quantization,
+        "precision": s.precision, "max_length": s.max_length, "samples": s.samples, "steps": s.steps,
+        "duration_seconds": round(s.train_time_s, 3), "measure_seconds": s.measure_s,
+        "samples_per_s": s.samples_per_s, "it_per_s": s.it_per_s,
+        "tokens_per_s": s.tokens_per_s, "peak_memory_mb": s.peak_memory_mb,
+        "final_train_loss": s.final_train_loss, "eval_loss": s.eval_loss, "mfu": s.mfu,
         **{k: s.get(k) for k in quality.SCORES},
-        "objective": s.get("objective", "sft"), "reward_accuracy": s.get("eval_rewards/accuracies"),
-        "trainable_params": s.get("trainable_parameters") or s.get("parameters"),
+        "objective": s.objective, "reward_accuracy": s.get("eval_rewards/accuracies"),
+        "trainable_params": s.trainable_parameters or s.parameters,
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
         "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),
     }

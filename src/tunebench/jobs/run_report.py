@@ -15,6 +15,7 @@ from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, records
 from tunebench.jobs import report
+from tunebench.settings.rundir import RunDir
 
 
 def is_run(path: str | Path) -> bool:
@@ -166,7 +167,8 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         raise TunebenchError(f"'{run}' is not a run directory (no metrics.jsonl); pass a train or pretrain "
                              "--output-dir, or results CSVs")
     metrics, monitor = records(run / "metrics.jsonl"), records(run / "monitor.jsonl")
-    summary, plan = read_json(run / "summary.json"), read_json(run / "plan.json")
+    finished, plan = RunDir(run).summary(), read_json(run / "plan.json")
+    summary = finished.to_dict() if finished else {}
     out = Path(out_dir) if out_dir else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     pngs = charts(metrics, monitor)

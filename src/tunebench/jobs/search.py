@@ -28,6 +28,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare
 from tunebench.model import quality
 from tunebench.settings.finetune import read_yaml, shipped_yaml
+from tunebench.settings.rundir import RunDir
 
 SPACES_DIR = Path(__file__).resolve().parents[1] / "configs" / "tune"
 MAX_DUPLICATES = 30  # proposals in a row that repeat earlier trials: the space is exhausted
@@ -348,8 +349,8 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
             study.enqueue_trial(trial.params)
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         raise
-    summary = run_dir / "summary.json"
-    used = json.loads(summary.read_text()).get("device") if proc.returncode == 0 and summary.is_file() else None
+    finished = RunDir(run_dir).summary() if proc.returncode == 0 else None
+    used = finished.device if finished else None
     row = compare.finish(proc, run_dir, used or device or "auto")
     if row["status"] == "ok" and objective == "eval_loss":
         found, seen = evals_of(run_dir, seen)

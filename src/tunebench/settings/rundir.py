@@ -4,12 +4,75 @@ from) is checkpoint.open_run's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A finished run's figures, as its summary.json holds them and every reader takes them: compare's results
+    row, tune's trial, the studio's runs table, the run report. The figures every run has are fields (speed over
+    the measured steps, memory, losses, the batch it trained with); the keyed families stay in `extra` under their
+    own names (eval_loss/<dataset>, eval_rewards/..., the task scores, the monitor's means, GRPO's sampling)."""
+
+    device: str
+    precision: str
+    steps: int
+    samples: int
+    tokens: int
+    duration_s: float  # the run's wall time, loading and measuring included
+    train_time_s: float  # the loop's
+    tokens_per_s: float | None  # real (unpadded) tokens over the measured steps, all ranks
+    samples_per_s: float | None
+    peak_memory_mb: float
+    mfu: float | None
+    peak_tflops_source: str
+    final_train_loss: float | None
+    eval_loss: float | None
+    micro_batch_size: int
+    grad_accum_steps: int
+    effective_batch_size: int
+    max_length: int
+    method: str  # lora, qlora, ... or pretrain
+    world_size: int = 1
+    it_per_s: float | None = None  # optimizer steps a second, as the study counts them
+    measure_s: float | None = None  # the measured settings' time, apart from training
+    model: str | None = None
+    quantization: str = "none"
+    objective: str = "sft"
+    trainable_parameters: int | None = None  # fine-tuning
+    parameters: int | None = None  # pretraining: the whole model trains
+    extra: dict[str, Any] = field(default_factory=dict)
+    written: tuple[str, ...] = field(default=(), repr=False, compare=False)  # summary.json's keys, in its order
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Summary:
+        fields = [f for f in dataclasses.fields(cls) if f.name not in ("extra", "written")]
+        names = {f.name for f in fields}
+        missing = [f.name for f in fields if f.name not in d and f.default is dataclasses.MISSING]
+        if missing:
+            raise TunebenchError(f"this summary.json lacks {', '.join(missing)}: not a finished tunebench run's "
+                                 "summary; rerun the run (or remove the file)")
+        return cls(**{k: v for k, v in d.items() if k in names}, extra={k: v for k, v in d.items() if k not in names},
+                   written=tuple(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json's shape: one flat object, the fields and the extras side by side; a summary read from a
+        file gives back that file's keys, in its order (a default is not a figure the run reported)."""
+        if self.written:
+            return {k: self.get(k) for k in self.written}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "written")} \
+            | self.extra
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A figure by its summary.json name, field or extra (a task score, eval_rewards/accuracies)."""
+        return getattr(self, name) if name in self.__dataclass_fields__ and name not in ("extra", "written") else \
+            self.extra.get(name, default)
 
 
 @dataclass(frozen=True)
@@ -89,6 +152,16 @@ class RunDir:
         if self.adapter_config_file.is_file():
             return json.loads(self.adapter_config_file.read_text())["base_model_name_or_path"]
         raise TunebenchError(f"'{self.path}' holds no adapter_config.json; point --adapter at a tunebench output dir")
+
+    def summary(self) -> Summary | None:
+        """The run's figures, None until it has finished (no summary.json yet); a file that is not a tunebench
+        summary is refused with its path."""
+        if not self.summary_file.is_file():
+            return None
+        try:
+            return Summary.from_dict(json.loads(self.summary_file.read_text()))
+        except (TunebenchError, json.JSONDecodeError, TypeError) as e:
+            raise TunebenchError(f"{self.summary_file}: {e}") from None
 
     def train_config(self):
         """The fine-tuning run's configuration (config.RunConfig), loaded and validated as at its start."""

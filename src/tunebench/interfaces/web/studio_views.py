@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
-from tunebench.core.jsonfile import read_json, records
+from tunebench.core.jsonfile import records
 from tunebench.interfaces.web.studio import EXPORT_FORMATS, SECRET_ENV, Ask, Studio
 from tunebench.settings.rundir import RunDir
 
@@ -77,17 +77,21 @@ RUN_COLUMNS = ["run", "state", "method", "model", "steps", "eval loss", "ROUGE-L
 def run_row(studio: Studio, name: str) -> list[str]:
     run = RunDir(studio.runs_dir / name)
     raw = run.raw_config() if run.config_file.is_file() else {}
-    summary = read_json(run.summary_file)
+    try:
+        summary = run.summary()
+    except TunebenchError:  # a summary.json tunebench did not write: the row shows what the run logged
+        summary = None
     steps = [r["step"] for r in records(run.metrics_file) if "loss" in r]
 
     def fmt(v, digits=3):
         return "" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
     method, model = (raw.get("adapter") or {}).get("method", ""), (raw.get("model") or {}).get("name", "")
-    return [name, studio.state(name), summary.get("method", method), summary.get("model", model),
-            str(summary.get("steps", steps[-1] if steps else "")), fmt(summary.get("eval_loss")),
-            fmt(summary.get("rougeL"), 2), fmt(summary.get("tokens_per_s"), 1),
-            fmt(summary.get("peak_memory_mb"), 0)]
+    if summary is None:  # not finished: what its config and metrics say so far
+        return [name, studio.state(name), method, model, str(steps[-1] if steps else ""), "", "", "", ""]
+    return [name, studio.state(name), summary.method, summary.model or model, str(summary.steps),
+            fmt(summary.eval_loss), fmt(summary.get("rougeL"), 2), fmt(summary.tokens_per_s, 1),
+            fmt(summary.peak_memory_mb, 0)]
 
 
 def runs_table(studio: Studio) -> list[list[str]]:
