@@ -614,3 +614,20 @@ def test_a_cuda_error_that_says_out_of_memory_is_an_oom_to_the_probes():
     assert is_oom(torch.AcceleratorError("CUDA error: out of memory"))
     assert not is_oom(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
     assert not is_oom(RuntimeError("out of memory"))  # not a device error: a bug, re-raised
+
+
+def test_a_run_above_the_measured_cpu_peak_raises_it_and_mfu_stays_at_most_one(tmp_path, monkeypatch):
+    """A 1.07B model's GEMMs ran above the cached 'best measured bf16 matmul' and MFU read 103.6%: the ceiling
+    becomes what the run reached, said so, and is recorded for the next run of this CPU."""
+    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda d, t: 1.0)
+    native_bf16 = machine("avx2 avx512f avx512_bf16")
+    cache = tmp_path / "p.json"
+    peak, source = hardware.peak_tflops("cpu", "bf16", native_bf16, 2, cache)
+    assert peak == 1.0
+    assert hardware.reached("cpu", "bf16", native_bf16, 2, cache, 0.9, peak, source) == (1.0, source)
+    raised, why = hardware.reached("cpu", "bf16", native_bf16, 2, cache, 1.036, peak, source)
+    assert raised == 1.036 and "this run's own 1.036 TFLOP/s, above the 1.000" in why and "was low" in why
+    assert metrics.mfu(1e9, 1.036e3, raised) == pytest.approx(1.0)
+    assert hardware.peak_tflops("cpu", "bf16", native_bf16, 2, cache)[0] == 1.036  # the next run's peak
+    gpu = hardware.reached("cuda", "bf16", native_bf16, 2, cache, 2000.0, 989.0, "datasheet")
+    assert gpu == (989.0, "datasheet")  # a GPU's datasheet peak is not measured: above it is a counting bug

@@ -32,10 +32,14 @@ def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: h
     tokens_per_s = (s.measured_tokens or s.tokens) / measured if measured else None
     # One GPU per rank; on CPUs, the ranks of a machine share its cores: its peak at all their threads.
     threads = plan.threads if plan.device == "cuda" else plan.threads * world.local_size
-    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, threads,
-                                             models.cache_dir() / "peak_flops.json")
+    cache = models.cache_dir() / "peak_flops.json"
+    peak, peak_source = hardware.peak_tflops(plan.device, plan.precision, hw, threads, cache)
     if peak is not None:
-        peak *= world.size if plan.device == "cuda" else world.nodes
+        units = world.size if plan.device == "cuda" else world.nodes  # a GPU per rank; a CPU peak per machine
+        achieved = flops_per_token * tokens_per_s / 1e12 / units if tokens_per_s else None
+        peak, peak_source = hardware.reached(plan.device, plan.precision, hw, threads, cache, achieved, peak,
+                                             peak_source)
+        peak *= units
     return {
         "device": plan.device, "precision": plan.precision, "world_size": world.size,
         "steps": s.step, "samples": s.samples, "tokens": s.tokens,
