@@ -50,8 +50,7 @@ def test_a_run_name_from_the_page_is_never_a_path(tmp_path):
 TERMS_COUNTED = """
 import json, signal, sys, time
 from pathlib import Path
-out = Path(sys.argv[sys.argv.index("--output-dir") + 1])
-out.mkdir(parents=True, exist_ok=True)
+out = Path(sys.argv[1]).parent  # the run's directory: it is started on RUN/asked.yaml
 (out / "config.yaml").write_text("model: {name: tiny}\\n")
 got = []
 signal.signal(signal.SIGTERM, lambda *a: got.append(1))
@@ -153,6 +152,7 @@ def test_a_pid_file_counts_only_for_the_process_it_was_written_for(tmp_path):
 
 def test_resume_writes_where_the_run_is_and_a_moved_runs_config_is_refused(tmp_path):
     from tunebench.interfaces import cli
+    from tunebench.settings.finetune import load_config
 
     s = studio.Studio(tmp_path / "runs")
     s.program = [sys.executable, "-c", "import sys; print(sys.argv)"]
@@ -160,7 +160,8 @@ def test_resume_writes_where_the_run_is_and_a_moved_runs_config_is_refused(tmp_p
     (run / "checkpoints" / "step-2").mkdir(parents=True)
     (run / "config.yaml").write_text(f"output: {{output_dir: {tmp_path / 'runs' / 'latest'}}}\n")
     assert s.resume("renamed") == "renamed: starting" and s.wait("renamed", 30) == 0
-    assert f"'--output-dir', '{run}'" in s.log_tail("renamed")
+    resumed = load_config(str(run / "asked.yaml"))  # what the child started from: written where the run is
+    assert resumed.output.output_dir == str(run) and resumed.output.resume == "auto"
     assert cli.main(["train", str(run / "config.yaml"), "--resume", "auto", "--max-steps", "1"]) == 2
     assert not (tmp_path / "runs" / "latest").exists()
 

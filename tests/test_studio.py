@@ -17,6 +17,7 @@ needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
 from tunebench.interfaces.web import studio  # noqa: E402
 from tunebench.interfaces.web import studio_views as views
+from tunebench.settings.finetune import load_config
 
 ARTIFACTS = Path(os.environ.get("TUNEBENCH_ARTIFACTS", "test-artifacts")) / "studio"
 
@@ -68,8 +69,7 @@ def test_the_settings_table_says_what_was_asked_what_is_picked_and_what_will_be_
 FAKE_TRAIN = """
 import json, signal, sys, time
 from pathlib import Path
-out = Path(sys.argv[sys.argv.index("--output-dir") + 1]) if "--output-dir" in sys.argv else Path(sys.argv[1]).parent
-out.mkdir(parents=True, exist_ok=True)
+out = Path(sys.argv[1]).parent  # the run's directory: it is started on RUN/asked.yaml
 (out / "config.yaml").write_text("model: {name: tiny}\\n")
 stopped = []
 signal.signal(signal.SIGTERM, lambda *a: stopped.append(1))
@@ -118,7 +118,9 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     assert s.wait("second", 60) == 0 and s.state("second") == "finished"
     assert s.resume("first") == "first: starting"
     assert s.wait("first", 60) == 0 and s.state("first") == "finished"
-    assert "--resume auto" in s.log_tail("first")  # the run's own config.yaml, resumed as from a terminal
+    asked = load_config(str(runs / "first" / "asked.yaml"))  # the run's own config.yaml, resumed as from a terminal
+    assert asked.output.resume == "auto" and asked.output.output_dir == str(runs / "first")
+    assert f"$ tunebench train {runs / 'first' / 'asked.yaml'}" in s.log_tail("first")
     table = {r[0]: r for r in views.runs_table(s)}
     assert table["second"][1] == "finished" and table["second"][5] == "0.500"
     with pytest.raises(TunebenchError, match="has finished"):
@@ -155,8 +157,9 @@ def test_dpo_from_votes_queues_a_dpo_run_on_the_votes_from_the_runs_base(tmp_pat
     said = views.dpo_from_votes(s, "tuned", db)
     name = said.split(":")[0]
     assert name.startswith("tuned-dpo-") and s.wait(name, 30) == 0
-    logged = s.log_tail(name)
-    assert f"--data {db} --model {runs / 'tuned'} --method dpo" in logged
+    asked = load_config(str(runs / name / "asked.yaml"))  # what the child started from: values, not an argv
+    assert (asked.data.path, asked.model.name, asked.adapter.method) == (str(db), str(runs / "tuned"), "lora")
+    assert asked.adapter.objective == "dpo" and str(runs / name / "asked.yaml") in s.log_tail(name)
 
 
 @pytest.fixture(scope="module")

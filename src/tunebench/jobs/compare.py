@@ -18,7 +18,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -27,7 +26,7 @@ from typing import Any
 
 from tunebench.core.durable import repair_tail
 from tunebench.core.errors import TunebenchError
-from tunebench.jobs import sizing
+from tunebench.jobs import children, sizing
 from tunebench.model import quality
 from tunebench.settings.finetune import load_config, read_yaml, shipped_yaml
 from tunebench.settings.rundir import RunDir
@@ -380,16 +379,6 @@ def load_job_config(job: str, config: str | None, settings: dict[str, Any], npro
     return pretrain_config.load(config, settings, world_size=nproc)
 
 
-def write_job_config(job: str, cfg, path: Path) -> None:
-    """The resolved configuration as the YAML file a child run loads: values, not retyped strings, so
-    what it runs is what was asked (a test round-trips the awkward ones)."""
-    if job == "train":
-        from tunebench.settings.finetune import dump_yaml
-    else:
-        from tunebench.settings.pretrain import dump_yaml
-    dump_yaml(cfg, path)
-
-
 def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None = None, nproc: int = 1,
           config: str | None = None) -> subprocess.Popen:
     """Start one `tunebench train|pretrain` run in its own process (`launch` for several ranks), its
@@ -404,39 +393,11 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
     if any((run_dir / "checkpoints").glob("step-*")):  # an interrupted attempt: go on from its checkpoint
         settings[keys["resume"]] = "auto"  # (one made with other settings is replaced: overwrite is asked too)
     cfg = load_job_config(job, config, settings, nproc)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    asked = run_dir / "asked.yaml"
-    write_job_config(job, cfg, asked)
-    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
-    argv = [sys.executable, "-m", "tunebench", *launch, job, str(asked)]
-    with (run_dir / "log.txt").open("w") as log, (run_dir / "stderr.txt").open("w") as err:
-        return subprocess.Popen(argv, stdout=log, stderr=err, text=True, start_new_session=True,
-                                preexec_fn=_die_with_parent(os.getpid()))
+    (run_dir / "log.txt").unlink(missing_ok=True)  # this attempt's output alone
+    return children.start(job, cfg, run_dir, log=run_dir / "log.txt", err=run_dir / "stderr.txt", nproc=nproc)
 
 
-def _die_with_parent(parent: int):
-    """A child's start: SIGTERM when the process that started it dies, even by kill -9, so no run outlives
-    its compare or tune (startup.die_with_parent)."""
-    from tunebench.core.startup import die_with_parent
-
-    return lambda: die_with_parent(parent) and None
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
-    """End a run started by `start`, with its whole process group (launch's ranks too): SIGTERM, which
-    saves a checkpoint, then SIGKILL if it has not ended after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+stop = children.stop
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]:

@@ -24,10 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tunebench.core import runlock
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
+from tunebench.jobs import children
 from tunebench.settings import finetune as finetune_settings
 from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL
 from tunebench.settings.rundir import RunDir
@@ -174,7 +176,7 @@ def check(ask: Ask, runs_dir: Path):
     if ask.max_steps is not None and ask.epochs is not None:
         raise TunebenchError("give steps or epochs, not both")
     try:
-        args = build_parser().parse_args(["train", *ask.argv(runs_dir)])
+        args = build_parser().parse_args(["train", *ask.argv(runs_dir), "--no-progress"])
     except SystemExit:  # argparse has printed its usage line to stderr
         raise TunebenchError(f"these settings are not a valid `tunebench train` call: {shlex.join(ask.argv(runs_dir))}"
                              ) from None
@@ -213,7 +215,7 @@ def settings_rows(ask: Ask, cfg) -> list[list[str]]:
 @dataclass
 class Job:
     name: str
-    argv: list[str]
+    cfg: Any  # the run's whole configuration, checked: the child starts from it written as RUN/asked.yaml
     log: Path
     owner: str = "local"  # who queued it (interfaces/web/models.client_of): they or an admin may stop it
     process: subprocess.Popen | None = None
@@ -279,8 +281,7 @@ class Studio:
         if self.state(ask.name) in ("queued", "running", "stopping"):  # not on disk yet when only queued
             raise TunebenchError(f"a run named {ask.name!r} is already {self.state(ask.name)}; pick another name")
         self.check_model(ask.model)
-        check(ask, self.runs_dir)
-        return self._enqueue(Job(ask.name, ask.argv(self.runs_dir), self.logs / f"{ask.name}.log", client))
+        return self._enqueue(Job(ask.name, check(ask, self.runs_dir), self.logs / f"{ask.name}.log", client))
 
     def resume(self, name: str, client: str = "local") -> str:
         run = self._run(name)
@@ -292,8 +293,11 @@ class Studio:
         self._may(client, owner, name, "resume")
         # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal,
         # written where the run is (its config's output_dir may name where it was before a rename)
-        return self._enqueue(Job(name, [str(RunDir(run).config_file), "--resume", "auto", "--output-dir", str(run)],
-                                 self.logs / f"{name}.log", owner or client))
+        from tunebench.settings.finetune import load_config
+
+        cfg = load_config(RunDir(run).config_file, options={"output.resume": "auto", "output.output_dir": str(run),
+                                                             "logging.progress": False})
+        return self._enqueue(Job(name, cfg, self.logs / f"{name}.log", owner or client))
 
     def stop(self, name: str, client: str = "local") -> str:
         """SIGTERM to a running run (it saves a checkpoint, which Resume continues from), once: a second click
@@ -361,22 +365,21 @@ class Studio:
                 self.current = job = None
             if job is None and self.queue and not self.left_running():
                 job = self.current = self.queue.pop(0)
-                with open(job.log, "ab") as log:
-                    log.write(f"\n$ tunebench train {shlex.join(job.argv)}\n".encode())
-                    log.flush()
-                    try:
-                        job.process = subprocess.Popen(
-                            [*self.program, *job.argv, "--no-progress"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True,  # a Ctrl-C to the server does not reach the run
-                            env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV},
-                                 "PYTHONUNBUFFERED": "1"})
-                    except OSError as e:  # recorded as failed, with its reason in its log; the queue goes on
-                        log.write(f"could not start the run: {e}\n".encode())
-                        self.finished[job.name] = 127
-                        self.current = None
-                        self._wake.set()
-                        return
+                run = self.runs_dir / job.name
+                with open(job.log, "a") as log:
+                    log.write(f"\n$ tunebench train {run / 'asked.yaml'}\n")
+                try:  # compare's runner: a session of its own (a Ctrl-C to the server does not reach the run),
+                    # and it outlives a restarted server, which finds it by its pid file
+                    job.process = children.start(
+                        "train", job.cfg, run, log=job.log, program=self.program, outlive_parent=True,
+                        env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, "PYTHONUNBUFFERED": "1"})
+                except OSError as e:  # recorded as failed, with its reason in its log; the queue goes on
+                    with open(job.log, "a") as log:
+                        log.write(f"could not start the run: {e}\n")
+                    self.finished[job.name] = 127
+                    self.current = None
+                    self._wake.set()
+                    return
                 self._write_pidfile(job.name, {"pid": job.process.pid, "start": runlock.process_start(
                     job.process.pid), "owner": job.owner})
 

@@ -1,0 +1,59 @@
+"""Training children: one `tunebench train|pretrain` run in a process of its own, started from its whole
+configuration written as RUN_DIR/asked.yaml (values, never a retyped argv), in a process group of its own that
+`stop` ends. The one runner compare, tune and the studio start their runs through."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tunebench.core.startup import die_with_parent
+
+
+def write_config(job: str, cfg, path: Path) -> None:
+    """The resolved configuration as the YAML file a child run loads: values, not retyped strings, so what it
+    runs is what was asked (a test round-trips the awkward ones)."""
+    if job == "train":
+        from tunebench.settings.finetune import dump_yaml
+    else:
+        from tunebench.settings.pretrain import dump_yaml
+    dump_yaml(cfg, path)
+
+
+def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, nproc: int = 1,
+          program: list[str] | None = None, env: dict[str, str] | None = None,
+          outlive_parent: bool = False) -> subprocess.Popen:
+    """`program` (default `tunebench JOB`, through `tunebench launch` for several ranks) on run_dir/asked.yaml,
+    written here from `cfg`. Its output is appended to `log` (its errors to `err`, else the same file); it runs
+    in a session of its own, so a Ctrl-C to the parent does not reach it; unless `outlive_parent`, it gets
+    SIGTERM (it checkpoints and stops) when the process that started it dies, even by kill -9."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    asked = run_dir / "asked.yaml"
+    write_config(job, cfg, asked)
+    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
+    argv = [*(program or [sys.executable, "-m", "tunebench", *launch, job]), str(asked)]
+    parent = os.getpid()
+    with log.open("a") as out, (err.open("w") if err else open(os.devnull)) as errors:
+        return subprocess.Popen(argv, stdout=out, stderr=errors if err else subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                preexec_fn=None if outlive_parent else lambda: die_with_parent(parent) and None)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """End a run started by `start`, with its whole process group (launch's ranks too): SIGTERM, which saves a
+    checkpoint, then SIGKILL if it has not ended after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
