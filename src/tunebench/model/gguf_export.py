@@ -38,6 +38,11 @@ CONVERTED = {"mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "gemm
              "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3"}
 
 
+# Of those, the ones whose converter reads a SentencePiece tokenizer.model only: a BPE tokenizer without one stops it
+# with "File not found: .../tokenizer.model" (seen with llama-cpp-python's converter; Gemma 3 takes BPE too).
+SENTENCEPIECE_ONLY = ("gemma2", "phi3")
+
+
 OWN_CONFIG = ("gpt2", "qwen3")  # read_back: shapes transformers' GGUF reader does not take from the file
 
 

@@ -84,10 +84,13 @@ def convert(hf_dir: Path, out: Path, outtype: str) -> None:
     if done.returncode != 0 or not out.is_file():
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         tail = lines[-1] if lines else "no output"
-        hint = ("; its tokenizer is not one llama.cpp knows (the converter recognises a BPE tokenizer by hashing "
-                "its output): train with the family's own tokenizer") if "pre-tokenizer was not recognized" in \
-            done.stderr else ""
-        raise TunebenchError(f"llama.cpp's converter refused the model: {tail}{hint}", exit_code=1)
+        if "pre-tokenizer was not recognized" in done.stderr:
+            tail += ("; its tokenizer is not one llama.cpp knows (the converter recognises a BPE tokenizer by "
+                     "hashing its output): train with the family's own tokenizer")
+        elif "tokenizer.model" in tail:  # not the temporary directory's path: what it needs, and what to do
+            tail = ("this family's converter reads a SentencePiece tokenizer.model, and the model's tokenizer has "
+                    "none: export with --format hf, or fine-tune a base that ships the family's own tokenizer.model")
+        raise TunebenchError(f"llama.cpp's converter refused the model: {tail}", exit_code=1)
 
 
 def quantize(src: Path, dst: Path, quant: str, threads: int | None = None) -> list[str]:
