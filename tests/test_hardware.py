@@ -631,3 +631,22 @@ def test_a_run_above_the_measured_cpu_peak_raises_it_and_mfu_stays_at_most_one(t
     assert hardware.peak_tflops("cpu", "bf16", native_bf16, 2, cache)[0] == 1.036  # the next run's peak
     gpu = hardware.reached("cuda", "bf16", native_bf16, 2, cache, 2000.0, 989.0, "datasheet")
     assert gpu == (989.0, "datasheet")  # a GPU's datasheet peak is not measured: above it is a counting bug
+
+
+def test_checkpointing_asked_for_is_not_cached_as_one_the_probe_needed():
+    """The batch probe's cache records checkpointing that the measurements turned on; one the user asked for is
+    the run's own row ("asked for"), and a cached run must not add a second one saying micro batch 1 did not fit."""
+    from tunebench.model import models
+    from tunebench.training.tune import batch
+    from tunebench.training.tune.probe import enable_checkpointing
+
+    def step(size):
+        return 100.0 * size, 1000.0 + size
+
+    cpu = torch.device("cpu")
+    shape = dataclasses.replace(_shape("asked-on"), gradient_checkpointing="on")
+    for _ in range(2):  # measured, then from the cache
+        step.model = models.resolve("tiny").model
+        enable_checkpointing(step.model)  # as runplan.measure does when it is asked for
+        micro, rows, _ = batch.micro_batch(step, shape, 4, 100, 256, cpu)
+        assert micro == 4 and [r[0] for r in rows] == ["micro_batch_size"], rows

@@ -136,10 +136,11 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
                 f"no micro batch fits in memory at --max-length {max_length}; lower --max-length, "
                 "use --quantization 4bit, or --gradient-checkpointing on"
             )
-        # Whether the chosen size needed recomputation, this probe's finding or the attention pick's (which
-        # turns it on before this probe when one row fits no kernel): a cached run turns it on again.
+        # Whether the measurements needed recomputation, this probe's finding or the attention pick's (which turns
+        # it on before this probe when one row fits no kernel), so that a cached run turns it on again; never
+        # checkpointing the user asked for, which is the run's own "asked for" row.
         store(key, {"result": result.to_dict(),
-                    "gradient_checkpointing": bool(rows) or checkpointing_on(step.model)})
+                    "gradient_checkpointing": shape.gradient_checkpointing == "auto" and checkpointing_on(step.model)})
     print(f"batch-size probe ({source}):\n{format_table(result)}")
     rows.insert(0, Row("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
     speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)
