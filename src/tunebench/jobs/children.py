@@ -4,6 +4,7 @@ configuration written as RUN_DIR/asked.yaml (values, never a retyped argv), in a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,8 +37,8 @@ def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, n
     launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
     argv = [*(program or [sys.executable, "-m", "tunebench", *launch, job]), str(asked)]
     parent = os.getpid()
-    with log.open("a") as out, (err.open("w") if err else open(os.devnull)) as errors:
-        return subprocess.Popen(argv, stdout=out, stderr=errors if err else subprocess.STDOUT, text=True,
+    with log.open("a") as out, (err.open("w") if err else contextlib.nullcontext()) as errors:
+        return subprocess.Popen(argv, stdout=out, stderr=errors or subprocess.STDOUT, text=True,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                 preexec_fn=None if outlive_parent else lambda: die_with_parent(parent) and None)
 

@@ -332,7 +332,7 @@ def _run_all(todo, base: dict[str, Any], runs_dir: str, results: Path, elapsed: 
         try:
             proc.wait()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run checkpoints and stops with us
-            stop(proc)
+            children.stop(proc)
             raise TunebenchError(f"interrupted: {exp.name} stopped with a checkpoint in {run_dir}; rerun the same "
                                  "command to go on from it, then with the experiments not yet in the results", 130) from None
         elapsed.append(time.perf_counter() - t0)
@@ -383,7 +383,7 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
           config: str | None = None) -> subprocess.Popen:
     """Start one `tunebench train|pretrain` run in its own process (`launch` for several ranks), its
     output in run_dir/log.txt. The child gets its whole configuration as a file (run_dir/asked.yaml),
-    runs in a process group of its own that `stop` ends, and is sent SIGTERM (it checkpoints and stops)
+    runs in a process group of its own that `children.stop` ends, and is sent SIGTERM (it checkpoints and stops)
     if this process dies first. A rerun goes on from the checkpoint an interrupted attempt left in run_dir, and
     replaces what an attempt with other settings left."""
     keys = RUN_KEYS
@@ -396,8 +396,6 @@ def start(job: str, settings: dict[str, Any], run_dir: Path, device: str | None 
     (run_dir / "log.txt").unlink(missing_ok=True)  # this attempt's output alone
     return children.start(job, cfg, run_dir, log=run_dir / "log.txt", err=run_dir / "stderr.txt", nproc=nproc)
 
-
-stop = children.stop
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import yaml
 
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
-from tunebench.jobs import compare
+from tunebench.jobs import children, compare
 from tunebench.model import quality
 from tunebench.settings.finetune import read_yaml, shipped_yaml
 from tunebench.settings.rundir import RunDir
@@ -306,7 +306,7 @@ def _follow(proc, trial, run_dir: Path, report: bool = True) -> tuple[int, tuple
                 continue
             trial.report(loss, index)
             if trial.should_prune():
-                compare.stop(proc)
+                children.stop(proc)
                 return seen, (index, loss)
     return seen, None
 
@@ -343,7 +343,7 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
             seen, pruned_at = _follow(proc, trial, run_dir, objective == "eval_loss")
     except BaseException as e:  # the trial's process never outlives the search, and the trial never stays RUNNING
         if proc is not None:
-            compare.stop(proc)  # it stops with a checkpoint
+            children.stop(proc)  # it stops with a checkpoint
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C or SIGTERM: not counted; its choices run next time
             trial.set_user_attr("interrupted", True)
             study.enqueue_trial(trial.params)

@@ -468,6 +468,13 @@ def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float
     return float(peak)
 
 
+def cpu_math_dtype(precision: str, hw: Hardware) -> str:
+    """The units a CPU does `precision`'s matmuls on, whose peak MFU is against: native 16-bit units have their
+    own; emulated 16-bit math runs on the fp32 units, whose peak is the roofline then (measuring the emulated
+    matmul instead put a QLoRA fp16 run at an MFU of 103%)."""
+    return precision if cpu_native(precision, hw) else "fp32"
+
+
 def _cpu_peak_key(dtype: str, hw: Hardware, threads: int) -> str:
     return f"{hw.cpu_model}|{','.join(sorted(hw.cpu_flags & set(CPU_FEATURES)))}|{threads}|" \
            f"{hw.versions.get('torch')}|{dtype}|roofline"  # |roofline: not the 3-size figure of earlier releases
@@ -483,7 +490,7 @@ def reached(device: str, precision: str, hw: Hardware, threads: int, cache_file,
         return peak, source
     from tunebench.core.jsonfile import update_json
 
-    update_json(cache_file, _cpu_peak_key(precision if cpu_native(precision, hw) else "fp32", hw, threads), achieved)
+    update_json(cache_file, _cpu_peak_key(cpu_math_dtype(precision, hw), hw, threads), achieved)
     return achieved, (f"this run's own {achieved:.3f} TFLOP/s, above the {peak:.3f} of the peak it was measured "
                       f"against ({source}), which was low: now this CPU's recorded peak")
 
@@ -496,9 +503,7 @@ def peak_tflops(device: str, precision: str, hw: Hardware, threads: int, cache_f
         peak = gpu_peak_tflops(gpu.name, dtype)
         return peak, f"{gpu.name} {dtype} datasheet peak" if peak else f"{gpu.name} is not in the peak table"
     if device == "cpu":
-        # Native 16-bit units have their own peak; emulated 16-bit math runs on the fp32 units, whose peak is the
-        # roofline then (measuring the emulated matmul instead put a QLoRA fp16 run at an MFU of 103%).
-        dtype = precision if cpu_native(precision, hw) else "fp32"
+        dtype = cpu_math_dtype(precision, hw)
         measured = cpu_peak_tflops(dtype, hw, threads, cache_file)
         limit, how = fma_limit_tflops(dtype, hw, threads)
         if limit and limit >= measured:

@@ -284,7 +284,7 @@ class Studio:
         return self._enqueue(Job(ask.name, check(ask, self.runs_dir), self.logs / f"{ask.name}.log", client))
 
     def resume(self, name: str, client: str = "local") -> str:
-        run = self._run(name)
+        run = self.run_path(name)
         if self.state(name).startswith(("running", "queued", "stopping")):
             raise TunebenchError(f"run {name!r} is {self.state(name)}; resume it once it has stopped")
         if RunDir(run).summary_file.is_file():
@@ -464,7 +464,8 @@ class Studio:
             return ""
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
-    def _run(self, name: str) -> Path:
+    def run_path(self, name: str) -> Path:
+        """The directory of the run a page names: a plain name of a run under the runs directory, else refused."""
         if not NAME.match(name if isinstance(name, str) else "") or not (self.runs_dir / name).is_dir():
             raise TunebenchError(f"no run named {str(name)[:80]!r} in {self.runs_dir}; pick one from the list")
         return self.runs_dir / name

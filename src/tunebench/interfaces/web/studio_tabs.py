@@ -204,7 +204,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
 
         def served(run) -> tuple[str, str]:
             """(the run's label, its base's) in the served models, added when missing."""
-            run_dir = str(studio._run(run))
+            run_dir = str(studio.run_path(run))
             if studio.state(run) != "finished":
                 raise TunebenchError(f"run {run!r} is {studio.state(run)}; chat with or compare a finished run")
             label = registry.add(entries([], [run_dir])[0])

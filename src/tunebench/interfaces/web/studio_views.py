@@ -112,7 +112,7 @@ def report_html(studio: Studio, name: str) -> str:
     from what the run has logged so far, as the body of its self-contained report.html."""
     from tunebench.jobs import run_report
 
-    run = studio._run(name)
+    run = studio.run_path(name)
     if not RunDir(run).metrics_file.is_file():
         return f"<p>{html.escape(name)} has logged nothing yet ({html.escape(studio.state(name))}).</p>"
     page = run_report.write(run).read_text(encoding="utf-8")
@@ -123,7 +123,7 @@ def report_html(studio: Studio, name: str) -> str:
 def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     """`tunebench export` of a finished run, as a child process (the server stays light); the written path, or
     the export's own one-line error."""
-    run = studio._run(name)
+    run = studio.run_path(name)
     if fmt not in EXPORT_FORMATS:
         raise TunebenchError(f"format {fmt!r}: pick one of {', '.join(EXPORT_FORMATS)}")
     if studio.state(name) != "finished":
@@ -147,7 +147,7 @@ def dpo_from_votes(studio: Studio, name: str, db: Path, client: str = "local") -
     """A DPO run on the A/B store's votes, from this run's base model, queued like any other run."""
     from tunebench.data import pairs
 
-    run = studio._run(name)
+    run = studio.run_path(name)
     if not db.is_file() or not len(pairs.from_store(str(db))):
         raise TunebenchError("no A or B votes yet: vote on the A/B tab first (ties and \"both bad\" give DPO no pair)")
     base = RunDir(run).base_model() if RunDir(run).kind() == "adapter" else str(run)
