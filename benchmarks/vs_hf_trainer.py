@@ -241,21 +241,15 @@ def worker_sweep(args) -> dict:
 
 
 def trace(step, device, stem: str) -> None:
-    """One more `step` under torch.profiler: STEM.json.gz (a Chrome trace, for chrome://tracing or Perfetto)
-    and STEM.txt (the 25 costliest operators by device time, then by CPU time)."""
-    import gzip
-
+    """One more `step` under torch.profiler: STEM.json.gz (a Chrome trace, for chrome://tracing or Perfetto;
+    torch gzips it for the suffix) and STEM.txt (the 25 costliest operators, by GPU time on a GPU, else CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
         step()
         harness.sync(device)
-    raw = Path(f"{stem}.json")
-    prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as src, gzip.open(f"{stem}.json.gz", "wb") as dst:
-        dst.write(src.read())
-    raw.unlink()
+    prof.export_chrome_trace(f"{stem}.json.gz")
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     Path(f"{stem}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=25))
 
