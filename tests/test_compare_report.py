@@ -38,6 +38,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, dataset, capsys):
     matrix = _matrix(tmp_path, dataset, "  - {name: broken, set: {model.name: ./no/such/model}}\n")
     out = tmp_path / "results.csv"
@@ -78,6 +79,7 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     assert len(_rows(out)) == 5
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_compare_reports_task_metrics_for_each_precision(tmp_path, dataset):
     """compare's children, one per 16-bit precision forced (emulated where the CPU lacks it), each scored on
     its held-out rows (the other tests' matrix forces fp32)."""
@@ -112,6 +114,7 @@ def test_matrix_is_checked_before_anything_runs(tmp_path, dataset):
         assert any(e.name == "auto" for e in experiments)
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
     grid = tmp_path / "grid.yaml"
     grid.write_text("grid:\n  train.micro_batch_size: [2]\n  nproc: [1, 2]\n"
@@ -141,6 +144,7 @@ def test_number_of_processes_is_a_matrix_dimension(tmp_path, dataset):
     assert row["processes"] == "2" and row["effective_batch"] == "8"  # --grad-accum 2 as asked, x 2 ranks
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_foreign_csv_is_not_appended_to(tmp_path, dataset):
     other = tmp_path / "other.csv"
     other.write_text("a,b\n1,2\n")

@@ -107,6 +107,7 @@ def test_quantization_belongs_to_qlora_only():
         load_config(options={"adapter.method": "adalora"})
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_the_shipped_methods_matrix_runs_and_reports(tmp_path, dataset):
     """Every method of `tunebench compare --matrix methods` trains (the tiny model stands in for SmolLM2),
     on the same rows and steps, and the report shows each method's trainable parameters."""

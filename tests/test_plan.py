@@ -77,6 +77,7 @@ def _child_configs(runs):
     return {p.parent.name: yaml.safe_load(p.read_text()) for p in runs.glob("*/config.yaml")}
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
     """Through the real compare: each child's saved config.yaml equals what the matrix said, strings with
     `:`, `#`, `{}`, quotes and newlines, a path with spaces, on/off, null and 1e-4 included; and a grid of
@@ -111,6 +112,7 @@ def test_compare_runs_what_the_matrix_says(tmp_path, dataset):
         assert [d["value"] for d in plan["decisions"] if d["setting"] == "gradient_checkpointing"] == value, name
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_tune_runs_what_the_space_chose(tmp_path, dataset):
     template = "Q: {instruction} #1\n'A':"
     space = tmp_path / "space.yaml"
@@ -405,6 +407,7 @@ def test_a_killed_compare_takes_its_training_child_with_it(tmp_path, dataset, si
         assert parent.returncode == 130 and "rerun the same command" in parent.stderr.read()
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_a_stale_trial_is_marked_failed_and_its_choices_run_again(tmp_path, dataset, monkeypatch):
     """What a tune killed with -9 leaves: a RUNNING trial whose heartbeat stopped. The next search
     marks it failed (not counted), runs its choices first, and leaves no trial RUNNING."""

@@ -198,6 +198,7 @@ def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
     assert "No A or B votes yet" in train_on_votes(only_ties)
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_tune_searches_beta_by_the_held_out_reward_accuracy(tmp_path, capsys):
     from tunebench.jobs import search
 

@@ -44,6 +44,7 @@ def test_rows_follow_the_measured_speed_and_the_floor(tmp_path, monkeypatch, dat
     assert small.max_samples == 40 and "all 40 rows of the data fit" in small.reason
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_compare_sizes_every_run_alike_and_resumes_with_the_same_rows(tmp_path, monkeypatch, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(ROWS[i % len(ROWS)]) + "\n" for i in range(80)))

@@ -98,6 +98,7 @@ def _matrix(tmp_path, dataset):
     return m
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_a_run_draws_its_own_picture(tmp_path, dataset, capsys):
     """tunebench report RUN_DIR: loss, lr, tokens/s, CPU and memory charts, the memory report, the settings
     with reasons and the summary; compare writes one per run and links it from its own report."""

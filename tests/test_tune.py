@@ -81,6 +81,7 @@ def figure(row: dict, key: str) -> float:
     return float(row[key])
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_trial(tmp_path, dataset):
     space = _space(tmp_path, "train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}\ntrain.effective_batch_size: [2, 4]\n")
     out = tmp_path / "tune"
@@ -127,6 +128,7 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
         search.run(search.Search("train", None, overrides, _space(tmp_path, "train.lr: [0.001, 0.002]\n"), 2, str(out)))
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_a_crashing_trial_is_recorded_as_failed_and_the_search_goes_on(tmp_path, dataset, capsys):
     out = tmp_path / "tune"
     base = dict(_base(dataset), **{"model.name": str(tmp_path / "no-such-model")})
@@ -170,6 +172,7 @@ def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
     assert search.evals_of(run, seen) == ([(3, 2.0)], 5)
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
     from tunebench.jobs import pretrain, tokenizer
     from tunebench.settings import pretrain as pretrain_config
@@ -193,6 +196,7 @@ def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
     assert pretrain.run(cfg)["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-4)
 
 
+@pytest.mark.usefixtures("children_in_process")
 def test_a_task_metric_objective_is_maximized_over_the_trials_answers(tmp_path, dataset, capsys):
     space = _space(tmp_path, "train.lr: [0.001, 0.01]\n")
     out = tmp_path / "tune"
