@@ -23,9 +23,24 @@ def tb(*args, check=True):
     return proc
 
 
+def tb_here(*args, check=True):
+    """`tunebench ARGS` through cli.main in this process (what it prints, captured): for the round trips whose
+    subject is the jobs, not the process; `tb` above starts the real command where the process is the point."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([str(a) for a in args])
+    proc = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"exit {code}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
 def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
     out = tmp_path / "run"
-    proc = tb("train", "--model", "tiny", "--data", dataset, "--output-dir", out, "--max-length", 256,
+    proc = tb_here("train", "--model", "tiny", "--data", dataset, "--output-dir", out, "--max-length", 256,
               "--batch-size", 2, "--max-steps", 4, "--eval-steps", 2, "--no-progress", "train.seed=3")
     assert "trainable parameters: 3,584" in proc.stdout
     assert re.search(r"precision\s+\w+\s+\S", proc.stdout) and re.search(r"grad_accum_steps\s+4\s", proc.stdout)
@@ -63,7 +78,7 @@ def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
         expected.step()
     assert len({r["lr"] for r in train_rows}) > 1  # it moves
     # the machine in the run's plan.json is what `tunebench hw --json` reports
-    record = json.loads(tb("hw", "--json").stdout)
+    record = json.loads(tb_here("hw", "--json").stdout)
     ran, now = json.loads((out / "plan.json").read_text())["hardware"], record["hardware"]
     moving = {"ram_available_mb", "cpu_mhz"}  # read at that moment: they move between two processes
     assert {k: v for k, v in ran.items() if k not in moving} == {k: v for k, v in now.items() if k not in moving}
@@ -77,12 +92,12 @@ def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
     PeftModel.from_pretrained(models.resolve("tiny").model, str(out))  # the adapter is standard PEFT
 
     merged = tmp_path / "merged"
-    tb("merge", "--adapter", out, "--output-dir", merged)
+    tb_here("merge", "--adapter", out, "--output-dir", merged)
     assert (merged / "model.safetensors").is_file() and (merged / "config.json").is_file()
     greedy = ("--prompt", "hi", "--max-new-tokens", 8, "--raw", "--precision", "fp32")  # bf16 would round apart
-    assert tb("generate", "--adapter", out, *greedy).stdout == tb("generate", "--model", merged, *greedy).stdout
-    ev = json.loads(tb("eval", "--model", merged, "--data", dataset, "--max-length", 256).stdout)
-    ev_adapter = json.loads(tb("eval", "--adapter", out, "--data", dataset, "--max-length", 256).stdout)
+    assert tb_here("generate", "--adapter", out, *greedy).stdout == tb_here("generate", "--model", merged, *greedy).stdout
+    ev = json.loads(tb_here("eval", "--model", merged, "--data", dataset, "--max-length", 256).stdout)
+    ev_adapter = json.loads(tb_here("eval", "--adapter", out, "--data", dataset, "--max-length", 256).stdout)
     assert ev["rows"] == 12 and ev["eval_loss"] == pytest.approx(ev_adapter["eval_loss"], rel=1e-4)
 
 
@@ -90,7 +105,7 @@ def test_study_flags_yaml_and_qlora(tmp_path, dataset):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("train:\n  lr: 1e-3\n  progress: false\ndata:\n  eval_fraction: 0.25\n")
     out = tmp_path / "study"
-    tb("train", cfg, "--model_name", "tiny", "--data", dataset, "--num_epochs", 1, "--batch_size", 2,
+    tb_here("train", cfg, "--model_name", "tiny", "--data", dataset, "--num_epochs", 1, "--batch_size", 2,
        "--gradient_accumulation_steps", 2, "--max_length", 256, "--output_dir", out, "--use_4bit",
        "--save_steps", 2)
     saved = (out / "config.yaml").read_text()

@@ -1,5 +1,6 @@
 """Several processes on torch.distributed (gloo, on this CPU): each test launches real ranks through
-torchrun or `tunebench launch` and compares them with one process at the same global batch.
+torchrun or `tunebench launch` and compares them with one process at the same global batch (run in the test's
+own process).
 
 fp32, dropout 0, fixed kernels, so 2 ranks x micro batch 2 and 1 process x micro batch 4 compute the
 same sums in a different order: losses and weights agree to float rounding, not bit for bit.
@@ -43,10 +44,11 @@ def _env():
 
 
 def _tunebench(args, nproc=1, check=True, torchrun=False, timeout=300):
-    """Run `tunebench ARGS` in 1 process, or on `nproc` ranks through tunebench launch (or torchrun itself)."""
+    """Run `tunebench ARGS` on `nproc` ranks through tunebench launch (or torchrun itself), or, as the one process
+    the ranks are compared with, through cli.main in this process (a new Python would only add its start-up)."""
     if nproc == 1:
-        cmd = [sys.executable, "-m", "tunebench", *args]
-    elif torchrun:
+        return _here(args, check)
+    if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "tunebench", *args]
     else:
@@ -55,6 +57,20 @@ def _tunebench(args, nproc=1, check=True, torchrun=False, timeout=300):
     if check and done.returncode != 0:
         raise AssertionError(f"exit {done.returncode}\nstderr: {done.stderr[-6000:]}\nstdout: {done.stdout[-2000:]}")
     return done
+
+
+def _here(args, check):
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from tunebench.interfaces import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = cli.main([str(a) for a in args])
+    if check and code != 0:
+        raise AssertionError(f"exit {code}\nstderr: {err.getvalue()[-6000:]}\nstdout: {out.getvalue()[-2000:]}")
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 _losses, _weights = run_losses, run_weights
