@@ -145,10 +145,6 @@ def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None
         raise TunebenchError(f"--lm-eval-limit must be 1 or more, got {limit}")
     if include and not Path(include).is_dir():
         raise TunebenchError(f"--lm-eval-include '{include}' is not a directory of task YAMLs")
-    placed = inference.load(model, adapter, None, allow_download, device, precision)
-    if adapter:
-        placed.model = placed.model.merge_and_unload()
-
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -157,11 +153,16 @@ def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None
         for task in LM_EVAL_TASKS.glob("*.yaml"):  # the local tasks, with the data file filled in
             text = task.read_text().replace("DATA_FILE", json.dumps(str(Path(data).resolve())) if data else "null")
             (Path(tmp) / task.name).write_text(text)
-        manager = TaskManager(include_path=[tmp] + ([include] if include else []))
+        # lm-eval's own ~15,000 task YAMLs take seconds to index: read only where a task may be one of them
+        manager = TaskManager(include_path=[tmp] + ([include] if include else []),
+                              include_defaults=bool(include) or not set(names) <= local)
         unknown = [n for n in names if n not in manager.all_tasks]
-        if unknown:
+        if unknown:  # before the model loads
             raise TunebenchError(f"lm-eval knows no task {', '.join(unknown)}; tunebench's local ones: "
                                  f"{', '.join(sorted(local))}; or pass --lm-eval-include DIR with your task YAMLs")
+        placed = inference.load(model, adapter, None, allow_download, device, precision)
+        if adapter:
+            placed.model = placed.model.merge_and_unload()
         with placed.running():  # lm-eval calls the model in this thread: under the run's autocast
             lm = HFLM(pretrained=placed.model, tokenizer=placed.tokenizer, batch_size=batch_size,
                       device=str(placed.device))
