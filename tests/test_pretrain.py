@@ -1,5 +1,4 @@
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -257,15 +256,17 @@ def test_pretrained_output_loads_generates_and_fine_tunes(tmp_path, corpus, char
     assert summary["steps"] == 1 and (tmp_path / "ft" / "adapter_model.safetensors").is_file()
 
 
-def test_cli_pretrain_refuses_bad_input_in_one_line(tmp_path):
-    env = dict(os.environ, TUNEBENCH_CACHE=str(tmp_path / "cache"))
+def test_cli_pretrain_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    from tunebench.interfaces.cli import main
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
     for args, message in ((["cpu_small_model", "--data", str(tmp_path / "missing.txt")], "data file"),
                           (["no_such_config"], "neither a YAML file nor a shipped config"),
                           (["cpu_small_model", "data.dataset_name=someone/no-such-set"], "pass a local file")):
-        r = subprocess.run([sys.executable, "-m", "tunebench", "pretrain", *args, "--output-dir", str(tmp_path / "o")],
-                           capture_output=True, text=True, env=env, timeout=120)
-        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1
+        assert main(["pretrain", *args, "--output-dir", str(tmp_path / "o")]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1
 
 
 def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_path, corpus, char_tok):
