@@ -257,33 +257,105 @@ def _tool_rows(n: int) -> list[dict]:
         {"role": "assistant", "content": f"It is sunny in city {i}."}], "tools": tools} for i in range(n)]
 
 
-@pytest.mark.parametrize("case", ["openai-tools", "tool-calls-alone", "sharegpt-function", "reasoning", "thinking"])
-def test_tool_calls_and_reasoning_are_refused_not_trained_half_rendered(tmp_path, capsys, case):
-    """Tool calls, tool results, tool definitions and reasoning traces were dropped on the way to the text (the
-    tool-call turn trained as an empty reply, the trace vanished) and the run exited 0: such rows are refused, in
-    one line naming what the row carries, before a model loads, by train and prepare alike."""
-    from tunebench.interfaces import cli
+def _pieces(row, tok, **data):
+    from tunebench.data import tokenize
 
-    rows = _tool_rows(48)
-    if case == "tool-calls-alone":  # no tools list and no tool turn: the call itself is the loss
-        rows = [{"messages": r["messages"][1:3]} for r in rows]
-    elif case == "sharegpt-function":
-        rows = [{"conversations": [{"from": "human", "value": "Weather?"},
-                                   {"from": "function_call", "value": '{"name": "get_weather"}'},
-                                   {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}] * 48
-    elif case in ("reasoning", "thinking"):
-        field = "reasoning_content" if case == "reasoning" else "thinking"
-        rows = [{"messages": [{"role": "user", "content": "2+2?"},
-                              {"role": "assistant", "content": "4", field: "Two and two make four."}]}] * 48
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    expected = {"openai-tools": "the row carries tools", "tool-calls-alone": "message 2 carries tool_calls",
-                "sharegpt-function": "message 2 carries role 'function_call'",
-                "reasoning": "message 2 carries reasoning_content", "thinking": "message 2 carries thinking"}[case]
-    for argv in (["train", "--model", "tiny", "--data", str(path), "--output-dir", str(tmp_path / "out")],
-                 ["prepare", "--data", str(path), "-o", str(tmp_path / "prepared")]):
-        assert cli.main(argv) == 2, argv
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "row 1" in err and expected in err, err
-        assert "would train this row without them" in err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "prepared").exists()
+    cfg = DataConfig(**data)
+    tokenize.use_template([row], tok, cfg)
+    seg = tokenize.segments(row, tok, cfg)
+    return "".join(t for t, loss in seg if loss), "".join(t for t, loss in seg if not loss)
+
+
+def test_the_issues_tool_call_file_trains_its_calls_and_never_the_results_or_definitions(tmp_path, capsys):
+    """48 rows in OpenAI's fine-tuning format (tools, a call with JSON-string arguments, its result, the answer)
+    were trained as empty replies: now the tool template renders every part (the model's own has no tools), the
+    loss falls on the call and the answer only, prepare shows the row so, and the run records and saves the
+    template that exports carry."""
+    from tunebench.data import toolcalls
+    from tunebench.interfaces import cli
+    from tunebench.model import models
+
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _tool_rows(48)))
+    fmt, rows = formats.records_to_messages(readers.read_records(str(path)), DataConfig(), str(path))
+    tok = models.resolve("tiny").tokenizer
+    learned, unlearned = _pieces(rows[0], tok)
+    assert tok.chat_template == toolcalls.TEMPLATE
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "city 0"}}\n</tool_call>' in learned
+    assert "It is sunny in city 0." in learned
+    assert "<tool_response>\nsunny\n</tool_response>" in unlearned and '"name": "get_weather", "parameters"' in unlearned
+    assert "sunny\n</tool_response>" not in learned and "<tools>" not in learned
+    learned, unlearned = _pieces(rows[0], tok, train_on="final")  # the loss on the final answer alone
+    assert "It is sunny in city 0." in learned and "<tool_call>" in unlearned and "<tool_call>" not in learned
+
+    assert cli.main(["prepare", "--data", str(path), "-o", str(tmp_path / "prepared"), "--model", "tiny"]) == 0
+    said = capsys.readouterr().out
+    assert "chat template: hermes-tools" in said and '[[<tool_call>\n{"name": "get_weather"' in said
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--data", str(path), "--output-dir", str(out), "--max-steps", "1",
+                     "--no-progress", "--precision", "fp32", "--max-length", "512"]) == 0
+    plan = {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
+    assert plan["chat_template"]["value"] == "hermes-tools" and "saved with the run" in plan["chat_template"]["reason"]
+    assert models.load_tokenizer(str(out)).chat_template == toolcalls.TEMPLATE  # what exports and serving render
+
+
+def test_reasoning_is_rendered_and_trained_unless_masked_and_sharegpt_calls_map_onto_the_same(tmp_path):
+    from tunebench.model import models
+
+    tok = models.resolve("tiny").tokenizer
+    for field in formats.REASONING_FIELDS:
+        rec = {"messages": [{"role": "user", "content": "2+2?"},
+                            {"role": "assistant", "content": "4", field: "Two and two make four."}]}
+        _, (row,) = formats.records_to_messages([rec], DataConfig(), "x")
+        learned, unlearned = _pieces(row, tok)
+        assert "<think>\nTwo and two make four.\n</think>\n\n4" in learned, field
+        learned, unlearned = _pieces(row, tok, train_reasoning=False)
+        assert "Two and two make four." in unlearned and "</think>" in unlearned and learned.startswith("4")
+    share = {"conversations": [{"from": "human", "value": "Weather?"},
+                               {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+                               {"from": "observation", "value": "rain"}, {"from": "gpt", "value": "Rain."}],
+             "tools": '[{"name": "get_weather", "parameters": {"type": "object"}}]'}  # LLaMA-Factory's string
+    _, (row,) = formats.records_to_messages([share], DataConfig(), "x")
+    assert row[1]["tool_calls"] == [{"type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": {"city": "Oslo"}}}]
+    assert row[2]["role"] == "tool" and row.tools[0]["function"]["name"] == "get_weather"
+    learned, unlearned = _pieces(row, tok)
+    assert '"arguments": {"city": "Oslo"}' in learned and "rain" in unlearned and "Rain." in learned
+
+
+def test_a_row_the_template_would_render_half_is_refused_or_dropped_and_bad_calls_are_one_line(tmp_path):
+    """A template that renders tool calls but not reasoning passes the first row's check and would lose the
+    second row's trace: refused, naming the row and what it lacks, or left out and counted."""
+    from tunebench.data import tokenize
+    from tunebench.model import models
+
+    tok = models.resolve("tiny").tokenizer
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+                         "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    records = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+                   {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}]},
+               {"messages": [{"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]}]
+    _, rows = formats.records_to_messages(records, DataConfig(), "x")
+    assert tokenize.use_template(rows, tok, DataConfig()) is None  # its own renders the first row whole
+    with pytest.raises(TunebenchError, match="row 2's text lacks message 2's reasoning.*--on-unrenderable drop"):
+        tokenize.tokenize_messages(rows, tok, DataConfig(), "chat")
+    kept = tokenize.tokenize_messages(rows, tok, DataConfig(on_unrenderable="drop"), "chat")
+    assert len(kept) == 1 and kept.unrendered == 1 and kept.rows.tolist() == [0]
+    with pytest.raises(TunebenchError, match="prompt format"):
+        tokenize.use_template(rows, tok, DataConfig(template="Q: {instruction}\nA: "))
+    bad = [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{city: 1}"}}]}]}]
+    with pytest.raises(TunebenchError, match="row 1: message 2's arguments to f is not JSON"):
+        formats.records_to_messages(bad, DataConfig(), "x")
+
+
+def test_a_reply_in_the_tool_template_reads_back_as_its_calls():
+    from tunebench.data import toolcalls
+
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": broken}\n</tool_call>')
+    said, calls = toolcalls.parse(text)
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    assert said.startswith("Let me check.") and "broken" in said  # a call that does not parse stays text

@@ -1,11 +1,13 @@
 """Dataset formats: detect which one records are in and turn each record into chat messages.
 
 Every format becomes a list of {"role", "content"} messages (plain text becomes one message
-with role "text"), so tokenization has one path.
+with role "text"), so tokenization has one path. Chat rows keep what a chat template renders beyond that: an
+assistant turn's tool_calls and reasoning_content, a tool turn's tool_call_id and name, and the row's tools.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +15,29 @@ from tunebench.core.errors import TunebenchError
 from tunebench.data import readers
 from tunebench.settings.finetune import DataConfig
 
-Messages = list[dict[str, str]]
-_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+Messages = list[dict[str, Any]]
+# ShareGPT's and LLaMA-Factory's names; a function_call turn is the assistant calling a tool, an observation its result
+_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
+                 "function_call": "assistant", "observation": "tool", "function": "tool", "ipython": "tool"}
+
+
+class Conversation(list):
+    """A chat row's messages and the tools (OpenAI's {"type": "function", "function": {...}}) it offers the model;
+    a plain list where a row offers none."""
+
+    def __init__(self, messages, tools: list[dict] | None = None):
+        super().__init__(messages)
+        self.tools = tools or None
+
+
+def tools_of(messages: Messages) -> list[dict] | None:
+    return getattr(messages, "tools", None)
+
+
+def carries_tools(messages: Messages) -> bool:
+    """A row with tools, tool calls, tool results or reasoning: what a plain chat template may not render."""
+    return bool(tools_of(messages)) or any(m.get("tool_calls") or m.get("reasoning_content") or m["role"] == "tool"
+                                           for m in messages)
 
 
 def detect(columns: set[str], cfg: DataConfig) -> str:
@@ -53,7 +76,6 @@ def _text(value: Any) -> str:
 
 
 def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
-    check_renderable(record)
     if fmt == "instruction":
         return [
             {"role": "user", "content": _text(record[cfg.instruction_column])},
@@ -78,34 +100,81 @@ def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
         if not isinstance(t, dict):
             raise TunebenchError(f"chat record's '{cfg.messages_column}' holds {type(t).__name__} {str(t)[:40]!r} "
                                  "where a message ({role, content}) belongs; fix the record")
-        role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))), str(t.get("role", t.get("from", ""))))
-        check_renderable(t, n, role)
-        out.append({"role": role, "content": _text(t.get("content", t.get("value")))})
+        out.append(message(t, n))
+    return Conversation(out, row_tools(record.get("tools", record.get("functions"))))
+
+
+def _json(value: Any, what: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise TunebenchError(f"{what} is not JSON ({e.msg} at character {e.pos}): {value[:60]!r}; fix it") from None
+
+
+def _call(call: Any, where: str) -> dict[str, Any]:
+    """One tool call as chat templates take it: {"type": "function", "function": {"name", "arguments": object}}
+    (OpenAI's, whose arguments are a JSON string, or the bare {"name", "arguments"} of ShareGPT and Hermes)."""
+    call = _json(call, f"{where}'s tool call")
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise TunebenchError(f"{where} has a tool call without a function name: {str(call)[:80]!r}; "
+                             'write it as {"name": ..., "arguments": {...}}')
+    args = _json(fn.get("arguments", fn.get("parameters", {})), f"{where}'s arguments to {fn['name']}")
+    if not isinstance(args, dict):
+        raise TunebenchError(f"{where} calls {fn['name']} with arguments {str(args)[:60]!r}, not an object of named "
+                             "arguments; fix the row")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call, dict) and call.get("id"):
+        out["id"] = str(call["id"])
     return out
 
 
-# What chat data carries beyond role and content, which rows become here without: tool definitions, tool calls
-# and their results (OpenAI's fine-tuning format, ShareGPT's function_call/observation turns) and reasoning traces.
-# Trained without them, a tool-call turn would become an empty reply and a distilled answer would lose its trace,
-# so such a row is refused, never trained half-rendered.
-TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")
-REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
-TOOL_ROLES = ("tool", "function", "observation", "ipython", "function_call")
-ROW_TOOL_FIELDS = ("tools", "functions")
-UNRENDERED = ("tunebench does not render tool calls or reasoning into the training text yet, and would train this "
-              "row without them; leave such rows out, or write what the model should produce into each turn's "
-              "'content'")
+def message(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """One turn in the common form: role and content, and what it carries of tool calls, results and reasoning."""
+    where = f"message {n}"
+    given = str(t.get("role", t.get("from", "")))
+    role = _ROLE_ALIASES.get(given, given)
+    content = t.get("content", t.get("value"))
+    m: dict[str, Any] = {"role": role, "content": _text(content)}
+    calls = t.get("tool_calls") or ([t["function_call"]] if t.get("function_call") else [])
+    if given == "function_call":  # ShareGPT: the turn's value is the call itself
+        calls, m["content"] = [content], ""
+    if calls:
+        if role != "assistant":
+            raise TunebenchError(f"{where} ({role}) carries tool calls, which only an assistant turn makes; fix the row")
+        m["tool_calls"] = [_call(c, where) for c in (calls if isinstance(calls, list) else [calls])]
+    reasoning = next((t[k] for k in REASONING_FIELDS if t.get(k)), None)
+    if reasoning is not None:
+        if role != "assistant":
+            raise TunebenchError(f"{where} ({role}) carries reasoning, which only an assistant turn has; fix the row")
+        m["reasoning_content"] = _text(reasoning).strip()
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if t.get(key):
+                m[key] = str(t[key])
+    return m
 
 
-def check_renderable(part: dict[str, Any], turn: int | None = None, role: str | None = None) -> None:
-    """Refuse a record (turn None) or a message whose tool or reasoning fields training would drop."""
-    where = "the row" if turn is None else f"message {turn}"
-    fields = ROW_TOOL_FIELDS if turn is None else (*TOOL_FIELDS, *REASONING_FIELDS)
-    found = [f for f in fields if part.get(f) not in (None, "", [], {})]
-    if role in TOOL_ROLES:
-        found.insert(0, f"role '{role}'")
-    if found:
-        raise TunebenchError(f"{where} carries {', '.join(found)}: {UNRENDERED}")
+def row_tools(value: Any) -> list[dict] | None:
+    """A row's tools in OpenAI's form; a bare function schema ({"name", "parameters"}) is wrapped as one."""
+    value = _json(value, "the row's tools")
+    if value in (None, "", []):
+        return None
+    if not isinstance(value, list):
+        raise TunebenchError(f"the row's tools are {type(value).__name__}, not a list of function schemas; fix the row")
+    out = []
+    for tool in value:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not fn.get("name"):
+            raise TunebenchError(f"the row's tools hold {str(tool)[:80]!r}, not a function schema with a name; "
+                                 "fix the row")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # the names distillation data uses
 
 
 def records_to_messages(records: list[dict[str, Any]], cfg: DataConfig, source: str) -> tuple[str, list[Messages]]:
@@ -138,7 +207,7 @@ def is_empty(messages: Messages) -> bool:
     """Nothing to learn from: no assistant reply with text, or (for prompt/response data) no prompt."""
     if messages and messages[0]["role"] == "text":
         return not messages[0]["content"].strip()
-    replies = [m for m in messages if m["role"] == "assistant" and m["content"].strip()]
+    replies = [m for m in messages if m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls"))]
     prompts = [m for m in messages if m["role"] != "assistant" and m["content"].strip()]
     return not replies or not prompts
 

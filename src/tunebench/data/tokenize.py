@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,11 @@ import numpy as np
 
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
-from tunebench.data import formats, readers
+from tunebench.data import formats, readers, toolcalls
 from tunebench.settings.finetune import DataConfig
 
 DEFAULT_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-FORMAT_VERSION = 3  # bump when tokenization changes, to invalidate caches
+FORMAT_VERSION = 4  # bump when tokenization changes, to invalidate caches
 
 # ChatML: the prompt format of multi-turn data on a tokenizer without a chat template of its own (and of
 # the tiny preset's tokenizer).
@@ -40,6 +41,7 @@ class Tokenized:
     fmt: str
     dropped: int  # examples with no loss token left after truncation
     rows: np.ndarray  # (N_examples,) int64: the example (its index in Examples.messages) each one came from
+    unrendered: int = 0  # rows left out (--on-unrenderable drop): the template would not render them whole
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -53,22 +55,28 @@ class Tokenized:
 
 
 def segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tuple[str, bool]]:
-    """Split one example's text into (text, is_loss_target) pieces."""
+    """Split one example's text into (text, is_loss_target) pieces: the loss on each assistant turn (its tool
+    calls, and its reasoning unless `train_reasoning` is off; the last turn alone under `train_on: final`), never
+    on a prompt, a tool result or the tool definitions unless `train_on: all`."""
     all_tokens = cfg.train_on == "all"
     eos = tokenizer.eos_token or ""
     if messages and messages[0]["role"] == "text":
         return [(messages[0]["content"] + eos, True)]
-    if len(messages) == 2 and (prompt := _instruction_prompt(messages[:1], tokenizer, cfg.template)) is not None:
+    plain = not formats.carries_tools(messages)
+    if plain and len(messages) == 2 and \
+            (prompt := _instruction_prompt(messages[:1], tokenizer, cfg.template)) is not None:
         return [(prompt, all_tokens), (messages[1]["content"] + eos, True)]
     if cfg.template not in ("auto", "chat") or not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHAT_TEMPLATE  # multi-turn data on a tokenizer without one: ChatML
+    tools = formats.tools_of(messages)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant") if cfg.train_on == "final" else None
     out: list[tuple[str, bool]] = []
     prev = ""
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        prompt = toolcalls.render(messages[:i], tools, tokenizer, add_generation_prompt=True)
+        full = toolcalls.render(messages[: i + 1], tools, tokenizer)
         if not prompt.startswith(prev) or not full.startswith(prompt):
             raise TunebenchError(
                 "the tokenizer's chat template does not render turns as prefixes of each other; "
@@ -77,7 +85,16 @@ def segments(messages: formats.Messages, tokenizer, cfg: DataConfig) -> list[tup
         reply = full[len(prompt):]
         if eos and eos not in reply:
             reply += eos
-        out += [(prompt[len(prev):], all_tokens), (reply, True)]
+        learn = all_tokens or last in (None, i)
+        out.append((prompt[len(prev):], all_tokens))
+        trace = m.get("reasoning_content")
+        if trace and not cfg.train_reasoning and trace in reply:  # the trace and what closes it, unlearned
+            end = reply.index(trace) + len(trace)
+            close = re.match(r"\s*</\w+>\s*", reply[end:])
+            end += close.end() if close else 0
+            out += [(reply[:end], all_tokens), (reply[end:], learn)]
+        else:
+            out.append((reply, learn))
         prev = full
     return out
 
@@ -98,6 +115,8 @@ def _instruction_prompt(prompt_turns: formats.Messages, tokenizer, template: str
 def render_prompt(messages: formats.Messages, tokenizer, template: str = "auto") -> str:
     """The text a model fine-tuned with `template` saw before each reply: what segments puts ahead of
     the response, so `generate` and `chat` prompt a fine-tune the way it was trained."""
+    if formats.carries_tools(messages) and getattr(tokenizer, "chat_template", None):
+        return toolcalls.render(messages, formats.tools_of(messages), tokenizer, add_generation_prompt=True)
     prompt = _instruction_prompt(messages, tokenizer, template)
     if prompt is not None:
         return prompt
@@ -105,6 +124,18 @@ def render_prompt(messages: formats.Messages, tokenizer, template: str = "auto")
         return tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
                                              add_generation_prompt=True)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def use_template(rows: list[formats.Messages], tokenizer, cfg: DataConfig) -> str | None:
+    """Where rows carry tool calls or reasoning: refused under a prompt format, and the tokenizer given
+    tunebench's tool template where its own does not render them (data.toolcalls.choose); returns why, or None."""
+    toolcalls.check_prompt_format(rows, cfg.template)
+    return toolcalls.choose(rows, tokenizer)
+
+
+def marked(messages: formats.Messages, tokenizer, cfg: DataConfig, start: str = "[[", end: str = "]]") -> str:
+    """One row as the model sees it, each loss part between `start` and `end`."""
+    return "".join(f"{start}{text}{end}" if loss else text for text, loss in segments(messages, tokenizer, cfg))
 
 
 def _fingerprint(path: Path, tokenizer, cfg: DataConfig) -> str:
@@ -116,7 +147,8 @@ def _fingerprint(path: Path, tokenizer, cfg: DataConfig) -> str:
         hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest(),
     ]
     fields = [cfg.format, cfg.instruction_column, cfg.input_column, cfg.response_column, cfg.messages_column,
-              cfg.text_column, cfg.template, cfg.train_on, cfg.max_length, FORMAT_VERSION]
+              cfg.text_column, cfg.template, cfg.train_on, cfg.train_reasoning, cfg.on_unrenderable, cfg.max_length,
+              FORMAT_VERSION]
     return hashlib.sha256(json.dumps([stat, tok, fields], default=str).encode()).hexdigest()[:20]
 
 
@@ -124,10 +156,20 @@ def tokenize_messages(
     examples: list[formats.Messages], tokenizer, cfg: DataConfig, fmt: str
 ) -> Tokenized:
     pieces = [segments(m, tokenizer, cfg) for m in examples]
+    unrendered = 0
+    for n, (m, seg) in enumerate(zip(examples, pieces), 1):
+        if formats.carries_tools(m) and (lost := toolcalls.missing(m, formats.tools_of(m), "".join(t for t, _ in seg))):
+            if cfg.on_unrenderable != "drop":
+                raise TunebenchError(f"row {n}'s text lacks {', '.join(lost[:3])}: the chat template does not render "
+                                     "them, and the row would train half-rendered; use a model whose template does, or "
+                                     "--on-unrenderable drop to leave such rows out")
+            pieces[n - 1], unrendered = [], unrendered + 1
     flat = [text for seg in pieces for text, _ in seg]
     encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     ids, masks, offsets, dropped, k, rows = [], [], [0], 0, 0, []
     for row, seg in enumerate(pieces):
+        if not seg:  # left out above: not renderable
+            continue
         ex_ids: list[int] = []
         ex_mask: list[int] = []
         for _, trainable in seg:
@@ -145,7 +187,7 @@ def tokenize_messages(
         rows.append(row)
     return Tokenized(
         np.asarray(ids, dtype=np.int32), np.asarray(masks, dtype=np.int8), np.asarray(offsets, dtype=np.int64),
-        fmt, dropped, np.asarray(rows, dtype=np.int64),
+        fmt, dropped, np.asarray(rows, dtype=np.int64), unrendered,
     )
 
 
@@ -154,27 +196,33 @@ def load_tokenized(cfg: DataConfig, tokenizer, cache_root: Path | None,
     """Read, format and tokenize a dataset (`examples`, when already read), reusing the on-disk cache
     when nothing changed."""
     path = readers.resolve_path(cfg.path)
+    examples = examples or formats.load_examples(cfg)
+    if why := use_template(examples.messages, tokenizer, cfg):  # before the cache key, which holds the template
+        print(f"data: chat template {why}")
     cache_file = None
     if cache_root is not None:
         cache_file = cache_root / "tokenized" / f"{_fingerprint(path, tokenizer, cfg)}.npz"
         if cache_file.exists():
             try:
                 with np.load(cache_file) as z:
-                    return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]), z["rows"])
+                    return Tokenized(z["ids"], z["mask"], z["offsets"], str(z["fmt"]), int(z["dropped"]), z["rows"],
+                                     int(z["unrendered"]))
             except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # torn or damaged
                 print(f"data: the tokenized cache {cache_file.name} does not load ({type(e).__name__}); "
                       "tokenizing again")
-    examples = examples or formats.load_examples(cfg)
     data = tokenize_messages(examples.messages, tokenizer, cfg, examples.fmt)
     if len(data) == 0:
         raise TunebenchError(
             f"dataset '{cfg.path}' is empty after tokenization: all {data.dropped} examples lost their response "
             f"to truncation at --max-length {cfg.max_length}; raise --max-length or shorten the prompts"
         )
+    if data.unrendered:
+        print(f"data: {data.unrendered} rows left out (--on-unrenderable drop): the chat template does not render "
+              "their tool calls or reasoning whole")
     if cache_file is not None:
         with atomic_file(cache_file, suffix=".npz") as tmp:
             np.savez(tmp, ids=data.ids, mask=data.mask, offsets=data.offsets, fmt=data.fmt, dropped=data.dropped,
-                     rows=data.rows)
+                     rows=data.rows, unrendered=data.unrendered)
     return data
 
 

@@ -25,6 +25,8 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--response-column",), "data.response_column"),
     (("--template",), "data.template"),
     (("--train-on",), "data.train_on"),
+    (("--train-reasoning",), "data.train_reasoning"),
+    (("--on-unrenderable",), "data.on_unrenderable"),
     (("--max-samples", "--max_samples"), "data.max_samples"),
     (("--max-length", "--max_length"), "data.max_length"),
     (("--packing",), "data.packing"),

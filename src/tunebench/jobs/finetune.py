@@ -54,7 +54,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         return summary, saved
 
     return recipe.train(cfg, opened, recipe.Recipe(
-        model=model, loss=loss, rows=runner.host_rows(cfg, opened.hw_plan), method_rows=method_rows,
+        model=model, loss=loss, rows=runner.host_rows(cfg, opened.hw_plan),
+        method_rows=method_rows + adapted.template_rows(tok),
         header=adapted.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,
         tokens_per_unit=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),

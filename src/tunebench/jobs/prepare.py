@@ -16,7 +16,7 @@ from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
 from tunebench.data import formats, readers
-from tunebench.data.tokenize import tokenize_messages
+from tunebench.data.tokenize import marked, tokenize_messages, use_template
 from tunebench.model import models
 from tunebench.settings.finetune import DataConfig, load_config
 
@@ -62,7 +62,7 @@ def prepare(output_dir: str, data: str | None = None, dataset_name: str | None =
     dropped: dict[str, int] = {"empty prompt or response": 0, "duplicate of an earlier row": 0}
     seen, kept = set(), []
     for i, m in enumerate(messages):
-        key = json.dumps(m, sort_keys=True)
+        key = json.dumps([m, formats.tools_of(m)], sort_keys=True)
         if formats.is_empty(m):
             dropped["empty prompt or response"] += 1
         elif key in seen:
@@ -82,6 +82,7 @@ def prepare(output_dir: str, data: str | None = None, dataset_name: str | None =
     # Tokens per row as training would see them (prompt format, EOS), before --max-length cuts them.
     tokenizer = models.tokenizer_for(model or models.SMOLLM2)
     whole = dataclasses.replace(cfg, max_length=10**9)
+    template = use_template([messages[i] for i in kept], tokenizer, cfg)
     lengths = tokenize_messages([messages[i] for i in train + held], tokenizer, whole, fmt).lengths()
     over = int((lengths > max_length).sum())
 
@@ -108,5 +109,11 @@ def prepare(output_dir: str, data: str | None = None, dataset_name: str | None =
     print(f"tokens per row ({summary['tokenizer']}'s tokenizer, prompt format included): median {t['p50']}, "
           f"p90 {t['p90']}, p99 {t['p99']}, max {t['max']}; {over} of {len(lengths)} rows exceed --max-length "
           f"{max_length} and would be cut" + ("" if not over else f" (raise it to {t['p99']} to keep 99%)"))
+    if template:
+        print(f"chat template: {template}")
+    tool_row = next((messages[i] for i in train + held if formats.carries_tools(messages[i])), None)
+    if tool_row is not None:  # what the tool calls and reasoning become, as the model sees them
+        print("a row with tool calls or reasoning as the model sees it, the loss on [[these parts]]:\n"
+              + marked(tool_row, tokenizer, whole))
     print(f"train on it: tunebench train --data {out / 'train.jsonl'} --max-length {max_length}")
     return summary

@@ -53,7 +53,12 @@ class DataConfig:
     template: str = "auto"
     """auto (the tokenizer's chat template if any) or a prompt such as '### Q:\\n{instruction}\\n### A:\\n'"""
     train_on: str = "response"
-    """response (the loss on the answers only) | all"""
+    """response (the loss on every assistant turn, its tool calls included) | final (on the last assistant turn
+    only) | all (every token; tool results and definitions stay unlearned only under response and final)"""
+    train_reasoning: bool = True
+    """the loss on an assistant turn's reasoning (<think>...</think>) as well; false masks the trace"""
+    on_unrenderable: str = "refuse"
+    """refuse | drop: a chat row whose tools, calls, results or reasoning the chat template would not render"""
     max_length: int = 128
     """truncate examples to this many tokens"""
     packing: str = "auto"
@@ -326,7 +331,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
                              "(--data FILE:WEIGHT once per dataset)")
     _choice("data.format", d.format, ("auto", "instruction", "alpaca", "question", "chat", "text"))
-    _choice("data.train_on", d.train_on, ("response", "all"))
+    _choice("data.train_on", d.train_on, ("response", "final", "all"))
+    _choice("data.on_unrenderable", d.on_unrenderable, ("refuse", "drop"))
     _choice("data.packing", d.packing, ("auto", "on", "off"))
     _choice("adapter.method", a.method, METHODS)
     _choice("adapter.objective", a.objective, OBJECTIVES)

@@ -142,6 +142,16 @@ def header(cfg: RunConfig, loaded: models.Loaded, parts, data, n_train: int, eva
             f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
 
 
+def template_rows(tok) -> list[Decision]:
+    """The chat template's row where the run put tunebench's tool template on the tokenizer (data.toolcalls)."""
+    from tunebench.data import toolcalls
+
+    if getattr(tok, "chat_template", None) != toolcalls.TEMPLATE:
+        return []
+    return [Decision("chat_template", toolcalls.NAME, "the data carries tool calls or reasoning and the model's own "
+                     "template does not render them: Hermes <tool_call> JSON (Qwen2.5's form), saved with the run")]
+
+
 def held_out_answers(cfg: RunConfig, opened: runner.Opened, model, tok, data, examples, messages, parts,
                      eval_parts) -> dict[str, Any]:
     """With --eval-generate N, the scores of the trained model's answers to N held-out rows of each dataset; a

@@ -97,7 +97,7 @@ def preview(path: str, model: str, max_length: int = 128, template: str = "auto"
     format detection, prompt format and loss mask); bad data raises the CLI's one-line error. The web server
     reads a sample, never a whole upload."""
     from tunebench.data import formats, readers
-    from tunebench.data.tokenize import segments, tokenize_messages
+    from tunebench.data.tokenize import segments, tokenize_messages, use_template
     from tunebench.model import models
     from tunebench.settings.finetune import load_config
 
@@ -109,6 +109,7 @@ def preview(path: str, model: str, max_length: int = 128, template: str = "auto"
         raise TunebenchError(f"'{path}' has no usable rows: every row has an empty prompt or response")
     tok = models.tokenizer_for(model)
     whole = dataclasses.replace(cfg, max_length=10 ** 9)
+    use_template(kept, tok, cfg)  # tool calls and reasoning: rendered as training renders them
     over = int((tokenize_messages(kept, tok, whole, fmt).lengths() > max_length).sum())
     shown = []
     for m in kept[:SHOWN_EXAMPLES]:

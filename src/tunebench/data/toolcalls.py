@@ -1,0 +1,160 @@
+"""Tool calls and reasoning in chat rows: the template that renders them where a model's own has no place for
+them, the check that a row's text holds everything it carries, and reading a model's calls back from its text.
+
+The template is the Hermes form Qwen2.5 and its fine-tunes use (ChatML turns; the tools as JSON inside <tools>
+in the system turn; each call as {"name", "arguments"} JSON inside <tool_call>; results inside <tool_response>
+in a user turn), with reasoning as <think>...</think> ahead of an assistant turn's text, as Qwen3 and DeepSeek-R1
+write it. Its instruction line is shorter than Qwen2.5's (about 25 tokens, not 70): every training row carries it,
+and the small models trained here learn the form from the rows, not from the words. transformers renders it (apply_chat_template(..., tools=)), llama.cpp's server runs it from the GGUF's
+tokenizer.chat_template, and Ollama is given it in the Modelfile: one text everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tunebench.core.errors import TunebenchError
+
+NAME = "hermes-tools"  # how a run's settings name this template
+# Written for this project in the Hermes form (Qwen2.5's template is the reference): every piece an expression
+# with explicit newlines, so transformers' trim_blocks/lstrip_blocks change nothing.
+TEMPLATE = (
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{{- messages[0].content + '\\n\\n' -}}{%- set ns.first = 1 -%}"
+    "{%- endif -%}"
+    "{{- '# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\nTo call one: <tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m.role == 'tool' -%}"
+    "{%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if m.reasoning_content -%}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content or '' -}}"
+    "{%- for call in m.tool_calls or [] -%}"
+    "{%- if m.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call.function.name | tojson) + ', \"arguments\": ' + "
+    "(call.function.arguments | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def missing(messages: list[dict[str, Any]], tools: list[dict] | None, text: str) -> list[str]:
+    """What a row carries that its rendered `text` lacks: each tool's name, each call's name and argument
+    values, each tool result and each reasoning trace (empty: the row is rendered whole)."""
+    lost = [f"tool {t['function']['name']}" for t in tools or [] if t["function"]["name"] not in text]
+    for n, m in enumerate(messages, 1):
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            values = [json.dumps(v, ensure_ascii=False) for v in fn["arguments"].values()]
+            if fn["name"] not in text or any(v not in text and v.strip('"') not in text for v in values):
+                lost.append(f"message {n}'s call to {fn['name']}")
+        if m["role"] == "tool" and m["content"].strip() not in text:
+            lost.append(f"message {n}'s tool result")
+        if m.get("reasoning_content") and m["reasoning_content"] not in text:
+            lost.append(f"message {n}'s reasoning")
+    return lost
+
+
+def render(messages: list[dict[str, Any]], tools: list[dict] | None, tokenizer, **kw) -> str:
+    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **kw)
+
+
+def serving_template(messages: list[dict[str, Any]], tools: list[dict] | None, tokenizer) -> str | None:
+    """The chat template a served model answers a request with tools in: its own where that renders the request
+    whole, else TEMPLATE (the tokenizer itself is shared by every request and is left as it is)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if own:
+        try:
+            if not missing(messages, tools, render(messages, tools, tokenizer)):
+                return own
+        except Exception:  # noqa: BLE001 - a template that raises on tool turns has no place for them
+            pass
+    return TEMPLATE
+
+
+def choose(rows: list, tokenizer) -> str | None:
+    """Where rows carry tools or reasoning and the tokenizer's own chat template does not render the first such
+    row whole, the tokenizer is given TEMPLATE (and keeps it: the run saves it, exports carry it). Returns why, to
+    be said and recorded; None where nothing changed."""
+    from tunebench.data.formats import carries_tools, tools_of
+
+    first = next((r for r in rows if carries_tools(r)), None)
+    if first is None:
+        return None
+    own = getattr(tokenizer, "chat_template", None)
+    if own == TEMPLATE:
+        return f"{NAME}, as before"
+    if own:
+        try:
+            if not missing(first, tools_of(first), render(first, tools_of(first), tokenizer)):
+                return None
+        except Exception:  # noqa: BLE001 - a template that raises on tool turns has no place for them either
+            pass
+    tokenizer.chat_template = TEMPLATE
+    what = "tool calls" if any(m.get("tool_calls") or m["role"] == "tool" for m in first) or tools_of(first) \
+        else "reasoning"
+    return (f"{NAME} (Hermes <tool_call> JSON, as Qwen2.5): the model's own chat template "
+            f"{'does not render ' + what if own else 'is missing'}")
+
+
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """A reply in TEMPLATE's form split into its text and its calls [{"name", "arguments"}]; a <tool_call> whose
+    JSON does not parse (or names no function) is no call, and stays in the text."""
+    calls, kept = [], text
+    for found in CALL.finditer(text):
+        try:
+            call = json.loads(found.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            args = call.get("arguments", {})
+            calls.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {}})
+            kept = kept.replace(found.group(0), "", 1)
+    return kept.strip(), calls
+
+
+def check_prompt_format(rows: list, template: str) -> None:
+    """A prompt format (--template '### Q: {instruction}...') has no place for tools: refused for such rows."""
+    from tunebench.data.formats import carries_tools
+
+    if template not in ("auto", "chat") and any(carries_tools(r) for r in rows):
+        raise TunebenchError("the data carries tool calls or reasoning, which a prompt format (--template) cannot "
+                             "render; leave --template at auto (the chat template renders them)")
+
+
+def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
+    """A call names one of `tools` and its arguments are an instance of that tool's JSON schema (jsonschema)."""
+    import jsonschema
+
+    schema = next((t["function"].get("parameters") for t in tools or [] if t["function"]["name"] == call["name"]),
+                  False)
+    if schema is False:
+        return False
+    try:
+        jsonschema.validate(call["arguments"], schema or {"type": "object"})
+        return True
+    except jsonschema.ValidationError:
+        return False
+    except jsonschema.SchemaError as e:
+        raise TunebenchError(f"tool {call['name']}'s parameters are not a JSON schema ({e.message}); fix the row's "
+                             "tools") from None
