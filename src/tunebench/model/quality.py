@@ -30,6 +30,12 @@ GSM8K_ANSWER = re.compile(r"####\s*(.+)")
 NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
 
+# Where held-out replies are tool calls: the share (%) of rows whose answer calls the reference's function, with
+# the same arguments (equal as JSON), with arguments the tool's JSON schema accepts, and that call a tool exactly
+# where the reference does (and answer in words where it does not).
+TOOL_SCORES = ("tool_name", "tool_args", "tool_schema", "tool_decision")
+
+
 @dataclass
 class Answer:
     prompt: str
@@ -37,14 +43,33 @@ class Answer:
     answer: str
     tokens: int  # generated, EOS included when it came
     stopped: bool  # ended with EOS before the --max-new-tokens cap
+    calls: list | None = None  # the reference reply's tool calls [{"name", "arguments"}], where the row offers tools
+    tools: list | None = None  # the row's tools (their schemas check an answer's arguments)
 
 
 def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, str] | None:
-    """The turns before the last reply, and the reply a model's answer is scored against; None for plain text."""
+    """The turns before the last reply (with the row's tools), and the reply a model's answer is scored against
+    (a tool call written as the tool template writes it); None for plain text."""
+    from tunebench.data import formats
+
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None or last == 0:
         return None
-    return messages[:last], messages[last]["content"]
+    reply = messages[last]
+    calls = "\n".join(f'<tool_call>\n{json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)}\n</tool_call>'
+                      for c in reply.get("tool_calls") or [])
+    return formats.Conversation(messages[:last], formats.tools_of(messages)), "\n".join(
+        t for t in (reply["content"], calls) if t)
+
+
+def reference_calls(messages: formats.Messages) -> list | None:
+    """The last reply's tool calls as {"name", "arguments"}, where the row offers tools or makes calls; else None."""
+    from tunebench.data import formats
+
+    last = [m for m in messages if m["role"] == "assistant"][-1]
+    if not (formats.tools_of(messages) or last.get("tool_calls")):
+        return None
+    return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in last.get("tool_calls") or []]
 
 
 def generate_answers(placed: inference.Placed, rows: list[formats.Messages], template: str, max_new_tokens: int,
@@ -52,10 +77,12 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
     """Greedy answers for `rows` (batched, left-padded), and the seconds generation took."""
     import torch
 
+    from tunebench.data import formats
     from tunebench.data.tokenize import render_prompt
     from tunebench.model import inference
 
-    pairs = [p for p in (prompt_and_reference(m) for m in rows) if p is not None]
+    rows_of = [m for m in rows if prompt_and_reference(m) is not None]
+    pairs = [prompt_and_reference(m) for m in rows_of]
     if not pairs:
         raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
                              "task metrics need instruction, alpaca or chat data")
@@ -74,11 +101,13 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
             began = time.perf_counter()
             out = placed.decode(enc["input_ids"], enc["attention_mask"], cap)
             seconds += time.perf_counter() - began
-            for (_turns, reference), prompt, new in zip(chunk, prompts, out.tolist()):
+            for (turns, reference), row, prompt, new in zip(chunk, rows_of[start:start + batch_size], prompts,
+                                                             out.tolist()):
                 stop = new.index(tok.eos_token_id) if tok.eos_token_id in new else None
                 kept = new if stop is None else new[:stop]
                 answers.append(Answer(prompt, reference, tok.decode(kept, skip_special_tokens=True).strip(),
-                                      len(kept) + (stop is not None), stop is not None))
+                                      len(kept) + (stop is not None), stop is not None, reference_calls(row),
+                                      formats.tools_of(turns)))
     finally:
         tok.padding_side = side
     return answers, seconds
@@ -111,13 +140,36 @@ def score(answers: list[Answer], seconds: float) -> dict[str, float | None]:
     gsm8k = all(GSM8K_ANSWER.search(r) for r in refs)
     exact = sum(final_answer(h) == final_answer(r) for h, r in zip(hyps, refs)) / len(answers) if gsm8k else None
     tokens = sum(a.tokens for a in answers)
-    return {
+    return tool_scores(answers) | {
         "rougeL": round(100 * rouge, 2), "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
         "exact_match": None if exact is None else round(100 * exact, 2),
         "eos_rate": round(100 * sum(a.stopped for a in answers) / len(answers), 2),
         "answer_tokens": round(tokens / len(answers), 1),
         "gen_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
     }
+
+
+def tool_scores(answers: list[Answer]) -> dict[str, float]:
+    """TOOL_SCORES over the rows that offer tools (none where no row does): the first call of each answer
+    (read back by data.toolcalls.parse) against the reference's first call."""
+    from tunebench.data import toolcalls
+
+    judged = [a for a in answers if a.calls is not None]
+    if not judged:
+        return {}
+    calling = [a for a in judged if a.calls]
+    hits = {k: 0 for k in TOOL_SCORES}
+    for a in judged:
+        said = toolcalls.parse(a.answer)[1]
+        hits["tool_decision"] += bool(said) == bool(a.calls)
+        if a.calls and said:
+            want, got = a.calls[0], said[0]
+            hits["tool_name"] += got["name"] == want["name"]
+            hits["tool_args"] += got["name"] == want["name"] and got["arguments"] == want["arguments"]
+            hits["tool_schema"] += toolcalls.valid(got, a.tools)
+    share = lambda n, of: round(100 * n / len(of), 2) if of else None  # noqa: E731
+    return {"tool_decision": share(hits["tool_decision"], judged),
+            **{k: share(hits[k], calling) for k in ("tool_name", "tool_args", "tool_schema")}}
 
 
 def write_answers(path: Path, answers: list[Answer], scores: dict) -> None:
