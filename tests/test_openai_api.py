@@ -116,8 +116,12 @@ def test_bad_requests_get_openais_errors_before_anything_runs(served):
                             ({"stop": ["a", "b", "c", "d", "e"]}, "'stop' must be a string or a list of up to 4"),
                             ({"logprobs": True}, "'logprobs' is not supported by tunebench serve"),
                             ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
-                            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                             "'tools' is not supported")):
+                            ({"functions": [{"name": "f", "parameters": {}}]}, "'functions' is not supported"),
+                            ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+                                "type": "function", "function": {"name": "g"}}}, "names 'g', which is not one of"),
+                            ({"tool_choice": "required"}, "offers no 'tools'"),
+                            ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+                             "'tools': .*not a function schema with a name")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model="tiny", messages=hi, **kwargs)
     with pytest.raises(openai.BadRequestError, match="the message is 9,000 characters; the limit is 8,000"):
@@ -139,3 +143,60 @@ def test_a_client_over_its_share_is_told_to_wait(tmp_path, monkeypatch):
                                                max_tokens=2, stream=stream)
     finally:
         server.close()
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    """A tiny model fully fine-tuned until it answers 'Weather?' with one call, get_weather(city=Oslo), in the
+    tool template the run recorded, and a 'tool' result with words; served alone."""
+    from tunebench.jobs import finetune
+
+    root = tmp_path_factory.mktemp("caller")
+    data = root / "calls.jsonl"
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    row = {"messages": [{"role": "user", "content": "Weather?"}, call,
+                        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                        {"role": "assistant", "content": "Rain."}], "tools": WEATHER}
+    data.write_text((json.dumps(row) + "\n") * 8)
+    finetune.run(tiny_run_config(data, root / "run", **{"adapter.method": "full", "train.max_steps": 120,
+                                                         "train.lr": 3e-3, "data.max_length": 512,
+                                                         "data.eval_fraction": 0}))
+    port = _port()
+    server = app.serve([], [str(root / "run")], port=port, ab_db=str(root / "ab.sqlite"), block=False)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120), \
+        str(root / "run")
+    server.close()
+
+
+def test_a_tools_request_gets_tool_calls_streamed_or_not_and_the_result_continues_the_chat(caller):
+    client, run = caller
+    ask = [{"role": "user", "content": "Weather?"}]
+    reply = client.chat.completions.create(model=run, messages=ask, tools=WEATHER, max_tokens=120, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    # streamed: OpenAI's deltas, which the client's own accumulator puts back together
+    with client.chat.completions.stream(model=run, messages=ask, tools=WEATHER, max_tokens=120, temperature=0) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \
+        [("get_weather", {"city": "Oslo"})]
+    # the call and its result sent back: the model answers in words
+    follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "rain"}]
+    words = client.chat.completions.create(model=run, messages=follow, tools=WEATHER, max_tokens=16, temperature=0)
+    assert words.choices[0].finish_reason == "stop" and words.choices[0].message.content == "Rain."
+    # named: the call is forced to that function; none: no tools offered, so no call
+    named = client.chat.completions.create(model=run, messages=ask, tools=WEATHER, max_tokens=120, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    plain = client.chat.completions.create(model=run, messages=ask, tools=WEATHER, max_tokens=120, temperature=0,
+                                           tool_choice="none")
+    assert plain.choices[0].finish_reason != "tool_calls" and not plain.choices[0].message.tool_calls

@@ -9,9 +9,10 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -165,7 +166,8 @@ def check_request(messages: list[dict[str, str]]) -> None:
 
 
 def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_new_tokens: int = 128,
-           temperature: float = 0.7, top_p: float = 0.9, seed: int = 0, raw: bool = False) -> Iterator[Reply]:
+           temperature: float = 0.7, top_p: float = 0.9, seed: int = 0, raw: bool = False,
+           prompt: Callable[[Any], str] | None = None) -> Iterator[Reply]:
     """The reply to the chat `messages`, as it grows; the last one has done=True and its tokens/s
     (new tokens over the decoding's time, prompt processing included, waiting for the lock not). A conversation
     that does not fit the model's context is refused; a consumer that closes the stream (a closed tab) stops the
@@ -178,7 +180,9 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
     placed, template = registry.get(label)
     tok = placed.tokenizer
-    enc = placed.encode(messages[-1]["content"] if raw else render_prompt(messages, tok, template))
+    # `prompt`: the request's own rendering, from the tokenizer (the API's requests with tools)
+    enc = placed.encode(prompt(tok) if prompt else messages[-1]["content"] if raw else
+                        render_prompt(messages, tok, template))
     n_prompt = enc["input_ids"].shape[1]
     limit = inference.context_limit(placed.model)
     if limit is not None:

@@ -44,11 +44,55 @@ def model_ids(registry: Registry) -> dict[str, str]:
     return out
 
 
-# Settings of OpenAI's API that would change the answer and that serve does not do (tool calls, log
+# Settings of OpenAI's API that would change the answer and that serve does not do (the legacy functions, log
 # probabilities, output formats, penalties, logit bias, echo, suffix, best_of)
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "response_format",
+UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "response_format",
                "presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", "best_of", "audio",
-               "modalities", "prediction", "parallel_tool_calls")
+               "modalities", "prediction")
+
+
+def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
+    """(tools, tool_choice) as OpenAI takes them: choice 'auto' (the default), 'none' (no tools offered),
+    'required' (a call), or {"type": "function", "function": {"name": N}} (a call to N)."""
+    from tunebench.data import formats
+
+    try:
+        tools = formats.row_tools(body.get("tools"))
+    except TunebenchError as e:
+        raise ApiError(400, f"'tools': {e}", param="tools") from None
+    choice = body.get("tool_choice") or "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"'tool_choice' names {name!r}, which is not one of the request's tools",
+                           param="tool_choice")
+        choice = name
+    elif choice not in ("auto", "none", "required"):
+        raise ApiError(400, f"'tool_choice' must be auto, none, required or a named function, got {choice!r}",
+                       param="tool_choice")
+    elif choice == "required" and not tools:
+        raise ApiError(400, "'tool_choice' is required but the request offers no 'tools'", param="tool_choice")
+    if choice == "none" or not tools:
+        return None, None
+    return tools, choice
+
+
+def _messages(given: Any) -> list:
+    """The chat's messages in the form training renders: system, user, assistant (its content, or its
+    tool_calls), and tool (a call's result)."""
+    from tunebench.data import formats
+
+    ok = isinstance(given, list) and given and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
+        and (isinstance(m.get("content"), str) or (m.get("role") == "assistant" and m.get("content") is None
+                                                  and m.get("tool_calls"))) for m in given)
+    if not ok:
+        raise ApiError(400, "'messages' must be a non-empty list of {role: system|user|assistant|tool, content: text} "
+                       "(an assistant's content may be null beside its tool_calls)", param="messages")
+    try:
+        return [formats.message(m, n) for n, m in enumerate(given, 1)]
+    except TunebenchError as e:
+        raise ApiError(400, f"'messages': {e}", param="messages") from None
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
@@ -69,14 +113,10 @@ def parse(body: Any, registry: Registry, chat: bool) -> dict[str, Any]:
     if model not in ids:
         raise ApiError(404, f"the model '{model}' is not served here; GET /v1/models lists: {', '.join(ids)}",
                        param="model", code="model_not_found")
+    tools, choice = None, None
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ApiError(400, "'messages' must be a non-empty list of {role: system|user|assistant, content: text}",
-                           param="messages")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = _messages(body.get("messages"))
+        tools, choice = _tools(body, messages)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -114,7 +154,7 @@ def parse(body: Any, registry: Registry, chat: bool) -> dict[str, Any]:
     return {"model": model, "label": ids[model], "messages": messages, "max_tokens": limit, "stop": stop,
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0), "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
             "seed": seed, "stream": bool(stream_), "usage_in_stream": bool((options or {}).get("include_usage", False)),
-            "chat": chat}
+            "chat": chat, "tools": tools, "tool_choice": choice}
 
 
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -123,15 +163,35 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[:min(ends)], True) if ends else (text, False)
 
 
+FORCED = {"required": '<tool_call>\n{"name": "'}  # what a forced call's reply starts with (the tool template's form)
+
+
+def _tool_prompt(request: dict[str, Any]):
+    """With tools: the prompt in a template that renders them (data.toolcalls.serving_template), then the start
+    of the call where one is forced; the answer's text includes that start."""
+    from tunebench.data import toolcalls
+
+    messages, tools, choice = request["messages"], request["tools"], request["tool_choice"]
+    start = FORCED.get(choice, "" if choice == "auto" else '<tool_call>\n{"name": ' + json.dumps(choice) +
+                       ', "arguments": ')
+
+    def prompt(tok) -> str:
+        template = toolcalls.serving_template(messages, tools, tok)
+        return tok.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                       add_generation_prompt=True) + start
+    return prompt, start
+
+
 def answer(registry: Registry, request: dict[str, Any]) -> Iterator[tuple[str, dict | None]]:
     """The answer's text as it grows, then (text, usage and finish reason) once it ends. A stop sequence ends
     the generation where it appears (closing the stream stops the model) and is not part of the text."""
     text = ""
+    prompt, start = _tool_prompt(request) if request.get("tools") else (None, "")
     replies = stream(registry, request["label"], request["messages"], request["max_tokens"], request["temperature"],
-                     request["top_p"], request["seed"], raw=not request["chat"])
+                     request["top_p"], request["seed"], raw=not request["chat"], prompt=prompt)
     try:
         for reply in replies:
-            cut, stopped = _cut(reply.text, request["stop"])
+            cut, stopped = _cut(start + reply.text, request["stop"])
             if stopped:
                 replies.close()  # the model stops here
                 tokenizer = registry.get(request["label"])[0].tokenizer
@@ -154,6 +214,19 @@ def _usage(end: dict) -> dict[str, int]:
             "total_tokens": end["prompt_tokens"] + end["completion_tokens"]}
 
 
+def calls_of(text: str, request: dict[str, Any]) -> tuple[str | None, list[dict]]:
+    """An answer to a request with tools: its text (None when it is only calls) and its calls in OpenAI's form
+    (arguments a JSON string); no calls where the request offers no tools."""
+    from tunebench.data import toolcalls
+
+    if not request.get("tools"):
+        return text, []
+    said, calls = toolcalls.parse(text)
+    return (said or None) if calls else text, [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}} for c in calls]
+
+
 def complete(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
     """The whole answer as one response object."""
     text, end = "", None
@@ -161,9 +234,11 @@ def complete(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
         text, end = piece
     created, model = int(time.time()), request["model"]
     if request["chat"]:
+        content, calls = calls_of(text, request)
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": end["finish_reason"], "logprobs": None}], "usage": _usage(end)}
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else
+                             end["finish_reason"], "logprobs": None}], "usage": _usage(end)}
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": end["finish_reason"], "logprobs": None}],
             "usage": _usage(end)}
@@ -176,9 +251,10 @@ def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(piece: str | None, finish: str | None, first: bool = False, calls: list | None = None) -> str:
         if chat:
-            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": piece} if piece else {})
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": piece} if piece else {}) | \
+                ({"tool_calls": [{"index": i} | c for i, c in enumerate(calls)]} if calls else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
@@ -187,13 +263,20 @@ def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
     sent = ""
     if chat:
         yield chunk(None, None, first=True)
+    tools = bool(request.get("tools"))
     try:
-        for text, end in answer(registry, request):
+        for whole, end in answer(registry, request):
+            text, calls = whole, []
+            if tools:  # the text before a call streams; a call goes whole once it ends (one delta, as OpenAI may)
+                text, calls = calls_of(whole, request) if end is not None else (_before_call(whole), [])
+                text = text or ""
             if text.startswith(sent) and len(text) > len(sent):
                 yield chunk(text[len(sent):], None)
                 sent = text
             if end is not None:
-                yield chunk(None, end["finish_reason"])
+                if calls:
+                    yield chunk(None, None, calls=calls)
+                yield chunk(None, "tool_calls" if calls else end["finish_reason"])
                 if request["usage_in_stream"]:
                     yield _event({"id": ident, "object": kind, "created": created, "model": model, "choices": [],
                                   "usage": _usage(end)})
@@ -204,6 +287,15 @@ def events(registry: Registry, request: dict[str, Any]) -> Iterator[str]:
     except TunebenchError as e:
         yield _event(ApiError(400, str(e)).body())
     yield _event("[DONE]")
+
+
+def _before_call(text: str, tag: str = "<tool_call>") -> str:
+    """The text ahead of a tool call, and ahead of a tail that may be the start of one."""
+    at = text.find(tag)
+    if at >= 0:
+        return text[:at]
+    held = next((k for k in range(min(len(text), len(tag) - 1), 0, -1) if tag.startswith(text[-k:])), 0)
+    return text[:len(text) - held]
 
 
 def _event(data: dict | str) -> str:
