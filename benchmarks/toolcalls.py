@@ -114,7 +114,8 @@ def main() -> None:
     p.add_argument("--held-out", type=int, default=60)
     p.add_argument("--epochs", type=float, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lr", default="1e-3")
+    p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None)
     p.add_argument("--write", metavar="DIR", help="write the data and stop")
     p.add_argument("--check-args", action="store_true", help="parse the arguments and imports, run nothing")
@@ -127,14 +128,16 @@ def main() -> None:
         print(*write(Path(args.write), args.rows, args.held_out), sep="\n")
         return
     from tunebench.interfaces import cli
+    from tunebench.model import models
 
+    args.model = args.model or models.SMOLLM2
     out = Path(args.out or tempfile.mkdtemp(prefix="toolcalls-"))
     train, held = write(out / "data", args.rows, args.held_out)
     base = scores(args.model, None, held, out, args.max_new_tokens)
     began = time.perf_counter()
     code = cli.main(["train", "--model", args.model, "--data", str(train), "--output-dir", str(out / "run"),
                      "--epochs", str(args.epochs), "--max-length", "1024", "--eval-fraction", "0", "--no-progress",
-                     "--lr", "1e-3", "--lora-r", "16", "--lora-alpha", "32"])
+                     "--lr", args.lr, "--lora-r", "16", "--lora-alpha", "32"])
     trained_s = time.perf_counter() - began
     if code:
         sys.exit(code)

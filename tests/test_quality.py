@@ -49,6 +49,25 @@ def test_exact_match_on_gsm8k_style_references():
     assert quality.score(_answers(pairs), 1.0)["exact_match"] == round(100 * 2 / 3, 2)
 
 
+def test_tool_calls_are_scored_by_name_arguments_schema_and_when_to_call():
+    """Four rows offering one tool: the right call, a call with another argument value, a call where words were
+    due, and words where a call was due; a row without tools is not judged; arguments that break the schema
+    count for name and arguments but not schema."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = lambda args: f'<tool_call>\n{json.dumps({"name": "get_weather", "arguments": args})}\n</tool_call>'  # noqa: E731
+    oslo = [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    rows = [(call({"city": "Oslo"}), oslo), (call({"city": "Rome"}), oslo), (call({"city": "Oslo"}), []),
+            ("It rains.", oslo), (call({"city": 7}), [{"name": "get_weather", "arguments": {"city": 7}}])]
+    answers = [quality.Answer("p", "r", said, 5, True, calls, tools) for said, calls in rows]
+    answers.append(quality.Answer("p", "r", call({"city": "Oslo"}), 5, True))  # no tools offered: not judged
+    scores = quality.tool_scores(answers)
+    # 4 rows with a call due: names right in 3 (row 4 answered in words), arguments in 2, schema in 2 (not city 7)
+    assert scores == {"tool_decision": 60.0, "tool_name": 75.0, "tool_args": 50.0, "tool_schema": 50.0}
+    assert quality.tool_scores(answers[-1:]) == {}
+    assert set(quality.score(answers, 1.0)) >= set(quality.TOOL_SCORES)
+
+
 def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
     """Row 1 ends with EOS inside the cap; row 2 fills the cap without it."""
     tok, eos = tiny.tokenizer, tiny.tokenizer.eos_token_id
