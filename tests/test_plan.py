@@ -314,7 +314,8 @@ def test_bad_values_exit_2_with_one_line_before_any_model_loads(tmp_path, capsys
     for args, message in ((["--lr", "nan"], "must be a finite number"), (["--max-steps", "true"], "got 'true', which is not a whole number"),
                           (["--model", "gpt2-124m", "--max-length", "2048"],
                            "--max-length 2048 exceeds the 1024 positions this model learned (learned positions)"),
-                          (["--max-length", "600"], "exceeds the 512 positions this model learned (rotary")):
+                          (["--max-length", "600"], "exceeds the 512 positions this model learned (rotary"),
+                          (["--time-budget", "soon"], "'soon' is not a length of time; write it as 90s, 30m or 2h")):
         code = main(["train", "--model", "tiny", "--output-dir", str(tmp_path / "o"), *args])
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
@@ -481,3 +482,27 @@ def test_two_searches_share_one_study_on_a_real_postgresql(tmp_path, dataset, po
     assert not [t for t in trials if t.state == S.RUNNING]
     ran = [line for o in outputs for line in o.splitlines() if line.startswith("trial ")]
     assert len(ran) == 4, outputs  # no process started a choice the other ran
+
+
+def test_a_time_budget_sets_the_steps_from_the_measured_speed_and_the_table_says_how_long(tmp_path, dataset):
+    """--time-budget: the steps that fit the budget left after measuring, at the measured speed, never more than
+    the epochs give; every measured run's table says how long its training will take and measuring's share."""
+    import re
+
+    def plan_of(out, epochs, *args):
+        assert main(["train", "--model", "tiny", "--data", str(dataset), "--output-dir", str(out), "--no-progress",
+                     "--precision", "fp32", "--compile", "off", "--epochs", str(epochs), *args]) == 0
+        return {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
+
+    free = plan_of(tmp_path / "free", 1)
+    assert free["time_estimate"]["value"].startswith("about ") and "tokens at the measured" in \
+        free["time_estimate"]["reason"] and "% of measuring and training together" in free["time_estimate"]["reason"]
+    budget = plan_of(tmp_path / "budget", 100000, "--time-budget", "2s")
+    row = budget["total_steps"]
+    left, measured, speed, per_step = (float(x.replace(",", "")) for x in re.search(
+        r"--time-budget 2s: ([\d.]+) s left after ([\d.]+) s of measuring, at the measured ([\d,]+) tokens/s a step "
+        r"of ([\d,]+) tokens", row["reason"]).groups())
+    assert 1 <= row["value"] < 100000 * free["total_steps"]["value"]  # 100,000 epochs do not fit in 2 s
+    assert row["value"] == pytest.approx(left * speed / per_step, abs=max(2, 0.03 * row["value"]))  # rounded figures
+    summary = json.loads((tmp_path / "budget" / "summary.json").read_text())
+    assert summary["steps"] == row["value"]

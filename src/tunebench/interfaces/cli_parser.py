@@ -66,6 +66,7 @@ PRETRAIN_OPTIONS = [
 SHARED_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--output-dir", "--output_dir"), "output.output_dir"), (("--epochs", "--num_epochs"), "schedule.epochs"),
     (("--max-steps",), "schedule.max_steps"), (("--max-tokens",), "schedule.max_tokens"),
+    (("--time-budget",), "schedule.time_budget"),
     (("--batch-size", "--batch_size"), "batch.micro_batch_size"),
     (("--grad-accum", "--gradient_accumulation_steps"), "batch.grad_accum_steps"),
     (("--effective-batch-size",), "batch.effective_batch_size"), (("--lr", "--learning_rate"), "optimizer.lr"),

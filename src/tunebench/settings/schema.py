@@ -26,6 +26,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -127,6 +128,18 @@ class Schedule:
     """steps of linear warm-up"""
     seed: int = 42
     """seed for initialisation, the split and the data order"""
+    time_budget: str | None = None
+    """train for about this long (90s, 30m, 2h): the steps are set from the measured speed, after measuring,
+    never more than the epochs or max steps give"""
+
+
+def budget_seconds(text: str) -> float:
+    """'90s', '30m', '1.5h' or a number of seconds, as seconds; refused with the form otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise TunebenchError(f"schedule.time_budget (--time-budget) {text!r} is not a length of time; write it as 90s, "
+                             "30m or 2h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
 @dataclass(frozen=True)
@@ -426,6 +439,8 @@ def check_shared(cfg: Any, world_size: int, job: str) -> None:
             raise TunebenchError(f"{name} must be in [0, 1), got {value}")
     if not 0 <= s.warmup_ratio <= 1:
         raise TunebenchError(f"schedule.warmup_ratio must be in [0, 1], got {s.warmup_ratio}; pass e.g. 0.03")
+    if s.time_budget is not None:
+        budget_seconds(s.time_budget)
     if s.max_steps is not None and s.max_tokens is not None:
         raise TunebenchError("--max-steps and --max-tokens both set the run's length; give one of them")
     check_threads(h.threads, "--threads")

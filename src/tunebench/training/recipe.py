@@ -7,6 +7,7 @@ summary, summary.json, the closing lines and the trackers."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,17 @@ class Recipe:
     watch_speed: bool = True  # False: a step's time is not the probe's (GRPO's steps sample as well)
 
 
+def resumed_steps(opened: runner.Opened) -> int | None:
+    """The total steps the run being resumed planned (its plan.json), or None for a run from step 0."""
+    if opened.resume_from is None:
+        return None
+    for plan_file in (opened.out / "plan.json", opened.resume_from.parent.parent / "plan.json"):
+        if plan_file.is_file():
+            rows = json.loads(plan_file.read_text()).get("decisions", [])
+            return next((int(d["value"]) for d in rows if d["setting"] == "total_steps"), None)
+    return None
+
+
 def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
@@ -81,6 +93,10 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         max_length=r.max_length, widest=r.widest, attention_rows=r.attention_rows, n_train=r.n_train,
         run_tokens=steps * effective * r.tokens_per_unit, parallel=r.parallel, quantized=r.quantized, micro=r.micro,
         asked_reason=r.asked_reason)
+    per_step = effective * r.tokens_per_unit / world.size  # the tokens one rank computes in a step
+    steps, budget_row = runplan.fit_time(s.time_budget, steps, per_step, measured.tokens_per_s, measure_s,
+                                         resumed_steps(opened) if s.time_budget else None)
+    estimate = runplan.estimate_row(steps, per_step, measured.tokens_per_s, measure_s)
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
@@ -90,7 +106,8 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         *[d for d in measured.decisions if d.setting == "compile"], optim.optimizer_row(device, optimization.weight_decay),
         runplan.batch_row(effective, micro, accum, world.size, r.batch_unit), lr_row,
         runplan.logging_row(cfg.logging.logging_steps, device.type),
-        runner.steps_row(cfg, steps, f"{r.n_train} {r.unit}, {effective} a step")])
+        budget_row or runner.steps_row(cfg, steps, f"{r.n_train} {r.unit}, {effective} a step"),
+        *([estimate] if estimate else [])])
     if not r.watch_speed:
         plan = dataclasses.replace(plan, probed_tokens_per_s=None)
     if world.main:

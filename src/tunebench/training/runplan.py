@@ -31,6 +31,43 @@ def total_steps(rows: int, effective: int, epochs: float, max_steps: int | None,
     return max(1, math.ceil(epochs * math.ceil(rows / effective)))
 
 
+def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_s: float | None,
+             measure_s: float, resumed_steps: int | None = None) -> tuple[int, Decision | None]:
+    """(steps, their row) under --time-budget: as many steps as the budget left after measuring trains at the
+    measured speed, never more than `steps`; an interrupted run resumes with the steps it was given."""
+    from tunebench.settings.schema import budget_seconds
+
+    if budget is None:
+        return steps, None
+    if resumed_steps is not None:
+        return resumed_steps, Decision("total_steps", resumed_steps, f"the interrupted run's (--time-budget {budget})")
+    if not tokens_per_s:
+        raise TunebenchError(f"--time-budget {budget} needs the measured speed, and this run's micro batch was not "
+                             "measured here; leave --batch-size on auto, or set --max-steps instead")
+    left = budget_seconds(budget) - measure_s
+    fit = int(left * tokens_per_s / tokens_per_step) if left > 0 else 0
+    if fit < 1:
+        raise TunebenchError(f"--time-budget {budget} leaves no time to train: measuring took {measure_s:.0f} s and "
+                             f"one step takes about {tokens_per_step / tokens_per_s:.1f} s; raise it")
+    took = min(fit, steps)
+    why = (f"--time-budget {budget}: {left:.1f} s left after {measure_s:.1f} s of measuring, at the measured "
+           f"{tokens_per_s:,.0f} tokens/s a step of {tokens_per_step:,.0f} tokens")
+    return took, Decision("total_steps", took, why + (f"; capped at the {steps} the epochs or max steps give"
+                                                       if fit > steps else ""))
+
+
+def estimate_row(steps: int, tokens_per_step: float, tokens_per_s: float | None, measure_s: float) -> Decision | None:
+    """How long the training will take at the measured speed, and measuring's share of the whole."""
+    if not tokens_per_s:
+        return None
+    train_s = steps * tokens_per_step / tokens_per_s
+    share = 100 * measure_s / (measure_s + train_s) if measure_s + train_s > 0 else 0.0
+    clock = f"{train_s / 60:.0f} min" if train_s >= 90 else f"{train_s:.0f} s"
+    return Decision("time_estimate", f"about {clock}", f"{steps * tokens_per_step:,.0f} tokens at the measured "
+                    f"{tokens_per_s:,.0f} tokens/s (uncompiled; evaluations not included); measuring took "
+                    f"{measure_s:.0f} s, {share:.0f}% of measuring and training together")
+
+
 def resumed_batch(resume: Path | None, world_size: int, micro_asked: int | None,
                   accum_asked: int | None) -> tuple[int, int] | None:
     """(micro batch per rank, accumulation) that continue checkpoint `resume` under this world size: its
