@@ -396,3 +396,41 @@ def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs,
     assert mine_text.choices[0].text  # a continuation, not two empty strings
     assert theirs_text.usage.prompt_tokens == mine_text.usage.prompt_tokens
     assert theirs_text.choices[0].text.strip() == mine_text.choices[0].text
+
+
+def test_eval_scores_an_export_with_llama_cpps_own_answers_beside_the_run(runs, tmp_path, llama_cpp, capsys):
+    """`eval --adapter RUN --gguf FILE --generate N`: the file answers the run's held-out rows in llama.cpp, a row
+    of the same table as the PyTorch run; its answers are llama.cpp's greedy tokens for the run's prompts (generated
+    again here) and its scores are those answers' scores. Without --generate, or without the run, it is refused."""
+    from tunebench.model import quality
+    from tunebench.settings.rundir import RunDir
+
+    run = runs / "lora"
+    path = export.export(str(run), "gguf", "f16", str(tmp_path / "lora.gguf"))
+    data = RunDir(run).train_config().data.path
+    out = tmp_path / "ev"
+    assert cli.main(["eval", "--adapter", str(run), "--gguf", str(path), "--data", data, "--generate", "2",
+                     "--max-new-tokens", "8", "--precision", "fp32", "--output-dir", str(out)]) == 0
+    scores = json.loads((out / "scores.json").read_text())
+    assert set(scores) == {"lora", "lora (llama.cpp)"}
+    theirs = scores["lora (llama.cpp)"]
+    assert theirs["runtime"] == "llama.cpp" and theirs["file_mb"] == round(path.stat().st_size / 2**20, 1)
+    assert theirs["generated"] == scores["lora"]["generated"] == 2  # the same held-out rows
+    lines = (out / "answers-lora-llama.cpp.jsonl").read_text().splitlines()
+    answers = [quality.Answer(**json.loads(line)) for line in lines[1:]]
+    tok = models.load_tokenizer(str(run))
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        for a in answers:
+            ids = tok(a.prompt, add_special_tokens=False).input_ids
+            assert tok.decode(llama_greedy(llm, ids, 8), skip_special_tokens=True).strip() == a.answer
+    finally:
+        llm.close()
+    again = quality.score(answers, 1.0)
+    assert {k: again[k] for k in ("rougeL", "chrf", "eos_rate")} == {k: theirs[k] for k in ("rougeL", "chrf", "eos_rate")}
+    for args, message in ((["--adapter", str(run), "--gguf", str(path)], "give --generate N"),
+                          (["--gguf", str(path), "--generate", "2"], "needs the run it was exported from"),
+                          (["--adapter", str(run), "--gguf", str(run / "config.yaml"), "--generate", "2"],
+                           "is not a .gguf file")):
+        assert cli.main(["eval", *args, "--data", data]) == 2, args
+        assert message in capsys.readouterr().err, args

@@ -137,7 +137,7 @@ def _eval(args: argparse.Namespace) -> int | None:
                    batch_size=args.batch_size, allow_download=args.allow_download, device=args.device,
                    precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
                    lm_eval_tasks=args.lm_eval, lm_eval_data=args.data, lm_eval_limit=args.lm_eval_limit,
-                   lm_eval_include=args.lm_eval_include)
+                   lm_eval_include=args.lm_eval_include, ggufs=args.gguf)
 
 
 def _compare(args: argparse.Namespace) -> int | None:

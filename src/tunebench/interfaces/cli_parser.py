@@ -353,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", type=int, default=0,
                    help="answer N held-out rows (greedy, the run's prompt format) and score them")
     p.add_argument("--max-new-tokens", type=positive, default=128, help="the cap on each answer (default 128)")
+    p.add_argument("--gguf", action="append", default=[], metavar="FILE.gguf",
+                   help="an export of the run (--adapter RUN_DIR) answering the same rows in llama.cpp, a row of the "
+                        "same table (with --generate N); give several to compare quant types")
     p.add_argument("--output-dir", default="eval-results",
                    help="where the answers (answers-MODEL.jsonl) and scores.json go (default eval-results)")
     p.add_argument("--lm-eval", default=None, metavar="TASKS",

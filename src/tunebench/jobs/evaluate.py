@@ -23,14 +23,16 @@ from tunebench.training.loop import CausalLMLoss, evaluate
 def table(model: str | None, adapters: list[str | None], base: bool, data: DataConfig, output_dir: str, *,
           batch_size: int, allow_download: bool, device: str, precision: str, generate: int, max_new_tokens: int,
           lm_eval_tasks: str | None, lm_eval_data: str | None, lm_eval_limit: int | None,
-          lm_eval_include: str | None) -> None:
+          lm_eval_include: str | None, ggufs: list[str] = ()) -> None:
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
-    `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`)."""
+    `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`). Each of `ggufs`
+    (a run's export) answers the same rows in llama.cpp, a row of the same table."""
     from tunebench.core.jsonfile import write_json
     from tunebench.model.inference import base_of
 
     if base and adapters == [None]:
         raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
+    check_ggufs(ggufs, generate, adapters[0] or model)
     chosen = [("base", model or base_of(adapters[0]), None)] if base else []
     chosen += [(label_of(model, a), model, a) for a in adapters]
     labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
@@ -46,6 +48,10 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
                            precision=precision, generate=generate, max_new_tokens=max_new_tokens,
                            answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
                for label, (_, spec, adapter) in zip(labels, chosen)]
+    for path in ggufs:
+        label = f"{Path(path).stem} (llama.cpp)"
+        results.append((label, run_gguf(path, adapters[0] or model, data, generate, max_new_tokens,
+                                        out / f"answers-{Path(path).stem}-llama.cpp.jsonl")))
     if generate:
         write_json(out / "scores.json", {label: r for label, r in results})
     print(json.dumps(results[0][1], indent=2) if len(results) == 1 else side_by_side(results))
@@ -86,6 +92,39 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     return out
 
 
+def check_ggufs(ggufs, generate: int, run_dir: str | None) -> None:
+    """--gguf is refused before anything loads without answers to score, a run to prompt it as, or the file."""
+    if not ggufs:
+        return
+    from tunebench.model import llama_cpp_tools
+
+    if not generate:
+        raise TunebenchError("--gguf scores the file's answers: give --generate N (the held-out rows to answer)")
+    if run_dir is None or not RunDir(run_dir).config_file.is_file():
+        raise TunebenchError("--gguf needs the run it was exported from, for its tokenizer, prompt format and held-out "
+                             "rows: give --adapter RUN_DIR (or --model RUN_DIR for a full fine-tune)")
+    for path in ggufs:
+        if not Path(path).is_file() or not str(path).endswith(".gguf"):
+            raise TunebenchError(f"--gguf {path} is not a .gguf file; pass the file `tunebench export` wrote")
+    llama_cpp_tools.check_available(converter_needed=False)
+
+
+def run_gguf(path: str, run_dir: str, data: DataConfig, generate: int, max_new_tokens: int, answers: Path) -> dict:
+    """The exported file's scores on the rows `run` scores the run on, with llama.cpp generating; its size."""
+    from tunebench.jobs.generate import trained_template
+
+    tok = models.load_tokenizer(run_dir)
+    examples = formats.load_examples(data)
+    tokenized = load_tokenized(data, tok, models.cache_dir(), examples)
+    rows, where = held_out(examples, tokenized, data, run_dir)
+    found, seconds = quality.generate_answers_gguf(Path(path), tok, rows[:generate], trained_template(run_dir),
+                                                   max_new_tokens)
+    scores = quality.score(found, seconds)
+    quality.write_answers(answers, found, scores)
+    return {"model": str(path), "runtime": "llama.cpp", "file_mb": round(Path(path).stat().st_size / 2**20, 1),
+            "generated": len(found), "generated_from": where, **scores}
+
+
 def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: str | None) -> tuple[list, str]:
     """The rows to generate for: a training run's own held-out rows (its seed and eval fraction) when this is
     its data, else every row of the dataset (none of it was trained on)."""
@@ -103,7 +142,7 @@ def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: s
     return list(examples.messages), f"the rows of {data.path}"
 
 
-COLUMNS = (("rows", "{:d}"), ("eval_loss", "{:.4f}"), ("perplexity", "{:.2f}"),
+COLUMNS = (("rows", "{:d}"), ("file_mb", "{:.1f}"), ("eval_loss", "{:.4f}"), ("perplexity", "{:.2f}"),
            *((k, f"{{:.{quality.DIGITS[k]}f}}" + ("%" if k == "eos_rate" else "")) for k in quality.METRICS),
            *((k, "{:.1f}%") for k in quality.TOOL_SCORES))  # where the rows offer tools
 

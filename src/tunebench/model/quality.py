@@ -113,6 +113,50 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
     return answers, seconds
 
 
+def generate_answers_gguf(path: Path, tok, rows: list[formats.Messages], template: str, max_new_tokens: int,
+                          context: int = 2048) -> tuple[list[Answer], float]:
+    """Greedy answers from llama.cpp running the exported file at `path` (llama-cpp-python), fed the same prompt
+    ids the PyTorch model is (the run's tokenizer and prompt format), until its end-of-generation token or the
+    cap: what a deployment of that file answers. The seconds are llama.cpp's, prompt processing included."""
+    import os
+
+    from tunebench.data import formats
+    from tunebench.data.tokenize import render_prompt
+    from tunebench.model import llama_cpp_tools
+
+    llama_cpp_tools.check_available(converter_needed=False)
+    import llama_cpp
+
+    rows_of = [m for m in rows if prompt_and_reference(m) is not None]
+    if not rows_of:
+        raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
+                             "task metrics need instruction, alpaca or chat data")
+    llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=max(1, os.cpu_count() or 1), verbose=False)
+    answers, seconds = [], 0.0
+    try:
+        eos = llm.token_eos()
+        for row in rows_of:
+            turns, reference = prompt_and_reference(row)
+            prompt = render_prompt(turns, tok, template)
+            ids = tok(prompt, add_special_tokens=False).input_ids[-(context - max_new_tokens):]
+            new, stopped = [], False
+            llm.reset()
+            began = time.perf_counter()
+            for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+                if token == eos:
+                    stopped = True
+                    break
+                new.append(token)
+                if len(new) == max_new_tokens:
+                    break
+            seconds += time.perf_counter() - began
+            answers.append(Answer(prompt, reference, tok.decode(new, skip_special_tokens=True).strip(),
+                                  len(new) + stopped, stopped, reference_calls(row), formats.tools_of(turns)))
+    finally:
+        llm.close()
+    return answers, seconds
+
+
 def final_answer(text: str) -> str | None:
     """GSM8K's final answer: what follows `####`, else the last number in the text (lm-eval's flexible
     extract), without thousands separators, a dollar sign or a trailing period."""
