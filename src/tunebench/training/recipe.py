@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tunebench.core.jsonfile import write_json
+from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_
@@ -94,9 +95,11 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         run_tokens=steps * effective * r.tokens_per_unit, parallel=r.parallel, quantized=r.quantized, micro=r.micro,
         asked_reason=r.asked_reason)
     per_step = effective * r.tokens_per_unit / world.size  # the tokens one rank computes in a step
-    steps, budget_row = runplan.fit_time(s.time_budget, steps, per_step, measured.tokens_per_s, measure_s,
-                                         resumed_steps(opened) if s.time_budget else None)
-    estimate = runplan.estimate_row(steps, per_step, measured.tokens_per_s, measure_s)
+    speed = measured.tokens_per_s if r.watch_speed else None  # GRPO's steps also sample: not the probe's speed
+    steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
+        s.time_budget, steps, per_step, speed, measure_s, resumed_steps(opened) if s.time_budget else None),
+        safe=(Decision,))
+    estimate = runplan.estimate_row(steps, per_step, speed, measure_s)
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)

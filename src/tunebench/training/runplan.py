@@ -42,8 +42,9 @@ def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_
     if resumed_steps is not None:
         return resumed_steps, Decision("total_steps", resumed_steps, f"the interrupted run's (--time-budget {budget})")
     if not tokens_per_s:
-        raise TunebenchError(f"--time-budget {budget} needs the measured speed, and this run's micro batch was not "
-                             "measured here; leave --batch-size on auto, or set --max-steps instead")
+        raise TunebenchError(f"--time-budget {budget} needs the measured speed of this run's steps, which it has not "
+                             "(a micro batch asked for and never measured, or GRPO's steps, which also sample); leave "
+                             "--batch-size on auto, or set --max-steps instead")
     left = budget_seconds(budget) - measure_s
     fit = int(left * tokens_per_s / tokens_per_step) if left > 0 else 0
     if fit < 1:
