@@ -69,9 +69,18 @@ def _call(rng: random.Random, held: bool) -> tuple[str, dict]:
         ask = rng.choice(["Set a {m} minute timer for {l}.", "Timer: {m} minutes, label it {l}.",
                           "Remind me about {l} in {m} minutes."]).format(m=minutes, l=label)
         return ask, {"name": tool, "arguments": {"minutes": minutes, "label": label}}
-    symbol = rng.choice(_half(SYMBOLS, held))
+    # training symbols are made up (3-4 letters, none of the held-out ones): a model that saw only eight real
+    # tickers learns those eight; one that saw hundreds learns to copy the one asked about
+    symbol = rng.choice(_half(SYMBOLS, True)) if held else _made_up_symbol(rng)
     ask = rng.choice(["What is {s} trading at?", "Price of {s} stock?", "Give me the latest {s} quote."]).format(s=symbol)
     return ask, {"name": tool, "arguments": {"symbol": symbol}}
+
+
+def _made_up_symbol(rng: random.Random) -> str:
+    while True:
+        symbol = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.choice((3, 4))))
+        if symbol not in SYMBOLS:
+            return symbol
 
 
 def rows(n: int, held: bool, seed: int) -> list[dict]:
