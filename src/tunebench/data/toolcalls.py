@@ -5,8 +5,9 @@ The template is the Hermes form Qwen2.5 and its fine-tunes use (ChatML turns; th
 in the system turn; each call as {"name", "arguments"} JSON inside <tool_call>; results inside <tool_response>
 in a user turn), with reasoning as <think>...</think> ahead of an assistant turn's text, as Qwen3 and DeepSeek-R1
 write it. Its instruction line is shorter than Qwen2.5's (about 25 tokens, not 70): every training row carries it,
-and the small models trained here learn the form from the rows, not from the words. transformers renders it (apply_chat_template(..., tools=)), llama.cpp's server runs it from the GGUF's
-tokenizer.chat_template, and Ollama is given it in the Modelfile: one text everywhere.
+and the small models trained here learn the form from the rows, not from the words. transformers renders it
+(apply_chat_template(..., tools=)); a run saves it with its tokenizer, so generate and serve use it and a GGUF
+export carries it as tokenizer.chat_template. (Ollama's Modelfile TEMPLATE renders a single user turn, no tools.)
 """
 
 from __future__ import annotations
