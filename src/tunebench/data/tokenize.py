@@ -163,12 +163,12 @@ def tokenize_messages(
                 raise TunebenchError(f"row {n}'s text lacks {', '.join(lost[:3])}: the chat template does not render "
                                      "them, and the row would train half-rendered; use a model whose template does, or "
                                      "--on-unrenderable drop to leave such rows out")
-            pieces[n - 1], unrendered = [], unrendered + 1
-    flat = [text for seg in pieces for text, _ in seg]
+            pieces[n - 1], unrendered = None, unrendered + 1
+    flat = [text for seg in pieces if seg is not None for text, _ in seg]
     encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     ids, masks, offsets, dropped, k, rows = [], [], [0], 0, 0, []
     for row, seg in enumerate(pieces):
-        if not seg:  # left out above: not renderable
+        if seg is None:  # left out above: not renderable
             continue
         ex_ids: list[int] = []
         ex_mask: list[int] = []

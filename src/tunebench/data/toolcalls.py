@@ -77,17 +77,20 @@ def render(messages: list[dict[str, Any]], tools: list[dict] | None, tokenizer, 
     return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **kw)
 
 
+def renders_whole(messages: list[dict[str, Any]], tools: list[dict] | None, tokenizer) -> bool:
+    """Whether the tokenizer's own chat template renders everything `messages` and `tools` carry."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    try:
+        return not missing(messages, tools, render(messages, tools, tokenizer))
+    except Exception:  # noqa: BLE001 - a template that raises on tool turns has no place for them either
+        return False
+
+
 def serving_template(messages: list[dict[str, Any]], tools: list[dict] | None, tokenizer) -> str | None:
     """The chat template a served model answers a request with tools in: its own where that renders the request
     whole, else TEMPLATE (the tokenizer itself is shared by every request and is left as it is)."""
-    own = getattr(tokenizer, "chat_template", None)
-    if own:
-        try:
-            if not missing(messages, tools, render(messages, tools, tokenizer)):
-                return own
-        except Exception:  # noqa: BLE001 - a template that raises on tool turns has no place for them
-            pass
-    return TEMPLATE
+    return tokenizer.chat_template if renders_whole(messages, tools, tokenizer) else TEMPLATE
 
 
 def choose(rows: list, tokenizer) -> str | None:
@@ -102,12 +105,8 @@ def choose(rows: list, tokenizer) -> str | None:
     own = getattr(tokenizer, "chat_template", None)
     if own == TEMPLATE:
         return f"{NAME}, as before"
-    if own:
-        try:
-            if not missing(first, tools_of(first), render(first, tools_of(first), tokenizer)):
-                return None
-        except Exception:  # noqa: BLE001 - a template that raises on tool turns has no place for them either
-            pass
+    if renders_whole(first, tools_of(first), tokenizer):
+        return None
     tokenizer.chat_template = TEMPLATE
     what = "tool calls" if any(m.get("tool_calls") or m["role"] == "tool" for m in first) or tools_of(first) \
         else "reasoning"
@@ -116,6 +115,14 @@ def choose(rows: list, tokenizer) -> str | None:
 
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CALL_START = '<tool_call>\n{"name": '  # how TEMPLATE begins a call: a forced call's reply starts so
+
+
+def written(name: str, arguments: dict[str, Any]) -> str:
+    """One call as TEMPLATE writes it (transformers' tojson is json.dumps with its default separators)."""
+    args = json.dumps(arguments, ensure_ascii=False)
+    return f'{CALL_START}{json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+
 
 
 def parse(text: str) -> tuple[str, list[dict[str, Any]]]:

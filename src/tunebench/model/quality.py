@@ -50,16 +50,26 @@ class Answer:
 def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, str] | None:
     """The turns before the last reply (with the row's tools), and the reply a model's answer is scored against
     (a tool call written as the tool template writes it); None for plain text."""
-    from tunebench.data import formats
+    from tunebench.data import formats, toolcalls
 
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None or last == 0:
         return None
     reply = messages[last]
-    calls = "\n".join(f'<tool_call>\n{json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)}\n</tool_call>'
+    calls = "\n".join(toolcalls.written(c["function"]["name"], c["function"]["arguments"])
                       for c in reply.get("tool_calls") or [])
     return formats.Conversation(messages[:last], formats.tools_of(messages)), "\n".join(
         t for t in (reply["content"], calls) if t)
+
+
+def answerable(rows: list[formats.Messages]) -> list[tuple[formats.Messages, formats.Messages, str]]:
+    """(row, the turns before its last reply, that reply) for each row with a reply to score; refused where none
+    has one (plain text)."""
+    found = [(row, *pair) for row in rows if (pair := prompt_and_reference(row)) is not None]
+    if not found:
+        raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
+                             "task metrics need instruction, alpaca or chat data")
+    return found
 
 
 def reference_calls(messages: formats.Messages) -> list | None:
@@ -81,11 +91,7 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
     from tunebench.data.tokenize import render_prompt
     from tunebench.model import inference
 
-    rows_of = [m for m in rows if prompt_and_reference(m) is not None]
-    pairs = [prompt_and_reference(m) for m in rows_of]
-    if not pairs:
-        raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
-                             "task metrics need instruction, alpaca or chat data")
+    pairs = answerable(rows)
     tok = placed.tokenizer
     limit = inference.position_limit(placed.model)
     side, tok.padding_side = tok.padding_side, "left"
@@ -94,15 +100,14 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
     try:
         for start in range(0, len(pairs), batch_size):
             chunk = pairs[start:start + batch_size]
-            prompts = [render_prompt(turns, tok, template) for turns, _ in chunk]
+            prompts = [render_prompt(turns, tok, template) for _, turns, _ in chunk]
             enc = placed.encode(prompts, padding=True)
             width = enc["input_ids"].shape[1]
             cap = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - width))
             began = time.perf_counter()
             out = placed.decode(enc["input_ids"], enc["attention_mask"], cap)
             seconds += time.perf_counter() - began
-            for (turns, reference), row, prompt, new in zip(chunk, rows_of[start:start + batch_size], prompts,
-                                                             out.tolist()):
+            for (row, turns, reference), prompt, new in zip(chunk, prompts, out.tolist()):
                 stop = new.index(tok.eos_token_id) if tok.eos_token_id in new else None
                 kept = new if stop is None else new[:stop]
                 answers.append(Answer(prompt, reference, tok.decode(kept, skip_special_tokens=True).strip(),
@@ -127,16 +132,12 @@ def generate_answers_gguf(path: Path, tok, rows: list[formats.Messages], templat
     llama_cpp_tools.check_available(converter_needed=False)
     import llama_cpp
 
-    rows_of = [m for m in rows if prompt_and_reference(m) is not None]
-    if not rows_of:
-        raise TunebenchError("the data has no prompt/response rows to generate answers for (plain text); "
-                             "task metrics need instruction, alpaca or chat data")
+    pairs = answerable(rows)
     llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=max(1, os.cpu_count() or 1), verbose=False)
     answers, seconds = [], 0.0
     try:
         eos = llm.token_eos()
-        for row in rows_of:
-            turns, reference = prompt_and_reference(row)
+        for row, turns, reference in pairs:
             prompt = render_prompt(turns, tok, template)
             ids = tok(prompt, add_special_tokens=False).input_ids[-(context - max_new_tokens):]
             new, stopped = [], False

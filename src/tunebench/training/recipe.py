@@ -18,6 +18,7 @@ import torch
 from tunebench.core.jsonfile import write_json
 from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
+from tunebench.settings.rundir import RunDir
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.training.loop import Batch
@@ -78,7 +79,7 @@ def resumed_steps(opened: runner.Opened) -> int | None:
     """The total steps the run being resumed planned (its plan.json), or None for a run from step 0."""
     if opened.resume_from is None:
         return None
-    for plan_file in (opened.out / "plan.json", opened.resume_from.parent.parent / "plan.json"):
+    for plan_file in (RunDir(opened.out).plan_file, RunDir(opened.resume_from.parent.parent).plan_file):
         if plan_file.is_file():
             rows = json.loads(plan_file.read_text()).get("decisions", [])
             return next((int(d["value"]) for d in rows if d["setting"] == "total_steps"), None)

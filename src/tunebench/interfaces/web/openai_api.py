@@ -163,17 +163,15 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[:min(ends)], True) if ends else (text, False)
 
 
-FORCED = {"required": '<tool_call>\n{"name": "'}  # what a forced call's reply starts with (the tool template's form)
-
-
 def _tool_prompt(request: dict[str, Any]):
     """With tools: the prompt in a template that renders them (data.toolcalls.serving_template), then the start
     of the call where one is forced; the answer's text includes that start."""
     from tunebench.data import toolcalls
 
     messages, tools, choice = request["messages"], request["tools"], request["tool_choice"]
-    start = FORCED.get(choice, "" if choice == "auto" else '<tool_call>\n{"name": ' + json.dumps(choice) +
-                       ', "arguments": ')
+    # a forced call's reply starts as the tool template begins one: any function, or the one named
+    start = "" if choice == "auto" else toolcalls.CALL_START + ('"' if choice == "required" else
+                                                               json.dumps(choice) + ', "arguments": ')
 
     def prompt(tok) -> str:
         template = toolcalls.serving_template(messages, tools, tok)
