@@ -4,7 +4,7 @@
 # from a config), a torch.profiler trace of one step of each side, the decoding loop against HF generate, and
 # `compare --matrix study` on the CPU and the GPU in one report. Everything goes to $OUT (logs, the tests'
 # JUnit XML and run records, the benchmarks' raw JSON, the traces); copy it to benchmarks/gpu-<GPU>-<date>/.
-#   bash benchmarks/gpu_session.sh [--dry-run] STEP...   STEP: tests study gpu-sized llama generation compare, all
+#   bash benchmarks/gpu_session.sh [--dry-run] STEP...   STEP: tests (memory-tests) study gpu-sized llama generation compare, all
 # --dry-run runs on any machine without a GPU: every step's Python imports and arguments are checked (the
 # tests are collected, each benchmark parses its arguments, tunebench parses its command line) and nothing
 # trains; tests/test_benchmarks.py runs it, so the script is ready the day a GPU is lent.
@@ -49,10 +49,16 @@ step_tests() {
   python3 -c "import torch, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| bitsandbytes', bitsandbytes.__version__)" | tee "$OUT/versions.txt"
   tunebench hw.txt hw
   # Tests that fill the GPU's memory run alone, after the others (which share the GPU across workers).
-  local alone="cuda_oom or falls_back_to_gradient_checkpointing"
-  TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -n "${TEST_WORKERS:-4}" -k "not ($alone)" \
+  TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -n "${TEST_WORKERS:-4}" -k "not ($memory_tests)" \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
-  TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -k "$alone" \
+  step_memory_tests
+}
+
+memory_tests="backs_off_from_a_real_cuda_oom or falls_back_to_gradient_checkpointing"
+step_memory_tests() {  # the two tests that fill the GPU's memory, alone (also part of `tests`)
+  local pytest=(python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts=-ra --timeout 300)
+  if ((dry)); then "${pytest[@]}" -k "$memory_tests" --collect-only -q >/dev/null || exit 1; return; fi
+  TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -k "$memory_tests" \
     --junitxml="$OUT/gpu_tests_alone.xml" 2>&1 | tee "$OUT/gpu_tests_alone.log"
 }
 
@@ -97,8 +103,8 @@ steps=("$@")
 [[ ${steps[*]} == all ]] && steps=(tests study gpu-sized llama generation compare)
 for s in "${steps[@]}"; do
   case $s in
-    tests|study|gpu-sized|llama|generation|compare) echo "== $s $(date -u +%H:%M:%S)"; "step_${s//-/_}" ;;
-    *) echo "gpu_session.sh: unknown step '$s'; the steps are tests study gpu-sized llama generation compare, all" >&2
+    tests|memory-tests|study|gpu-sized|llama|generation|compare) echo "== $s $(date -u +%H:%M:%S)"; "step_${s//-/_}" ;;
+    *) echo "gpu_session.sh: unknown step '$s'; the steps are tests memory-tests study gpu-sized llama generation compare, all" >&2
        exit 2 ;;
   esac
 done

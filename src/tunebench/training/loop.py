@@ -425,6 +425,13 @@ def train(
     bar = tqdm(total=settings.total_steps, initial=state.step, disable=not (settings.progress and world.main),
                unit="step", dynamic_ncols=True)
     prefetch = settings.prefetch if settings.prefetch is not None else device.type == "cuda"
+    if device.type == "cuda":
+        # The batch probe and the eval before training leave their blocks cached in PyTorch's allocator. The
+        # driver's own allocations (the prefetch stream, a kernel module loaded on first use) cannot use that
+        # cache: after a probe near the memory's edge, creating the stream failed with "CUDA error: out of
+        # memory" (an H200, micro 8 out of memory, 4 chosen). Hand the cache back once; the first step
+        # reserves what it needs again.
+        torch.cuda.empty_cache()
     feed = (Prefetcher if prefetch else _Inline)(next_micro_batch, state, settings)
     timer = StepTimer(device)
     done: list[_Done] = []
