@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -224,7 +225,8 @@ def test_batch_probe_backs_off_from_a_real_cuda_oom_and_keeps_the_effective_batc
     micro = summary["micro_batch_size"]
     assert 1 <= micro < 64
     assert micro * summary["grad_accum_steps"] == summary["effective_batch_size"] == 64
-    assert summary["steps"] == 2 and summary["samples"] == 128
+    # 80 rows less 4 held out: the second step is the epoch's short last one (runplan.total_steps), 12 rows
+    assert summary["steps"] == 2 and summary["samples"] == 76
 
 
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])
@@ -344,7 +346,10 @@ def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fi
             "data.max_length": 1024, "train.micro_batch_size": "auto", "train.effective_batch_size": 4,
             "train.max_steps": 2, "data.eval_fraction": 0.0}))
     printed = capsys.readouterr().out
-    assert "micro batch 1 did not fit without it" in printed, printed[-3000:]
+    # Whichever measurement found it first turns checkpointing on: the attention pick (its rows fit no kernel
+    # without it; what an H100 did) or the batch probe (micro batch 1 did not fit without it).
+    assert re.search(r"gradient_checkpointing +True +.*(did not fit|fit no attention kernel) without it", printed), \
+        printed[-3000:]
     assert summary["steps"] == 2 and summary["micro_batch_size"] * summary["grad_accum_steps"] == 4
 
 
