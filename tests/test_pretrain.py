@@ -284,13 +284,13 @@ def test_the_time_to_quality_recipe_is_nanogpts_model_and_batch_and_trains(tmp_p
     assert summary["steps"] == 3 and summary["eval_loss"] < summary["eval_loss_before"]
 
 
-def test_readme_python_api_example_runs(tmp_path, monkeypatch):
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+def test_the_python_api_page_example_runs(tmp_path, monkeypatch):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "python-api.md").read_text()
+    code = text.split("```python", 1)[1].split("```", 1)[0]
     (tmp_path / "corpus.txt").write_text(TEXT)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    exec(compile(code, "python-api.md", "exec"), scope)  # noqa: S102 - the docs' own example
     assert scope["device"] in ("cpu", "cuda", "mps") and scope["summary"]["steps"] == 20
     assert isinstance(scope["text"], str) and (tmp_path / "runs" / "api-demo" / "config.json").is_file()
 
