@@ -3,7 +3,7 @@
 # - the studio's tabs and the blind A/B tab: its browser test drives a real server through a whole session in
 #   headless Chromium (upload a CSV, train, stop, resume, export, vote, chat) and screenshots each tab;
 # - the compare report's charts: `tunebench report` on the reference study's own results table;
-# - a run report's charts: the README's first command, on the built-in sample's first 48 rows as my.csv.
+# - a run report's charts: the README's first command with --epochs 3, on the built-in sample's first 48 rows.
 #   bash docs/pictures.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ cp "$tmp/studio/runs.png" docs/studio-runs.png
 cp "$tmp/studio/ab.png" docs/serve-ab.png
 
 $py -m tunebench report src/tunebench/examples/study_results.csv -o "$tmp/study"
-for chart in throughput batch_effect; do cp "$tmp/study/$chart.png" "docs/pictures/study-$chart.png"; done
+for chart in duration batch_effect; do cp "$tmp/study/$chart.png" "docs/pictures/study-$chart.png"; done
 
 $py - "$tmp/my.csv" <<'PY'
 import csv, json, sys
@@ -28,7 +28,7 @@ with open(sys.argv[1], "w", newline="") as f:
     w.writerow(["instruction", "response"])
     w.writerows([r["instruction"], r["response"]] for r in rows)
 PY
-(cd "$tmp" && "$OLDPWD/$py" -m tunebench train --data my.csv --output-dir runs/my-model)
+(cd "$tmp" && "$OLDPWD/$py" -m tunebench train --data my.csv --output-dir runs/my-model --epochs 3)
 $py -m tunebench report "$tmp/runs/my-model" -o "$tmp/run-report"
 ls "$tmp/run-report"
 for chart in "$tmp"/run-report/*/*.png "$tmp"/run-report/*.png; do
