@@ -152,7 +152,7 @@ def worker_tunebench(args) -> dict:
             "gpu_peak_memory_mb": s["peak_memory_mb"] if s["device"] == "cuda" else None,
             "mfu": s["mfu"], "peak_tflops_source": s["peak_tflops_source"], "device": s["device"],
             "micro_batch_size": s["micro_batch_size"], "grad_accum_steps": s["grad_accum_steps"],
-            "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile", "batch layout",
+            "measure_s": s["measure_s"], "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile", "batch layout",
                                                   "target_modules", "precision")}}
 
 

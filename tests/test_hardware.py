@@ -333,6 +333,60 @@ def test_a_second_round_only_where_the_first_leaves_the_kernels_apart():
     assert len(apart.tried) == 6  # 29% apart: a second round confirms against drift
 
 
+class Clock:
+    """A fake clock that each fake measurement advances by its own cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_measuring_stops_where_it_would_cost_more_than_a_tenth_of_the_training_it_decides():
+    """A 1.07B model on 2 cores took 196 s to measure for 96 s of training. Here each kernel takes 10 s to time
+    at 100 tokens/s and the run is 50,000 tokens (500 s of training): measuring may take 50 s, the attention
+    kernel half of it, so the first kernel is timed, the second fits (20 s), and the third is left out and said
+    so; nothing partial is cached, so a longer run of the shape measures it. `--measure full` (no budget) times
+    all three."""
+    from tunebench.training.tune.budget import Budget
+
+    clock = Clock()
+    model = FakeAttentionModel({"sdpa": 100.0, "eager": 90.0, "tunebench": 120.0})
+
+    def measure():
+        clock.now += 10.0
+        return model.measure()
+
+    budget = Budget(50_000, clock=clock)
+    row = attention.pick(model, "auto", measure, _shape("budget1"), budget=budget)
+    assert model.tried == ["sdpa", "eager"] and row[1] == "sdpa"
+    assert "tunebench skipped: not measured: ~10 s more would take measuring past 50% of the 50 s, 10% of the " \
+           "run's predicted 500 s of training; --measure full measures it" in row[2]
+    assert tune.cached(_shape("budget1").key("attention", candidates=attention.ATTENTION_KERNELS)) is None
+    model.tried.clear()
+    assert attention.pick(model, "auto", measure, _shape("budget1"))[1] == "tunebench" and len(model.tried) == 6
+    # A short run still measures for the floor of 20 s (a small model's whole measurement fits in it): here
+    # the first kernel's 10 s is all of the attention's half.
+    clock.now, model.tried = 0.0, []
+    assert attention.pick(model, "auto", measure, _shape("budget2"), budget=Budget(100, clock=clock))[1] == "sdpa"
+    assert model.tried == ["sdpa"]
+
+    # The batch probe: a step's time grows with its size, so 4 (predicted 40 s after 2's 20 s) is not tried.
+    def step(size):
+        clock.now += 10.0 * size
+        return 100.0 * (1 + size / 10), 1000.0 + size
+
+    clock.now = 0.0
+    result = batch.probe(step, [1, 2, 4, 8], 1e9, 0.0, lambda e: False, Budget(60_000, clock=clock))
+    assert [(p.micro_batch_size, p.status) for p in result.probes] == [(1, "ok"), (2, "ok"),
+                                                                        (4, "skipped: measuring budget")]
+    assert result.micro_batch_size == 2 and result.partial
+    assert "; 4, 8 not measured: ~40 s more would take measuring past 50 s" in result.reason
+    clock.now = 0.0
+    assert batch.probe(step, [1, 2, 4, 8], 1e9, 0.0, lambda e: False).micro_batch_size == 8  # full: all four
+
+
 def test_flash_attention_joins_the_candidates_only_where_it_can_run(monkeypatch):
     import transformers.utils
 

@@ -42,6 +42,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp")
 ON_OFF = ("auto", "on", "off")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+MEASURE_MODES = ("bounded", "full")  # tunebench.training.tune.budget
 ATTENTIONS = ("auto", "sdpa", "eager", "tunebench", "flash_attention_2")
 SCHEDULES = ("cosine", "linear", "constant", "warmup_stable_decay")  # transformers.get_scheduler's (optim.lr_factor)
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused")  # HF's names; all are torch's AdamW (fused where it helps)
@@ -68,6 +69,10 @@ class Hardware:
     """torch.compile's mode: default | reduce-overhead | max-autotune"""
     attention: str = "auto"
     """attention kernel: auto (the fastest measured) | sdpa | eager | tunebench | flash_attention_2 (CUDA)"""
+    measure: str = "bounded"
+    """how much the auto settings may measure before training: bounded (at most a tenth of the training they decide,
+    20 s at least; a candidate that would not fit in that is not measured, and its row says so) | full (every
+    attention kernel and micro batch)"""
     gradient_checkpointing: str = "auto"
     """recompute activations in the backward pass: auto (only when the batch would not fit otherwise) | on | off"""
     liger: str = "auto"
@@ -209,6 +214,7 @@ SHARED: dict[str, type] = {"hardware": Hardware, "batch": Batch, "optimizer": Op
 CHOICES: dict[str, tuple[str, ...]] = {
     "hardware.device": DEVICES, "hardware.precision": PRECISIONS, "hardware.compile": ON_OFF,
     "hardware.compile_mode": COMPILE_MODES, "hardware.attention": ATTENTIONS, "hardware.gradient_checkpointing": ON_OFF,
+    "hardware.measure": MEASURE_MODES,
     "hardware.liger": ON_OFF, "optimizer.optimizer": OPTIMIZERS, "optimizer.lr_scaling": LR_SCALING,
     "schedule.schedule": SCHEDULES, "distributed.parallel": PARALLELS,
     "distributed.backend": BACKENDS}

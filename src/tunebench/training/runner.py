@@ -191,7 +191,7 @@ def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, w
             resumed=opened.resumed, micro_asked=micro or opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
             max_length=max_length, checkpointing=h.gradient_checkpointing,
             compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode,
-            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size)
+            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size, measure_mode=h.measure)
 
     return measured_by_rank0(world, model, measure_)
 

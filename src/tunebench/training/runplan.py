@@ -174,20 +174,24 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
             attention_rows: int, widest: int, effective: int, resumed: tuple[int, int] | None,
             micro_asked: int | None, asked_reason: str, n_train: int, max_length: int, checkpointing: str,
             compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1,
-            compile_mode: str = "default") -> Measured:
+            compile_mode: str = "default", measure_mode: str = "bounded") -> Measured:
     """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
     batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
-    `run_tokens` the tokens the whole run will compute (compile pays off over those)."""
+    `run_tokens` the tokens the whole run will compute (compile pays off over those; the attention kernel and
+    the micro batch share a measuring budget of a tenth of their training time, unless `measure_mode` is full)."""
     from tunebench.training.tune import attention, batch, compiler
+    from tunebench.training.tune.budget import Budget
 
+    budget = Budget(run_tokens) if measure_mode == "bounded" else None
     rows: list[Decision] = []
     if checkpointing == "on":
         rows.append(Decision("gradient_checkpointing", True, "asked for"))
     rows += attention.decide(model, attention_asked, lambda: step(attention_rows)[0], shape, attention_rows, widest,
-                             precision, device, checkpointing)
+                             precision, device, checkpointing, budget)
     micro, batch_rows, speed = measure_batch(
         effective, world_size, resumed, micro_asked,
-        lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks),
+        lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks,
+                                  budget),
         asked_reason, lambda micro: batch.cached_speed(shape, effective // world_size, n_train, micro, local_ranks))
     rows += batch_rows
     if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):

@@ -9,6 +9,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.model import kernels, methods
 from tunebench.training.tune import Shape, cached, store
+from tunebench.training.tune.budget import ATTENTION_PART, Budget
 from tunebench.training.tune.probe import enable_checkpointing, free_after_oom, is_oom, memory_free_mb
 
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
@@ -49,13 +50,15 @@ ALIKE = 1.05
 
 
 def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None, is_oom=is_oom,
-         candidates: tuple[str, ...] = ATTENTION_KERNELS) -> Row:
+         candidates: tuple[str, ...] = ATTENTION_KERNELS, budget: Budget | None = None) -> Row:
     """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
     fastest (cached).
 
     `too_big(impl)` says why a kernel would not fit in memory (None if it would): on a CPU an
     allocation past the RAM is not an exception but the kernel's OOM killer, so a kernel whose
     T x T weights would not fit is never tried, and a cached choice that no longer fits is measured again.
+    With a `budget`, a kernel whose measurement would not fit in what is left of its half of it is not
+    measured (the first always is), and the partial choice is not cached.
     """
     kernels.register()
     if requested != "auto":
@@ -70,26 +73,37 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
     if hit is None or too_big(hit["value"]):
         skipped = {impl: why for impl in candidates if (why := too_big(impl))}
         speeds = {impl: 0.0 for impl in candidates if impl not in skipped}
+        cost, partial = 0.0, False  # the last measurement's seconds; whether the budget left a kernel out
         for round_ in range(2):  # round-robin, best of two: a shared machine's drift hits every kernel alike
             if round_ and len(speeds) > 1 and max(speeds.values()) <= ALIKE * min(speeds.values()):
                 break  # within 5% after one round: the choice wins this run less than a second round costs
             for impl in list(speeds):
+                if budget is not None and cost and not budget.affords(cost, ATTENTION_PART):
+                    if not speeds[impl]:  # never measured: left out, and said so
+                        skipped[impl], partial = budget.why_not(cost, ATTENTION_PART), True
+                        del speeds[impl]
+                    continue
                 model.set_attn_implementation(impl)
                 try:
-                    speeds[impl] = max(speeds[impl], measure())
+                    speed, cost = budget.timing(measure) if budget is not None else (measure(), 0.0)
                 except BaseException as e:  # noqa: BLE001 - only OOM is expected; anything else re-raises
                     if not is_oom(e):
                         raise
                     free_after_oom(model)
                     skipped[impl] = "out of memory"
                     del speeds[impl]
+                    continue
+                speeds[impl] = max(speeds[impl], speed)
+                if budget is not None:
+                    budget.saw(speed)
         if not speeds:
             why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
             raise NoneFit(f"no attention kernel fits in memory ({why}); lower --max-length or --batch-size")
         ranked = sorted(speeds, key=speeds.get, reverse=True)
         hit = {"value": ranked[0], "reason": "measured " + ", ".join(f"{speeds[k]:,.0f} ({k})" for k in ranked)
                                             + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())}
-        store(key, hit)
+        if not partial:
+            store(key, hit)
     model.set_attn_implementation(hit["value"])
     return Row("attention", hit["value"], hit["reason"])
 
@@ -114,14 +128,14 @@ class NoneFit(TunebenchError):
 
 
 def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int, precision: str,
-           device: torch.device, checkpointing: str = "off") -> list[Row]:
+           device: torch.device, checkpointing: str = "off", budget: Budget | None = None) -> list[Row]:
     """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked. With
     gradient checkpointing on auto, rows that fit no kernel are measured again with recomputation on, and a
     gradient_checkpointing row says why (on an H200 filled to 1.5 GB, one 1,024-token row of GPT-2 fit no
     kernel without it, and the run stopped before the batch probe could turn it on)."""
     def one() -> Row:
         return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
-                    candidates=candidates(device, precision, model))
+                    candidates=candidates(device, precision, model), budget=budget)
 
     try:
         return [one()]

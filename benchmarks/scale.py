@@ -1,0 +1,97 @@
+"""Measuring pays for itself at every size: tunebench's first run of a shape against HF Trainer + PEFT, end to end.
+
+Two Llama-family shapes with random weights and SmolLM2's tokenizer: 0.42B (hidden 1024, 24 layers, 16 heads,
+4 KV heads, FFN 4096) and 1.07B (hidden 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632). LoRA r=8 on q/v at
+the study's settings (max_length 128, effective batch 8), Bitext rows (or the built-in sample), 10 optimizer
+steps, bf16 where the CPU has it. Each side runs in its own process, alternating (benchmarks/vs_hf_trainer.py),
+and tunebench starts from an empty cache of measurements: a first run of the shape, its measuring included in
+its wall time. The table: real tokens/s, the ratio, peak RSS, each process's wall time and tunebench's measuring.
+
+    python benchmarks/scale.py                    # both shapes, one run a side
+    python benchmarks/scale.py --sizes 0.42b --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {  # name: (hidden, layers, heads, KV heads, FFN)
+    "0.42b": (1024, 24, 16, 4, 4096),
+    "1.07b": (2048, 22, 32, 4, 5632),
+}
+
+
+def build(name: str, out: Path) -> Path:
+    """The shape as a model directory (random weights, seeded) with SmolLM2's tokenizer; built once."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tunebench.model import models
+
+    hidden, layers, heads, kv, ffn = SHAPES[name]
+    tok = models.resolve(models.SMOLLM2).tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters -> {out}", flush=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="0.42b,1.07b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps of each run (effective batch 8)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "tunebench-scale"),
+                   help="where the shapes are built (kept for the next run)")
+    p.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown size(s) {', '.join(unknown)}: the sizes are {', '.join(SHAPES)}")
+    if args.check_args:
+        from harness import check_imports  # benchmarks/harness.py: run as a script, this directory is on the path
+        check_imports(__file__)
+        return
+    rows = []
+    samples = round(args.steps * 8 / 0.95) + 1  # 5% held out: `steps` batches of 8 training rows
+    for name in sizes:
+        model = build(name, Path(args.models) / name)
+        with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile(suffix=".json") as saved:
+            env = dict(os.environ, TUNEBENCH_CACHE=cache)  # a first run of the shape: nothing measured before
+            subprocess.run([sys.executable, str(HERE / "vs_hf_trainer.py"), "--model", str(model), "--samples",
+                            str(samples), "--repeats", str(args.repeats), "--save", saved.name], env=env, check=True)
+            result = json.loads(Path(saved.name).read_text())
+        tb, hf = (result["medians"][side] for side in ("tunebench (auto)", "HF Trainer+PEFT (bf16)"))
+        measuring = sorted(r["measure_s"] for r in result["runs"]["tunebench (auto)"])
+        rows.append((name, tb, hf, measuring[len(measuring) // 2], result["runs"]["tunebench (auto)"][0]))
+    print(f"\n{args.steps} steps, max_length 128, effective batch 8, LoRA r=8 on q/v; medians of {args.repeats}; "
+          f"tunebench from an empty measurement cache")
+    print("| model | tunebench tokens/s | HF tokens/s | ratio | peak RSS tunebench / HF | process wall tunebench / HF "
+          "| tunebench measuring | MFU | chosen |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, tb, hf, measure_s, run in rows:
+        chosen = ", ".join(f"{k} {v}" for k, v in run["chosen"].items() if k in ("micro_batch_size", "attention"))
+        print(f"| {name} | {tb['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | "
+              f"{tb['tokens_per_s'] / hf['tokens_per_s']:.2f}x | {tb['peak_memory_mb'] / 1024:.1f} / "
+              f"{hf['peak_memory_mb'] / 1024:.1f} GB | {tb['total_s']:.0f} / {hf['total_s']:.0f} s | {measure_s:.0f} s | "
+              f"{100 * tb['mfu']:.1f}% | {chosen} |")
+
+
+if __name__ == "__main__":
+    main()
