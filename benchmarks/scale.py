@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "tunebench-scale"),
                    help="where the shapes are built (kept for the next run)")
+    p.add_argument("--measure", default="bounded", choices=["bounded", "full"],
+                   help="tunebench's --measure (full: every kernel and micro batch, as before the budget)")
     p.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     sizes = args.sizes.split(",")
@@ -75,13 +77,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile(suffix=".json") as saved:
             env = dict(os.environ, TUNEBENCH_CACHE=cache)  # a first run of the shape: nothing measured before
             subprocess.run([sys.executable, str(HERE / "vs_hf_trainer.py"), "--model", str(model), "--samples",
-                            str(samples), "--repeats", str(args.repeats), "--save", saved.name], env=env, check=True)
+                            str(samples), "--repeats", str(args.repeats), "--measure", args.measure, "--save", saved.name],
+                           env=env, check=True)
             result = json.loads(Path(saved.name).read_text())
         tb, hf = (result["medians"][side] for side in ("tunebench (auto)", "HF Trainer+PEFT (bf16)"))
         measuring = sorted(r["measure_s"] for r in result["runs"]["tunebench (auto)"])
         rows.append((name, tb, hf, measuring[len(measuring) // 2], result["runs"]["tunebench (auto)"][0]))
     print(f"\n{args.steps} steps, max_length 128, effective batch 8, LoRA r=8 on q/v; medians of {args.repeats}; "
-          f"tunebench from an empty measurement cache")
+          f"tunebench from an empty measurement cache, --measure {args.measure}")
     print("| model | tunebench tokens/s | HF tokens/s | ratio | peak RSS tunebench / HF | process wall tunebench / HF "
           "| tunebench measuring | MFU | chosen |")
     print("|---|---|---|---|---|---|---|---|---|")
