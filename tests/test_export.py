@@ -340,31 +340,66 @@ def _port():
         return s.getsockname()[1]
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _tool_run(runs, root):
+    """A tiny Llama (1,024 positions: the tools' JSON is in the prompt) on the runs' BPE tokenizer, fully
+    fine-tuned until it answers 'Weather?' with get_weather(city=Oslo) in the tool template the run records."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(runs / "tok")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                                 eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    row = {"messages": [{"role": "user", "content": "Weather?"}, call, {"role": "tool", "tool_call_id": "c1",
+                                                                       "content": "rain"},
+                        {"role": "assistant", "content": "Rain."}], "tools": WEATHER}
+    (root / "calls.jsonl").write_text((json.dumps(row) + "\n") * 8)
+    finetune.run(load_config(options={
+        "model.name": str(root / "base"), "data.path": str(root / "calls.jsonl"), "data.max_length": 1024,
+        "train.max_steps": 150, "train.lr": 3e-3, "adapter.method": "full", "train.micro_batch_size": 2,
+        "train.effective_batch_size": 4, "data.eval_fraction": 0, "train.output_dir": str(root / "tools"),
+        "train.progress": False, "train.compile": "off", "hardware.precision": "fp32"}))
+    return root / "tools"
+
+
 def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs, tmp_path, llama_cpp_server):
     """Exports served by llama.cpp's OpenAI-compatible server and the runs served by `tunebench serve`'s API,
     asked the same through the openai client, answer alike: a chat to the LoRA run (the prompt rendered from the
     run's awkward --template on our side, from the GGUF's embedded chat template on theirs: the same number of
-    prompt tokens) and a completion to the pretrained Llama-style run, whose greedy continuation of its corpus
-    is decided (a random model's near-tied logits would flip between runtimes)."""
+    prompt tokens), a completion to the pretrained Llama-style run, whose greedy continuation of its corpus
+    is decided (a random model's near-tied logits would flip between runtimes), and a chat with `tools` to a run
+    trained on tool calls: the GGUF's template renders the tools to the same prompt, and llama.cpp's reply holds
+    the same call in the template's <tool_call> form that our API returns as `tool_calls` (llama-cpp-python's
+    server parses calls only for its own function-calling formats, so its reply is text)."""
     import subprocess
     import sys
     import time
 
     openai = needs_module("openai", "the servers are read with the openai client (in the test extra)")
     needs_module("gradio", "serve needs gradio (the test extra)")
+    from tunebench.data import toolcalls
     from tunebench.interfaces.web import app
 
+    tools_run = _tool_run(runs, tmp_path)
     served = {}
-    for name in ("lora", "llama"):
-        path = export.export(str(runs / name), "gguf", "f16", str(tmp_path / f"{name}.gguf"))
+    for name, run in (("lora", runs / "lora"), ("llama", runs / "llama"), ("tools", tools_run)):
+        path = export.export(str(run), "gguf", "f16", str(tmp_path / f"{name}.gguf"))
         port = _port()
         served[name] = (port, subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1", "--port",
-             str(port), "--n_ctx", "512", "--n_threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+             str(port), "--n_ctx", "1024", "--n_threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True))
     ours_port = _port()
-    ours = app.serve([], [str(runs / "lora"), str(runs / "llama")], port=ours_port, ab_db=str(tmp_path / "ab.sqlite"),
-                     block=False)
+    ours = app.serve([], [str(runs / "lora"), str(runs / "llama"), str(tools_run)], port=ours_port,
+                     ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         clients = {}
         for name, (port, server) in served.items():
@@ -386,6 +421,10 @@ def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs,
         text = {"prompt": "Line 12: the quick brown", **greedy}
         theirs_text = clients["llama"].completions.create(model="x", **text, extra_body={"repeat_penalty": 1.0})
         mine_text = mine.completions.create(model=str(runs / "llama"), **text)
+        ask = {"messages": [{"role": "user", "content": "Weather?"}], "tools": WEATHER, "temperature": 0,
+               "max_tokens": 120}  # a call is ~70 tokens of this 300-token vocabulary
+        theirs_tools = clients["tools"].chat.completions.create(model="x", **ask, extra_body={"repeat_penalty": 1.0})
+        mine_tools = mine.chat.completions.create(model=str(tools_run), **ask)
     finally:
         for _, server in served.values():
             server.terminate()
@@ -396,6 +435,11 @@ def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs,
     assert mine_text.choices[0].text  # a continuation, not two empty strings
     assert theirs_text.usage.prompt_tokens == mine_text.usage.prompt_tokens
     assert theirs_text.choices[0].text.strip() == mine_text.choices[0].text
+    assert theirs_tools.usage.prompt_tokens == mine_tools.usage.prompt_tokens  # the tools rendered alike
+    (call,) = mine_tools.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    _, theirs_calls = toolcalls.parse(theirs_tools.choices[0].message.content)
+    assert theirs_calls[:1] == [{"name": "get_weather", "arguments": {"city": "Oslo"}}], theirs_tools
 
 
 def test_eval_scores_an_export_with_llama_cpps_own_answers_beside_the_run(runs, tmp_path, llama_cpp, capsys):
