@@ -8,6 +8,7 @@ import yaml
 
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import compare, report
+from tunebench.model import quality
 
 STUDY = Path(compare.__file__).resolve().parents[1] / "examples" / "study_results.csv"
 
@@ -77,6 +78,19 @@ def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, datase
     assert sorted((r["experiment"], r["repeat"], r["status"]) for r in _rows(out))[:3] == [
         ("broken", "1", "error"), ("broken", "1", "error"), ("broken", "2", "error")]
     assert len(_rows(out)) == 5
+    assert all(ok[k] == "" for k in quality.TOOL_SCORES)  # these rows offer no tools
+    # A run whose held-out rows offer tools has its tool scores in summary.json (quality.score): they reach the
+    # results row and the report's table, and the report's quality axis is the exact-arguments rate.
+    run_dir = tmp_path / "runs" / "bs2_ga2-cpu-r1"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tools = {"tool_name": 100.0, "tool_args": 87.5, "tool_schema": 100.0, "tool_decision": 95.0}
+    (run_dir / "summary.json").write_text(json.dumps(summary | tools))
+    row = compare._row_from_run(run_dir, "cpu") | {"experiment": "tools", "config": "tools", "repeat": 1,
+                                                     "device": "cpu", "status": "ok"}
+    assert {k: row[k] for k in tools} == tools
+    compare.append_row(tmp_path / "tools.csv", row)
+    built = report.build([str(tmp_path / "tools.csv")])
+    assert report.quality_points(built["cells"])[:2] == ("tool_args", quality.LABELS["tool_args"])
 
 
 @pytest.mark.usefixtures("children_in_process")

@@ -206,10 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="median: stop trials whose eval loss is worse than the median of earlier trials at the same "
                          "point; auto (default): median for --objective eval_loss, none for a task metric")
     tu.add_argument("--objective", default="eval_loss",
-                    choices=["eval_loss", *quality.OBJECTIVES, "reward_accuracy"],
+                    choices=["eval_loss", *quality.TASK_OBJECTIVES, "reward_accuracy"],
                     help="what a trial is judged by: eval_loss (default, minimized), a task metric of its answers "
-                         "to held-out rows (maximized; train.eval_generate rows, default 16), or reward_accuracy "
-                         "on the held-out pairs of a DPO/ORPO run (maximized)")
+                         "to held-out rows (maximized; train.eval_generate rows, default 16; the tool_ scores "
+                         "where the rows offer tools), or reward_accuracy on the held-out pairs of a DPO/ORPO run "
+                         "(maximized)")
     length = tu.add_mutually_exclusive_group()
     length.add_argument("--budget-tokens", type=int, default=None,
                         help="every trial trains on about this many real tokens, whatever its batch size")

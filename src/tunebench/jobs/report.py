@@ -250,8 +250,10 @@ def batch_chart(cells) -> bytes | None:
     return png(fig)
 
 
-# The quality axis: the first task metric the runs have (higher is better), else eval loss (lower is).
-QUALITY = (*((k, quality.LABELS[k], True) for k in quality.OBJECTIVES), ("eval_loss", "eval loss (lower is better)", False))
+# The quality axis: the first task metric the runs have (higher is better; exact tool arguments first, where rows
+# offer tools: their ROUGE-L mostly counts the call's JSON punctuation), else eval loss (lower is).
+QUALITY = (*((k, quality.LABELS[k], True) for k in ("tool_args", *quality.OBJECTIVES)),
+           ("eval_loss", "eval loss (lower is better)", False))
 
 
 def quality_points(cells) -> tuple[str, str, bool, list[tuple[str, float, float]]]:
@@ -354,11 +356,11 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
 
 COLUMNS = ["experiment", "device_name", "processes", "config", "method", "batch_size", "grad_accum", "quantization",
            "precision", "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
-           *quality.SCORES, "trainable_params", "status"]
+           *quality.SCORES, *quality.TOOL_SCORES, "trainable_params", "status"]
 
 
 DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4,
-          **{k: quality.DIGITS[k] for k in quality.SCORES}}
+          **{k: quality.DIGITS[k] for k in (*quality.SCORES, *quality.TOOL_SCORES)}}
 
 
 def _cell(run: Run, key: str) -> str:

@@ -36,7 +36,7 @@ SAME_FAILURES = 3  # trials in a row failing with one message: a setting they sh
 EVALS = 4  # evals per trial, at 1/4, 2/4, 3/4 and the end of its budget: the points the pruner compares
 # What a trial is judged by: eval loss (lower is better, judged while it runs), or a task metric of its
 # answers to held-out rows at the end (train.eval_generate; higher is better).
-OBJECTIVES = {"eval_loss": "minimize", **dict.fromkeys(quality.OBJECTIVES, "maximize"),
+OBJECTIVES = {"eval_loss": "minimize", **dict.fromkeys(quality.TASK_OBJECTIVES, "maximize"),
               "reward_accuracy": "maximize"}  # the last: DPO/ORPO runs' held-out pairs
 TASK_ROWS = 16  # held-out rows a trial answers when the objective is a task metric and train.eval_generate is unset
 KEYS = {"budget": "schedule.max_tokens", "steps": "schedule.max_steps", "eval": "evaluation.eval_steps"}  # set on every trial
@@ -365,7 +365,8 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 1))
     if row["status"] == "ok" and row.get(objective) in (None, ""):
         row |= {"status": "error", "message": f"the run reported no {objective}"
-                + ("" if objective != "exact_match" else ": the references are not GSM8K-style (#### answer)")}
+                + (": the references are not GSM8K-style (#### answer)" if objective == "exact_match" else
+                   ": the held-out rows offer no tools" if objective in quality.TOOL_SCORES else "")}
         trial.set_user_attr("row", {k: v for k, v in row.items() if v is not None})
     if row["status"] == "ok":
         trial.set_user_attr("config", (run_dir / "config.yaml").read_text())

@@ -24,8 +24,11 @@ SCORES = ("rougeL", "chrf", "exact_match", "eos_rate")  # the answers judged (hi
 METRICS = SCORES + ("answer_tokens", "gen_tokens_per_s")  # and what describes them
 OBJECTIVES = ("rougeL", "chrf", "exact_match")  # what a search can maximize (a high EOS rate is no goal in itself)
 LABELS = {"rougeL": "ROUGE-L", "chrf": "chrF", "exact_match": "exact match (%)", "eos_rate": "EOS rate (%)",
+          "tool_name": "right tool (%)", "tool_args": "exact arguments (%)", "tool_schema": "valid arguments (%)",
+          "tool_decision": "called when due (%)",
           "answer_tokens": "answer tokens", "gen_tokens_per_s": "generated tokens/s"}
-DIGITS = {"rougeL": 1, "chrf": 1, "exact_match": 1, "eos_rate": 0, "answer_tokens": 1, "gen_tokens_per_s": 1}
+DIGITS = {"rougeL": 1, "chrf": 1, "exact_match": 1, "eos_rate": 0, "answer_tokens": 1, "gen_tokens_per_s": 1,
+          "tool_name": 1, "tool_args": 1, "tool_schema": 1, "tool_decision": 1}
 GSM8K_ANSWER = re.compile(r"####\s*(.+)")
 NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
@@ -34,6 +37,7 @@ NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 # the same arguments (equal as JSON), with arguments the tool's JSON schema accepts, and that call a tool exactly
 # where the reference does (and answer in words where it does not).
 TOOL_SCORES = ("tool_name", "tool_args", "tool_schema", "tool_decision")
+TASK_OBJECTIVES = OBJECTIVES + TOOL_SCORES  # a search maximizes any of them; the tool scores, where rows offer tools
 
 
 @dataclass
