@@ -39,6 +39,25 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+def test_a_results_file_of_an_earlier_layout_resumes_in_todays(tmp_path, capsys):
+    """A release that adds columns (the tool-call scores) rewrites an earlier file in its layout, the new cells
+    empty, so `./run compare` resumes across the upgrade; a file with a column today's has not is refused."""
+    old = [k for k in compare.SCHEMA if k not in quality.TOOL_SCORES]
+    path = tmp_path / "results.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old)
+        w.writeheader()
+        w.writerow({k: "" for k in old} | {"experiment": "auto", "device": "cpu", "repeat": "1", "status": "ok",
+                                           "rougeL": "41.5"})
+    assert compare.read_done(path) == {("auto", "cpu", 1)}
+    (row,) = _rows(path)
+    assert list(row) == compare.SCHEMA and row["rougeL"] == "41.5" and row["tool_args"] == ""
+    assert "rewritten with this release's 4 new column(s), empty for its 1 earlier row(s)" in capsys.readouterr().out
+    path.write_text("experiment,device,repeat,status,a_column_we_never_wrote\n")
+    with pytest.raises(TunebenchError, match="another column layout"):
+        compare.read_done(path)
+
+
 @pytest.mark.usefixtures("children_in_process")
 def test_compare_writes_the_schema_records_failures_and_resumes(tmp_path, dataset, capsys):
     matrix = _matrix(tmp_path, dataset, "  - {name: broken, set: {model.name: ./no/such/model}}\n")

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tunebench.core.durable import repair_tail
+from tunebench.core.durable import atomic_file, repair_tail
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import children, sizing
 from tunebench.model import quality
@@ -185,12 +185,31 @@ def devices_present() -> tuple[list[str], dict[str, str]]:
     return present, absent
 
 
+def upgrade(path: Path) -> None:
+    """A results CSV an earlier release wrote, whose columns are all still in SCHEMA (a release added columns,
+    as the tool-call scores were), rewritten in today's layout with those cells empty, so a comparison resumes
+    across the upgrade; written beside and renamed, so an interruption leaves the old file whole."""
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
+        reader = csv.DictReader(f)
+        old = reader.fieldnames or []
+        if old == SCHEMA or not old or not set(old) < set(SCHEMA):
+            return
+        rows = list(reader)
+    with atomic_file(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=SCHEMA, restval="", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{path}: rewritten with this release's {len(SCHEMA) - len(old)} new column(s), empty for its "
+          f"{len(rows)} earlier row(s)")
+
+
 def read_done(path: Path, ok_only: bool = False) -> set[tuple[str, str, int]]:
     """(experiment, device, repeat) of the rows already written; with ok_only, of the successful ones.
     A damaged row (a torn write, a hand edit) is skipped and counted: it reruns rather than crashing."""
     if not path.is_file() or path.stat().st_size == 0:
         return set()
     done, bad = set(), 0
+    upgrade(path)
     with path.open(newline="", encoding="utf-8", errors="replace") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames != SCHEMA:
@@ -415,7 +434,6 @@ def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]
 def keep_record(run_dir: Path) -> None:
     """Beside each run: the study's system_info.txt, and the run's own report (its loss, throughput, CPU
     and memory over time), which compare's report links to. A run that logged nothing gets neither."""
-    from tunebench.core.durable import atomic_file
     from tunebench.jobs import hw, run_report
 
     if not run_report.is_run(run_dir):
