@@ -3,7 +3,7 @@ arguments; held-out rows whose argument values training never saw; rows where no
 before and after a LoRA fine-tune on this machine. Prints the held-out scores of both (the right tool, exact
 arguments, arguments valid against the tool's schema, a call exactly where one is due) and the training time.
 
-    python benchmarks/toolcalls.py [--rows 320] [--held-out 60] [--epochs 2] [--out DIR]
+    python benchmarks/toolcalls.py [--rows 320] [--held-out 60] [--epochs 2] [--target-modules all-linear] [--out DIR]
     python benchmarks/toolcalls.py --write DIR    # only the data: DIR/train.jsonl and DIR/heldout.jsonl
 """
 
@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--lr", default="1e-3")
+    p.add_argument("--target-modules", default="auto", help="the LoRA's: auto (q/v) | all-linear | names")
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None)
     p.add_argument("--write", metavar="DIR", help="write the data and stop")
@@ -146,7 +147,7 @@ def main() -> None:
     began = time.perf_counter()
     code = cli.main(["train", "--model", args.model, "--data", str(train), "--output-dir", str(out / "run"),
                      "--epochs", str(args.epochs), "--max-length", "1024", "--eval-fraction", "0", "--no-progress",
-                     "--lr", args.lr, "--lora-r", "16", "--lora-alpha", "32"])
+                     "--lr", args.lr, "--lora-r", "16", "--lora-alpha", "32", "--target-modules", args.target_modules])
     trained_s = time.perf_counter() - began
     if code:
         sys.exit(code)
