@@ -8,8 +8,8 @@ predicted from the fastest speed measured so far and the tokens the run will com
 (the whole measurement of a small model takes a few seconds, and is cached for the next run). The first
 candidate of each decision is always measured: it is the speed the prediction needs. The attention kernel,
 measured first, may use half of the budget. A candidate whose measurement would take the total past the
-budget is not measured, its row says so, and a partial measurement
-is not cached, so a longer run of the same shape measures the rest. `--measure full` measures everything.
+budget is not measured, its row says so, and a partial measurement is not cached, so a longer run of the same
+shape measures the rest. `--measure full` measures everything.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ T = TypeVar("T")
 
 
 class Budget:
+    """The seconds one run's measurements may still take, from the tokens it will train and the speeds seen."""
+
     def __init__(self, run_tokens: float, share: float = SHARE, floor_s: float = FLOOR_S,
                  clock: Callable[[], float] = time.perf_counter):
         self.run_tokens, self.share, self.floor_s, self.clock = run_tokens, share, floor_s, clock
