@@ -163,6 +163,22 @@ def tiny_run_config(data, out, **extra):
     return load_config(options=options)
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def weather_calls_file(path: Path) -> Path:
+    """Eight copies of one chat row in OpenAI's form: 'Weather?' answered with the call get_weather(city=Oslo),
+    its 'tool' result 'rain', and the reply 'Rain.', the row offering WEATHER; for a tiny model to learn a call."""
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    row = {"messages": [{"role": "user", "content": "Weather?"}, call,
+                        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                        {"role": "assistant", "content": "Rain."}], "tools": WEATHER}
+    path.write_text((json.dumps(row) + "\n") * 8)
+    return path
+
+
 def pairs_file(tmp_path) -> Path:
     """Six preference pairs (the DPO/ORPO golden values' own, tests/golden/preference.json) as JSONL."""
     golden = json.loads((Path(__file__).parent / "golden" / "preference.json").read_text())

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import llama_greedy, needs_module
+from conftest import WEATHER, llama_greedy, needs_module, weather_calls_file
 from tunebench.core.errors import TunebenchError
 from tunebench.data.tokenize import render_prompt
 from tunebench.interfaces import cli
@@ -340,10 +340,6 @@ def _port():
         return s.getsockname()[1]
 
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-
-
 def _tool_run(runs, root):
     """A tiny Llama (1,024 positions: the tools' JSON is in the prompt) on the runs' BPE tokenizer, fully
     fine-tuned until it answers 'Weather?' with get_weather(city=Oslo) in the tool template the run records."""
@@ -356,14 +352,8 @@ def _tool_run(runs, root):
                                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                                  pad_token_id=tok.pad_token_id)).save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
-    row = {"messages": [{"role": "user", "content": "Weather?"}, call, {"role": "tool", "tool_call_id": "c1",
-                                                                       "content": "rain"},
-                        {"role": "assistant", "content": "Rain."}], "tools": WEATHER}
-    (root / "calls.jsonl").write_text((json.dumps(row) + "\n") * 8)
     finetune.run(load_config(options={
-        "model.name": str(root / "base"), "data.path": str(root / "calls.jsonl"), "data.max_length": 1024,
+        "model.name": str(root / "base"), "data.path": str(weather_calls_file(root / "calls.jsonl")), "data.max_length": 1024,
         "train.max_steps": 150, "train.lr": 3e-3, "adapter.method": "full", "train.micro_batch_size": 2,
         "train.effective_batch_size": 4, "data.eval_fraction": 0, "train.output_dir": str(root / "tools"),
         "train.progress": False, "train.compile": "off", "hardware.precision": "fp32"}))

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from conftest import needs_module, tiny_run_config
+from conftest import WEATHER, needs_module, tiny_run_config, weather_calls_file
 from tunebench.interfaces.web import models
 
 needs_module("gradio", "serve needs gradio (pip install -e '.[web]')")
@@ -145,10 +145,6 @@ def test_a_client_over_its_share_is_told_to_wait(tmp_path, monkeypatch):
         server.close()
 
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-
-
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory):
     """A tiny model fully fine-tuned until it answers 'Weather?' with one call, get_weather(city=Oslo), in the
@@ -156,13 +152,7 @@ def caller(tmp_path_factory):
     from tunebench.jobs import finetune
 
     root = tmp_path_factory.mktemp("caller")
-    data = root / "calls.jsonl"
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
-    row = {"messages": [{"role": "user", "content": "Weather?"}, call,
-                        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
-                        {"role": "assistant", "content": "Rain."}], "tools": WEATHER}
-    data.write_text((json.dumps(row) + "\n") * 8)
+    data = weather_calls_file(root / "calls.jsonl")
     finetune.run(tiny_run_config(data, root / "run", **{"adapter.method": "full", "train.max_steps": 120,
                                                          "train.lr": 3e-3, "data.max_length": 512,
                                                          "data.eval_fraction": 0}))

@@ -124,7 +124,6 @@ def written(name: str, arguments: dict[str, Any]) -> str:
     return f'{CALL_START}{json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
 
 
-
 def parse(text: str) -> tuple[str, list[dict[str, Any]]]:
     """A reply in TEMPLATE's form split into its text and its calls [{"name", "arguments"}]; a <tool_call> whose
     JSON does not parse (or names no function) is no call, and stays in the text."""

@@ -39,7 +39,7 @@ SCHEMA = [
     "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
     "duration_seconds", "measure_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
-    *quality.SCORES, *quality.TOOL_SCORES,  # task quality (train.eval_generate > 0; tool scores where rows offer tools)
+    *quality.TASK_SCORES,  # task quality (train.eval_generate > 0; the tool scores where rows offer tools)
     "objective", "reward_accuracy",  # sft, or dpo/orpo with the held-out pairs' reward accuracy
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
@@ -267,7 +267,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "samples_per_s": s.samples_per_s, "it_per_s": s.it_per_s,
         "tokens_per_s": s.tokens_per_s, "peak_memory_mb": s.peak_memory_mb,
         "final_train_loss": s.final_train_loss, "eval_loss": s.eval_loss, "mfu": s.mfu,
-        **{k: s.get(k) for k in (*quality.SCORES, *quality.TOOL_SCORES)},
+        **{k: s.get(k) for k in quality.TASK_SCORES},
         "objective": s.objective, "reward_accuracy": s.get("eval_rewards/accuracies"),
         "trainable_params": s.trainable_parameters or s.parameters,
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),

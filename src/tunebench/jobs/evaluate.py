@@ -144,7 +144,7 @@ def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: s
 
 COLUMNS = (("rows", "{:d}"), ("file_mb", "{:.1f}"), ("eval_loss", "{:.4f}"), ("perplexity", "{:.2f}"),
            *((k, f"{{:.{quality.DIGITS[k]}f}}" + ("%" if k == "eos_rate" else "")) for k in quality.METRICS),
-           *((k, "{:.1f}%") for k in quality.TOOL_SCORES))  # where the rows offer tools
+           *((k, f"{{:.{quality.DIGITS[k]}f}}%") for k in quality.TOOL_SCORES))  # where the rows offer tools
 
 
 def side_by_side(results: list[tuple[str, dict]]) -> str:

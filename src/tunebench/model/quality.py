@@ -37,6 +37,7 @@ NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 # the same arguments (equal as JSON), with arguments the tool's JSON schema accepts, and that call a tool exactly
 # where the reference does (and answer in words where it does not).
 TOOL_SCORES = ("tool_name", "tool_args", "tool_schema", "tool_decision")
+TASK_SCORES = SCORES + TOOL_SCORES  # every score of the answers: a results row's, a report's columns
 TASK_OBJECTIVES = OBJECTIVES + TOOL_SCORES  # a search maximizes any of them; the tool scores, where rows offer tools
 
 
