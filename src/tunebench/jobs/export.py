@@ -19,6 +19,7 @@ import torch
 
 from tunebench.core.durable import atomic_dir, atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.data import toolcalls
 from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.settings.rundir import RunDir
 
@@ -340,13 +341,20 @@ def check_modelfile_text(text: str) -> None:
 
 def write_modelfile(directory: Path, gguf_file: Path, tokenizer, template: str | None, context: int | None) -> Path:
     """Ollama's Modelfile: the GGUF, the prompt format as a Go TEMPLATE, EOS as the stop word and the
-    defaults `tunebench generate` uses (greedy)."""
-    go = "{{ .Prompt }}" if template is None else gguf_export.ollama_template(
-        lambda user: render(tokenizer, template, user), tokenizer.eos_token or "")
+    defaults `tunebench generate` uses (greedy). A run trained on tool calls gets the tool template's Go form,
+    which renders the chat, the tools Ollama is given and the calls in its history; the others render one user
+    turn around .Prompt."""
+    stops = [tokenizer.eos_token] if tokenizer.eos_token else []
+    if template == toolcalls.TEMPLATE:
+        go = toolcalls.OLLAMA_TEMPLATE
+        stops += [end for end in ("<|im_end|>",) if end not in stops]  # the turn's end, whatever EOS is
+    elif template is None:
+        go = "{{ .Prompt }}"
+    else:
+        go = gguf_export.ollama_template(lambda user: render(tokenizer, template, user), tokenizer.eos_token or "")
     check_modelfile_text(go)
     lines = [f"FROM ./{gguf_file.name}", f'TEMPLATE """{go}"""']
-    if tokenizer.eos_token:
-        lines.append(f"PARAMETER stop {json.dumps(tokenizer.eos_token)}")
+    lines += [f"PARAMETER stop {json.dumps(stop)}" for stop in stops]
     lines.append("PARAMETER temperature 0")
     if context:
         lines.append(f"PARAMETER num_ctx {context}")
