@@ -54,7 +54,8 @@ def _half(values: list, held: bool) -> list:
 def _call(rng: random.Random, held: bool) -> tuple[str, dict]:
     tool = rng.choice(TOOLS)["function"]["name"]
     if tool == "get_weather":
-        city, unit = rng.choice(_half(CITIES, held)), rng.choice(["celsius", "fahrenheit"])
+        city = rng.choice(_half(CITIES, True)) if held else _made_up(rng, CITIES, city=True)
+        unit = rng.choice(["celsius", "fahrenheit"])
         ask = rng.choice(["What's the weather in {c} in {u}?", "How warm is it in {c}? Use {u}.",
                           "Weather for {c} please, in {u}."]).format(c=city, u=unit)
         return ask, {"name": tool, "arguments": {"city": city, "unit": unit}}
@@ -65,15 +66,25 @@ def _call(rng: random.Random, held: bool) -> tuple[str, dict]:
                           "Change {a} {f} into {t} for me."]).format(a=amount, f=src, t=dst)
         return ask, {"name": tool, "arguments": {"amount": amount, "from": src, "to": dst}}
     if tool == "set_timer":
-        minutes, label = rng.choice(range(31, 60) if held else range(1, 31)), rng.choice(_half(LABELS, held))
+        minutes = rng.choice(range(31, 60) if held else range(1, 31))
+        label = rng.choice(_half(LABELS, True)) if held else _made_up(rng, LABELS, city=False)
         ask = rng.choice(["Set a {m} minute timer for {l}.", "Timer: {m} minutes, label it {l}.",
                           "Remind me about {l} in {m} minutes."]).format(m=minutes, l=label)
         return ask, {"name": tool, "arguments": {"minutes": minutes, "label": label}}
-    # training symbols are made up (3-4 letters, none of the held-out ones): a model that saw only eight real
-    # tickers learns those eight; one that saw hundreds learns to copy the one asked about
+    # training symbols, cities and labels are made up (none of the held-out ones): a model that saw only eight
+    # real tickers learns those eight; one that saw hundreds learns to copy the one asked about
     symbol = rng.choice(_half(SYMBOLS, True)) if held else _made_up_symbol(rng)
     ask = rng.choice(["What is {s} trading at?", "Price of {s} stock?", "Give me the latest {s} quote."]).format(s=symbol)
     return ask, {"name": tool, "arguments": {"symbol": symbol}}
+
+
+def _made_up(rng: random.Random, real: list[str], city: bool) -> str:
+    """A pronounceable made-up word (a city's, capitalized, or a timer label's), none of the real ones."""
+    while True:
+        word = "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice((2, 3))))
+        word = word + rng.choice(("", "n", "r", "s")) if city else word
+        if word.capitalize() not in real and word not in real:
+            return word.capitalize() if city else word
 
 
 def _made_up_symbol(rng: random.Random) -> str:
