@@ -177,8 +177,9 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
             compile_mode: str = "default", measure_mode: str = "bounded") -> Measured:
     """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
     batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
-    `run_tokens` the tokens the whole run will compute (compile pays off over those; the attention kernel and
-    the micro batch share a measuring budget of a tenth of their training time, unless `measure_mode` is full)."""
+    `run_tokens` the tokens the whole run will compute (compile pays off over those; the attention kernel, the
+    micro batch and compile share a measuring budget of a tenth of their training time, unless `measure_mode` is
+    full)."""
     from tunebench.training.tune import attention, batch, compiler
     from tunebench.training.tune.budget import Budget
 
@@ -198,7 +199,7 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = resumed[1] if resumed else accumulation(effective, micro, world_size)
     rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens, shape, micro,
-                              speed, compile_mode))
+                              speed, compile_mode, budget))
     return Measured(tuple(rows), micro, accum, speed)
 
 

@@ -7,7 +7,8 @@ batches wins a fraction of the run's training time, so the measurements share a 
 predicted from the fastest speed measured so far and the tokens the run will compute, with a floor of 20 s
 (the whole measurement of a small model takes a few seconds, and is cached for the next run). The first
 candidate of each decision is always measured: it is the speed the prediction needs. The attention kernel,
-measured first, may use half of the budget. A candidate whose measurement would take the total past the
+measured first, may use half of the budget. Compile, measured last, is measured only when what measuring it
+took on this machine before (a first guess until then) fits in what is left. A candidate whose measurement would take the total past the
 budget is not measured, its row says so, and a partial measurement is not cached, so a longer run of the same
 shape measures the rest. `--measure full` measures everything.
 """

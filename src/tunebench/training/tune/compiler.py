@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 
 import torch
@@ -14,6 +15,18 @@ from tunebench.machine import hardware
 from tunebench.training.tune import Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
+# What measuring compile costs (a first compile, a second from the compiler's disk cache, the alternating probes)
+# before this machine has been seen doing it; afterwards the last measurement's own seconds, per machine.
+MEASURE_GUESS_S = {"cpu": 90.0, "cuda": 60.0}
+
+
+def measuring_cost(where: str) -> tuple[float, str]:
+    """(seconds measuring compile is expected to take on `where`, how that is known)."""
+    seen = cached(f"compile-measuring|{where}")
+    if seen:
+        return seen["seconds"], f"~{seen['seconds']:.0f} s, as it took here last time"
+    guess = MEASURE_GUESS_S["cpu" if re.search(r" x\d+$", where) else "cuda"]  # tune.where: "<CPU> x<threads>"
+    return guess, f"~{guess:.0f} s, a first guess on a machine not seen compiling"
 
 
 def eagerly(compiled: bool):
@@ -68,13 +81,14 @@ def _undo(model, e: Exception) -> str:
 
 
 def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
-         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default") -> Row:
+         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default", budget=None) -> Row:
     """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
 
     The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
     and caches them; later runs compile only if the time saved over the run beats the warm-up
     with the compiler's disk cache warm. `eager_speed`, when the batch probe already timed this
-    micro batch, spares a probe for the run-length estimate.
+    micro batch, spares a probe for the run-length estimate. `budget` (tune.budget.Budget): measuring is
+    skipped when its expected cost would take the run's measuring past its share of the training time.
     """
     if asked.value != "auto":
         if asked.value:
@@ -92,6 +106,13 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
         if run_s < COMPILE_MEASURE_MIN_S:
             return Row("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
+        cost, known = measuring_cost(shape.where)
+        if budget is not None:
+            budget.saw(eager_speed)
+            if not budget.affords(cost):
+                return Row("compile", False, f"{budget.why_not(cost)} (measuring compile: {known}); --compile on "
+                                          "to force")
+        began = time.perf_counter()
         try:
             cold = warm_up_compiled(model, measure, mode)
             torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
@@ -101,6 +122,7 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
         eager, compiled = eager_vs_compiled(measure)
         hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
         store(key, hit)
+        store(f"compile-measuring|{shape.where}", {"seconds": round(time.perf_counter() - began, 1)})
         measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager, alternating; warm-up {cold:.0f} s, "
                     f"{warm:.0f} s from cache")
         if compiled > 1.03 * eager:
