@@ -1,13 +1,15 @@
 """Measuring pays for itself at every size: tunebench's first run of a shape against HF Trainer + PEFT, end to end.
 
-Two Llama-family shapes with random weights and SmolLM2's tokenizer: 0.42B (hidden 1024, 24 layers, 16 heads,
-4 KV heads, FFN 4096) and 1.07B (hidden 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632). LoRA r=8 on q/v at
+Llama-family shapes with random weights and SmolLM2's tokenizer: 0.135B (SmolLM2-135M's), 0.42B (hidden 1024, 24
+layers, 16 heads, 4 KV heads, FFN 4096) and 1.07B (hidden 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632). LoRA r=8 on q/v at
 the study's settings (max_length 128, effective batch 8), Bitext rows (or the built-in sample), 10 optimizer
 steps, bf16 where the CPU has it. Each side runs in its own process, alternating (benchmarks/vs_hf_trainer.py),
 and tunebench starts from an empty cache of measurements: a first run of the shape, its measuring included in
-its wall time. The table: real tokens/s, the ratio, peak RSS, each process's wall time and tunebench's measuring.
+its wall time. The table: real tokens/s, the ratio, peak RSS, each process's wall time, tunebench's measuring, and
+its memory plan (the settings table's memory_plan row) against the peak its training loop measured.
 
-    python benchmarks/scale.py                    # both shapes, one run a side
+    python benchmarks/scale.py                    # 0.42B and 1.07B, one run a side
+    python benchmarks/scale.py --sizes 0.135b,0.42b,1.07b
     python benchmarks/scale.py --sizes 0.42b --repeats 2
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {  # name: (hidden, layers, heads, KV heads, FFN)
+    "0.135b": (576, 30, 9, 3, 1536),  # SmolLM2-135M's shape
     "0.42b": (1024, 24, 16, 4, 4096),
     "1.07b": (2048, 22, 32, 4, 5632),
 }
@@ -86,14 +89,15 @@ def main() -> None:
     print(f"\n{args.steps} steps, max_length 128, effective batch 8, LoRA r=8 on q/v; medians of {args.repeats}; "
           f"tunebench from an empty measurement cache, --measure {args.measure}")
     print("| model | tunebench tokens/s | HF tokens/s | ratio | peak RSS tunebench / HF | process wall tunebench / HF "
-          "| tunebench measuring | MFU | chosen |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| tunebench measuring | MFU | memory plan / training loop's peak | chosen |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, tb, hf, measure_s, run in rows:
         chosen = ", ".join(f"{k} {v}" for k, v in run["chosen"].items() if k in ("micro_batch_size", "attention"))
         print(f"| {name} | {tb['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | "
               f"{tb['tokens_per_s'] / hf['tokens_per_s']:.2f}x | {tb['peak_memory_mb'] / 1024:.1f} / "
               f"{hf['peak_memory_mb'] / 1024:.1f} GB | {tb['total_s']:.0f} / {hf['total_s']:.0f} s | {measure_s:.0f} s | "
-              f"{100 * tb['mfu']:.1f}% | {chosen} |")
+              f"{100 * tb['mfu']:.1f}% | {run['memory_plan_mb'] / 1024:.2f} / {run['loop_peak_mb'] / 1024:.2f} GB "
+              f"({run['memory_plan_mb'] / run['loop_peak_mb'] - 1:+.0%}) | {chosen} |")
 
 
 if __name__ == "__main__":

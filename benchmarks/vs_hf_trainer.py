@@ -153,7 +153,8 @@ def worker_tunebench(args) -> dict:
             "gpu_peak_memory_mb": s["peak_memory_mb"] if s["device"] == "cuda" else None,
             "mfu": s["mfu"], "peak_tflops_source": s["peak_tflops_source"], "device": s["device"],
             "micro_batch_size": s["micro_batch_size"], "grad_accum_steps": s["grad_accum_steps"],
-            "measure_s": s["measure_s"], "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile", "batch layout",
+            "measure_s": s["measure_s"], "memory_plan_mb": s["memory_plan_mb"], "loop_peak_mb": s["peak_memory_mb"],
+            "chosen": {k: chosen.get(k) for k in ("micro_batch_size", "attention", "compile", "batch layout",
                                                   "target_modules", "precision")}}
 
 

@@ -16,15 +16,22 @@ from pathlib import Path
 
 MACHINES = Path(__file__).parent / "machines"
 CLASSES = ("avx2", "avx512-bf16", "amx", "h100", "gpu-24gb", "gpu-8gb", "apple-mps")
+# the memory plans each class's table ends with: `tunebench hw --machine <class>.json --model <config> --method <m>`
+PLANS = (("smollm2-135m", "lora"), ("llama-3-8b", "lora"), ("llama-3-8b", "qlora"), ("llama-3-8b", "full"))
 
 
 def table(record: Path) -> str:
     """The class's settings as `tunebench hw --machine` plans them, one `setting | value | reason` a line, then
-    the recommended command."""
+    the recommended command, then the memory plan of each of PLANS (models/<name>.json: their configs alone)."""
     from tunebench.jobs import hw
 
     _, rows, command = hw.recorded(str(record))
-    return "\n".join([f"{r.setting} | {r.value} | {r.reason}" for r in rows] + [f"command | {command}"]) + "\n"
+    lines = [f"{r.setting} | {r.value} | {r.reason}" for r in rows] + [f"command | {command}"]
+    for name, method in PLANS:
+        _, planned, _ = hw.recorded(str(record), str(MACHINES / "models" / f"{name}.json"), method)
+        plan = planned[-1]
+        lines.append(f"{plan.setting} {name} {method} | {plan.value} | {plan.reason}")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

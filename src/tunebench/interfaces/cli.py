@@ -168,7 +168,8 @@ def _hw(args: argparse.Namespace) -> int | None:
 
     if args.text:
         new_file(args.text, "--text")
-    hw.run(as_json=args.json, text=args.text, machine_record=args.machine)
+    hw.run(as_json=args.json, text=args.text, machine_record=args.machine, model=args.model, method=args.method,
+           max_length=args.max_length)
 
 
 JOBS = {  # job name -> what runs it; a job returns its exit code, or None for 0

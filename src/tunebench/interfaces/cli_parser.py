@@ -424,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--machine", default=None, metavar="RECORD",
                    help="the settings tunebench would pick on another machine, from the record `tunebench hw --json` "
                         "wrote there")
+    p.add_argument("--model", default=None, help="also plan the memory training this model would take, from its "
+                                                 "config alone: a model directory, a cached hub id or a config.json")
+    p.add_argument("--method", default="lora", choices=METHODS, help="the method that memory plan is for (default lora)")
+    p.add_argument("--max-length", type=int, default=128, help="the rows' tokens that memory plan is for (default 128)")
     _add_debug(p)
     return parser
 

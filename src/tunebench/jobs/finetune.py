@@ -23,8 +23,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": cfg.schedule.seed,
                 "data": d.path if not d.sources else [list(s) for s in d.sources]}
     opened = runner.open_run(cfg, identity)
+    adapted.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):  # each machine's first rank fills the caches
-        loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
+        loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download,
+                                adapted.load_dtype(cfg, opened))
         tok = loaded.tokenizer
         if prefer:  # the pairs or judgements that fit max_length, one span
             data, messages = (judged if kto else pairs).tokenize(examples, tok, d), []

@@ -26,8 +26,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": s.seed, "data": d.path,
                 **({"reward_files": code} if code else {})}
     opened = runner.open_run(cfg, identity)
+    adapted.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
-        loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download)
+        loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download,
+                                adapted.load_dtype(cfg, opened))
         tok = loaded.tokenizer
         data = prompts.tokenize(rows, tok, d, a.max_completion_length)
     train_idx, _, eval_parts = adapted.split_rows(cfg, data, [np.arange(len(data))], [], True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 from tunebench.core.batch_rule import micro_candidates
 from tunebench.machine import hardware
@@ -80,14 +81,47 @@ def peak_row(plan: hardware.Plan, hw: hardware.Hardware) -> Decision:
     return Decision("peak_tflops", None, f"no peak figure for {plan.device}: MFU is not reported")
 
 
-def recorded(path: str) -> tuple[hardware.Hardware, list[Decision], str]:
+def memory_row(hw: hardware.Hardware, plan: hardware.Plan, model: str, method: str, max_length: int,
+               runtime_mb: float) -> Decision:
+    """What training `model` with `method` would take on `hw` at its smallest (micro batch 1, checkpointing on),
+    from the model's config alone: the memory plan, or the refusal a run would meet before loading."""
+    from tunebench.core.errors import TunebenchError
+    from tunebench.model import models
+    from tunebench.training.tune import memory
+
+    config = models.config_of(model)
+    if config is None:
+        raise TunebenchError(f"--model '{model}': no config to plan from; give a model directory, a hub id in the "
+                             "cache, or a config.json")
+    gpu = plan.device == "cuda" and hw.gpus
+    free = 0.92 * hw.gpus[0].memory_mb if gpu else 0.8 * hw.ram_available_mb  # as the batch probe leaves room
+    shape = memory.on_meta(config)
+    named = Path(model).name if model.endswith(".json") else model  # a config file: its name, not where it lies
+    smallest, refused = memory.check_fits(shape, f"{named} with --method {method}", method,
+                                          4 if plan.precision == "fp32" else 2, load_config().adapter.r, "auto",
+                                          max_length, free, plan.device, 0.0 if gpu else runtime_mb)
+    where = f"{hw.gpus[0].name}'s {free / 1024:.1f} GB" if gpu else f"{free / 1024:.1f} GB of RAM"
+    if refused:
+        return Decision("memory_plan", "does not fit", refused)
+    return Decision("memory_plan", f"{smallest.total / 1024:.1f} GB", f"{method} on {shape.params / 1e9:.2f}B "
+                    f"parameters at its smallest step: {smallest.parts()}; fits {where}")
+
+
+def recorded(path: str, model: str | None = None, method: str = "lora",
+             max_length: int = 128) -> tuple[hardware.Hardware, list[Decision], str]:
     """(the machine, the settings tunebench would pick there, the command) from the record `tunebench hw
     --json` wrote on it. Planned as a fresh command there would be (no OMP_NUM_THREADS or torchrun ranks of
     this process); the allocator row is left out: it says what this planning process does with freed memory,
     not the recorded machine."""
     hw = load_record(path)
-    rows, command = recommend(hw, hardware.plan("auto", "auto", hw, env={}))
+    plan = hardware.plan("auto", "auto", hw, env={})
+    rows, command = recommend(hw, plan)
+    if model:  # the recorded machine's runtime is not known here: a CPU's is planned at this process's
+        rows.append(memory_row(hw, plan, model, method, max_length, RECORDED_RUNTIME_MB))
     return hw, [r for r in rows if r.setting != "allocator"], command
+
+
+RECORDED_RUNTIME_MB = 600.0  # Python, torch and transformers with a tokenizer and data loaded: 550-650 MB here
 
 
 def load_record(path: str) -> hardware.Hardware:
@@ -109,9 +143,10 @@ def load_record(path: str) -> hardware.Hardware:
                              "wrote") from None
 
 
-def run(as_json: bool = False, text: str | None = None, machine_record: str | None = None) -> dict:
+def run(as_json: bool = False, text: str | None = None, machine_record: str | None = None, model: str | None = None,
+        method: str = "lora", max_length: int = 128) -> dict:
     if machine_record is not None:  # another machine's decisions, planned here from its record
-        hw, rows, command = recorded(machine_record)
+        hw, rows, command = recorded(machine_record, model, method, max_length)
         print(f"recorded machine {machine_record}: {hw.cpu_model}, {hw.physical_cores} physical cores"
               + "".join(f"; GPU {g.index} {g.name}, {g.memory_mb / 1024:.0f} GiB" for g in hw.gpus)
               + ("; Apple MPS" if hw.mps else ""))
@@ -143,6 +178,10 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
     print("versions  " + ", ".join(f"{k} {v}" for k, v in hw.versions.items()))
     print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
     rows, command = recommend(hw, plan)
+    if model:
+        from tunebench.training.tune import memory
+
+        rows.append(memory_row(hw, plan, model, method, max_length, memory.runtime_mb(plan.device)))
     summary.print_plan([r for r in rows if r.setting not in ("peak_tflops", "profile")], "recommended:")
     profile, why = profile_for(hw)
     print(f"\nrun it ({why}; the micro batch is measured on the run's own model, within the memory free):\n"

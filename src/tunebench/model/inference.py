@@ -50,9 +50,7 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
         else:
             spec = base_of(adapter)
     loaded = models.resolve(spec, tokenizer or (adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else None),
-                     allow_download)
-    if dtype is not None:
-        loaded.model.to(dtype=dtype)
+                            allow_download, dtype or torch.float32)
     if adapter is not None:
         from peft import PeftModel
 

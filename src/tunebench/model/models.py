@@ -241,16 +241,20 @@ def check_spec(spec: str, allow_download: bool = False) -> Path | None:
     return None
 
 
-def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = False) -> Loaded:
-    """Load `spec` in fp32 on the CPU: a preset, a .gguf file, a local HF directory or a hub id."""
+def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = False,
+            dtype: torch.dtype = torch.float32) -> Loaded:
+    """Load `spec` on the CPU in `dtype`: a preset, a .gguf file, a local HF directory or a hub id. A base that
+    trains frozen is loaded straight in its compute dtype: loading it in fp32 and casting held both copies at
+    once (6.4 GB for a 1.07B model whose bf16 weights are 2.1 GB)."""
     from transformers import AutoModelForCausalLM
 
     if spec == "tiny":
         model, tok = tiny()
-        return Loaded(model, load_tokenizer(tokenizer) if tokenizer else tok, "preset tiny (random weights)", None)
+        return Loaded(model.to(dtype), load_tokenizer(tokenizer) if tokenizer else tok, "preset tiny (random weights)",
+                      None)
     if spec == "gpt2-124m":
         model, tok = _gpt2_124m(tokenizer)
-        return Loaded(model, tok, "preset gpt2-124m (GPT-2 config, random weights)", None)
+        return Loaded(model.to(dtype), tok, "preset gpt2-124m (GPT-2 config, random weights)", None)
     path = check_spec(spec, allow_download)
     if spec == SMOLLM2:
         path = smollm2_dir()
@@ -262,12 +266,33 @@ def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = Fals
         source = f"local directory {path}" if path else f"hub id {spec} (HF cache)"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path or spec), local_files_only=not allow_download, dtype=torch.float32
+            str(path or spec), local_files_only=not allow_download, dtype=dtype
         )
         tok = load_tokenizer(tokenizer) if tokenizer else _hub_tokenizer(str(path or spec), allow_download)
     except OSError as e:  # check_spec refused what it could tell without loading; this is the rest
         raise TunebenchError(f"cannot load model from '{path or spec}': {str(e).splitlines()[0]}") from e
     return Loaded(model, tok, source, str(path) if path else None)
+
+
+def config_of(spec: str, allow_download: bool = False):
+    """The transformers config of `spec` without its weights, or None where reading it would cost a conversion
+    (a GGUF not yet converted) or it cannot be read (loading says why)."""
+    from transformers import AutoConfig, GPT2Config
+
+    if spec == "tiny":
+        return tiny()[0].config
+    if spec == "gpt2-124m":
+        return GPT2Config()
+    try:
+        if spec.endswith(".json") and Path(spec).is_file():  # a config.json alone: a shape to plan, not to load
+            values = json.loads(Path(spec).read_text())
+            return AutoConfig.for_model(values.pop("model_type"), **values)
+        if spec == SMOLLM2 or spec.endswith(".gguf"):
+            converted = converted_dir(spec)
+            return AutoConfig.from_pretrained(str(converted)) if (converted / "config.json").is_file() else None
+        return AutoConfig.from_pretrained(spec, local_files_only=not allow_download)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _hub_tokenizer(spec: str, allow_download: bool):

@@ -21,8 +21,31 @@ from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import preference, runner
 from tunebench.training import summary as summary_
-from tunebench.training.tune import compiler, layout
+from tunebench.training.tune import compiler, layout, memory
 from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
+
+
+def load_dtype(cfg: RunConfig, opened: runner.Opened) -> torch.dtype:
+    """The dtype the base is loaded in: a full fine-tune's fp32 master weights, else the frozen base's compute
+    dtype (build_model keeps it there; QLoRA reloads it quantized and reads only its files)."""
+    return torch.float32 if cfg.adapter.method == "full" else DTYPES[opened.hw_plan.precision]
+
+
+def check_memory(cfg: RunConfig, opened: runner.Opened) -> None:
+    """Refuse, before a weight loads, a model whose smallest step (micro batch 1, checkpointing on) cannot fit the
+    memory free here, naming the method that would (the memory plan, training/tune/memory.py)."""
+    config = models.config_of(cfg.model.name, cfg.model.allow_download)
+    if config is None or cfg.adapter.method in methods.PROMPT_METHODS + ("ia3",):
+        return
+    shape = memory.on_meta(config)
+    value_bytes = 4 if opened.hw_plan.precision == "fp32" else 2
+    a = cfg.adapter
+    _, refused = memory.check_fits(shape, f"--model {cfg.model.name} with --method {a.method}", a.method, value_bytes,
+                                   a.r, a.target_modules, cfg.data.max_length,
+                                   memory_free_mb(opened.device, opened.world.local_size), opened.device.type,
+                                   memory.runtime_mb(opened.device.type))
+    if refused:
+        raise TunebenchError(refused)
 
 
 def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: torch.device):

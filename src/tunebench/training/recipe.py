@@ -22,7 +22,8 @@ from tunebench.settings.rundir import RunDir
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.training.loop import Batch
-from tunebench.training.tune.probe import probe_step
+from tunebench.training.tune import memory
+from tunebench.training.tune.probe import memory_free_mb, probe_step
 
 EpochSteps = Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
 
@@ -89,6 +90,7 @@ def resumed_steps(opened: runner.Opened) -> int | None:
 def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
+    runtime = memory.runtime_mb(device.type) - sum(p.numel() * p.element_size() for p in r.model.parameters()) / memory.MB
     steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
     measured, measure_s = runner.measure(
         opened, cfg, r.model, probe_step(r.model, r.probe_rows, device, opened.autocast, r.loss), r.what,
@@ -104,11 +106,14 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
+    memory_plan = memory.of_step(r.model, r.loss.parameters() if r.loss is not None else [], micro, r.widest,
+                                 4 if opened.hw_plan.precision == "fp32" else 2, measured.attention, max(runtime, 0.0))
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *r.rows, Decision("world", world.size, world.describe()), r.parallel, *r.method_rows,
         *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,
         *[d for d in measured.decisions if d.setting == "compile"], optim.optimizer_row(device, optimization.weight_decay),
-        runplan.batch_row(effective, micro, accum, world.size, r.batch_unit), lr_row,
+        runplan.batch_row(effective, micro, accum, world.size, r.batch_unit),
+        memory.row(memory_plan, memory_free_mb(device, world.local_size), device.type), lr_row,
         runplan.logging_row(cfg.logging.logging_steps, device.type),
         budget_row or runner.steps_row(cfg, steps, f"{r.n_train} {r.unit}, {effective} a step"),
         *([estimate] if estimate else [])])
@@ -132,6 +137,7 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
             return {}
         summary, saved = r.finish(Finished(plan, outcome, weights, measure_s))
         summary.update(tracking.costs())
+        summary["memory_plan_mb"] = round(memory_plan.total, 1)  # beside the measured peak_memory_mb
         write_json(opened.out / "summary.json", summary)
         summary_.report(summary, opened.out)
         r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])

@@ -1,0 +1,214 @@
+"""The memory plan: a training step's peak memory predicted from the model's shape, the method, the precision, the
+micro batch, the sequence length and gradient checkpointing, before a weight loads.
+
+peak = runtime + weights + trainable state + activations, where
+- runtime is what the process holds before the model (Python, torch, the tokenizer, the data; on a GPU nothing:
+  the figures there are torch's allocations, as the run's own peak is);
+- weights are the parameters as the method holds them: a frozen base in the compute dtype, a full fine-tune's fp32
+  master weights, QLoRA's 4-bit blocks (and the fp32 copies prepare_model_for_kbit_training makes of the rest);
+- trainable state is each trained parameter's gradient and AdamW's two moments (4 + 8 bytes);
+- activations are the tensors autograd keeps for the backward pass, per token and layer, plus one layer's worth
+  again while the backward pass runs through it (and, with checkpointing, recomputes it).
+
+No library predicts this (accelerate's estimate counts weights and Adam only), so the per-token coefficients are
+counted: autograd's saved-tensor hooks on Llama blocks in each method and precision gave the bytes each token
+keeps per layer as a linear function of the hidden width h, the key/value width kv and the FFN width f
+(tests/test_memory_plan.py counts them again and holds the coefficients to them). They are Llama's; other
+families (GPT-2's LayerNorm and GELU) are planned with the same coefficients and said to be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tunebench.machine.hardware import Decision
+
+MB = 2**20
+# bytes a token keeps per layer, as (per h, per kv, per f), sdpa attention, LoRA on q/v with dropout
+ADAPTER = {2: (20.0, 4.0, 6.0), 4: (32.0, 8.0, 12.0)}  # frozen base in the compute dtype (bytes per value)
+FULL = {2: (37.0, 4.0, 8.0), 4: (40.0, 8.0, 16.0)}  # fp32 master weights, under a 16-bit autocast or in fp32
+CHECKPOINTED = 2.5  # x h x bytes per value: a checkpointed layer keeps its input (and the hook's bookkeeping)
+QLORA_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # nf4 with double quantization: 4 bits, an 8-bit absmax per 64, fp32 per 256
+STATE_BYTES = 4 + 8  # a trained parameter's gradient (fp32) and AdamW's two moments
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan reads from a model's config and parameters."""
+
+    layers: int
+    hidden: int
+    kv: int  # the key/value projections' width: key/value heads x head size
+    ffn: int
+    heads: int
+    linear: int  # parameters in the blocks' linear layers (what QLoRA quantizes)
+    other: int  # every other parameter: embeddings, norms, the output head
+    family: str
+
+    @property
+    def params(self) -> int:
+        return self.linear + self.other
+
+
+def shape_of(model) -> Shape:
+    """A model's shape, from its config and its parameters (real, or on the meta device)."""
+    import torch
+
+    c = model.config
+    c = getattr(c, "get_text_config", lambda: c)()
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    head = model.get_output_embeddings()
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+                 for p in m.parameters(recurse=False) if id(p) not in head_ids and p.dim() == 2)
+    total = sum(p.numel() for p in model.parameters())
+    return Shape(layers, hidden, kv_heads * head_dim, ffn, heads, linear, total - linear,
+                 getattr(c, "model_type", "unknown"))
+
+
+def on_meta(config) -> Shape:
+    """The shape of the model `config` describes, without its weights (built on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return shape_of(AutoModelForCausalLM.from_config(config))
+
+
+def runtime_mb(device_type: str) -> float:
+    """What the process holds before the model: its resident memory on a CPU; nothing on a GPU, whose figures
+    are torch's allocations."""
+    if device_type == "cuda":
+        return 0.0
+    import psutil
+
+    return psutil.Process().memory_info().rss / MB
+
+
+def lora_params(shape: Shape, r: int, targets: str) -> int:
+    """A LoRA's parameters on `targets` ("q_proj,v_proj"-like names, or all-linear), r x (in + out) per layer."""
+    widths = {"q_proj": (shape.hidden, shape.hidden), "k_proj": (shape.hidden, shape.kv),
+              "v_proj": (shape.hidden, shape.kv), "o_proj": (shape.hidden, shape.hidden),
+              "gate_proj": (shape.hidden, shape.ffn), "up_proj": (shape.hidden, shape.ffn),
+              "down_proj": (shape.ffn, shape.hidden)}
+    names = list(widths) if targets in ("all-linear", "all") else [t.strip() for t in targets.split(",")]
+    per_layer = sum(r * sum(widths.get(n, (shape.hidden, shape.hidden))) for n in names)
+    return per_layer * shape.layers
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A step's predicted peak, in MB, by part."""
+
+    runtime: float
+    weights: float
+    state: float
+    activations: float
+    micro: int
+    tokens: int
+    checkpointing: bool
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return self.runtime + self.weights + self.state + self.activations
+
+    def parts(self) -> str:
+        gb = lambda mb: f"{mb / 1024:.1f} GB" if mb >= 1024 else f"{mb:.0f} MB"  # noqa: E731
+        acts = (f"activations {gb(self.activations)} (micro {self.micro} x {self.tokens} tokens, checkpointing "
+                f"{'on' if self.checkpointing else 'off'})")
+        runtime = f" + runtime {gb(self.runtime)}" if self.runtime else ""
+        return f"weights {gb(self.weights)} + trainable state {gb(self.state)} + {acts}{runtime}{self.note}"
+
+
+def predict(shape: Shape, method: str, value_bytes: int, trainable: int, micro: int, tokens: int,
+            checkpointing: bool, attention: str = "sdpa", runtime_mb: float = 0.0,
+            weight_bytes: float | None = None) -> Plan:
+    """The plan for one training step. `value_bytes`: 2 under a 16-bit precision, 4 in fp32. `weight_bytes`: the
+    weights as they are held, when known (a loaded model); else from the method."""
+    full = method == "full"
+    if weight_bytes is None:
+        if full:
+            weight_bytes = 4.0 * shape.params
+        elif method == "qlora":  # the blocks quantized; the rest cast to fp32 by prepare_model_for_kbit_training
+            weight_bytes = QLORA_BYTES * shape.linear + 4.0 * shape.other + 4.0 * trainable
+        else:
+            weight_bytes = value_bytes * shape.params + 4.0 * trainable
+    h, kv, f = (FULL if full else ADAPTER)[value_bytes]
+    per_token_layer = h * shape.hidden + kv * shape.kv + f * shape.ffn
+    if attention == "eager":  # the softmax's probabilities, kept by it and by the product with the values
+        per_token_layer += 2 * value_bytes * shape.heads * tokens
+    n = micro * tokens
+    if checkpointing:
+        kept = CHECKPOINTED * value_bytes * shape.hidden * n * shape.layers + per_token_layer * n
+    else:
+        kept = per_token_layer * n * (shape.layers + 1)  # + the layer the backward pass is in
+    if full and value_bytes == 2:  # autocast's 16-bit copies of the fp32 weights, kept for the backward pass
+        kept += 2.0 * shape.linear / (shape.layers if checkpointing else 1)  # (one layer's while it is recomputed)
+    state = STATE_BYTES * trainable
+    note = "" if shape.family in ("llama", "mistral", "qwen2", "qwen3", "smollm3") else \
+        f"; activations as a Llama of this width ({shape.family} counted alike)"
+    return Plan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note)
+
+
+def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: str, runtime: float) -> Plan:
+    """The plan of a built model's step: its parameters' bytes as held (and those of `extra`, such as a full
+    fine-tune's frozen reference copy), its trained parameters, the chosen micro batch, kernel and checkpointing.
+    A model that trains most of its parameters is planned as a full fine-tune (fp32 weights under autocast)."""
+    from tunebench.training.tune.probe import checkpointing_on
+
+    own = {id(p) for p in model.parameters()}
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(p.numel() * p.element_size() for p in extra if id(p) not in own)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    full = trainable > sum(p.numel() for p in model.parameters()) / 2
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
+    return predict(shape_of(model), "full" if full else "lora", value_bytes, trainable, micro, tokens,
+                   checkpointing_on(base), attention, runtime, held)
+
+
+def row(plan: Plan, free_mb: float | None, device_type: str) -> Decision:
+    peak = "GPU memory (torch's allocations)" if device_type == "cuda" else "resident memory"
+    room = f"; {free_mb / 1024:.1f} GB free" if free_mb is not None else ""
+    return Decision("memory_plan", f"{plan.total / 1024:.1f} GB",
+                    f"predicted peak {peak} of a step: {plan.parts()}{room}")
+
+
+def refusal(plan: Plan, free_mb: float, what: str, fix: str) -> str | None:
+    """The one-line refusal when even the smallest step (micro 1, checkpointing on) cannot fit, else None."""
+    if plan.total <= free_mb:
+        return None
+    return (f"{what} needs about {plan.total / 1024:.1f} GB to train ({plan.parts()}) and "
+            f"{free_mb / 1024:.1f} GB is free; {fix}")
+
+
+def smallest(shape: Shape, method: str, value_bytes: int, trainable: int, tokens: int, runtime_mb: float) -> Plan:
+    """The least a run of this model and method can take: micro batch 1, gradient checkpointing on."""
+    return predict(shape, method, value_bytes, trainable, 1, tokens, True, runtime_mb=runtime_mb)
+
+
+def check_fits(shape: Shape, what: str, method: str, value_bytes: int, lora_r: int, targets: str, tokens: int,
+               free_mb: float, device_type: str, runtime_mb: float) -> tuple[Plan, str | None]:
+    """(the smallest step's plan, the refusal when even it does not fit `free_mb`, with the method that would)."""
+    adapter = lora_params(shape, lora_r, "q_proj,v_proj" if targets == "auto" else targets)
+    trainable = lambda m: shape.params if m == "full" else adapter  # noqa: E731
+    plan = smallest(shape, method, value_bytes, trainable(method), tokens, runtime_mb)
+    if plan.total <= free_mb:
+        return plan, None
+    fixes = []
+    for other in ("lora", "qlora"):
+        if other == method or (other == "qlora" and device_type != "cuda"):  # bitsandbytes' 4-bit trains on GPUs
+            continue
+        alt = smallest(shape, other, value_bytes, trainable(other), tokens, runtime_mb)
+        if alt.total <= free_mb:
+            fixes.append(f"--method {other} ({'a 4-bit base, ' if other == 'qlora' else 'a frozen base, '}"
+                         f"about {alt.total / 1024:.1f} GB)")
+    fix = ("train it with " + " or ".join(fixes) if fixes else
+           "pick a smaller --model, or a machine with more memory" + ("" if device_type == "cuda" else
+                                                                      " (or a GPU, where --method qlora fits more)"))
+    return plan, refusal(plan, free_mb, what, fix)

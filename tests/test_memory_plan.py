@@ -1,0 +1,98 @@
+"""The memory plan (training/tune/memory.py): its per-token coefficients against the tensors autograd really keeps,
+its weights against a built model's, and the refusal before loading a model that cannot fit."""
+
+import json
+
+import pytest
+import torch
+
+from tunebench.interfaces import cli
+from tunebench.model import methods
+from tunebench.training.loop import loss_sum
+from tunebench.training.tune import memory
+
+
+def _saved_bytes(model, tokens: int, autocast) -> int:
+    """Bytes of the tensors autograd keeps for one loss's backward pass (each storage once, parameters aside)."""
+    ids = torch.randint(0, 100, (2, tokens), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids),
+             "loss_index": torch.arange(2 * (tokens - 1))}
+    seen = {}
+
+    def keep(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss_sum(model, batch, autocast)
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in own)
+
+
+def _llama(method: str, precision: str, hidden=256, ffn=768, kv_heads=2):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                         attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if method == "lora":  # as build_model holds it: the base in the compute dtype, LoRA's inputs left in it
+        model = get_peft_model(model.to(torch.bfloat16 if precision == "bf16" else torch.float32),
+                               LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))
+        if precision == "bf16":
+            methods.compute_adapters_in(model)
+    return model.train()
+
+
+@pytest.mark.parametrize("method,precision", [("lora", "bf16"), ("lora", "fp32"), ("full", "bf16"), ("full", "fp32")])
+@pytest.mark.parametrize("width", [(256, 768, 2), (384, 512, 8)])
+def test_the_activation_coefficients_are_what_autograd_keeps(method, precision, width):
+    """Per token, what the plan says a step keeps (its layers, without the one the backward pass adds) is within 5%
+    of the bytes autograd's saved-tensor hooks count, at two widths the coefficients were not fitted at."""
+    model = _llama(method, precision, *width)
+    autocast = torch.bfloat16 if precision == "bf16" else None
+    value_bytes = 2 if precision == "bf16" else 4
+    shape = memory.shape_of(model)
+    slope = (_saved_bytes(model, 96, autocast) - _saved_bytes(model, 32, autocast)) / (2 * 64)
+    planned = [memory.predict(shape, method, value_bytes, 0, 2, t, False).activations * memory.MB for t in (32, 96)]
+    per_token = (planned[1] - planned[0]) / (2 * 64) * shape.layers / (shape.layers + 1)
+    assert per_token == pytest.approx(slope, rel=0.05), (per_token, slope)
+
+
+def test_checkpointing_keeps_each_layers_input_and_the_weights_are_what_the_model_holds():
+    model = _llama("lora", "bf16")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    shape = memory.shape_of(model)
+    kept = _saved_bytes(model, 64, torch.bfloat16)
+    per_layer = memory.CHECKPOINTED * 2 * shape.hidden * 2 * 64
+    assert kept == pytest.approx(per_layer * shape.layers, rel=0.1), (kept, per_layer * shape.layers)
+    plan = memory.of_step(model, [], 2, 64, 2, "sdpa", 0.0)
+    assert plan.checkpointing and plan.weights * memory.MB == sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.state * memory.MB == memory.STATE_BYTES * trainable
+    assert memory.lora_params(shape, 8, "q_proj,v_proj") == trainable
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path, dataset, capsys, monkeypatch):
+    """A 70B Llama's config alone (no weights to load): a bf16 LoRA of it needs ~130 GB at micro batch 1 with
+    checkpointing, on a machine with 64 GB free; the run stops with the plan and the fix before any weight is
+    looked for."""
+    from tunebench.training import adapted
+
+    monkeypatch.setattr(adapted, "memory_free_mb", lambda device, ranks=1: 64 * 1024.0)
+    model = tmp_path / "llama-70b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192}))
+    out = tmp_path / "out"
+    code = cli.main(["train", "--model", str(model), "--data", str(dataset), "--output-dir", str(out),
+                     "--precision", "bf16", "--device", "cpu", "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--model {model} with --method lora needs about 13" in err and "weights 131." in err, err
+    assert "and 64.0 GB is free; pick a smaller --model" in err and not list(out.glob("*.safetensors"))
