@@ -165,10 +165,11 @@ def test_collate_pads_and_masks():
                              tok, DataConfig(max_length=512), "instruction")
     b = batching.collate(data, [0, 1], tok.pad_token_id)
     lengths = data.lengths()
-    assert b["input_ids"].shape == (2, lengths.max())
+    width = -(-lengths.max() // batching.WIDTH_MULTIPLE) * batching.WIDTH_MULTIPLE  # the longest, rounded up
+    assert lengths.max() % batching.WIDTH_MULTIPLE and b["input_ids"].shape == (2, width)
     assert b["attention_mask"].sum().item() == lengths.sum()
-    short = int(np.argmin(lengths))
-    assert (b["labels"][short, lengths[short]:] == batching.IGNORE).all()
+    for row, n in enumerate(lengths):
+        assert (b["labels"][row, n:] == batching.IGNORE).all() and (b["input_ids"][row, n:] == tok.pad_token_id).all()
 
 
 def test_epoch_order_is_reproducible():

@@ -145,20 +145,36 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, rows: int = 1
     return _CrossEntropy.apply(logits, targets, rows, torch.is_grad_enabled())
 
 
+# The loss rows, and a batch's width (data.batching), are padded to a multiple of this. oneDNN, which runs a CPU's
+# matmuls, builds and caches a kernel for every new shape (up to 1,024 of them, a few MB each): rows and widths
+# that differ at every step kept adding to a run's memory (SmolLM2-shaped LoRA, 84 steps: 1.17 -> 1.70 GB, and
+# growing; with every shape fixed it stayed at 1.42 GB). Padded, a few dozen shapes repeat.
+SHAPE_MULTIPLE = 64
+
+
+def _padded_rows(x: torch.Tensor, multiple: int = SHAPE_MULTIPLE) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, dtype: torch.dtype, chunk: int, rows: int, grad_enabled: bool):
         # (needs_input_grad says True under no_grad too: evaluation would make gradients for nothing)
         need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
-        h, w = hidden.to(dtype), weight.to(dtype)
+        n = hidden.shape[0]
+        h, w = _padded_rows(hidden.to(dtype)), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
+        grad_h = torch.empty_like(h, dtype=hidden.dtype) if need_h else None  # (N padded, H)
         grad_w = grad_b = None  # fp32 sums of the chunks' (V, H) and (V,) products
         want = need_h or need_w or need_b
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for i in range(0, h.shape[0], chunk):
             logits = F.linear(h[i : i + chunk], w, b)  # (chunk, V), overwritten by its own gradient
-            total += _cross_entropy_rows(logits, targets[i : i + chunk], logits if want else None, rows)
+            real = min(logits.shape[0], n - i)  # the rows past n are padding: no loss, a zero gradient
+            total += _cross_entropy_rows(logits[:real], targets[i : i + real], logits[:real] if want else None, rows)
+            if want:
+                logits[real:].zero_()
             if need_h:
                 grad_h[i : i + chunk] = logits @ w
             if need_w:
@@ -167,6 +183,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_b:
                 part = logits.sum(dim=0, dtype=torch.float32)
                 grad_b = part if grad_b is None else grad_b.add_(part)
+        if need_h:
+            grad_h = grad_h[:n]
         if need_w and grad_w is None:  # no rows
             grad_w = torch.zeros_like(weight, dtype=torch.float32)
         if need_b and grad_b is None:
