@@ -394,6 +394,26 @@ def test_measuring_stops_where_it_would_cost_more_than_a_tenth_of_the_training_i
     assert batch.probe(step, [1, 2, 4, 8], 1e9, 0.0, lambda e: False).micro_batch_size == 8  # full: all four
 
 
+def test_compile_is_measured_only_when_its_cost_fits_the_measuring_budget(monkeypatch):
+    """Compile's measurement costs what it cost on this machine last time (90 s before it has been seen): a run
+    of 500 s of training leaves 50 s and skips it, saying why; one of 2,000 s measures it and records the cost."""
+    import dataclasses
+
+    from tunebench.training.tune.budget import Budget
+
+    fake, auto = FakeCompiler(monkeypatch), hardware.Decision("compile", "auto", "")
+    shape = dataclasses.replace(_shape("budget3"), where="Some CPU x2")  # tune.where's form for a CPU
+    clock = Clock()
+    row = compiler.pick(None, auto, False, fake.measure, 50_000, shape, 1, 100.0, budget=Budget(50_000, clock=clock))
+    assert row[1] is False and fake.compiles == 0, row
+    assert "not measured: ~90 s more would take measuring past 50 s" in row[2]
+    assert "(measuring compile: ~90 s, a first guess on a machine not seen compiling); --compile on to force" in row[2]
+    row = compiler.pick(None, auto, False, fake.measure, 200_000, shape, 1, 100.0, budget=Budget(200_000, clock=clock))
+    assert row[1] is True and fake.compiles == 2, row
+    seconds, known = compiler.measuring_cost(shape.where)
+    assert seconds < 5 and known.endswith("as it took here last time")
+
+
 def test_flash_attention_joins_the_candidates_only_where_it_can_run(monkeypatch):
     import transformers.utils
 

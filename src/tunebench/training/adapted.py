@@ -43,7 +43,7 @@ def check_memory(cfg: RunConfig, opened: runner.Opened) -> None:
     _, refused = memory.check_fits(shape, f"--model {cfg.model.name} with --method {a.method}", a.method, value_bytes,
                                    a.r, a.target_modules, cfg.data.max_length,
                                    memory_free_mb(opened.device, opened.world.local_size), opened.device.type,
-                                   memory.runtime_mb(opened.device.type))
+                                   opened.runtime_mb)
     if refused:
         raise TunebenchError(refused)
 

@@ -90,7 +90,8 @@ def resumed_steps(opened: runner.Opened) -> int | None:
 def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
-    runtime = memory.runtime_mb(device.type) - sum(p.numel() * p.element_size() for p in r.model.parameters()) / memory.MB
+    held = memory.held_mb(r.model, r.loss.parameters() if r.loss is not None else [])
+    runtime = max(0.0, memory.runtime_mb(device.type) - held)  # what the process holds beside the weights
     steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
     measured, measure_s = runner.measure(
         opened, cfg, r.model, probe_step(r.model, r.probe_rows, device, opened.autocast, r.loss), r.what,
@@ -107,7 +108,7 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     memory_plan = memory.of_step(r.model, r.loss.parameters() if r.loss is not None else [], micro, r.widest,
-                                 4 if opened.hw_plan.precision == "fp32" else 2, measured.attention, max(runtime, 0.0))
+                                 4 if opened.hw_plan.precision == "fp32" else 2, measured.attention, runtime)
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *r.rows, Decision("world", world.size, world.describe()), r.parallel, *r.method_rows,
         *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,

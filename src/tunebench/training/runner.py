@@ -33,6 +33,7 @@ from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_
 from tunebench.machine.monitor import Monitor, other_load
 from tunebench.training import checkpoint, runplan
 from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
+from tunebench.training.tune import memory
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Opened:
     resumed: tuple[int, int] | None
     ask: BatchAsk
     seed: int
+    runtime_mb: float = 0.0  # what the process held before the model (its RSS on a CPU; 0 on a GPU)
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -74,7 +76,8 @@ def open_run(cfg, identity: dict[str, Any]) -> Opened:
     effective, resumed = runplan.effective_to_run(ask, resume_from, world.size)
     apply_plan(hw_plan)
     seed_everything(cfg.schedule.seed)
-    return Opened(out, hw, hw_plan, world, on, resume_from, effective, resumed, ask, cfg.schedule.seed)
+    return Opened(out, hw, hw_plan, world, on, resume_from, effective, resumed, ask, cfg.schedule.seed,
+                  memory.runtime_mb(on.type))
 
 
 def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:

@@ -156,15 +156,20 @@ def predict(shape: Shape, method: str, value_bytes: int, trainable: int, micro: 
     return Plan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note)
 
 
+def held_mb(model, extra=()) -> float:
+    """The bytes of `model`'s parameters as held, and of `extra`'s that are not the model's, in MB."""
+    own = {id(p) for p in model.parameters()}
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (held + sum(p.numel() * p.element_size() for p in extra if id(p) not in own)) / MB
+
+
 def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: str, runtime: float) -> Plan:
     """The plan of a built model's step: its parameters' bytes as held (and those of `extra`, such as a full
     fine-tune's frozen reference copy), its trained parameters, the chosen micro batch, kernel and checkpointing.
     A model that trains most of its parameters is planned as a full fine-tune (fp32 weights under autocast)."""
     from tunebench.training.tune.probe import checkpointing_on
 
-    own = {id(p) for p in model.parameters()}
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
-    held += sum(p.numel() * p.element_size() for p in extra if id(p) not in own)
+    held = held_mb(model, extra) * MB
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     full = trainable > sum(p.numel() for p in model.parameters()) / 2
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
