@@ -64,6 +64,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         what=adapted.measured_as(cfg, prefer), probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
         widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), max_length=d.max_length,
+        longest=int(lengths[train_idx].max()),
         attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, len(train_idx)), batches=batches,
         eval_sets=lambda micro: [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                                  for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)],

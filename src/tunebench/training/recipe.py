@@ -67,6 +67,7 @@ class Recipe:
     publish: Callable[..., None]  # the trackers' end of the run (jobs.run_report.send)
     records: dict[str, Any] = field(default_factory=dict)  # plan.json's extra fields
     quantized: bool = False
+    longest: int | None = None  # the longest unit's tokens, where rows are not packed to `widest`
     micro: int | None = None  # a micro batch the objective's math fixes, taken as one asked for
     asked_reason: str = "asked for"
     batch_unit: str = ""  # after the effective batch's product in its row: " blocks of 256"
@@ -107,7 +108,9 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
-    memory_plan = memory.of_step(r.model, r.loss.parameters() if r.loss is not None else [], micro, r.widest,
+    packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
+    memory_plan = memory.of_step(r.model, r.loss.parameters() if r.loss is not None else [], micro,
+                                 r.widest if packed or r.longest is None else r.longest,
                                  4 if opened.hw_plan.precision == "fp32" else 2, measured.attention, runtime)
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *r.rows, Decision("world", world.size, world.describe()), r.parallel, *r.method_rows,
