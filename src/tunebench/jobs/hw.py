@@ -121,7 +121,7 @@ def recorded(path: str, model: str | None = None, method: str = "lora",
     return hw, [r for r in rows if r.setting != "allocator"], command
 
 
-RECORDED_RUNTIME_MB = 600.0  # Python, torch and transformers with a tokenizer and data loaded: 550-650 MB here
+RECORDED_RUNTIME_MB = 500.0  # Python, torch, transformers, a tokenizer and data: 480-490 MB at training starts here
 
 
 def load_record(path: str) -> hardware.Hardware:

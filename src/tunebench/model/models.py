@@ -301,9 +301,20 @@ def own_memory(model) -> None:
     file holds, a weight is a view of the memory-mapped file: its pages are read from disk at the first step,
     inside whatever is being timed then (the first attention kernel measured, on a cold page cache), and count
     as file pages rather than the run's own, which the memory plan reads."""
+    mapped = _mapped_files()
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.data = tensor.data.clone()
+            if mapped is None or any(start <= tensor.data_ptr() < end for start, end in mapped):
+                tensor.data = tensor.data.clone()
+
+
+def _mapped_files() -> list[tuple[int, int]] | None:
+    """The address ranges of the safetensors files this process maps (None where /proc cannot say: copy all)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    return [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in lines if line.endswith(".safetensors")]
 
 
 def _hub_tokenizer(spec: str, allow_download: bool):

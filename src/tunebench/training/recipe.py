@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tunebench.core import startup
 from tunebench.core.jsonfile import write_json
 from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
@@ -92,6 +93,7 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
     held = memory.held_mb(r.model, r.loss.parameters() if r.loss is not None else [])
+    startup.release_freed()  # what loading freed (an fp32 copy cast down) is not the run's
     runtime = max(0.0, memory.runtime_mb(device.type) - held)  # what the process holds beside the weights
     steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
     measured, measure_s = runner.measure(
