@@ -48,17 +48,9 @@ def collate(data: Tokenized, batch: list[int], pad_id: int) -> dict[str, torch.T
     return pad_examples([data.example(i) for i in batch], pad_id)
 
 
-# A batch's width is rounded up to a multiple of this (see kernels.SHAPE_MULTIPLE: each new width is a new set of
-# oneDNN kernels held for the run). Right padding is never attended to and carries no loss, so nothing but the
-# cost of a few pad positions changes; a width that was a multiple of 8 stays as it is, so max_length is kept
-# whenever it is one (a model's positions always are).
-WIDTH_MULTIPLE = 8
-
-
 def pad_examples(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
-    """(ids, loss mask) rows, right-padded to the longest rounded up to WIDTH_MULTIPLE: collate's tensors."""
+    """(ids, loss mask) rows, right-padded to the longest: collate's tensors."""
     width = max(len(ids) for ids, _ in examples)
-    width += -width % WIDTH_MULTIPLE
     input_ids = np.full((len(examples), width), pad_id, dtype=np.int64)
     labels = np.full((len(examples), width), IGNORE, dtype=np.int64)
     attention = np.zeros((len(examples), width), dtype=np.int64)

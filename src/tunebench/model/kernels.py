@@ -145,10 +145,11 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, rows: int = 1
     return _CrossEntropy.apply(logits, targets, rows, torch.is_grad_enabled())
 
 
-# The loss rows, and a batch's width (data.batching), are padded to a multiple of this. oneDNN, which runs a CPU's
-# matmuls, builds and caches a kernel for every new shape (up to 1,024 of them, a few MB each): rows and widths
-# that differ at every step kept adding to a run's memory (SmolLM2-shaped LoRA, 84 steps: 1.17 -> 1.70 GB, and
-# growing; with every shape fixed it stayed at 1.42 GB). Padded, a few dozen shapes repeat.
+# The loss rows are padded to a multiple of this. oneDNN, which runs a CPU's matmuls, builds and caches a kernel
+# for every new shape (up to 1,024 of them), and the head's (rows, hidden) x (hidden, vocabulary) ones are large:
+# a row count that differed at every step kept adding to a run's memory (SmolLM2-shaped LoRA, 84 steps: 1.17 ->
+# 1.70 GB and growing); padded, it stays at 1.25 GB from the second step. (Padding a batch's width as well
+# changed the body's numerics against HF's unpadded runs, QLoRA's losses by 2e-4, and was not needed.)
 SHAPE_MULTIPLE = 64
 
 
