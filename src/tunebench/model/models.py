@@ -198,7 +198,8 @@ def converted_dir(spec: str) -> Path:
 
 def materialize(name: str, model, tok) -> Path:
     """Save an in-memory preset so from_pretrained (quantization) can load it."""
-    key = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    dtype = str(next(model.parameters()).dtype)  # the config need not say it: a preset cast to bf16 saves bf16 weights
+    key = hashlib.sha256(json.dumps([model.config.to_dict(), dtype], sort_keys=True, default=str).encode()).hexdigest()[:12]
     dest = cache_dir() / "models" / f"{name}-{key}"
     if not (dest / "config.json").exists():
         dest.parent.mkdir(parents=True, exist_ok=True)

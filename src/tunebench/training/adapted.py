@@ -26,9 +26,10 @@ from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
 
 
 def load_dtype(cfg: RunConfig, opened: runner.Opened) -> torch.dtype:
-    """The dtype the base is loaded in: a full fine-tune's fp32 master weights, else the frozen base's compute
-    dtype (build_model keeps it there; QLoRA reloads it quantized and reads only its files)."""
-    return torch.float32 if cfg.adapter.method == "full" else DTYPES[opened.hw_plan.precision]
+    """The dtype the base is loaded in: a full fine-tune's fp32 master weights; QLoRA's fp32, which it quantizes
+    from (a preset is saved from these weights first: quantized from bf16-rounded ones, its losses moved 2e-4
+    from HF's); else the frozen base's compute dtype, where build_model keeps it."""
+    return torch.float32 if cfg.adapter.method in ("full", "qlora") else DTYPES[opened.hw_plan.precision]
 
 
 def check_memory(cfg: RunConfig, opened: runner.Opened) -> None:
