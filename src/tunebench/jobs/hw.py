@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from tunebench.core.batch_rule import micro_candidates
+from tunebench.core.precision import DTYPES
 from tunebench.machine import hardware
 from tunebench.machine.hardware import Decision
 from tunebench.model.models import cache_dir
@@ -98,7 +99,7 @@ def memory_row(hw: hardware.Hardware, plan: hardware.Plan, model: str, method: s
     shape = memory.on_meta(config)
     named = Path(model).name if model.endswith(".json") else model  # a config file: its name, not where it lies
     smallest, refused = memory.check_fits(shape, f"{named} with --method {method}", method,
-                                          4 if plan.precision == "fp32" else 2, load_config().adapter.r, "auto",
+                                          DTYPES[plan.precision].itemsize, load_config().adapter.r, "auto",
                                           max_length, free, plan.device, 0.0 if gpu else runtime_mb)
     where = f"{hw.gpus[0].name}'s {free / 1024:.1f} GB" if gpu else f"{free / 1024:.1f} GB of RAM"
     if refused:

@@ -5,7 +5,6 @@ rotary context they were trained for), checked before a run or a request goes pa
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,23 +159,21 @@ def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
         return models.TINY_POSITIONS, "rotary positions"
     if spec == "gpt2-124m":
         return 1024, "learned positions"  # GPT2Config's n_positions
-    try:
-        if spec == models.SMOLLM2 or spec.endswith(".gguf"):
-            converted = models.converted_dir(spec) / "config.json"
-            if converted.is_file():  # read in ms; parsing the GGUF's whole vocabulary takes seconds
-                config = json.loads(converted.read_text())
-                return config.get("n_positions") or config.get("max_position_embeddings"), "the GGUF's context length"
+    config = models.config_of(spec, allow_download)  # a GGUF's once converted: read in ms
+    if spec == models.SMOLLM2 or spec.endswith(".gguf"):
+        if config is not None:
+            return getattr(config, "n_positions", None) or config.max_position_embeddings, "the GGUF's context length"
+        try:  # not converted yet: the GGUF's own field (parsing its whole vocabulary would take seconds)
             from gguf import GGUFReader
 
             reader = GGUFReader(str(models.smollm2_gguf() if spec == models.SMOLLM2 else spec))
             arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
             field_ = reader.fields.get(f"{arch}.context_length")
             return (int(field_.parts[-1][0]) if field_ else None), "the GGUF's context length"
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(spec, local_files_only=not allow_download)
-    except (OSError, ValueError, KeyError):
-        return None, ""  # the load says what is wrong
+        except (OSError, ValueError, KeyError):
+            return None, ""  # the load says what is wrong
+    if config is None:
+        return None, ""
     if getattr(config, "model_type", "") in LEARNED_POSITIONS:
         return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None), \
             "learned positions"

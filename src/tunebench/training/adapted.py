@@ -39,9 +39,9 @@ def check_memory(cfg: RunConfig, opened: runner.Opened) -> None:
     if config is None or cfg.adapter.method in methods.PROMPT_METHODS + ("ia3",):
         return
     shape = memory.on_meta(config)
-    value_bytes = 4 if opened.hw_plan.precision == "fp32" else 2
     a = cfg.adapter
-    _, refused = memory.check_fits(shape, f"--model {cfg.model.name} with --method {a.method}", a.method, value_bytes,
+    _, refused = memory.check_fits(shape, f"--model {cfg.model.name} with --method {a.method}", a.method,
+                                   DTYPES[opened.hw_plan.precision].itemsize,
                                    a.r, a.target_modules, cfg.data.max_length,
                                    memory_free_mb(opened.device, opened.world.local_size), opened.device.type,
                                    opened.runtime_mb)

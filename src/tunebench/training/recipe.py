@@ -17,6 +17,7 @@ import torch
 
 from tunebench.core import startup
 from tunebench.core.jsonfile import write_json
+from tunebench.core.precision import DTYPES
 from tunebench.machine import distributed
 from tunebench.machine.hardware import Decision
 from tunebench.settings.rundir import RunDir
@@ -92,7 +93,8 @@ def resumed_steps(opened: runner.Opened) -> int | None:
 def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
-    held = memory.held_mb(r.model, r.loss.parameters() if r.loss is not None else [])
+    extra = list(r.loss.parameters()) if r.loss is not None else []  # a full fine-tune's reference copy, say
+    held = memory.held_mb(r.model, extra)
     startup.release_freed()  # what loading freed (an fp32 copy cast down) is not the run's
     runtime = max(0.0, memory.runtime_mb(device.type) - held)  # what the process holds beside the weights
     steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
@@ -111,9 +113,8 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
-    memory_plan = memory.of_step(r.model, r.loss.parameters() if r.loss is not None else [], micro,
-                                 r.widest if packed or r.longest is None else r.longest,
-                                 4 if opened.hw_plan.precision == "fp32" else 2, measured.attention, runtime)
+    memory_plan = memory.of_step(r.model, extra, micro, r.widest if packed or r.longest is None else r.longest,
+                                 DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime)
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *r.rows, Decision("world", world.size, world.describe()), r.parallel, *r.method_rows,
         *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,
