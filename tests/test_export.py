@@ -516,3 +516,88 @@ def test_eval_scores_an_export_with_llama_cpps_own_answers_beside_the_run(runs, 
                            "is not a .gguf file")):
         assert cli.main(["eval", *args, "--data", data]) == 2, args
         assert message in capsys.readouterr().err, args
+
+
+def test_quant_auto_picks_the_smallest_type_within_tolerance_by_real_size(tmp_path):
+    """The pick's rule on types whose scores differ: the types are ordered by their files' real sizes (here q4_k_m
+    is written smaller than q4_0), scored from the smallest up until one is within the tolerance of f16's; a type
+    whose check failed is skipped with the check's words, and nothing larger than the pick is scored."""
+    from tunebench.jobs import quant_auto
+
+    sizes = {"f16": 1000, "q2_k": 300, "q3_k_m": 350, "q4_k_m": 380, "q4_0": 420, "q8_0": 700}
+    scores = {"f16": 50.0, "q2_k": 30.0, "q3_k_m": 48.5, "q4_k_m": 49.2, "q4_0": 50.0, "q8_0": 50.0}
+    scored = []
+
+    def write(quant, path):
+        if quant not in sizes:
+            raise TunebenchError(f"the written file does not reproduce the model ({quant})")
+        path.write_bytes(b"x" * sizes[quant])
+
+    class Held:
+        where = "rows"
+
+        def score_gguf(self, path, rows, max_new_tokens, answers):
+            quant = path.stem
+            scored.append(quant)
+            return {"rougeL": scores[quant], "gen_tokens_per_s": 1.0, "generated": 32}
+
+    chosen, path, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=1.0), tmp_path)
+    assert (chosen, path) == ("q4_k_m", tmp_path / "q4_k_m.gguf")  # q3_k_m is 1.5 below f16; q4_k_m 0.8
+    assert scored == ["f16", "q2_k", "q3_k_m", "q4_k_m"]  # smallest up, then stop: q4_0 and q8_0 are larger
+    rows = {t.quant: t for t in tried}
+    assert rows["q2_k"].outcome == rows["q3_k_m"].outcome == "outside tolerance" and rows["q4_k_m"].outcome == "picked"
+    assert rows["q4_0"].outcome == "not scored: q4_k_m is no larger" and rows["q4_0"].score is None
+    assert rows["q6_k"].outcome.startswith("skipped: the written file does not reproduce the model")
+    assert quant_auto.reason(chosen, tried, quant_auto.Settings()).startswith("q4_k_m is the smallest type")
+    scored.clear()
+    (tmp_path / "strict").mkdir()
+    chosen, _, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=0.0), tmp_path / "strict")
+    assert chosen == "q4_0" and scored == ["f16", "q2_k", "q3_k_m", "q4_k_m", "q4_0"]
+    scores.update(q4_0=40.0, q8_0=49.9)
+    (tmp_path / "none").mkdir()
+    chosen, _, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=0.0), tmp_path / "none")
+    assert chosen == "f16" and "so f16 is kept" in quant_auto.reason(chosen, tried, quant_auto.Settings(tolerance=0))
+
+
+def test_export_quant_auto_ships_the_file_it_scored_in_llama_cpp(runs, tmp_path, llama_cpp, capsys):
+    """`export --quant auto` on a run with held-out rows: a new directory holding the picked file (named by its
+    type), quant-auto.json and each scored type's answers. The recorded scores are those answers' scores, the pick
+    is the smallest scored type within the tolerance, the file is byte for byte what `--quant TYPE` writes, and
+    bad input is refused before the model loads."""
+    import hashlib
+
+    from tunebench.model import quality
+
+    run = runs / "lora"
+    out = tmp_path / "auto"
+    assert cli.main(["export", str(run), "--quant", "auto", "--quant-rows", "3", "--max-new-tokens", "6",
+                     "--quant-tolerance", "0", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = json.loads((out / "quant-auto.json").read_text())
+    chosen = table["picked"]
+    assert f"picked {chosen}: " in printed and table["settings"]["tolerance"] == 0
+    (shipped,) = out.glob("*.gguf")
+    assert shipped.name == f"lora-{chosen}.gguf"
+    ref = table["types"][0]
+    assert ref["quant"] == "f16" and ref["outcome"] in ("reference", "picked")
+    scored = [t for t in table["types"] if t["score"] is not None]
+    for t in scored:  # each score is its answers' score, and its answers are llama.cpp's (recorded per type)
+        lines = (out / f"answers-{t['quant']}.jsonl").read_text().splitlines()
+        answers = [quality.Answer(**json.loads(line)) for line in lines[1:]]
+        assert len(answers) == t["rows"] == 2  # the run holds 2 of its 40 rows out
+        assert quality.score(answers, 1.0)["rougeL"] == t["score"]
+    quantized = sorted((t for t in scored if t["quant"] != "f16"), key=lambda t: t["bytes"])
+    within = [t for t in quantized if t["score"] >= ref["score"]]
+    assert chosen == (within[0]["quant"] if within else "f16")
+    assert all(t["bytes"] >= within[0]["bytes"] for t in table["types"] if t["outcome"].endswith("is no larger"))
+    again = export.export(str(run), "gguf", chosen, str(tmp_path / f"again-{chosen}.gguf"))
+    assert hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(shipped.read_bytes()).digest()
+
+    for args, message in ((["--format", "hf"], "--quant auto picks a GGUF type"),
+                          (["-o", str(tmp_path / "x.gguf")], "pass a directory path"),
+                          (["--quant-metric", "exact_match", "--quant-rows", "0"], "--quant-rows 1 or more")):
+        assert cli.main(["export", str(run), "--quant", "auto", *args]) == 2, args
+        assert message in capsys.readouterr().err, args
+    assert cli.main(["export", str(runs / "llama"), "--quant", "auto", "-o", str(tmp_path / "p")]) == 2
+    assert "a pretraining run has no task" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists() and not (tmp_path / "x.gguf").exists()

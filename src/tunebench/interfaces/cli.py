@@ -124,9 +124,11 @@ def _prepare(args: argparse.Namespace) -> int | None:
 
 
 def _export(args: argparse.Namespace) -> int | None:
+    from tunebench.jobs import quant_auto
     from tunebench.jobs.export import export
 
-    export(args.run_dir, args.format, args.quant, args.output, args.allow_download)
+    export(args.run_dir, args.format, args.quant, args.output, args.allow_download,
+           quant_auto.Settings(args.quant_rows, args.quant_tolerance, args.quant_metric, args.max_new_tokens))
 
 
 def _eval(args: argparse.Namespace) -> int | None:

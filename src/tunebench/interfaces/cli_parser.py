@@ -11,6 +11,7 @@ from typing import Any
 
 from tunebench import __version__
 from tunebench.core.errors import TunebenchError
+from tunebench.jobs import quant_auto
 from tunebench.model import quality
 from tunebench.settings.finetune import METHODS, OBJECTIVES
 
@@ -343,9 +344,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a training or pretraining run's --output-dir")
     p.add_argument("--format", default="gguf", help="gguf (default) | ollama (GGUF + Modelfile) | hf (merged directory)")
     p.add_argument("--quant", default=None,
-                   help="gguf/ollama: f32 | f16 (default) | bf16 | q8_0 | q5_1 | q5_0 | q4_1 | q4_0; hf: f32 (default) | f16 | bf16")
+                   help="gguf/ollama: f32 | f16 (default) | bf16 | q8_0 | q6_k | q5_k_m | q5_k_s | q5_1 | q5_0 | q4_k_m | "
+                        "q4_k_s | q4_1 | q4_0 | q3_k_m | q2_k, or auto: the smallest type whose task score in llama.cpp "
+                        "is within --quant-tolerance of f16's (a new directory with the file and the table); "
+                        "hf: f32 (default) | f16 | bf16")
+    p.add_argument("--quant-rows", type=int, default=quant_auto.ROWS,
+                   help=f"--quant auto: held-out rows each type answers (default {quant_auto.ROWS})")
+    p.add_argument("--quant-tolerance", type=float, default=quant_auto.TOLERANCE,
+                   help=f"--quant auto: points of the metric a type may lose against f16 (default {quant_auto.TOLERANCE:g})")
+    p.add_argument("--quant-metric", default="rougeL", choices=quality.OBJECTIVES,
+                   help="--quant auto: the task score compared (default rougeL)")
+    p.add_argument("--max-new-tokens", type=positive, default=128,
+                   help="--quant auto: the cap on each answer (default 128)")
     p.add_argument("-o", "--output", default=None,
-                   help="the file (gguf) or new directory (ollama, hf); default RUN_DIR/export/...")
+                   help="the file (gguf) or new directory (ollama, hf, --quant auto); default RUN_DIR/export/...")
     p.add_argument("--allow-download", action="store_true", help="let the base model come from the hub")
     _add_debug(p)
 

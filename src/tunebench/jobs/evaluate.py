@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
@@ -111,18 +112,36 @@ def check_ggufs(ggufs, generate: int, run_dir: str | None) -> None:
 
 def run_gguf(path: str, run_dir: str, data: DataConfig, generate: int, max_new_tokens: int, answers: Path) -> dict:
     """The exported file's scores on the rows `run` scores the run on, with llama.cpp generating; its size."""
-    from tunebench.jobs.generate import trained_template
+    held = HeldOut.of(run_dir, data)
+    return held.score_gguf(Path(path), generate, max_new_tokens, answers)
 
-    tok = models.load_tokenizer(run_dir)
-    examples = formats.load_examples(data)
-    tokenized = load_tokenized(data, tok, models.cache_dir(), examples)
-    rows, where = held_out(examples, tokenized, data, run_dir)
-    found, seconds = quality.generate_answers_gguf(Path(path), tok, rows[:generate], trained_template(run_dir),
-                                                   max_new_tokens)
-    scores = quality.score(found, seconds)
-    quality.write_answers(answers, found, scores)
-    return {"model": str(path), "runtime": "llama.cpp", "file_mb": round(Path(path).stat().st_size / 2**20, 1),
-            "generated": len(found), "generated_from": where, **scores}
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A run's tokenizer, prompt format and held-out rows: what an export of it is scored on."""
+    tok: object
+    template: str
+    rows: list
+    where: str
+
+    @classmethod
+    def of(cls, run_dir: str, data: DataConfig) -> HeldOut:
+        from tunebench.jobs.generate import trained_template
+
+        tok = models.load_tokenizer(run_dir)
+        examples = formats.load_examples(data)
+        tokenized = load_tokenized(data, tok, models.cache_dir(), examples)
+        rows, where = held_out(examples, tokenized, data, run_dir)
+        return cls(tok, trained_template(run_dir), rows, where)
+
+    def score_gguf(self, path: Path, generate: int, max_new_tokens: int, answers: Path) -> dict:
+        """The file's answers to the first `generate` rows, in llama.cpp, scored and written to `answers`."""
+        found, seconds = quality.generate_answers_gguf(path, self.tok, self.rows[:generate], self.template,
+                                                       max_new_tokens)
+        scores = quality.score(found, seconds)
+        quality.write_answers(answers, found, scores)
+        return {"model": str(path), "runtime": "llama.cpp", "file_mb": round(path.stat().st_size / 2**20, 1),
+                "generated": len(found), "generated_from": self.where, **scores}
 
 
 def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: str | None) -> tuple[list, str]:

@@ -20,6 +20,7 @@ import torch
 from tunebench.core.durable import atomic_dir, atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
+from tunebench.jobs import quant_auto
 from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.settings.rundir import RunDir
 
@@ -45,7 +46,8 @@ class Source:
 
 
 def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: str | None = None,
-           allow_download: bool = False) -> Path:
+           allow_download: bool = False, auto: quant_auto.Settings = quant_auto.Settings()) -> Path:
+    """`auto`: how `--quant auto` scores the types (rows, tolerance, metric, answer length)."""
     # 1. Everything a user can get wrong, before any weight is read or any file written.
     if fmt not in FORMATS:
         raise TunebenchError(f"--format '{fmt}' is not one of {', '.join(FORMATS)}")
@@ -53,7 +55,7 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     source = find_source(run_dir)
     config = base_config(source, allow_download)
     writer, why = gguf_export.route(config) if fmt != "hf" else ("hf", "")
-    if writer == "llama.cpp" or quant in llama_cpp_tools.K_QUANTS:
+    if writer == "llama.cpp" or quant in llama_cpp_tools.K_QUANTS or quant == "auto":
         llama_cpp_tools.check_available(converter_needed=writer == "llama.cpp")
     kind = getattr(config, "model_type", "")
     if writer == "llama.cpp" and kind in gguf_export.SENTENCEPIECE_ONLY and sentencepiece_model(source) is None:
@@ -67,6 +69,7 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     name = model_name(source.run_dir)
     if writer == "tunebench" and (source.run_dir / "tokenizer_config.json").is_file():
         gguf_export.pre_tokenizer(models.load_tokenizer(str(source.run_dir)))  # before minutes of loading
+    held = quant_auto.held_out(source.run_dir, auto) if quant == "auto" else None
 
     # 2. The model as it will run: the adapter folded into its (dequantised, fp32) base.
     loaded = inference.load_for_inference(None if source.adapter else str(source.run_dir),
@@ -88,6 +91,8 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
         with _new_parents(target):
             if fmt == "hf":
                 return _export_hf(model, tokenizer, target, quant, template)
+            if quant == "auto":
+                return _export_auto(model, tokenizer, template, name, writer, sentencepiece, fmt, target, held, auto)
             if fmt == "ollama":
                 with atomic_dir(target) as tmp:
                     gguf_file = tmp / f"{name}-{quant}.gguf"
@@ -132,11 +137,12 @@ def sentencepiece_model(source: Source) -> Path | None:
 
 
 def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, name: str, writer: str,
-                sentencepiece: Path | None = None):
+                sentencepiece: Path | None = None, f32: Path | None = None):
     """The GGUF at `path`, then its check. tunebench's writer writes its own tensor types directly; llama.cpp's
     converter writes an f32 file from the merged model (saved as an HF directory beside `path`) where it cannot
     write `quant` itself, and llama.cpp's quantizer makes the K-quants (and, after the converter, the legacy
-    quants) from an f32 file, so every quantization starts from the exact weights."""
+    quants) from an f32 file, so every quantization starts from the exact weights. `f32`: where that f32 file
+    is kept (and reused) when several types are written from one model."""
     import tempfile
 
     direct = gguf_export.QUANTS if writer == "tunebench" else llama_cpp_tools.OUTTYPES
@@ -145,7 +151,11 @@ def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, 
     else:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
             first = Path(tmp) / ("model.gguf" if quant in direct else "f32.gguf")
-            if writer == "tunebench":
+            if f32 is not None and quant not in direct:
+                first = f32
+            if first.is_file():
+                pass  # the f32 file an earlier type was quantized from
+            elif writer == "tunebench":
                 gguf_export.write(model, tokenizer, first, "f32", template, name)
             else:
                 _write_hf(model, tokenizer, Path(tmp) / "hf", "f32", template)
@@ -164,6 +174,38 @@ def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, 
         return written, compare(model, reader, tokenizer, template, quant, "llama.cpp")
     finally:
         reader.close()
+
+
+def _export_auto(model, tokenizer, template: str | None, name: str, writer: str, sentencepiece: Path | None,
+                 fmt: str, target: Path, held, settings: quant_auto.Settings) -> Path:
+    """--quant auto: every type written and checked in a work directory, the pick moved into the new directory
+    `target` beside its table and answers (and, for ollama, its Modelfile)."""
+    checks = {}
+
+    def write(quant: str, path: Path) -> None:
+        _, checks[quant] = _write_gguf(model, tokenizer, path, quant, template, name, writer, sentencepiece,
+                                       f32=path.parent / "f32.gguf")
+
+    with atomic_dir(target) as tmp:
+        work = tmp / ".types"
+        work.mkdir()
+        chosen, picked, tried = quant_auto.pick(write, held, settings, work)
+        gguf_file = tmp / f"{name}-{chosen}.gguf"
+        picked.replace(gguf_file)
+        quant_auto.record(tmp, chosen, tried, settings, held, work)
+        shutil.rmtree(work)
+        if fmt == "ollama":
+            modelfile = write_modelfile(tmp, gguf_file, tokenizer, template, inference.context_limit(model))
+    print(quant_auto.table(tried, settings))
+    print(f"picked {chosen}: {quant_auto.reason(chosen, tried, settings)}")
+    print(checks[chosen].line(chosen))
+    print(f"wrote {target / gguf_file.name} ({_mb((target / gguf_file.name).stat().st_size)}), the table in "
+          f"{target / 'quant-auto.json'} and each type's answers (answers-TYPE.jsonl)")
+    if fmt == "ollama":
+        print(f"load it with:\n  ollama create {name} -f {target / modelfile.name}\n  ollama run {name}")
+        return target
+    print(f"run it with:\n  llama-cli -m {target / gguf_file.name}")
+    return target / gguf_file.name
 
 
 def _export_hf(model, tokenizer, target: Path, quant: str, template: str | None) -> Path:
@@ -195,8 +237,11 @@ def _interrupt(signum, frame):
 
 
 def check_quant(fmt: str, quant: str | None) -> str:
-    allowed = tuple(HF_DTYPES) if fmt == "hf" else (*gguf_export.QUANTS, *llama_cpp_tools.K_QUANTS)
+    allowed = tuple(HF_DTYPES) if fmt == "hf" else (*gguf_export.QUANTS, *llama_cpp_tools.K_QUANTS, "auto")
     quant = quant or ("f32" if fmt == "hf" else "f16")
+    if fmt == "hf" and quant.lower() == "auto":
+        raise TunebenchError("--quant auto picks a GGUF type by its task score in llama.cpp; --format hf keeps "
+                             "f32, f16 or bf16 weights: use --format gguf or ollama with --quant auto")
     if quant.lower() not in allowed:
         raise TunebenchError(f"--quant '{quant}' is not one of {', '.join(allowed)} for --format {fmt}")
     return quant.lower()
@@ -247,8 +292,13 @@ def output_path(run_dir: Path, fmt: str, quant: str, output: str | None) -> Path
     """Where the export goes (refused if something is already there, or a parent is a file)."""
     name = model_name(run_dir)
     default = {"gguf": f"{name}-{quant}.gguf", "ollama": f"ollama-{quant}", "hf": f"hf-{quant}"}[fmt]
+    if quant == "auto":  # a directory: the picked file (its type in its name) beside the table of every type
+        default = f"{fmt}-auto"
     target = Path(output) if output else run_dir / "export" / default
-    if fmt == "gguf" and target.suffix != ".gguf":
+    if quant == "auto" and target.suffix == ".gguf":
+        raise TunebenchError(f"-o '{target}': with --quant auto the export is a new directory (the picked file, "
+                             "its table and answers); pass a directory path")
+    if fmt == "gguf" and quant != "auto" and target.suffix != ".gguf":
         raise TunebenchError(f"-o '{target}' should end in .gguf (llama.cpp and Ollama look for it)")
     if target.exists():
         raise TunebenchError(f"'{target}' exists; exports never overwrite: pass -o with a new path")
