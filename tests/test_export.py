@@ -601,3 +601,59 @@ def test_export_quant_auto_ships_the_file_it_scored_in_llama_cpp(runs, tmp_path,
     assert cli.main(["export", str(runs / "llama"), "--quant", "auto", "-o", str(tmp_path / "p")]) == 2
     assert "a pretraining run has no task" in capsys.readouterr().err
     assert not (tmp_path / "p").exists() and not (tmp_path / "x.gguf").exists()
+
+
+def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, llama_cpp, capsys):
+    """`serve --runtime llama.cpp --adapter RUN` exports the run to f16 once (kept in RUN/export/, reused after) and
+    answers from that file; `--gguf FILE` serves another export of it (q8_0). The API's greedy chat is llama.cpp's
+    own greedy tokens for the run's prompt; a streamed reply and the chat's status name llama.cpp; the A/B tab
+    compares the two files; a file outside its run, or not a GGUF, is refused before anything loads."""
+    import shutil
+
+    openai = needs_module("openai", "the API is read with the openai client (in the test extra)")
+    needs_module("gradio", "serve needs gradio (the test extra)")
+    from tunebench.interfaces.web import app
+    from tunebench.interfaces.web.models import Registry, entries, stream
+
+    run = tmp_path / "lora"
+    shutil.copytree(runs / "lora", run)
+    q8 = export.export(str(run), "gguf", "q8_0")
+    port = _port()
+    ours = app.serve([], [str(run)], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False, ggufs=[str(q8)],
+                     runtime="llama.cpp", runs_dir_asked=False)
+    f16 = run / "export" / "lora-f16.gguf"
+    try:
+        assert f"exporting {run} to {f16} for llama.cpp (once)" in capsys.readouterr().out
+        mine = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert {m.id for m in mine.models.list().data} == {str(f16), str(q8)}
+        said = mine.chat.completions.create(model=str(f16), messages=[{"role": "user", "content": "What is 7 plus one?"}],
+                                            temperature=0, max_tokens=10)
+    finally:
+        ours.close()
+    tok = models.load_tokenizer(str(run))
+    prompt = render_prompt([{"role": "user", "content": "What is 7 plus one?"}], tok, TEMPLATE)
+    llm = llama_cpp.Llama(str(f16), n_ctx=64, n_threads=2, verbose=False)
+    try:
+        expected = tok.decode(llama_greedy(llm, tok(prompt, add_special_tokens=False).input_ids, 10),
+                              skip_special_tokens=True).strip()
+    finally:
+        llm.close()
+    assert said.choices[0].message.content == expected and said.usage.completion_tokens >= 1
+    written = f16.stat().st_mtime_ns
+    assert app.f16_export(str(run)) == f16 and f16.stat().st_mtime_ns == written  # once: the file there is reused
+
+    registry = Registry(entries([], [], ggufs=[str(f16), str(q8)]))
+    f16_label, q8_label = registry.labels
+    assert q8_label == f"gguf: {q8} (llama.cpp)"
+    *_, last = stream(registry, q8_label, [{"role": "user", "content": "What is 3 plus one?"}], 6, 0.0)
+    assert last.done and last.runtime == "llama.cpp" and last.new_tokens >= 1
+    *_, (_, status) = app.chat_turn(registry, q8_label, "What is 3 plus one?", [], 0.0, 1.0, 6)
+    assert status.endswith("tokens/s (llama.cpp)")
+    *_, (a, b, _, state) = app.ab_answers(registry, f16_label, q8_label, "What is 5 plus one?", 0.8, 0.9, 6)
+    assert {state["model_a"], state["model_b"]} == {f16_label, q8_label} and (a or b)
+
+    (tmp_path / "loose.gguf").write_bytes(q8.read_bytes())
+    for args, message in ((["--gguf", str(tmp_path / "loose.gguf")], "is not inside the run it was exported from"),
+                          (["--gguf", str(run / "config.yaml")], "is not a .gguf file")):
+        assert cli.main(["serve", *args, "--port", str(_port()), "--no-studio"]) == 2, args
+        assert message in capsys.readouterr().err, args

@@ -49,12 +49,12 @@ def _serve(args: argparse.Namespace) -> int | None:
     from tunebench.interfaces.web import app
     from tunebench.model.models import SMOLLM2
 
-    app.serve(args.model or ([] if args.adapter else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
+    app.serve(args.model or ([] if args.adapter or args.gguf else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
               args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
               no_auth=args.no_auth, device=args.device, precision=args.precision,
               runs_dir=None if args.no_studio else args.runs_dir or "runs", runs_dir_asked=args.runs_dir is not None,
               api_key=args.api_key or os.environ.get("TUNEBENCH_API_KEY") or None, studio_models=args.studio_model,
-              allowed_host=args.allowed_host)
+              allowed_host=args.allowed_host, ggufs=args.gguf, runtime=args.runtime)
 
 
 def new_file(path: str, flag: str) -> None:

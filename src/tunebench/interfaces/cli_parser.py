@@ -234,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", action="append", default=[], help="a base model spec or model directory (repeatable; "
                                                                    "default: SmolLM2 when nothing else is given)")
     sv.add_argument("--adapter", action="append", default=[], help="a training run directory (repeatable)")
+    sv.add_argument("--gguf", action="append", default=[], metavar="FILE.gguf",
+                    help="an export of a run (inside RUN_DIR/export/), answered by llama.cpp (repeatable: A/B a "
+                         "run's f16 against its q4_k_m, say)")
+    sv.add_argument("--runtime", default="pytorch", choices=("pytorch", "llama.cpp"),
+                    help="what answers the --adapter runs: pytorch (default), or llama.cpp (each run exported to "
+                         "f16 GGUF once, kept in RUN_DIR/export/, and served from that file)")
     sv.add_argument("--port", type=port, default=7860, help="1 to 65535 (default 7860)")
     sv.add_argument("--host", default="127.0.0.1",
                     help="0.0.0.0 to be reached from other machines (then --auth, or --no-auth on purpose)")

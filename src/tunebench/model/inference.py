@@ -74,6 +74,7 @@ class Placed:
     device: torch.device
     autocast_dtype: torch.dtype | None  # what training's matmuls ran under; None: no autocast (fp32, QLoRA)
     source: str = ""
+    runtime = "PyTorch"  # what answers (model/gguf_runtime.py's GgufPlaced: llama.cpp)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Any]:
@@ -98,6 +99,13 @@ class Placed:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
         with self.running() as model:
             return decoding.decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each)
+
+    def context_limit(self) -> int | None:
+        return context_limit(self.model)
+
+    def reseed(self, seed: int) -> None:
+        """The sampling's seed (torch's generator: the decoding loop samples with it)."""
+        torch.manual_seed(seed)
 
     def encode(self, texts: str | list[str], **kwargs):
         """Token ids (and attention mask) of `texts` on the model's device; no special tokens added (the

@@ -101,7 +101,8 @@ def chat_turn(registry: Registry, label: str, message: str, history: list[dict],
             elif blinded is not None and blinded.hides(label):
                 status = f"{reply.new_tokens} tokens (speed hidden while a blind A/B comparison of this model is open)"
             else:
-                status = f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s"
+                status = (f"{reply.new_tokens} tokens in {reply.seconds:.1f} s: {reply.tokens_per_s:.1f} tokens/s "
+                          f"({reply.runtime})")
             yield shown, status
     except TunebenchError as e:  # too long, an unknown model: said to the visitor; anything else stays server-side
         raise gr.Error(str(e)) from None
@@ -452,12 +453,27 @@ def login_check(credentials: tuple[str, str]):
     return check
 
 
+def f16_export(run_dir: str, allow_download: bool = False) -> Path:
+    """The run's f16 GGUF in RUN_DIR/export/, written by `tunebench export` the first time a run is served through
+    llama.cpp and read from there after (an export is never overwritten: the file there is this run's)."""
+    from tunebench.jobs import export
+
+    path = Path(run_dir) / "export" / f"{export.model_name(Path(run_dir))}-f16.gguf"
+    if not path.is_file():
+        print(f"exporting {run_dir} to {path} for llama.cpp (once) ...", flush=True)
+        export.export(run_dir, "gguf", "f16", None, allow_download)
+    return path
+
+
 def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", port: int = 7860,
           ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None, allow_download: bool = False,
           block: bool = True, auth: str | None = None, no_auth: bool = False, device: str = "auto",
           precision: str = "auto", runs_dir: str | None = None, runs_dir_asked: bool = True,
-          api_key: str | None = None, studio_models: list[str] = (), allowed_host: list[str] = ()):
-    """Check every input (exposure, models, port, database, prompt file), then start the app; returns it."""
+          api_key: str | None = None, studio_models: list[str] = (), allowed_host: list[str] = (),
+          ggufs: list[str] = (), runtime: str = "pytorch"):
+    """Check every input (exposure, models, port, database, prompt file), then start the app; returns it.
+    `ggufs` are exports answered by llama.cpp; runtime "llama.cpp" serves each run of `run_dirs` that way too,
+    from its f16 export (written once)."""
     import importlib.util
 
     credentials = parse_auth(auth)
@@ -469,7 +485,13 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
         raise TunebenchError("tunebench serve needs the web extra: pip install -e '.[web]' (./run serve installs "
                              "it on first use)")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    choices = entries(model_specs, run_dirs, allow_download)
+    if runtime not in ("pytorch", "llama.cpp"):
+        raise TunebenchError(f"--runtime {runtime!r}: pick pytorch or llama.cpp")
+    if runtime == "llama.cpp":
+        entries(model_specs, run_dirs, allow_download)  # every run checked before any is exported
+        ggufs = [*ggufs, *(str(f16_export(d, allow_download)) for d in run_dirs)]
+        run_dirs = []
+    choices = entries(model_specs, run_dirs, allow_download, ggufs)
     offered = [str(Path(d).resolve()) for d in studio_models]
     for d in offered:
         if not (Path(d) / "config.json").is_file():
@@ -487,8 +509,11 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
         studio = Studio(runs_dir, [*model_specs, *offered], f"user:{credentials[0]}" if credentials else None)
     app = build(registry, db, prompt_list, limit, studio)
     app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
-    print(f"tunebench serve: {len(choices)} model(s) on {registry.device} in {registry.precision} "
-          f"({registry.placement}), votes in {db}" + (f", runs in {studio.runs_dir}" if studio else "")
+    through = sum(e.gguf is not None for e in choices)
+    print(f"tunebench serve: {len(choices)} model(s)"
+          + (f", {through} of them exports answered by llama.cpp (the others" if through else "")
+          + f" on {registry.device} in {registry.precision} ({registry.placement})" + (")" if through else "")
+          + f", votes in {db}" + (f", runs in {studio.runs_dir}" if studio else "")
           + f"; http://{host}:{port}"
           + (f" (login: {credentials[0]})" if credentials else " (no login: anyone who can reach the port)"),
           flush=True)

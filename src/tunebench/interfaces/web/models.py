@@ -26,10 +26,15 @@ class Entry:
     label: str  # what the page shows and the A/B database stores
     model: str | None  # a base model spec, or a model directory (merged, full fine-tune, pretrained)
     adapter: str | None  # a run directory holding a PEFT adapter
+    gguf: str | None = None  # an exported file, answered by llama.cpp
 
 
-def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = False) -> list[Entry]:
-    """The choices, checked before anything loads: every run directory must hold a model or an adapter."""
+def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = False,
+            ggufs: list[str] = ()) -> list[Entry]:
+    """The choices, checked before anything loads: every run directory must hold a model or an adapter, every
+    GGUF must be an export inside its run."""
+    from tunebench.model import gguf_runtime
+
     out: list[Entry] = []
     for spec in model_specs:
         models.check_spec(spec, allow_download)
@@ -44,6 +49,9 @@ def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = 
         else:
             raise TunebenchError(f"'{d}' holds no model (no adapter_config.json or config.json); point --adapter at "
                                  "a finished training, merge or pretraining --output-dir")
+    for path in ggufs:
+        gguf_runtime.check(path)
+        out.append(Entry(f"gguf: {path} (llama.cpp)", None, None, path))
     labels = [e.label for e in out]
     if len(set(labels)) != len(labels):
         raise TunebenchError("the same model or run is listed twice; list each once")
@@ -87,6 +95,12 @@ class Registry:
             if label not in self._loaded:
                 e = self.choices[label]
                 group = _group(e)
+                if e.gguf is not None:
+                    from tunebench.model import gguf_runtime
+
+                    placed = gguf_runtime.GgufPlaced.load(e.gguf)
+                    self._loaded[label] = (placed, trained_template(str(gguf_runtime.run_of(Path(e.gguf)))))
+                    return self._loaded[label]
                 if group in self._shared:  # its base is loaded: add the adapter to it, by name
                     shared = self._shared[group]
                     name = f"run_{len(self._adapter_name)}"
@@ -119,7 +133,7 @@ class Registry:
 
 def _group(e: Entry) -> tuple[str, str] | None:
     """(base model, PEFT type) of an adapter entry: the runs that can share a loaded base; None otherwise."""
-    if e.adapter is None or e.model is not None:
+    if e.adapter is None or e.model is not None or e.gguf is not None:
         return None
     run = RunDir(e.adapter)
     peft_type, base = run.peft_type() or "", run.base_model()
@@ -134,6 +148,7 @@ class Reply:
     done: bool = False
     prompt_tokens: int = 0
     ended: bool = False  # the model ended its answer itself (EOS), rather than running into the token limit
+    runtime: str = "PyTorch"  # what answered: tunebench's decoding loop, or llama.cpp running an export
 
     @property
     def tokens_per_s(self) -> float:
@@ -184,7 +199,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     enc = placed.encode(prompt(tok) if prompt else messages[-1]["content"] if raw else
                         render_prompt(messages, tok, template))
     n_prompt = enc["input_ids"].shape[1]
-    limit = inference.context_limit(placed.model)
+    limit = placed.context_limit()
     if limit is not None:
         if n_prompt >= limit:
             raise TooLong(f"the conversation is {n_prompt:,} tokens, and this model sees {limit:,}; clear the chat or "
@@ -211,7 +226,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
                     return
                 decoding.set()
                 registry.activate(label)
-                torch.manual_seed(seed)
+                placed.reseed(seed)
                 t0 = time.perf_counter()
                 result["ids"] = placed.decode(  # in this thread: autocast is per thread
                     enc["input_ids"], enc["attention_mask"], max_new_tokens, temperature if sampling else None,
@@ -239,7 +254,8 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
         raise result["error"]  # type: ignore[misc]
     ids = result["ids"][0].tolist()  # type: ignore[index]
     ended = tok.eos_token_id is not None and tok.eos_token_id in ids
-    yield Reply(text.strip(), len(ids), float(result["seconds"]), done=True, prompt_tokens=n_prompt, ended=ended)
+    yield Reply(text.strip(), len(ids), float(result["seconds"]), done=True, prompt_tokens=n_prompt, ended=ended,
+                runtime=placed.runtime)
 
 
 class Busy(TunebenchError):

@@ -40,7 +40,7 @@ def model_ids(registry: Registry) -> dict[str, str]:
     a run or model directory by its path as given to serve."""
     out = {}
     for label, e in registry.choices.items():
-        out[e.adapter or e.model or label] = label
+        out[e.adapter or e.model or e.gguf or label] = label
     return out
 
 

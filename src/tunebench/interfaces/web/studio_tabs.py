@@ -236,12 +236,21 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         ab_it.click(on_ab, [picked, versus], switch)
 
         def on_export(run, fmt_, quant_):
+            """The export, and a GGUF one joins the Chat and A/B lists answered by llama.cpp (the file that ships,
+            against the run in PyTorch or another of its exports)."""
             try:
-                return f"Exported {run} ({fmt_}, {quant_}): `{views.export(studio, run, fmt_, quant_)}`"
+                written = Path(views.export(studio, run, fmt_, quant_))
             except TunebenchError as e:
-                return error(e)
+                return error(e), gr.update(), gr.update(), gr.update()
+            said = f"Exported {run} ({fmt_}, {quant_}): `{written}`"
+            files = [written] if written.suffix == ".gguf" else sorted(written.glob("*.gguf"))
+            if files:
+                label = registry.add(entries([], [], ggufs=[str(files[0])])[0])
+                said += f"; chat with it or A/B it as `{label}`"
+            keep = gr.Dropdown(choices=registry.labels)
+            return said, keep, keep, keep
 
-        export.click(on_export, [picked, fmt, quant], runs_message)
+        export.click(on_export, [picked, fmt, quant], [runs_message, chat_model, ab_first, ab_second])
         def on_dpo(run, request: gr.Request):
             return act(lambda r: views.dpo_from_votes(studio, r, db, client_of(request)), run)
 
