@@ -36,6 +36,15 @@ def blocks(page: Path) -> list[tuple[bool, list[str]]]:
     return out
 
 
+# A list item that is a command (the tutorials' "other forms"): `tunebench ...`, or `LABEL: tunebench ...`
+LISTED = re.compile(r"^- (?:[\w ()]+: )?`((?:\./run|tunebench) [^`]+)`", re.M)
+
+
+def listed_commands(page: Path) -> list[str]:
+    """The commands a page lists one per item, outside its code blocks."""
+    return LISTED.findall(re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S))
+
+
 def tunebench_argv(line: str) -> list[str] | None:
     """The job's argv of a `./run JOB ...` or `tunebench JOB ...` line (after any VAR=value), else None."""
     words = shlex.split(line)
@@ -69,16 +78,15 @@ def test_every_documented_command_parses():
     parser = cli_parser.build_parser()
     seen, failures = 0, []
     for page in PAGES:
-        for _, lines in blocks(page):
-            for line in lines:
-                argv = tunebench_argv(line)
-                if argv is None:
-                    continue
-                seen += 1
-                try:
-                    parser.parse_known_args(argv)
-                except (TunebenchError, SystemExit) as e:
-                    failures.append(f"{page.relative_to(ROOT)}: {line}: {e}")
+        for line in [line for _, lines in blocks(page) for line in lines] + listed_commands(page):
+            argv = tunebench_argv(line)
+            if argv is None:
+                continue
+            seen += 1
+            try:
+                parser.parse_known_args(argv)
+            except (TunebenchError, SystemExit) as e:
+                failures.append(f"{page.relative_to(ROOT)}: {line}: {e}")
     assert not failures, "\n".join(failures)
     assert seen > 50, seen  # the README, the tutorials and the guides hold this many at least
 
@@ -122,11 +130,12 @@ def _my_csv(path: Path, rows: int = 48) -> None:
         w.writerows([r["instruction"], r["response"]] for r in records)
 
 
-def test_the_readme_and_the_csv_tutorial_run_as_written(tmp_path, monkeypatch, capsys):
+def test_the_readme_and_the_csv_tutorial_run_as_written(tmp_path, monkeypatch, capsys, llama_cpp):
     """Every block marked to run, in page order: the README's four commands, then the tutorial's (the same
-    run directory; the tutorial's train and export lines are the README's, run once). Ollama is not needed by
-    tunebench and is not installed here: its two lines run where `ollama` is on PATH; otherwise the Modelfile
-    they load, and the GGUF it names, are checked, with the line export printed."""
+    run directory; the tutorial's train and export lines are the README's, run once), its `eval --gguf` with
+    llama.cpp answering included. Ollama is not needed by tunebench and is not installed here: its two lines run
+    where `ollama` is on PATH; otherwise the Modelfile they load, and the GGUF it names, are checked, with the
+    line export printed."""
     from tunebench.interfaces import cli
 
     monkeypatch.chdir(tmp_path)
@@ -159,3 +168,71 @@ def test_the_readme_and_the_csv_tutorial_run_as_written(tmp_path, monkeypatch, c
     table = {line.split()[0]: line.split() for line in printed.splitlines() if line.split()[:1] in (
         ["model"], ["base"], ["my-model"])}
     assert {"model", "base", "my-model"} <= set(table) and "rougeL" in table["model"], printed[-3000:]
+
+
+def _corpus(tmp: Path) -> None:
+    """A plain text file, as the pretraining tutorial asks a user to bring."""
+    (tmp / "corpus.txt").write_text("".join(
+        f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times, and rests.\n" for i in range(300)))
+
+
+def _gsm8k(tmp: Path) -> None:
+    """GSM8K-style problems in GSM8K's own format, as the GRPO tutorial asks."""
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(1, 5) for b in range(2, 7)]
+    (tmp / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _votes(tmp: Path) -> None:
+    """An A/B store as `serve` leaves it: votes recorded through the store serve writes with (ties and both-bad
+    included), and thumbs on single answers (KTO's data)."""
+    from tunebench.data import votes
+
+    db = votes.open_store(tmp / "tunebench-ab.sqlite")
+    settings = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 32}
+    for i, vote in enumerate(("a", "b", "a", "tie", "b", "both_bad", "a", "b") * 2):
+        votes.record(db, f"How do I cancel order {i}?", "run: runs/a (lora)", "run: runs/b (lora)",
+                     f"Open Orders, pick order {i} and press Cancel.", "I cannot help with that.", vote, settings,
+                     f"pair-{i}")
+    for i in range(6):
+        votes.record_feedback(db, [{"role": "user", "content": f"Where is my refund {i}?"}], "run: runs/a (lora)",
+                              "It reaches your card in 5 days." if i % 2 else "No idea.", bool(i % 2), settings)
+
+
+# What each tutorial asks a user to bring (the README and the CSV tutorial have their own test above), and what its
+# commands must have left behind
+TUTORIALS = {
+    "pretraining.md": (_corpus, ["tok/tokenizer.json", "runs/small/config.json", "runs/small-sft/adapter_config.json"]),
+    "study.md": (None, ["runs/compare/results.csv", "runs/compare/report/report.html",
+                        "runs/compare/report-again/report.md"]),
+    "search.md": (None, ["runs/tune/study.sqlite", "runs/tune/results.csv", "runs/tune/best.yaml"]),
+    "grpo.md": (_gsm8k, ["runs/grpo/adapter_config.json"]),
+    "votes.md": (_votes, ["pairs.jsonl", "runs/dpo/adapter_config.json", "runs/dpo-from-file/adapter_config.json",
+                          "runs/kto/adapter_config.json"]),
+    "distributed.md": (None, ["runs/ddp/adapter_config.json"]),
+}
+
+
+@pytest.mark.usefixtures("children_in_process")
+@pytest.mark.parametrize("page", sorted(TUTORIALS))
+def test_each_tutorial_runs_as_written(page, tmp_path, monkeypatch):
+    """A tutorial's first block, marked to run, end to end exactly as written, in a new directory holding only
+    what the page asks a user to bring; each command reads what the one before it wrote. compare's and tune's
+    one-process runs run in this process (their boundary is tested in test_compare_report and test_tune)."""
+    from tunebench.interfaces import cli
+
+    setup, leaves = TUTORIALS[page]
+    monkeypatch.chdir(tmp_path)
+    if setup is not None:
+        setup(tmp_path)
+    lines = [line for run, block in blocks(ROOT / "docs" / "tutorials" / page) if run for line in block]
+    assert lines, f"{page} has no block marked to run"
+    for line in lines:
+        argv = tunebench_argv(line)
+        assert argv is not None, f"{page}: {line} is not a tunebench command"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(argv)
+        assert code == 0, f"{page}: {line}\n{out.getvalue()[-3000:]}"
+    missing = [p for p in leaves if not (tmp_path / p).exists()]
+    assert not missing, f"{page}: its commands left no {missing}"
