@@ -213,6 +213,15 @@ TUTORIALS = {
 }
 
 
+def test_every_tutorial_block_is_run_by_a_test():
+    """A tutorial is a path a user takes end to end: each of its command blocks runs in a test (the CSV tutorial's
+    in the README test above, the others' below)."""
+    pages = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
+    assert {p.name for p in pages} == {*TUTORIALS, "csv-to-ollama.md"}
+    unmarked = [f"{p.name}: {lines}" for p in pages for run, lines in blocks(p) if not run]
+    assert not unmarked, unmarked
+
+
 @pytest.mark.usefixtures("children_in_process")
 @pytest.mark.parametrize("page", sorted(TUTORIALS))
 def test_each_tutorial_runs_as_written(page, tmp_path, monkeypatch):
