@@ -642,9 +642,14 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
     written = f16.stat().st_mtime_ns
     assert app.f16_export(str(run)) == f16 and f16.stat().st_mtime_ns == written  # once: the file there is reused
 
-    registry = Registry(entries([], [], ggufs=[str(f16), str(q8)]))
-    f16_label, q8_label = registry.labels
-    assert q8_label == f"gguf: {q8} (llama.cpp)"
+    from tunebench.interfaces.web import studio_views
+
+    registry = Registry(entries([], [], ggufs=[str(f16)]))
+    (f16_label,) = registry.labels
+    (run / "export" / "hf").mkdir()
+    assert studio_views.offer_export(registry, run / "export" / "hf") is None  # the hf format: nothing to offer
+    q8_label = studio_views.offer_export(registry, q8)  # the studio's Export: the file joins Chat and A/B
+    assert q8_label == f"gguf: {q8} (llama.cpp)" and registry.labels == [f16_label, q8_label]
     *_, last = stream(registry, q8_label, [{"role": "user", "content": "What is 3 plus one?"}], 6, 0.0)
     assert last.done and last.runtime == "llama.cpp" and last.new_tokens >= 1
     *_, (_, status) = app.chat_turn(registry, q8_label, "What is 3 plus one?", [], 0.0, 1.0, 6)

@@ -243,9 +243,8 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             except TunebenchError as e:
                 return error(e), gr.update(), gr.update(), gr.update()
             said = f"Exported {run} ({fmt_}, {quant_}): `{written}`"
-            files = [written] if written.suffix == ".gguf" else sorted(written.glob("*.gguf"))
-            if files:
-                label = registry.add(entries([], [], ggufs=[str(files[0])])[0])
+            label = views.offer_export(registry, written)
+            if label is not None:
                 said += f"; chat with it or A/B it as `{label}`"
             keep = gr.Dropdown(choices=registry.labels)
             return said, keep, keep, keep

@@ -143,6 +143,15 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     return str(target)
 
 
+def offer_export(registry, written: Path) -> str | None:
+    """A GGUF export (the file, or the directory holding it) offered in the Chat and A/B lists, answered by
+    llama.cpp; its label, or None for an export with no GGUF (the hf format)."""
+    from tunebench.interfaces.web.models import entries
+
+    files = [written] if written.suffix == ".gguf" else sorted(written.glob("*.gguf"))
+    return registry.add(entries([], [], ggufs=[str(files[0])])[0]) if files else None
+
+
 def dpo_from_votes(studio: Studio, name: str, db: Path, client: str = "local") -> str:
     """A DPO run on the A/B store's votes, from this run's base model, queued like any other run."""
     from tunebench.data import pairs
