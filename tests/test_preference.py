@@ -175,7 +175,8 @@ def test_training_on_an_ab_store_from_the_command_line(tmp_path, capsys, objecti
     assert (out / "report" / "rewards.png").is_file() and "rewards.png" in (out / "report" / "report.md").read_text()
 
 
-def test_the_probe_measures_pairs_apart_from_an_sft_runs_rows(tmp_path, dataset, capsys):
+def test_the_probe_measures_pairs_apart_from_an_sft_runs_rows(tmp_path, dataset, capsys, monkeypatch):
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))  # no probe on record from earlier tests' runs
     finetune.run(load_config(options={"model.name": "tiny", "data.path": str(dataset), "train.max_steps": 1,
                                       "train.output_dir": str(tmp_path / "sft"), "train.progress": False}))
     assert "batch-size probe (probed now)" in capsys.readouterr().out

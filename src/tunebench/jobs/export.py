@@ -153,8 +153,8 @@ def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, 
             first = Path(tmp) / ("model.gguf" if quant in direct else "f32.gguf")
             if f32 is not None and quant not in direct:
                 first = f32
-            if first.is_file():
-                pass  # the f32 file an earlier type was quantized from
+            if first.is_file():  # the f32 file an earlier type was quantized from
+                pass
             elif writer == "tunebench":
                 gguf_export.write(model, tokenizer, first, "f32", template, name)
             else:
