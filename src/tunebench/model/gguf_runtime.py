@@ -42,17 +42,6 @@ def check(path: str) -> Path:
     return p
 
 
-def trained_context(path: Path) -> int:
-    """The context the file's model was trained for (its `ARCH.context_length`), read from the header alone."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = reader.fields["general.architecture"]
-    name = bytes(arch.parts[arch.data[0]]).decode()
-    field = reader.fields.get(f"{name}.context_length")
-    return int(field.parts[field.data[0]][0]) if field is not None else MAX_CONTEXT
-
-
 @dataclass
 class GgufPlaced:
     """A GGUF loaded in llama.cpp, on the CPU's cores (llama-cpp-python's CPU build)."""
@@ -65,15 +54,23 @@ class GgufPlaced:
 
     @classmethod
     def load(cls, path: str) -> GgufPlaced:
-        import llama_cpp
-
+        """An export served: its run's tokenizer, its trained context (up to MAX_CONTEXT)."""
         from tunebench.model import models
 
         p = check(path)
-        tok = models.load_tokenizer(str(run_of(p)))
-        context = min(trained_context(p), MAX_CONTEXT)
-        llm = llama_cpp.Llama(str(p), n_ctx=context, n_threads=max(1, os.cpu_count() or 1), verbose=False)
-        return cls(llm, tok, f"{p} (llama.cpp)", context)
+        return cls.open(p, models.load_tokenizer(str(run_of(p))),
+                        min(models.gguf_context_length(p) or MAX_CONTEXT, MAX_CONTEXT))
+
+    @classmethod
+    def open(cls, path: Path, tokenizer, context: int) -> GgufPlaced:
+        """The file in llama.cpp, prompted with `tokenizer`'s ids, over `context` positions."""
+        import llama_cpp
+
+        llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=max(1, os.cpu_count() or 1), verbose=False)
+        return cls(llm, tokenizer, f"{path} (llama.cpp)", context)
+
+    def close(self) -> None:
+        self.model.close()
 
     def encode(self, texts: str, **kwargs):
         return self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **kwargs)

@@ -171,13 +171,9 @@ def _positions(spec: str, allow_download: bool) -> tuple[int | None, str]:
     if spec == models.SMOLLM2 or spec.endswith(".gguf"):
         if config is not None:
             return getattr(config, "n_positions", None) or config.max_position_embeddings, "the GGUF's context length"
-        try:  # not converted yet: the GGUF's own field (parsing its whole vocabulary would take seconds)
-            from gguf import GGUFReader
-
-            reader = GGUFReader(str(models.smollm2_gguf() if spec == models.SMOLLM2 else spec))
-            arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-            field_ = reader.fields.get(f"{arch}.context_length")
-            return (int(field_.parts[-1][0]) if field_ else None), "the GGUF's context length"
+        try:  # not converted yet: the GGUF's own field
+            return (models.gguf_context_length(models.smollm2_gguf() if spec == models.SMOLLM2 else Path(spec)),
+                    "the GGUF's context length")
         except (OSError, ValueError, KeyError):
             return None, ""  # the load says what is wrong
     if config is None:

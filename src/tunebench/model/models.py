@@ -178,6 +178,17 @@ def restore_pre_tokenizer(tok, gguf: Path) -> None:
         tok.backend_tokenizer.pre_tokenizer = PRE_TOKENIZERS[name](pre_tokenizers)
 
 
+def gguf_context_length(gguf: Path) -> int | None:
+    """The context a GGUF's model was trained for (its `ARCH.context_length`), from the header alone (parsing
+    its whole vocabulary would take seconds); None where the file does not say."""
+    import gguf as gguf_py
+
+    fields = gguf_py.GGUFReader(str(gguf)).fields
+    arch = fields["general.architecture"].contents()
+    field = fields.get(f"{arch}.context_length")
+    return int(field.contents()) if field is not None else None
+
+
 def smollm2_dir() -> Path:
     return convert_gguf(smollm2_gguf(), converted_dir(SMOLLM2))
 

@@ -128,38 +128,31 @@ def generate_answers_gguf(path: Path, tok, rows: list[formats.Messages], templat
     """Greedy answers from llama.cpp running the exported file at `path` (llama-cpp-python), fed the same prompt
     ids the PyTorch model is (the run's tokenizer and prompt format), until its end-of-generation token or the
     cap: what a deployment of that file answers. The seconds are llama.cpp's, prompt processing included."""
-    import os
+    import torch
 
     from tunebench.data import formats
     from tunebench.data.tokenize import render_prompt
     from tunebench.model import llama_cpp_tools
+    from tunebench.model.gguf_runtime import GgufPlaced
 
     llama_cpp_tools.check_available(converter_needed=False)
-    import llama_cpp
-
     pairs = answerable(rows)
-    llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=max(1, os.cpu_count() or 1), verbose=False)
+    placed = GgufPlaced.open(path, tok, context)
     answers, seconds = [], 0.0
     try:
-        eos = llm.token_eos()
+        eos = placed.model.token_eos()
         for row, turns, reference in pairs:
             prompt = render_prompt(turns, tok, template)
-            ids = tok(prompt, add_special_tokens=False).input_ids[-(context - max_new_tokens):]
-            new, stopped = [], False
-            llm.reset()
+            ids = torch.tensor([tok(prompt, add_special_tokens=False).input_ids[-(context - max_new_tokens):]])
             began = time.perf_counter()
-            for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
-                if token == eos:
-                    stopped = True
-                    break
-                new.append(token)
-                if len(new) == max_new_tokens:
-                    break
+            new = placed.decode(ids, torch.ones_like(ids), max_new_tokens)[0].tolist()  # greedy, EOS last
             seconds += time.perf_counter() - began
-            answers.append(Answer(prompt, reference, tok.decode(new, skip_special_tokens=True).strip(),
-                                  len(new) + stopped, stopped, reference_calls(row), formats.tools_of(turns)))
+            stopped = bool(new) and new[-1] == eos
+            text = tok.decode(new[:len(new) - stopped], skip_special_tokens=True).strip()
+            answers.append(Answer(prompt, reference, text, len(new), stopped, reference_calls(row),
+                                  formats.tools_of(turns)))
     finally:
-        llm.close()
+        placed.close()
     return answers, seconds
 
 
