@@ -8,9 +8,10 @@ import torch
 
 from conftest import WEATHER, llama_greedy, needs_module, weather_calls_file
 from tunebench.core.errors import TunebenchError
+from tunebench.data import tokenizer_training as tokenizer
 from tunebench.data.tokenize import render_prompt
 from tunebench.interfaces import cli
-from tunebench.jobs import export, finetune, generate, pretrain, tokenizer
+from tunebench.jobs import export, finetune, generate, pretrain
 from tunebench.model import gguf_export, inference, models
 from tunebench.settings.finetune import load_config
 from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig

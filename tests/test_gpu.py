@@ -412,7 +412,8 @@ def test_dpo_on_the_gpu_starts_at_ln2_and_logs_the_rewards(tmp_path):
 
 def test_pretraining_the_gpu_model_resumes_after_sigterm(tmp_path):
     """The shipped gpu_model (Llama-style: rotary positions, SwiGLU), cut to 2 x 256 at 128 tokens, on the GPU."""
-    from tunebench.jobs import pretrain, tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
+    from tunebench.jobs import pretrain
     from tunebench.settings import pretrain as pretrain_config
 
     corpus = tmp_path / "corpus.txt"

@@ -32,7 +32,7 @@ def data(tmp_path_factory):
 def base(data, tmp_path_factory):
     """A tiny Llama-style model pretrained for two steps on a byte-level BPE tokenizer (GGUF needs merges,
     which the `tiny` preset's byte tokenizer lacks): the base every run of the matrix fine-tunes."""
-    from tunebench.jobs import tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
     from tunebench.settings.pretrain import DataConfig as PDataConfig
     from tunebench.settings.pretrain import ModelConfig, PretrainConfig, TrainingConfig
 
@@ -177,7 +177,7 @@ def test_the_probe_the_steps_and_the_answers_run_under_one_autocast(tmp_path, da
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_pretraining_samples_at_each_eval_in_each_precision(tmp_path, precision):
-    from tunebench.jobs import tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
     from tunebench.settings.pretrain import DataConfig as PDataConfig
     from tunebench.settings.pretrain import ModelConfig, PretrainConfig, TrainingConfig
 

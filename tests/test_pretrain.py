@@ -10,7 +10,8 @@ import torch
 from conftest import run_losses, sigterm_after_step
 from tunebench.core.errors import TunebenchError
 from tunebench.data import blocks
-from tunebench.jobs import pretrain, tokenizer
+from tunebench.data import tokenizer_training as tokenizer
+from tunebench.jobs import pretrain
 from tunebench.model import arch
 from tunebench.settings import pretrain as pretrain_config
 from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig

@@ -169,7 +169,7 @@ def bpe_model(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tunebench.jobs import tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
 
     root = tmp_path_factory.mktemp("bpe")
     (root / "corpus.txt").write_text("\n".join(f"What is {i} plus one? It is {i + 1}. The order ships in "

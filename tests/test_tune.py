@@ -174,7 +174,8 @@ def test_a_running_trials_evals_are_read_as_quarters_of_its_budget(tmp_path):
 
 @pytest.mark.usefixtures("children_in_process")
 def test_a_pretraining_search_writes_a_best_yaml_that_pretrain_runs(tmp_path):
-    from tunebench.jobs import pretrain, tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
+    from tunebench.jobs import pretrain
     from tunebench.settings import pretrain as pretrain_config
 
     corpus = tmp_path / "corpus.txt"

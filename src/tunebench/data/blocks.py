@@ -47,6 +47,10 @@ class Blocks:
     def subset(self, idx: np.ndarray) -> Blocks:
         return Blocks(self.tokens, self.starts[idx], self.length)
 
+    def batches(self, size: int) -> list[dict[str, torch.Tensor]]:
+        """Every block once, in order, collated `size` at a time (the last batch may be short)."""
+        return [self.collate(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
 
 def tokenizer_hash(tokenizer) -> str:
     vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)

@@ -46,7 +46,7 @@ def train_tokenizer(files: list[str], vocab_size: int, type: str = "bpe", output
                     text_column: str = "text", overwrite: bool = False) -> dict[str, Any]:
     """Train and save a tokenizer (`tunebench tokenizer train`); returns the vocabulary reached and bytes/token.
     An output directory that holds files is refused unless `overwrite`."""
-    from tunebench.jobs import tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
 
     return tokenizer.train(list(files), vocab_size, type, output_dir, text_column, overwrite=overwrite)
 

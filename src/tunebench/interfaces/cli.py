@@ -85,7 +85,7 @@ def _launch(args: argparse.Namespace) -> int | None:
 
 
 def _tokenizer(args: argparse.Namespace) -> int | None:
-    from tunebench.jobs import tokenizer
+    from tunebench.data import tokenizer_training as tokenizer
 
     tokenizer.train(args.data, args.vocab_size, args.type, args.output_dir, args.text_column,
                     overwrite=args.overwrite)

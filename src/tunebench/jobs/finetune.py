@@ -13,20 +13,18 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig, dump_yaml
-from tunebench.training import adapted, recipe, runner, runplan
+from tunebench.training import adapted, recipe, runner
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, prefer, kto = cfg.adapter, cfg.data, cfg.adapter.objective != "sft", cfg.adapter.objective == "kto"
     unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair
     examples, parts = adapted.check_inputs(cfg, prefer)  # every input checked before anything expensive
-    identity = {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": cfg.schedule.seed,
-                "data": d.path if not d.sources else [list(s) for s in d.sources]}
+    identity = adapted.identity(cfg)
     opened = runner.open_run(cfg, identity)
     adapted.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):  # each machine's first rank fills the caches
-        loaded = models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download,
-                                adapted.load_dtype(cfg, opened))
+        loaded = adapted.load(cfg, opened)
         tok = loaded.tokenizer
         if prefer:  # the pairs or judgements that fit max_length, one span
             data, messages = (judged if kto else pairs).tokenize(examples, tok, d), []
@@ -39,14 +37,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     collate_unit = judged.collate if kto else pairs.collate if prefer else batching.collate
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
-    def batches(micro: int):
-        layout, row = adapted.decide_layout(cfg, prefer, lengths, train_idx, micro * opened.world.size, opened.effective)
-        steps = lambda epoch: batching.epoch_steps(  # noqa: E731
-            train_idx, opened.effective, cfg.schedule.seed, epoch, lengths=lengths if layout == "length-grouped" else None)
-        if layout == "packed":
-            return steps, lambda rows: batching.collate_packed(data, rows, tok.pad_token_id, d.max_length), [row]
-        return steps, lambda rows: collate_unit(data, rows, tok.pad_token_id), [row]
-
     def finish(done: recipe.Finished):
         saved = adapted.save_final(model, tok, opened.out, cfg, loaded, done.weights)
         summary = adapted.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
@@ -56,8 +46,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         return summary, saved
 
     return recipe.train(cfg, opened, recipe.Recipe(
-        model=model, loss=loss, rows=runner.host_rows(cfg, opened.hw_plan),
-        method_rows=method_rows + adapted.template_rows(tok),
+        model=model, loss=loss, method_rows=method_rows + adapted.template_rows(tok),
         header=adapted.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,
         tokens_per_unit=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
@@ -65,9 +54,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
         widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), max_length=d.max_length,
         longest=int(lengths[train_idx].max()),
-        attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, len(train_idx)), batches=batches,
+        batches=adapted.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
         eval_sets=lambda micro: [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                                  for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)],
         identity=identity, dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
-        records={"trainable_parameters": trainable, "total_parameters": total, "model_source": loaded.source},
+        records=adapted.records(loaded, trainable, total),
         **adapted.kto_micro_batch(opened, kto)))

@@ -12,7 +12,7 @@ import torch
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
-from tunebench.data import judged, mixture, pairs
+from tunebench.data import batching, judged, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.machine import hardware, metrics
 from tunebench.machine.hardware import Decision
@@ -25,11 +25,28 @@ from tunebench.training.tune import compiler, layout, memory
 from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
 
 
+def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
+    """What a resume of this run must match: the model, the adapter's settings, the seed, the data."""
+    d = cfg.data
+    return {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": cfg.schedule.seed,
+            "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
+
+
+def records(loaded: models.Loaded, trainable: int, total: int) -> dict[str, Any]:
+    """plan.json's fields on what trains."""
+    return {"trainable_parameters": trainable, "total_parameters": total, "model_source": loaded.source}
+
+
 def load_dtype(cfg: RunConfig, opened: runner.Opened) -> torch.dtype:
     """The dtype the base is loaded in: a full fine-tune's fp32 master weights; QLoRA's fp32, which it quantizes
     from (a preset is saved from these weights first: quantized from bf16-rounded ones, its losses moved 2e-4
     from HF's); else the frozen base's compute dtype, where build_model keeps it."""
     return torch.float32 if cfg.adapter.method in ("full", "qlora") else DTYPES[opened.hw_plan.precision]
+
+
+def load(cfg: RunConfig, opened: runner.Opened) -> models.Loaded:
+    """The base model and its tokenizer, found or converted once and loaded in load_dtype."""
+    return models.resolve(cfg.model.name, cfg.model.tokenizer, cfg.model.allow_download, load_dtype(cfg, opened))
 
 
 def check_memory(cfg: RunConfig, opened: runner.Opened) -> None:
@@ -228,6 +245,21 @@ def split_rows(cfg: RunConfig, data, spans, parts, prefer: bool):
                              f"({'plain text' if data.fmt == 'text' else 'eval_fraction 0'}); set --eval-fraction "
                              "above 0 on instruction, alpaca or chat data, or drop --eval-generate")
     return train_idx, train_parts, eval_parts
+
+
+def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx, collate_unit, pad_id: int):
+    """micro batch -> (each epoch's steps, the collate of a micro batch, the batch layout's row): the layout
+    decided for the micro batch the runner measured."""
+    lengths = data.lengths()
+
+    def batches(micro: int):
+        layout, row = decide_layout(cfg, prefer, lengths, train_idx, micro * opened.world.size, opened.effective)
+        steps = lambda epoch: batching.epoch_steps(  # noqa: E731
+            train_idx, opened.effective, cfg.schedule.seed, epoch, lengths=lengths if layout == "length-grouped" else None)
+        if layout == "packed":
+            return steps, lambda rows: batching.collate_packed(data, rows, pad_id, cfg.data.max_length), [row]
+        return steps, lambda rows: collate_unit(data, rows, pad_id), [row]
+    return batches
 
 
 def decide_layout(cfg: RunConfig, prefer: bool, lengths, train_idx, rows_per_step: int,

@@ -48,7 +48,6 @@ class Recipe:
 
     model: torch.nn.Module
     loss: torch.nn.Module | None  # None: the next-token loss over the rows (runner.objective builds it)
-    rows: list[Decision]  # the settings rows above the world's: the host's, the model's
     method_rows: list[Decision]  # below the world and parallel rows: the method's, the objective's
     header: str  # printed above the settings table: the model, the data and what trains
     parallel: Decision
@@ -59,7 +58,6 @@ class Recipe:
     probe_rows: Callable[[int], Batch]  # size -> the widest units collated, for the probe's steps
     widest: int  # tokens an attention kernel must fit per row
     max_length: int
-    attention_rows: int  # rows the attention kernel is measured at
     batches: Callable[[int], tuple[EpochSteps, Callable[[list[int]], Batch], list[Decision]]]
     # micro batch -> (each epoch's steps, the collate of a micro batch, rows such as the batch layout's)
     eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
@@ -68,6 +66,7 @@ class Recipe:
     finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
     publish: Callable[..., None]  # the trackers' end of the run (jobs.run_report.send)
     records: dict[str, Any] = field(default_factory=dict)  # plan.json's extra fields
+    rows: list[Decision] = field(default_factory=list)  # the model's rows, below the host's
     quantized: bool = False
     longest: int | None = None  # the longest unit's tokens, where rows are not packed to `widest`
     micro: int | None = None  # a micro batch the objective's math fixes, taken as one asked for
@@ -100,7 +99,8 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
     measured, measure_s = runner.measure(
         opened, cfg, r.model, probe_step(r.model, r.probe_rows, device, opened.autocast, r.loss), r.what,
-        max_length=r.max_length, widest=r.widest, attention_rows=r.attention_rows, n_train=r.n_train,
+        max_length=r.max_length, widest=r.widest, n_train=r.n_train,
+        attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, r.n_train),  # the kernels' timing rows
         run_tokens=steps * effective * r.tokens_per_unit, parallel=r.parallel, quantized=r.quantized, micro=r.micro,
         asked_reason=r.asked_reason)
     per_step = effective * r.tokens_per_unit / world.size  # the tokens one rank computes in a step
@@ -116,7 +116,8 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     memory_plan = memory.of_step(r.model, extra, micro, r.widest if packed or r.longest is None else r.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime)
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
-        *r.rows, Decision("world", world.size, world.describe()), r.parallel, *r.method_rows,
+        *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
+        *r.method_rows,
         *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,
         *[d for d in measured.decisions if d.setting == "compile"], optim.optimizer_row(device, optimization.weight_decay),
         runplan.batch_row(effective, micro, accum, world.size, r.batch_unit),
