@@ -44,11 +44,11 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
 
     def finish(done: recipe.Finished):
         saved = scratch.save(model, tok, opened.out, done.weights)
-        return scratch.summarize(cfg, opened, done.plan, model, done.outcome, done.measure_s), saved
+        return scratch.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
 
     return recipe.train(cfg, opened, recipe.Recipe(
         model=model, loss=None, rows=scratch.model_rows(cfg, model, opened), method_rows=[],
-        header=scratch.header(tok_source, tok, cfg, n_tokens, train, val, model),
+        header=scratch.header(tok_source, tok, cfg, n_tokens, train, val, model, n_params),
         parallel=scratch.pick_parallel(cfg, opened, n_params),
         n_train=len(train), unit=f"blocks of {d.max_length}", tokens_per_unit=d.max_length,
         what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),

@@ -69,11 +69,11 @@ def token_blocks(cfg: PretrainRun, tok, threads: int):
 
 
 def header(tok_source: str, tok, cfg: PretrainRun, n_tokens: int, train: blocks.Blocks, val: blocks.Blocks,
-           model) -> str:
+           model, n_params: int) -> str:
     """The lines above the settings table: the tokenizer, the corpus and its blocks, the model built."""
     return (f"tokenizer: {tok_source} ({len(tok):,} tokens)\ndata: {', '.join(cfg.data_files)}: {n_tokens:,} tokens, "
             f"{len(train):,} train / {len(val):,} validation blocks of {cfg.data.max_length}\n"
-            f"model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters")
+            f"model: {type(model).__name__}, {n_params:,} parameters")
 
 
 def pick_parallel(cfg: PretrainRun, opened: runner.Opened, n_params: int) -> Decision:
@@ -127,10 +127,9 @@ def save(model, tok, out: Path, weights: dict | None) -> list[Path]:
         return landing(tmp, out)
 
 
-def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: runner.Outcome,
+def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: runner.Outcome, n_params: int,
               measure_s: float) -> dict[str, Any]:
     """The run's figures (speed, MFU from the model's shape, memory, losses, batch, the last sample)."""
-    n_params = sum(p.numel() for p in model.parameters())
     matmul, layers, width = metrics.flop_dims(model)
     fpt = training_flops_per_token(matmul, n_params, layers, width, cfg.data.max_length, full=True)
     return {"model": type(model).__name__, "method": "pretrain", "parameters": n_params,
