@@ -3,9 +3,7 @@
 formats' example rows are read as the format they claim, and the blocks marked `<!-- docs-test: run -->` (the
 README's four commands and the CSV tutorial's) run exactly as written, on the default model."""
 
-import contextlib
 import csv
-import io
 import json
 import os
 import re
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import unavailable
+from test_cli import tb_here
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -136,7 +135,6 @@ def test_the_readme_and_the_csv_tutorial_run_as_written(tmp_path, monkeypatch, c
     llama.cpp answering included. Ollama is not needed by tunebench and is not installed here: its two lines run
     where `ollama` is on PATH; otherwise the Modelfile they load, and the GGUF it names, are checked, with the
     line export printed."""
-    from tunebench.interfaces import cli
 
     monkeypatch.chdir(tmp_path)
     _my_csv(tmp_path / "my.csv")
@@ -154,11 +152,9 @@ def test_the_readme_and_the_csv_tutorial_run_as_written(tmp_path, monkeypatch, c
             if line.startswith("ollama") and shutil.which("ollama"):
                 subprocess.run(shlex.split(line), check=True, timeout=600)
             continue
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = cli.main(argv)
-        printed += out.getvalue()
-        assert code == 0, f"{line}\n{out.getvalue()[-3000:]}"
+        proc = tb_here(*argv, check=False)
+        printed += proc.stdout
+        assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"
     modelfile = tmp_path / "runs" / "my-model-ollama" / "Modelfile"
     source = modelfile.read_text().splitlines()[0]
     assert source == "FROM ./my-model-q8_0.gguf" and (modelfile.parent / source[7:]).stat().st_size > 50e6
@@ -228,7 +224,6 @@ def test_each_tutorial_runs_as_written(page, tmp_path, monkeypatch):
     """A tutorial's first block, marked to run, end to end exactly as written, in a new directory holding only
     what the page asks a user to bring; each command reads what the one before it wrote. compare's and tune's
     one-process runs run in this process (their boundary is tested in test_compare_report and test_tune)."""
-    from tunebench.interfaces import cli
 
     setup, leaves = TUTORIALS[page]
     monkeypatch.chdir(tmp_path)
@@ -239,9 +234,7 @@ def test_each_tutorial_runs_as_written(page, tmp_path, monkeypatch):
     for line in lines:
         argv = tunebench_argv(line)
         assert argv is not None, f"{page}: {line} is not a tunebench command"
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = cli.main(argv)
-        assert code == 0, f"{page}: {line}\n{out.getvalue()[-3000:]}"
+        proc = tb_here(*argv, check=False)
+        assert proc.returncode == 0, f"{page}: {line}\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"
     missing = [p for p in leaves if not (tmp_path / p).exists()]
     assert not missing, f"{page}: its commands left no {missing}"
