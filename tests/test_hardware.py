@@ -379,19 +379,131 @@ def test_measuring_stops_where_it_would_cost_more_than_a_tenth_of_the_training_i
     assert attention.pick(model, "auto", measure, _shape("budget2"), budget=Budget(100, clock=clock))[1] == "sdpa"
     assert model.tried == ["sdpa"]
 
-    # The batch probe: a step's time grows with its size, so 4 (predicted 40 s after 2's 20 s) is not tried.
+    # The batch probe with no record: 1 is measured, 2 on the clock (no gain seen yet); 4 would cost ~40 s and,
+    # at half the +9% that 1 -> 2 gained, save ~22 s of the run's 500 s: not measured, and said so.
     def step(size):
         clock.now += 10.0 * size
         return 100.0 * (1 + size / 10), 1000.0 + size
 
     clock.now = 0.0
     result = batch.probe(step, [1, 2, 4, 8], 1e9, 0.0, lambda e: False, Budget(60_000, clock=clock))
-    assert [(p.micro_batch_size, p.status) for p in result.probes] == [(1, "ok"), (2, "ok"),
-                                                                        (4, "skipped: measuring budget")]
+    assert [(p.micro_batch_size, p.status) for p in result.probes] == [
+        (1, "ok"), (2, "ok"), (4, "skipped: not measured"), (8, "skipped: not measured")]
     assert result.micro_batch_size == 2 and result.partial
-    assert "; 4, 8 not measured: ~40 s more would take measuring past 50 s" in result.reason
+    assert "; 4: not measured: ~40 s to measure against ~22 s it could save (half the +9% of micro 1 -> 2)" \
+        in result.reason
     clock.now = 0.0
     assert batch.probe(step, [1, 2, 4, 8], 1e9, 0.0, lambda e: False).micro_batch_size == 8  # full: all four
+
+
+def _curve(speeds: dict[int, float], seconds_per_row: float, clock: Clock, tried: list[int]):
+    """A fake probe step: `speeds` tokens/s by micro batch, each step `seconds_per_row` x its rows on `clock`."""
+    def step(size):
+        tried.append(size)
+        clock.now += seconds_per_row * size
+        return speeds[size], 1000.0 + 10 * size
+    return step
+
+
+def test_the_sweep_climbs_while_a_step_up_repays_its_measuring_and_stops_where_it_flattens():
+    """Issue 68: a sweep cut by a clock kept micro 2 while 1 -> 2 had gained +42%. Here 1 -> 2 gains +40% and
+    the run is long (200,000 tokens: ~1,400 s at micro 2): half that gain at 4 would save ~230 s against ~12 s of
+    measuring, so 4 is measured (+20%); 4 -> 8 gains 2%, flat, so 16 is not measured. A short run (2,000 tokens,
+    ~14 s of training) stops after 2: 4 could save ~2 s, less than its measuring."""
+    from tunebench.training.tune.budget import Budget
+
+    speeds = {1: 100.0, 2: 140.0, 4: 168.0, 8: 171.0, 16: 172.0}
+    clock, tried = Clock(), []
+    result = batch.probe(_curve(speeds, 1.0, clock, tried), [1, 2, 4, 8, 16], 1e9, 0.0, lambda e: False,
+                         Budget(200_000, clock=clock))
+    assert tried == [1, 2, 4, 8] and result.micro_batch_size == 8
+    assert "16: not measured: micro 4 -> 8 gained +2%, flat" in result.reason
+    clock.now, tried[:] = 0.0, []
+    result = batch.probe(_curve(speeds, 1.0, clock, tried), [1, 2, 4, 8, 16], 1e9, 0.0, lambda e: False,
+                         Budget(2_000, clock=clock))
+    assert tried == [1, 2] and result.micro_batch_size == 2
+    assert "4: not measured: ~4 s to measure against ~2 s it could save (half the +40% of micro 1 -> 2)" \
+        in result.reason
+
+
+def _record(name: str, unit: str, precision: str, attention: dict[str, float], micro: dict[int, float]):
+    from tunebench.training.tune import known
+    outcome = known.Outcome("SmolLM2-135M", 134_515_008, 30, "lora", 128, 4, attention, micro)
+    return known.Record(name, unit, precision, 2, "", "a test", (outcome,))
+
+
+AVX2 = _record("avx2-fp32", "avx2", "fp32", {"tunebench": 148.5, "sdpa": 147.5, "eager": 139.0},
+               {1: 96.0, 2: 136.0, 4: 170.0})
+AMX = _record("amx-bf16", "amx", "bf16", {"tunebench": 806.0, "eager": 727.0, "sdpa": 575.0},
+              {1: 479.0, 2: 671.0, 4: 892.0, 8: 981.0})
+
+
+def test_each_machine_class_record_orders_and_predicts_the_candidates_it_measured():
+    """Issue 68: an AVX2 fp32 class and an AMX bf16 class, each run too short to measure more than one
+    candidate. Each measures its record's fastest kernel first and the kernel it measured at 4 rows is that
+    size's micro batch figure (not timed again); the others are predicted from the record's ratios, said so.
+    On AVX2, 2 and 1 are predicted 0.80x and 0.56x micro 4 and 8 (never measured there) is left out; on AMX,
+    8 is predicted 1.10x micro 4 and chosen unmeasured, its memory predicted to fit."""
+    from tunebench.training.tune import known
+    from tunebench.training.tune.budget import Budget
+
+    picked = {}
+    for record, precision, real in ((AVX2, "fp32", {"tunebench": 150.0, "sdpa": 149.0, "eager": 140.0}),
+                                    (AMX, "bf16", {"tunebench": 800.0, "eager": 720.0, "sdpa": 570.0})):
+        k = known.nearest((AVX2, AMX), record.unit, precision, 2, 134_515_008, 128, "lora")
+        assert k.record is record and k.differs == ()
+        clock, model = Clock(), FakeAttentionModel(real)
+
+        def measure():
+            clock.now += 4.0
+            return model.measure()
+
+        budget = Budget(4_000, clock=clock)  # ~27 s of training at 150 tokens/s: room for one candidate
+        row = attention.pick(model, "auto", measure, _shape(f"known-{record.name}"), budget=budget, known=k)
+        tried: list[int] = []
+        result = batch.probe(_curve({4: real[row[1]]}, 1.0, clock, tried), [1, 2, 4, 8], 1e9, 0.0,
+                             lambda e: False, budget, k, seen={4: (real[row[1]], 1040.0, 4.0)})
+        picked[record.name] = (model.tried, row, tried, result)
+    tried_kernels, row, tried, result = picked["avx2-fp32"]
+    assert tried_kernels == ["tunebench"] and row[1] == "tunebench" and tried == []
+    assert "sdpa skipped: predicted 0.99x tunebench on record" in row[2] and "record: AVX2 fp32 machines" in row[2]
+    assert [(p.micro_batch_size, p.status, p.tokens_per_s) for p in result.probes] == [
+        (1, "predicted", 84.7), (2, "predicted", 120.0), (4, "ok", 150.0), (8, "skipped: not measured", None)]
+    assert result.micro_batch_size == 4 and "8: not measured" in result.reason
+    tried_kernels, row, tried, result = picked["amx-bf16"]
+    assert tried_kernels == ["tunebench"] and row[1] == "tunebench" and tried == []
+    assert "eager skipped: predicted 0.90x tunebench on record" in row[2] and "record: AMX bf16" in row[2]
+    assert [(p.micro_batch_size, p.status) for p in result.probes] == [
+        (1, "predicted"), (2, "predicted"), (4, "ok"), (8, "predicted")]
+    assert result.micro_batch_size == 8 and result.reason.startswith("predicted fastest: 880 tokens/s, 1.10x")
+    assert result.partial  # a longer run of the shape measures what was predicted
+
+
+def test_a_record_is_taken_only_at_the_runs_precision_and_its_differences_are_named():
+    from tunebench.training.tune import known
+
+    assert known.nearest((AMX,), "avx2", "fp32", 2, 134_515_008, 128, "lora") is None  # never across precisions
+    k = known.nearest((AVX2, AMX), "avx512-bf16", "fp32", 16, 420_000_000, 512, "lora")
+    assert k.record is AVX2  # an fp32 run on a bf16 machine: the fp32 record, its differences said
+    assert k.source == ("AVX2 fp32 machines (SmolLM2-135M lora at 128 tokens, 2 cores; this run: AVX512-BF16, "
+                        "16 cores, 0.42B parameters, 512 tokens)")
+    assert known.unit({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "amx"
+    assert known.unit({"avx2", "avx512f"}) == "avx512" and known.unit(set()) == "none"
+
+
+def test_every_shipped_machine_record_loads_and_a_broken_one_is_refused_in_one_line(tmp_path):
+    from tunebench.training.tune import known
+
+    records = known.shipped()
+    assert {r.name for r in records} >= {"avx2-fp32", "avx512-bf16", "amx-bf16"}
+    for r in records:
+        assert r.outcomes and all(o.micro_batch and o.attention for o in r.outcomes) and r.source
+        assert known.parse(r.to_dict(), r.name) == r  # what `hw --record` writes reads back the same
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 1, "class": "x", "unit": "sse", "precision": "fp32", "cores": 2,
+                               "outcomes": []}))
+    with pytest.raises(TunebenchError, match=r"^machine record .*bad.json cannot be read \(ValueError: unit 'sse'"):
+        known.load(bad)
 
 
 def test_compile_is_measured_only_when_its_cost_fits_the_measuring_budget(monkeypatch):

@@ -183,6 +183,7 @@ def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, w
     trained for the measurement cache (model, method, quantization, rank, target modules). `micro`, a micro
     batch the job's math fixes (with `asked_reason`), is taken like one the user asked for."""
     from tunebench.training import tune
+    from tunebench.training.tune import known
     hw, hw_plan, world, h = opened.hw, opened.hw_plan, opened.world, cfg.hardware
 
     def measure_() -> runplan.Measured:
@@ -194,7 +195,9 @@ def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, w
             resumed=opened.resumed, micro_asked=micro or opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
             max_length=max_length, checkpointing=h.gradient_checkpointing,
             compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode,
-            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size, measure_mode=h.measure)
+            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size, measure_mode=h.measure,
+            known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, max_length,
+                                shape.method))
 
     return measured_by_rank0(world, model, measure_)
 

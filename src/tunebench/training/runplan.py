@@ -174,12 +174,13 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
             attention_rows: int, widest: int, effective: int, resumed: tuple[int, int] | None,
             micro_asked: int | None, asked_reason: str, n_train: int, max_length: int, checkpointing: str,
             compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1,
-            compile_mode: str = "default", measure_mode: str = "bounded") -> Measured:
+            compile_mode: str = "default", measure_mode: str = "bounded", known=None) -> Measured:
     """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
     batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
     `run_tokens` the tokens the whole run will compute (compile pays off over those; the attention kernel, the
     micro batch and compile share a measuring budget of a tenth of their training time, unless `measure_mode` is
-    full)."""
+    full). `known` is the nearest machine class's record (tune.known): the order candidates are measured in,
+    and the prediction for those left unmeasured."""
     from tunebench.training.tune import attention, batch, compiler
     from tunebench.training.tune.budget import Budget
 
@@ -187,12 +188,13 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
     rows: list[Decision] = []
     if checkpointing == "on":
         rows.append(Decision("gradient_checkpointing", True, "asked for"))
-    rows += attention.decide(model, attention_asked, lambda: step(attention_rows)[0], shape, attention_rows, widest,
-                             precision, device, checkpointing, budget)
+    timed = Timed(model, step)
+    rows += attention.decide(model, attention_asked, lambda: timed(attention_rows)[0], shape, attention_rows, widest,
+                             precision, device, checkpointing, budget, known)
     micro, batch_rows, speed = measure_batch(
         effective, world_size, resumed, micro_asked,
         lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks,
-                                  budget),
+                                  budget, known, timed.of_kernel(model)),
         asked_reason, lambda micro: batch.cached_speed(shape, effective // world_size, n_train, micro, local_ranks))
     rows += batch_rows
     if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
@@ -201,6 +203,35 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
     rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens, shape, micro,
                               speed, compile_mode, budget))
     return Measured(tuple(rows), micro, accum, speed)
+
+
+class Timed:
+    """A probe step that remembers what it measured, by attention kernel and micro batch: the attention pick
+    times a step at the micro batch it measures at, and the batch sweep takes that size's figure for the kernel
+    kept instead of timing the same step again."""
+
+    def __init__(self, model, step):
+        self.model, self.step = model, step
+        self.seen: dict[tuple[str, int], tuple[float, float, float]] = {}  # -> best tokens/s, its peak MB, seconds
+
+    def __call__(self, size: int) -> tuple[float, float]:
+        import time
+        start = time.perf_counter()
+        tokens_per_s, peak = self.step(size)
+        key = (self.kernel(self.model), size)
+        if tokens_per_s > self.seen.get(key, (0.0,))[0]:
+            self.seen[key] = (tokens_per_s, peak, time.perf_counter() - start)
+        return tokens_per_s, peak
+
+    @staticmethod
+    def kernel(model) -> str:
+        from tunebench.model import methods
+        return str(getattr(methods.base_of(model).config, "_attn_implementation", ""))
+
+    def of_kernel(self, model) -> dict[int, tuple[float, float, float]]:
+        """{micro batch: (tokens/s, peak MB, seconds)} timed with the kernel the model runs now."""
+        kernel = self.kernel(model)
+        return {size: v for (k, size), v in self.seen.items() if k == kernel}
 
 
 def make(hw_plan, world, parallel: Decision, measured: Measured, effective: int, accum: int, steps: int,

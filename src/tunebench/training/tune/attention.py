@@ -10,6 +10,7 @@ from tunebench.core.precision import DTYPES
 from tunebench.model import kernels, methods
 from tunebench.training.tune import Shape, cached, store
 from tunebench.training.tune.budget import ATTENTION_PART, Budget
+from tunebench.training.tune.known import Known
 from tunebench.training.tune.probe import enable_checkpointing, free_after_oom, is_oom, memory_free_mb
 
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
@@ -55,7 +56,8 @@ ALIKE = 1.05
 
 
 def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None, is_oom=is_oom,
-         candidates: tuple[str, ...] = ATTENTION_KERNELS, budget: Budget | None = None) -> Row:
+         candidates: tuple[str, ...] = ATTENTION_KERNELS, budget: Budget | None = None,
+         known: Known | None = None) -> Row:
     """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
     fastest (cached).
 
@@ -63,7 +65,10 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
     allocation past the RAM is not an exception but the kernel's OOM killer, so a kernel whose
     T x T weights would not fit is never tried, and a cached choice that no longer fits is measured again.
     With a `budget`, a kernel whose measurement would not fit in what is left of its half of it is not
-    measured (the first always is), and the partial choice is not cached.
+    measured (the first always is), and the partial choice is not cached. With `known` (the nearest machine
+    class's record), the kernels are measured fastest on record first, and one whose predicted gain over the
+    fastest measured would save less training time than measuring it costs is not measured: its row gives the
+    record's ratio.
     """
     kernels.register()
     if requested != "auto":
@@ -74,15 +79,23 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
         model.set_attn_implementation(requested)
         return Row("attention", requested, "asked for")
     key = shape.key("attention", candidates=candidates)
+    if known is not None and budget is not None:
+        candidates = known.kernel_order(candidates)
     hit = cached(key)
     if hit is None or too_big(hit["value"]):
         skipped = {impl: why for impl in candidates if (why := too_big(impl))}
         speeds = {impl: 0.0 for impl in candidates if impl not in skipped}
         cost, partial = 0.0, False  # the last measurement's seconds; whether the budget left a kernel out
         for round_ in range(2):  # round-robin, best of two: a shared machine's drift hits every kernel alike
-            if round_ and len(speeds) > 1 and max(speeds.values()) <= ALIKE * min(speeds.values()):
-                break  # within 5% after one round: the choice wins this run less than a second round costs
+            if round_ and (len(speeds) < 2 or max(speeds.values()) <= ALIKE * min(speeds.values())):
+                break  # one kernel left, or within 5% after one round: a second round decides nothing this run needs
             for impl in list(speeds):
+                why = _not_worth(impl, speeds, cost, budget, known) if budget is not None and cost and not speeds[impl] \
+                    else None
+                if why:
+                    skipped[impl], partial = why, True
+                    del speeds[impl]
+                    continue
                 if budget is not None and cost and not budget.affords(cost, ATTENTION_PART):
                     if not speeds[impl]:  # never measured: left out, and said so
                         skipped[impl], partial = budget.why_not(cost, ATTENTION_PART), True
@@ -106,11 +119,26 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
             raise NoneFit(f"no attention kernel fits in memory ({why}); lower --max-length or --batch-size")
         ranked = sorted(speeds, key=speeds.get, reverse=True)
         hit = {"value": ranked[0], "reason": "measured " + ", ".join(f"{speeds[k]:,.0f} ({k})" for k in ranked)
-                                            + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())}
+                                            + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
+               + (f"; record: {known.source}" if any("on record" in v for v in skipped.values()) else "")}
         if not partial:
             store(key, hit)
     model.set_attn_implementation(hit["value"])
     return Row("attention", hit["value"], hit["reason"])
+
+
+def _not_worth(impl: str, speeds: dict[str, float], cost: float, budget: Budget, known: Known | None) -> str | None:
+    """Why measuring kernel `impl` would not repay its ~`cost` seconds, from the record's ratio of it to the
+    fastest kernel measured so far (None: no record of it, or it might)."""
+    best = max((k for k in speeds if speeds[k]), key=speeds.get, default=None)
+    ratio = known.kernel_ratio(impl, best) if known is not None and best else None
+    if ratio is None:
+        return None
+    saves = (budget.training_s() or 0.0) * max(0.0, 1 - 1 / ratio)
+    if saves > cost:
+        return None
+    return (f"predicted {ratio:.2f}x {best} on record, not measured: ~{cost:.0f} s to measure against ~{saves:.0f} s "
+            "it could save")
 
 
 def fit(model, rows: int, length: int, precision: str, device: torch.device):
@@ -133,14 +161,15 @@ class NoneFit(TunebenchError):
 
 
 def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int, precision: str,
-           device: torch.device, checkpointing: str = "off", budget: Budget | None = None) -> list[Row]:
+           device: torch.device, checkpointing: str = "off", budget: Budget | None = None,
+           known: Known | None = None) -> list[Row]:
     """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked. With
     gradient checkpointing on auto, rows that fit no kernel are measured again with recomputation on, and a
     gradient_checkpointing row says why (on an H200 filled to 1.5 GB, one 1,024-token row of GPT-2 fit no
     kernel without it, and the run stopped before the batch probe could turn it on)."""
     def one() -> Row:
         return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
-                    candidates=candidates(device, precision, model), budget=budget)
+                    candidates=candidates(device, precision, model), budget=budget, known=known)
 
     try:
         return [one()]
