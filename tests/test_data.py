@@ -299,6 +299,38 @@ def test_the_issues_tool_call_file_trains_its_calls_and_never_the_results_or_def
     assert models.load_tokenizer(str(out)).chat_template == toolcalls.TEMPLATE  # what exports and serving render
 
 
+def test_train_with_no_max_length_keeps_tool_rows_whole_and_says_why(tmp_path, capsys):
+    """Issue 68: --max-length 128 by default refused every tool-call row ("all 48 examples lost their response to
+    truncation"). auto is train's default: the length that keeps 99% of the rows whole, rounded up to 64, within the
+    model's positions, in the settings table with its reason; a number asked for is used as given."""
+    from tunebench.data.tokenize import tokenize_messages, use_template
+    from tunebench.interfaces import cli
+    from tunebench.model import models
+
+    rows = [{"messages": r["messages"][1:3], "tools": r["tools"]} for r in _tool_rows(24)]  # a question and its call
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, messages = formats.records_to_messages(rows, DataConfig(), "x")
+    tok = models.resolve("tiny").tokenizer
+    whole = DataConfig(max_length=10**9)
+    use_template(messages, tok, whole)
+    lengths = tokenize_messages(messages, tok, whole, "chat").lengths()
+    assert 128 < lengths.max() <= 448  # longer than the old default, within tiny's 512 positions
+    want = -(-int(np.ceil(np.percentile(lengths, 99))) // 64) * 64
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--data", str(path), "--output-dir", str(out), "--max-steps", "1",
+                     "--no-progress", "--precision", "fp32"]) == 0
+    plan = {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
+    assert plan["max_length"]["value"] == want >= lengths.max()
+    assert plan["max_length"]["reason"].startswith("auto: 99% of the rows have") and "0 of 24 rows are longer" \
+        in plan["max_length"]["reason"]
+    assert json.loads((out / "summary.json").read_text())["max_length"] == want
+    capsys.readouterr()
+    assert cli.main(["train", "--model", "tiny", "--data", str(path), "--output-dir", str(tmp_path / "short"),
+                     "--max-steps", "1", "--no-progress", "--precision", "fp32", "--max-length", "64"]) == 2
+    assert "lost their response to truncation at --max-length 64" in capsys.readouterr().err
+
+
 def test_reasoning_is_rendered_and_trained_unless_masked_and_sharegpt_calls_map_onto_the_same(tmp_path):
     from tunebench.model import models
 
@@ -349,6 +381,48 @@ def test_a_row_the_template_would_render_half_is_refused_or_dropped_and_bad_call
         {"function": {"name": "f", "arguments": "{city: 1}"}}]}]}]
     with pytest.raises(TunebenchError, match="row 1: message 2's arguments to f is not JSON"):
         formats.records_to_messages(bad, DataConfig(), "x")
+
+
+def test_xlam_rows_read_and_render_as_the_same_rows_in_openai_form(tmp_path):
+    """Issue 68: Salesforce's xlam-function-calling-60k form (query, tools and answers, the last two JSON strings,
+    parameters as {name: {type, description, default}}) was refused for its columns. Each row is now a user turn
+    and one assistant turn of calls, its tools a JSON Schema object: the text, and what the loss falls on, equal
+    the same row written in OpenAI's form."""
+    from tunebench.model import models
+
+    xlam = {"id": 7, "query": "Where is Kyoto, and what is 2 to the 10th?",
+            "answers": json.dumps([{"name": "locate", "arguments": {"city": "Kyoto"}},
+                                   {"name": "power", "arguments": {"base": 2, "exponent": 10}}]),
+            "tools": json.dumps([
+                {"name": "locate", "description": "Find a city.",
+                 "parameters": {"city": {"description": "The city.", "type": "str", "default": ""}}},
+                {"name": "power", "description": "Raise a number to a power.",
+                 "parameters": {"base": {"description": "The base.", "type": "int"},
+                                "exponent": {"description": "The power.", "type": "int, optional"}}}])}
+    openai = {"messages": [{"role": "user", "content": xlam["query"]}, {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "a", "type": "function", "function": {"name": "locate", "arguments": '{"city": "Kyoto"}'}},
+                  {"id": "b", "type": "function", "function": {"name": "power",
+                                                               "arguments": '{"base": 2, "exponent": 10}'}}]}],
+              "tools": [{"type": "function", "function": {"name": "locate", "description": "Find a city.", "parameters": {
+                  "type": "object", "properties": {"city": {"type": "string", "description": "The city.", "default": ""}}}}},
+                        {"type": "function", "function": {"name": "power", "description": "Raise a number to a power.",
+                                                          "parameters": {"type": "object", "properties": {
+                                                              "base": {"type": "integer", "description": "The base."},
+                                                              "exponent": {"type": "integer", "description": "The power."}},
+                                                              "required": ["base"]}}}]}
+    path = tmp_path / "xlam.jsonl"
+    path.write_text(json.dumps(xlam) + "\n")
+    fmt, (row,) = formats.records_to_messages(readers.read_records(str(path)), DataConfig(), str(path))
+    _, (same,) = formats.records_to_messages([openai], DataConfig(), "openai")
+    for call in same[1]["tool_calls"]:
+        call.pop("id")  # xLAM's calls carry no ids; a template that renders ids would differ by them alone
+    assert fmt == "xlam" and row == same and row.tools == same.tools
+    tok = models.resolve("tiny").tokenizer
+    assert _pieces(row, tok) == _pieces(same, tok)
+    learned, unlearned = _pieces(row, tok)
+    assert '{"name": "power", "arguments": {"base": 2, "exponent": 10}}' in learned and "Find a city." in unlearned
+    with pytest.raises(TunebenchError, match="row 1: the row's answers are dict, not a list of calls"):
+        formats.records_to_messages([{**xlam, "answers": "{}"}], DataConfig(), "x")
 
 
 def test_a_reply_in_the_tool_template_reads_back_as_its_calls():

@@ -454,7 +454,7 @@ def test_each_machine_class_record_orders_and_predicts_the_candidates_it_measure
         assert k.record is record and k.differs == ()
         clock, model = Clock(), FakeAttentionModel(real)
 
-        def measure():
+        def measure(clock=clock, model=model):
             clock.now += 4.0
             return model.measure()
 
@@ -485,10 +485,47 @@ def test_a_record_is_taken_only_at_the_runs_precision_and_its_differences_are_na
     assert known.nearest((AMX,), "avx2", "fp32", 2, 134_515_008, 128, "lora") is None  # never across precisions
     k = known.nearest((AVX2, AMX), "avx512-bf16", "fp32", 16, 420_000_000, 512, "lora")
     assert k.record is AVX2  # an fp32 run on a bf16 machine: the fp32 record, its differences said
-    assert k.source == ("AVX2 fp32 machines (SmolLM2-135M lora at 128 tokens, 2 cores; this run: AVX512-BF16, "
+    assert k.source == ("AVX2 fp32 machines (SmolLM2-135M lora at 128 tokens, 2 cores; here: AVX512-BF16, "
                         "16 cores, 0.42B parameters, 512 tokens)")
     assert known.unit({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "amx"
     assert known.unit({"avx2", "avx512f"}) == "avx512" and known.unit(set()) == "none"
+
+
+def test_hw_record_writes_what_this_machine_measured_in_the_shipped_format(tmp_path, monkeypatch, capsys):
+    """Issue 68: every machine teaches the record. The measurement cache's complete probes of this CPU at one
+    precision (a batch probe with the model's size, the kernels timed for the same shape) are written as a
+    record that the runs' lookup reads; a probe of another precision or CPU is not; an empty cache is refused
+    in one line."""
+    from tunebench.interfaces.cli import main
+    from tunebench.jobs import hw
+    from tunebench.training.tune import known
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
+    machine, plan, _ = hw.machine()
+    assert main(["hw", "--record", str(tmp_path / "none.json"), "--precision", "fp32"]) == 2
+    assert "no complete measurement of this machine in fp32 is on record" in capsys.readouterr().err
+    shape = dict(model="smollm2", method="lora", quantization="none", r=8, target_modules=None, max_length=128,
+                 where=f"{machine.cpu_model} x{plan.threads}", precision="fp32", torch="2.13.0", attention="auto",
+                 liger="auto", gradient_checkpointing="auto")
+    probes = [{"micro_batch_size": m, "tokens_per_s": v, "peak_memory_mb": 900.0, "status": "ok"}
+              for m, v in ((1, 100.0), (2, 150.0), (4, 180.0))]
+    tune.store(tune.Shape(**shape).key("batch", effective_batch_size=8, rows=8),
+               {"result": {"micro_batch_size": 4, "probes": probes, "reason": "", "partial": False},
+                "model_params": 134_515_008, "model_layers": 30})
+    tune.store(tune.Shape(**shape).key("attention", candidates=("tunebench", "eager", "sdpa")),
+               {"value": "sdpa", "reason": "", "speeds": {"sdpa": 181.0, "tunebench": 175.0}, "rows": 4})
+    tune.store(tune.Shape(**{**shape, "precision": "bf16"}).key("batch", effective_batch_size=8, rows=8),
+               {"result": {"micro_batch_size": 1, "probes": probes[:1], "reason": "", "partial": False},
+                "model_params": 1, "model_layers": 1})
+    assert main(["hw", "--record", str(tmp_path / "mine.json"), "--precision", "fp32"]) == 0
+    record = known.load(tmp_path / "mine.json")
+    assert record.precision == "fp32" and record.unit == known.unit(machine.cpu_flags)
+    (o,) = record.outcomes
+    assert (o.params, o.layers, o.max_length, o.micro_batch, o.attention, o.attention_rows) == (
+        134_515_008, 30, 128, {1: 100.0, 2: 150.0, 4: 180.0}, {"sdpa": 181.0, "tunebench": 175.0}, 4)
+    k = known.nearest((record,), record.unit, "fp32", plan.threads, 134_515_008, 128, "lora")
+    assert k.best_micro([1, 2, 4, 8]) == 4 and k.kernel_order(("tunebench", "eager", "sdpa"))[0] == "sdpa"
+    assert main(["hw", "--record", str(tmp_path / "mine.json")]) == 2  # never over a file already written
 
 
 def test_every_shipped_machine_record_loads_and_a_broken_one_is_refused_in_one_line(tmp_path):

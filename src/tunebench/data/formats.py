@@ -43,6 +43,8 @@ def carries_tools(messages: Messages) -> bool:
 def detect(columns: set[str], cfg: DataConfig) -> str:
     if cfg.format != "auto":
         return cfg.format
+    if set(XLAM_COLUMNS) <= columns:
+        return "xlam"
     if cfg.messages_column in columns or "conversations" in columns:
         return "chat"
     if cfg.instruction_column in columns and cfg.response_column in columns:
@@ -56,7 +58,7 @@ def detect(columns: set[str], cfg: DataConfig) -> str:
     raise TunebenchError(
         f"cannot tell the dataset format from its columns ({', '.join(sorted(columns)) or 'none'}); "
         f"expected '{cfg.instruction_column}'+'{cfg.response_column}', instruction+input+output (alpaca), "
-        f"'{cfg.messages_column}' (chat) or '{cfg.text_column}'; name yours with --instruction-column/"
+        f"'{cfg.messages_column}' (chat), query+tools+answers (xLAM) or '{cfg.text_column}'; name yours with --instruction-column/"
         "--response-column or data.*_column overrides, and --format"
     )
 
@@ -67,6 +69,7 @@ def required_columns(fmt: str, cfg: DataConfig) -> tuple[str, ...]:
         "alpaca": ("instruction", "output"),
         "question": ("question", "answer"),
         "chat": (),  # messages or conversations, checked per record
+        "xlam": XLAM_COLUMNS,
         "text": (cfg.text_column,),
     }[fmt]
 
@@ -92,6 +95,8 @@ def to_messages(record: dict[str, Any], fmt: str, cfg: DataConfig) -> Messages:
                 {"role": "assistant", "content": _text(record["answer"])}]
     if fmt == "text":
         return [{"role": "text", "content": _text(record[cfg.text_column])}]
+    if fmt == "xlam":
+        return xlam(record)
     turns = record.get(cfg.messages_column, record.get("conversations"))
     if not isinstance(turns, list):
         raise TunebenchError(f"chat record has no '{cfg.messages_column}' list of messages; fix the record or --format")
@@ -172,6 +177,55 @@ def row_tools(value: Any) -> list[dict] | None:
                                  "fix the row")
         out.append({"type": "function", "function": fn})
     return out
+
+
+# Salesforce's xlam-function-calling-60k (and the sets made like it): a query, the tools offered and the calls that
+# answer it, the last two as JSON strings.
+XLAM_COLUMNS = ("query", "tools", "answers")
+# xLAM writes a parameter's type as Python does ("str", "List[int]", "float, optional"); JSON Schema's names for them.
+_XLAM_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
+               "dict": "object", "tuple": "array", "set": "array", "any": None}
+
+
+def xlam(record: dict[str, Any]) -> Conversation:
+    """An xLAM row as chat: the query a user turn, the answers one assistant turn of tool calls, the tools in
+    OpenAI's form with their parameters as a JSON Schema object (what chat templates and the tool-call scoring
+    read), so a row reads as the same row written in OpenAI's form does."""
+    answers = _json(record["answers"], "the row's answers")
+    if not isinstance(answers, list):
+        raise TunebenchError(f"the row's answers are {type(answers).__name__}, not a list of calls "
+                             '([{"name": ..., "arguments": {...}}]); fix the row')
+    tools = _json(record["tools"], "the row's tools")
+    if not isinstance(tools, list):
+        raise TunebenchError(f"the row's tools are {type(tools).__name__}, not a list of function schemas; fix the row")
+    calls = [_call(c, "the answers") for c in answers]
+    assistant = {"role": "assistant", "content": ""}
+    if calls:
+        assistant["tool_calls"] = calls
+    return Conversation([{"role": "user", "content": _text(record["query"])}, assistant],
+                        row_tools([xlam_tool(t) for t in tools]))
+
+
+def xlam_tool(tool: Any) -> Any:
+    """One xLAM tool with its {name: {type, description, default}} parameters as a JSON Schema object; a tool
+    already in that form is kept as it is."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("parameters"), dict) \
+            or tool["parameters"].get("type") == "object":
+        return tool
+    properties, required = {}, []
+    for name, spec in tool["parameters"].items():
+        spec = spec if isinstance(spec, dict) else {"description": _text(spec)}
+        written = _text(spec.get("type")).strip()
+        optional = written.endswith(", optional")
+        base = written.removesuffix(", optional").strip().split("[")[0].lower()
+        prop = {k: v for k, v in spec.items() if k not in ("type",)}
+        if _XLAM_TYPES.get(base):
+            prop = {"type": _XLAM_TYPES[base], **prop}
+        properties[name] = prop
+        if not optional and "default" not in spec:
+            required.append(name)
+    return {**tool, "parameters": {"type": "object", "properties": properties,
+                                   **({"required": required} if required else {})}}
 
 
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # the names distillation data uses

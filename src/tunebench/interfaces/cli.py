@@ -170,8 +170,10 @@ def _hw(args: argparse.Namespace) -> int | None:
 
     if args.text:
         new_file(args.text, "--text")
+    if args.record:
+        new_file(args.record, "--record")
     hw.run(as_json=args.json, text=args.text, machine_record=args.machine, model=args.model, method=args.method,
-           max_length=args.max_length)
+           max_length=args.max_length, record_to=args.record, precision=args.precision)
 
 
 JOBS = {  # job name -> what runs it; a job returns its exit code, or None for 0

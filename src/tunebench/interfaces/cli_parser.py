@@ -446,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "config alone: a model directory, a cached hub id or a config.json")
     p.add_argument("--method", default="lora", choices=METHODS, help="the method that memory plan is for (default lora)")
     p.add_argument("--max-length", type=int, default=128, help="the rows' tokens that memory plan is for (default 128)")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write what this machine measured (the measurement cache's complete probes) as a machine "
+                        "class record, the format tunebench ships in configs/machines/")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="the precision --record writes (default: what training would pick here)")
     _add_debug(p)
     return parser
 

@@ -20,6 +20,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, prefer, kto = cfg.adapter, cfg.data, cfg.adapter.objective != "sft", cfg.adapter.objective == "kto"
     unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair
     examples, parts = adapted.check_inputs(cfg, prefer)  # every input checked before anything expensive
+    cfg, length_row = adapted.settle_length(cfg, adapted.row_lengths(cfg, prefer, kto, examples, parts))
+    d = cfg.data
     identity = adapted.identity(cfg)
     opened = runner.open_run(cfg, identity)
     adapted.check_memory(cfg, opened)  # before a weight loads
@@ -46,7 +48,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         return summary, saved
 
     return recipe.train(cfg, opened, recipe.Recipe(
-        model=model, loss=loss, method_rows=method_rows + adapted.template_rows(tok),
+        model=model, loss=loss, method_rows=[length_row, *method_rows, *adapted.template_rows(tok)],
         header=adapted.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,
         tokens_per_unit=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),

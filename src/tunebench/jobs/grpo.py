@@ -19,6 +19,8 @@ from tunebench.training.tune import compiler
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, s, settings = cfg.adapter, cfg.data, cfg.schedule, grpo.Settings.of(cfg.adapter)
     rows, code, scoring = grpo.check_inputs(cfg)  # every input checked before anything expensive
+    cfg, length_row = adapted.settle_length(cfg, grpo.prompt_lengths(rows, cfg))
+    d = cfg.data
     identity = adapted.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
     adapted.check_memory(cfg, opened)  # before a weight loads
@@ -50,7 +52,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = sampler.record_steps(lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch))
     return recipe.train(cfg, opened, recipe.Recipe(
         model=model, loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
-        method_rows=[*method_rows, grpo.objective_row(cfg, words, dropped)],
+        method_rows=[length_row, *method_rows, grpo.objective_row(cfg, words, dropped)],
         header=grpo.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
         parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit="prompts",
         tokens_per_unit=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),

@@ -60,13 +60,41 @@ def recommend(hw: hardware.Hardware, plan: hardware.Plan) -> tuple[list[Decision
     effective = load_config().batch_ask().check(1)
     sizes = micro_candidates(effective, 1, effective)
     profile, why = profile_for(hw)
-    rows = [*plan.decisions,
-            Decision("micro_batch_size", "auto", f"measured on the run's model: {', '.join(map(str, sizes))} "
-                                                 f"(the divisors of the effective batch {effective})"),
+    rows = [*plan.decisions, *starts_from(hw, plan, sizes, effective),
             Decision("effective_batch_size", effective, "--effective-batch-size default; = micro x accumulation "
                                                         "x ranks"),
             peak_row(plan, hw), runplan.logging_row(None, plan.device), Decision("profile", profile, why)]
     return rows, f"tunebench train --profile {profile} --precision {plan.precision} --batch-size auto"
+
+
+# The study's shape: SmolLM2-135M-Instruct (the default model) with LoRA at 128 tokens.
+STUDY = (134_515_008, 128, "lora")
+
+
+def starts_from(hw: hardware.Hardware, plan: hardware.Plan, sizes: list[int], effective: int) -> list[Decision]:
+    """The attention and micro batch rows of the study's shape on `hw`: what `auto` measures first and predicts
+    from, by the nearest machine class's record of the run's precision (tune.known), or plain measuring."""
+    from tunebench.training.tune import known
+
+    candidates = ", ".join(map(str, sizes))
+    k = known.nearest(known.shipped(), known.unit(hw.cpu_flags), plan.precision, plan.threads, *STUDY) \
+        if plan.device == "cpu" else None
+    if k is None:
+        why = (f"no record of {plan.precision} CPUs ships" if plan.device == "cpu" else f"no record of {plan.device} "
+               "machines ships")
+        return [Decision("attention", "auto", f"measured on the run's model ({why})"),
+                Decision("micro_batch_size", "auto", f"measured on the run's model: {candidates} (the divisors of "
+                                                     f"the effective batch {effective}), smallest first ({why})")]
+    o = k.outcome
+    order = k.kernel_order(tuple(o.attention))
+    first = k.best_micro(sizes)
+    return [Decision("attention", "auto", f"{order[0]} measured first; the others while the record's ratios say "
+                     "they could repay it: " + ", ".join(f"{n} {o.attention[n]:,.0f}" for n in order)
+                     + f" tokens/s on {k.source}"),
+            Decision("micro_batch_size", "auto", f"{first} measured first, of {candidates} (the divisors of the "
+                     f"effective batch {effective}); the others while they could save more than measuring costs, "
+                     "else predicted: " + ", ".join(f"{m} {v:,.0f}" for m, v in sorted(o.micro_batch.items()))
+                     + f" tokens/s on {k.source}")]
 
 
 def peak_row(plan: hardware.Plan, hw: hardware.Hardware) -> Decision:
@@ -144,8 +172,40 @@ def load_record(path: str) -> hardware.Hardware:
                              "wrote") from None
 
 
+def write_record(path: str, precision: str = "auto") -> dict:
+    """`tunebench hw --record FILE`: this machine's measured outcomes (the measurement cache's complete probes at
+    `precision`) in the shipped records' format (tune.known), for a user to contribute a machine class."""
+    import datetime
+
+    from tunebench.core.durable import atomic_file
+    from tunebench.core.errors import TunebenchError
+    from tunebench.core.jsonfile import read_json
+    from tunebench.training import tune
+    from tunebench.training.tune import known
+
+    hw, plan, _ = machine()
+    precision = plan.precision if precision == "auto" else precision
+    date = datetime.date.today().isoformat()
+    record = known.from_cache(read_json(tune.cache_file()), hw.cpu_model, plan.threads, hw.cpu_flags, precision,
+                              f"tunebench hw --record on {hw.cpu_model}, {plan.threads} threads, {date}: the "
+                              "measurement cache's complete probes")
+    if record is None:
+        raise TunebenchError(f"no complete measurement of this machine in {precision} is on record in "
+                             f"{tune.cache_file()}; train once with --measure full (and --precision {precision}), "
+                             "then record")
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(record.to_dict(), indent=2) + "\n")
+    print(f"wrote {path}: {record.label}, {len(record.outcomes)} shape(s) measured ("
+          + "; ".join(f"{o.model} {o.method} at {o.max_length} tokens: micro "
+                      + ", ".join(f"{m} {v:,.0f}" for m, v in sorted(o.micro_batch.items())) + " tokens/s"
+                      for o in record.outcomes) + ")")
+    return record.to_dict()
+
+
 def run(as_json: bool = False, text: str | None = None, machine_record: str | None = None, model: str | None = None,
-        method: str = "lora", max_length: int = 128) -> dict:
+        method: str = "lora", max_length: int = 128, record_to: str | None = None, precision: str = "auto") -> dict:
+    if record_to is not None:
+        return write_record(record_to, precision)
     if machine_record is not None:  # another machine's decisions, planned here from its record
         hw, rows, command = recorded(machine_record, model, method, max_length)
         print(f"recorded machine {machine_record}: {hw.cpu_model}, {hw.physical_cores} physical cores"

@@ -183,7 +183,8 @@ def _auto_finding(device: str, by_config: dict[str, Cell]) -> str | None:
         return text
     if measured >= 1:
         text += (f" Before training, auto spent {measured:,.0f} s measuring (attention kernel, micro batches, compile; "
-                 f"kept on record, so later runs of this shape skip it), the hand-picked runs {min(others):,.0f} to "
+                 f"a complete measurement is cached for later runs of this shape, one that predicted from the "
+                 f"machine class's record is not), the hand-picked runs {min(others):,.0f} to "
                  f"{max(others):,.0f} s; both are apart from the training times compared.")
     else:
         text += (f" auto's measurements were on record from an earlier run of this shape: it spent {measured:.1f} s "

@@ -152,6 +152,11 @@ def context_limit(model) -> int | None:
 LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")  # families with a learned position table (not rotary, ALiBi)
 
 
+def positions(spec: str, allow_download: bool = False) -> tuple[int | None, str]:
+    """(the positions a model learned, what kind), from its config alone; (None, "") where unknown."""
+    return _positions(spec, allow_download)
+
+
 def check_length(spec: str, max_length: int, allow_download: bool = False) -> None:
     """Refuse --max-length beyond the positions a model was trained for, from its config alone (before
     any weights load): a learned position table has no row past it, and rotary positions past it were

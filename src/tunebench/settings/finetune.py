@@ -59,8 +59,9 @@ class DataConfig:
     """the loss on an assistant turn's reasoning (<think>...</think>) as well; false masks the trace"""
     on_unrenderable: str = "refuse"
     """refuse | drop: a chat row whose tools, calls, results or reasoning the chat template would not render"""
-    max_length: int = 128
-    """truncate examples to this many tokens"""
+    max_length: int | None = 128
+    """truncate examples to this many tokens; auto (None, `tunebench train`'s default): the length that keeps 99% of
+    the rows whole, rounded up to 64, within the model's positions"""
     packing: str = "auto"
     """auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off may still group
     rows by length)"""
@@ -239,7 +240,7 @@ def profile_path(name: str) -> Path:
 
 
 SCHEMA = schema.Schema(
-    "train", SECTIONS, defaults={},
+    "train", SECTIONS, defaults={"data.max_length": None},  # auto: settled from the rows (adapted.settle_length)
     # the hardware guide's Hydra key; the rest of its keys are the flat sections' (schema.FLAT_SECTIONS)
     aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
     hints=SYNONYMS, converters={"data.sources": _sources, "data.packing": lambda value: (
@@ -330,7 +331,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if d.sources and d.path != BUILTIN_DATA:
         raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
                              "(--data FILE:WEIGHT once per dataset)")
-    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "question", "chat", "text"))
+    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "question", "chat", "xlam", "text"))
     _choice("data.train_on", d.train_on, ("response", "final", "all"))
     _choice("data.on_unrenderable", d.on_unrenderable, ("refuse", "drop"))
     _choice("data.packing", d.packing, ("auto", "on", "off"))

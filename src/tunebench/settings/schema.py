@@ -307,6 +307,8 @@ class Schema:
             return [] if precision is None else [(key, precision)]
         if key == "batch.micro_batch_size" and (value is None or str(value).lower() == "auto"):
             return [(key, None)]  # auto measures; a number is used as given
+        if key == "data.max_length" and self.job == "train" and (value is None or str(value).lower() == "auto"):
+            return [(key, None)]  # auto: the length that keeps the rows whole, settled when they are read
         if key == LEGACY_AUTOTUNE:  # config.yaml of earlier runs, older profiles: true meant auto
             return [(key, coerce_value(spelled, value, bool))]
         return [(key, self.coerce(key, value, spelled))]

@@ -225,8 +225,66 @@ def check_inputs(cfg: RunConfig, prefer: bool):
         check_rows(sum(len(p.examples.messages) for p in parts), cfg,
                    sum(len(p.examples.empty_rows) for p in parts), "empty")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
-    inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
+    if cfg.data.max_length is not None:  # auto is settled within the model's positions (settle_length)
+        inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
     return examples, parts
+
+
+LENGTH_QUANTILE = 99  # auto keeps this percent of the rows whole
+LENGTH_STEP = 64  # and rounds up to a multiple of this (the loss rows are padded to 64 too)
+LENGTH_SAMPLE = 4096  # rows auto tokenizes to find it: a seeded sample of a bigger dataset
+
+
+def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
+    """`cfg` with data.max_length a number, and its settings row: as asked, or for auto (None) the length that
+    keeps the rows whole: the 99th percentile of their tokens as training renders them (`lengths_of(tokenizer,
+    sample)`, the tokenizer alone, no weights), rounded up to 64, capped at the positions the model learned.
+    Rows longer than it are cut, and counted where they are today."""
+    import dataclasses
+
+    d = cfg.data
+    if d.max_length is not None:
+        return cfg, Decision("max_length", d.max_length, "asked for")
+    limit, kind = inference.positions(cfg.model.name, cfg.model.allow_download)
+    tok = models.tokenizer_for(cfg.model.name, cfg.model.allow_download)
+    rng = np.random.default_rng(cfg.schedule.seed)
+    lengths = np.asarray(lengths_of(tok, lambda n: np.sort(rng.permutation(n)[:LENGTH_SAMPLE])))
+    if not len(lengths):
+        raise TunebenchError(f"--max-length auto: no row of '{d.path}' could be measured; pass --max-length N")
+    top = int(np.ceil(np.percentile(lengths, LENGTH_QUANTILE)))
+    length = -(-top // LENGTH_STEP) * LENGTH_STEP
+    capped = limit is not None and length > limit
+    length = min(length, limit) if capped else length
+    over = int((lengths > length).sum())
+    sample = f" of a sample of {len(lengths):,}" if len(lengths) == LENGTH_SAMPLE else ""
+    why = (f"auto: {LENGTH_QUANTILE}% of the rows{sample} have {top:,} tokens or fewer (the longest {int(lengths.max()):,}), "
+           f"rounded up to a multiple of {LENGTH_STEP}" + (f", capped at the {limit:,} positions this model learned "
+                                                          f"({kind})" if capped else "")
+           + f"; {over} of {len(lengths):,} rows are longer and are cut; --max-length N sets it")
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, max_length=length)), Decision("max_length", length, why)
+
+
+def row_lengths(cfg: RunConfig, prefer: bool, kto: bool, examples, parts):
+    """`settle_length`'s measure for the fine-tuning recipes: tokens per row (a pair's longer row, a judged
+    completion with its prompt) as training renders them, uncut."""
+    import dataclasses
+
+    from tunebench.data.tokenize import tokenize_messages, use_template
+
+    def lengths(tok, sample) -> list[int]:
+        if prefer:
+            return (judged if kto else pairs).tokenize(examples, tok, dataclasses.replace(
+                cfg.data, max_length=10**9)).lengths().tolist()
+        out: list[int] = []
+        for part in parts:
+            messages = part.examples.messages
+            rows = [messages[i] for i in sample(len(messages))]
+            whole = dataclasses.replace(part.config, max_length=10**9)
+            use_template(rows, tok, whole)
+            out += tokenize_messages(rows, tok, whole, part.examples.fmt).lengths().tolist()
+        return out
+
+    return lengths
 
 
 def split_rows(cfg: RunConfig, data, spans, parts, prefer: bool):

@@ -318,6 +318,18 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     return rows, code, scoring
 
 
+def prompt_lengths(rows: PromptRows, cfg: RunConfig):
+    """`adapted.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
+    completion (max_completion_length)."""
+    from tunebench.data.tokenize import render_prompt
+
+    def lengths(tok, sample) -> list[int]:
+        return [len(tok(render_prompt(rows.prompts[i], tok, cfg.data.template), add_special_tokens=False)["input_ids"])
+                + cfg.adapter.max_completion_length for i in sample(len(rows.prompts))]
+
+    return lengths
+
+
 def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
     a = cfg.adapter
     return Decision("objective", "grpo", f"{a.num_generations} completions a prompt of up to {a.max_completion_length} "

@@ -197,6 +197,8 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
                                   budget, known, timed.of_kernel(model)),
         asked_reason, lambda micro: batch.cached_speed(shape, effective // world_size, n_train, micro, local_ranks))
     rows += batch_rows
+    if speed is None and not resumed:  # a micro batch asked for: the attention pick may have timed that very step
+        speed = timed.of_kernel(model).get(micro, (None,))[0]
     if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = resumed[1] if resumed else accumulation(effective, micro, world_size)

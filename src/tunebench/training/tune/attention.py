@@ -57,7 +57,7 @@ ALIKE = 1.05
 
 def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None, is_oom=is_oom,
          candidates: tuple[str, ...] = ATTENTION_KERNELS, budget: Budget | None = None,
-         known: Known | None = None) -> Row:
+         known: Known | None = None, rows: int | None = None) -> Row:
     """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
     fastest (cached).
 
@@ -120,7 +120,8 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
         ranked = sorted(speeds, key=speeds.get, reverse=True)
         hit = {"value": ranked[0], "reason": "measured " + ", ".join(f"{speeds[k]:,.0f} ({k})" for k in ranked)
                                             + " tokens/s" + "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
-               + (f"; record: {known.source}" if any("on record" in v for v in skipped.values()) else "")}
+               + (f"; record: {known.source}" if any("on record" in v for v in skipped.values()) else ""),
+               "speeds": {k: round(v, 1) for k, v in speeds.items()}, "rows": rows}  # for `tunebench hw --record`
         if not partial:
             store(key, hit)
     model.set_attn_implementation(hit["value"])
@@ -169,7 +170,7 @@ def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int,
     kernel without it, and the run stopped before the batch probe could turn it on)."""
     def one() -> Row:
         return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
-                    candidates=candidates(device, precision, model), budget=budget, known=known)
+                    candidates=candidates(device, precision, model), budget=budget, known=known, rows=rows)
 
     try:
         return [one()]

@@ -17,7 +17,7 @@ from tunebench.core.decision import Decision as Row
 from tunebench.core.errors import TunebenchError
 from tunebench.training.tune import Shape, cached, store
 from tunebench.training.tune.budget import Budget
-from tunebench.training.tune.known import Known
+from tunebench.training.tune.known import Known, model_size
 from tunebench.training.tune.probe import (
     StepFn,
     checkpointing_on,
@@ -265,7 +265,8 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
         # checkpointing the user asked for, which is the run's own "asked for" row.
         if not result.partial:  # a longer run of this shape measures the sizes the budget left out
             store(key, {"result": result.to_dict(),
-                        "gradient_checkpointing": shape.gradient_checkpointing == "auto" and checkpointing_on(step.model)})
+                        "gradient_checkpointing": shape.gradient_checkpointing == "auto" and checkpointing_on(step.model),
+                        **model_size(step.model)})  # the model's size and depth, for `tunebench hw --record`
     print(f"batch-size probe ({source}):\n{format_table(result)}")
     rows.insert(0, Row("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
     speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)

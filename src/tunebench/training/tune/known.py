@@ -122,7 +122,7 @@ class Known:
         """'AVX2 fp32 machines (SmolLM2-135M lora at 128 tokens, 2 cores; this machine: AVX512-BF16)'."""
         o = self.outcome
         said = f"{o.model} {o.method} at {o.max_length} tokens, {self.record.cores} cores"
-        return f"{self.record.label} machines ({said}" + (f"; this run: {', '.join(self.differs)})" if self.differs
+        return f"{self.record.label} machines ({said}" + (f"; here: {', '.join(self.differs)})" if self.differs
                                                           else ")")
 
     def kernel_ratio(self, kernel: str, against: str) -> float | None:
@@ -171,6 +171,50 @@ def nearest(records, unit_: str, precision: str, cores: int, params: int, max_le
                f"{max_length} tokens" if outcome.max_length != max_length else "",
                method if outcome.method != method else ""]
     return Known(record, outcome, tuple(d for d in differs if d))
+
+
+def model_size(model) -> dict:
+    """{"model_params", "model_layers"} of a model being trained, as a record's outcome keeps them."""
+    from tunebench.model import methods
+    config = methods.base_of(model).config
+    return {"model_params": sum(p.numel() for p in model.parameters()),
+            "model_layers": int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)}
+
+
+def from_cache(entries: dict, cpu_model: str, cores: int, cpu_flags, precision: str, source: str) -> Record | None:
+    """This machine's record at `precision`, from the measurement cache (tune.cache_file's entries): every
+    complete micro-batch probe measured on this CPU, with the attention kernels timed for the same shape.
+    None when the cache holds none."""
+    def shape(key: str) -> tuple[str, dict] | None:
+        kind, _, raw = key.partition("|")
+        fields = json.loads(raw) if raw.startswith("{") else {}
+        where = str(fields.get("where", ""))
+        if fields.get("precision") != precision or not where.startswith(f"{cpu_model} x"):
+            return None
+        return kind, fields
+
+    same = lambda f: (f["model"], f["method"], f["max_length"], f["where"], f.get("r"))  # noqa: E731
+    kernels = {}
+    for key, hit in entries.items():
+        parsed = shape(key)
+        if parsed and parsed[0] == "attention" and hit.get("speeds"):
+            kernels[same(parsed[1])] = hit
+    outcomes = []
+    for key, hit in entries.items():
+        parsed = shape(key)
+        if not parsed or parsed[0] != "batch" or "model_params" not in hit or "result" not in hit:
+            continue
+        f = parsed[1]
+        micro = {p["micro_batch_size"]: p["tokens_per_s"] for p in hit["result"]["probes"]
+                 if p["status"] == "ok" and p["tokens_per_s"]}
+        att = kernels.get(same(f), {})
+        if micro:
+            outcomes.append(Outcome(Path(str(f["model"])).name, int(hit["model_params"]), int(hit["model_layers"]),
+                                    f["method"], int(f["max_length"]), att.get("rows"), att.get("speeds", {}), micro))
+    if not outcomes:
+        return None
+    unit_ = unit(cpu_flags)
+    return Record(f"{unit_}-{precision}", unit_, precision, cores, cpu_model, source, tuple(outcomes))
 
 
 def for_run(hw, precision: str, device_type: str, threads: int, model, max_length: int, method: str) -> Known | None:
