@@ -11,6 +11,7 @@ its memory plan (the settings table's memory_plan row) against the peak its trai
     python benchmarks/scale.py                    # 0.42B and 1.07B, one run a side
     python benchmarks/scale.py --sizes 0.135b,0.42b,1.07b
     python benchmarks/scale.py --sizes 0.42b --repeats 2
+    python benchmarks/scale.py --sizes 0.42b --precision fp32   # both sides fp32: an AVX2 machine's stand-in
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> None:
                    help="where the shapes are built (kept for the next run)")
     p.add_argument("--measure", default="bounded", choices=["bounded", "full"],
                    help="tunebench's --measure (full: every kernel and micro batch, as before the budget)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32"],
+                   help="fp32: both sides in fp32, standing in for a CPU without native bf16 (AVX2) on one that has it")
     p.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     sizes = args.sizes.split(",")
@@ -80,14 +83,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile(suffix=".json") as saved:
             env = dict(os.environ, TUNEBENCH_CACHE=cache)  # a first run of the shape: nothing measured before
             subprocess.run([sys.executable, str(HERE / "vs_hf_trainer.py"), "--model", str(model), "--samples",
-                            str(samples), "--repeats", str(args.repeats), "--measure", args.measure, "--save", saved.name],
+                            str(samples), "--repeats", str(args.repeats), "--measure", args.measure, "--save", saved.name,
+                            *(["--precision", "fp32", "--peers", "fp32"] if args.precision == "fp32" else [])],
                            env=env, check=True)
             result = json.loads(Path(saved.name).read_text())
-        tb, hf = (result["medians"][side] for side in ("tunebench (auto)", "HF Trainer+PEFT (bf16)"))
+        peer = f"HF Trainer+PEFT ({'fp32' if args.precision == 'fp32' else 'bf16'})"
+        tb, hf = (result["medians"][side] for side in ("tunebench (auto)", peer))
         measuring = sorted(r["measure_s"] for r in result["runs"]["tunebench (auto)"])
         rows.append((name, tb, hf, measuring[len(measuring) // 2], result["runs"]["tunebench (auto)"][0]))
     print(f"\n{args.steps} steps, max_length 128, effective batch 8, LoRA r=8 on q/v; medians of {args.repeats}; "
-          f"tunebench from an empty measurement cache, --measure {args.measure}")
+          f"tunebench from an empty measurement cache, --measure {args.measure}"
+          + (", both sides fp32" if args.precision == "fp32" else ""))
     print("| model | tunebench tokens/s | HF tokens/s | ratio | peak RSS tunebench / HF | process wall tunebench / HF "
           "| tunebench measuring | MFU | memory plan / training loop's peak | chosen |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -144,7 +144,7 @@ def worker_tunebench(args) -> dict:
         "train.progress": False, "train.device": _device(args), "train.epochs": args.epochs,
         "adapter.r": LORA["r"], "adapter.lora_alpha": LORA["lora_alpha"], "adapter.lora_dropout": LORA["lora_dropout"],
         "adapter.target_modules": "auto", "train.effective_batch_size": args.effective_batch,
-        "hardware.measure": args.measure,
+        "hardware.measure": args.measure, "hardware.precision": args.precision,
     })
     s = finetune.run(cfg)
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
@@ -287,6 +287,8 @@ def main() -> None:
                    help="with --sweep: profile one more step of each side to STEM-SIDE.json.gz and STEM-SIDE.txt")
     p.add_argument("--measure", default="bounded", choices=["bounded", "full"],
                    help="tunebench's --measure: bounded (default) or full (every kernel and micro batch)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="tunebench's --precision (auto: what it picks here; fp32 stands in for a CPU without bf16)")
     p.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)  # gpu_session.sh --dry-run
     p.add_argument("--sweep-precision", default="bf16", choices=["bf16", "fp32"],
                    help="both sides' precision (fp32 on a CPU without native bf16)")
@@ -309,7 +311,8 @@ def main() -> None:
     common = ["--model", args.model, "--data", args.data, "--samples", str(args.samples),
               "--max-length", str(args.max_length), "--device", args.device, "--epochs", str(args.epochs),
               "--effective-batch", str(args.effective_batch), "--peer-padding", args.peer_padding,
-              "--measure", args.measure, *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+              "--measure", args.measure, "--precision", args.precision,
+              *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
     if args.sweep:
         print(f"{'model':>22} {'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} "
               f"{'tok/s':>8} {'MFU':>6} {'peak MB':>8}  ({args.sweep_precision})", flush=True)

@@ -91,7 +91,7 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path, dataset, ca
         "max_position_embeddings": 8192}))
     out = tmp_path / "out"
     code = cli.main(["train", "--model", str(model), "--data", str(dataset), "--output-dir", str(out),
-                     "--precision", "bf16", "--device", "cpu", "--max-steps", "1"])
+                     "--precision", "bf16", "--device", "cpu", "--max-steps", "1", "--max-length", "128"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"--model {model} with --method lora needs about 13" in err and "weights 131." in err, err

@@ -17,17 +17,16 @@ from tunebench.training.tune import compiler
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    a, d, s, settings = cfg.adapter, cfg.data, cfg.schedule, grpo.Settings.of(cfg.adapter)
+    a, s, settings = cfg.adapter, cfg.schedule, grpo.Settings.of(cfg.adapter)
     rows, code, scoring = grpo.check_inputs(cfg)  # every input checked before anything expensive
-    cfg, length_row = adapted.settle_length(cfg, grpo.prompt_lengths(rows, cfg))
-    d = cfg.data
+    cfg, length_row = adapted.settle_length(cfg, grpo.prompt_lengths(rows, cfg))  # data.max_length a number
     identity = adapted.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
     adapted.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
         loaded = adapted.load(cfg, opened)
         tok = loaded.tokenizer
-        data = prompts.tokenize(rows, tok, d, a.max_completion_length)
+        data = prompts.tokenize(rows, tok, cfg.data, a.max_completion_length)
     train_idx, _, eval_parts = adapted.split_rows(cfg, data, [np.arange(len(data))], [], True)
     model, _, method_rows, (trainable, total) = adapted.trainable_model(cfg, loaded, opened, False)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
@@ -57,7 +56,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit="prompts",
         tokens_per_unit=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
         what=grpo.measured_as(cfg), probe_rows=lambda size: sampler.probe_rows(longest[:size]),
-        widest=int(lengths[train_idx].max()) + a.max_completion_length, max_length=d.max_length,
+        widest=int(lengths[train_idx].max()) + a.max_completion_length, max_length=cfg.data.max_length,
         batches=lambda micro: (epoch_steps, sampler.collate, []), eval_sets=lambda micro: [], identity=identity,
         dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
         records=adapted.records(loaded, trainable, total),

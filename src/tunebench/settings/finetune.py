@@ -60,8 +60,8 @@ class DataConfig:
     on_unrenderable: str = "refuse"
     """refuse | drop: a chat row whose tools, calls, results or reasoning the chat template would not render"""
     max_length: int | None = 128
-    """truncate examples to this many tokens; auto (None, `tunebench train`'s default): the length that keeps 99% of
-    the rows whole, rounded up to 64, within the model's positions"""
+    """truncate examples to this many tokens; auto (None, `tunebench train`'s default): the length that keeps 99 in
+    100 rows whole, rounded up to 64, within the model's positions"""
     packing: str = "auto"
     """auto (packed or length-grouped rows, whichever leaves the least padding) | on | off (off may still group
     rows by length)"""
