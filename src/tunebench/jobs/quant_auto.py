@@ -53,6 +53,7 @@ class Settings:
 
 def held_out(run_dir: Path, settings: Settings):
     """The run's held-out rows, refused before any weight loads when there are none to score."""
+    from tunebench.data import readers
     from tunebench.jobs.evaluate import HeldOut
     from tunebench.model import llama_cpp_tools
     from tunebench.settings.rundir import RunDir
@@ -64,7 +65,7 @@ def held_out(run_dir: Path, settings: Settings):
         raise TunebenchError(f"--quant auto scores a fine-tuned run's task on its held-out rows, and '{run_dir}' is "
                              "not one (a pretraining run has no task): pick a type with --quant (q8_0, q4_k_m, ...)")
     data = run.train_config().data
-    if not Path(data.path).exists():
+    if data.path not in readers.BUILTIN and not Path(data.path).exists():  # the built-in data ships with tunebench
         raise TunebenchError(f"--quant auto answers the run's held-out rows from '{data.path}', which is gone; "
                              "restore it, or pick a type with --quant")
     held = HeldOut.of(str(run_dir), data)
@@ -79,6 +80,11 @@ def pick(write: Callable, held, settings: Settings, work: Path) -> tuple[str, Pa
     reference = work / f"{REFERENCE}.gguf"
     write(REFERENCE, reference)
     ref = _score(held, reference, REFERENCE, settings, work)
+    if not ref.score or ref.score <= 0:  # nothing for a smaller type to keep: every type would be "within" it
+        raise TunebenchError(f"--quant auto: f16 scores {settings.metric} {ref.score or 0:g} on the {ref.rows} held-out "
+                             "row(s), so the task score cannot tell the types apart (the smallest, most rounded one "
+                             "would be picked); train longer, score more rows (--quant-rows), try --quant-metric chrf, "
+                             "or pick a type with --quant")
     tried = [ref]
     written = []
     for quant in CANDIDATES:
