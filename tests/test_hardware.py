@@ -479,6 +479,29 @@ def test_each_machine_class_record_orders_and_predicts_the_candidates_it_measure
     assert result.partial  # a longer run of the shape measures what was predicted
 
 
+def test_a_record_never_makes_the_first_probe_blind_nor_overrules_a_flat_step():
+    """With nothing timed yet (an attention kernel asked for), the first size measured is the smallest, whatever
+    the record's fastest: nothing predicts a larger one's memory, and on a CPU a step past the RAM is the OOM
+    killer. And where the run itself measured a flat step, a record that says the next size is faster is not
+    taken: the measured 4 -> 8 (+1%) stops the climb, and 16 is not predicted."""
+    from tunebench.training.tune import known
+    from tunebench.training.tune.budget import Budget
+
+    k = known.Known(AMX, AMX.outcomes[0], ())
+    clock, tried = Clock(), []
+    result = batch.probe(_curve({1: 480.0, 2: 670.0, 4: 890.0, 8: 980.0}, 0.5, clock, tried), [1, 2, 4, 8], 1e9, 0.0,
+                         lambda e: False, Budget(400_000, clock=clock), k)
+    assert tried[0] == 1 and result.micro_batch_size == 8  # the record then says each size up repays measuring
+    record16 = _record("amx-16", "amx", "bf16", {"tunebench": 1.0}, {1: 100.0, 2: 150.0, 4: 200.0, 8: 300.0, 16: 400.0})
+    k16 = known.Known(record16, record16.outcomes[0], ())
+    clock, tried = Clock(), []
+    result = batch.probe(_curve({1: 100.0, 2: 150.0, 4: 200.0, 8: 202.0, 16: 400.0}, 0.5, clock, tried),
+                         [1, 2, 4, 8, 16], 1e9, 0.0, lambda e: False, Budget(400_000, clock=clock), k16)
+    rows = {p.micro_batch_size: p for p in result.probes}
+    assert tried == [1, 2, 4, 8] and rows[16].status == "skipped: not measured" and result.micro_batch_size == 8
+    assert "micro 4 -> 8 gained +1%, flat" in rows[16].note
+
+
 def test_a_record_is_taken_only_at_the_runs_precision_and_its_differences_are_named():
     from tunebench.training.tune import known
 

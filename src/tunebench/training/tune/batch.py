@@ -66,8 +66,8 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     """Measure micro batches until the evidence says the next one is not worth its measuring; keep the fastest.
 
     Without a `time_budget` (--measure full) every size is measured, smallest first, up to memory. With one, the
-    first size is always measured: the record's fastest (`known`, the nearest machine class's outcome), else the
-    smallest. From there the sweep climbs while the next size could save more training time than measuring it
+    first size is always measured: the record's fastest (`known`, the nearest machine class's outcome) when a size
+    in `seen` predicts its memory, else the smallest. From there the sweep climbs while the next size could save more training time than measuring it
     costs: its gain is the record's ratio where the record measured it, else half the last measured step's gain
     (every curve on record gained at most half as much at the next size), else unknown, and then the budget's
     clock decides. A flat step (< 5%) stops the climb. With a record, the sizes below the first are considered
@@ -84,7 +84,9 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
         if size in sizes and peak <= budget_mb:
             measured[size] = (tps, peak, seconds)
             rows[size] = Probe(size, round(tps, 1), round(peak, 1), "ok")
-    start = known.best_micro(sizes) if known is not None and time_budget is not None else None
+    # The record's fastest first, when a size already timed predicts its memory; a first size measured blind is
+    # the smallest (on a CPU a step past the RAM is the OOM killer, not an exception).
+    start = known.best_micro(sizes) if known is not None and time_budget is not None and measured else None
     order = [start, *[s for s in sizes if s > start], *[s for s in reversed(sizes) if s < start]] \
         if start is not None else sizes
 
@@ -131,8 +133,9 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
         if stopped[direction] in memory_stop:
             rows[size] = Probe(size, None, None, "skipped: " + stopped[direction])
             continue
-        if stopped[direction]:
-            rows[size] = _unmeasured(size, known, best(), stopped[direction], predicted_mb)
+        if stopped[direction]:  # after a measured flat step no record overrules it: nothing larger is predicted
+            rows[size] = _unmeasured(size, known, best(), stopped[direction], predicted_mb,
+                                     predict="flat" not in stopped[direction])
             continue
         if near is not None and time_budget is not None:
             cost = sec_near * size / near
@@ -195,9 +198,9 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
 
 
 def _unmeasured(size: int, known: Known | None, best: tuple[int, float] | None, reason: str,
-                predicted_mb: float | None = None) -> Probe:
+                predicted_mb: float | None = None, predict: bool = True) -> Probe:
     """The row of a size the sweep did not measure: predicted from the record where it measured this size."""
-    ratio = known.micro_ratio(size, best[0]) if known is not None and best is not None else None
+    ratio = known.micro_ratio(size, best[0]) if predict and known is not None and best is not None else None
     if ratio is None:
         return Probe(size, None, None, "skipped: not measured", reason)
     return Probe(size, round(best[1] * ratio, 1), round(predicted_mb, 1) if predicted_mb else None, "predicted",
