@@ -494,7 +494,6 @@ def test_gemma3_270m_trains_and_every_gguf_type_ships_or_names_its_cause(tmp_pat
                      "--precision", "fp32", "--output-dir", str(run)]) == 0
     assert json.loads((run / "plan.json").read_text())["decisions"]
     capsys.readouterr()
-    # chrF: one step of training leaves ROUGE-L at 0 on these rows, which --quant auto refuses to pick by
     assert cli.main(["export", str(run), "--quant", "auto", "-o", str(out), "--quant-rows", "2",
                      "--quant-metric", "chrf"]) == 0
     said = capsys.readouterr().out
@@ -590,11 +589,6 @@ def test_quant_auto_picks_the_smallest_type_within_tolerance_by_real_size(tmp_pa
     (tmp_path / "none").mkdir()
     chosen, _, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=0.0), tmp_path / "none")
     assert chosen == "f16" and "so f16 is kept" in quant_auto.reason(chosen, tried, quant_auto.Settings(tolerance=0))
-    scores.update(f16=0.0, q2_k=0.0)  # an untrained run: every type would be "within" f16, and q2_k picked
-    (tmp_path / "zero").mkdir()
-    with pytest.raises(TunebenchError, match=r"f16 scores rougeL 0 on the 32 held-out row\(s\), so the task score "
-                                             "cannot tell the types apart"):
-        quant_auto.pick(write, Held(), quant_auto.Settings(), tmp_path / "zero")
 
 
 def test_export_quant_auto_ships_the_file_it_scored_in_llama_cpp(runs, tmp_path, llama_cpp, capsys):

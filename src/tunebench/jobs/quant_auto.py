@@ -80,11 +80,6 @@ def pick(write: Callable, held, settings: Settings, work: Path) -> tuple[str, Pa
     reference = work / f"{REFERENCE}.gguf"
     write(REFERENCE, reference)
     ref = _score(held, reference, REFERENCE, settings, work)
-    if not ref.score or ref.score <= 0:  # nothing for a smaller type to keep: every type would be "within" it
-        raise TunebenchError(f"--quant auto: f16 scores {settings.metric} {ref.score or 0:g} on the {ref.rows} held-out "
-                             "row(s), so the task score cannot tell the types apart (the smallest, most rounded one "
-                             "would be picked); train longer, score more rows (--quant-rows), try --quant-metric chrf, "
-                             "or pick a type with --quant")
     tried = [ref]
     written = []
     for quant in CANDIDATES:
