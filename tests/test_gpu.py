@@ -218,7 +218,9 @@ def test_batch_probe_backs_off_from_a_real_cuda_oom_and_keeps_the_effective_batc
     with gpu_filled_but(3 * 2**30):
         summary = finetune.run(cuda_config(data, tmp_path / "oom", "gpt2-124m", gpt2_tokenizer, **{
             "data.max_length": 512, "train.micro_batch_size": "auto", "train.effective_batch_size": 64,
-            "train.max_steps": 2, "data.eval_fraction": 0.05}))
+            "train.max_steps": 2, "data.eval_fraction": 0.05,
+            # every size until the OOM: a 2-step run's own sweep stops where measuring would cost more than it saves
+            "hardware.measure": "full"}))
     printed = capsys.readouterr().out
     probe_table = printed[printed.index("batch-size probe"):]
     assert " oom" in probe_table, probe_table
