@@ -346,6 +346,9 @@ def tokenizer_for(spec: str, allow_download: bool = False):
         return load_tokenizer(str(smollm2_dir()))
     if Path(spec).is_dir():
         return load_tokenizer(spec)
-    return resolve(spec, allow_download=allow_download).tokenizer  # .gguf or hub id: the full path
+    if spec.endswith(".gguf"):  # resolve's tokenizer: the converted directory's (converted once), no weights loaded
+        check_spec(spec, allow_download)
+        return _hub_tokenizer(str(convert_gguf(Path(spec), converted_dir(spec))), allow_download)
+    return resolve(spec, allow_download=allow_download).tokenizer  # a hub id: the full path
 
 

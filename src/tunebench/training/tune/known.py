@@ -222,5 +222,5 @@ def for_run(hw, precision: str, device_type: str, threads: int, model, max_lengt
     of its precision)."""
     if device_type != "cpu":
         return None
-    params = sum(p.numel() for p in model.parameters())
-    return nearest(shipped(), unit(hw.cpu_flags), precision, threads, params, max_length, method)
+    return nearest(shipped(), unit(hw.cpu_flags), precision, threads, model_size(model)["model_params"], max_length,
+                   method)
