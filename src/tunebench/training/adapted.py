@@ -246,7 +246,8 @@ def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
     if d.max_length is not None:
         return cfg, Decision("max_length", d.max_length, "asked for")
     limit, kind = inference.positions(cfg.model.name, cfg.model.allow_download)
-    tok = models.tokenizer_for(cfg.model.name, cfg.model.allow_download)
+    tok = models.load_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else \
+        models.tokenizer_for(cfg.model.name, cfg.model.allow_download)  # the run's own, as adapted.load gives it
     rng = np.random.default_rng(cfg.schedule.seed)
     lengths = np.asarray(lengths_of(tok, lambda n: np.sort(rng.permutation(n)[:LENGTH_SAMPLE])))
     if not len(lengths):
