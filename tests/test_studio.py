@@ -129,6 +129,23 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
         s.stop("first")
 
 
+def test_an_upload_while_a_run_is_queued_is_kept_and_the_queued_runs_upload_survives_pruning(tmp_path):
+    """Uploads are pruned by what the queue and the runs use: a queued run's data must survive, a stale unused one
+    goes, and a new upload is taken whatever the queue holds."""
+    s = studio.Studio(tmp_path / "runs")
+    queued = s.keep_upload(str(_csv(tmp_path / "queued.csv")))
+    stale = s.keep_upload(str(_csv(tmp_path / "stale.csv", rows=41)))
+    job = studio.Job("waiting", studio.check(studio.Ask(queued, "waiting", "tiny"), s.runs_dir), tmp_path / "w.log")
+    with s._lock:  # a run training (not started here: no process) and one queued behind it
+        s.current, s.queue = job, [studio.Job("next", job.cfg, tmp_path / "n.log")]
+    old = time.time() - studio.UPLOAD_GRACE_S - 60
+    for kept in (queued, stale):
+        os.utime(kept, (old, old))
+    fresh = s.keep_upload(str(_csv(tmp_path / "fresh.csv", rows=42)))
+    assert Path(fresh).is_file() and Path(queued).is_file()
+    assert not Path(stale).exists()  # unused and past its grace time
+
+
 def test_loss_points_skip_a_half_written_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n"
                                             + json.dumps({"step": 0, "eval_loss": 3.0}) + "\n{\"step\": 2, \"lo")

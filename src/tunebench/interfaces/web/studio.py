@@ -508,13 +508,15 @@ class Studio:
         uploads kept."""
         if not self.uploads.is_dir():
             return []
-        used = {a for job in [*self.queue, *([self.current] if self.current else [])] for a in job.argv}
+        # the caller holds self._lock
+        used = {str(job.cfg.data.path) for job in [*self.queue, *([self.current] if self.current else [])]}
         for d in self.runs_dir.iterdir():
             if d.is_dir() and RunDir(d).config_file.is_file():
                 used.add(str((RunDir(d).raw_config().get("data") or {}).get("path")))
         kept = []
         for f in self.uploads.iterdir():
-            if str(f) not in used and time.time() - f.stat().st_mtime > UPLOAD_GRACE_S:
+            # a mixture's path names several files (FILE:WEIGHT,...): an upload is used when any run's path holds it
+            if not any(str(f) in u for u in used) and time.time() - f.stat().st_mtime > UPLOAD_GRACE_S:
                 f.unlink(missing_ok=True)
             else:
                 kept.append(f)
