@@ -96,3 +96,6 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path, dataset, ca
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"--model {model} with --method lora needs about 13" in err and "weights 131." in err, err
     assert "and 64.0 GB is free; pick a smaller --model" in err and not list(out.glob("*.safetensors"))
+    from tunebench.core import runlock
+
+    assert runlock.holder(out) is None  # the refused run lets its directory go: this process may train there next

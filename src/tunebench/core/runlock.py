@@ -10,6 +10,7 @@ start time, from /proc, stored beside the pid.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 from pathlib import Path
@@ -58,6 +59,23 @@ def release(directory: Path) -> None:
     fd = _held.pop(directory.resolve(), None)
     if fd is not None:
         os.close(fd)
+
+
+def released(job):
+    """A job function that lets go, however it ends, of every run directory lock it took: a run refused or
+    failed after its directory opened must not keep it locked for the rest of a process that runs many (the
+    Python API, tests)."""
+
+    @functools.wraps(job)
+    def run(*args, **kwargs):
+        before = set(_held)
+        try:
+            return job(*args, **kwargs)
+        finally:
+            for key in set(_held) - before:
+                release(key)
+
+    return run
 
 
 def holder(directory: Path) -> dict | None:
