@@ -68,6 +68,37 @@ def test_tool_calls_are_scored_by_name_arguments_schema_and_when_to_call():
     assert set(quality.score(answers, 1.0)) >= set(quality.TOOL_SCORES)
 
 
+def test_a_tool_schema_is_judged_without_fetching_its_references_and_its_patterns_end(tmp_path):
+    """A dataset's schema is untrusted: a `$ref` outside it is refused in one line, never fetched (here a file://
+    one that, fetched, would judge the call differently); one inside it resolves; a `pattern` whose nested
+    repetition would run for hours under `re` on this answer ends (as not matched), and a plain one still
+    matches."""
+    import threading
+
+    from tunebench.data import toolcalls
+
+    def tools(params):
+        return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+
+    (tmp_path / "remote.json").write_text('{"type": "string"}')
+    outside = {"type": "object", "properties": {"a": {"$ref": (tmp_path / "remote.json").as_uri()}}}
+    from tunebench.core.errors import TunebenchError
+
+    with pytest.raises(TunebenchError, match="refer to 'file://.*outside the schema.*never fetches"):
+        toolcalls.valid({"name": "f", "arguments": {"a": 1}}, tools(outside))
+    inside = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "integer"}}}
+    assert toolcalls.valid({"name": "f", "arguments": {"a": 1}}, tools(inside))
+    assert not toolcalls.valid({"name": "f", "arguments": {"a": "1"}}, tools(inside))
+    nested = tools({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(x+x+)+y$"}}})
+    assert toolcalls.valid({"name": "f", "arguments": {"a": "xxy"}}, nested)
+    got = []
+    judge = threading.Thread(target=lambda: got.append(toolcalls.valid({"name": "f", "arguments": {"a": "x" * 64}},
+                                                                        nested)), daemon=True)
+    judge.start()
+    judge.join(30)  # generous on a slow machine: the limit is PATTERN_TIMEOUT_S
+    assert got == [False]
+
+
 def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
     """Row 1 ends with EOS inside the cap; row 2 fills the cap without it."""
     tok, eos = tiny.tokenizer, tiny.tokenizer.eos_token_id

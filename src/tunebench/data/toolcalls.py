@@ -177,19 +177,60 @@ def check_prompt_format(rows: list, template: str) -> None:
                              "render; leave --template at auto (the chat template renders them)")
 
 
+PATTERN_TIMEOUT_S = 0.2  # a dataset's regex run on model output: past this it has not matched
+
+
 def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
-    """A call names one of `tools` and its arguments are an instance of that tool's JSON schema (jsonschema)."""
+    """A call names one of `tools` and its arguments are an instance of that tool's JSON schema (jsonschema).
+
+    The schema is a dataset's, and the arguments are model output: a `$ref` is resolved only inside the schema
+    (jsonschema's default registry would fetch http(s):// and file:// references, with no timeout), and a
+    `pattern` runs with a time limit (the `regex` module's; `re` has none, and a nested repetition can take
+    hours on one answer); a pattern that cannot decide in PATTERN_TIMEOUT_S counts as not matched."""
     import jsonschema
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
 
     schema = next((t["function"].get("parameters") for t in tools or [] if t["function"]["name"] == call["name"]),
                   False)
     if schema is False:
         return False
+    schema = schema or {"type": "object"}
     try:
-        jsonschema.validate(call["arguments"], schema or {"type": "object"})
-        return True
-    except jsonschema.ValidationError:
-        return False
+        checker = _validator(jsonschema.validators.validator_for(schema))
+        checker.check_schema(schema)
+        return checker(schema, registry=Registry()).is_valid(call["arguments"])  # empty: nothing is retrieved
     except jsonschema.SchemaError as e:
         raise TunebenchError(f"tool {call['name']}'s parameters are not a JSON schema ({e.message}); fix the row's "
                              "tools") from None
+    except Unresolvable as e:
+        raise TunebenchError(f"tool {call['name']}'s parameters refer to {e.ref!r}, outside the schema; tunebench "
+                             "never fetches a dataset's references: put the definition under the schema's $defs") \
+            from None
+
+
+def _validator(cls):
+    """`cls` (the schema's draft) with `pattern` and `patternProperties` run by the `regex` module under a time
+    limit."""
+    import jsonschema
+    import regex
+
+    def search(pattern: str, text: str) -> bool:
+        try:
+            return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+        except TimeoutError:
+            return False
+
+    def pattern(validator, patrn, instance, schema):
+        if validator.is_type(instance, "string") and not search(patrn, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def pattern_properties(validator, patterns, instance, schema):
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in patterns.items():
+            for k, v in instance.items():
+                if search(patrn, k):
+                    yield from validator.descend(v, subschema, path=k, schema_path=patrn)
+
+    return jsonschema.validators.extend(cls, {"pattern": pattern, "patternProperties": pattern_properties})
