@@ -429,8 +429,9 @@ def test_resume_auto_into_a_directory_that_does_not_exist_says_so(tmp_path, caps
 def test_tracking_prints_no_password_and_wandb_keeps_the_users_dir(tmp_path, monkeypatch):
     from tunebench.machine import trackers
 
-    assert trackers.redact("https://ann:s3cret@mlflow.example:5000/p") == "https://ann:***@mlflow.example:5000/p"
+    assert trackers.redact("https://ann:s3cret@mlflow.example:5000/p") == "https://***@mlflow.example:5000/p"
     assert trackers.redact("http://mlflow.example:5000") == "http://mlflow.example:5000"
+    assert trackers.redact("failed: https://h/x?run=1&api_key=abc&token=t0k#y") == "failed: https://h/x?run=1&api_key=***&token=***#y"
     seen = {}
 
     class FakeRun:

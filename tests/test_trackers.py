@@ -4,6 +4,7 @@ reader; a resumed run continues the same tracker runs; a tracker that fails or s
 
 import csv
 import json
+import os
 import threading
 
 import pytest
@@ -151,10 +152,12 @@ def _rows(out):
 
 
 def test_one_run_in_all_four_trackers_read_back_with_their_own_readers_and_resumed_into_the_same_runs(
-        tmp_path, dataset, monkeypatch, mlflow_server):
+        tmp_path, dataset, monkeypatch, mlflow_server, capfd):
     """A run stopped by SIGTERM at step 3 and resumed: MLflow (a real server), W&B (offline) and Trackio hold
     one run each with every step's loss equal to metrics.jsonl's, the settings with their reasons as parameters,
-    the summary; MLflow and W&B hold the report and the adapter; TensorBoard's reader reads the same losses."""
+    the summary; MLflow and W&B hold the report and the adapter; TensorBoard's reader reads the same losses.
+    MLflow's URI carries a login, which nothing printed shows (MLflow's own "View run ... at" lines included):
+    MLflow is handed it apart from the URI."""
     for module in ("mlflow", "wandb", "trackio", "tensorboard"):
         needs_module(module, f"{module} is in the test extra: pip install -e '.[test]'")
     from mlflow import MlflowClient
@@ -163,7 +166,9 @@ def test_one_run_in_all_four_trackers_read_back_with_their_own_readers_and_resum
 
     from tunebench.jobs import finetune
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.replace("://", "://ann:s3cret-pw@"))
+    for moved in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # restored after the test
+        monkeypatch.setenv(moved, "")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
@@ -175,6 +180,9 @@ def test_one_run_in_all_four_trackers_read_back_with_their_own_readers_and_resum
     plan = json.loads((out / "plan.json").read_text())  # the first run's decisions, which the trackers keep
     finetune.run(tiny_run_config(dataset, out, **options, **{"output.resume": "auto"}))
     assert json.loads((out / "trackers.json").read_text()) == ids  # the same runs, continued
+    printed = "".join(capfd.readouterr())
+    assert "View run run at" in printed and "s3cret-pw" not in printed and "ann:" not in printed
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_URI"]) == ("ann", mlflow_server)
     rows = _rows(out)
     losses = run_losses(out)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
@@ -264,12 +272,13 @@ def test_a_tracking_server_that_is_down_costs_the_run_nothing(tmp_path, dataset,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}/?token=s3cret-tok")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     out = tmp_path / "run"
     summary = finetune.run(tiny_run_config(dataset, out, **{"logging.report_to": "mlflow"}))
     printed = capsys.readouterr().out
     assert printed.count("warning: tracking: mlflow stopped at its open call") == 1
+    assert "s3cret-tok" not in printed and "token=***" in printed  # MLflow's exception names the URI it failed on
     assert sorted(run_losses(out)) == [1, 2, 3, 4, 5, 6] and summary["steps"] == 6
     assert "tracking_ms_per_step/mlflow" not in summary  # a dropped tracker reports no cost
     assert json.loads((out / "summary.json").read_text())["steps"] == 6

@@ -40,13 +40,30 @@ STALL_S = 60.0  # at the end, a tracker that completes nothing for this long is 
 OPEN_WAIT_S = 30.0  # the loop waits this long at most for the trackers to open (imports, a server's first reply)
 
 
-def redact(uri: str) -> str:
-    """A tracking URI as it may be printed: a password in it (http://user:secret@host) shown as ***."""
+USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")  # scheme://user:password@ -> scheme://***@
+SECRET_QUERY = re.compile(r"(?i)([?&][\w.-]*(?:token|key|password|passwd|secret|signature|sig|auth)[\w.-]*=)[^&\s#]+")
+
+
+def redact(text: str) -> str:
+    """A tracker's text as it may be printed (a URI, an exception a tracker raised): the user part of every URL
+    and the secret-looking query values (token=, api_key=, password=, ...) shown as ***."""
+    return SECRET_QUERY.sub(r"\1***", USERINFO.sub(r"\1***@", text))
+
+
+def mlflow_credentials_apart() -> None:
+    """MLFLOW_TRACKING_URI=http://user:password@host as MLflow reads credentials apart from the URI: the user and
+    password moved to MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD and the URI left bare, so nothing
+    MLflow prints (its "View run ... at: URL" lines, its exceptions) can carry them. Children started later
+    inherit the same, equivalent, settings."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return
+    if parts.username:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = urllib.parse.unquote(parts.username)
+    if parts.password is not None:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = urllib.parse.unquote(parts.password)
+    os.environ["MLFLOW_TRACKING_URI"] = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 @dataclass(frozen=True)
@@ -152,6 +169,7 @@ class MLflow:
         from mlflow import MlflowClient
         from mlflow.entities import Param, RunStatus, RunTag
 
+        mlflow_credentials_apart()
         self.client = client = MlflowClient()
         if resume_id:
             self.run_id = resume_id
@@ -326,7 +344,7 @@ class Lane:
                     if method == "open":
                         self.opened(self.name, result)
                 except Exception as e:  # a tracker never stops the run; the run's own files stay whole
-                    first = str(e).splitlines()[0] if str(e) else ""
+                    first = redact(str(e).splitlines()[0]) if str(e) else ""  # MLflow's name the URI it failed on
                     self.failed = f"{type(e).__name__}: {first}"[:300]
                     print(f"warning: tracking: {self.name} stopped at its {method} call ({self.failed}); the run goes "
                           "on without it, and metrics.jsonl keeps every record")
