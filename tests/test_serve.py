@@ -4,6 +4,7 @@ and a real browser voting in the A/B tab."""
 import json
 import multiprocessing
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -485,3 +486,31 @@ def test_one_client_gets_its_share_of_the_workers_and_then_busy():
     assert app.client_of(Request()) == "host:10.0.0.1"
     Request.username = "ann"
     assert app.client_of(Request()) == "user:ann"
+
+
+def test_children_the_server_starts_get_none_of_its_secrets(tmp_path, monkeypatch):
+    """llama.cpp's converter (serve --runtime llama.cpp converts a run to GGUF) and a training child: the page's
+    login and the API key stay in the server."""
+    import subprocess
+
+    from tunebench.jobs import children
+    from tunebench.model import llama_cpp_tools
+
+    monkeypatch.setenv("TUNEBENCH_API_KEY", "sk-server-only")
+    monkeypatch.setenv("TUNEBENCH_AUTH", "admin:server-only")
+    seen = []
+
+    def fake_run(argv, **kw):
+        seen.append(kw["env"])
+        return subprocess.CompletedProcess(argv, 1, "", "no")
+
+    monkeypatch.setattr(llama_cpp_tools, "converter", lambda: tmp_path)
+    monkeypatch.setattr(llama_cpp_tools.subprocess, "run", fake_run)
+    with pytest.raises(TunebenchError):
+        llama_cpp_tools.convert(tmp_path, tmp_path / "out.gguf", "f16")
+    proc = children.start("train", tiny_run_config(tmp_path / "d.jsonl", tmp_path / "run"), tmp_path / "run",
+                          log=tmp_path / "log.txt", program=[sys.executable, "-c", "import os, sys; print(sorted("
+                                                             "k for k in os.environ if k.startswith('TUNEBENCH')))"])
+    assert proc.wait(60) == 0
+    assert [e.get("TUNEBENCH_API_KEY") for e in seen] == [None] and "PYTHONPATH" in seen[0]
+    assert "TUNEBENCH_API_KEY" not in (tmp_path / "log.txt").read_text()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tunebench.core.childenv import child_env
 from tunebench.core.startup import die_with_parent
 
 
@@ -39,7 +40,7 @@ def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, n
     parent = os.getpid()
     with log.open("a") as out, (err.open("w") if err else contextlib.nullcontext()) as errors:
         return subprocess.Popen(argv, stdout=out, stderr=errors or subprocess.STDOUT, text=True,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=child_env() if env is None else env,
                                 preexec_fn=None if outlive_parent else lambda: die_with_parent(parent) and None)
 
 

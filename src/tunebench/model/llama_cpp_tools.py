@@ -18,6 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from tunebench.core.childenv import child_env
 from tunebench.core.durable import atomic_dir
 from tunebench.core.errors import TunebenchError
 from tunebench.core.paths import cache_dir
@@ -57,7 +58,7 @@ def converter() -> Path:
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
                                "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={version}", "-d", tmp],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=child_env())
         archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if done.returncode != 0 or not archives:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -78,7 +79,7 @@ def convert(hf_dir: Path, out: Path, outtype: str) -> None:
     if outtype not in OUTTYPES:
         raise ValueError(outtype)
     tools = converter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tools / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tools / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(tools / PARTS[0]), str(hf_dir), "--outfile", str(out), "--outtype",
                            outtype], capture_output=True, text=True, env=env)
     if done.returncode != 0 or not out.is_file():

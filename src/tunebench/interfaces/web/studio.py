@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core import runlock
+from tunebench.core.childenv import child_env
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
 from tunebench.jobs import children
@@ -223,10 +224,6 @@ class Job:
     stopping: bool = False
 
 
-# The server's own secrets stay in the server: a training child needs neither the page's login nor the API key.
-SECRET_ENV = ("TUNEBENCH_AUTH", "TUNEBENCH_API_KEY")
-
-
 class Studio:
     """The runs directory's training queue: one `tunebench train` child at a time, the others waiting in
     order; a watcher thread starts the next when one ends, whether or not a page is open.
@@ -373,7 +370,7 @@ class Studio:
                     # and it outlives a restarted server, which finds it by its pid file
                     job.process = children.start(
                         "train", job.cfg, run, log=job.log, program=self.program, outlive_parent=True,
-                        env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, "PYTHONUNBUFFERED": "1"})
+                        env=child_env(PYTHONUNBUFFERED="1"))
                 except OSError as e:  # recorded as failed, with its reason in its log; the queue goes on
                     with open(job.log, "a") as log:
                         log.write(f"could not start the run: {e}\n")

@@ -6,7 +6,6 @@ A/B votes). The queue that starts and stops runs is studio.py's; no Gradio here 
 from __future__ import annotations
 
 import html
-import os
 import subprocess
 import sys
 import threading
@@ -14,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunebench.core.childenv import child_env
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import records
-from tunebench.interfaces.web.studio import EXPORT_FORMATS, SECRET_ENV, Ask, Studio
+from tunebench.interfaces.web.studio import EXPORT_FORMATS, Ask, Studio
 from tunebench.settings.rundir import RunDir
 
 
@@ -136,7 +136,7 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
     done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env={k: v for k, v in os.environ.items() if k not in SECRET_ENV})
+                          env=child_env())
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise TunebenchError(lines[-1] if lines else f"export failed (exit {done.returncode})")
