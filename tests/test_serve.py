@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -514,3 +515,29 @@ def test_children_the_server_starts_get_none_of_its_secrets(tmp_path, monkeypatc
     assert proc.wait(60) == 0
     assert [e.get("TUNEBENCH_API_KEY") for e in seen] == [None] and "PYTHONPATH" in seen[0]
     assert "TUNEBENCH_API_KEY" not in (tmp_path / "log.txt").read_text()
+
+
+def test_a_served_export_is_made_again_once_the_run_is_trained_again(tmp_path, monkeypatch):
+    """serve --runtime llama.cpp reuses RUN/export/NAME-f16.gguf only while it is the run's: after `train
+    --overwrite` replaced the weights, the stale file is exported again in its place (not served as the run)."""
+    from tunebench.jobs import export
+
+    run = tmp_path / "r"
+    (run / "export").mkdir(parents=True)
+    (run / "adapter_model.safetensors").write_bytes(b"first weights")
+    made = []
+
+    def fake_export(run_dir, fmt, quant, output, allow_download):
+        target = Path(output) if output else Path(run_dir) / "export" / "r-f16.gguf"
+        target.write_bytes((Path(run_dir) / "adapter_model.safetensors").read_bytes())
+        made.append(target.name)
+        return target
+
+    monkeypatch.setattr(export, "export", fake_export)
+    f16 = app.f16_export(str(run))
+    assert app.f16_export(str(run)) == f16 and made == ["r-f16.gguf"]  # once, then reused
+    (run / "adapter_model.safetensors").write_bytes(b"second weights")  # retrained (train --overwrite)
+    assert app.f16_export(str(run)) == f16 and f16.read_bytes() == b"second weights"
+    assert made == ["r-f16.gguf", "r-f16.new.gguf"] and not (run / "export" / "r-f16.new.gguf").exists()
+    (run / "export" / ".r-f16.gguf.source.json").unlink()  # a file exported by hand after training: the run's
+    assert app.f16_export(str(run)) == f16 and len(made) == 2

@@ -116,6 +116,17 @@ class RunDir:
         return self.path / "adapter_config.json"
 
     # -- the run, read back
+    def weights_stamp(self) -> dict[str, list[int]]:
+        """{file: [bytes, mtime_ns]} of the run's saved weights (an adapter's or a whole model's): what a file
+        made from them (a served GGUF) was made from; a retrained run (`train --overwrite`) stamps differently.
+        Size and time, not a hash: a hash of a full model's weights costs seconds at every serve."""
+        found = {}
+        for pattern in ("adapter_model.*", "*.safetensors", "pytorch_model*.bin"):
+            for f in sorted(self.path.glob(pattern)):
+                st = f.stat()
+                found[f.name] = [st.st_size, st.st_mtime_ns]
+        return found
+
     def raw_config(self) -> dict[str, Any]:
         """config.yaml as the safe loader reads it; {} when the directory has none (a plain HF directory)."""
         from tunebench.settings.finetune import read_yaml

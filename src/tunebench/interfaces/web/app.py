@@ -455,13 +455,32 @@ def login_check(credentials: tuple[str, str]):
 
 def f16_export(run_dir: str, allow_download: bool = False) -> Path:
     """The run's f16 GGUF in RUN_DIR/export/, written by `tunebench export` the first time a run is served through
-    llama.cpp and read from there after (an export is never overwritten: the file there is this run's)."""
+    llama.cpp and read from there after, while it is the run's: a stamp of the weights it was made from
+    (RunDir.weights_stamp) is kept beside it, and a run trained again since (`train --overwrite`) is exported
+    again in its place. A file with no stamp (exported by hand) counts as the run's when it is newer than every
+    weight file."""
+    from tunebench.core.jsonfile import read_json, write_json
     from tunebench.jobs import export
+    from tunebench.settings.rundir import RunDir
 
     path = Path(run_dir) / "export" / f"{export.model_name(Path(run_dir))}-f16.gguf"
-    if not path.is_file():
+    stamp_file = path.with_name(f".{path.name}.source.json")
+    stamp = RunDir(Path(run_dir)).weights_stamp()
+    if path.is_file():
+        kept = read_json(stamp_file).get("weights") if stamp_file.is_file() else None
+        if kept == stamp or kept is None and all(path.stat().st_mtime_ns >= t for _, t in stamp.values()):
+            write_json(stamp_file, {"weights": stamp})
+            return path
+        print(f"{path} was exported from weights the run has since replaced (trained again): exporting it again "
+              "...", flush=True)
+        fresh = path.with_name(f"{path.stem}.new.gguf")
+        fresh.unlink(missing_ok=True)
+        export.export(run_dir, "gguf", "f16", str(fresh), allow_download)
+        os.replace(fresh, path)
+    else:
         print(f"exporting {run_dir} to {path} for llama.cpp (once) ...", flush=True)
         export.export(run_dir, "gguf", "f16", None, allow_download)
+    write_json(stamp_file, {"weights": stamp})
     return path
 
 
