@@ -146,6 +146,31 @@ def test_an_upload_while_a_run_is_queued_is_kept_and_the_queued_runs_upload_surv
     assert not Path(stale).exists()  # unused and past its grace time
 
 
+def test_a_start_that_raises_is_recorded_as_failed_and_the_queue_goes_on(tmp_path, monkeypatch):
+    """Whatever a start raises (here a config that cannot be written), the run ends as failed with the reason in
+    its log, and the run queued behind it starts: the queue never wedges on a start."""
+    fake = tmp_path / "tunebench_fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "pace").write_text("0")
+    s = studio.Studio(runs)
+    s.program = [sys.executable, str(fake)]
+    real = studio.children.start
+
+    def start(job, cfg, run, **kw):
+        if run.name == "broken":
+            raise ValueError("cannot represent an object")
+        return real(job, cfg, run, **kw)
+
+    monkeypatch.setattr(studio.children, "start", start)
+    data = str(_csv(tmp_path / "d.csv"))
+    s.start(studio.Ask(data, "broken", "tiny"))
+    s.start(studio.Ask(data, "after", "tiny"))
+    assert s.wait("broken", 30) == 127 and "could not start the run: ValueError" in s.log_tail("broken")
+    assert s.wait("after", 60) == 0
+
+
 def test_loss_points_skip_a_half_written_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n"
                                             + json.dumps({"step": 0, "eval_loss": 3.0}) + "\n{\"step\": 2, \"lo")

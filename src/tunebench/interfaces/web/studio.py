@@ -364,16 +364,22 @@ class Studio:
             if job is None and self.queue and not self.left_running():
                 job = self.current = self.queue.pop(0)
                 run = self.runs_dir / job.name
-                with open(job.log, "a") as log:
-                    log.write(f"\n$ tunebench train {run / 'asked.yaml'}\n")
                 try:  # compare's runner: a session of its own (a Ctrl-C to the server does not reach the run),
                     # and it outlives a restarted server, which finds it by its pid file
+                    with open(job.log, "a") as log:
+                        log.write(f"\n$ tunebench train {run / 'asked.yaml'}\n")
                     job.process = children.start(
                         "train", job.cfg, run, log=job.log, program=self.program, outlive_parent=True,
                         env=child_env(PYTHONUNBUFFERED="1"))
-                except OSError as e:  # recorded as failed, with its reason in its log; the queue goes on
-                    with open(job.log, "a") as log:
-                        log.write(f"could not start the run: {e}\n")
+                except Exception as e:  # noqa: BLE001 - whatever stops a start, the run is recorded as failed
+                    # with its reason (in its log when that can be written, else the console) and the queue goes
+                    # on: a start that raised must not leave `current` set with no process, holding the queue
+                    said = f"could not start the run: {type(e).__name__}: {e}"
+                    try:
+                        with open(job.log, "a") as log:
+                            log.write(said + "\n")
+                    except OSError:
+                        print(f"studio: {job.name}: {said}", file=sys.stderr, flush=True)
                     self.finished[job.name] = 127
                     self.current = None
                     self._wake.set()
