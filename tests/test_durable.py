@@ -198,3 +198,29 @@ def test_final_files_are_replaced_whole_or_not_at_all(tmp_path):
         (tmp / "sub").mkdir()
         (tmp / "sub" / "x.json").write_text("{}")
     assert (tmp_path / "adapter_model.safetensors").read_text() == "new" and (tmp_path / "sub" / "x.json").is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_measuring_says_nothing_was_trained_and_leaves_the_directory_free(tmp_path, dataset, signum,
+                                                                                        monkeypatch):
+    """SIGTERM (or Ctrl-C) during the measuring phase, before the loop's own handling: one line that says so,
+    exit 130 as a stopped run, no checkpoint, and the run directory's lock let go."""
+    from tunebench.core import runlock
+    from tunebench.training import runner
+
+    real = runner.measure
+
+    def measure(*args, **kwargs):
+        os.kill(os.getpid(), signum)  # delivered between bytecodes, inside the measuring
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "measure", measure)
+    out = tmp_path / "run"
+    with pytest.raises(TunebenchError) as stopped:
+        finetune.run(tiny_run_config(dataset, out, **{"batch.micro_batch_size": "auto"}))
+    name = signal.Signals(signum).name
+    assert stopped.value.exit_code == 130 and str(stopped.value) == (
+        f"{name} before the first training step (loading or measuring): nothing was trained and no checkpoint "
+        "written; start the run again to train")
+    assert runlock.holder(out) is None and not (out / "checkpoints").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the job's own handling ends with it

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.core import runlock
 from tunebench.data import batching, judged, mixture, pairs
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
@@ -17,7 +16,7 @@ from tunebench.settings.finetune import RunConfig, dump_yaml
 from tunebench.training import adapted, recipe, runner
 
 
-@runlock.released
+@runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, prefer, kto = cfg.adapter, cfg.data, cfg.adapter.objective != "sft", cfg.adapter.objective == "kto"
     unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair

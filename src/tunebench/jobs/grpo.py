@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.core import runlock
 from tunebench.data import batching, prompts
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
@@ -17,7 +16,7 @@ from tunebench.training import adapted, grpo, preference, recipe, runner
 from tunebench.training.tune import compiler
 
 
-@runlock.released
+@runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, s, settings = cfg.adapter, cfg.schedule, grpo.Settings.of(cfg.adapter)
     rows, code, scoring = grpo.check_inputs(cfg)  # every input checked before anything expensive

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.core import runlock
 from tunebench.data import batching, blocks
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
@@ -18,7 +17,7 @@ from tunebench.training import recipe, runner, scratch
 from tunebench.training.tune import compiler
 
 
-@runlock.released
+@runner.job
 def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     cfg = validate(cfg)  # the CPU guide's trio becomes the run it describes
     m, d, s = cfg.model, cfg.data, cfg.schedule

@@ -12,6 +12,7 @@ import json
 import math
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -347,6 +348,41 @@ def objective(model, autocast_dtype, device: torch.device, world: World, paralle
     return distributed.wrap_ddp(loss, world, device), loss, True
 
 
+class Phase:
+    """Whether this process's run has reached its training loop: what a stop outside the loop's own handling
+    has to say (StopRequest handles it inside)."""
+
+    loop_started = False
+
+
+def job(run: Callable) -> Callable:
+    """A training job's entry point: Ctrl-C or SIGTERM outside the loop (loading, measuring, the evaluation
+    before it, the summary after it) stops the run with one line that says what it leaves, exit 130 as a
+    stopped run; and every run directory lock it took is let go however it ends (runlock.released)."""
+    import functools
+
+    @functools.wraps(run)
+    def guarded(*args, **kwargs):
+        def on_signal(signum, frame):
+            name = signal.Signals(signum).name
+            if Phase.loop_started:
+                raise TunebenchError(f"{name} after training: the run's last checkpoint is kept; rerun with "
+                                     "--resume auto to finish its evaluation and files", 130)
+            raise TunebenchError(f"{name} before the first training step (loading or measuring): nothing was "
+                                 "trained and no checkpoint written; start the run again to train", 130)
+
+        Phase.loop_started = False
+        main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread's only
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            return runlock.released(run)(*args, **kwargs)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    return guarded
+
+
 class StopRequest:
     """Ctrl-C or SIGTERM asks the loop to stop after this step and save a checkpoint. A second Ctrl-C (a person
     at a terminal, more than a second after the first) aborts without it; SIGTERM never does: it is what a
@@ -420,6 +456,7 @@ def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
         log({"step": 0, **before})
         say(world, f"eval before training: {describe_eval(before)}")
     old = {s: signal.signal(s, stop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    Phase.loop_started = True
     wall = time.perf_counter()
     try:
         try:

@@ -438,7 +438,7 @@ class Studio:
             return "finished"
         if run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
             return "stopped (checkpoint kept)"
-        return "failed" if code else "incomplete"
+        return "stopped before training" if code == 130 else "failed" if code else "incomplete"
 
     def queue_text(self) -> str:
         with self._lock:
