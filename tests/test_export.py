@@ -550,14 +550,12 @@ def test_eval_scores_an_export_with_llama_cpps_own_answers_beside_the_run(runs, 
         assert message in capsys.readouterr().err, args
 
 
-def test_quant_auto_picks_the_smallest_type_within_tolerance_by_real_size(tmp_path):
-    """The pick's rule on types whose scores differ: the types are ordered by their files' real sizes (here q4_k_m
-    is written smaller than q4_0), scored from the smallest up until one is within the tolerance of f16's; a type
-    whose check failed is skipped with the check's words, and nothing larger than the pick is scored."""
+def _quant_auto_pick(tmp_path, per_row: dict, tolerance: float, sizes: dict | None = None):
+    """quant_auto.pick over stand-in files (`sizes` bytes; a type missing from them fails its check) whose rows
+    score `per_row[type]`; (chosen, [types scored, in order], {type: Tried})."""
     from tunebench.jobs import quant_auto
 
-    sizes = {"f16": 1000, "q2_k": 300, "q3_k_m": 350, "q4_k_m": 380, "q4_0": 420, "q8_0": 700}
-    scores = {"f16": 50.0, "q2_k": 30.0, "q3_k_m": 48.5, "q4_k_m": 49.2, "q4_0": 50.0, "q8_0": 50.0}
+    sizes = sizes or {"f16": 1000, "q2_k": 300, "q3_k_m": 350, "q4_k_m": 380, "q4_0": 420, "q8_0": 700}
     scored = []
 
     def write(quant, path):
@@ -571,31 +569,71 @@ def test_quant_auto_picks_the_smallest_type_within_tolerance_by_real_size(tmp_pa
         def score_gguf(self, path, rows, max_new_tokens, answers):
             quant = path.stem
             scored.append(quant)
-            return {"rougeL": scores[quant], "gen_tokens_per_s": 1.0, "generated": 32}
+            got = per_row[quant][:rows]
+            return {"rougeL": sum(got) / len(got), "gen_tokens_per_s": 1.0, "generated": len(got), "model": str(path),
+                    "per_row": {"rougeL": got}}
 
-    chosen, path, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=1.0), tmp_path)
-    assert (chosen, path) == ("q4_k_m", tmp_path / "q4_k_m.gguf")  # q3_k_m is 1.5 below f16; q4_k_m 0.8
-    assert scored == ["f16", "q2_k", "q3_k_m", "q4_k_m"]  # smallest up, then stop: q4_0 and q8_0 are larger
-    rows = {t.quant: t for t in tried}
-    assert rows["q2_k"].outcome == rows["q3_k_m"].outcome == "outside tolerance" and rows["q4_k_m"].outcome == "picked"
-    assert rows["q4_0"].outcome == "not scored: q4_k_m is no larger" and rows["q4_0"].score is None
-    assert rows["q6_k"].outcome.startswith("skipped: the written file does not reproduce the model")
-    assert quant_auto.reason(chosen, tried, quant_auto.Settings()).startswith("q4_k_m is the smallest type")
-    scored.clear()
-    (tmp_path / "strict").mkdir()
-    chosen, _, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=0.0), tmp_path / "strict")
+    work = tmp_path / f"work{len(list(tmp_path.glob('work*')))}"
+    work.mkdir()
+    settings = quant_auto.Settings(tolerance=tolerance)
+    chosen, path, tried = quant_auto.pick(write, Held(), settings, work)
+    assert path == work / f"{chosen}.gguf"
+    return chosen, scored, {t.quant: t for t in tried}, quant_auto.reason(chosen, tried, settings)
+
+
+def test_quant_auto_picks_the_smallest_type_shown_within_tolerance_by_real_size(tmp_path):
+    """The pick's rule on 32 rows: types ordered by their files' real sizes (q4_k_m is written smaller than q4_0),
+    scored from the smallest up until one is shown within the tolerance of f16 row by row (the bootstrap's bound
+    on its mean loss); a type whose check failed is skipped with the check's words, nothing larger than the pick
+    is scored; a type the rows cannot separate is never picked for its mean."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    base = rng.uniform(30, 70, 32)
+    rows = lambda shift, noise: list(base + shift + rng.normal(0, noise, 32))  # noqa: E731
+    per_row = {"f16": list(base), "q2_k": rows(-20, 3), "q3_k_m": rows(-1.5, 0.2), "q4_k_m": rows(-0.1, 1.2),
+               "q4_0": list(base), "q8_0": list(base)}
+    chosen, scored, t, why = _quant_auto_pick(tmp_path, per_row, 1.0)
+    assert chosen == "q4_k_m" and scored == ["f16", "q2_k", "q3_k_m", "q4_k_m"]  # q4_0 and q8_0 are larger
+    assert t["q2_k"].outcome == t["q3_k_m"].outcome == "outside tolerance" and t["q4_k_m"].outcome == "picked"
+    assert t["q4_k_m"].scored_file == "q4_k_m.gguf" and t["q4_k_m"].vs_reference[0] >= -1.0
+    assert t["q4_0"].outcome == "not scored: q4_k_m is no larger" and t["q4_0"].score is None
+    assert t["q6_k"].outcome.startswith("skipped: the written file does not reproduce the model")
+    assert why.startswith("q4_k_m is the smallest type") and "at 95% confidence" in why
+
+    chosen, scored, t, _ = _quant_auto_pick(tmp_path, per_row, 0.0)  # q4_k_m may lose 0.1 or gain: not shown within 0
     assert chosen == "q4_0" and scored == ["f16", "q2_k", "q3_k_m", "q4_k_m", "q4_0"]
-    scores.update(q4_0=40.0, q8_0=49.9)
-    (tmp_path / "none").mkdir()
-    chosen, _, tried = quant_auto.pick(write, Held(), quant_auto.Settings(tolerance=0.0), tmp_path / "none")
-    assert chosen == "f16" and "so f16 is kept" in quant_auto.reason(chosen, tried, quant_auto.Settings(tolerance=0))
+    assert t["q4_k_m"].outcome == "cannot tell"
+
+    per_row.update(q4_0=rows(-10, 1), q8_0=rows(-0.1, 0.5))  # none shown within 0: the safe type ships
+    chosen, scored, t, why = _quant_auto_pick(tmp_path, per_row, 0.0)
+    assert chosen == "q8_0" and "32 held-out rows cannot separate q4_k_m from f16 within 0 ROUGE-L" in why
+    per_row.update(q8_0=rows(-5, 0.5))  # every type shown worse: f16 is kept
+    chosen, _, t, why = _quant_auto_pick(tmp_path, per_row, 0.0)
+    assert chosen == "f16" and "so f16 is kept" in why and t["q8_0"].outcome == "outside tolerance"
+    zero = [0.0] * 32  # an untrained run: f16 scores 0 everywhere, and so does every type; nothing is shown within
+    chosen, _, t, why = _quant_auto_pick(tmp_path, dict.fromkeys(per_row, zero), 1.0)
+    assert chosen == "q8_0" and t["q2_k"].outcome == "cannot tell" and why.startswith("f16 scores 0 ROUGE-L on every")
+
+
+def test_quant_auto_ships_the_safe_type_when_a_few_rows_tie_a_lossy_one_with_f16(tmp_path):
+    """The outside read's case: 8 held-out rows, q2_k's mean equal to f16's though its answers differ row by row.
+    Eight rows decide nothing: only f16 and q8_0 are scored, q8_0 ships, and the reason says what would decide."""
+    f16 = [10.0, 20.0, 30.0, 40.0, 5.0, 15.0, 25.0, 35.0]
+    q2_k = [30.0, 0.0, 40.0, 20.0, 25.0, 5.0, 30.0, 30.0]  # the same mean, 22.5
+    chosen, scored, t, why = _quant_auto_pick(tmp_path, {"f16": f16, "q2_k": q2_k, "q3_k_m": q2_k, "q4_k_m": q2_k,
+                                                         "q4_0": q2_k, "q8_0": f16}, 1.0)
+    assert (chosen, scored) == ("q8_0", ["f16", "q8_0"])
+    assert t["q2_k"].outcome == "not scored: 8 rows cannot show it within (fewer than 20)"
+    assert why.startswith("8 held-out rows cannot separate q2_k, q3_k_m, q4_k_m, q4_0 from f16 within 1 ROUGE-L; "
+                          "shipped q8_0, the safest quantized type")
 
 
 def test_export_quant_auto_ships_the_file_it_scored_in_llama_cpp(runs, tmp_path, llama_cpp, capsys):
     """`export --quant auto` on a run with held-out rows: a new directory holding the picked file (named by its
-    type), quant-auto.json and each scored type's answers. The recorded scores are those answers' scores, the pick
-    is the smallest scored type within the tolerance, the file is byte for byte what `--quant TYPE` writes, and
-    bad input is refused before the model loads."""
+    type), quant-auto.json and each scored type's answers. The recorded scores are those answers' scores and the
+    shipped file, run again, gives its answers; two held-out rows decide nothing, so the safe type ships; the file
+    is byte for byte what `--quant TYPE` writes, and bad input is refused before the model loads."""
     import hashlib
 
     from tunebench.model import quality
@@ -613,15 +651,26 @@ def test_export_quant_auto_ships_the_file_it_scored_in_llama_cpp(runs, tmp_path,
     ref = table["types"][0]
     assert ref["quant"] == "f16" and ref["outcome"] in ("reference", "picked")
     scored = [t for t in table["types"] if t["score"] is not None]
-    for t in scored:  # each score is its answers' score, and its answers are llama.cpp's (recorded per type)
+    for t in scored:  # each score is its answers' score, and its answers are its own file's (recorded per type)
         lines = (out / f"answers-{t['quant']}.jsonl").read_text().splitlines()
         answers = [quality.Answer(**json.loads(line)) for line in lines[1:]]
         assert len(answers) == t["rows"] == 2  # the run holds 2 of its 40 rows out
-        assert quality.score(answers, 1.0)["rougeL"] == t["score"]
-    quantized = sorted((t for t in scored if t["quant"] != "f16"), key=lambda t: t["bytes"])
-    within = [t for t in quantized if t["score"] >= ref["score"]]
-    assert chosen == (within[0]["quant"] if within else "f16")
-    assert all(t["bytes"] >= within[0]["bytes"] for t in table["types"] if t["outcome"].endswith("is no larger"))
+        assert quality.score(answers, 1.0)["rougeL"] == t["score"] and t["scored_file"] == f"{t['quant']}.gguf"
+        assert t["per_row"] == [round(v, 4) for v in quality.row_scores(answers, "rougeL")]
+    # 2 rows decide nothing: only f16 and the safe type answer, and the safe type ships unless shown worse
+    assert [t["quant"] for t in scored] == ["f16", "q8_0"]
+    q8_0 = next(t for t in scored if t["quant"] == "q8_0")
+    assert chosen == ("f16" if q8_0["outcome"] == "outside tolerance" else "q8_0")
+    assert "2 held-out rows cannot separate" in table["reason"] or chosen == "f16"
+    tok = models.load_tokenizer(str(run))
+    llm = llama_cpp.Llama(str(shipped), n_ctx=256, n_threads=2, verbose=False)
+    try:  # the shipped file, run again, gives the answers its score was computed from
+        lines = (out / f"answers-{chosen}.jsonl").read_text().splitlines()[1:]
+        for a in (quality.Answer(**json.loads(line)) for line in lines):
+            ids = tok(a.prompt, add_special_tokens=False).input_ids
+            assert tok.decode(llama_greedy(llm, ids, 6), skip_special_tokens=True).strip() == a.answer
+    finally:
+        llm.close()
     again = export.export(str(run), "gguf", chosen, str(tmp_path / f"again-{chosen}.gguf"))
     assert hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(shipped.read_bytes()).digest()
 

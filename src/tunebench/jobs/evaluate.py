@@ -113,7 +113,9 @@ def check_ggufs(ggufs, generate: int, run_dir: str | None) -> None:
 def run_gguf(path: str, run_dir: str, data: DataConfig, generate: int, max_new_tokens: int, answers: Path) -> dict:
     """The exported file's scores on the rows `run` scores the run on, with llama.cpp generating; its size."""
     held = HeldOut.of(run_dir, data)
-    return held.score_gguf(Path(path), generate, max_new_tokens, answers)
+    scores = held.score_gguf(Path(path), generate, max_new_tokens, answers)
+    scores.pop("per_row")  # what `export --quant auto` compares types on; eval reports the means
+    return scores
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ class HeldOut:
         scores = quality.score(found, seconds)
         quality.write_answers(answers, found, scores)
         return {"model": str(path), "runtime": "llama.cpp", "file_mb": round(path.stat().st_size / 2**20, 1),
-                "generated": len(found), "generated_from": self.where, **scores}
+                "generated": len(found), "generated_from": self.where, **scores,
+                "per_row": {m: quality.row_scores(found, m) for m in quality.OBJECTIVES}}
 
 
 def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: str | None) -> tuple[list, str]:

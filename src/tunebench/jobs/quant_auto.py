@@ -1,12 +1,19 @@
 """`export --quant auto`: the smallest GGUF type whose task score, with llama.cpp answering the run's held-out
-rows, is within a tolerance of the unquantized (f16) file's.
+rows, is shown to be within a tolerance of the unquantized (f16) file's.
 
 Each type is written as `export` writes it (so the file scored is the file that ships), checked for agreement
 with the merged model as every export is (a type that fails is skipped, with the check's line), then ordered by
 its real size: llama.cpp writes tensors whose rows are not whole 256-value blocks in a fallback type, so on a
-small model a K-quant can be larger than a legacy type of more bits. From the smallest up, each is scored until
-one is within the tolerance; the f16 file is kept when none is. The table of every type tried, and each type's
-answers (from which its scores are recomputed), go beside the file.
+small model a K-quant can be larger than a legacy type of more bits.
+
+A tie of means on a few rows is no evidence that two types answer alike (8 rows once tied q2_k with f16, a file
+agreeing with the model on 61% of next tokens). So each type is compared with f16 row by row: a bootstrap over
+the rows of the mean score difference (the paired bootstrap of MT evaluation, Koehn 2004) gives a one-sided 95%
+bound, and a type is within the tolerance only when that bound is, on at least MIN_ROWS rows. From the smallest
+up, types are scored until one is shown within. When the rows cannot tell the types from f16, the safest
+quantized type (q8_0) ships, unless it is shown worse, and the reason says how many rows would decide; f16 is
+kept when every type is shown worse. The table of every type tried, and each type's answers (from which its
+scores are recomputed), go beside the file.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tunebench.core.errors import TunebenchError
 from tunebench.model import quality
 
@@ -23,8 +32,12 @@ from tunebench.model import quality
 CANDIDATES = ("q2_k", "q3_k_m", "q4_0", "q4_k_s", "q4_k_m", "q4_1", "q5_0", "q5_k_s", "q5_k_m", "q5_1", "q6_k",
               "q8_0")
 REFERENCE = "f16"  # GGUF's default export: the weights as trained, to 16 bits
+SAFE = "q8_0"  # shipped when the rows cannot separate the smaller types from f16: the least lossy quantized type
 ROWS = 32  # held-out rows each type answers
+MIN_ROWS = 20  # fewer rows decide nothing: a bootstrap's bound on a handful of rows is itself noise
 TOLERANCE = 1.0  # points of the metric (ROUGE-L and chrF run 0-100) a type may lose against the reference
+CONFIDENCE = 0.95  # of the one-sided bound on a type's mean loss against the reference
+DRAWS = 2000  # bootstrap resamples of the rows (seeded: the same rows give the same pick)
 
 
 @dataclass
@@ -34,7 +47,10 @@ class Tried:
     score: float | None = None  # the metric, on the held-out rows, in llama.cpp
     tokens_per_s: float | None = None
     rows: int | None = None  # held-out rows it answered
-    outcome: str = ""  # picked | within tolerance | outside tolerance | skipped: ... | not scored: ...
+    outcome: str = ""  # picked | within tolerance | outside tolerance | cannot tell | skipped: ... | not scored: ...
+    scored_file: str | None = None  # the file whose answers were scored (the type's own)
+    vs_reference: list[float] | None = None  # [low, high]: the bootstrap bounds of its mean difference from f16
+    per_row: list[float] | None = None  # each row's score, which the bounds resample
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,28 @@ def held_out(run_dir: Path, settings: Settings):
     return held
 
 
+def bounds(diffs: list[float], confidence: float = CONFIDENCE, draws: int = DRAWS) -> tuple[float, float]:
+    """One-sided `confidence` bounds (low, high) on the mean of paired per-row differences, by a percentile
+    bootstrap over the rows. Written here: scipy.stats.bootstrap does this, and scipy is not a dependency."""
+    d = np.asarray(diffs, dtype=np.float64)
+    means = d[np.random.default_rng(0).integers(0, len(d), size=(draws, len(d)))].mean(axis=1)
+    return float(np.quantile(means, 1 - confidence)), float(np.quantile(means, confidence))
+
+
+def judge(row: Tried, ref: Tried, settings: Settings) -> str:
+    """"within tolerance" (its bound on the loss is inside it, on MIN_ROWS rows or more), "outside tolerance"
+    (shown to lose more), or "cannot tell" (the rows allow either)."""
+    low, high = bounds([q - f for q, f in zip(row.per_row, ref.per_row)])
+    row.vs_reference = [round(low, 2), round(high, 2)]
+    if high < -settings.tolerance:
+        return "outside tolerance"
+    if not any(ref.per_row):  # f16 scores 0 on every row (an untrained run): no type can lose anything there
+        return "cannot tell"
+    if low >= -settings.tolerance and len(row.per_row) >= MIN_ROWS:
+        return "within tolerance"
+    return "cannot tell"
+
+
 def pick(write: Callable, held, settings: Settings, work: Path) -> tuple[str, Path, list[Tried]]:
     """`write(quant, path)` writes and checks one type (raising TunebenchError when its check fails); returns the
     type picked, its file (in `work`) and the table."""
@@ -90,18 +128,23 @@ def pick(write: Callable, held, settings: Settings, work: Path) -> tuple[str, Pa
             tried.append(Tried(quant, outcome=f"skipped: {e}"))
             continue
         written.append((path.stat().st_size, CANDIDATES.index(quant), quant, path))  # ties: fewer nominal bits
-    floor = ref.score - settings.tolerance
+    few = ref.rows < MIN_ROWS  # no type can be shown within: only the safe type is scored
     chosen = REFERENCE
     for size, _, quant, path in sorted(written):
-        if size >= reference.stat().st_size or chosen != REFERENCE:
-            tried.append(Tried(quant, size, outcome="not scored: " + (
-                "not smaller than f16" if size >= reference.stat().st_size else f"{chosen} is no larger")))
+        why = ("not smaller than f16" if size >= reference.stat().st_size else f"{chosen} is no larger"
+               if chosen != REFERENCE else f"{ref.rows} rows cannot show it within (fewer than {MIN_ROWS})"
+               if few and quant != SAFE else None)
+        if why:
+            tried.append(Tried(quant, size, outcome=f"not scored: {why}"))
             continue
         row = _score(held, path, quant, settings, work)
-        row.outcome = "within tolerance" if row.score >= floor else "outside tolerance"
+        row.outcome = judge(row, ref, settings)
         tried.append(row)
-        if row.score >= floor:
+        if row.outcome == "within tolerance":
             chosen = quant
+    safe = next((t for t in tried if t.quant == SAFE and t.score is not None), None)
+    if chosen == REFERENCE and safe is not None and safe.outcome == "cannot tell":
+        chosen = SAFE
     for row in tried:
         if row.quant == chosen:
             row.outcome = "picked"
@@ -114,15 +157,17 @@ def _score(held, path: Path, quant: str, settings: Settings, work: Path) -> Trie
         raise TunebenchError(f"--quant-metric {settings.metric} has no value on this run's rows (exact match needs "
                              "GSM8K-style '#### answer' references); use --quant-metric rougeL or chrf")
     return Tried(quant, path.stat().st_size, scores[settings.metric], scores["gen_tokens_per_s"], scores["generated"],
-                 "reference")
+                 "reference", Path(scores["model"]).name, per_row=[round(v, 4) for v in scores["per_row"][settings.metric]])
 
 
 def table(tried: list[Tried], settings: Settings) -> str:
-    """The types tried, as printed and recorded: size, score, tokens/s and what became of each."""
+    """The types tried, as printed and recorded: size, score, its bounds against f16, tokens/s and what became of
+    each."""
     label = quality.LABELS.get(settings.metric, settings.metric)
-    head = ("type", "MB", label, "tokens/s", "")
-    body = [(t.quant, "-" if t.bytes is None else f"{t.bytes / 2**20:.2f}", _cell(t.score), _cell(t.tokens_per_s),
-             t.outcome) for t in tried]
+    head = ("type", "MB", label, f"vs f16 ({CONFIDENCE:.0%})", "tokens/s", "")
+    body = [(t.quant, "-" if t.bytes is None else f"{t.bytes / 2**20:.2f}", _cell(t.score),
+             f"{t.vs_reference[0]:+.1f} to {t.vs_reference[1]:+.1f}" if t.vs_reference else "-",
+             _cell(t.tokens_per_s), t.outcome) for t in tried]
     widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *body))
 
@@ -134,12 +179,24 @@ def _cell(value: float | None) -> str:
 def reason(chosen: str, tried: list[Tried], settings: Settings) -> str:
     ref = tried[0]
     label = quality.LABELS.get(settings.metric, settings.metric)
+    undecided = [t.quant for t in tried[1:] if t.outcome == "cannot tell" or "rows cannot show" in t.outcome]
+    decide = (f"hold out more rows ({MIN_ROWS} at least; the run holds out {ref.rows}: --eval-fraction) to decide"
+              if ref.rows < settings.rows else f"give --quant-rows {max(MIN_ROWS, 2 * ref.rows)} or more to decide")
     if chosen == REFERENCE:
-        return (f"no quantized type kept {label} within {settings.tolerance:g} of f16's {ref.score:.1f} on "
-                f"{ref.rows} held-out rows in llama.cpp, so f16 is kept")
+        return (f"every quantized type scored lost more than {settings.tolerance:g} {label} against f16's "
+                f"{ref.score:.1f} on {ref.rows} held-out rows in llama.cpp, so f16 is kept")
     row = next(t for t in tried if t.quant == chosen)
+    if row.quant == SAFE and row.vs_reference and not any(ref.per_row):
+        return (f"f16 scores 0 {label} on every one of {ref.rows} held-out rows (an untrained run?), so they cannot "
+                f"separate any type from it; shipped {SAFE}, the safest quantized type; score by --quant-metric chrf, "
+                "or pick a type with --quant")
+    if row.quant == SAFE and row.vs_reference and (ref.rows < MIN_ROWS or row.vs_reference[0] < -settings.tolerance):
+        smaller = ", ".join(undecided) or "the smaller types"
+        return (f"{ref.rows} held-out rows cannot separate {smaller} from f16 within {settings.tolerance:g} {label}; "
+                f"shipped {SAFE}, the safest quantized type ({row.score:.1f} against f16's {ref.score:.1f}); {decide}")
     return (f"{chosen} is the smallest type whose {label} ({row.score:.1f}) is within {settings.tolerance:g} of "
-            f"f16's ({ref.score:.1f}) on {ref.rows} held-out rows answered by llama.cpp")
+            f"f16's ({ref.score:.1f}) on {ref.rows} held-out rows answered by llama.cpp, at {CONFIDENCE:.0%} "
+            f"confidence (its mean difference is above {row.vs_reference[0]:+.2f})")
 
 
 def record(directory: Path, chosen: str, tried: list[Tried], settings: Settings, held, work: Path) -> None:

@@ -192,6 +192,20 @@ def score(answers: list[Answer], seconds: float) -> dict[str, float | None]:
     }
 
 
+def row_scores(answers: list[Answer], metric: str) -> list[float]:
+    """Each row's own `metric` (x100): ROUGE-L F1, sentence chrF, or exact match as 0/100; what a paired
+    comparison of two models over the same rows resamples (corpus chrF is not a mean of rows, sentence chrF is)."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    if metric == "rougeL":
+        scorer = rouge_scorer.RougeScorer(["rougeL"])
+        return [100 * scorer.score(a.reference, a.answer)["rougeL"].fmeasure for a in answers]
+    if metric == "chrf":
+        return [sacrebleu.sentence_chrf(a.answer, [a.reference]).score for a in answers]
+    return [100.0 * (final_answer(a.answer) == final_answer(a.reference)) for a in answers]
+
+
 def tool_scores(answers: list[Answer]) -> dict[str, float]:
     """TOOL_SCORES over the rows that offer tools (none where no row does): the first call of each answer
     (read back by data.toolcalls.parse) against the reference's first call."""
