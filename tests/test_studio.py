@@ -57,6 +57,24 @@ def test_bad_data_and_bad_settings_get_the_clis_one_line_errors(tmp_path):
         studio.check(studio.Ask(data, "r", "tiny", effective_batch=-3), tmp_path / "runs")
 
 
+def test_the_server_checks_a_sample_of_an_upload_and_counts_its_rows_without_loading_it(tmp_path, monkeypatch):
+    """The web process reads at most CHECK_ROWS rows of an upload (here a bad row past them is the training
+    child's to refuse, in its log), counts the rest as a stream, and still refuses too few rows in one line."""
+    from tunebench.data import readers
+
+    monkeypatch.setattr(studio, "CHECK_ROWS", 50)
+    big = _csv(tmp_path / "big.csv", rows=300)
+    big.write_text(big.read_text() + "only one field\n")  # row 301: a field short
+    loaded = []
+    real = readers.read_records
+    monkeypatch.setattr(readers, "read_records", lambda spec, limit=None: loaded.append(limit) or real(spec, limit))
+    cfg = studio.check(studio.Ask(str(big), "big", "tiny"), tmp_path / "runs")
+    assert cfg.data.path == str(big) and loaded == [50]
+    assert readers.count_records(str(big)) == 301
+    with pytest.raises(TunebenchError, match="leaves 5 training row"):  # 6 rows, one held out: under a batch of 8
+        studio.check(studio.Ask(str(_csv(tmp_path / "small.csv", rows=6)), "small", "tiny"), tmp_path / "runs")
+
+
 def test_the_settings_table_says_what_was_asked_what_is_picked_and_what_will_be_measured(tmp_path):
     ask = studio.Ask(str(_csv(tmp_path / "d.csv")), "r", "tiny", effective_batch=4, max_steps=7)
     rows = {r[0]: r[1:] for r in studio.settings_rows(ask, studio.check(ask, tmp_path / "runs"))}

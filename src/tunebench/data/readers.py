@@ -142,6 +142,37 @@ def read_records(spec: str, limit: int | None = None) -> list[Record]:
     return rows[:limit]
 
 
+def count_records(spec: str) -> int | None:
+    """How many records the file holds, read as a stream in constant memory (a web server counting an upload it
+    does not load): CSV records (quoted line breaks counted right), JSON lines, Parquet rows from its metadata, a
+    datasets directory's rows. None for a JSON array, which only a whole parse can count."""
+    path = resolve_path(spec)
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))  # memory-mapped: the count is metadata
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return ds.num_rows
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if suffix == ".jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if suffix == ".csv":
+        try:
+            with open(path, encoding="utf-8-sig", newline="") as f:
+                reader = csv.reader(f, strict=True)
+                next(reader, None)  # the header
+                return sum(1 for fields in reader if fields)
+        except (csv.Error, UnicodeDecodeError):
+            return None  # the sample's reading names the bad line; the training child reads it all
+    return None
+
+
 def check_parquet(path: Path, max_bytes: int) -> None:
     """Refuse a Parquet file whose rows would unpack to more than `max_bytes`, from its metadata alone (a few
     compressed megabytes can hold gigabytes of repeated text)."""

@@ -185,8 +185,38 @@ def check(ask: Ask, runs_dir: Path):
     cfg = train_config(args)
     from tunebench.training import adapted
 
-    adapted.check_inputs(cfg, cfg.adapter.objective != "sft")
+    if cfg.adapter.objective != "sft" or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
+        adapted.check_inputs(cfg, cfg.adapter.objective != "sft")
+        return cfg
+    check_sample(cfg)
     return cfg
+
+
+CHECK_ROWS = 2000  # rows of an upload the server reads to check it: the training child reads them all
+
+
+def check_sample(cfg) -> None:
+    """The CLI's checks on what a web server may read of an upload (up to 200 MB, several at once): the first
+    CHECK_ROWS rows through the same reader, format mapping and empty-row rule, the row count from a stream (no
+    rows kept), the model and its length. The training child reads the whole file and refuses a bad row past the
+    sample in its log, with the same one-line error."""
+    from tunebench.data import formats, readers
+    from tunebench.model import inference, models
+    from tunebench.training import adapted
+
+    d = cfg.data
+    records = readers.read_records(d.path, limit=CHECK_ROWS)
+    _, messages = formats.records_to_messages(records, d, d.path)
+    empty = sum(formats.is_empty(m) for m in messages)
+    if empty == len(messages):
+        raise TunebenchError(f"'{d.path}' has no usable rows: every row of its first {len(messages):,} has an empty "
+                             "prompt or response")
+    total = len(records) if len(records) < CHECK_ROWS else readers.count_records(d.path)
+    if total is not None:  # the empty share of the sample stands for the file's
+        adapted.check_rows(total - round(empty * total / len(messages)), cfg, 0, "")
+    models.check_spec(cfg.model.name, cfg.model.allow_download)
+    if d.max_length is not None:
+        inference.check_length(cfg.model.name, d.max_length, cfg.model.allow_download)
 
 
 def settings_rows(ask: Ask, cfg) -> list[list[str]]:
