@@ -128,6 +128,42 @@ def test_bad_requests_get_openais_errors_before_anything_runs(served):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 9000}])
     with pytest.raises(openai.BadRequestError, match="'messages' must be a non-empty list"):
         client.chat.completions.create(model="tiny", messages=[])
+    deep = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 50_000 + "]" * 50_000}}]}, *hi]
+    for kwargs, message in (({"messages": deep}, "a tool call's arguments must be a JSON object"),
+                            ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(65)]},
+                             "'tools' offers 65 functions"),
+                            ({"tools": [{"type": "function", "function": {"name": ["f"]}}]}, "name must be a string")):
+        with pytest.raises(openai.BadRequestError, match=message):  # each a 500 before
+            client.chat.completions.create(**{"model": "tiny", "messages": hi, **kwargs})
+    with pytest.raises(openai.NotFoundError, match="the model \"\\['tiny'\\]\" is not served"):
+        client.chat.completions.create(model=["tiny"], messages=hi)
+
+
+def test_a_page_on_another_site_cannot_post_to_the_api(served):
+    """A cross-site POST (its Origin another site's) is refused, and so is a body a page may send without asking
+    (text/plain): both would have run on the caller's behalf before; the same request from a program passes."""
+    import urllib.error
+    import urllib.request
+
+    _, _, port = served
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+    def post(headers):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, method="POST",
+                                         headers={"Authorization": "Bearer sk-api-key", **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, said = post({"Content-Type": "application/json", "Origin": "https://evil.example"})
+    assert status == 403 and "the page at https://evil.example" in said["error"]["message"]
+    status, said = post({"Content-Type": "text/plain"})
+    assert status == 415 and "Content-Type: application/json" in said["error"]["message"]
+    status, said = post({"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"})
+    assert status == 200 and said["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_a_client_over_its_share_is_told_to_wait(tmp_path, monkeypatch):

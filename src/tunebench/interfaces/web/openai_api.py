@@ -22,6 +22,8 @@ from tunebench.core.errors import TunebenchError
 from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Busy, Full, Registry, TooLong, stream
 
 MAX_BODY = 2 ** 20  # bytes: a request within the message limits is a few hundred kilobytes at most
+MAX_TOOLS = 64  # functions one request may offer (OpenAI's own limit is 128); each is rendered into the prompt
+MAX_TOOLS_BYTES = 64 * 2 ** 10  # their schemas, as JSON: a prompt's worth
 FAILED_KEY_DELAY_S = 1.0  # a wrong key is answered after this, one at a time: guessing is slow
 
 
@@ -56,14 +58,21 @@ def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
     'required' (a call), or {"type": "function", "function": {"name": N}} (a call to N)."""
     from tunebench.data import formats
 
+    given = body.get("tools")
+    if isinstance(given, list) and (len(given) > MAX_TOOLS or len(json.dumps(given)) > MAX_TOOLS_BYTES):
+        raise ApiError(400, f"'tools' offers {len(given)} functions in {len(json.dumps(given)):,} bytes; serve takes "
+                       f"up to {MAX_TOOLS} in {MAX_TOOLS_BYTES:,} bytes", param="tools")
     try:
-        tools = formats.row_tools(body.get("tools"))
-    except TunebenchError as e:
-        raise ApiError(400, f"'tools': {e}", param="tools") from None
+        tools = formats.row_tools(given)
+    except (TunebenchError, RecursionError) as e:
+        raise ApiError(400, f"'tools': {e if isinstance(e, TunebenchError) else 'nested too deep'}",
+                       param="tools") from None
+    if tools and not all(isinstance(t["function"]["name"], str) for t in tools):
+        raise ApiError(400, "'tools': each function's name must be a string", param="tools")
     choice = body.get("tool_choice") or "auto"
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if not tools or name not in {t["function"]["name"] for t in tools}:
+        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise ApiError(400, f"'tool_choice' names {name!r}, which is not one of the request's tools",
                            param="tool_choice")
         choice = name
@@ -93,6 +102,9 @@ def _messages(given: Any) -> list:
         return [formats.message(m, n) for n, m in enumerate(given, 1)]
     except TunebenchError as e:
         raise ApiError(400, f"'messages': {e}", param="messages") from None
+    except (RecursionError, TypeError, AttributeError):  # a call's arguments nested too deep, or not an object
+        raise ApiError(400, "'messages': a tool call's arguments must be a JSON object as a string, nested no deeper "
+                       "than JSON's usual depth", param="messages") from None
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
@@ -110,8 +122,8 @@ def parse(body: Any, registry: Registry, chat: bool) -> dict[str, Any]:
         raise ApiError(400, "the request body must be a JSON object")
     ids = model_ids(registry)
     model = body.get("model")
-    if model not in ids:
-        raise ApiError(404, f"the model '{model}' is not served here; GET /v1/models lists: {', '.join(ids)}",
+    if not isinstance(model, str) or model not in ids:
+        raise ApiError(404, f"the model {str(model)[:80]!r} is not served here; GET /v1/models lists: {', '.join(ids)}",
                        param="model", code="model_not_found")
     tools, choice = None, None
     if chat:
@@ -316,6 +328,25 @@ def check_key(authorization: str | None, key: str | None, locked: bool) -> None:
                        kind="authentication_error", code="invalid_api_key")
 
 
+# The body types a page on another site may POST without the browser asking first (CORS "simple requests")
+SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def check_origin(headers) -> None:
+    """A POST from a page on another site is refused: its Origin must be this server's (browsers send it on every
+    cross-site POST; clients such as `openai` send none), and its body must be declared JSON, which a page elsewhere
+    cannot send without the browser asking this server first (and the server never says yes)."""
+    import urllib.parse
+
+    origin, host = headers.get("origin"), headers.get("host")
+    if origin is not None and urllib.parse.urlsplit(origin).netloc != host:
+        raise ApiError(403, f"a request from the page at {origin[:100]} to this server is refused: the API answers "
+                       "this server's own pages and programs, not other sites'", kind="permission_error")
+    kind = (headers.get("content-type") or "").split(";")[0].strip().lower()
+    if kind in SIMPLE_TYPES:
+        raise ApiError(415, f"the body is sent as {kind}; send it as JSON with 'Content-Type: application/json'")
+
+
 async def read_body(request) -> Any:
     """The request's JSON, read up to MAX_BODY bytes (a larger one is refused as it arrives, not after)."""
     declared = request.headers.get("content-length")
@@ -372,6 +403,7 @@ def add_routes(fastapi_app, registry: Registry, key: str | None, locked: bool, l
     def generation(chat: bool):
         async def route(request: Request):
             try:
+                check_origin(request.headers)
                 await authorized(request)
                 parsed = parse(await read_body(request), registry, chat)
             except ApiError as e:
