@@ -267,3 +267,23 @@ def test_resume_auto_with_overwrite_replaces_a_checkpoint_of_other_settings(tmp_
     assert checkpoint.resume_point("auto", tmp_path, {"seed": 2}, overwrite=True) is None
     assert "made with other settings; starting over" in capsys.readouterr().out
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_run_report_names_charts_only_from_what_a_gpu_monitor_writes(tmp_path):
+    """monitor.jsonl is a file in the run directory: a key that is no gpuN does not become a chart (its name is a
+    file name and an HTML id, so one holding quotes or a path wrote both raw), and a real gpuN one does."""
+    from tunebench.jobs import run_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0 / s, "lr": 1e-3, "tokens_per_s": 100.0 * s}) + "\n"
+                                               for s in range(1, 4)))
+    evil = "gpu'><img src=x onerror=alert(1)>/../../owned"
+    (run / "monitor.jsonl").write_text("".join(json.dumps({
+        "time": float(t), "cpu_percent": 50.0, f"{evil}_util_percent": 1.0, "gpu0_util_percent": 80.0,
+        "gpu0_memory_mb": 100.0}) + "\n" for t in range(3)))
+    page = run_report.write(run).read_text()
+    assert "onerror" not in page and "id='gpu0'" in page
+    assert sorted(p.name for p in (run / "report").glob("*.png")) == ["cpu.png", "gpu0.png", "learning_rate.png",
+                                                                        "loss.png", "memory.png", "tokens_per_s.png"]
+    assert not list(tmp_path.rglob("owned*"))

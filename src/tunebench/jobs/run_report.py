@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,9 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
     evals = [r for r in metrics if "eval_loss" in r]
     t0 = monitor[0]["time"] if monitor else 0.0
     at = [r["time"] - t0 for r in monitor]
-    gpus = sorted({k.split("_")[0] for r in monitor for k in r if k.startswith("gpu") and k.endswith("_util_percent")})
+    # gpuN only: a chart's name is a file name and an HTML id, and monitor.jsonl is a file anyone may edit
+    gpus = sorted({k.split("_")[0] for r in monitor for k in r
+                   if re.fullmatch(r"gpu\d+_util_percent", k)}, key=lambda g: int(g[3:]))
     out = [
         ("loss", "Training loss per step, and eval loss where it was measured", _line_chart(
             [("train loss", [r["step"] for r in steps], [r["loss"] for r in steps], {}),
@@ -201,7 +204,7 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
              f"</style></head><body><h1>{esc(title)}</h1><p>Run directory: <code>{esc(str(run.resolve()))}</code> "
              f"({esc(state)})</p><div class='grid'>"]
     for name, caption, png in pngs:
-        parts.append(f"<figure><img id='{name}' alt='{esc(caption)}' "
+        parts.append(f"<figure><img id='{esc(name)}' alt='{esc(caption)}' "
                      f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
                      f"<figcaption>{esc(caption)}</figcaption></figure>")
     parts.append("</div>")
