@@ -224,3 +224,28 @@ def test_a_stop_while_measuring_says_nothing_was_trained_and_leaves_the_director
         "written; start the run again to train")
     assert runlock.holder(out) is None and not (out / "checkpoints").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the job's own handling ends with it
+
+
+def test_writes_into_a_run_directory_refuse_a_planted_symbolic_link(tmp_path):
+    """A link in a shared run directory (the lock file, a report chart, the studio's pid and owner files, a run's
+    log) must not turn our write into a write of the file it points at."""
+    from tunebench.core import runlock
+    from tunebench.core.durable import open_no_follow
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / runlock.LOCK).symlink_to(victim)
+    with pytest.raises(TunebenchError, match="cannot take the lock .* symbolic link"):
+        runlock.hold(run)
+    (run / "loss.png").symlink_to(victim)
+    for mode in ("wb", "a"):
+        with pytest.raises(TunebenchError, match="loss.png' is a symbolic link"):
+            open_no_follow(run / "loss.png", mode)
+    assert victim.read_text() == "keep me"
+    with open_no_follow(run / "plain.txt", "a") as f:
+        f.write("one\n")
+    with open_no_follow(run / "plain.txt", "a") as f:
+        f.write("two\n")
+    assert (run / "plain.txt").read_text() == "one\ntwo\n"

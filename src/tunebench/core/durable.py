@@ -13,6 +13,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def open_no_follow(path: str | Path, mode: str = "w", encoding: str | None = "utf-8"):
+    """open(path, mode) for "w", "wb", "a" or "ab", refusing a symbolic link where the file goes: a run
+    directory is shared (the studio's runs, a team's disk), and a link planted there must not turn a write of
+    ours into a write of some other file of the user's. Raises TunebenchError naming the link."""
+    from tunebench.core.errors import TunebenchError
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o666)  # the umask applies, as open()'s does
+    except OSError:
+        if Path(path).is_symlink():
+            raise TunebenchError(f"'{path}' is a symbolic link; tunebench writes there only to a plain file: remove "
+                                 "the link") from None
+        raise
+    return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding)
+
+
 def umask_mode(directory: bool = False) -> int:
     """The mode a plain open()/mkdir() would give under this process's umask."""
     mask = os.umask(0)

@@ -41,7 +41,11 @@ def hold(directory: Path) -> None:
     key = directory.resolve()
     if key in _held:
         return
-    fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # no-follow: a link planted in a shared run directory must not make us lock (and write) another file
+        fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise TunebenchError(f"cannot take the lock {key / LOCK} ({e.strerror}); if it is a symbolic link, remove "
+                             "it") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

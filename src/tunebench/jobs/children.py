@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tunebench.core.childenv import child_env
+from tunebench.core.durable import open_no_follow
 from tunebench.core.startup import die_with_parent
 
 
@@ -38,7 +39,7 @@ def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, n
     launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
     argv = [*(program or [sys.executable, "-m", "tunebench", *launch, job]), str(asked)]
     parent = os.getpid()
-    with log.open("a") as out, (err.open("w") if err else contextlib.nullcontext()) as errors:
+    with open_no_follow(log, "a") as out, (open_no_follow(err) if err else contextlib.nullcontext()) as errors:
         return subprocess.Popen(argv, stdout=out, stderr=errors or subprocess.STDOUT, text=True,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=child_env() if env is None else env,
                                 preexec_fn=None if outlive_parent else lambda: die_with_parent(parent) and None)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tunebench.core.durable import atomic_file
+from tunebench.core.durable import atomic_file, open_no_follow
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, records
 from tunebench.jobs import report
@@ -186,7 +186,8 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     md = [f"# {title}", "", f"Run directory: {run.resolve()} ({state})", ""]
     for name, caption, png in pngs:
-        (out / f"{name}.png").write_bytes(png)
+        with open_no_follow(out / f"{name}.png", "wb") as f:
+            f.write(png)
         md += [f"![{name}]({name}.png)", "", f"*{caption}*", ""]
     for heading, head, rows in sections:
         if rows:

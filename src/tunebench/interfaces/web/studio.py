@@ -28,6 +28,7 @@ from typing import Any
 
 from tunebench.core import runlock
 from tunebench.core.childenv import child_env
+from tunebench.core.durable import open_no_follow
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
 from tunebench.jobs import children
@@ -369,7 +370,8 @@ class Studio:
             self.runs_dir.mkdir(parents=True, exist_ok=True)
             self.logs.mkdir(exist_ok=True)
             self.finished.pop(job.name, None)
-            (self.logs / f"{job.name}.json").write_text(json.dumps({"owner": job.owner}))
+            with open_no_follow(self.logs / f"{job.name}.json") as f:
+                f.write(json.dumps({"owner": job.owner}))
             self.queue.append(job)
             ahead = len(self.queue) - 1 + (self.current is not None) + len(self.left_running())
         self._wake.set()
@@ -396,7 +398,7 @@ class Studio:
                 run = self.runs_dir / job.name
                 try:  # compare's runner: a session of its own (a Ctrl-C to the server does not reach the run),
                     # and it outlives a restarted server, which finds it by its pid file
-                    with open(job.log, "a") as log:
+                    with open_no_follow(job.log, "a") as log:
                         log.write(f"\n$ tunebench train {run / 'asked.yaml'}\n")
                     job.process = children.start(
                         "train", job.cfg, run, log=job.log, program=self.program, outlive_parent=True,
@@ -406,7 +408,7 @@ class Studio:
                     # on: a start that raised must not leave `current` set with no process, holding the queue
                     said = f"could not start the run: {type(e).__name__}: {e}"
                     try:
-                        with open(job.log, "a") as log:
+                        with open_no_follow(job.log, "a") as log:
                             log.write(said + "\n")
                     except OSError:
                         print(f"studio: {job.name}: {said}", file=sys.stderr, flush=True)
@@ -421,7 +423,8 @@ class Studio:
         return read_json(self.logs / f"{name}.pid")
 
     def _write_pidfile(self, name: str, held: dict) -> None:
-        (self.logs / f"{name}.pid").write_text(json.dumps(held))
+        with open_no_follow(self.logs / f"{name}.pid") as f:
+            f.write(json.dumps(held))
 
     def _elsewhere(self, name: str) -> bool:
         """The run's directory is locked by a training process this studio did not start (a terminal's)."""
