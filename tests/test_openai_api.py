@@ -52,6 +52,19 @@ def _alone(spec, messages, max_new_tokens, raw=False, **kw):
     return done
 
 
+def test_uploads_go_to_a_folder_of_the_servers_own(served):
+    """Gradio's default upload folder, /tmp/gradio, is shared by every user of the machine: serve gives it one
+    only this user can read, and the page's cache is there."""
+    import os
+    import stat
+
+    from gradio.utils import get_upload_folder
+
+    folder = get_upload_folder()
+    assert folder != "/tmp/gradio" and folder == os.environ["GRADIO_TEMP_DIR"]
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+
+
 def test_the_models_are_listed_by_name_and_the_key_is_its_own_not_the_login_password(served):
     client, runs, port = served
     assert [m.id for m in client.models.list()] == ["tiny", *runs]

@@ -453,6 +453,21 @@ def login_check(credentials: tuple[str, str]):
     return check
 
 
+def private_uploads() -> Path:
+    """Gradio's upload folder (GRADIO_TEMP_DIR) as a directory of this process's own, readable by this user
+    alone, unless the operator set one: its default, /tmp/gradio, is shared by every user and server on the
+    machine, so an upload (a team's data) would sit there readable, and another server's files beside it."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if not os.environ.get("GRADIO_TEMP_DIR"):
+        folder = tempfile.mkdtemp(prefix="tunebench-gradio-")  # mode 0700
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ["GRADIO_TEMP_DIR"] = folder
+    return Path(os.environ["GRADIO_TEMP_DIR"])
+
+
 def f16_export(run_dir: str, allow_download: bool = False) -> Path:
     """The run's f16 GGUF in RUN_DIR/export/, written by `tunebench export` the first time a run is served through
     llama.cpp and read from there after, while it is the run's: a stamp of the weights it was made from
@@ -519,6 +534,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     prompt_list = load_prompts(prompts) if prompts else None
     db = votes.open_store(ab_db)
     check_port(host, port)
+    private_uploads()
     registry = Registry(choices, allow_download, device, precision)
     limit = ClientLimit(PER_CLIENT)
     studio = None
