@@ -413,7 +413,7 @@ def test_serving_places_the_model_as_training_would(monkeypatch):
     assert placed == [("cpu", "fp32")]
 
 
-def test_runs_of_one_base_share_it_and_answer_as_if_loaded_alone(tuned, tmp_path):
+def test_runs_of_one_base_share_it_and_answer_as_if_loaded_alone(tuned, tmp_path, monkeypatch):
     """Two LoRA runs of one base are two named adapters on one loaded model; each answers as it does
     when it is the only one served."""
     from tunebench.jobs import finetune
@@ -435,6 +435,13 @@ def test_runs_of_one_base_share_it_and_answer_as_if_loaded_alone(tuned, tmp_path
         alone = models.Registry(models.entries([], [run]))
         assert reply(alone, alone.labels[0]) == answers[label]
     assert answers[both.labels[1]] != answers[both.labels[2]]
+
+    # at most MAX_LOADED models stay in memory: with 1, each pick evicts the last, and answers stay the same
+    monkeypatch.setattr(models, "MAX_LOADED", 1)
+    one = models.Registry(models.entries(["tiny"], [tuned, str(other)]))
+    for label in [*one.labels, *one.labels]:
+        assert reply(one, label) == (answers[label] if label in answers else reply(both, label))
+        assert one.bases_loaded() == 1
 
 
 def test_an_ipv6_loopback_host_is_checked_as_ipv6():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import json
 import threading
 import time
@@ -58,9 +59,14 @@ def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = 
     return out
 
 
+MAX_LOADED = 3  # distinct models in memory at once (a shared base counts once); the least recently used goes
+
+
 class Registry:
     """Models load on first use, once, whatever the number of sessions asking; one generation runs at a
-    time (two at once would only split the same cores, and the tokens/s shown would be wrong)."""
+    time (two at once would only split the same cores, and the tokens/s shown would be wrong). At most
+    MAX_LOADED models stay loaded: a page offering every finished run (the studio's) would otherwise keep each
+    one picked in memory for the server's life."""
 
     def __init__(self, choices: list[Entry], allow_download: bool = False, device: str = "auto",
                  precision: str = "auto"):
@@ -72,6 +78,8 @@ class Registry:
         # base's memory once, whatever the number of runs served; `activate` picks one before generating.
         self._shared: dict[tuple[str, str], inference.Placed] = {}
         self._adapter_name: dict[str, str] = {}
+        self._names = itertools.count()  # adapter names on a shared base: never reused, whatever is evicted
+        self._used: dict[int, float] = {}  # id(model) -> when a request last got it
         self._load_lock = threading.Lock()
         self.generate_lock = threading.Lock()
 
@@ -93,6 +101,7 @@ class Registry:
             raise TunebenchError(f"no model named {label!r} is served; pick one of the list")
         with self._load_lock:
             if label not in self._loaded:
+                self._evict(keep=MAX_LOADED - 1)
                 e = self.choices[label]
                 group = _group(e)
                 if e.gguf is not None:
@@ -100,10 +109,11 @@ class Registry:
 
                     placed = gguf_runtime.GgufPlaced.load(e.gguf)
                     self._loaded[label] = (placed, trained_template(str(gguf_runtime.run_of(Path(e.gguf)))))
+                    self._used[id(placed.model)] = time.monotonic()
                     return self._loaded[label]
                 if group in self._shared:  # its base is loaded: add the adapter to it, by name
                     shared = self._shared[group]
-                    name = f"run_{len(self._adapter_name)}"
+                    name = f"run_{next(self._names)}"
                     shared.model.load_adapter(e.adapter, adapter_name=name)  # its weights in fp32, as trained
                     tokenizer = models.load_tokenizer(e.adapter) if (Path(e.adapter) / "tokenizer_config.json"
                                                                       ).is_file() else shared.tokenizer
@@ -119,7 +129,29 @@ class Registry:
                 if group is not None:
                     self._adapter_name[label] = name
                 self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
+            self._used[id(self._loaded[label][0].model)] = time.monotonic()
             return self._loaded[label]
+
+    def _evict(self, keep: int) -> None:
+        """Drop the least recently used models until `keep` remain (with _load_lock held): every label on one,
+        and the base it shares. Never while a generation runs (it may be on one; the next load evicts)."""
+        if not self.generate_lock.acquire(blocking=False):
+            return
+        try:
+            self._evict_now(keep)
+        finally:
+            self.generate_lock.release()
+
+    def _evict_now(self, keep: int) -> None:
+        while self.bases_loaded() > keep:
+            loaded = {id(p.model) for p, _ in self._loaded.values()}
+            oldest = min(loaded, key=lambda m: self._used.get(m, 0.0))
+            for label in [k for k, (p, _) in self._loaded.items() if id(p.model) == oldest]:
+                del self._loaded[label]
+                self._adapter_name.pop(label, None)
+            for group in [g for g, p in self._shared.items() if id(p.model) == oldest]:
+                del self._shared[group]
+            self._used.pop(oldest, None)
 
     def activate(self, label: str) -> None:
         """Point a shared base at this run's adapter (called with generate_lock held)."""
@@ -225,10 +257,11 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
                 if stop.is_set():  # the client left while this request waited
                     return
                 decoding.set()
+                now = registry.get(label)[0]  # the model as loaded now: evicted and loaded again since, maybe
                 registry.activate(label)
-                placed.reseed(seed)
+                now.reseed(seed)
                 t0 = time.perf_counter()
-                result["ids"] = placed.decode(  # in this thread: autocast is per thread
+                result["ids"] = now.decode(  # in this thread: autocast is per thread
                     enc["input_ids"], enc["attention_mask"], max_new_tokens, temperature if sampling else None,
                     top_p if sampling else 1.0, each=each)
                 result["seconds"] = time.perf_counter() - t0

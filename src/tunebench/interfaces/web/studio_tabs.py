@@ -249,7 +249,9 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             keep = gr.Dropdown(choices=registry.labels)
             return said, keep, keep, keep
 
-        export.click(on_export, [picked, fmt, quant], [runs_message, chat_model, ab_first, ab_second])
+        # one export at a time, the others queued by Gradio: each loads a model and writes files of its size
+        export.click(on_export, [picked, fmt, quant], [runs_message, chat_model, ab_first, ab_second],
+                     concurrency_limit=1, concurrency_id="export")
         def on_dpo(run, request: gr.Request):
             return act(lambda r: views.dpo_from_votes(studio, r, db, client_of(request)), run)
 

@@ -120,6 +120,9 @@ def report_html(studio: Studio, name: str) -> str:
     return f"<p>Report: <code>{html.escape(str(run / 'report' / 'report.html'))}</code></p>" + body
 
 
+EXPORT_TIMEOUT_S = 2 * 3600  # a page's export; --quant auto of a 135M model took 6 minutes on 2 cores
+
+
 def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     """`tunebench export` of a finished run, as a child process (the server stays light); the written path, or
     the export's own one-line error."""
@@ -134,9 +137,14 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     target = output_path(run, fmt, quant, None)
     if target.exists():  # exports never overwrite: the file already there is this run's, in this format
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
-    done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env=child_env())
+    try:
+        done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant",
+                               quant], capture_output=True, text=True, stdin=subprocess.DEVNULL, env=child_env(),
+                              timeout=EXPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise TunebenchError(f"the export of {name} ran past {EXPORT_TIMEOUT_S // 60} minutes and was stopped; "
+                             f"export it from a terminal: tunebench export {run} --format {fmt} --quant {quant}"
+                             ) from None
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise TunebenchError(lines[-1] if lines else f"export failed (exit {done.returncode})")
