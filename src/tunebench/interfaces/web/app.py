@@ -541,7 +541,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     if runs_dir is not None:
         from tunebench.interfaces.web.studio import Studio
 
-        studio = Studio(runs_dir, [*model_specs, *offered], f"user:{credentials[0]}" if credentials else None)
+        studio = Studio(runs_dir, [*model_specs, *offered])
     app = build(registry, db, prompt_list, limit, studio)
     app.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE)
     through = sum(e.gguf is not None for e in choices)

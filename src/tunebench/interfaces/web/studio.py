@@ -250,7 +250,7 @@ class Job:
     name: str
     cfg: Any  # the run's whole configuration, checked: the child starts from it written as RUN/asked.yaml
     log: Path
-    owner: str = "local"  # who queued it (interfaces/web/models.client_of): they or an admin may stop it
+    owner: str = "local"  # who queued it (interfaces/web/models.client_of): the per-client queue bound counts it
     process: subprocess.Popen | None = None
     stopping: bool = False
 
@@ -259,19 +259,18 @@ class Studio:
     """The runs directory's training queue: one `tunebench train` child at a time, the others waiting in
     order; a watcher thread starts the next when one ends, whether or not a page is open.
 
-    Shared by strangers: a run is stopped or resumed only by whoever queued it or an admin (`admin`, the
-    first login's client; None: no login, where everyone is), the queue is bounded in all and per client, a
-    Stop is sent once however often it is clicked, and the models a run may start from are the `offered`
-    ones (presets, served bases, the operator's directories) and this directory's full-model runs."""
+    Shared by whoever has the page's login (one login: every visitor with it may stop or resume any run; serve
+    has no accounts to tell them apart), the queue is bounded in all and per client, a Stop is sent once
+    however often it is clicked, and the models a run may start from are the `offered` ones (presets, served
+    bases, the operator's directories) and this directory's full-model runs."""
 
-    def __init__(self, runs_dir: str | Path, offered: list[str] | None = None, admin: str | None = None):
+    def __init__(self, runs_dir: str | Path, offered: list[str] | None = None):
         from tunebench.model import models
 
         self.runs_dir = Path(runs_dir).resolve()  # absolute: children and config.yaml name it wherever they run
         self.logs = self.runs_dir / ".studio"
         self.uploads = self.logs / "data"
         self.offered = list(dict.fromkeys([*(offered or []), *models.PRESETS]))
-        self.admin = admin
         self.queue: list[Job] = []
         self.current: Job | None = None
         self.finished: dict[str, int] = {}  # name -> exit code, of the runs this studio started
@@ -297,11 +296,6 @@ class Studio:
                                  "offers more directories with `tunebench serve --studio-model DIR`)")
         return model
 
-    def _may(self, client: str, owner: str | None, name: str, what: str) -> None:
-        if self.admin is None or client in (owner, self.admin):
-            return
-        raise TunebenchError(f"run {name!r} was started by someone else; only they or the admin may {what} it")
-
     def _owner(self, name: str) -> str | None:
         return read_json(self.logs / f"{name}.json").get("owner")
 
@@ -319,7 +313,6 @@ class Studio:
         if RunDir(run).summary_file.is_file():
             raise TunebenchError(f"run {name!r} has finished; start a new run to train more")
         owner = self._owner(name)
-        self._may(client, owner, name, "resume")
         # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal,
         # written where the run is (its config's output_dir may name where it was before a rename)
         from tunebench.settings.finetune import load_config
@@ -337,12 +330,10 @@ class Studio:
         with self._lock:
             for job in self.queue:
                 if job.name == name:
-                    self._may(client, job.owner, name, "stop")
                     self.queue.remove(job)
                     return f"{name} taken out of the queue"
             job = self.current
             if job is not None and job.name == name and job.process is not None:
-                self._may(client, job.owner, name, "stop")
                 if not job.stopping:
                     job.stopping = True
                     job.process.send_signal(signal.SIGTERM)
@@ -352,7 +343,6 @@ class Studio:
             if not held or not runlock.alive(held.get("pid", 0), held.get("start")):
                 raise TunebenchError(f"run {name!r} is not running" + (
                     " here: it trains in another process; stop it from there" if self._elsewhere(name) else ""))
-            self._may(client, held.get("owner"), name, "stop")
             if held.get("stopping"):
                 return f"{name} is already stopping; it saves its checkpoint, then ends"
             os.kill(held["pid"], signal.SIGTERM)
