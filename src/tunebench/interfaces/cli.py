@@ -259,20 +259,26 @@ def entry() -> int:
     return code
 
 
+def parse(argv: list[str]):
+    """The command line as main() reads it: argparse's, where a word left over is refused (an unknown flag, or
+    any extra word but train's, pretrain's and tune's KEY=VALUE overrides, which join `items`)."""
+    args, extra = build_parser().parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) not in ("train", "pretrain", "tune")]
+    if unknown:
+        raise TunebenchError(f"unrecognized argument(s): {' '.join(unknown)}; see `tunebench {args.job or ''} --help`")
+    if extra:
+        args.items = list(getattr(args, "items", [])) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     _quiet_libraries("--allow-download" in argv)
     try:
-        parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
-        unknown = [e for e in extra if e.startswith("-") or getattr(args, "job", None) not in ("train", "pretrain", "tune")]
-        if unknown:
-            raise TunebenchError(f"unrecognized argument(s): {' '.join(unknown)}; see `tunebench {args.job or ''} --help`")
-        if extra:
-            args.items = list(getattr(args, "items", [])) + extra
+        args = parse(argv)
         if args.job is None:
-            parser.print_help()
+            build_parser().print_help()
             return 2
         try:
             return run_job(args)
