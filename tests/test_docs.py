@@ -180,8 +180,8 @@ def test_the_readmes_ollama_lines_run_where_ollama_is(monkeypatch):
     installed, reported as skipped (with the lines) where it is not, never passed over in silence."""
     if "dir" not in README_RUN:
         pytest.skip("the README test did not run before this one in this session")
-    assert README_RUN.get("ollama") == ["ollama create my-model -f runs/my-model-ollama/Modelfile",
-                                        "ollama run my-model 'Where is my order?'"]
+    assert {"ollama create my-model -f runs/my-model-ollama/Modelfile", "ollama run my-model 'Where is my order?'"} \
+        <= set(README_RUN.get("ollama", []))
     if not shutil.which("ollama"):
         pytest.skip(NO_OLLAMA)
     monkeypatch.chdir(README_RUN["dir"])
