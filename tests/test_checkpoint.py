@@ -1,5 +1,6 @@
 """checkpoint.py and bench_data on their own: atomic saves, exact restores, refusals that name the fix."""
 
+import json
 import random
 
 import numpy as np
@@ -7,10 +8,7 @@ import pytest
 import torch
 
 from tunebench.core.errors import TunebenchError
-from tunebench.data import batching
-from tunebench.data.tokenize import load_tokenized
 from tunebench.jobs import bench_data
-from tunebench.model import models
 from tunebench.settings.finetune import DataConfig
 from tunebench.training import checkpoint
 from tunebench.training.loop import LoopState
@@ -123,19 +121,23 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path):
         checkpoint.check_identity(path, IDENTITY)
 
 
-def test_bench_data_measures_whole_passes_over_the_data(tmp_path, dataset, capsys):
-    data = DataConfig(path=str(dataset), max_length=256)
-    result = bench_data.run("tiny", data, micro_batch_size=4, seconds=0.2)
-    tok = models.byte_tokenizer()
-    tokenized = load_tokenized(data, tok, None)
-    order = batching.epoch_order(np.arange(len(tokenized)), 4, 0, 0)
-    per_batch = sum(int(batching.collate(tokenized, b, tok.pad_token_id)["attention_mask"].sum())
-                    for b in order) / len(order)
-    assert result["rows"] == len(tokenized) == 12
-    assert result["tokens_per_s"] / result["batches_per_s"] == pytest.approx(per_batch, rel=0.01)
-    assert result["ms_per_batch"] == pytest.approx(1000 / result["batches_per_s"], rel=0.01, abs=1e-3)  # 3 decimals
-    assert list((models.cache_dir() / "tokenized").glob("*.npz"))  # the cached load read a real cache file
-    assert f"{dataset}: 12 rows" in capsys.readouterr().out
+def test_bench_data_measures_whole_passes_over_the_data(tmp_path, capsys, monkeypatch):
+    """Two datasets of 12 rows alike but for 10 more ASCII characters in every response of the second: with the
+    tiny model's one-token-per-byte tokenizer, every batch of 4 of the second holds exactly 40 more real tokens,
+    whatever the template adds (an expectation that does not come from the pipeline under test). The cached load
+    reads this run's own cache (an empty cache directory of its own)."""
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
+    per_batch = {}
+    for extra in (0, 10):
+        path = tmp_path / f"d{extra}.jsonl"
+        path.write_text("".join(json.dumps({"instruction": f"question {i:02d}", "response": f"answer {i:02d}"
+                                            + "x" * extra}) + "\n" for i in range(12)))
+        result = bench_data.run("tiny", DataConfig(path=str(path), max_length=256), micro_batch_size=4, seconds=0.2)
+        assert result["rows"] == 12 and f"{path}: 12 rows" in capsys.readouterr().out
+        per_batch[extra] = result["tokens_per_s"] / result["batches_per_s"]
+        assert result["ms_per_batch"] == pytest.approx(1000 / result["batches_per_s"], rel=0.01, abs=1e-3)
+    assert per_batch[10] - per_batch[0] == pytest.approx(40, rel=0.02)
+    assert len(list((tmp_path / "cache" / "tokenized").glob("*.npz"))) == 2  # one cache file per dataset
 
 
 def test_rotation_keeps_the_good_checkpoints_when_a_later_one_is_damaged(tmp_path):
