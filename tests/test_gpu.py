@@ -148,7 +148,6 @@ def test_train_eval_and_resume_after_sigterm_reproduce_the_run(tmp_path, dataset
     model, extra = RESUME_CASES[case]
     if extra.get("adapter.method") == "qlora":
         pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
-
     tok = request.getfixturevalue("gpt2_tokenizer") if model == "gpt2-124m" else None
     straight = tmp_path / "straight"
     finetune.run(cuda_config(dataset, straight, model, tok, **extra))
