@@ -95,7 +95,9 @@ def test_train_generate_merge_eval_end_to_end(tmp_path, dataset):
     tb_here("merge", "--adapter", out, "--output-dir", merged)
     assert (merged / "model.safetensors").is_file() and (merged / "config.json").is_file()
     greedy = ("--prompt", "hi", "--max-new-tokens", 8, "--raw", "--precision", "fp32")  # bf16 would round apart
-    assert tb_here("generate", "--adapter", out, *greedy).stdout == tb_here("generate", "--model", merged, *greedy).stdout
+    said = tb_here("generate", "--adapter", out, *greedy).stdout
+    assert said == tb_here("generate", "--model", merged, *greedy).stdout
+    assert said.rstrip("\n"), repr(said)  # the 8 new tokens' text: two empty outputs would be equal too
     ev = json.loads(tb_here("eval", "--model", merged, "--data", dataset, "--max-length", 256).stdout)
     ev_adapter = json.loads(tb_here("eval", "--adapter", out, "--data", dataset, "--max-length", 256).stdout)
     assert ev["rows"] == 12 and ev["eval_loss"] == pytest.approx(ev_adapter["eval_loss"], rel=1e-4)

@@ -18,6 +18,12 @@ def test_report_takes_the_studys_results_csv_and_output_dir(tmp_path, capsys):
     # generate_comparison_report.py --results_csv cpu_gpu_comparison/timing_results.csv --output_dir ...
     assert cli.main(["report", "--results_csv", str(STUDY), "--output_dir", str(tmp_path / "rep")]) == 0
     assert (tmp_path / "rep" / "report.html").is_file()
+    # the study's own rows, read here: its 8-core CPU finding, the speedup computed from the CSV, not the report
+    with STUDY.open() as f:
+        cpu8 = {r["experiment"]: float(r["duration_seconds"]) for r in csv.DictReader(f) if r["device_name"] == "CPU 8-core"}
+    slow, fast = cpu8["cpu_bs1_ga8_8core"], cpu8["cpu_bs4_ga2_8core"]
+    assert (f"On CPU 8-core, bs4_ga2 is fastest ({fast:,.0f} s), {slow / fast:.2f}x faster than bs1_ga8 ({slow:,.0f} s)"
+            in (tmp_path / "rep" / "report.md").read_text())
     assert cli.main(["report"]) == 2 and "give CSVs (or --results_csv FILE)" in capsys.readouterr().err
 
 
