@@ -601,6 +601,10 @@ def test_quant_auto_picks_the_smallest_type_shown_within_tolerance_by_real_size(
     assert t["q6_k"].outcome.startswith("skipped: the written file does not reproduce the model")
     assert why.startswith("q4_k_m is the smallest type") and "at 95% confidence" in why
 
+    tie = dict(per_row, q2_k=[v + (15 if i % 2 else -15) for i, v in enumerate(base)])  # f16's mean, rows apart
+    chosen, scored, t, _ = _quant_auto_pick(tmp_path, tie, 1.0)
+    assert chosen == "q4_k_m" and t["q2_k"].outcome == "cannot tell"  # equal means on 32 rows are no evidence
+
     chosen, scored, t, _ = _quant_auto_pick(tmp_path, per_row, 0.0)  # q4_k_m may lose 0.1 or gain: not shown within 0
     assert chosen == "q4_0" and scored == ["f16", "q2_k", "q3_k_m", "q4_k_m", "q4_0"]
     assert t["q4_k_m"].outcome == "cannot tell"

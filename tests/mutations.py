@@ -1,0 +1,137 @@
+"""A suite that proves it can fail: plant one bug at a time (a one-line patch of the product), run the tests that
+guard that line, and expect them to fail. Not part of `./run test` (it runs parts of the suite once per bug);
+run it by hand:
+
+    .venv/bin/python tests/mutations.py            # every planted bug, a table at the end
+    .venv/bin/python tests/mutations.py --list     # what is planted, and which tests are run against it
+    .venv/bin/python tests/mutations.py NAME ...   # only these
+
+Each bug's tests first run on the unpatched code (they must pass, or "caught" would mean nothing), then on the
+patched file, which is restored whatever happens (Ctrl-C included). Hand-written rather than mutmut: mutmut
+plants its own operator swaps everywhere, and these are the bugs the trust issues name, each aimed at a claim.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    path: str  # relative to the repository
+    old: str  # found exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, -k selections
+
+
+BUGS = (
+    Bug("every quant type scored on the f16 file", "src/tunebench/jobs/quant_auto.py",
+        "row = _score(held, path, quant, settings, work)", "row = _score(held, reference, quant, settings, work)",
+        ("tests/test_export.py", "-k", "quant_auto_picks or few_rows")),
+    Bug("quant auto picks by the means again (no bound)", "src/tunebench/jobs/quant_auto.py",
+        "    if low >= -settings.tolerance and len(row.per_row) >= MIN_ROWS:",
+        "    if sum(row.per_row) / len(row.per_row) >= sum(ref.per_row) / len(ref.per_row) - settings.tolerance:",
+        ("tests/test_export.py", "-k", "quant_auto_picks or few_rows")),
+    Bug("a documented flag misspelled", "docs/guides/other-jobs.md",
+        "tunebench hw --json ", "tunebench hw --jsn ",
+        ("tests/test_docs.py", "-k", "every_documented_command_parses")),
+    Bug("the memory plan's activation factor halved", "src/tunebench/training/tune/memory.py",
+        "TRANSIENT = 1.6", "TRANSIENT = 0.8",
+        ("tests/test_memory_plan.py",)),
+    Bug("the run lock not released after a refusal", "src/tunebench/core/runlock.py",
+        "                release(key)", "                pass",
+        ("tests/test_memory_plan.py", "-k", "cannot_fit")),
+    Bug("an upload with a queued job (Job.argv)", "src/tunebench/interfaces/web/studio.py",
+        "used = {str(job.cfg.data.path) for job in", "used = {a for job in",
+        ("tests/test_studio.py", "-k", "upload_while")),
+    Bug("a tool schema's remote $ref fetched", "src/tunebench/data/toolcalls.py",
+        "return checker(schema, registry=Registry()).is_valid(call[\"arguments\"])",
+        "return checker(schema).is_valid(call[\"arguments\"])",
+        ("tests/test_quality.py", "-k", "tool")),
+    Bug("DPO's reference pass under another autocast", "src/tunebench/training/preference.py",
+        "                return token_logps(model, batch, index, autocast_dtype, temperature).detach()",
+        "                return token_logps(model, batch, index, None, temperature).detach()",
+        ("tests/test_preference.py", "-k", "closed_form")),
+    Bug("resume restores the data position one micro-step late", "src/tunebench/training/checkpoint.py",
+        "    return LoopState(**meta[\"loop\"])",
+        "    return LoopState(**{**meta[\"loop\"], \"batch_in_epoch\": meta[\"loop\"][\"batch_in_epoch\"] + 1})",
+        ("tests/test_loop.py", "-k", "resume_after_sigterm")),
+    Bug("an ignored --max-length", "src/tunebench/data/tokenize.py",
+        "        ex_ids, ex_mask = ex_ids[: cfg.max_length], ex_mask[: cfg.max_length]",
+        "        ex_ids, ex_mask = ex_ids, ex_mask",
+        ("tests/test_data.py", "-k", "truncation")),
+    Bug("MLflow handed the password in its URI", "src/tunebench/machine/trackers.py",
+        "        mlflow_credentials_apart()\n", "",
+        ("tests/test_trackers.py", "-k", "all_four")),
+    Bug("a child gets the server's secrets", "src/tunebench/core/childenv.py",
+        "    return {**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, **extra}",
+        "    return {**os.environ, **extra}",
+        ("tests/test_serve.py", "-k", "secrets")),
+    Bug("a stale export served as the run", "src/tunebench/interfaces/web/app.py",
+        "        if kept == stamp or kept is None", "        if True or kept is None",
+        ("tests/test_serve.py", "-k", "trained_again")),
+    Bug("a start that raises wedges the queue", "src/tunebench/interfaces/web/studio.py",
+        "                except Exception as e:  # noqa: BLE001 - whatever stops a start",
+        "                except OSError as e:  # noqa: BLE001 - whatever stops a start",
+        ("tests/test_studio.py", "-k", "start_that_raises")),
+    Bug("a cross-site POST accepted", "src/tunebench/interfaces/web/openai_api.py",
+        "                check_origin(request.headers)\n", "",
+        ("tests/test_openai_api.py", "-k", "another_site")),
+    Bug("a planted link followed", "src/tunebench/core/durable.py",
+        "    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW |", "    flags = os.O_WRONLY | os.O_CREAT |",
+        ("tests/test_durable.py", "-k", "symbolic")),
+    Bug("the upload parsed whole in the web process", "src/tunebench/interfaces/web/studio.py",
+        "    records = readers.read_records(d.path, limit=CHECK_ROWS)", "    records = readers.read_records(d.path)",
+        ("tests/test_studio.py", "-k", "sample_of")),
+)
+
+
+def run(tests: tuple[str, ...]) -> tuple[int, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    return done.returncode, time.monotonic() - started
+
+
+def main(argv: list[str]) -> int:
+    chosen = [b for b in BUGS if not argv or b.name in argv or argv == ["--list"]]
+    if argv == ["--list"]:
+        for b in chosen:
+            print(f"{b.name}: {b.path}; {' '.join(b.tests)}")
+        return 0
+    baseline: dict[tuple[str, ...], int] = {}
+    rows = []
+    for b in chosen:
+        path = ROOT / b.path
+        text = path.read_text(encoding="utf-8")
+        if text.count(b.old) != 1:
+            rows.append((b.name, "not planted: the line is not in the file once", 0.0))
+            continue
+        if b.tests not in baseline:
+            baseline[b.tests] = run(b.tests)[0]
+        if baseline[b.tests] != 0:
+            rows.append((b.name, f"tests fail unpatched (exit {baseline[b.tests]})", 0.0))
+            continue
+        try:
+            path.write_text(text.replace(b.old, b.new), encoding="utf-8")
+            code, seconds = run(b.tests)
+        finally:
+            path.write_text(text, encoding="utf-8")
+        rows.append((b.name, "caught" if code == 1 else f"MISSED (exit {code})", seconds))
+        print(f"{rows[-1][1]:>10}  {b.name} ({seconds:.0f} s)", flush=True)
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'planted bug'.ljust(width)}  result  seconds")
+    for name, result, seconds in rows:
+        print(f"{name.ljust(width)}  {result}  {seconds:.0f}")
+    return 0 if all(r[1] == "caught" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
