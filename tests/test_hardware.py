@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -233,6 +234,10 @@ class FakeCompiler:
     def __init__(self, monkeypatch, eager=100.0, compiled=150.0, warmups=(0.3, 0.1)):
         self.eager, self.compiled, self.warmups = eager, compiled, list(warmups)
         self.on, self.fresh, self.forced_eager, self.compiles, self.measured = False, False, False, 0, 0
+        # compiler's clock is this fake's: a warm-up advances it by exactly its seconds (a sleep would be the
+        # machine's, longer under load), and the steady probes take none
+        self.now = 0.0
+        monkeypatch.setattr(compiler, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
         monkeypatch.setattr(compiler, "compile_blocks", self.compile)
         monkeypatch.setattr(compiler, "uncompile_blocks", lambda model: setattr(self, "on", False))
         monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
@@ -252,9 +257,7 @@ class FakeCompiler:
     def measure(self):
         self.measured += 1
         if self.fresh:
-            import time
-
-            time.sleep(self.warmups[min(self.compiles, len(self.warmups)) - 1])
+            self.now += self.warmups[min(self.compiles, len(self.warmups)) - 1]
             self.fresh = False
         return self.compiled if self.on and not self.forced_eager else self.eager
 
@@ -273,7 +276,7 @@ def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch
     row = compiler.pick(None, auto, False, fake.measure, 100_000, _shape("k1"), 1)
     assert row[1] is True and fake.on and fake.compiles == 2 and "150 vs 100" in row[2]
     hit = tune.cached(_shape("k1").key("compile", micro_batch_size=1))
-    assert hit["eager"] == 100 and hit["compiled"] == 150 and 0.05 < hit["warmup_s"] < 0.25  # the cached one
+    assert hit == {"eager": 100, "compiled": 150, "warmup_s": 0.1}  # the warm (second) warm-up is the one cached
     # cached: a run that saves more than the warm-up compiles; one that saves less does not
     fake.on, fake.compiles = False, 0
     assert compiler.pick(None, auto, False, fake.measure, 100_000, _shape("k1"), 1)[1] is True and fake.compiles == 1

@@ -95,7 +95,7 @@ def test_a_bad_budget_is_refused_before_anything_runs(tmp_path, dataset):
 def test_measure_row_times_the_runs_own_model(dataset):
     seconds, tokens, rows = sizing.measure_row({"model.name": "tiny", "data.path": dataset, "data.max_length": 64},
                                                "cpu")
-    assert 0 < seconds < 5 and 1 < tokens <= 64 and rows == len(ROWS)
+    assert seconds > 0 and 1 < tokens <= 64 and rows == len(ROWS)  # no bound on the seconds: a loaded machine is slow
 
 
 def _row(name, micro, accum, seconds, measured):
