@@ -87,7 +87,7 @@ def test_a_kill_storm_during_checkpoint_writes_still_resumes_exactly(tmp_path, d
     then truncate the newest checkpoint: the run still ends with the straight run's losses."""
     args = ["--model", "tiny", "--data", str(dataset), "--max-length", "256", "--batch-size", "2",
             "--effective-batch-size", "4", "--lr", "1e-2", "--eval-fraction", "0.2", "--save-steps", "1",
-            "--max-steps", "12", "--compile", "off", "--attention", "sdpa", "--no-progress", "train.save_total_limit=3"]
+            "--max-steps", "24", "--compile", "off", "--attention", "sdpa", "--no-progress", "train.save_total_limit=3"]
 
     def train(out, *more):
         return subprocess.Popen([sys.executable, "-m", "tunebench", "train", *args, "--output-dir", str(out), *more],
@@ -97,13 +97,23 @@ def test_a_kill_storm_during_checkpoint_writes_still_resumes_exactly(tmp_path, d
     assert train(straight).wait(300) == 0
     out = tmp_path / "stormy"
     rng = random.Random(3)
+    def newest(ckpts) -> int:
+        found = checkpoint.list_checkpoints(ckpts)
+        return int(found[-1].name.split("-")[-1]) if found else -1
+
     for attempt in range(3):
-        proc = train(out, *(["--resume", "auto"] if attempt else []))
         ckpts = out / "checkpoints"
+        before = newest(ckpts)
+        proc = train(out, *(["--resume", "auto"] if attempt else []))
         end = time.monotonic() + 120
-        while time.monotonic() < end and len(checkpoint.list_checkpoints(ckpts)) < 1 + attempt:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 0.6))  # somewhere in the next steps and their saves
+        # one to three saves of this attempt's own, so the kill lands while it trains and saves (not while Python
+        # starts, nor after the run's end), then a moment into the next step or its save: counted in saves, not
+        # seconds, so a fast machine does not finish the run between kills
+        target = before + rng.randint(1, 3)
+        while time.monotonic() < end and newest(ckpts) < target and proc.poll() is None:
+            time.sleep(0.01)
+        assert newest(ckpts) >= target, f"attempt {attempt} made no checkpoint {target} of its own"
+        time.sleep(rng.uniform(0.0, 0.05))
         proc.send_signal(signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL, f"attempt {attempt} ended before its kill: the storm missed it"
     newest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
