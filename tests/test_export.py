@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WEATHER, llama_greedy, needs_module, weather_calls_file
+from conftest import WEATHER, free_port, llama_greedy, needs_module, weather_calls_file
 from tunebench.core.errors import TunebenchError
 from tunebench.data import tokenizer_training as tokenizer
 from tunebench.data.tokenize import render_prompt
@@ -382,12 +382,6 @@ def test_the_default_models_tokenizer_keeps_its_digit_split_through_the_gguf_con
     assert models.smollm2_dir().name.endswith(f"-c{models.CONVERSION}")
 
 
-def _port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tool_run(runs, root):
@@ -432,12 +426,12 @@ def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs,
     served = {}
     for name, run in (("lora", runs / "lora"), ("llama", runs / "llama"), ("tools", tools_run)):
         path = export.export(str(run), "gguf", "f16", str(tmp_path / f"{name}.gguf"))
-        port = _port()
+        port = free_port()
         served[name] = (port, subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1", "--port",
              str(port), "--n_ctx", "1024", "--n_threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True))
-    ours_port = _port()
+    ours_port = free_port()
     ours = app.serve([], [str(runs / "lora"), str(runs / "llama"), str(tools_run)], port=ours_port,
                      ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
@@ -703,7 +697,7 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
     run = tmp_path / "lora"
     shutil.copytree(runs / "lora", run)
     q8 = export.export(str(run), "gguf", "q8_0")
-    port = _port()
+    port = free_port()
     ours = app.serve([], [str(run)], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False, ggufs=[str(q8)],
                      runtime="llama.cpp", runs_dir_asked=False)
     f16 = run / "export" / "lora-f16.gguf"
@@ -754,5 +748,5 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
     (tmp_path / "loose.gguf").write_bytes(q8.read_bytes())
     for args, message in ((["--gguf", str(tmp_path / "loose.gguf")], "is not inside the run it was exported from"),
                           (["--gguf", str(run / "config.yaml")], "is not a .gguf file")):
-        assert cli.main(["serve", *args, "--port", str(_port()), "--no-studio"]) == 2, args
+        assert cli.main(["serve", *args, "--port", str(free_port()), "--no-studio"]) == 2, args
         assert message in capsys.readouterr().err, args

@@ -3,23 +3,16 @@ plain completions, streamed and not, the sampling settings, stop sequences, usag
 limits, and several adapters on one base picked per request by name."""
 
 import json
-import socket
 
 import pytest
 
-from conftest import WEATHER, needs_module, tiny_run_config, weather_calls_file
+from conftest import WEATHER, free_port, needs_module, tiny_run_config, weather_calls_file
 from tunebench.interfaces.web import models
 
 needs_module("gradio", "serve needs gradio (pip install -e '.[web]')")
 openai = needs_module("openai", "the API is checked with the openai client (in the test extra)")
 
 from tunebench.interfaces.web import app  # noqa: E402
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,7 @@ def served(tmp_path_factory):
         finetune.run(tiny_run_config(data, root / name, **{"train.max_steps": 3, "train.seed": seed,
                                                            "train.lr": lr}))
         runs.append(str(root / name))
-    port = _port()
+    port = free_port()
     server = app.serve(["tiny"], runs, port=port, ab_db=str(root / "ab.sqlite"), block=False, auth="ann:s3cret",
                        api_key="sk-api-key")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-api-key", max_retries=0, timeout=120)
@@ -182,7 +175,7 @@ def test_a_page_on_another_site_cannot_post_to_the_api(served):
 def test_a_client_over_its_share_is_told_to_wait(tmp_path, monkeypatch):
     """The API has its own per-client share: with a share of 0, a request is a 429 the client can act on."""
     monkeypatch.setattr(app, "API_PER_CLIENT", 0)
-    port = _port()
+    port = free_port()
     server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -205,7 +198,7 @@ def caller(tmp_path_factory):
     finetune.run(tiny_run_config(data, root / "run", **{"adapter.method": "full", "train.max_steps": 120,
                                                          "train.lr": 3e-3, "data.max_length": 512,
                                                          "data.eval_fraction": 0}))
-    port = _port()
+    port = free_port()
     server = app.serve([], [str(root / "run")], port=port, ab_db=str(root / "ab.sqlite"), block=False)
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120), \
         str(root / "run")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_module, tiny_run_config
+from conftest import free_port, needs_module, tiny_run_config
 from tunebench.core.errors import TunebenchError
 from tunebench.data import votes
 
@@ -160,16 +160,10 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     assert (pair.first_wins if winner == pair.first else pair.second_wins) == 1
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
-    port = _free_port()
+    port = free_port()
     served = app.serve(["tiny"], [tuned], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read().decode()
@@ -195,7 +189,7 @@ def test_a_client_over_its_share_of_the_workers_is_told_busy(tmp_path, tuned, mo
     from gradio_client import Client
 
     monkeypatch.setattr(app, "PER_CLIENT", 0)
-    port = _free_port()
+    port = free_port()
     served = app.serve(["tiny"], [tuned], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
@@ -224,7 +218,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser = _browser(chromium)
-    port = _free_port()
+    port = free_port()
     db = tmp_path / "ab.sqlite"
     served = app.serve(["tiny"], [tuned], port=port, ab_db=str(db), block=False, auth="ann:s3cret")
     wait = WebDriverWait(browser, 60)

@@ -5,7 +5,6 @@ server's secrets stay in the server. Each test here failed on the code before th
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_module
+from conftest import free_port, needs_module
 from tunebench.core import runlock
 from tunebench.core.errors import TunebenchError
 
@@ -29,10 +28,6 @@ def _csv(path: Path, rows: int = 40) -> Path:
     return path
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- one click ---------------------------------------------------------------------------------------------------
@@ -331,7 +326,7 @@ def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tup
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory):
     """The tiny model served on loopback with no login (the Host allowlist on) and no API key."""
-    port = _port()
+    port = free_port()
     server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path_factory.mktemp("ab") / "ab.sqlite"), block=False)
     yield port
     server.close()
@@ -360,7 +355,7 @@ def test_a_server_without_a_login_answers_only_its_own_host_names(open_server):
 
 
 def test_with_a_login_the_api_is_closed_without_its_own_key_and_wrong_keys_are_slow(tmp_path):
-    port = _port()
+    port = free_port()
     server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False, auth="ann:s3cret")
     try:
         status, _, text = _post(port, "/v1/models", None, {"Authorization": "Bearer s3cret"})
@@ -374,7 +369,7 @@ def test_with_a_login_the_api_is_closed_without_its_own_key_and_wrong_keys_are_s
 
 def test_the_studio_needs_a_login_or_no_auth_said_on_purpose(tmp_path, capsys):
     with pytest.raises(TunebenchError, match="the Train and Runs tabs start training"):
-        app.serve(["tiny"], [], port=_port(), ab_db=str(tmp_path / "ab.sqlite"), block=False,
+        app.serve(["tiny"], [], port=free_port(), ab_db=str(tmp_path / "ab.sqlite"), block=False,
                   runs_dir=str(tmp_path / "runs"))
     assert app.studio_allowed("runs", False, None, False) is None  # the default, left off and said
     assert "the Train and Runs tabs are off" in capsys.readouterr().out
@@ -481,7 +476,7 @@ def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_pa
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"q {i}", "response": f"a {i}"}) + "\n" for i in range(12)))
     finetune.run(tiny_run_config(data, tmp_path / "run", **{"train.max_steps": 2}))
-    port = _port()
+    port = free_port()
     server = app.serve(["tiny"], [str(tmp_path / "run")], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False,
                        auth="ann:s3cret-pw", api_key="sk-load-test")
     labels = tuple(e.label for e in models.entries(["tiny"], [str(tmp_path / "run")]))

@@ -10,7 +10,7 @@ import threading
 import pytest
 import yaml
 
-from conftest import needs_module, run_losses, sigterm_after_step, tiny_run_config, wandb_history
+from conftest import free_port, needs_module, run_losses, sigterm_after_step, tiny_run_config, wandb_history
 from tunebench.core.errors import TunebenchError
 from tunebench.machine import trackers
 from tunebench.settings import tracking
@@ -264,14 +264,11 @@ def test_a_compare_is_one_mlflow_experiment_its_runs_sortable_by_tokens_per_s(tm
 
 def test_a_tracking_server_that_is_down_costs_the_run_nothing(tmp_path, dataset, monkeypatch, capsys):
     """MLflow pointed at a port nothing listens on: one warning, the run finishes, metrics.jsonl and summary whole."""
-    import socket
 
     needs_module("mlflow", "mlflow is in the test extra: pip install -e '.[test]'")
     from tunebench.jobs import finetune
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there, and no other worker's server will
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}/?token=s3cret-tok")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     out = tmp_path / "run"
