@@ -911,3 +911,13 @@ def test_checkpointing_asked_for_is_not_cached_as_one_the_probe_needed():
         enable_checkpointing(step.model)  # as runplan.measure does when it is asked for
         micro, rows, _ = batch.micro_batch(step, shape, 4, 100, 256, cpu)
         assert micro == 4 and [r[0] for r in rows] == ["micro_batch_size"], rows
+
+
+def test_a_runtime_beside_torch_takes_torchs_thread_share(monkeypatch):
+    """llama.cpp's answers and quantizer take hardware.cpu_threads(): OMP_NUM_THREADS where it is set (a test
+    worker's share of the cores), else the physical cores this process may use, never the host's CPU count."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert hardware.cpu_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    hw = hardware.detect()
+    assert hardware.cpu_threads() == hardware._pick_threads(None, hw, None).value <= (hw.usable_cpus or hw.logical_cores)

@@ -347,6 +347,13 @@ def _pick_threads(requested: int | None, hw: Hardware, omp_num_threads: str | No
     return Decision("torch_threads", cores, reason)
 
 
+def cpu_threads() -> int:
+    """The threads a CPU runtime beside torch takes (llama.cpp's answers and its quantizer): torch's own rule
+    (OMP_NUM_THREADS, else the physical cores this process may use), never os.cpu_count(), which counts the
+    cores of the whole host: two such processes on 2 cores ran 10x slower than one."""
+    return int(_pick_threads(None, detect(), os.environ.get("OMP_NUM_THREADS")).value)
+
+
 def pick_parallel(requested: str, method: str, parameters: int, world_size: int, memory_mb: float) -> Decision:
     """How several ranks split the work. DDP keeps a whole replica (weights, gradients, AdamW moments:
     ~16 bytes a trainable parameter in fp32) on every rank and is the fastest where that fits; FSDP2

@@ -6,7 +6,6 @@ export)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from tunebench.core.errors import TunebenchError
+from tunebench.machine import hardware
 from tunebench.settings.rundir import RunDir
 
 MAX_CONTEXT = 8192  # llama.cpp's KV cache is allocated whole at load: the trained context, up to this
@@ -66,7 +66,7 @@ class GgufPlaced:
         """The file in llama.cpp, prompted with `tokenizer`'s ids, over `context` positions."""
         import llama_cpp
 
-        llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=max(1, os.cpu_count() or 1), verbose=False)
+        llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=hardware.cpu_threads(), verbose=False)
         return cls(llm, tokenizer, f"{path} (llama.cpp)", context)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from tunebench.core.childenv import child_env
 from tunebench.core.durable import atomic_dir
 from tunebench.core.errors import TunebenchError
 from tunebench.core.paths import cache_dir
+from tunebench.machine import hardware
 
 # --quant -> llama.cpp's file type (llama.h's LLAMA_FTYPE_MOSTLY_*) for llama_model_quantize
 K_QUANTS = {"q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q5_k_s": "Q5_K_S", "q4_k_m": "Q4_K_M", "q4_k_s": "Q4_K_S",
@@ -106,7 +107,7 @@ def quantize(src: Path, dst: Path, quant: str, threads: int | None = None) -> li
         raise ValueError(quant)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
-    params.nthread = threads or (os.cpu_count() or 1)
+    params.nthread = threads or hardware.cpu_threads()
     said: list[str] = []
 
     @llama_cpp.llama_log_callback
@@ -136,7 +137,7 @@ class Reader:
         import llama_cpp
 
         self._llm = llama_cpp.Llama(str(path), n_ctx=context, logits_all=True, verbose=False,
-                                    n_threads=max(1, os.cpu_count() or 1))
+                                    n_threads=hardware.cpu_threads())
 
     def __call__(self, ids):
         import types
