@@ -340,9 +340,8 @@ def chromium() -> tuple[str, str]:
     return browser, driver
 
 
-# llama.cpp's Python package ships only as source: built once with the machine's compiler (minutes), then
-# pip's wheel cache has it. GGML_NATIVE=OFF so a cached wheel runs on any x86-64 CPU, not only the builder's.
-LLAMA_CPP_CMAKE = "-DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF"
+# llama.cpp's Python package ships only as source: `./run test` builds it before the tests (setup_llama_cpp.py)
+from setup_llama_cpp import LLAMA_CPP_CMAKE  # noqa: E402
 
 
 def _installed(module: str, requirement: str, what: str):

@@ -4,6 +4,7 @@ exported GGUF through the Train and Runs tabs."""
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -262,7 +263,8 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
     from tunebench.data import votes
     from tunebench.interfaces.web import app
 
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shots = tmp_path / "shots"  # this run's own: stale pictures kept from an earlier run cannot pass the checks
+    shots.mkdir()
     runs, db, port = tmp_path / "runs", tmp_path / "ab.sqlite", _free_port()
     served = app.serve([str(bpe_model)], [], port=port, ab_db=str(db), block=False, runs_dir=str(runs), no_auth=True)
     browser = _browser(chromium)
@@ -293,7 +295,7 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
         if at is not None:  # scrolled to what the picture is of
             browser.execute_script("arguments[0].scrollIntoView({block: 'start'})", browser.find_element(By.ID, at))
             time.sleep(0.5)
-        browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+        browser.save_screenshot(str(shots / f"{name}.png"))
 
     try:
         browser.get(f"http://127.0.0.1:{port}/")
@@ -363,4 +365,7 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
     assert {pair.first, pair.second} == {f"base: {bpe_model}", f"run: {runs / 'support'} (lora)"}
     assert json.loads((runs / "support" / "summary.json").read_text())["steps"] == STEPS
     for name in ("train-settings", "train-live", "train-finished", "runs", "ab", "chat"):
-        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
+        assert (shots / f"{name}.png").stat().st_size > 10_000
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)  # kept for people to look at, once checked
+    for picture in shots.glob("*.png"):
+        shutil.copyfile(picture, ARTIFACTS / picture.name)
