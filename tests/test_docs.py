@@ -70,6 +70,34 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert "Results on a GPU" in (site / "benchmarks" / "results" / "index.html").read_text()
 
 
+def test_the_reference_pages_are_the_codes_own():
+    """docs/reference/{configuration,cli,machines}.md are written from the code (python docs/hooks.py --write) and
+    committed, so their links work in the repository view: each must be what the code makes now."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    stale = [uri for uri, text in hooks.generated().items()
+             if " ".join((ROOT / "docs" / uri).read_text(encoding="utf-8").split()) != " ".join(text.split())]
+    assert not stale, f"{stale} differ from the code: run `python docs/hooks.py --write` and commit them"
+
+
+def test_every_relative_link_resolves_in_the_repository():
+    """A reader of the repository (GitHub's view) follows the same links as the site's: each relative link of the
+    README and the docs names a file that exists, from the page's own folder."""
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.split("#")[0]
+            if not path or re.match(r"[a-z]+:", path):  # an anchor on the page, or a URL
+                continue
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
 def documented_commands() -> list[tuple[str, str]]:
     """(page, line) of every `tunebench` / `./run` job command in the README and the docs."""
     return [(str(page.relative_to(ROOT)), line) for page in PAGES
