@@ -98,6 +98,30 @@ def test_every_relative_link_resolves_in_the_repository():
     assert not broken, broken
 
 
+def test_the_design_page_names_every_module():
+    """docs/DESIGN.md's layout names each module of the package (by its path, or its name in its folder's list)."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    missing = [f.relative_to(ROOT / "src" / "tunebench").as_posix() for f in sorted((ROOT / "src" / "tunebench").rglob("*.py"))
+               if f.name not in ("__init__.py", "__main__.py")
+               and f.relative_to(ROOT / "src" / "tunebench").as_posix() not in text
+               and not re.search(r"(?<![\w/.])" + re.escape(f.name) + r"\b", text)]
+    assert not missing, f"docs/DESIGN.md does not name {missing}"
+
+
+def test_the_run_directory_page_names_every_file_a_run_leaves(tmp_path, dataset):
+    """Each file a training run leaves (with a tracker, so its files too) is a row of reference/run-directory.md."""
+    from conftest import tiny_run_config
+    from tunebench.jobs import finetune
+
+    out = tmp_path / "run"
+    finetune.run(tiny_run_config(dataset, out, **{"schedule.max_steps": 2, "logging.report_to": "tensorboard"}))
+    page = (ROOT / "docs" / "reference" / "run-directory.md").read_text(encoding="utf-8")
+    named = {n.rstrip("/").split("/")[0] for row in page.splitlines() if row.startswith("| ")
+             for n in re.findall(r"`([^`]+)`", row.split(" | ")[0])}
+    left = {p.name for p in out.iterdir()}
+    assert left - named == set(), f"run-directory.md does not name {sorted(left - named)} (it names {sorted(named)})"
+
+
 def documented_commands() -> list[tuple[str, str]]:
     """(page, line) of every `tunebench` / `./run` job command in the README and the docs."""
     return [(str(page.relative_to(ROOT)), line) for page in PAGES
