@@ -659,7 +659,9 @@ def test_export_quant_auto_ships_the_file_it_scored_in_llama_cpp(runs, tmp_path,
     assert [t["quant"] for t in scored] == ["f16", "q8_0"]
     q8_0 = next(t for t in scored if t["quant"] == "q8_0")
     assert chosen == ("f16" if q8_0["outcome"] == "outside tolerance" else "q8_0")
-    assert "2 held-out rows cannot separate" in table["reason"] or chosen == "f16"
+    # 2 rows decide nothing (an untrained run's f16 answers score 0 on them: nothing can be told apart either)
+    assert chosen == "f16" or "2 held-out rows cannot separate" in table["reason"] or \
+        table["reason"].startswith("f16 scores 0 ROUGE-L on every one of 2 held-out rows")
     tok = models.load_tokenizer(str(run))
     llm = llama_cpp.Llama(str(shipped), n_ctx=256, n_threads=2, verbose=False)
     try:  # the shipped file, run again, gives the answers its score was computed from

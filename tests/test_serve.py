@@ -401,7 +401,8 @@ def test_serving_places_the_model_as_training_would(monkeypatch):
     assert inference.placement("auto", "auto", gpu)[:2] == ("cuda", "bf16")
     assert inference.placement("cpu", "fp32", gpu)[:2] == ("cpu", "fp32")
     placed = []
-    monkeypatch.setattr(inference, "place", lambda loaded, device, precision: placed.append((device, precision)))
+    monkeypatch.setattr(inference, "place", lambda loaded, device, precision: placed.append((device, precision))
+                        or loaded)
     registry = models.Registry(models.entries(["tiny"], []), device="cpu", precision="fp32")
     registry.get(registry.labels[0])
     assert placed == [("cpu", "fp32")]

@@ -259,13 +259,14 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from test_serve import _browser, _free_port
+    from conftest import free_port
+    from test_serve import _browser
     from tunebench.data import votes
     from tunebench.interfaces.web import app
 
     shots = tmp_path / "shots"  # this run's own: stale pictures kept from an earlier run cannot pass the checks
     shots.mkdir()
-    runs, db, port = tmp_path / "runs", tmp_path / "ab.sqlite", _free_port()
+    runs, db, port = tmp_path / "runs", tmp_path / "ab.sqlite", free_port()
     served = app.serve([str(bpe_model)], [], port=port, ab_db=str(db), block=False, runs_dir=str(runs), no_auth=True)
     browser = _browser(chromium)
     wait, slow = WebDriverWait(browser, 60), WebDriverWait(browser, 240)

@@ -1,6 +1,5 @@
-"""`tunebench train`: SFT (LoRA, QLoRA, full, the PEFT methods) and the preference objectives (DPO, ORPO, KTO) of
-a causal LM, as one recipe over training.recipe: inputs checked, the run opened, model and data, then the units
-the runner measures, batches, trains and finishes."""
+"""`tunebench train`: SFT (LoRA, QLoRA, full, PEFT methods) and DPO, ORPO, KTO, as one recipe over training.recipe:
+inputs checked, the run opened, model and data, then what the runner measures, batches, trains and finishes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`tunebench train --objective grpo`: GRPO on a file of prompts with reward functions (training/grpo.py), as one
-recipe over training.recipe: inputs checked, the run opened, the model and prompts, the sampler, the held-out
-reward before training, training (each step samples its groups first), the held-out reward after."""
+"""`tunebench train --objective grpo`: GRPO on prompts with reward functions (training/grpo.py), one recipe over
+training.recipe: inputs, the run, model and prompts, the sampler, held-out reward, training, held-out reward."""
 
 from __future__ import annotations
 
