@@ -253,3 +253,26 @@ def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones_and_lets_a
     run, proc = running("better", 1.9, 2)
     seen, pruned = search._follow(proc, study.ask(), run)
     assert pruned is None and proc.returncode == 0
+
+
+def test_a_sigterm_python_swallowed_still_stops_the_trial(tmp_path):
+    """SIGTERM's KeyboardInterrupt can land in a finalizer or an at-fork hook (logging's, while a trial's process
+    starts), where Python prints "Exception ignored" and goes on: the search saw it run to the end with exit 0.
+    The flag it leaves stops the trial at the next look."""
+    search.STOP.clear()
+
+    class Finalized:
+        def __del__(self):
+            search._raise_interrupt(signal.SIGTERM, None)
+
+    Finalized()  # the raise is lost here, as in logging's _releaseLock
+
+    class Running:
+        def poll(self):
+            return None
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            search._follow(Running(), None, tmp_path)
+    finally:
+        search.STOP.clear()

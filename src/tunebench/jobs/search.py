@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -297,6 +298,7 @@ def _follow(proc, trial, run_dir: Path, report: bool = True) -> tuple[int, tuple
     at, or None)."""
     seen = 0
     while proc.poll() is None:
+        _stopped()
         time.sleep(0.5)
         if not report:
             continue
@@ -520,6 +522,7 @@ def run(s: Search) -> dict:
     print(f"study '{study_name}' ({hide_password(storage) if storage else out / 'study.sqlite'}): {done} of {trials} "
           "trials already done"
           + (", resuming" if done else ""), flush=True)
+    STOP.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     failures: list[str] = []  # this process's trials' failures, while none has succeeded
     try:
@@ -527,6 +530,7 @@ def run(s: Search) -> dict:
         while finished() < trials:
             import optuna
 
+            _stopped()
             _fail_stale(study)  # another search's trial whose process died: run it again
             with warnings.catch_warnings():  # we keep the heartbeat ourselves, as optimize() would
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
@@ -570,6 +574,18 @@ def run(s: Search) -> dict:
     return summary
 
 
+STOP = threading.Event()  # SIGTERM seen: kept, as the raise below can land where Python swallows it
+
+
 def _raise_interrupt(signum, frame):
+    # Raised in whatever the main thread runs; inside a finalizer or an at-fork hook (logging's, while a trial's
+    # process starts) Python prints "Exception ignored" and goes on, so the flag stays set for _follow and the
+    # trial loop to raise again at their next look.
+    STOP.set()
     raise KeyboardInterrupt
+
+
+def _stopped() -> None:
+    if STOP.is_set():
+        raise KeyboardInterrupt
 
