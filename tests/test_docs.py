@@ -313,3 +313,43 @@ def test_each_tutorial_runs_as_written(page, tmp_path, monkeypatch):
         assert proc.returncode == 0, f"{page}: {line}\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"
     missing = [p for p in leaves if not (tmp_path / p).exists()]
     assert not missing, f"{page}: its commands left no {missing}"
+    RAN_AS_SAID[page](tmp_path)  # what the page says its commands do, from what they wrote
+
+
+def _summary(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# What each tutorial's walk-through says happens, checked on what its commands wrote (not only their exit codes)
+RAN_AS_SAID = {
+    "pretraining.md": lambda tmp: (
+        _check(_summary(tmp / "runs" / "small" / "summary.json")["steps"] == 10, "pretraining: 10 steps"),
+        _check(json.loads((tmp / "tok" / "tokenizer.json").read_text())["model"]["type"] == "BPE", "a BPE tokenizer"),
+        _check(_summary(tmp / "runs" / "small-sft" / "summary.json")["steps"] == 4, "then 4 fine-tuning steps")),
+    "study.md": lambda tmp: _check(
+        {r["status"] for r in _csv_rows(tmp / "runs" / "compare" / "results.csv")} == {"ok"}
+        and (tmp / "runs" / "compare" / "report-again" / "report.md").read_text().count("| ") > 0,
+        "every experiment of the study ran, and the report was drawn again from its CSV"),
+    # the second command finds the study and adds the third trial only
+    "search.md": lambda tmp: _check(
+        [r["experiment"] for r in _csv_rows(tmp / "runs" / "tune" / "results.csv")][:2] == ["trial-0", "trial-1"]
+        and len(_csv_rows(tmp / "runs" / "tune" / "results.csv")) == 3,  # the third's number skips duplicates
+        "two trials, then a third"),
+    "grpo.md": lambda tmp: _check(_summary(tmp / "runs" / "grpo" / "summary.json")["steps"] == 2, "2 GRPO steps"),
+    "votes.md": lambda tmp: _check(
+        _summary(tmp / "runs" / "dpo" / "summary.json")["objective"] == "dpo"
+        and _summary(tmp / "runs" / "kto" / "summary.json")["objective"] == "kto"
+        and len((tmp / "pairs.jsonl").read_text().splitlines()) == 12,
+        "DPO and KTO from the store; its 12 A or B votes exported as pairs (ties and both-bad left out)"),
+    "distributed.md": lambda tmp: _check(
+        _summary(tmp / "runs" / "ddp" / "summary.json")["world_size"] == 2, "two ranks"),
+}
+
+
+def _check(ok: bool, said: str) -> None:
+    assert ok, f"the tutorial says: {said}"
