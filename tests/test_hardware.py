@@ -10,6 +10,7 @@ import torch
 
 from conftest import add_lora
 from tunebench.core import startup
+from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.machine import hardware, metrics
 from tunebench.machine.hardware import GPU, Hardware
@@ -263,7 +264,7 @@ class FakeCompiler:
 
 
 def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch):
-    auto = hardware.Decision("compile", "auto", "")
+    auto = Decision("compile", "auto", "")
     fake = FakeCompiler(monkeypatch)
     # too short to measure: 5,000 tokens at 100 tokens/s is 50 s
     row = compiler.pick(None, auto, False, fake.measure, 5_000, _shape("k1"), 1)
@@ -287,18 +288,18 @@ def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch
 
 def test_compile_auto_drops_a_compile_that_does_not_help(monkeypatch):
     fake = FakeCompiler(monkeypatch, compiled=101.0)
-    row = compiler.pick(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, _shape("k2"), 1)
+    row = compiler.pick(None, Decision("compile", "auto", ""), False, fake.measure, 100_000, _shape("k2"), 1)
     assert row[1] is False and "no gain" in row[2] and not fake.on
     fake.compiles = 0
-    row = compiler.pick(None, hardware.Decision("compile", "auto", ""), False, fake.measure, 100_000, _shape("k2"), 1)
+    row = compiler.pick(None, Decision("compile", "auto", ""), False, fake.measure, 100_000, _shape("k2"), 1)
     assert row[1] is False and "no gain" in row[2] and fake.compiles == 0  # from the cache, not remeasured
 
 
 def test_compile_asked_for_or_refused(monkeypatch):
     fake = FakeCompiler(monkeypatch)
-    assert compiler.pick(None, hardware.Decision("compile", True, "asked for"), False, fake.measure, 1, _shape("k3"), 1) == \
+    assert compiler.pick(None, Decision("compile", True, "asked for"), False, fake.measure, 1, _shape("k3"), 1) == \
         ("compile", True, "asked for") and fake.compiles == 1
-    row = compiler.pick(None, hardware.Decision("compile", "auto", ""), True, fake.measure, 1e9, _shape("k3"), 1)
+    row = compiler.pick(None, Decision("compile", "auto", ""), True, fake.measure, 1e9, _shape("k3"), 1)
     assert row[1] is False and "bitsandbytes" in row[2] and fake.compiles == 1
 
 
@@ -576,7 +577,7 @@ def test_compile_is_measured_only_when_its_cost_fits_the_measuring_budget(monkey
 
     from tunebench.training.tune.budget import Budget
 
-    fake, auto = FakeCompiler(monkeypatch), hardware.Decision("compile", "auto", "")
+    fake, auto = FakeCompiler(monkeypatch), Decision("compile", "auto", "")
     shape = dataclasses.replace(_shape("budget3"), where="Some CPU x2")  # tune.where's form for a CPU
     clock = Clock()
     row = compiler.pick(None, auto, False, fake.measure, 50_000, shape, 1, 100.0, budget=Budget(50_000, clock=clock))

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from tunebench.core.batch_rule import micro_candidates
+from tunebench.core.decision import Decision
 from tunebench.core.precision import DTYPES
 from tunebench.machine import hardware
-from tunebench.machine.hardware import Decision
 from tunebench.model.models import cache_dir
 from tunebench.settings.finetune import load_config
 from tunebench.training import runplan, summary

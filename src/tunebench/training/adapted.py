@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from tunebench.core.decision import Decision
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.data import batching, judged, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.machine import hardware, metrics
-from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig

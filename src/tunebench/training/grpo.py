@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tunebench.core.decision import Decision
 from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
-from tunebench.machine.hardware import Decision
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import adapted, checkpoint

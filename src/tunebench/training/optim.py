@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tunebench.machine.hardware import Decision
+from tunebench.core.decision import Decision
 
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: the last fifth of the steps decays (MiniCPM's recipe uses 10-20%)
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from tunebench.core import startup
+from tunebench.core.decision import Decision
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
 from tunebench.machine import distributed
-from tunebench.machine.hardware import Decision
 from tunebench.settings.rundir import RunDir
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_

@@ -93,7 +93,7 @@ def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
     return auto
 
 
-def host_rows(cfg, hw_plan: hardware.Plan) -> list[hardware.Decision]:
+def host_rows(cfg, hw_plan: hardware.Plan) -> list[Decision]:
     """The hardware plan's rows as this run takes them (compile is decided later, by measuring), with the
     dataloader keys HF and the CPU guide use: batches are slices of tokenized data in memory."""
     h = cfg.hardware
@@ -259,10 +259,10 @@ def every(steps: float | None, total: int) -> int | None:
     return max(1, round(steps * total)) if steps < 1 else int(steps)
 
 
-def compile_decision(plan: hardware.Plan, parallel: str) -> hardware.Decision:
+def compile_decision(plan: hardware.Plan, parallel: str) -> Decision:
     """What compiler.pick is asked: the plan's, except under FSDP sharding, where it is off."""
     if parallel == "fsdp":
-        return hardware.Decision("compile", False, "not combined with FSDP sharding here")
+        return Decision("compile", False, "not combined with FSDP sharding here")
     return plan.decision("compile")
 
 

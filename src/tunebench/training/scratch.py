@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from tunebench.core.decision import Decision
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.data import blocks, text, tokenizer_training
 from tunebench.machine import hardware, metrics
-from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import inference, kernels, models
 from tunebench.settings.pretrain import PretrainRun

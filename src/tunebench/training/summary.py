@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from tunebench.core.decision import Decision
 from tunebench.machine import hardware
 from tunebench.machine.distributed import World
-from tunebench.machine.hardware import Decision
 from tunebench.machine.metrics import describe_eval, mfu
 from tunebench.model import models
 from tunebench.training.runner import Outcome

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebench.core.decision import Decision as Row
+from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.model import kernels, methods
@@ -57,7 +57,7 @@ ALIKE = 1.05
 
 def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None, is_oom=is_oom,
          candidates: tuple[str, ...] = ATTENTION_KERNELS, budget: Budget | None = None,
-         known: Known | None = None, rows: int | None = None) -> Row:
+         known: Known | None = None, rows: int | None = None) -> Decision:
     """Set the attention kernel; `auto` times a probe step with each of `candidates` and keeps the
     fastest (cached).
 
@@ -77,7 +77,7 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
             raise TunebenchError(f"--attention {requested} cannot run here: {why}; use --attention auto (it measures "
                                  f"{', '.join(candidates)})")
         model.set_attn_implementation(requested)
-        return Row("attention", requested, "asked for")
+        return Decision("attention", requested, "asked for")
     key = shape.key("attention", candidates=candidates)
     if known is not None and budget is not None:
         candidates = known.kernel_order(candidates)
@@ -125,7 +125,7 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
         if not partial:
             store(key, hit)
     model.set_attn_implementation(hit["value"])
-    return Row("attention", hit["value"], hit["reason"])
+    return Decision("attention", hit["value"], hit["reason"])
 
 
 def _not_worth(impl: str, speeds: dict[str, float], cost: float, budget: Budget, known: Known | None) -> str | None:
@@ -163,12 +163,12 @@ class NoneFit(TunebenchError):
 
 def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int, precision: str,
            device: torch.device, checkpointing: str = "off", budget: Budget | None = None,
-           known: Known | None = None) -> list[Row]:
+           known: Known | None = None) -> list[Decision]:
     """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked. With
     gradient checkpointing on auto, rows that fit no kernel are measured again with recomputation on, and a
     gradient_checkpointing row says why (on an H200 filled to 1.5 GB, one 1,024-token row of GPT-2 fit no
     kernel without it, and the run stopped before the batch probe could turn it on)."""
-    def one() -> Row:
+    def one() -> Decision:
         return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
                     candidates=candidates(device, precision, model), budget=budget, known=known, rows=rows)
 
@@ -179,7 +179,7 @@ def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int,
             raise
     free_after_oom(model)
     enable_checkpointing(model)
-    return [Row("gradient_checkpointing", True, f"{rows} row(s) of {widest} tokens fit no attention kernel without it"),
+    return [Decision("gradient_checkpointing", True, f"{rows} row(s) of {widest} tokens fit no attention kernel without it"),
             one()]
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tunebench.core.batch_rule import micro_candidates
-from tunebench.core.decision import Decision as Row
+from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.training.tune import Shape, cached, store
 from tunebench.training.tune.budget import Budget
@@ -235,7 +235,7 @@ def cached_speed(shape: Shape, effective_batch_size: int, n_train: int, micro: i
 def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
                 device: torch.device, ranks_sharing: int = 1, time_budget: Budget | None = None,
                 known: Known | None = None, seen: dict[int, tuple[float, float, float]] | None = None) \
-        -> tuple[int, list[Row], float]:
+        -> tuple[int, list[Decision], float]:
     """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s.
     `effective_batch_size` is one rank's share; `ranks_sharing` ranks split this machine's RAM; `known` the
     nearest machine class's record and `seen` the sizes the attention pick timed (see `probe`)."""
@@ -244,7 +244,7 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
     hit = cached(key)
     result = Result.from_dict(hit["result"]) if hit and "result" in hit else None
     source = "cached probe"
-    rows: list[Row] = []
+    rows: list[Decision] = []
     if result is not None and hit.get("gradient_checkpointing"):
         enable_checkpointing(step.model)  # the probe that chose this size needed it
         rows.append(("gradient_checkpointing", True, "micro batch 1 did not fit without it (cached probe)"))
@@ -271,6 +271,6 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
                         "gradient_checkpointing": shape.gradient_checkpointing == "auto" and checkpointing_on(step.model),
                         **model_size(step.model)})  # the model's size and depth, for `tunebench hw --record`
     print(f"batch-size probe ({source}):\n{format_table(result)}")
-    rows.insert(0, Row("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
+    rows.insert(0, Decision("micro_batch_size", result.micro_batch_size, f"{result.reason} ({source})"))
     speed = next(p.tokens_per_s for p in result.probes if p.micro_batch_size == result.micro_batch_size)
     return result.micro_batch_size, rows, speed

@@ -9,9 +9,8 @@ import time
 
 import torch
 
-from tunebench.core.decision import Decision as Row
+from tunebench.core.decision import Decision
 from tunebench.core.paths import cache_dir
-from tunebench.machine import hardware
 from tunebench.training.tune import Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
@@ -80,8 +79,8 @@ def _undo(model, e: Exception) -> str:
     return f"{type(e).__name__}: {first}"
 
 
-def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
-         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default", budget=None) -> Row:
+def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
+         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default", budget=None) -> Decision:
     """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
 
     The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
@@ -94,23 +93,23 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
         if asked.value:
             failed = compiles(model, measure, mode)
             if failed:
-                return Row("compile", False, f"{asked.reason}, but compiling failed ({failed}): running eagerly")
-        return Row("compile", asked.value, asked.reason + ("" if mode == "default" or not asked.value
+                return Decision("compile", False, f"{asked.reason}, but compiling failed ({failed}): running eagerly")
+        return Decision("compile", asked.value, asked.reason + ("" if mode == "default" or not asked.value
                                                           else f", mode {mode}"))
     if quantized:
-        return Row("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
+        return Decision("compile", False, "bitsandbytes layers break the compiled graph; --compile on to try")
     key = shape.key("compile", micro_batch_size=micro_batch_size, **({"mode": mode} if mode != "default" else {}))
     hit = cached(key)
     if hit is None:
         run_s = run_tokens / (eager_speed or measure())
         if run_s < COMPILE_MEASURE_MIN_S:
-            return Row("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
+            return Decision("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
         cost, known = measuring_cost(shape.where)
         if budget is not None:
             budget.saw(eager_speed)
             if not budget.affords(cost):
-                return Row("compile", False, f"{budget.why_not(cost)} (measuring compile: {known}); --compile on "
+                return Decision("compile", False, f"{budget.why_not(cost)} (measuring compile: {known}); --compile on "
                                           "to force")
         began = time.perf_counter()
         try:
@@ -118,7 +117,7 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
             torch._dynamo.reset()  # again, from the compiler's disk cache: the warm-up later runs pay
             warm = warm_up_compiled(model, measure, mode)
         except Exception as e:  # noqa: BLE001 - a failed compile: see compiles()
-            return Row("compile", False, f"compiling failed ({_undo(model, e)}): running eagerly")
+            return Decision("compile", False, f"compiling failed ({_undo(model, e)}): running eagerly")
         eager, compiled = eager_vs_compiled(measure)
         hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
         store(key, hit)
@@ -126,24 +125,24 @@ def pick(model, asked: hardware.Decision, quantized: bool, measure, run_tokens: 
         measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager, alternating; warm-up {cold:.0f} s, "
                     f"{warm:.0f} s from cache")
         if compiled > 1.03 * eager:
-            return Row("compile", True, measured)
+            return Decision("compile", True, measured)
         uncompile_blocks(model)
-        return Row("compile", False, measured + ": no gain")
+        return Decision("compile", False, measured + ": no gain")
     eager, compiled, warm = hit["eager"], hit["compiled"], hit["warmup_s"]
     run_s = run_tokens / eager
     saved = run_s * (1 - eager / compiled)
     measured = f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager"
     if compiled <= 1.03 * eager:
-        return Row("compile", False, measured + ": no gain")
+        return Decision("compile", False, measured + ": no gain")
     if saved <= warm:
-        return Row("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
+        return Decision("compile", False, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run, "
                                   f"less than its {warm:.0f} s warm-up")
     try:
         warm = warm_up_compiled(model, measure, mode)
     except Exception as e:  # noqa: BLE001 - a failed compile: see compiles()
-        return Row("compile", False, f"compiling failed ({_undo(model, e)}): running eagerly")
+        return Decision("compile", False, f"compiling failed ({_undo(model, e)}): running eagerly")
     store(key, dict(hit, warmup_s=round(warm, 1)))
-    return Row("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
+    return Decision("compile", True, f"{measured}: saves ~{saved:.0f} s of this ~{run_s:.0f} s run for a {warm:.0f} s "
                              "warm-up")
 
 

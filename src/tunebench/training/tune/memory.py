@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tunebench.machine.hardware import Decision
+from tunebench.core.decision import Decision
 
 MB = 2**20
 # bytes a token keeps per layer, as (per h, per kv, per f), sdpa attention, LoRA on q/v with dropout
