@@ -107,15 +107,21 @@ with open(out / "metrics.jsonl", "a") as f:
 """
 
 
-def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumable_checkpoint(tmp_path):
-    """With a stand-in for `tunebench train` (the queue's logic, not training: that is the browser test's)."""
+def _fake_studio(tmp_path, pace: str):
+    """A studio whose runs are FAKE_TRAIN (seconds per step in RUNS/pace), and its runs directory."""
     fake = tmp_path / "tunebench_fake_train.py"
     fake.write_text(FAKE_TRAIN)
     runs = tmp_path / "runs"
     runs.mkdir()
-    (runs / "pace").write_text("0.05")
+    (runs / "pace").write_text(pace)
     s = studio.Studio(runs)
     s.program = [sys.executable, str(fake)]
+    return s, runs
+
+
+def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumable_checkpoint(tmp_path):
+    """With a stand-in for `tunebench train` (the queue's logic, not training: that is the browser test's)."""
+    s, runs = _fake_studio(tmp_path, "0.05")
     data = str(_csv(tmp_path / "d.csv"))
     assert s.start(studio.Ask(data, "first", "tiny")) == "first: starting"
     assert s.start(studio.Ask(data, "second", "tiny")) == "second: queued, 1 run ahead"
@@ -168,13 +174,7 @@ def test_an_upload_while_a_run_is_queued_is_kept_and_the_queued_runs_upload_surv
 def test_a_start_that_raises_is_recorded_as_failed_and_the_queue_goes_on(tmp_path, monkeypatch):
     """Whatever a start raises (here a config that cannot be written), the run ends as failed with the reason in
     its log, and the run queued behind it starts: the queue never wedges on a start."""
-    fake = tmp_path / "tunebench_fake_train.py"
-    fake.write_text(FAKE_TRAIN)
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / "pace").write_text("0")
-    s = studio.Studio(runs)
-    s.program = [sys.executable, str(fake)]
+    s, _ = _fake_studio(tmp_path, "0")
     real = studio.children.start
 
     def start(job, cfg, run, **kw):

@@ -59,9 +59,10 @@ def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
     from tunebench.data import formats
 
     given = body.get("tools")
-    if isinstance(given, list) and (len(given) > MAX_TOOLS or len(json.dumps(given)) > MAX_TOOLS_BYTES):
-        raise ApiError(400, f"'tools' offers {len(given)} functions in {len(json.dumps(given)):,} bytes; serve takes "
-                       f"up to {MAX_TOOLS} in {MAX_TOOLS_BYTES:,} bytes", param="tools")
+    size = len(json.dumps(given)) if isinstance(given, list) else 0
+    if isinstance(given, list) and (len(given) > MAX_TOOLS or size > MAX_TOOLS_BYTES):
+        raise ApiError(400, f"'tools' offers {len(given)} functions in {size:,} bytes; serve takes up to {MAX_TOOLS} "
+                       f"in {MAX_TOOLS_BYTES:,} bytes", param="tools")
     try:
         tools = formats.row_tools(given)
     except (TunebenchError, RecursionError) as e:
