@@ -3,15 +3,22 @@ by the built-in SmolLM2-135M-Instruct at batch 1, 8 and 32, 128 new tokens each 
 the whole vocabulary, EOS ignored so every row runs the full length), through
 
 - `hf`: transformers' `generate` on the model as transformers loads it (fp32), the peer;
+- `hf-static`: the same with `cache_implementation="static"` (on a GPU transformers then compiles the decoding
+  step itself: its fast path); on a GPU only (--hf-static on a CPU);
 - `hf-placed`: transformers' `generate` under inference.Placed (the precision and autocast a training run picks on
   this machine): what eval --generate, generate, chat and serve ran before they moved to the loop below;
 - `tunebench`: inference.Placed.decode, model/decoding.py's loop under the same Placed: what GRPO's sampling,
-  eval --generate, generate, chat, serve and its OpenAI API run;
+  eval --generate, generate, chat, serve and its OpenAI API run (on a GPU its step is a CUDA graph);
+- `tb-eager`: the same loop on transformers' DynamicCache, eager steps (on a GPU only: elsewhere it is
+  `tunebench`);
 - `llama.cpp`: the f16 GGUF of the same model (tunebench's own GGUF writer) through llama.cpp's C API
   (llama-cpp-python's bindings: every row a sequence of one batch, llama.cpp's own sampler), the physical
   reference: a C++ runtime built for this CPU, which GRPO cannot train through;
 
-interleaved over --repeats rounds, each ratio against the peer in the same round.
+interleaved over --repeats rounds, each ratio against the peer in the same round; each path runs once untimed
+before its first timed run at each batch size (first-call allocations and compiles out of the figures). First,
+the greedy tokens of batch 8 (the same prompt, EOS ignored): `tunebench` and `tb-eager` against `hf-placed` (the
+same weights under the same autocast), counted as equal rows.
 
     .venv/bin/python benchmarks/generation.py
     .venv/bin/python benchmarks/generation.py --batches 1 8 32 --new-tokens 128 --repeats 3
@@ -35,6 +42,7 @@ def main() -> int:
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (llama-cpp-python missing)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a preset or model directory")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (gpt2-124m where no tokenizer ships)")
+    ap.add_argument("--hf-static", action="store_true", help="also time hf-static on a CPU")
     ap.add_argument("--check-args", action="store_true", help=argparse.SUPPRESS)  # gpu_session.sh --dry-run
     args = ap.parse_args()
     if args.check_args:
@@ -44,7 +52,7 @@ def main() -> int:
 
     import torch
 
-    from tunebench.model import inference, models
+    from tunebench.model import decoding, inference, models
 
     loaded = models.resolve(args.model, args.tokenizer)
     tok = loaded.tokenizer
@@ -74,24 +82,55 @@ def main() -> int:
         with torch.no_grad():
             return peer.generate(**kwargs)
 
+    def hf_static(**kwargs):
+        with torch.no_grad():
+            return peer.generate(**kwargs, cache_implementation="static")
+
     def hf_placed(**kwargs):
         with placed.running() as model:
             return model.generate(**kwargs)
+
+    def eager(input_ids, attention_mask, temperature, top_p, max_new_tokens, **_):
+        with placed.running() as model:
+            return torch.cat([input_ids, decoding.decode(model, input_ids, attention_mask, max_new_tokens, None,
+                                                         tok.pad_token_id, temperature, top_p, cache="dynamic")], 1)
 
     def ours(input_ids, attention_mask, temperature, top_p, max_new_tokens, **_):
         # EOS ignored (eos None), as min_new_tokens makes generate do
         return torch.cat([input_ids, placed.decode(input_ids, attention_mask, max_new_tokens, temperature, top_p,
                                                    eos=None)], 1)
 
-    paths = {"hf": hf, "hf-placed": hf_placed, "tunebench": ours}
+    # hf-static last: its first call at each batch size compiles, and a cut run keeps the figures before it
+    paths = {"hf": hf, "tunebench": ours, "hf-placed": hf_placed, **({"tb-eager": eager} if device == "cuda" else {}),
+             **({"hf-static": hf_static} if device == "cuda" or args.hf_static else {})}
     if not args.no_llama_cpp:
         paths["llama.cpp"] = LlamaCpp(loaded, max(args.batches), ids.shape[1] + args.new_tokens)
-    for fn in paths.values():
-        run(None, fn, 1)  # warm-up: first-call allocations out of the figures
+    greedy = {}
+    x = ids.repeat(8, 1)
+    for name in ("hf-placed", "tunebench", "tb-eager"):
+        if name in paths:
+            kwargs = dict(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=args.new_tokens,
+                          min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id, use_cache=True)
+            if name == "hf-placed":
+                greedy[name] = hf_placed(**kwargs)[:, x.shape[1]:]
+            else:
+                with placed.running() as model:
+                    greedy[name] = decoding.decode(model, x, kwargs["attention_mask"], args.new_tokens, None,
+                                                   tok.pad_token_id, cache="dynamic" if name == "tb-eager" else "auto")
+    for name in ("tunebench", "tb-eager"):
+        if name in greedy:
+            same = greedy[name].eq(greedy["hf-placed"])
+            first = int(same.all(0).logical_not().nonzero()[0]) if not bool(same.all()) else None
+            print(f"greedy, batch 8, {args.new_tokens} tokens: {name} against hf-placed: "
+                  f"{int(same.all(1).sum())}/8 rows equal" + ("" if first is None else f", first difference at token {first}"))
     figures = {(p, b): [] for p in paths for b in args.batches}
     for r in range(args.repeats):
         for b in args.batches:
             for name, fn in paths.items():
+                if r == 0:
+                    began = time.perf_counter()
+                    run(None, fn, b)  # warm-up: first-call allocations and compiles out of the figures
+                    print(f"warm-up: {name:<10} batch {b:>3}: {time.perf_counter() - began:6.1f} s", flush=True)
                 figures[(name, b)].append(run(None, fn, b))
                 print(f"round {r + 1}: {name:<10} batch {b:>3}: {figures[(name, b)][-1]:8.1f} tokens/s", flush=True)
     where = (torch.cuda.get_device_name(0) if device == "cuda"

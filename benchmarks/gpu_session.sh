@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# What a lent GPU machine (the device tool) runs, from the repository root: the `gpu` tests, the HF Trainer +
-# PEFT comparison at the study's settings and at GPU-sized ones (gpt2-124m, and a 360M Llama-family model built
-# from a config), a torch.profiler trace of one step of each side, the decoding loop against HF generate, and
-# `compare --matrix study` on the CPU and the GPU in one report. Everything goes to $OUT (logs, the tests'
-# JUnit XML and run records, the benchmarks' raw JSON, the traces); copy it to benchmarks/gpu-<GPU>-<date>/.
-#   bash benchmarks/gpu_session.sh [--dry-run] STEP...   STEP: tests (memory-tests) study gpu-sized llama generation compare, all
+# What a lent GPU machine (the device tool) runs, from the repository root, most valuable first (a lend can end
+# mid-call): `compare --matrix study` on the machine's CPU and its GPU in one report (the study's central table),
+# then a GPU that is full (benchmarks/gpu_fill.py: SmolLM2-1.7B's shape at 2,048 tokens, LoRA and full, against
+# HF Trainer + PEFT), then the decoding loop against HF generate, then the rest: the `gpu` tests, the HF Trainer +
+# PEFT comparison at the study's and GPU-sized settings (gpt2-124m, a 360M Llama from a config) with torch.profiler
+# traces of one step of each side. Every step writes to $OUT (logs, JSON, CSV, report); with PACK=FILE.tar.gz the
+# whole of $OUT is packed into FILE after each step, so what finished comes back even if the call is cut.
+#   bash benchmarks/gpu_session.sh [--dry-run] STEP...
+#   STEP: compare fill generation tests memory-tests study gpu-sized llama, or all (that order)
 # --dry-run runs on any machine without a GPU: every step's Python imports and arguments are checked (the
 # tests are collected, each benchmark parses its arguments, tunebench parses its command line) and nothing
 # trains; tests/test_benchmarks.py runs it, so the script is ready the day a GPU is lent.
-# Sizes come from the environment: REPEATS (2), SAMPLES (4514), EPOCHS (3; the Llama run takes 1), TEST_WORKERS (4).
+# Sizes come from the environment: REPEATS (2), SAMPLES (4514), EPOCHS (3; the Llama run takes 1), TEST_WORKERS (4),
+# STEPS (compare's optimizer steps per experiment, 20); LIMIT_<STEP> caps a step's seconds (e.g. LIMIT_COMPARE=240).
 # Needs .gpu/ carried beside the checkout: .gpu/site (bitsandbytes, unpacked from its wheel: the machine has
-# no registry) and .gpu/data (GPT-2's tokenizer, the Bitext sample and GSM8K from ../shared/data).
+# no registry), .gpu/data (GPT-2's tokenizer, the Bitext sample, tinyshakespeare and the LLaMA-Factory demo's
+# wiki and C4 texts from ../shared/data) and .gpu/smollm2-tokenizer (SmolLM2's tokenizer files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
@@ -44,10 +49,7 @@ tunebench() {  # tunebench LOG ARGS...: the command line, parsed only in a dry r
 
 step_tests() {
   local pytest=(python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts=-ra --timeout 300)
-  if ((dry)); then "${pytest[@]}" --collect-only -q >/dev/null || exit 1; tunebench hw.txt hw; return; fi
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
-  python3 -c "import torch, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| bitsandbytes', bitsandbytes.__version__)" | tee "$OUT/versions.txt"
-  tunebench hw.txt hw
+  if ((dry)); then "${pytest[@]}" --collect-only -q >/dev/null || exit 1; return; fi
   # Tests that fill the GPU's memory run alone, after the others (which share the GPU across workers).
   TUNEBENCH_GPU_ARTIFACTS="$OUT/runs" "${pytest[@]}" -n "${TEST_WORKERS:-4}" -k "not ($memory_tests)" \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
@@ -94,17 +96,45 @@ step_generation() {  # model/decoding.py's loop against transformers' generate, 
 }
 
 step_compare() {  # the study's CPU and GPU configurations in one report, with the CPU-vs-GPU speedups
+  if ((!dry)); then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
+    python3 -c "import torch, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| bitsandbytes', bitsandbytes.__version__)" | tee "$OUT/versions.txt"
+  fi
+  tunebench hw.txt hw
   tunebench compare.log compare --matrix study --model gpt2-124m --tokenizer "$tok" --data "$bitext" \
-    --max-samples 400 --max-steps 30 --output "$OUT/compare/results.csv"
+    --max-samples 400 --max-steps "${STEPS:-20}" --output "$OUT/compare/results.csv"
 }
 
+step_fill() {  # SmolLM2-1.7B's shape from a config, 2,048 tokens a row, LoRA and full, against HF Trainer + PEFT
+  bench benchmarks/gpu_fill.py fill.log --tokenizer .gpu/smollm2-tokenizer --out "$OUT/fill" --models /tmp/fill-models
+}
+
+pack() {  # $OUT packed into $PACK (weights left out), replaced whole so that a cut call leaves the last one
+  [[ -n ${PACK:-} ]] && ((!dry)) || return 0
+  tar czf "$PACK.part" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.pth' \
+    --exclude='*.gguf' -C "$OUT" . && mv "$PACK.part" "$PACK"
+}
+
+all=(compare fill generation tests study gpu-sized llama)
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests)
-[[ ${steps[*]} == all ]] && steps=(tests study gpu-sized llama generation compare)
+[[ ${#steps[@]} -eq 0 ]] && steps=(compare)
+[[ ${steps[*]} == all ]] && steps=("${all[@]}")
 for s in "${steps[@]}"; do
   case $s in
-    tests|memory-tests|study|gpu-sized|llama|generation|compare) echo "== $s $(date -u +%H:%M:%S)"; "step_${s//-/_}" ;;
-    *) echo "gpu_session.sh: unknown step '$s'; the steps are tests memory-tests study gpu-sized llama generation compare, all" >&2
+    compare|fill|generation|tests|memory-tests|study|gpu-sized|llama)
+      echo "== $s $(date -u +%H:%M:%S)"
+      var=LIMIT_$(tr 'a-z-' 'A-Z_' <<<"$s"); limit=${!var:-}
+      if [[ -n $limit ]] && ((!dry)); then
+        export -f "step_${s//-/_}" bench tunebench step_memory_tests
+        export dry tok bitext llama repeats samples epochs memory_tests
+        timeout --signal=TERM --kill-after=15 "$limit" bash -c "step_${s//-/_}" || echo "== $s ended with $? (limit ${limit} s)"
+      else
+        "step_${s//-/_}"
+      fi
+      pack ;;
+    *) echo "gpu_session.sh: unknown step '$s'; the steps are ${all[*]}, memory-tests, or all" >&2
        exit 2 ;;
   esac
 done
+echo "== end $(date -u +%H:%M:%S)"
+pack

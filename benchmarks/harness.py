@@ -12,13 +12,19 @@ import time
 from pathlib import Path
 
 
-def step_clock():
-    """A TrainerCallback that records the time at the end of every optimizer step (`.marks`)."""
+def step_clock(on_begin=None):
+    """A TrainerCallback that records the time at the end of every optimizer step (`.marks`), cleared when
+    training (re)starts, as auto_find_batch_size restarts it after an OOM; `on_begin` is called then too."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self):
             self.marks: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.marks.clear()
+            if on_begin is not None:
+                on_begin()
 
         def on_step_end(self, args, state, control, **kw):
             self.marks.append(time.perf_counter())

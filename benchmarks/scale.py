@@ -29,11 +29,13 @@ SHAPES = {  # name: (hidden, layers, heads, KV heads, FFN)
     "0.135b": (576, 30, 9, 3, 1536),  # SmolLM2-135M's shape
     "0.42b": (1024, 24, 16, 4, 4096),
     "1.07b": (2048, 22, 32, 4, 5632),
+    "1.7b": (2048, 24, 32, 32, 8192),  # SmolLM2-1.7B's shape (gpu_fill.py's)
 }
 
 
-def build(name: str, out: Path) -> Path:
-    """The shape as a model directory (random weights, seeded) with SmolLM2's tokenizer; built once."""
+def build(name: str, out: Path, tokenizer: str | None = None, device: str = "cpu") -> Path:
+    """The shape as a model directory (random weights, seeded) with SmolLM2's tokenizer (the built-in model's, or
+    the directory `tokenizer`), initialised on `device`; built once."""
     if (out / "config.json").is_file():
         return out
     import torch
@@ -42,16 +44,19 @@ def build(name: str, out: Path) -> Path:
     from tunebench.model import models
 
     hidden, layers, heads, kv, ffn = SHAPES[name]
-    tok = models.resolve(models.SMOLLM2).tokenizer
+    tok = models.load_tokenizer(tokenizer) if tokenizer else models.resolve(models.SMOLLM2).tokenizer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.device(device):  # a 1.7B model initialises in seconds on a GPU, in a minute on a few cores
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters -> {out}", flush=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    part = out.with_name(out.name + ".part")  # renamed when whole: a cut build is not taken for a built one
+    model.save_pretrained(part)
+    tok.save_pretrained(part)
+    part.rename(out)
     return out
 
 

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TUNEBENCH_SHARED_DATA") or ROOT.parent / "shared" / "data")
 BITEXT = SHARED / "bitext-early-official-4514rows" / "Bitext_Sample_Customer_Support_Training_Dataset.csv"
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1}  # on the model family's attention projections (auto)
+LEARNING_RATES = {"lora": 2e-4, "full": 2e-5}  # both sides, per --method
 
 
 def _common(args):
@@ -90,10 +91,13 @@ def worker_peer(args) -> dict:
         ids = data.example(i)[0].tolist()
         pad = args.max_length - len(ids) if args.peer_padding == "max_length" else 0
         rows.append({"input_ids": ids + [tok.pad_token_id] * pad, "attention_mask": [1] * len(ids) + [0] * pad})
-    modules, _ = methods.target_modules(loaded.model, "auto")
-    model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
+    if args.method == "full":  # every weight trained: the model as transformers loaded it (fp32, bf16 autocast)
+        model = loaded.model
+    else:
+        modules, _ = methods.target_modules(loaded.model, "auto")
+        model = get_peft_model(loaded.model, LoraConfig(task_type="CAUSAL_LM", target_modules=modules, **LORA))
     micro = args.peer_micro_batch
-    accum = args.effective_batch // micro
+    accum = max(1, args.effective_batch // micro)
     collator = DataCollatorForLanguageModeling(tok, mlm=False)
     batch_tokens: list[int] = []  # real tokens of each micro batch, in the order the Trainer takes them
 
@@ -102,13 +106,14 @@ def worker_peer(args) -> dict:
         batch_tokens.append(int(batch["attention_mask"].sum()))
         return batch
 
-    clock = harness.step_clock()
+    clock = harness.step_clock(on_begin=batch_tokens.clear)  # an OOM retry (--peer-micro auto) starts them again
     fields = TrainingArguments.__dataclass_fields__
     grouping = {"train_sampling_strategy": "group_by_length"} if args.peer_padding == "longest" and \
         "train_sampling_strategy" in fields else {}
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-        num_train_epochs=args.epochs, learning_rate=2e-4, warmup_steps=0.03, lr_scheduler_type="cosine",
+        num_train_epochs=args.epochs, learning_rate=LEARNING_RATES[args.method], warmup_steps=0.03,
+        lr_scheduler_type="cosine", auto_find_batch_size=args.peer_find_batch,
         logging_steps=1000, save_strategy="no", report_to=[], bf16=args.peer_precision == "bf16",
         use_cpu=device == "cpu", dataloader_num_workers=0, seed=42, disable_tqdm=True, **grouping,
     )
@@ -118,6 +123,7 @@ def worker_peer(args) -> dict:
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
+    micro = trainer._train_batch_size  # halved on each OOM when auto_find_batch_size found one
     steps = len(clock.marks)
     skip = 2  # warm-up steps excluded, as tunebench does
     measured_tokens = sum(batch_tokens[skip * accum:])  # the loader may run one batch ahead: a batch at most
@@ -144,7 +150,8 @@ def worker_tunebench(args) -> dict:
         "train.progress": False, "train.device": _device(args), "train.epochs": args.epochs,
         "adapter.r": LORA["r"], "adapter.lora_alpha": LORA["lora_alpha"], "adapter.lora_dropout": LORA["lora_dropout"],
         "adapter.target_modules": "auto", "train.effective_batch_size": args.effective_batch,
-        "hardware.measure": args.measure, "hardware.precision": args.precision,
+        "hardware.measure": args.measure, "hardware.precision": args.precision, "adapter.method": args.method,
+        "train.learning_rate": LEARNING_RATES[args.method],
     })
     s = finetune.run(cfg)
     chosen = {d["setting"]: d["value"] for d in json.loads((Path(out) / "plan.json").read_text())["decisions"]}
@@ -270,7 +277,10 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=1)
     p.add_argument("--peer-micro", default="4",
                    help="the peer's micro batch (accumulation makes up the effective batch); 'same': tunebench's "
-                        "probed micro batch of the same repeat")
+                        "probed micro batch of the same repeat; 'auto': start there, HF's auto_find_batch_size "
+                        "halving it on each CUDA OOM (accumulation kept, as HF keeps it)")
+    p.add_argument("--method", default="lora", choices=["lora", "full"],
+                   help="both sides: LoRA (r=8 on the attention projections, lr 2e-4) or full fine-tuning (lr 2e-5)")
     p.add_argument("--peer-padding", default="max_length", choices=["max_length", "longest"],
                    help="max_length: the study's; longest: pad each batch to its longest row, grouped by length")
     p.add_argument("--save", default=None, help="write every run's raw result and the medians to this JSON file")
@@ -297,6 +307,7 @@ def main() -> None:
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--micro-batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--peer-micro-batch", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--peer-find-batch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -311,7 +322,7 @@ def main() -> None:
     common = ["--model", args.model, "--data", args.data, "--samples", str(args.samples),
               "--max-length", str(args.max_length), "--device", args.device, "--epochs", str(args.epochs),
               "--effective-batch", str(args.effective_batch), "--peer-padding", args.peer_padding,
-              "--measure", args.measure, "--precision", args.precision,
+              "--measure", args.measure, "--precision", args.precision, "--method", args.method,
               *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
     if args.sweep:
         print(f"{'model':>22} {'max_length':>10} {'micro':>5} {'side':>10} {'attention':>10} {'s/step':>8} "
@@ -350,8 +361,9 @@ def main() -> None:
     import torch
 
     where = torch.cuda.get_device_name(0) if _device(args) == "cuda" else f"{os.cpu_count()} CPUs"
-    print(f"model {args.model}, data {args.data}, {args.samples} rows, max_length {args.max_length}, effective "
-          f"batch {args.effective_batch}, {args.epochs:g} epoch(s), on {where}; runs alternate, each in its own process")
+    print(f"model {args.model}, {args.method}, data {args.data}, {args.samples} rows, max_length {args.max_length}, "
+          f"effective batch {args.effective_batch}, {args.epochs:g} epoch(s), on {where}; runs alternate, each in its "
+          "own process")
     runs: dict[str, list[dict]] = {}
     peers = args.peers.split(",") if args.peers else ["bf16"] + (["fp32"] if args.fp32_peer else [])
     plan = [("tunebench", None)] + [("peer", precision) for precision in peers]
@@ -359,9 +371,9 @@ def main() -> None:
         for worker, precision in plan:
             extra = ["--peer-precision", precision] if precision else []
             if worker == "peer":
-                micro = runs["tunebench (auto)"][-1]["micro_batch_size"] if args.peer_micro == "same" \
+                micro = runs["tunebench (auto)"][-1]["micro_batch_size"] if args.peer_micro in ("same", "auto") \
                     else int(args.peer_micro)
-                extra += ["--peer-micro-batch", str(micro)]
+                extra += ["--peer-micro-batch", str(micro), *(["--peer-find-batch"] if args.peer_micro == "auto" else [])]
             r = harness.spawn(__file__, ["--worker", worker, *extra, *common])
             runs.setdefault(r["side"], []).append(r)
             gpu = f"  GPU peak {r['gpu_peak_memory_mb']:.0f} MB" if r.get("gpu_peak_memory_mb") else ""

@@ -20,7 +20,7 @@ def test_every_step_of_the_gpu_session_is_ready_without_a_gpu(tmp_path):
     proc = dry_run("all", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("== ")] == [
-        "tests", "study", "gpu-sized", "llama", "generation", "compare"]
+        "compare", "fill", "generation", "tests", "study", "gpu-sized", "llama", "end"]
     assert not list(tmp_path.iterdir())  # nothing ran, so nothing was written
 
 

@@ -71,3 +71,31 @@ def test_each_sees_every_step_and_stops_the_decoding_when_it_says_so():
                           len(seen) == 3)
     assert out.shape == (2, 3) and out.T.tolist() == seen
     assert decoding.decode(model, ids, mask, 0, None, tok.pad_token_id).shape == (2, 0)
+
+
+@pytest.mark.parametrize("family,kernel", [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "sdpa")])
+def test_the_static_cache_path_a_gpu_replays_as_a_graph_makes_the_same_tokens_as_the_dynamic_one(family, kernel):
+    """On a CPU the static path runs its step eagerly: its inputs (token, position, the 4D mask over the
+    cache's slots) are what a GPU's graph replays, so a wrong slot or position shows here as other tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok = loaded.tokenizer
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2,
+                                           initializer_range=0.5)).eval()
+    else:
+        model = loaded.model.eval()
+    model.config._attn_implementation = kernel
+    assert decoding.static_ready(model)
+    ids, mask = _left_padded(tok, ["Hello there, how are", "Hi", "The order number is 12"])
+    dynamic = decoding.decode(model, ids, mask, 20, None, tok.pad_token_id, cache="dynamic")
+    static = decoding.decode(model, ids, mask, 20, None, tok.pad_token_id, cache="static")
+    assert static.tolist() == dynamic.tolist()
+    # EOS: a row that ends is padded after, in both (the second row's 3rd token made the EOS here)
+    eos = int(dynamic[1, 2])
+    with_eos = [decoding.decode(model, ids, mask, 20, eos, tok.pad_token_id, cache=c) for c in ("dynamic", "static")]
+    assert with_eos[0].tolist() == with_eos[1].tolist() and with_eos[0][1, 3:].eq(tok.pad_token_id).all()

@@ -480,3 +480,25 @@ def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, m
     for label in registry.labels:
         loaded, _ = registry.get(label)
         assert next(loaded.model.parameters()).device.type == "cuda", label
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_decoding_replays_its_step_as_a_cuda_graph_and_makes_the_dynamic_caches_tokens(kernel, caplog):
+    """model/decoding.py's static path on a GPU: the step captured once and replayed, greedy tokens equal to the
+    eager DynamicCache loop's under the same bf16 autocast, and no fall-back said."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tunebench.model import decoding
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=256, n_embd=128, n_layer=2, n_head=4,
+                                       initializer_range=0.5)).eval().cuda().to(torch.bfloat16)
+    model.config._attn_implementation = kernel
+    ids = torch.randint(3, 512, (3, 9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :7] = 0  # left padding
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), caplog.at_level("WARNING"):
+        dynamic = decoding.decode(model, ids, mask, 40, None, 0, cache="dynamic")
+        static = decoding.decode(model, ids, mask, 40, None, 0, cache="static")
+    assert "decoding eagerly" not in caplog.text
+    assert static.tolist() == dynamic.tolist()
