@@ -204,7 +204,7 @@ def _eager_because(reason: str) -> None:
         log.warning("decoding eagerly: %s", reason)
 
 
-def _captured(step, cache) -> Callable[[], torch.Tensor] | None:
+def _captured(step, cache) -> _Replay | None:
     """`step` captured as a CUDA graph, replayed by the callable returned; None (the reason logged) where capture
     fails. PyTorch wants one run before capture, on a side stream: it writes the cache's next slot (rewritten by
     the first real step) and advances the cache's write position, which is put back."""
@@ -229,11 +229,21 @@ def _captured(step, cache) -> Callable[[], torch.Tensor] | None:
         return _eager_because("the one-token step could not be captured as a CUDA graph "
                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return logits
+    return _Replay(graph, logits, step, cache)
 
-    return replay
+
+class _Replay:
+    """A captured step, replayed by calling it. It holds the cache and the step (whose closure holds its input
+    buffers): a CUDA graph reads and writes those tensors' memory but keeps none of them alive, and once freed
+    the allocator hands that memory to other tensors (a gpt2-124m decode then wrote past its cache: an H100's
+    index_copy_ assert, 2026-11-27)."""
+
+    def __init__(self, graph, logits: torch.Tensor, step, cache):
+        self.graph, self.logits, self.step, self.cache = graph, logits, step, cache
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
 
 
 def _by_generate(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each) -> torch.Tensor:
