@@ -200,6 +200,12 @@ def test_study_csv_reproduces_the_published_means_and_speedups():
     assert r["device_speedups"]["RTX 3080"] == pytest.approx(730.0 / 623.5)
     assert r["config_speedups"]["RTX 3080"]["bs8_ga1"] == pytest.approx(1170 / 312)
     assert any("RTX 3080 has the lowest mean duration (623.5 s)" in f for f in r["findings"])
+    # the study's central table: each device's configuration against the baseline device's
+    across = {(a["device"], a["config"]): a for a in r["across_devices"]}
+    assert across[("RTX 3080", "bs4_ga2")]["vs_same_config"] == pytest.approx(373 / 374)
+    assert across[("RTX 3080", "bs8_ga1")]["vs_same_config"] is None  # no CPU ran micro batch 8
+    assert across[("RTX 3080", "bs8_ga1")]["vs_baseline"] == pytest.approx(1180 / 312)
+    assert across[("CPU 32-core", "bs1_ga8")]["vs_baseline"] == pytest.approx(1.0) and len(across) == 18
 
 
 def test_report_combines_two_csvs_and_writes_html_and_md(tmp_path):
@@ -216,6 +222,8 @@ def test_report_combines_two_csvs_and_writes_html_and_md(tmp_path):
     assert "data:image/png;base64," in text  # self-contained
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| Laptop | 3 | 2,264.67 |" in md and (tmp_path / "rep" / "duration.png").is_file()
+    assert "## Each configuration on each device, against Laptop" in md  # the slowest device is the baseline
+    assert "| RTX 3080 | bs8_ga1 | 312.0 |  |  | 11.90x |" in md  # 3,714 s on the Laptop at bs1_ga8
 
 
 def test_report_errors():
@@ -237,7 +245,7 @@ def test_html_report_renders_its_charts_in_headless_chromium(tmp_path, chromium)
                            "--virtual-time-budget=3000", page.as_uri()], capture_output=True, text=True, timeout=120)
     title = proc.stdout.split("<title>")[1].split("</title>")[0]
     n_images = int(title.split(" images ok")[0])
-    assert n_images == len(report.charts(report.build([str(STUDY)]))) >= 2 and "3 tables" in title
+    assert n_images == len(report.charts(report.build([str(STUDY)]))) >= 2 and "4 tables" in title
 
 
 def test_a_rerun_goes_on_from_the_checkpoint_an_interrupted_experiment_left(tmp_path, monkeypatch):

@@ -118,6 +118,25 @@ def config_speedups(cells: dict[str, dict[str, Cell]], baseline_config: str) -> 
     return out
 
 
+def across_devices(cells: dict[str, dict[str, Cell]], baseline_device: str,
+                   baseline_config: str) -> list[dict]:
+    """The study's central table: every (device, configuration) with its time and speed, and its speedup over the
+    baseline device on the same configuration (None where the baseline device did not run it) and over the
+    baseline device's baseline configuration (the study's one "1x" row)."""
+    base = cells.get(baseline_device, {})
+    anchor = base[baseline_config].median("duration_seconds") if baseline_config in base else None
+    rows = []
+    for device, by_config in cells.items():
+        for config, cell in by_config.items():
+            t = cell.median("duration_seconds")
+            same = base[config].median("duration_seconds") if config in base else None
+            rows.append({"device": device, "config": config, "duration_s": t,
+                         "tokens_per_s": cell.median("tokens_per_s"),
+                         "vs_same_config": same / t if same and t else None,
+                         "vs_baseline": anchor / t if anchor and t else None})
+    return rows
+
+
 def findings(cells, stats, speedups, baseline_device) -> list[str]:
     """Sentences computed from the numbers; none is written in advance."""
     out = []
@@ -355,6 +374,7 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
         "runs": runs, "cells": cells, "stats": stats, "baseline_device": baseline_device,
         "baseline_config": baseline_config, "device_speedups": speedups,
         "config_speedups": config_speedups(cells, baseline_config),
+        "across_devices": across_devices(cells, baseline_device, baseline_config),
         "findings": findings(cells, stats, speedups, baseline_device),
     }
 
@@ -393,11 +413,17 @@ def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 _fmt(s["max_peak_memory_mb"], 0), f"{r['device_speedups'][d]:.2f}x"] for d, s in stats.items()]
     configs = list(dict.fromkeys(c for by in r["cells"].values() for c in by))
     cfg_rows = [[d] + [f"{sp[c]:.2f}x" if c in sp else "" for c in configs] for d, sp in r["config_speedups"].items()]
+    speedup = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
+    across = [[a["device"], a["config"], _fmt(a["duration_s"], 1), _fmt(a["tokens_per_s"], 0),
+               speedup(a["vs_same_config"]), speedup(a["vs_baseline"])] for a in r["across_devices"]]
     all_rows = [[_cell(run, k) for k in COLUMNS] + [run_report_of(run)] for run in r["runs"]]
     return [
         ("Per-device summary", ["device", "configs", "mean duration (s)", "fastest (s)", "slowest (s)",
                                 "mean tokens/s", "peak MB", f"speedup vs {r['baseline_device']}"], summary),
         (f"Speedup of each configuration vs {r['baseline_config']}", ["device"] + configs, cfg_rows),
+        (f"Each configuration on each device, against {r['baseline_device']}",
+         ["device", "config", "time (s)", "tokens/s", f"speedup vs {r['baseline_device']}, same config",
+          f"speedup vs {r['baseline_device']} {r['baseline_config']}"], across),
         ("All runs", COLUMNS + ["run report"], all_rows),
     ]
 
