@@ -111,7 +111,7 @@ step_fill() {  # SmolLM2-1.7B's shape from a config, 2,048 tokens a row, LoRA an
 
 pack() {  # $OUT packed into $PACK (weights left out), replaced whole so that a cut call leaves the last one
   [[ -n ${PACK:-} ]] && ((!dry)) || return 0
-  tar czf "$PACK.part" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.pth' \
+  tar czf "$PACK.part" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.pth' --exclude=tokenizer.json \
     --exclude='*.gguf' -C "$OUT" . && mv "$PACK.part" "$PACK"
 }
 
