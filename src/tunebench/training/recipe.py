@@ -114,7 +114,7 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
     memory_plan = memory.of_step(r.model, extra, micro, r.widest if packed or r.longest is None else r.longest,
-                                 DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime)
+                                 DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
         *r.method_rows,

@@ -8,8 +8,8 @@ peak = runtime + weights + trainable state + activations, where
   master weights, QLoRA's 4-bit blocks (and the fp32 copies prepare_model_for_kbit_training makes of the rest);
 - trainable state is each trained parameter's gradient and AdamW's two moments (4 + 8 bytes);
 - activations are the tensors autograd keeps for the backward pass, per token and layer, plus one layer's worth
-  again while the backward pass runs through it (and, with checkpointing, recomputes it), times TRANSIENT for
-  the backward pass's own gradients and the allocator's kept blocks.
+  again while the backward pass runs through it (and, with checkpointing, recomputes it), times TRANSIENT (by
+  device type) for the backward pass's own gradients and the allocator's kept blocks.
 
 No library predicts this (accelerate's estimate counts weights and Adam only), so the per-token coefficients are
 counted: autograd's saved-tensor hooks on Llama blocks in each method and precision gave the bytes each token
@@ -30,10 +30,13 @@ ADAPTER = {2: (20.0, 4.0, 6.0), 4: (32.0, 8.0, 12.0)}  # frozen base in the comp
 FULL = {2: (37.0, 4.0, 8.0), 4: (40.0, 8.0, 16.0)}  # fp32 master weights, under a 16-bit autocast or in fp32
 CHECKPOINTED = 2.5  # x h x bytes per value: a checkpointed layer keeps its input (and the hook's bookkeeping)
 # What the step's peak holds beyond the tensors autograd keeps: the backward pass's gradients of them and the
-# blocks the allocator keeps freed for the next micro batch. Measured against the training loop's peak RSS on
-# 2 AMX cores, bf16 LoRA at 128 tokens: 0.39-0.94 of the kept activations over six runs (0.135B, 0.42B and 1.07B,
-# micro batch 2, 4 and 8), 1.6 in all; not yet measured on a GPU, where it is taken alike.
-TRANSIENT = 1.6
+# blocks the allocator keeps freed for the next micro batch, as a factor on the kept activations, by device type.
+# CPU: measured against the training loop's peak RSS on 2 AMX cores, bf16 LoRA at 128 tokens: 0.39-0.94 of the kept
+# activations over six runs (0.135B, 0.42B and 1.07B, micro batch 2, 4 and 8), 1.6 in all. GPU: the peak is
+# torch's live allocations (the allocator's kept blocks are not in it) and sdpa runs flash kernels; on an H100
+# (2026-11-27, SmolLM2-1.7B's shape, 2,048 tokens, micro 4, bf16) the loop's peak made the factor 0.96 for LoRA and
+# 0.94 for full fine-tuning, 1.0 in all (the CPU's 1.6 read 56% and 34% high there). An MPS run is planned as a CPU's.
+TRANSIENT = {"cpu": 1.6, "cuda": 1.0}
 QLORA_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # nf4 with double quantization: 4 bits, an 8-bit absmax per 64, fp32 per 256
 STATE_BYTES = 4 + 8  # a trained parameter's gradient (fp32) and AdamW's two moments
 
@@ -134,9 +137,10 @@ class Plan:
 
 def predict(shape: Shape, method: str, value_bytes: int, trainable: int, micro: int, tokens: int,
             checkpointing: bool, attention: str = "sdpa", runtime_mb: float = 0.0,
-            weight_bytes: float | None = None) -> Plan:
+            weight_bytes: float | None = None, device_type: str = "cpu") -> Plan:
     """The plan for one training step. `value_bytes`: 2 under a 16-bit precision, 4 in fp32. `weight_bytes`: the
     weights as they are held, when known (a loaded model); else from the method."""
+    transient = TRANSIENT.get(device_type, TRANSIENT["cpu"])
     full = method == "full"
     if weight_bytes is None:
         if full:
@@ -151,9 +155,9 @@ def predict(shape: Shape, method: str, value_bytes: int, trainable: int, micro: 
         per_token_layer += 2 * value_bytes * shape.heads * tokens
     n = micro * tokens
     if checkpointing:  # each layer's input, and one layer's activations again while it is recomputed
-        kept = CHECKPOINTED * value_bytes * shape.hidden * n * shape.layers + TRANSIENT * per_token_layer * n
+        kept = CHECKPOINTED * value_bytes * shape.hidden * n * shape.layers + transient * per_token_layer * n
     else:
-        kept = TRANSIENT * per_token_layer * n * (shape.layers + 1)  # + the layer the backward pass is in
+        kept = transient * per_token_layer * n * (shape.layers + 1)  # + the layer the backward pass is in
     if full and value_bytes == 2:  # autocast's 16-bit copies of the fp32 weights, kept for the backward pass
         kept += 2.0 * shape.linear / (shape.layers if checkpointing else 1)  # (one layer's while it is recomputed)
     state = STATE_BYTES * trainable
@@ -169,7 +173,8 @@ def held_mb(model, extra=()) -> float:
     return (held + sum(p.numel() * p.element_size() for p in extra if id(p) not in own)) / MB
 
 
-def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: str, runtime: float) -> Plan:
+def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: str, runtime: float,
+            device_type: str) -> Plan:
     """The plan of a built model's step: its parameters' bytes as held (and those of `extra`, such as a full
     fine-tune's frozen reference copy), its trained parameters, the chosen micro batch, kernel and checkpointing.
     A model that trains most of its parameters is planned as a full fine-tune (fp32 weights under autocast)."""
@@ -180,7 +185,7 @@ def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: 
     full = trainable > sum(p.numel() for p in model.parameters()) / 2
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
     return predict(shape_of(model), "full" if full else "lora", value_bytes, trainable, micro, tokens,
-                   checkpointing_on(base), attention, runtime, held)
+                   checkpointing_on(base), attention, runtime, held, device_type)
 
 
 def row(plan: Plan, free_mb: float | None, device_type: str) -> Decision:
@@ -198,9 +203,11 @@ def refusal(plan: Plan, free_mb: float, what: str, fix: str) -> str | None:
             f"{free_mb / 1024:.1f} GB is free; {fix}")
 
 
-def smallest(shape: Shape, method: str, value_bytes: int, trainable: int, tokens: int, runtime_mb: float) -> Plan:
+def smallest(shape: Shape, method: str, value_bytes: int, trainable: int, tokens: int, runtime_mb: float,
+             device_type: str) -> Plan:
     """The least a run of this model and method can take: micro batch 1, gradient checkpointing on."""
-    return predict(shape, method, value_bytes, trainable, 1, tokens, True, runtime_mb=runtime_mb)
+    return predict(shape, method, value_bytes, trainable, 1, tokens, True, runtime_mb=runtime_mb,
+                   device_type=device_type)
 
 
 def check_fits(shape: Shape, what: str, method: str, value_bytes: int, lora_r: int, targets: str, tokens: int,
@@ -208,14 +215,14 @@ def check_fits(shape: Shape, what: str, method: str, value_bytes: int, lora_r: i
     """(the smallest step's plan, the refusal when even it does not fit `free_mb`, with the method that would)."""
     adapter = lora_params(shape, lora_r, "q_proj,v_proj" if targets == "auto" else targets)
     trainable = lambda m: shape.params if m == "full" else adapter  # noqa: E731
-    plan = smallest(shape, method, value_bytes, trainable(method), tokens, runtime_mb)
+    plan = smallest(shape, method, value_bytes, trainable(method), tokens, runtime_mb, device_type)
     if plan.total <= free_mb:
         return plan, None
     fixes = []
     for other in ("lora", "qlora"):
         if other == method or (other == "qlora" and device_type != "cuda"):  # bitsandbytes' 4-bit trains on GPUs
             continue
-        alt = smallest(shape, other, value_bytes, trainable(other), tokens, runtime_mb)
+        alt = smallest(shape, other, value_bytes, trainable(other), tokens, runtime_mb, device_type)
         if alt.total <= free_mb:
             fixes.append(f"--method {other} ({'a 4-bit base, ' if other == 'qlora' else 'a frozen base, '}"
                          f"about {alt.total / 1024:.1f} GB)")
