@@ -160,7 +160,7 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
 
 @pytest.mark.parametrize("options, message", [
     ({"adapter.num_generations": 1}, "--num-generations must be 2 or more"),
-    ({"adapter.loss_type": "bnpo"}, "adapter.loss_type .--loss-type. 'bnpo' is not one of dapo, grpo, dr_grpo"),
+    ({"adapter.loss_type": "bnpo"}, "adapter.loss_type .bnpo. is not one of dapo, grpo, dr_grpo"),
     ({"adapter.temperature": 0.0}, "--temperature must be above 0"),
     ({"evaluation.eval_generate": 4}, "GRPO's prompts have none"),
     ({"adapter.reward": []}, "needs at least one --reward"),

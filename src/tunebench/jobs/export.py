@@ -23,8 +23,8 @@ from tunebench.data import toolcalls
 from tunebench.jobs import quant_auto
 from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.settings.rundir import RunDir
+from tunebench.settings.schema import EXPORT_FORMATS
 
-FORMATS = ("gguf", "ollama", "hf")
 HF_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Held-out prompts for the logit check: none is in the built-in data, and they cover digits, code, and
 # text outside ASCII, where tokenizers and quantization go wrong first.
@@ -49,8 +49,8 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
            allow_download: bool = False, auto: quant_auto.Settings = quant_auto.Settings()) -> Path:
     """`auto`: how `--quant auto` scores the types (rows, tolerance, metric, answer length)."""
     # 1. Everything a user can get wrong, before any weight is read or any file written.
-    if fmt not in FORMATS:
-        raise TunebenchError(f"--format '{fmt}' is not one of {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise TunebenchError(f"--format '{fmt}' is not one of {', '.join(EXPORT_FORMATS)}")
     quant = check_quant(fmt, quant)
     source = find_source(run_dir)
     config = base_config(source, allow_download)

@@ -21,6 +21,12 @@ BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
 OBJECTIVES = ("sft", "dpo", "orpo", "kto", "grpo")  # next-token loss on the replies | preference pairs (data.pairs)
 # | single judgements (data.judged) | rewards of sampled completions (data.prompts, training.grpo)
+FORMATS = ("auto", "instruction", "alpaca", "question", "chat", "xlam", "text")  # data/formats.py reads each
+TRAIN_ON = ("response", "final", "all")
+ON_UNRENDERABLE = ("refuse", "drop")
+QUANTIZATIONS = ("none", "4bit", "8bit")
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo.py)
+SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's reward spread, or not
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class DataConfig:
     """CSV, JSON, JSONL, Parquet or a saved datasets directory (the built-in customer-support sample by default);
     several --data FILE:WEIGHT train on a mixture"""
     format: str = "auto"
-    """auto (from the columns) | instruction | alpaca | question (question + answer, GSM8K) | chat | text"""
+    """auto (from the columns) | instruction | alpaca | question (question + answer, GSM8K) | chat | xlam | text"""
     instruction_column: str = "instruction"
     """the prompt column of instruction data"""
     input_column: str = "input"
@@ -243,7 +249,11 @@ SCHEMA = schema.Schema(
     "train", SECTIONS, defaults={"data.max_length": None},  # auto: settled from the rows (adapted.settle_length)
     # the hardware guide's Hydra key; the rest of its keys are the flat sections' (schema.FLAT_SECTIONS)
     aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
-    hints=SYNONYMS, converters={"data.sources": _sources, "data.packing": lambda value: (
+    hints=SYNONYMS, choices={
+        "data.format": FORMATS, "data.train_on": TRAIN_ON, "data.on_unrenderable": ON_UNRENDERABLE,
+        "data.packing": schema.ON_OFF, "adapter.method": METHODS, "adapter.objective": OBJECTIVES,
+        "adapter.quantization": QUANTIZATIONS, "adapter.loss_type": LOSS_TYPES, "adapter.scale_rewards": SCALE_REWARDS},
+    converters={"data.sources": _sources, "data.packing": lambda value: (
         "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str),
         "adapter.reward": lambda value: _items("adapter.reward", value, str),
         "adapter.reward_weights": lambda value: _items("adapter.reward_weights", value, float)})
@@ -317,11 +327,6 @@ def replace(cfg: RunConfig, **dotted: Any) -> RunConfig:
     return new
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise TunebenchError(f"{key} '{value}' is not one of {', '.join(allowed)}; pick one of those")
-
-
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     SCHEMA.check(cfg)
     world_size = world_size or launched_world_size()
@@ -331,13 +336,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if d.sources and d.path != BUILTIN_DATA:
         raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
                              "(--data FILE:WEIGHT once per dataset)")
-    _choice("data.format", d.format, ("auto", "instruction", "alpaca", "question", "chat", "xlam", "text"))
-    _choice("data.train_on", d.train_on, ("response", "final", "all"))
-    _choice("data.on_unrenderable", d.on_unrenderable, ("refuse", "drop"))
-    _choice("data.packing", d.packing, ("auto", "on", "off"))
-    _choice("adapter.method", a.method, METHODS)
-    _choice("adapter.objective", a.objective, OBJECTIVES)
-    _choice("adapter.quantization", a.quantization, ("none", "4bit", "8bit"))
     for name, value in (("data.max_length (--max-length)", d.max_length), ("adapter.r (--lora-r)", a.r),
                         ("adapter.num_virtual_tokens", a.num_virtual_tokens),
                         ("data.max_samples (--max-samples)", d.max_samples)):
@@ -388,8 +386,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
 def check_grpo(a: AdapterConfig) -> None:
     """GRPO's settings, each with the fix. The rewards themselves are built by the job (training.rewards: a file or
     function that is not there, a regex that does not compile) before any model loads."""
-    _choice("adapter.loss_type (--loss-type)", a.loss_type, ("dapo", "grpo", "dr_grpo"))
-    _choice("adapter.scale_rewards (--scale-rewards)", a.scale_rewards, ("group", "none"))
     if a.num_generations < 2:
         raise TunebenchError(f"--num-generations must be 2 or more, got {a.num_generations}: GRPO's advantage is a "
                              "completion's reward against its group's; TRL's default is 8")

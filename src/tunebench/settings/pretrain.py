@@ -18,6 +18,7 @@ from tunebench.settings import schema
 from tunebench.settings.schema import parse_override, read_yaml
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")
+SPLITS = ("random", "tail")  # data.split: seeded random blocks, or the last validation_split of the corpus
 
 
 @dataclass
@@ -88,7 +89,7 @@ def _files(value: Any) -> str | None:
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, **schema.SHARED}
 SCHEMA = schema.Schema(
-    "pretrain", SECTIONS,
+    "pretrain", SECTIONS, choices={"model.activation": ACTIVATIONS, "data.split": SPLITS},
     # the CPU guide's defaults where they are not fine-tuning's
     defaults={"batch.micro_batch_size": 8, "optimizer.lr": 3e-4, "optimizer.weight_decay": 0.1,
               "schedule.warmup_ratio": 0.0, "output.output_dir": "runs/pretrain", "output.save_steps": 500,
@@ -200,11 +201,6 @@ def load(yaml_path: str | Path | None = None, options: dict[str, Any] | None = N
     return cfg
 
 
-def _choice(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise TunebenchError(f"{key} '{value}' is not one of {', '.join(map(str, allowed))}; pick one of those")
-
-
 def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -> PretrainRun:
     """`cfg` checked (the guide's trio resolved first); the run it describes."""
     if isinstance(cfg, PretrainConfig):
@@ -224,7 +220,6 @@ def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -
     if m.d_model % m.n_heads:
         raise TunebenchError(f"model.d_model {m.d_model} is not divisible by model.n_heads {m.n_heads}; "
                              f"pick n_heads among {', '.join(str(h) for h in range(1, 33) if m.d_model % h == 0)}")
-    _choice("model.activation", m.activation, ACTIVATIONS)
     if not m.pre_norm:
         raise TunebenchError("model.pre_norm: false (post-norm) has no standard Hugging Face causal LM to build on; "
                              "set pre_norm: true")
@@ -248,7 +243,6 @@ def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -
                              "data.max_length or raise model.max_seq_len")
     if m.init_std <= 0 or m.layer_norm_eps <= 0:
         raise TunebenchError("model.init_std and model.layer_norm_eps must be positive")
-    _choice("data.split", d.split, ("random", "tail"))
     if not d.pack_sequences:
         raise TunebenchError("data.pack_sequences: false is not supported: tunebench pretrains on blocks of "
                              "data.max_length tokens cut from the concatenated documents; set pack_sequences: true")

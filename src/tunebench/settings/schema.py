@@ -49,6 +49,7 @@ OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused")  # HF's names; all ar
 LR_SCALING = ("none", "linear", "sqrt")
 PARALLELS = ("auto", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
+EXPORT_FORMATS = ("gguf", "ollama", "hf")  # tunebench export --format (jobs/export.py), the studio's export
 DEFAULT_EFFECTIVE_BATCH = 8  # rows per optimizer step when no batch key says otherwise (the study's 8)
 
 
@@ -272,6 +273,7 @@ class Schema:
     aliases: dict[str, str]  # the job's own dotted spellings -> a dotted key
     hints: dict[str, str]  # names other tools use, for 'did you mean' only
     converters: dict[str, Any] = dataclasses.field(default_factory=dict)  # key -> its own reader (data.sources)
+    choices: dict[str, tuple] = dataclasses.field(default_factory=dict)  # the job's own keys' choices (CHOICES: shared)
 
     def keys(self) -> list[str]:
         return [f"{s}.{f.name}" for s, cls in self.sections.items() for f in dataclasses.fields(cls)]
@@ -378,8 +380,10 @@ class Schema:
                 if fixed != value:
                     raise TunebenchError(f"config key '{key}' holds {short(value)} as {type(value).__name__}; "
                                          f"give {fixed!r}")
-                if key in CHOICES and value not in CHOICES[key]:
-                    raise TunebenchError(f"{key} '{value}' is not one of {', '.join(CHOICES[key])}; pick one of those")
+                allowed = self.choices.get(key) or CHOICES.get(key)  # None: unset, where the type allows it
+                if allowed is not None and value is not None and value not in allowed:
+                    raise TunebenchError(f"{key} '{value}' is not one of {', '.join(map(str, allowed))}; pick one "
+                                         "of those")
 
     def to_dict(self, cfg: Any) -> dict[str, Any]:
         """The configuration as plain data, shaped as JSON and YAML read it back (a tuple as a list), so that a

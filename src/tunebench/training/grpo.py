@@ -44,9 +44,6 @@ from tunebench.training import rewards as rewards_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
-SCALE_REWARDS = ("group", "none")
-
 
 @dataclass(frozen=True)
 class Settings:

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from tunebench.core.precision import autocast
 from tunebench.training.loop import Batch, body_and_head
 
-OBJECTIVES = ("sft", "dpo", "orpo", "kto")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 STATS = {"dpo": REWARDS, "orpo": REWARDS + ("nll_loss", "log_odds_ratio", "log_odds_chosen"),

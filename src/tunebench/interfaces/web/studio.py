@@ -49,7 +49,6 @@ UPLOAD_GRACE_S = 3600  # an upload no run uses yet is kept this long (the page b
 PARQUET_MAX_BYTES = 2 * 2 ** 30  # uncompressed, from the file's own metadata, before a row is read
 PREVIEW_ROWS = 2000  # the preview reads this many rows, not the whole file
 QUANTS = ("f16", "q8_0", "q4_k_m", "q4_0", "auto")  # auto: the smallest within tolerance of f16 on held-out rows
-EXPORT_FORMATS = ("gguf", "ollama", "hf")
 
 
 def run_name(name) -> str:

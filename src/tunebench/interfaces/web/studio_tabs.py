@@ -14,6 +14,7 @@ from tunebench.interfaces.web import studio as studio_
 from tunebench.interfaces.web import studio_views as views
 from tunebench.interfaces.web.models import Registry, client_of, entries
 from tunebench.settings.rundir import RunDir
+from tunebench.settings.schema import EXPORT_FORMATS
 
 SETTINGS_HEAD = ["setting", "value", "reason"]
 BASE = "its base"  # the Runs tab's A/B: the picked run against the model it was trained from
@@ -184,7 +185,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             ab_it = gr.Button("A/B it", elem_id="tb-ab")
             dpo = gr.Button("DPO from the A/B votes", elem_id="tb-dpo")
         with gr.Row():
-            fmt = gr.Dropdown(list(studio_.EXPORT_FORMATS), value="gguf", label="Export format")
+            fmt = gr.Dropdown(list(EXPORT_FORMATS), value="gguf", label="Export format")
             quant = gr.Dropdown(list(studio_.QUANTS), value="q8_0", label="Quantization")
             export = gr.Button("Export", elem_id="tb-export")
         runs_message = gr.Markdown("", elem_id="tb-runs-message")

@@ -16,8 +16,9 @@ from typing import Any
 from tunebench.core.childenv import child_env
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import records
-from tunebench.interfaces.web.studio import EXPORT_FORMATS, Ask, Studio
+from tunebench.interfaces.web.studio import Ask, Studio
 from tunebench.settings.rundir import RunDir
+from tunebench.settings.schema import EXPORT_FORMATS
 
 
 def loss_points(run_dir: Path) -> list[dict[str, Any]]:

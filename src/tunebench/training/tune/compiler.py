@@ -56,9 +56,6 @@ def eager_vs_compiled(measure, rounds: int = 2) -> tuple[float, float]:
     return max(eager), max(compiled)
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-
-
 def compiles(model, measure, mode: str) -> str | None:
     """Compile the blocks and run one probe through them; None when that works, else why it did not
     (the model is left eager). A compiler failure (a missing C compiler, an unsupported op: the
