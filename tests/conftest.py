@@ -218,6 +218,7 @@ def children_in_process(monkeypatch):
 
     from tunebench.interfaces import cli
     from tunebench.jobs import children
+    from tunebench.settings.schema import write_config
 
     real = children.start
 
@@ -227,7 +228,7 @@ def children_in_process(monkeypatch):
                         outlive_parent=outlive_parent)
         run_dir.mkdir(parents=True, exist_ok=True)
         asked = run_dir / "asked.yaml"
-        children.write_config(job, cfg, asked)
+        write_config(cfg, asked)
         with log.open("a") as out, (err.open("w") if err else contextlib.nullcontext(out)) as errors, \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(errors):
             try:

@@ -20,7 +20,8 @@ from tunebench.data import batching
 from tunebench.interfaces.cli import main
 from tunebench.jobs import compare, finetune, search
 from tunebench.settings import pretrain as pretrain_config
-from tunebench.settings.finetune import dump_yaml, load_config
+from tunebench.settings.finetune import load_config
+from tunebench.settings.schema import write_config
 from tunebench.training import runplan
 
 # ---------------------------------------------------------------- values that survive the trip to a child
@@ -46,7 +47,7 @@ AWKWARD = {
 def test_a_value_survives_the_file_a_child_run_loads(tmp_path, key, value):
     cfg = load_config(options={key: value})
     path = tmp_path / "asked.yaml"
-    dump_yaml(cfg, path)
+    write_config(cfg, path)
     again = load_config(path)
     assert again == cfg
     section, name = key.split(".")
@@ -69,7 +70,7 @@ def test_pretraining_config_survives_the_round_trip(tmp_path):
                                                    "training.gradient_accumulation_steps": None,
                                                    "training.sample_prompt": "Q: x\n#"})
     path = tmp_path / "asked.yaml"
-    pretrain_config.dump_yaml(cfg, path)
+    write_config(cfg, path)
     assert pretrain_config.load(path) == cfg and cfg.hardware.compile == "on" and cfg.batch.micro_batch_size is None
 
 

@@ -14,16 +14,7 @@ from pathlib import Path
 from tunebench.core.childenv import child_env
 from tunebench.core.durable import open_no_follow
 from tunebench.core.startup import die_with_parent
-
-
-def write_config(job: str, cfg, path: Path) -> None:
-    """The resolved configuration as the YAML file a child run loads: values, not retyped strings, so what it
-    runs is what was asked (a test round-trips the awkward ones)."""
-    if job == "train":
-        from tunebench.settings.finetune import dump_yaml
-    else:
-        from tunebench.settings.pretrain import dump_yaml
-    dump_yaml(cfg, path)
+from tunebench.settings.schema import write_config
 
 
 def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, nproc: int = 1,
@@ -35,7 +26,7 @@ def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, n
     SIGTERM (it checkpoints and stops) when the process that started it dies, even by kill -9."""
     run_dir.mkdir(parents=True, exist_ok=True)
     asked = run_dir / "asked.yaml"
-    write_config(job, cfg, asked)
+    write_config(cfg, asked)
     launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
     argv = [*(program or [sys.executable, "-m", "tunebench", *launch, job]), str(asked)]
     parent = os.getpid()

@@ -11,7 +11,7 @@ from tunebench.data import batching, judged, mixture, pairs
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
-from tunebench.settings.finetune import RunConfig, dump_yaml
+from tunebench.settings.finetune import RunConfig
 from tunebench.training import adapted, recipe, runner
 
 
@@ -59,6 +59,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         batches=adapted.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
         eval_sets=lambda micro: [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                                  for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)],
-        identity=identity, dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
+        identity=identity, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
         records=adapted.records(loaded, trainable, total),
         **adapted.kto_micro_batch(opened, kto)))

@@ -10,7 +10,7 @@ import numpy as np
 from tunebench.data import batching, prompts
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
-from tunebench.settings.finetune import RunConfig, dump_yaml
+from tunebench.settings.finetune import RunConfig
 from tunebench.training import adapted, grpo, preference, recipe, runner
 from tunebench.training.tune import compiler
 
@@ -58,7 +58,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         what=grpo.measured_as(cfg), probe_rows=lambda size: sampler.probe_rows(longest[:size]),
         widest=int(lengths[train_idx].max()) + a.max_completion_length, max_length=cfg.data.max_length,
         batches=lambda micro: (epoch_steps, sampler.collate, []), eval_sets=lambda micro: [], identity=identity,
-        dump=dump_yaml, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
+        finish=finish, publish=run_report.send, quantized=a.method == "qlora",
         records=adapted.records(loaded, trainable, total),
         before_training=start, prefetch=False,  # sampling needs the live weights
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

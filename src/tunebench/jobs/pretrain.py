@@ -12,7 +12,7 @@ from tunebench.data import batching, blocks
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import arch
-from tunebench.settings.pretrain import PretrainConfig, PretrainRun, dump_yaml, validate
+from tunebench.settings.pretrain import PretrainConfig, PretrainRun, validate
 from tunebench.training import recipe, runner, scratch
 from tunebench.training.tune import compiler
 
@@ -60,5 +60,5 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         eval_sets=lambda micro: [("validation", val.batches(2 * micro))],
         identity=identity | {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
                              "split": [d.split, d.validation_split, d.validation_file]},
-        dump=dump_yaml, finish=finish, publish=run_report.send, records={"parameters": n_params},
+        finish=finish, publish=run_report.send, records={"parameters": n_params},
         batch_unit=f" blocks of {d.max_length}", after_eval=sample))

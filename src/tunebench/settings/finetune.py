@@ -422,5 +422,3 @@ def check_template(template: str) -> None:
                                  f"{':' + spec if spec else ''}}}; a prompt format holds {{instruction}} alone, as is")
 
 
-def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
-    schema.dump_yaml(cfg.to_dict(), path)

@@ -280,5 +280,3 @@ def check_size(m: ModelConfig, world_size: int) -> None:
                              f"machine has {have / 2**30:,.0f} GiB; lower model.d_model, d_ff, n_layers or vocab_size")
 
 
-def dump_yaml(cfg: PretrainRun, path: str | Path) -> None:
-    schema.dump_yaml(cfg.to_dict(), path)

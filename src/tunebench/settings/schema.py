@@ -590,6 +590,13 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise TunebenchError(f"override '{text}' has a value that is not valid YAML; quote it") from e
 
 
+def write_config(cfg: Any, path: str | Path) -> None:
+    """A run's configuration (fine-tuning's RunConfig or pretraining's PretrainRun) as the YAML file a run keeps
+    (config.yaml) and a child run loads (asked.yaml): values, not retyped strings, so what it runs is what was asked
+    (a test round-trips the awkward ones)."""
+    dump_yaml(cfg.to_dict(), path)
+
+
 def dump_yaml(tree: dict[str, Any], path: str | Path) -> None:
     from tunebench.core.durable import atomic_file
 

@@ -62,7 +62,6 @@ class Recipe:
     # micro batch -> (each epoch's steps, the collate of a micro batch, rows such as the batch layout's)
     eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
     identity: dict[str, Any]  # what a resume must match
-    dump: Callable[[Any, Path], None]  # writes the config as config.yaml
     finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
     publish: Callable[..., None]  # the trackers' end of the run (jobs.run_report.send)
     records: dict[str, Any] = field(default_factory=dict)  # plan.json's extra fields
@@ -133,7 +132,7 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     if r.before_training:
         r.before_training(plan)
 
-    records = runner.records(opened, cfg, plan, r.dump, **r.records)
+    records = runner.records(opened, cfg, plan, **r.records)
     after_eval = (lambda step: r.after_eval(plan, step)) if r.after_eval else None
     with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
         outcome, weights = runner.train_run(

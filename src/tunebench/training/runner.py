@@ -32,6 +32,7 @@ from tunebench.machine import distributed, hardware, trackers
 from tunebench.machine.distributed import World
 from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.machine.monitor import Monitor, other_load
+from tunebench.settings import schema
 from tunebench.training import checkpoint, runplan
 from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
 from tunebench.training.tune import memory
@@ -129,8 +130,7 @@ def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[flo
     return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
 
 
-def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extra: Any
-            ) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
+def records(opened: Opened, cfg, plan, **extra: Any) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
     """What rank 0 writes once the run starts: config.yaml (the configuration as asked: auto stays auto) and
     plan.json (what it became: the machine, the settings with their reasons, and the job's `extra`). Returns
     both as written, for the trackers' parameters."""
@@ -139,7 +139,7 @@ def records(opened: Opened, cfg, plan, dump: Callable[[Any, Path], None], **extr
     from tunebench.core.jsonfile import write_json
 
     def write() -> tuple[dict[str, Any], dict[str, Any]]:
-        dump(cfg, opened.out / "config.yaml")
+        schema.write_config(cfg, opened.out / "config.yaml")
         plan_ = {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(), **extra}
         write_json(opened.out / "plan.json", plan_)
         return yaml.safe_load((opened.out / "config.yaml").read_text(encoding="utf-8")), json.loads(
