@@ -193,3 +193,28 @@ def test_no_training_recipe_imports_another_job():
 def test_each_training_recipe_is_one_short_file(recipe):
     lines = (PACKAGE.parent / (recipe.replace(".", "/") + ".py")).read_text().splitlines()
     assert len(lines) <= 64, f"{recipe}: {len(lines)} lines; move what is not the recipe's own order below the jobs"
+
+
+def test_no_module_inside_the_package_imports_its_root():
+    """The root (tunebench/__init__.py) imports down: the version and start-up from core, the Python API on first
+    use. A module that imports the root back runs up past every layer (and the walk above cannot see it: the root
+    is no layer's)."""
+    back = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name == "tunebench" for a in node.names) or \
+                    isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "tunebench":
+                back.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not back, "imports the package root: " + ", ".join(back)
+
+
+def test_the_packages_version_is_pyprojects():
+    import tomllib
+
+    import tunebench
+    from tunebench.core import VERSION
+
+    project = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["project"]
+    assert tunebench.__version__ == VERSION == project["version"]

@@ -199,9 +199,9 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
     compiled = [loss_and_grads(w) for w in (12, 17)]  # two widths: one dynamic-shape graph serves both
     assert counters["stats"]["unique_graphs"] >= 1  # really compiled
     assert sorted(n for n, _ in peft.named_parameters()) == names  # checkpoints keep their keys
-    import tunebench
+    from tunebench.core import startup
 
-    if not tunebench.USER_INDUCTOR_CACHE:  # the compiler's cache sits beside ours, not in torch's /tmp default
+    if not startup.USER_INDUCTOR_CACHE:  # the compiler's cache sits beside ours, not in torch's /tmp default
         assert any((models.cache_dir() / "inductor").iterdir())
     for (l_e, g_e), (l_c, g_c) in zip(eager, compiled):
         torch.testing.assert_close(l_c, l_e, rtol=1e-4, atol=1e-5)

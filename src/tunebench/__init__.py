@@ -1,8 +1,7 @@
 """tunebench: fine-tune and benchmark small causal language models on the hardware you have."""
 
-import os
-
-__version__ = "0.1.0"
+from tunebench.core import VERSION as __version__  # noqa: F401 - the package's version, where tools look
+from tunebench.core import startup as _startup  # noqa: F401 - its USER_INDUCTOR_CACHE is read as the package loads
 
 _API = ("ModelConfig", "TrainingConfig", "DataConfig", "PretrainConfig", "pretrain", "load_pretrain_config", "finetune",
         "train_tokenizer", "generate")
@@ -14,7 +13,3 @@ def __getattr__(name: str):
         from tunebench.interfaces import api
         return getattr(api, name)
     raise AttributeError(f"module 'tunebench' has no attribute {name!r}")
-
-# Whether the user chose torch's compiler cache: read now, because torch writes its /tmp default
-# into the environment the first time it looks (`compiler.compile_blocks` moves it next to ours).
-USER_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" in os.environ

@@ -12,3 +12,17 @@ class Decision(NamedTuple):
     setting: str
     value: Any
     reason: str
+
+
+_NONE = object()
+
+
+def value_of(decisions, setting: str, default: Any = _NONE) -> Any:
+    """The value of the row named `setting` in a table of decisions: a machine's plan (machine.hardware.Plan), a
+    run's (training.runplan.RunPlan); `default` where there is none, else KeyError."""
+    for d in decisions:
+        if d.setting == setting:
+            return d.value
+    if default is _NONE:
+        raise KeyError(f"no '{setting}' row among {', '.join(d.setting for d in decisions)}")
+    return default

@@ -34,6 +34,10 @@ import os
 import sys
 
 _paused = False
+# Whether the user chose torch's compiler cache: read as the package loads (tunebench/__init__.py imports this
+# module first), because torch writes its /tmp default into the environment the first time it looks
+# (training/tune/compiler.compile_blocks moves it next to ours).
+USER_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 # glibc's malloc tunables: no block mapped on its own, no trimming of the heap, the per-thread cache for
 # chunks of up to 16 bytes only (see above). A process reads them once, as it starts.
 KEEP_FREED = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4611686018427387904:glibc.malloc.tcache_max=16"

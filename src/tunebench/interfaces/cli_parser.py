@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tunebench import __version__
+from tunebench.core import VERSION
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import quant_auto
 from tunebench.model import quality
@@ -164,7 +164,7 @@ def _add_debug(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tunebench", description="Fine-tune and benchmark small causal LMs on the hardware you have.")
-    parser.add_argument("--version", action="version", version=f"tunebench {__version__}")
+    parser.add_argument("--version", action="version", version=f"tunebench {VERSION}")
     _add_debug(parser)
     sub = parser.add_subparsers(dest="job", parser_class=_Parser, metavar="JOB")
 

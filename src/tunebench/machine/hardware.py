@@ -11,7 +11,7 @@ import platform
 from dataclasses import asdict, dataclass, field, fields
 
 from tunebench.core import startup
-from tunebench.core.decision import Decision
+from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
 
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
@@ -121,7 +121,7 @@ class Plan:
     decisions: tuple[Decision, ...]
 
     def value(self, setting: str, default=None):
-        return next((d.value for d in self.decisions if d.setting == setting), default)
+        return value_of(self.decisions, setting, default)
 
     def decision(self, setting: str) -> Decision:
         return next(d for d in self.decisions if d.setting == setting)

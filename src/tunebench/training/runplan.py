@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.batch_rule import BatchAsk, accumulation
-from tunebench.core.decision import Decision
+from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
 
 
@@ -123,7 +123,7 @@ class RunPlan:
     decisions: tuple[Decision, ...]
 
     def value(self, setting: str) -> Any:
-        return next(d.value for d in self.decisions if d.setting == setting)
+        return value_of(self.decisions, setting)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [d._asdict() for d in self.decisions]
