@@ -86,7 +86,7 @@ def test_tokenizer_train_never_silently_replaces_a_directory(tmp_path, corpus):
 def test_parameter_count_matches_the_formula(char_tok, settings):
     m = ModelConfig(vocab_size=100, d_model=32, n_heads=4, n_layers=3, d_ff=80, max_seq_len=48, **settings)
     model = arch.build(m, char_tok, seed=0)
-    assert sum(p.numel() for p in model.parameters()) == arch.parameter_count(m)
+    assert sum(p.numel() for p in model.parameters()) == m.parameter_count()
     expected_type = "GPT2LMHeadModel" if m.use_learned_pos_emb else "LlamaForCausalLM"
     assert type(model).__name__ == expected_type and model.training
 

@@ -67,19 +67,6 @@ def build(m: ModelConfig, tokenizer, seed: int):
     return model
 
 
-def parameter_count(m: ModelConfig) -> int:
-    """Parameters of the model `build` makes, by formula (a test checks it against the model)."""
-    d, f, V, L = m.d_model, m.d_ff, m.vocab_size, m.n_layers
-    head = 0 if m.tie_embeddings else V * d
-    if m.use_learned_pos_emb:  # GPT-2: every matmul has a bias, LayerNorms have weight and bias
-        attn = d * 3 * d + 3 * d + d * d + d
-        mlp = d * f + f + f * d + d
-        return V * d + m.max_seq_len * d + L * (attn + mlp + 4 * d) + 2 * d + head
-    attn = 4 * d * d + (4 * d if m.use_bias else 0)  # Llama: q, k, v, o
-    mlp = 3 * d * f + (2 * f + d if m.use_bias else 0)  # gate, up, down
-    return V * d + L * (attn + mlp + 2 * d) + d + head
-
-
 def fingerprint(m: ModelConfig) -> str:
     """The architecture's key for measurements on record: its settings, and the layer code they map to
     (so a faster activation kernel is measured afresh, not read from a cache of the slower one)."""

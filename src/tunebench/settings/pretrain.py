@@ -47,6 +47,19 @@ class ModelConfig:
     def copy(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def parameter_count(self) -> int:
+        """Parameters of the model model/arch.build makes of this section, by formula (a test checks it against
+        the built model): read before anything is built, by the size check at load and by the run's records."""
+        d, f, V, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
+        head = 0 if self.tie_embeddings else V * d
+        if self.use_learned_pos_emb:  # GPT-2: every matmul has a bias, LayerNorms have weight and bias
+            attn = d * 3 * d + 3 * d + d * d + d
+            mlp = d * f + f + f * d + d
+            return V * d + self.max_seq_len * d + L * (attn + mlp + 4 * d) + 2 * d + head
+        attn = 4 * d * d + (4 * d if self.use_bias else 0)  # Llama: q, k, v, o
+        mlp = 3 * d * f + (2 * f + d if self.use_bias else 0)  # gate, up, down
+        return V * d + L * (attn + mlp + 2 * d) + d + head
+
 
 @dataclass
 class DataConfig:
@@ -267,12 +280,10 @@ TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and AdamW's two 
 def check_size(m: ModelConfig, world_size: int) -> None:
     """Refuse, at load, an architecture whose training cannot fit this machine's memory (d_model=2**40 used to
     end in the allocator): its parameters x 16 bytes, shared by the processes (FSDP shards them), against the
-    machine's RAM. The count is the GPT-2/Llama formula arch.py prints; activations come on top."""
+    machine's RAM. Activations come on top."""
     import psutil
 
-    mlp = (3 if m.activation == "swiglu" else 2) * m.d_model * m.d_ff
-    params = m.n_layers * (4 * m.d_model * m.d_model + mlp) + m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) \
-        + (m.max_seq_len * m.d_model if m.use_learned_pos_emb else 0)
+    params = m.parameter_count()
     need, have = params * TRAIN_BYTES_PER_PARAMETER / world_size, psutil.virtual_memory().total
     if need > have:
         raise TunebenchError(f"the model section makes about {params:,} parameters, whose training needs about "
