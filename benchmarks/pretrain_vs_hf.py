@@ -45,9 +45,9 @@ def _data(cfg):
     """Tokenizer, (train, validation) blocks and the first epoch's batch order, exactly as pretrain makes them."""
     from tunebench.data import batching, blocks
     from tunebench.model import models
-    from tunebench.training import scratch
+    from tunebench.training import pretraining
 
-    tok, _ = scratch.load_or_train_tokenizer(cfg)
+    tok, _ = pretraining.load_or_train_tokenizer(cfg)
     tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir())
     train, val = blocks.split(blocks.cut(tokens, cfg.data.max_length), cfg.data.validation_split,
                               cfg.schedule.seed, cfg.data.split)

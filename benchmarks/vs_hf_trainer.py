@@ -196,8 +196,8 @@ def worker_sweep(args) -> dict:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 model(**on_device).loss.backward()
     else:
-        from tunebench.training import tune
-        from tunebench.training.tune import attention
+        from tunebench.training import autotune
+        from tunebench.training.autotune import attention
 
         base = loaded.model.to(device, torch.bfloat16 if bf16 else torch.float32)
         model = methods.add_adapter(base, AdapterConfig(r=LORA["r"], lora_alpha=LORA["lora_alpha"],
@@ -216,7 +216,7 @@ def worker_sweep(args) -> dict:
 
         # The kernel probe runs in a process of its own (--steps 0) and is read back from the cache
         # here, so that its O(T^2) kernels do not set this process's peak memory.
-        shape = tune.Shape(args.model, "lora", "none", LORA["r"], ",".join(modules), args.max_length,
+        shape = autotune.Shape(args.model, "lora", "none", LORA["r"], ",".join(modules), args.max_length,
                            f"sweep, micro batch {args.micro_batch}", args.sweep_precision, torch.__version__, "auto",
                            "off", "off")
         row = attention.pick(model, "auto", measure, shape,

@@ -42,7 +42,7 @@ BUGS = (
     Bug("a documented flag misspelled", "docs/guides/other-jobs.md",
         "tunebench hw --json ", "tunebench hw --jsn ",
         ("tests/test_docs.py", "-k", "every_documented_command_parses")),
-    Bug("the memory plan's activation factor halved", "src/tunebench/training/tune/memory.py",
+    Bug("the memory plan's activation factor halved", "src/tunebench/training/autotune/memory.py",
         "TRANSIENT = {\"cpu\": 1.6,", "TRANSIENT = {\"cpu\": 0.8,",
         ("tests/test_memory_plan.py",)),
     Bug("the run lock not released after a refusal", "src/tunebench/core/runlock.py",

@@ -76,7 +76,7 @@ def test_every_method_trains_every_family(family_dirs, family, dataset, tmp_path
 
 
 def test_an_attention_kernel_the_architecture_lacks_is_refused_in_one_line(family_dirs):
-    from tunebench.training.tune import attention
+    from tunebench.training.autotune import attention
 
     gemma2 = models.resolve(str(family_dirs / "gemma2")).model
     assert attention.candidates(torch.device("cpu"), "fp32", gemma2) == ("eager",)

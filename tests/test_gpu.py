@@ -210,7 +210,7 @@ def test_batch_probe_backs_off_from_a_real_cuda_oom_and_keeps_the_effective_batc
     The probe's budget is lifted: left alone, its prediction stops before the size that would not fit (on
     an H200 it skipped micro batch 8, predicted at 143,841 MB of 143,771: that path is tested on CPU), and
     this test is about the OOM itself."""
-    from tunebench.training.tune import batch
+    from tunebench.training.autotune import batch
 
     monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
         torch.cuda.memory_allocated(device) / 2**20, float("inf")))
@@ -321,8 +321,8 @@ def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fi
     from tunebench.core import precision as precision_
     from tunebench.data import batching
     from tunebench.model import models
-    from tunebench.training.tune import batch
-    from tunebench.training.tune.probe import enable_checkpointing, probe_step
+    from tunebench.training.autotune import batch
+    from tunebench.training.autotune.probe import enable_checkpointing, probe_step
 
     monkeypatch.setattr(batch, "memory_budget_mb", lambda device, ranks_sharing=1: (
         torch.cuda.memory_allocated(device) / 2**20, torch.cuda.mem_get_info(device)[1] / 2**20))

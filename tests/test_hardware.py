@@ -18,8 +18,8 @@ from tunebench.machine.metrics import mfu, training_flops_per_token
 from tunebench.machine.monitor import Monitor
 from tunebench.model import kernels, methods, models
 from tunebench.settings.finetune import load_config, profiles
-from tunebench.training import tune
-from tunebench.training.tune import attention, batch, compiler
+from tunebench.training import autotune
+from tunebench.training.autotune import attention, batch, compiler
 
 SPR_FLAGS = "fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
 
@@ -211,8 +211,8 @@ def test_flops_per_token_match_what_torch_counts(tiny):
     assert 0.9 * lora < counted(peft) <= lora
 
 
-def _shape(name: str) -> tune.Shape:
-    return tune.Shape(name, "lora", "none", 8, "auto", 128, "test machine", "fp32", "", "auto", "auto", "auto")
+def _shape(name: str) -> autotune.Shape:
+    return autotune.Shape(name, "lora", "none", 8, "auto", 128, "test machine", "fp32", "", "auto", "auto", "auto")
 
 
 def test_autotune_backs_off_at_oom_and_keeps_fitting_fastest():
@@ -272,11 +272,11 @@ def test_compile_auto_measures_long_runs_and_caches_the_warm_warm_up(monkeypatch
     # the batch probe's speed, when given, stands in for that probe step
     row = compiler.pick(None, auto, False, fake.measure, 5_000, _shape("k1"), 1, eager_speed=100.0)
     assert row[1] is False and "~50 s" in row[2] and fake.measured == 1
-    assert tune.cached(_shape("k1").key("compile", micro_batch_size=1)) is None
+    assert autotune.cached(_shape("k1").key("compile", micro_batch_size=1)) is None
     # long enough: measured, compiled twice (cold, then from the compiler's cache), kept
     row = compiler.pick(None, auto, False, fake.measure, 100_000, _shape("k1"), 1)
     assert row[1] is True and fake.on and fake.compiles == 2 and "150 vs 100" in row[2]
-    hit = tune.cached(_shape("k1").key("compile", micro_batch_size=1))
+    hit = autotune.cached(_shape("k1").key("compile", micro_batch_size=1))
     assert hit == {"eager": 100, "compiled": 150, "warmup_s": 0.1}  # the warm (second) warm-up is the one cached
     # cached: a run that saves more than the warm-up compiles; one that saves less does not
     fake.on, fake.compiles = False, 0
@@ -360,7 +360,7 @@ def test_measuring_stops_where_it_would_cost_more_than_a_tenth_of_the_training_i
     kernel half of it, so the first kernel is timed, the second fits (20 s), and the third is left out and said
     so; nothing partial is cached, so a longer run of the shape measures it. `--measure full` (no budget) times
     all three."""
-    from tunebench.training.tune.budget import Budget
+    from tunebench.training.autotune.budget import Budget
 
     clock = Clock()
     model = FakeAttentionModel({"sdpa": 100.0, "eager": 90.0, "tunebench": 120.0})
@@ -374,7 +374,7 @@ def test_measuring_stops_where_it_would_cost_more_than_a_tenth_of_the_training_i
     assert model.tried == ["sdpa", "eager"] and row[1] == "sdpa"
     assert "tunebench skipped: not measured: ~10 s more would take measuring past 50% of the 50 s, 10% of the " \
            "run's predicted 500 s of training; --measure full measures it" in row[2]
-    assert tune.cached(_shape("budget1").key("attention", candidates=attention.ATTENTION_KERNELS)) is None
+    assert autotune.cached(_shape("budget1").key("attention", candidates=attention.ATTENTION_KERNELS)) is None
     model.tried.clear()
     assert attention.pick(model, "auto", measure, _shape("budget1"))[1] == "tunebench" and len(model.tried) == 6
     # A short run still measures for the floor of 20 s (a small model's whole measurement fits in it): here
@@ -414,7 +414,7 @@ def test_the_sweep_climbs_while_a_step_up_repays_its_measuring_and_stops_where_i
     the run is long (200,000 tokens: ~1,400 s at micro 2): half that gain at 4 would save ~230 s against ~12 s of
     measuring, so 4 is measured (+20%); 4 -> 8 gains 2%, flat, so 16 is not measured. A short run (2,000 tokens,
     ~14 s of training) stops after 2: 4 could save ~2 s, less than its measuring."""
-    from tunebench.training.tune.budget import Budget
+    from tunebench.training.autotune.budget import Budget
 
     speeds = {1: 100.0, 2: 140.0, 4: 168.0, 8: 171.0, 16: 172.0}
     clock, tried = Clock(), []
@@ -431,7 +431,7 @@ def test_the_sweep_climbs_while_a_step_up_repays_its_measuring_and_stops_where_i
 
 
 def _record(name: str, unit: str, precision: str, attention: dict[str, float], micro: dict[int, float]):
-    from tunebench.training.tune import known
+    from tunebench.training.autotune import known
     outcome = known.Outcome("SmolLM2-135M", 134_515_008, 30, "lora", 128, 4, attention, micro)
     return known.Record(name, unit, precision, 2, "", "a test", (outcome,))
 
@@ -448,8 +448,8 @@ def test_each_machine_class_record_orders_and_predicts_the_candidates_it_measure
     size's micro batch figure (not timed again); the others are predicted from the record's ratios, said so.
     On AVX2, 2 and 1 are predicted 0.80x and 0.56x micro 4 and 8 (never measured there) is left out; on AMX,
     8 is predicted 1.10x micro 4 and chosen unmeasured, its memory predicted to fit."""
-    from tunebench.training.tune import known
-    from tunebench.training.tune.budget import Budget
+    from tunebench.training.autotune import known
+    from tunebench.training.autotune.budget import Budget
 
     picked = {}
     for record, precision, real in ((AVX2, "fp32", {"tunebench": 150.0, "sdpa": 149.0, "eager": 140.0}),
@@ -488,8 +488,8 @@ def test_a_record_never_makes_the_first_probe_blind_nor_overrules_a_flat_step():
     the record's fastest: nothing predicts a larger one's memory, and on a CPU a step past the RAM is the OOM
     killer. And where the run itself measured a flat step, a record that says the next size is faster is not
     taken: the measured 4 -> 8 (+1%) stops the climb, and 16 is not predicted."""
-    from tunebench.training.tune import known
-    from tunebench.training.tune.budget import Budget
+    from tunebench.training.autotune import known
+    from tunebench.training.autotune.budget import Budget
 
     k = known.Known(AMX, AMX.outcomes[0], ())
     clock, tried = Clock(), []
@@ -507,7 +507,7 @@ def test_a_record_never_makes_the_first_probe_blind_nor_overrules_a_flat_step():
 
 
 def test_a_record_is_taken_only_at_the_runs_precision_and_its_differences_are_named():
-    from tunebench.training.tune import known
+    from tunebench.training.autotune import known
 
     assert known.nearest((AMX,), "avx2", "fp32", 2, 134_515_008, 128, "lora") is None  # never across precisions
     k = known.nearest((AVX2, AMX), "avx512-bf16", "fp32", 16, 420_000_000, 512, "lora")
@@ -525,7 +525,7 @@ def test_hw_record_writes_what_this_machine_measured_in_the_shipped_format(tmp_p
     in one line."""
     from tunebench.interfaces.cli import main
     from tunebench.jobs import hw
-    from tunebench.training.tune import known
+    from tunebench.training.autotune import known
 
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
     machine, plan, _ = hw.machine()
@@ -536,12 +536,12 @@ def test_hw_record_writes_what_this_machine_measured_in_the_shipped_format(tmp_p
                  liger="auto", gradient_checkpointing="auto")
     probes = [{"micro_batch_size": m, "tokens_per_s": v, "peak_memory_mb": 900.0, "status": "ok"}
               for m, v in ((1, 100.0), (2, 150.0), (4, 180.0))]
-    tune.store(tune.Shape(**shape).key("batch", effective_batch_size=8, rows=8),
+    autotune.store(autotune.Shape(**shape).key("batch", effective_batch_size=8, rows=8),
                {"result": {"micro_batch_size": 4, "probes": probes, "reason": "", "partial": False},
                 "model_params": 134_515_008, "model_layers": 30})
-    tune.store(tune.Shape(**shape).key("attention", candidates=("tunebench", "eager", "sdpa")),
+    autotune.store(autotune.Shape(**shape).key("attention", candidates=("tunebench", "eager", "sdpa")),
                {"value": "sdpa", "reason": "", "speeds": {"sdpa": 181.0, "tunebench": 175.0}, "rows": 4})
-    tune.store(tune.Shape(**{**shape, "precision": "bf16"}).key("batch", effective_batch_size=8, rows=8),
+    autotune.store(autotune.Shape(**{**shape, "precision": "bf16"}).key("batch", effective_batch_size=8, rows=8),
                {"result": {"micro_batch_size": 1, "probes": probes[:1], "reason": "", "partial": False},
                 "model_params": 1, "model_layers": 1})
     assert main(["hw", "--record", str(tmp_path / "mine.json"), "--precision", "fp32"]) == 0
@@ -556,7 +556,7 @@ def test_hw_record_writes_what_this_machine_measured_in_the_shipped_format(tmp_p
 
 
 def test_every_shipped_machine_record_loads_and_a_broken_one_is_refused_in_one_line(tmp_path):
-    from tunebench.training.tune import known
+    from tunebench.training.autotune import known
 
     records = known.shipped()
     assert {r.name for r in records} >= {"avx2-fp32", "avx512-bf16", "amx-bf16"}
@@ -575,10 +575,10 @@ def test_compile_is_measured_only_when_its_cost_fits_the_measuring_budget(monkey
     of 500 s of training leaves 50 s and skips it, saying why; one of 2,000 s measures it and records the cost."""
     import dataclasses
 
-    from tunebench.training.tune.budget import Budget
+    from tunebench.training.autotune.budget import Budget
 
     fake, auto = FakeCompiler(monkeypatch), Decision("compile", "auto", "")
-    shape = dataclasses.replace(_shape("budget3"), where="Some CPU x2")  # tune.where's form for a CPU
+    shape = dataclasses.replace(_shape("budget3"), where="Some CPU x2")  # autotune.where's form for a CPU
     clock = Clock()
     row = compiler.pick(None, auto, False, fake.measure, 50_000, shape, 1, 100.0, budget=Budget(50_000, clock=clock))
     assert row[1] is False and fake.compiles == 0, row
@@ -676,10 +676,10 @@ def test_autotune_on_a_tiny_model_end_to_end(tmp_path, dataset):
                                "train.max_steps": 2, "train.output_dir": str(out), "train.progress": False})
     summary = finetune.run(cfg)
     assert summary["micro_batch_size"] * summary["grad_accum_steps"] == 4 == summary["effective_batch_size"]
-    entries = json.loads(tune.cache_file().read_text())
+    entries = json.loads(autotune.cache_file().read_text())
     batch_key = next(k for k in entries if k.startswith("batch|") and '"model": "tiny"' in k
                      and '"max_length": 256' in k and '"effective_batch_size": 4' in k)
-    found = tune.cached(batch_key)["result"]
+    found = autotune.cached(batch_key)["result"]
     # the pick is the fastest of the sizes measured that fit (none was predicted: no record covers the tiny model)
     measured = {p["micro_batch_size"]: p["tokens_per_s"] for p in found["probes"] if p["status"] == "ok"}
     assert found["micro_batch_size"] == summary["micro_batch_size"] == max(measured, key=measured.get)
@@ -839,8 +839,8 @@ def test_rows_that_fit_no_attention_kernel_turn_on_checkpointing_and_a_cached_ru
     stopped before the batch probe could turn it on: with checkpointing on auto, the pick turns it on and
     measures again; the batch probe's cache records it, so a run that finds both cached turns it on as well."""
     from tunebench.model import models
-    from tunebench.training.tune import batch
-    from tunebench.training.tune.probe import checkpointing_on
+    from tunebench.training.autotune import batch
+    from tunebench.training.autotune.probe import checkpointing_on
 
     def step_for(model):
         def step(size):
@@ -870,7 +870,7 @@ def test_rows_that_fit_no_attention_kernel_turn_on_checkpointing_and_a_cached_ru
 
 def test_a_cuda_error_that_says_out_of_memory_is_an_oom_to_the_probes():
     """torch 2.11 on an H200 raised a full GPU's failed stream allocation as torch.AcceleratorError."""
-    from tunebench.training.tune.probe import is_oom
+    from tunebench.training.autotune.probe import is_oom
 
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_oom(torch.AcceleratorError("CUDA error: out of memory"))
@@ -899,8 +899,8 @@ def test_checkpointing_asked_for_is_not_cached_as_one_the_probe_needed():
     """The batch probe's cache records checkpointing that the measurements turned on; one the user asked for is
     the run's own row ("asked for"), and a cached run must not add a second one saying micro batch 1 did not fit."""
     from tunebench.model import models
-    from tunebench.training.tune import batch
-    from tunebench.training.tune.probe import enable_checkpointing
+    from tunebench.training.autotune import batch
+    from tunebench.training.autotune.probe import enable_checkpointing
 
     def step(size):
         return 100.0 * size, 1000.0 + size

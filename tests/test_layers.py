@@ -89,7 +89,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_walk_sees_imports_inside_functions_and_finds_a_circle():
     graph = import_graph()
-    assert "tunebench.training.tune.compiler" in graph["tunebench.training.runplan"]  # imported inside runplan.measure
+    assert "tunebench.training.autotune.compiler" in graph["tunebench.training.runplan"]  # imported inside runplan.measure
     assert "tunebench.jobs.finetune" in graph["tunebench.interfaces.cli"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -176,7 +176,7 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 
 # The training jobs are recipes over training.recipe: none builds on another or on any other job (what they share
-# lives below the jobs, in training.adapted and training.scratch; the run report is only handed to the runner as
+# lives below the jobs, in training.adapted and training.pretraining; the run report is only handed to the runner as
 # the run's end), and each reads in one screen.
 RECIPES = ("tunebench.jobs.finetune", "tunebench.jobs.grpo", "tunebench.jobs.pretrain")
 

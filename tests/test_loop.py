@@ -312,8 +312,8 @@ def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
 
 
 def test_gradient_checkpointing_gives_the_same_losses_and_gradients(tiny):
+    from tunebench.training.autotune.probe import enable_checkpointing
     from tunebench.training.loop import loss_sum, prepare
-    from tunebench.training.tune.probe import enable_checkpointing
 
     tok, data = _data()
     model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
@@ -417,7 +417,7 @@ def test_measured_settings_leave_no_trace_on_the_run(tmp_path, dataset):
 
 
 def test_probe_step_runs_in_train_mode_and_restores_the_mode(tiny):
-    from tunebench.training.tune.probe import probe_step
+    from tunebench.training.autotune.probe import probe_step
 
     tok, data = _data()
     seen = []
@@ -436,7 +436,7 @@ def test_probe_step_runs_in_train_mode_and_restores_the_mode(tiny):
 def test_a_probe_step_that_runs_out_of_memory_leaves_no_gradient_behind(tiny):
     """A CUDA OOM can strike part-way through the backward, after some gradients were written; the
     batch probe goes on to a smaller size, and the run's first step must not add those stale gradients."""
-    from tunebench.training.tune.probe import probe_step
+    from tunebench.training.autotune.probe import probe_step
 
     tok, data = _data()
     model = tiny.model
@@ -459,7 +459,7 @@ def test_the_gpu_probe_budget_counts_only_free_memory_as_room(monkeypatch):
     """Memory other processes (or this one) already hold is not room for the probe: the budget is what is
     held plus 92% of what is free, with the allocator's unused cached blocks counted as free. (On the
     H100 a budget of 92% of the whole card made micro batch 1 'over budget' beside a 76 GiB tenant.)"""
-    from tunebench.training.tune import probe
+    from tunebench.training.autotune import probe
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 80 * gib))

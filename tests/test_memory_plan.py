@@ -1,4 +1,4 @@
-"""The memory plan (training/tune/memory.py): its per-token coefficients against the tensors autograd really keeps,
+"""The memory plan (training/autotune/memory.py): its per-token coefficients against the tensors autograd really keeps,
 its weights against a built model's, and the refusal before loading a model that cannot fit."""
 
 import json
@@ -8,8 +8,8 @@ import torch
 
 from tunebench.interfaces import cli
 from tunebench.model import methods
+from tunebench.training.autotune import memory
 from tunebench.training.loop import loss_sum
-from tunebench.training.tune import memory
 
 
 def _saved_bytes(model, tokens: int, autocast) -> int:

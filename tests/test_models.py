@@ -5,7 +5,7 @@ from conftest import add_lora, needs_module
 from tunebench.core.errors import TunebenchError
 from tunebench.machine import metrics
 from tunebench.model import inference, kernels, methods, models
-from tunebench.training.tune import compiler
+from tunebench.training.autotune import compiler
 
 
 def _ids(vocab=200, shape=(2, 12)):

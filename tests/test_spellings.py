@@ -221,7 +221,7 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(tmp_path, dataset,
 
     from tunebench.jobs import finetune
     from tunebench.settings.finetune import load_config
-    from tunebench.training.tune import compiler
+    from tunebench.training.autotune import compiler
 
     def broken(*args, **kwargs):
         raise RuntimeError("Compilation failed: no working C compiler found")

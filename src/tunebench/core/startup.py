@@ -36,7 +36,7 @@ import sys
 _paused = False
 # Whether the user chose torch's compiler cache: read as the package loads (tunebench/__init__.py imports this
 # module first), because torch writes its /tmp default into the environment the first time it looks
-# (training/tune/compiler.compile_blocks moves it next to ours).
+# (training/autotune/compiler.compile_blocks moves it next to ours).
 USER_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 # glibc's malloc tunables: no block mapped on its own, no trimming of the heap, the per-thread cache for
 # chunks of up to 16 bytes only (see above). A process reads them once, as it starts.

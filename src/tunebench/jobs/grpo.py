@@ -12,7 +12,7 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import adapted, grpo, preference, recipe, runner
-from tunebench.training.tune import compiler
+from tunebench.training.autotune import compiler
 
 
 @runner.job

@@ -73,8 +73,8 @@ STUDY = (134_515_008, 128, "lora")
 
 def starts_from(hw: hardware.Hardware, plan: hardware.Plan, sizes: list[int], effective: int) -> list[Decision]:
     """The attention and micro batch rows of the study's shape on `hw`: what `auto` measures first and predicts
-    from, by the nearest machine class's record of the run's precision (tune.known), or plain measuring."""
-    from tunebench.training.tune import known
+    from, by the nearest machine class's record of the run's precision (autotune.known), or plain measuring."""
+    from tunebench.training.autotune import known
 
     candidates = ", ".join(map(str, sizes))
     k = known.nearest(known.shipped(), known.unit(hw.cpu_flags), plan.precision, plan.threads, *STUDY) \
@@ -116,7 +116,7 @@ def memory_row(hw: hardware.Hardware, plan: hardware.Plan, model: str, method: s
     from the model's config alone: the memory plan, or the refusal a run would meet before loading."""
     from tunebench.core.errors import TunebenchError
     from tunebench.model import models
-    from tunebench.training.tune import memory
+    from tunebench.training.autotune import memory
 
     config = models.config_of(model)
     if config is None:
@@ -174,24 +174,24 @@ def load_record(path: str) -> hardware.Hardware:
 
 def write_record(path: str, precision: str = "auto") -> dict:
     """`tunebench hw --record FILE`: this machine's measured outcomes (the measurement cache's complete probes at
-    `precision`) in the shipped records' format (tune.known), for a user to contribute a machine class."""
+    `precision`) in the shipped records' format (autotune.known), for a user to contribute a machine class."""
     import datetime
 
     from tunebench.core.durable import atomic_file
     from tunebench.core.errors import TunebenchError
     from tunebench.core.jsonfile import read_json
-    from tunebench.training import tune
-    from tunebench.training.tune import known
+    from tunebench.training import autotune
+    from tunebench.training.autotune import known
 
     hw, plan, _ = machine()
     precision = plan.precision if precision == "auto" else precision
     date = datetime.date.today().isoformat()
-    record = known.from_cache(read_json(tune.cache_file()), hw.cpu_model, plan.threads, hw.cpu_flags, precision,
+    record = known.from_cache(read_json(autotune.cache_file()), hw.cpu_model, plan.threads, hw.cpu_flags, precision,
                               f"tunebench hw --record on {hw.cpu_model}, {plan.threads} threads, {date}: the "
                               "measurement cache's complete probes")
     if record is None:
         raise TunebenchError(f"no complete measurement of this machine in {precision} is on record in "
-                             f"{tune.cache_file()}; train once with --measure full (and --precision {precision}), "
+                             f"{autotune.cache_file()}; train once with --measure full (and --precision {precision}), "
                              "then record")
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(record.to_dict(), indent=2) + "\n")
@@ -240,7 +240,7 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
     print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
     rows, command = recommend(hw, plan)
     if model:
-        from tunebench.training.tune import memory
+        from tunebench.training.autotune import memory
 
         rows.append(memory_row(hw, plan, model, method, max_length, memory.runtime_mb(plan.device)))
     summary.print_plan([r for r in rows if r.setting not in ("peak_tflops", "profile")], "recommended:")

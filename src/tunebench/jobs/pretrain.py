@@ -1,6 +1,6 @@
 """`tunebench pretrain`: train a causal LM from scratch, as one recipe over training.recipe: the inputs checked,
 the run opened, the tokenizer and token blocks, the model built, then the run the runner measures, plans,
-trains and finishes, with a sampled continuation at each evaluation (training/scratch.py holds the parts)."""
+trains and finishes, with a sampled continuation at each evaluation (training/pretraining.py holds the parts)."""
 
 from __future__ import annotations
 
@@ -13,44 +13,44 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import arch
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, validate
-from tunebench.training import recipe, runner, scratch
-from tunebench.training.tune import compiler
+from tunebench.training import pretraining, recipe, runner
+from tunebench.training.autotune import compiler
 
 
 @runner.job
 def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     cfg = validate(cfg)  # the CPU guide's trio becomes the run it describes
     m, d, s = cfg.model, cfg.data, cfg.schedule
-    scratch.check_inputs(cfg)
+    pretraining.check_inputs(cfg)
     identity = {"model": cfg.to_dict()["model"], "data": cfg.data_files, "seed": s.seed}
     opened = runner.open_run(cfg, identity)
     world, device = opened.world, opened.device
     with distributed.local_rank0_first(world):  # tokenized once, cached, memory-mapped by each machine's first rank
-        tok, tok_source = scratch.load_or_train_tokenizer(cfg)
+        tok, tok_source = pretraining.load_or_train_tokenizer(cfg)
         arch.check_vocab(m, tok)
-        train, val, n_tokens = scratch.token_blocks(cfg, tok, opened.hw_plan.threads)
+        train, val, n_tokens = pretraining.token_blocks(cfg, tok, opened.hw_plan.threads)
     model = arch.build(m, tok, s.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    prompt = scratch.sample_prompt(cfg.evaluation.sample_prompt, tok, val if len(val) else train)
+    prompt = pretraining.sample_prompt(cfg.evaluation.sample_prompt, tok, val if len(val) else train)
 
     def sample(plan, step: int) -> dict[str, str]:
         # Rank 0 alone, on its whole replica; a sharded model's blocks are not whole on any rank.
         if not world.main or plan.parallel == "fsdp":
             return {}
         with compiler.eagerly(plan.compile):
-            generated = scratch.generate_sample(model, tok, prompt, cfg.evaluation.sample_tokens or scratch.SAMPLE_TOKENS,
+            generated = pretraining.generate_sample(model, tok, prompt, cfg.evaluation.sample_tokens or pretraining.SAMPLE_TOKENS,
                                                 s.seed, device, opened.autocast)
         print(f"\nsample at step {step}: {generated!r}")
         return {"sample": generated}
 
     def finish(done: recipe.Finished):
-        saved = scratch.save(model, tok, opened.out, done.weights)
-        return scratch.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
+        saved = pretraining.save(model, tok, opened.out, done.weights)
+        return pretraining.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
 
     return recipe.train(cfg, opened, recipe.Recipe(
-        model=model, loss=None, rows=scratch.model_rows(cfg, model, opened), method_rows=[],
-        header=scratch.header(tok_source, tok, cfg, n_tokens, train, val, model, n_params),
-        parallel=scratch.pick_parallel(cfg, opened, n_params),
+        model=model, loss=None, rows=pretraining.model_rows(cfg, model, opened), method_rows=[],
+        header=pretraining.header(tok_source, tok, cfg, n_tokens, train, val, model, n_params),
+        parallel=pretraining.pick_parallel(cfg, opened, n_params),
         n_train=len(train), unit=f"blocks of {d.max_length}", tokens_per_unit=d.max_length,
         what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
         probe_rows=lambda size: train.collate(range(min(size, len(train)))), widest=d.max_length,

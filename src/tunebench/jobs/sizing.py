@@ -90,7 +90,7 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
     from tunebench.settings.finetune import load_config
     from tunebench.training import runner
     from tunebench.training.adapted import build_model
-    from tunebench.training.tune.probe import probe_step
+    from tunebench.training.autotune.probe import probe_step
 
     cfg = load_config(options={**settings, "hardware.device": device})
     parts = mixture.parts(cfg.data)

@@ -21,8 +21,8 @@ from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import preference, runner
 from tunebench.training import summary as summary_
-from tunebench.training.tune import compiler, layout, memory
-from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
+from tunebench.training.autotune import compiler, layout, memory
+from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 
 
 def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def load(cfg: RunConfig, opened: runner.Opened) -> models.Loaded:
 
 def check_memory(cfg: RunConfig, opened: runner.Opened) -> None:
     """Refuse, before a weight loads, a model whose smallest step (micro batch 1, checkpointing on) cannot fit the
-    memory free here, naming the method that would (the memory plan, training/tune/memory.py)."""
+    memory free here, naming the method that would (the memory plan, training/autotune/memory.py)."""
     config = models.config_of(cfg.model.name, cfg.model.allow_download)
     if config is None or cfg.adapter.method in methods.PROMPT_METHODS + ("ia3",):
         return

@@ -23,9 +23,9 @@ from tunebench.machine import distributed
 from tunebench.settings.rundir import RunDir
 from tunebench.training import optim, runner, runplan
 from tunebench.training import summary as summary_
+from tunebench.training.autotune import memory
+from tunebench.training.autotune.probe import memory_free_mb, probe_step
 from tunebench.training.loop import Batch
-from tunebench.training.tune import memory
-from tunebench.training.tune.probe import memory_free_mb, probe_step
 
 EpochSteps = Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
 

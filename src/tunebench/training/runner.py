@@ -34,8 +34,8 @@ from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_
 from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings import schema
 from tunebench.training import checkpoint, runplan
+from tunebench.training.autotune import memory
 from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
-from tunebench.training.tune import memory
 
 
 @dataclass(frozen=True)
@@ -180,15 +180,15 @@ def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, w
             n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
             asked_reason: str = "asked for", micro: int | None = None) -> tuple[runplan.Measured, float]:
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
-    checkpointing, compile) and the seconds they took. `step` is a tune.probe step; `what` names what is
+    checkpointing, compile) and the seconds they took. `step` is a autotune.probe step; `what` names what is
     trained for the measurement cache (model, method, quantization, rank, target modules). `micro`, a micro
     batch the job's math fixes (with `asked_reason`), is taken like one the user asked for."""
-    from tunebench.training import tune
-    from tunebench.training.tune import known
+    from tunebench.training import autotune
+    from tunebench.training.autotune import known
     hw, hw_plan, world, h = opened.hw, opened.hw_plan, opened.world, cfg.hardware
 
     def measure_() -> runplan.Measured:
-        shape = tune.Shape(*what, max_length, tune.where(hw, hw_plan, opened.device), hw_plan.precision,
+        shape = autotune.Shape(*what, max_length, autotune.where(hw, hw_plan, opened.device), hw_plan.precision,
                            hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
         return runplan.measure(
             model, step, shape, world_size=world.size, device=opened.device, precision=hw_plan.precision,
@@ -524,7 +524,7 @@ def train_run(opened: Opened, plan, model, *, optimization: Optimization, output
     only rank 0 goes on to write the outputs. `prefetch` False keeps the batches on the loop's thread (GRPO's
     batches are sampled from the weights being trained)."""
     from tunebench.training import optim
-    from tunebench.training.tune import compiler
+    from tunebench.training.autotune import compiler
 
     world, device, autocast, out = opened.world, opened.device, opened.autocast, opened.out
     pin_memory = bool(plan.value("pin_memory"))

@@ -181,8 +181,8 @@ def measure(model, step, shape, *, world_size: int, device, precision: str, atte
     micro batch and compile share a measuring budget of a tenth of their training time, unless `measure_mode` is
     full). `known` is the nearest machine class's record (tune.known): the order candidates are measured in,
     and the prediction for those left unmeasured."""
-    from tunebench.training.tune import attention, batch, compiler
-    from tunebench.training.tune.budget import Budget
+    from tunebench.training.autotune import attention, batch, compiler
+    from tunebench.training.autotune.budget import Budget
 
     budget = Budget(run_tokens) if measure_mode == "bounded" else None
     rows: list[Decision] = []
@@ -257,8 +257,8 @@ def apply_measured(model, rows: list[Decision]) -> None:
     """Apply decisions rank 0 measured (its settings rows) to this rank's copy of the model, without
     measuring: the attention kernel, gradient checkpointing, compiled blocks."""
     from tunebench.model import kernels
-    from tunebench.training.tune.compiler import compile_blocks
-    from tunebench.training.tune.probe import enable_checkpointing
+    from tunebench.training.autotune.compiler import compile_blocks
+    from tunebench.training.autotune.probe import enable_checkpointing
 
     for setting, value, _ in rows:
         if setting == "attention":

@@ -15,10 +15,10 @@ import torch
 from tunebench.core.batch_rule import micro_candidates
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
-from tunebench.training.tune import Shape, cached, store
-from tunebench.training.tune.budget import Budget
-from tunebench.training.tune.known import Known, model_size
-from tunebench.training.tune.probe import (
+from tunebench.training.autotune import Shape, cached, store
+from tunebench.training.autotune.budget import Budget
+from tunebench.training.autotune.known import Known, model_size
+from tunebench.training.autotune.probe import (
     StepFn,
     checkpointing_on,
     enable_checkpointing,

@@ -11,7 +11,7 @@ import torch
 
 from tunebench.core.decision import Decision
 from tunebench.core.paths import cache_dir
-from tunebench.training.tune import Shape, cached, store
+from tunebench.training.autotune import Shape, cached, store
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
 # What measuring compile costs (a first compile, a second from the compiler's disk cache, the alternating probes)

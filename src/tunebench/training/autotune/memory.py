@@ -178,7 +178,7 @@ def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: 
     """The plan of a built model's step: its parameters' bytes as held (and those of `extra`, such as a full
     fine-tune's frozen reference copy), its trained parameters, the chosen micro batch, kernel and checkpointing.
     A model that trains most of its parameters is planned as a full fine-tune (fp32 weights under autocast)."""
-    from tunebench.training.tune.probe import checkpointing_on
+    from tunebench.training.autotune.probe import checkpointing_on
 
     held = held_mb(model, extra) * MB
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

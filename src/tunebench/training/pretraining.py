@@ -19,7 +19,7 @@ from tunebench.model import inference, kernels, models
 from tunebench.settings.pretrain import PretrainRun
 from tunebench.training import runner
 from tunebench.training import summary as summary_
-from tunebench.training.tune.probe import enable_checkpointing, memory_free_mb
+from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 
 SAMPLE_TOKENS = 64  # evaluation.sample_tokens' default
 

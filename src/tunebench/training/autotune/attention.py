@@ -8,10 +8,10 @@ from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.model import kernels, methods
-from tunebench.training.tune import Shape, cached, store
-from tunebench.training.tune.budget import ATTENTION_PART, Budget
-from tunebench.training.tune.known import Known
-from tunebench.training.tune.probe import enable_checkpointing, free_after_oom, is_oom, memory_free_mb
+from tunebench.training.autotune import Shape, cached, store
+from tunebench.training.autotune.budget import ATTENTION_PART, Budget
+from tunebench.training.autotune.known import Known
+from tunebench.training.autotune.probe import enable_checkpointing, free_after_oom, is_oom, memory_free_mb
 
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
 
