@@ -33,7 +33,7 @@ from conftest import SHARED, pairs_file, run_losses, run_weights, sigterm_after_
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.machine import hardware
-from tunebench.training import adapted, checkpoint, optim, runner
+from tunebench.training import checkpoint, finetune_model, optim, runner
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
@@ -338,7 +338,7 @@ def test_the_probe_falls_back_to_gradient_checkpointing_when_one_row_does_not_fi
         loaded = models.resolve("gpt2-124m", gpt2_tokenizer)
         pad = loaded.tokenizer.pad_token_id
         tokenized = load_tokenized(cfg.data, loaded.tokenizer, None)
-        model, _ = adapted.build_model(cfg, loaded, precision, device)
+        model, _ = finetune_model.build_model(cfg, loaded, precision, device)
         autocast = precision_.autocast_dtype(precision)
         if checkpointing:
             enable_checkpointing(model)

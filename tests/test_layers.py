@@ -176,8 +176,8 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 
 # The training jobs are recipes over training.recipe: none builds on another or on any other job (what they share
-# lives below the jobs, in training.adapted and training.pretraining; the run report is only handed to the runner as
-# the run's end), and each reads in one screen.
+# lives below the jobs, in training's finetune_model, finetune_data, finetune_report and pretraining; the run report
+# is only handed to the runner as the run's end), and each reads in one screen.
 RECIPES = ("tunebench.jobs.finetune", "tunebench.jobs.grpo", "tunebench.jobs.pretrain")
 
 

@@ -12,7 +12,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
 from tunebench.model import inference, models
 from tunebench.settings.finetune import load_config
-from tunebench.training import adapted
+from tunebench.training import finetune_model
 
 METHODS = ["dora", "ia3", "loha", "lokr", "prefix", "prompt"]
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 64, 12]])
@@ -30,14 +30,14 @@ def test_each_method_trains_saves_and_reloads_in_plain_peft_to_the_same_logits(t
     from peft import PeftModel
 
     trained = {}
-    save = adapted.save_final
+    save = finetune_model.save_final
 
     def keep_logits(model, *args, **kwargs):  # the in-memory model at the end of training, before it is saved
         trained["logits"] = _logits(model)
         trained["trainable"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         return save(model, *args, **kwargs)
 
-    monkeypatch.setattr(adapted, "save_final", keep_logits)
+    monkeypatch.setattr(finetune_model, "save_final", keep_logits)
     out = tmp_path / method
     summary = finetune.run(tiny_run_config(dataset, out, **{
         "adapter.method": method, "adapter.num_virtual_tokens": 4, "train.precision": "fp32", "train.max_steps": 3}))

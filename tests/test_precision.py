@@ -14,7 +14,7 @@ from tunebench.interfaces.web import models as served
 from tunebench.jobs import evaluate, export, finetune, generate, merge, pretrain
 from tunebench.model import inference
 from tunebench.settings.finetune import DataConfig
-from tunebench.training import adapted
+from tunebench.training import finetune_model
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -156,7 +156,7 @@ def test_the_probe_the_steps_and_the_answers_run_under_one_autocast(tmp_path, da
 
         needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
     seen = []
-    built = adapted.build_model
+    built = finetune_model.build_model
 
     def watched(*args, **kwargs):
         made = built(*args, **kwargs)
@@ -165,7 +165,7 @@ def test_the_probe_the_steps_and_the_answers_run_under_one_autocast(tmp_path, da
             torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
         return made
 
-    monkeypatch.setattr(adapted, "build_model", watched)
+    monkeypatch.setattr(finetune_model, "build_model", watched)
     out = tmp_path / "run"
     summary = finetune.run(tiny_run_config(data, out, **{
         "adapter.method": method, "train.precision": precision, "train.eval_generate": 2,

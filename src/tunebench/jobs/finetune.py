@@ -12,53 +12,53 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import adapted, recipe, runner
+from tunebench.training import finetune_data, finetune_model, finetune_report, recipe, runner
 
 
 @runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, prefer, kto = cfg.adapter, cfg.data, cfg.adapter.objective != "sft", cfg.adapter.objective == "kto"
     unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair
-    examples, parts = adapted.check_inputs(cfg, prefer)  # every input checked before anything expensive
-    cfg, length_row = adapted.settle_length(cfg, adapted.row_lengths(cfg, prefer, kto, examples, parts))
+    examples, parts = finetune_data.check_inputs(cfg, prefer)  # every input checked before anything expensive
+    cfg, length_row = finetune_data.settle_length(cfg, finetune_data.row_lengths(cfg, prefer, kto, examples, parts))
     d = cfg.data
-    identity = adapted.identity(cfg)
+    identity = finetune_model.identity(cfg)
     opened = runner.open_run(cfg, identity)
-    adapted.check_memory(cfg, opened)  # before a weight loads
+    finetune_model.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):  # each machine's first rank fills the caches
-        loaded = adapted.load(cfg, opened)
+        loaded = finetune_model.load(cfg, opened)
         tok = loaded.tokenizer
         if prefer:  # the pairs or judgements that fit max_length, one span
             data, messages = (judged if kto else pairs).tokenize(examples, tok, d), []
             spans = [np.arange(len(data))]
         else:
             data, spans, messages = mixture.tokenize(parts, tok, models.cache_dir())
-    train_idx, _, eval_parts = adapted.split_rows(cfg, data, spans, parts, prefer)
-    model, loss, method_rows, (trainable, total) = adapted.trainable_model(cfg, loaded, opened, prefer)
+    train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, spans, parts, prefer)
+    model, loss, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, prefer)
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
     collate_unit = judged.collate if kto else pairs.collate if prefer else batching.collate
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def finish(done: recipe.Finished):
-        saved = adapted.save_final(model, tok, opened.out, cfg, loaded, done.weights)
-        summary = adapted.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
+        saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
+        summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
         if prefer:
             summary.update({f"{unit}_skipped": examples.skipped, f"{unit}_dropped": data.dropped})
-        summary.update(adapted.held_out_answers(cfg, opened, model, tok, data, examples, messages, parts, eval_parts))
+        summary.update(finetune_report.held_out_answers(cfg, opened, model, tok, data, examples, messages, parts, eval_parts))
         return summary, saved
 
     return recipe.train(cfg, opened, recipe.Recipe(
-        model=model, loss=loss, method_rows=[length_row, *method_rows, *adapted.template_rows(tok)],
-        header=adapted.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
-        parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,
+        model=model, loss=loss, method_rows=[length_row, *method_rows, *finetune_data.template_rows(tok)],
+        header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
+        parallel=finetune_model.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,
         tokens_per_unit=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
-        what=adapted.measured_as(cfg, prefer), probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
+        what=finetune_model.measured_as(cfg, prefer), probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
         widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), max_length=d.max_length,
         longest=int(lengths[train_idx].max()),
-        batches=adapted.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
+        batches=finetune_data.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
         eval_sets=lambda micro: [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
                                  for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)],
         identity=identity, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
-        records=adapted.records(loaded, trainable, total),
-        **adapted.kto_micro_batch(opened, kto)))
+        records=finetune_model.records(loaded, trainable, total),
+        **finetune_model.kto_micro_batch(opened, kto)))

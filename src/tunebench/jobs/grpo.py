@@ -11,7 +11,7 @@ from tunebench.data import batching, prompts
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import adapted, grpo, preference, recipe, runner
+from tunebench.training import finetune_data, finetune_model, finetune_report, grpo, preference, recipe, runner
 from tunebench.training.autotune import compiler
 
 
@@ -19,18 +19,18 @@ from tunebench.training.autotune import compiler
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, s, settings = cfg.adapter, cfg.schedule, grpo.Settings.of(cfg.adapter)
     rows, code, scoring = grpo.check_inputs(cfg)  # every input checked before anything expensive
-    cfg, length_row = adapted.settle_length(cfg, grpo.prompt_lengths(rows, cfg))  # data.max_length a number
-    identity = adapted.identity(cfg, **({"reward_files": code} if code else {}))
+    cfg, length_row = finetune_data.settle_length(cfg, grpo.prompt_lengths(rows, cfg))  # data.max_length a number
+    identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
-    adapted.check_memory(cfg, opened)  # before a weight loads
+    finetune_model.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
-        loaded = adapted.load(cfg, opened)
+        loaded = finetune_model.load(cfg, opened)
         tok = loaded.tokenizer
         data = prompts.tokenize(rows, tok, cfg.data, a.max_completion_length)
-    train_idx, _, eval_parts = adapted.split_rows(cfg, data, [np.arange(len(data))], [], True)
-    model, _, method_rows, (trainable, total) = adapted.trainable_model(cfg, loaded, opened, False)
+    train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [], True)
+    model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, False)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
-    reference, words = adapted.reference_for(model, a.method == "full") if a.beta else (None, "none (beta 0: no KL term)")
+    reference, words = finetune_model.reference_for(model, a.method == "full") if a.beta else (None, "none (beta 0: no KL term)")
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
                            eagerly=lambda: compiler.eagerly(compiled[0]))
@@ -41,8 +41,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         held_out.before()
 
     def finish(done: recipe.Finished):
-        saved = adapted.save_final(model, tok, opened.out, cfg, loaded, done.weights)
-        summary = adapted.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
+        saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
+        summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
         summary.update(grpo.generation(sampler, done.outcome, settings), prompts_dropped=data.dropped, **held_out.after())
         return summary, saved
 
@@ -53,12 +53,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         model=model, loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
         method_rows=[length_row, *method_rows, grpo.objective_row(cfg, words, dropped)],
         header=grpo.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
-        parallel=adapted.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit="prompts",
+        parallel=finetune_model.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit="prompts",
         tokens_per_unit=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
         what=grpo.measured_as(cfg), probe_rows=lambda size: sampler.probe_rows(longest[:size]),
         widest=int(lengths[train_idx].max()) + a.max_completion_length, max_length=cfg.data.max_length,
         batches=lambda micro: (epoch_steps, sampler.collate, []), eval_sets=lambda micro: [], identity=identity,
         finish=finish, publish=run_report.send, quantized=a.method == "qlora",
-        records=adapted.records(loaded, trainable, total),
+        records=finetune_model.records(loaded, trainable, total),
         before_training=start, prefetch=False,  # sampling needs the live weights
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

@@ -246,7 +246,7 @@ def profile_path(name: str) -> Path:
 
 
 SCHEMA = schema.Schema(
-    "train", SECTIONS, defaults={"data.max_length": None},  # auto: settled from the rows (adapted.settle_length)
+    "train", SECTIONS, defaults={"data.max_length": None},  # auto: settled from the rows (finetune_data.settle_length)
     # the hardware guide's Hydra key; the rest of its keys are the flat sections' (schema.FLAT_SECTIONS)
     aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
     hints=SYNONYMS, choices={

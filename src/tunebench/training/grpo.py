@@ -39,7 +39,7 @@ from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import adapted, checkpoint
+from tunebench.training import checkpoint, finetune_data
 from tunebench.training import rewards as rewards_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
@@ -310,13 +310,13 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
     print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
           + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
-    adapted.check_rows(len(rows), cfg, 0, "")
+    finetune_data.check_rows(len(rows), cfg, 0, "")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     return rows, code, scoring
 
 
 def prompt_lengths(rows: PromptRows, cfg: RunConfig):
-    """`adapted.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
+    """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
     completion (max_completion_length)."""
     from tunebench.data.tokenize import render_prompt
 

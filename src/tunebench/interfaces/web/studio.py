@@ -183,10 +183,10 @@ def check(ask: Ask, runs_dir: Path):
         raise TunebenchError(f"these settings are not a valid `tunebench train` call: {shlex.join(ask.argv(runs_dir))}"
                              ) from None
     cfg = train_config(args)
-    from tunebench.training import adapted
+    from tunebench.training import finetune_data
 
     if cfg.adapter.objective != "sft" or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
-        adapted.check_inputs(cfg, cfg.adapter.objective != "sft")
+        finetune_data.check_inputs(cfg, cfg.adapter.objective != "sft")
         return cfg
     check_sample(cfg)
     return cfg
@@ -202,7 +202,7 @@ def check_sample(cfg) -> None:
     sample in its log, with the same one-line error."""
     from tunebench.data import formats, readers
     from tunebench.model import inference, models
-    from tunebench.training import adapted
+    from tunebench.training import finetune_data
 
     d = cfg.data
     records = readers.read_records(d.path, limit=CHECK_ROWS)
@@ -213,7 +213,7 @@ def check_sample(cfg) -> None:
                              "prompt or response")
     total = len(records) if len(records) < CHECK_ROWS else readers.count_records(d.path)
     if total is not None:  # the empty share of the sample stands for the file's
-        adapted.check_rows(total - round(empty * total / len(messages)), cfg, 0, "")
+        finetune_data.check_rows(total - round(empty * total / len(messages)), cfg, 0, "")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     if d.max_length is not None:
         inference.check_length(cfg.model.name, d.max_length, cfg.model.allow_download)
