@@ -42,7 +42,7 @@ STATE_BYTES = 4 + 8  # a trained parameter's gradient (fp32) and AdamW's two mom
 
 
 @dataclass(frozen=True)
-class Shape:
+class ModelShape:
     """What the plan reads from a model's config and parameters."""
 
     layers: int
@@ -59,7 +59,7 @@ class Shape:
         return self.linear + self.other
 
 
-def shape_of(model) -> Shape:
+def shape_of(model) -> ModelShape:
     """A model's shape, from its config and its parameters (real, or on the meta device)."""
     import torch
 
@@ -76,11 +76,11 @@ def shape_of(model) -> Shape:
     linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
                  for p in m.parameters(recurse=False) if id(p) not in head_ids and p.dim() == 2)
     total = sum(p.numel() for p in model.parameters())
-    return Shape(layers, hidden, kv_heads * head_dim, ffn, heads, linear, total - linear,
+    return ModelShape(layers, hidden, kv_heads * head_dim, ffn, heads, linear, total - linear,
                  getattr(c, "model_type", "unknown"))
 
 
-def on_meta(config) -> Shape:
+def on_meta(config) -> ModelShape:
     """The shape of the model `config` describes, without its weights (built on the meta device)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -99,7 +99,7 @@ def runtime_mb(device_type: str) -> float:
     return psutil.Process().memory_info().rss / MB
 
 
-def lora_params(shape: Shape, r: int, targets: str) -> int:
+def lora_params(shape: ModelShape, r: int, targets: str) -> int:
     """A LoRA's parameters on `targets` ("q_proj,v_proj"-like names, or all-linear), r x (in + out) per layer."""
     widths = {"q_proj": (shape.hidden, shape.hidden), "k_proj": (shape.hidden, shape.kv),
               "v_proj": (shape.hidden, shape.kv), "o_proj": (shape.hidden, shape.hidden),
@@ -111,7 +111,7 @@ def lora_params(shape: Shape, r: int, targets: str) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """A step's predicted peak, in MB, by part."""
 
     runtime: float
@@ -135,9 +135,9 @@ class Plan:
         return f"weights {gb(self.weights)} + trainable state {gb(self.state)} + {acts}{runtime}{self.note}"
 
 
-def predict(shape: Shape, method: str, value_bytes: int, trainable: int, micro: int, tokens: int,
+def predict(shape: ModelShape, method: str, value_bytes: int, trainable: int, micro: int, tokens: int,
             checkpointing: bool, attention: str = "sdpa", runtime_mb: float = 0.0,
-            weight_bytes: float | None = None, device_type: str = "cpu") -> Plan:
+            weight_bytes: float | None = None, device_type: str = "cpu") -> MemoryPlan:
     """The plan for one training step. `value_bytes`: 2 under a 16-bit precision, 4 in fp32. `weight_bytes`: the
     weights as they are held, when known (a loaded model); else from the method."""
     transient = TRANSIENT.get(device_type, TRANSIENT["cpu"])
@@ -163,7 +163,7 @@ def predict(shape: Shape, method: str, value_bytes: int, trainable: int, micro: 
     state = STATE_BYTES * trainable
     note = "" if shape.family in ("llama", "mistral", "qwen2", "qwen3", "smollm3") else \
         f"; activations as a Llama of this width ({shape.family} counted alike)"
-    return Plan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note)
+    return MemoryPlan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note)
 
 
 def held_mb(model, extra=()) -> float:
@@ -174,7 +174,7 @@ def held_mb(model, extra=()) -> float:
 
 
 def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: str, runtime: float,
-            device_type: str) -> Plan:
+            device_type: str) -> MemoryPlan:
     """The plan of a built model's step: its parameters' bytes as held (and those of `extra`, such as a full
     fine-tune's frozen reference copy), its trained parameters, the chosen micro batch, kernel and checkpointing.
     A model that trains most of its parameters is planned as a full fine-tune (fp32 weights under autocast)."""
@@ -188,14 +188,14 @@ def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: 
                    checkpointing_on(base), attention, runtime, held, device_type)
 
 
-def row(plan: Plan, free_mb: float | None, device_type: str) -> Decision:
+def row(plan: MemoryPlan, free_mb: float | None, device_type: str) -> Decision:
     peak = "GPU memory (torch's allocations)" if device_type == "cuda" else "resident memory"
     room = f"; {free_mb / 1024:.1f} GB free" if free_mb is not None else ""
     return Decision("memory_plan", f"{plan.total / 1024:.1f} GB",
                     f"predicted peak {peak} of a step: {plan.parts()}{room}")
 
 
-def refusal(plan: Plan, free_mb: float, what: str, fix: str) -> str | None:
+def refusal(plan: MemoryPlan, free_mb: float, what: str, fix: str) -> str | None:
     """The one-line refusal when even the smallest step (micro 1, checkpointing on) cannot fit, else None."""
     if plan.total <= free_mb:
         return None
@@ -203,15 +203,15 @@ def refusal(plan: Plan, free_mb: float, what: str, fix: str) -> str | None:
             f"{free_mb / 1024:.1f} GB is free; {fix}")
 
 
-def smallest(shape: Shape, method: str, value_bytes: int, trainable: int, tokens: int, runtime_mb: float,
-             device_type: str) -> Plan:
+def smallest(shape: ModelShape, method: str, value_bytes: int, trainable: int, tokens: int, runtime_mb: float,
+             device_type: str) -> MemoryPlan:
     """The least a run of this model and method can take: micro batch 1, gradient checkpointing on."""
     return predict(shape, method, value_bytes, trainable, 1, tokens, True, runtime_mb=runtime_mb,
                    device_type=device_type)
 
 
-def check_fits(shape: Shape, what: str, method: str, value_bytes: int, lora_r: int, targets: str, tokens: int,
-               free_mb: float, device_type: str, runtime_mb: float) -> tuple[Plan, str | None]:
+def check_fits(shape: ModelShape, what: str, method: str, value_bytes: int, lora_r: int, targets: str, tokens: int,
+               free_mb: float, device_type: str, runtime_mb: float) -> tuple[MemoryPlan, str | None]:
     """(the smallest step's plan, the refusal when even it does not fit `free_mb`, with the method that would)."""
     adapter = lora_params(shape, lora_r, "q_proj,v_proj" if targets == "auto" else targets)
     trainable = lambda m: shape.params if m == "full" else adapter  # noqa: E731
