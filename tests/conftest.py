@@ -289,19 +289,19 @@ def pairs_file(tmp_path) -> Path:
 def sigterm_after_step(step: int):
     """Send this process a real SIGTERM right after step `step`'s loss is logged (the path Ctrl-C and a
     scheduler's kill take), then put the metrics writer back."""
-    from tunebench.training import runner
-    real_call = runner.MetricsWriter.__call__
+    from tunebench.machine.metrics import MetricsWriter
+    real_call = MetricsWriter.__call__
 
     def interrupt(self, record):
         real_call(self, record)
         if record.get("step") == step and "loss" in record:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    runner.MetricsWriter.__call__ = interrupt
+    MetricsWriter.__call__ = interrupt
     try:
         yield
     finally:
-        runner.MetricsWriter.__call__ = real_call
+        MetricsWriter.__call__ = real_call
 
 
 def run_losses(out) -> dict[int, float]:

@@ -13,7 +13,7 @@ from tunebench.model import inference
 from tunebench.model.models import byte_tokenizer
 from tunebench.settings.finetune import DataConfig
 from tunebench.training import checkpoint, runner
-from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, train
+from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, optimizer_steps
 
 
 def _data():
@@ -31,7 +31,7 @@ def _one_step(model, batches):
     settings = LoopSettings(total_steps=1, grad_accum_steps=len(batches), max_grad_norm=1e9,
                             device=torch.device("cpu"), progress=False)
     logs = []
-    train(CausalLMLoss(model), opt, sched, lambda s: queue.pop(0) if queue else None, LoopState(), settings,
+    optimizer_steps(CausalLMLoss(model), opt, sched, lambda s: queue.pop(0) if queue else None, LoopState(), settings,
           Hooks(log=logs.append))
     return logs[-1]["loss"], logs[-1]["grad_norm"]
 
@@ -107,7 +107,7 @@ def test_resume_with_another_micro_batch_is_refused_not_replaced(tmp_path, datas
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, monkeypatch):
     import tunebench.training.loop as loop
 
-    real, real_train = loop.CausalLMLoss.forward, runner.train
+    real, real_train = loop.CausalLMLoss.forward, loop.optimizer_steps
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -119,7 +119,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, mo
         monkeypatch.setattr(loop.CausalLMLoss, "forward", poisoned)
         return real_train(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "train", train_poisoned)
+    monkeypatch.setattr(loop, "optimizer_steps", train_poisoned)
     out = tmp_path / "nan"
     with pytest.raises(TunebenchError, match="loss became nan at step 3.*--lr"):
         finetune.run(_cfg(dataset, out, **{"train.save_steps": 2}))
@@ -486,7 +486,7 @@ def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
     settings = LoopSettings(total_steps=steps, grad_accum_steps=2, max_grad_norm=1.0, device=torch.device("cpu"),
                             progress=False, logging_steps=logging_steps, prefetch=prefetch)
     logs = []
-    state = train(CausalLMLoss(model), opt, sched, next_micro, LoopState(), settings, Hooks(log=logs.append))
+    state = optimizer_steps(CausalLMLoss(model), opt, sched, next_micro, LoopState(), settings, Hooks(log=logs.append))
     return state, logs, model
 
 

@@ -144,13 +144,13 @@ def test_cgroup_quota_files_parse(files, quota):
 
 def test_threads_asked_for_are_what_the_run_uses(tmp_path, dataset, monkeypatch):
     used = []
-    real = loop.train
+    real = loop.optimizer_steps
 
     def spy(*args, **kwargs):
         used.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "train", spy)
+    monkeypatch.setattr(loop, "optimizer_steps", spy)
     before = torch.get_num_threads()
     try:
         finetune.run(_cfg(dataset, tmp_path / "t", **{"train.threads": 1, "train.max_steps": 1}))

@@ -47,7 +47,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary.update(finetune_report.held_out_answers(cfg, opened, model, tok, data, examples, messages, parts, eval_parts))
         return summary, saved
 
-    return recipe.train(cfg, opened, recipe.Recipe(
+    return recipe.run(cfg, opened, recipe.Recipe(
         model=model, loss=loss, method_rows=[length_row, *method_rows, *finetune_data.template_rows(tok)],
         header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,

@@ -49,7 +49,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     lengths = data.lengths()
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
     epoch_steps = sampler.record_steps(lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch))
-    return recipe.train(cfg, opened, recipe.Recipe(
+    return recipe.run(cfg, opened, recipe.Recipe(
         model=model, loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
         method_rows=[length_row, *method_rows, grpo.objective_row(cfg, words, dropped)],
         header=grpo.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),

@@ -47,7 +47,7 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         saved = pretraining.save(model, tok, opened.out, done.weights)
         return pretraining.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
 
-    return recipe.train(cfg, opened, recipe.Recipe(
+    return recipe.run(cfg, opened, recipe.Recipe(
         model=model, loss=None, rows=pretraining.model_rows(cfg, model, opened), method_rows=[],
         header=pretraining.header(tok_source, tok, cfg, n_tokens, train, val, model, n_params),
         parallel=pretraining.pick_parallel(cfg, opened, n_params),

@@ -391,7 +391,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[float]:
     return torch.cat([t.float().reshape(-1) for t in tensors]).tolist()
 
 
-def train(
+def optimizer_steps(
     objective: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,

@@ -1,13 +1,17 @@
 """The one contract between a training job and the runner. A job (jobs/finetune.py, grpo.py, pretrain.py) opens the
-run, builds its model and data, and hands a Recipe to `train`, which does the rest once, in this order: the steps
-the run takes, the measured settings (attention kernel, micro batch, checkpointing, compile), the plan and its
-printed table, the batches, the records, the loop with its evaluations, then, on rank 0, the job's outputs and
-summary, summary.json, the closing lines and the trackers."""
+run, builds its model and data, and hands a Recipe to `run`, which does the rest once and reads top to bottom in
+the order it happens: the steps the run takes, the measured settings (attention kernel, micro batch,
+checkpointing, compile), the plan and its printed table, the objective, optimizer and schedule, the records, the
+resume point, the optimizer steps (training.loop.optimizer_steps, the next and last hop) with their evaluations
+and checkpoints, then, on rank 0, the job's outputs and summary, summary.json, the closing lines and the
+trackers."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +23,15 @@ from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
-from tunebench.machine import distributed
+from tunebench.machine import distributed, trackers
+from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
+from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings.rundir import RunDir
-from tunebench.training import optim, runner, runplan
+from tunebench.training import checkpoint, loop, optim, runner, runplan
 from tunebench.training import summary as summary_
-from tunebench.training.autotune import memory
+from tunebench.training.autotune import compiler, memory
 from tunebench.training.autotune.probe import memory_free_mb, probe_step
-from tunebench.training.loop import Batch
+from tunebench.training.loop import Batch, Hooks, LoopSettings, LoopState
 
 EpochSteps = Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
 
@@ -88,13 +94,23 @@ def resumed_steps(opened: runner.Opened) -> int | None:
     return None
 
 
-def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
-    """Measure, plan, print, train and finish one run of `r`; the summary on rank 0, {} on the other ranks."""
+def run(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
+    """One run of `r`, in the order it happens: the steps, the measured settings, the plan and its table; the
+    objective as the process group wraps it, the optimizer, the schedule and the records; the resume point, the
+    evaluation before, the optimizer steps (training.loop.optimizer_steps) with their evaluations and checkpoints,
+    the last checkpoint and the evaluation after; then, on rank 0, the job's outputs, summary.json and the
+    trackers. Returns the summary on rank 0, {} on the other ranks.
+
+    Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second Ctrl-C aborts; see
+    runner.StopRequest); under several ranks a signal to any one stops all of them at the same step. Only rank 0
+    writes records and talks; every rank runs the rest (evaluation and saving are collectives)."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
     extra = list(r.loss.parameters()) if r.loss is not None else []  # a full fine-tune's reference copy, say
     held = memory.held_mb(r.model, extra)
     startup.release_freed()  # what loading freed (an fp32 copy cast down) is not the run's
     runtime = max(0.0, memory.runtime_mb(device.type) - held)  # what the process holds beside the weights
+
+    # The steps and the measured settings.
     steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
     measured, measure_s = runner.measure(
         opened, cfg, r.model, probe_step(r.model, r.probe_rows, device, opened.autocast, r.loss), r.what,
@@ -114,6 +130,8 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
     memory_plan = memory.of_step(r.model, extra, micro, r.widest if packed or r.longest is None else r.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
+
+    # The plan and its table.
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
         *r.method_rows,
@@ -132,14 +150,93 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     if r.before_training:
         r.before_training(plan)
 
-    records = runner.records(opened, cfg, plan, **r.records)
-    after_eval = (lambda step: r.after_eval(plan, step)) if r.after_eval else None
-    with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
-        outcome, weights = runner.train_run(
-            opened, plan, r.model, loss=r.loss, records=records, optimization=optimization,
-            outputs=runner.Outputs.of(cfg, int(plan.value("logging_steps"))), eval_sets=r.eval_sets(micro),
-            next_micro_batch=runner.micro_batches(epoch_steps, collate, world, micro, accum), identity=r.identity,
-            tracking=tracking, prefetch=r.prefetch, after_eval=after_eval)
+    # The objective as the process group wraps it (DDP, FSDP), each rank's own dropout masks, the optimizer over
+    # the parameters FSDP sharded, the schedule, fp16's GradScaler.
+    objective, eval_objective, split_eval = runner.objective(r.model, opened.autocast, device, world, plan.parallel,
+                                                             r.loss)
+    if world.backend is not None:
+        torch.manual_seed(opened.seed + world.rank)
+    optimizer = optim.adamw(r.model, optimization.lr, optimization.weight_decay, device, optimization.betas)
+    scheduler = optim.scheduler(optimizer, optimization.schedule, optimization.warmup_steps, plan.total_steps)
+    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+    identity = r.identity | {"rows_per_micro_step": plan.micro_batch_size * world.size,
+                             "grad_accum_steps": plan.grad_accum_steps}
+    eval_sets = r.eval_sets(micro)
+    o, lg = cfg.output, cfg.logging
+    settings = LoopSettings(
+        total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
+        device=device, logging_steps=int(plan.value("logging_steps")),
+        eval_steps=runner.every(cfg.evaluation.eval_steps, plan.total_steps), save_steps=o.save_steps,
+        progress=lg.progress, pin_memory=bool(plan.value("pin_memory")), world=world, prefetch=r.prefetch)
+
+    with runner.tracking(opened, lg) as tracking:  # closed with the run's outcome, whatever it is
+        # The records (rank 0: config.yaml and plan.json, the trackers' parameters) and the resume point.
+        if world.main:
+            tracking.start(trackers.params_of(*runner.records(opened, cfg, plan, **r.records)()))
+        startup.done()  # the libraries and the model are in: collection resumes, with them frozen
+        state = LoopState()
+        if opened.resume_from:
+            state = checkpoint.load(opened.resume_from, r.model, optimizer, scheduler, identity, scaler, world)
+            runner.say(world, f"resume: continuing from {opened.resume_from} (step {state.step})")
+        metrics = MetricsWriter(opened.out / "metrics.jsonl", tracking.log) if world.main else None
+        log = metrics or (lambda record: None)
+        stop = runner.StopRequest(world.rank if world.backend else None)
+
+        def save(at: LoopState) -> None:
+            path = checkpoint.save(opened.out / "checkpoints", r.model, optimizer, scheduler, at, identity,
+                                   o.save_total_limit, scaler, world)
+            log({"step": at.step, "checkpoint": str(path)})
+
+        def evaluate(step: int) -> dict[str, Any]:  # each of eval_sets (several: combined by runner.per_source)
+            with compiler.eagerly(plan.compile):
+                record = runner.per_source([(name, loop.evaluate(eval_objective, batches, device, world, split_eval))
+                                            for name, batches in eval_sets])
+            return record | (r.after_eval(plan, step) if r.after_eval else {})
+
+        has_eval = any(batches for _, batches in eval_sets)
+        sampler = Monitor(opened.out / "monitor.jsonl" if lg.monitor and world.main else None,
+                          gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
+                          sink=tracking.system if world.main else None)
+        watch = runner.SlowdownWatch(plan.probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size,
+                                     log, settings.warmup_steps_excluded) if world.main else \
+            (lambda step, seconds, positions: None)
+        hooks = Hooks(log=log, evaluate=evaluate if has_eval else None, save=save,
+                      should_stop=lambda: stop.requested, step_done=watch)
+
+        # The evaluation before, the optimizer steps, the last checkpoint, the evaluation after.
+        before = evaluate(0) if has_eval and state.step == 0 else None
+        if before:
+            log({"step": 0, **before})
+            runner.say(world, f"eval before training: {describe_eval(before)}")
+        next_micro_batch = runner.micro_batches(epoch_steps, collate, world, micro, accum)
+        old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        runner.Phase.loop_started = True
+        wall = time.perf_counter()
+        try:
+            try:
+                reset_peak_memory(device)  # the summary's peak is the loop's, not a probe's or the loading's
+                with sampler:
+                    state = loop.optimizer_steps(objective, optimizer, scheduler, next_micro_batch, state, settings,
+                                                 hooks, scaler)
+                if not (o.save_steps and state.step % o.save_steps == 0):  # the loop did not just save it
+                    save(state)
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+            wall = time.perf_counter() - wall
+            peaks = distributed.gather(world, peak_memory_mb(device)) or [0.0]
+            after = evaluate(state.step) if has_eval else {}
+            if after:
+                log({"step": state.step, **after})
+        finally:
+            if metrics:
+                metrics.close()
+        outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
+        weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
+        del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
+        distributed.shutdown(world)
+
+        # Rank 0: the job's outputs, the summary, the trackers.
         if not world.main:
             return {}
         summary, saved = r.finish(Finished(plan, outcome, weights, measure_s))
@@ -147,5 +244,5 @@ def train(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         summary["memory_plan_mb"] = round(memory_plan.total, 1)  # beside the measured peak_memory_mb
         write_json(opened.out / "summary.json", summary)
         summary_.report(summary, opened.out)
-        r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
+        r.publish(tracking, summary, opened.out, saved if lg.log_model else [])
     return summary

@@ -2,7 +2,8 @@
 directory and resume point, batch, threads and seed), the settings table, signals, checkpoints and resume,
 the monitor, evaluation before and after, and the run's summary figures.
 
-A job builds its model, data and decisions, then hands them here; the loop itself is loop.train.
+A job builds its model, data and decisions and hands them to training.recipe.run, which calls these in order;
+the optimizer steps themselves are loop.optimizer_steps.
 """
 
 from __future__ import annotations
@@ -23,19 +24,17 @@ import numpy as np
 import torch
 
 from tunebench.core import precision as precision_
-from tunebench.core import runlock, startup
+from tunebench.core import runlock
 from tunebench.core.batch_rule import BatchAsk
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.data import batching
 from tunebench.machine import distributed, hardware, trackers
 from tunebench.machine.distributed import World
-from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
-from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings import schema
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
-from tunebench.training.loop import Batch, CausalLMLoss, Hooks, LoopSettings, LoopState, evaluate, train
+from tunebench.training.loop import Batch, CausalLMLoss, LoopState
 
 
 @dataclass(frozen=True)
@@ -405,81 +404,6 @@ class StopRequest:
               + f": saving a checkpoint after this step{again}", flush=True)
 
 
-def run_loop(out: Path, model, objective_, optimizer, scheduler, scaler,
-             next_micro_batch: Callable[[LoopState], Batch | None],
-             evaluate: Callable[[], dict[str, float]] | None, settings: LoopSettings, identity: dict[str, Any],
-             resume: Path | None, save_total_limit: int, tracking: trackers.Tracking = trackers.Tracking(),
-             monitor: bool = True, after_eval: Callable[[int], dict[str, Any]] | None = None,
-             probed_tokens_per_s: float | None = None) -> Outcome:
-    """Resume from checkpoint `resume` (see resume_point) if given, evaluate, train `objective_` (from
-    `objective`) to `settings.total_steps` with checkpoints, evaluate again.
-
-    Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second Ctrl-C
-    aborts; see StopRequest); under several ranks, a signal to any one stops all of them at the same step.
-    `after_eval(step)` adds fields to each eval record (sample generations, say). Every record and monitor
-    sample also goes to `tracking`.
-    `probed_tokens_per_s`, what the probe measured for this micro batch, is what the loop's speed is
-    watched against (see SlowdownWatch). Only rank 0 writes records and talks; every rank runs the
-    rest (evaluation and saving are collectives).
-    """
-    startup.done()  # the libraries and the model are in: collection resumes, with them frozen
-    world = settings.world
-    state = LoopState()
-    ckpt_root = out / "checkpoints"
-    if resume:
-        state = checkpoint.load(resume, model, optimizer, scheduler, identity, scaler, world)
-        say(world, f"resume: continuing from {resume} (step {state.step})")
-    metrics = MetricsWriter(out / "metrics.jsonl", tracking.log) if world.main else None
-    log = metrics or (lambda record: None)
-    stop = StopRequest(world.rank if world.backend else None)
-
-    def save(s: LoopState):
-        path = checkpoint.save(ckpt_root, model, optimizer, scheduler, s, identity, save_total_limit, scaler, world)
-        log({"step": s.step, "checkpoint": str(path)})
-
-    def run_eval(step: int) -> dict[str, Any]:
-        record = dict(evaluate())
-        if after_eval:
-            record.update(after_eval(step))
-        return record
-
-    device = settings.device
-    sampler = Monitor(out / "monitor.jsonl" if monitor and world.main else None,
-                      gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
-                      sink=tracking.system if world.main else None)
-    watch = SlowdownWatch(probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size, log,
-                          settings.warmup_steps_excluded) if world.main else (lambda step, seconds, positions: None)
-    hooks = Hooks(log=log, evaluate=run_eval if evaluate else None, save=save,
-                  should_stop=lambda: stop.requested, step_done=watch)
-    before = run_eval(0) if evaluate and state.step == 0 else None
-    if before:
-        log({"step": 0, **before})
-        say(world, f"eval before training: {describe_eval(before)}")
-    old = {s: signal.signal(s, stop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    Phase.loop_started = True
-    wall = time.perf_counter()
-    try:
-        try:
-            reset_peak_memory(device)  # the summary's peak is the training loop's, not a probe's or the loading's
-            with sampler:
-                state = train(objective_, optimizer, scheduler, next_micro_batch, state, settings, hooks, scaler)
-            if not (settings.save_steps and state.step % settings.save_steps == 0):  # the loop did not just save it
-                save(state)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-        wall = time.perf_counter() - wall
-        peaks = distributed.gather(world, peak_memory_mb(device))
-        after = run_eval(state.step) if evaluate else {}
-        if after:
-            log({"step": state.step, **after})
-    finally:
-        if metrics:
-            metrics.close()
-    peaks = peaks or [0.0]
-    return Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
-
-
 @dataclass(frozen=True)
 class Optimization:
     """What the optimizer and the schedule take, from whichever job's keys gave them."""
@@ -490,73 +414,6 @@ class Optimization:
     warmup_steps: int
     max_grad_norm: float
     betas: tuple[float, float] = (0.9, 0.999)
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """When the loop logs, evaluates and saves, and where it reports."""
-
-    logging_steps: int
-    eval_steps: float | None  # a fraction of the run, or a number of steps (every)
-    save_steps: int | None
-    save_total_limit: int
-    progress: bool
-    monitor: bool
-
-    @classmethod
-    def of(cls, cfg, logging_steps: int) -> "Outputs":
-        lg, o = cfg.logging, cfg.output
-        return cls(logging_steps, cfg.evaluation.eval_steps, o.save_steps, o.save_total_limit, lg.progress, lg.monitor)
-
-
-def train_run(opened: Opened, plan, model, *, optimization: Optimization, outputs: Outputs,
-              next_micro_batch: Callable[[LoopState], Batch | None], eval_sets: list[tuple[str, list[Batch]]],
-              identity: dict[str, Any], records: Callable[[], tuple[dict, dict]], loss=None,
-              after_eval: Callable[[int], dict[str, Any]] | None = None,
-              tracking: trackers.Tracking = trackers.Tracking(), prefetch: bool | None = None
-              ) -> tuple[Outcome, dict | None]:
-    """The training half both jobs share, in this order: the objective as the process group wraps it (DDP,
-    FSDP), each rank's own dropout masks, the optimizer over the parameters FSDP sharded, the schedule, fp16's
-    GradScaler, the run's records (rank 0: `records()` writes config.yaml and plan.json, which `tracking` gets as
-    parameters), the loop with its
-    evaluation of each of `eval_sets` (one dataset's eval as it is; several, combined by per_source), then the
-    sharded weights gathered and the process group shut down. Returns (outcome, the gathered weights or None);
-    only rank 0 goes on to write the outputs. `prefetch` False keeps the batches on the loop's thread (GRPO's
-    batches are sampled from the weights being trained)."""
-    from tunebench.training import optim
-    from tunebench.training.autotune import compiler
-
-    world, device, autocast, out = opened.world, opened.device, opened.autocast, opened.out
-    pin_memory = bool(plan.value("pin_memory"))
-    objective_, eval_objective, split_eval = objective(model, autocast, device, world, plan.parallel, loss)
-    if world.backend is not None:
-        torch.manual_seed(opened.seed + world.rank)  # each rank its own dropout masks
-    optimizer = optim.adamw(model, optimization.lr, optimization.weight_decay, device, optimization.betas)
-    scheduler = optim.scheduler(optimizer, optimization.schedule, optimization.warmup_steps, plan.total_steps)
-    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    identity = identity | {"rows_per_micro_step": plan.micro_batch_size * world.size,
-                           "grad_accum_steps": plan.grad_accum_steps}
-    if world.main:
-        tracking.start(trackers.params_of(*records()))
-
-    def run_eval() -> dict[str, float]:
-        with compiler.eagerly(plan.compile):
-            return per_source([(name, evaluate(eval_objective, batches, device, world, split_eval))
-                               for name, batches in eval_sets])
-
-    settings = LoopSettings(
-        total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
-        device=device, logging_steps=outputs.logging_steps,
-        eval_steps=every(outputs.eval_steps, plan.total_steps), save_steps=outputs.save_steps,
-        progress=outputs.progress, pin_memory=pin_memory, world=world, prefetch=prefetch)
-    outcome = run_loop(out, model, objective_, optimizer, scheduler, scaler, next_micro_batch,
-                       run_eval if any(batches for _, batches in eval_sets) else None, settings, identity,
-                       opened.resume_from, outputs.save_total_limit, tracking, outputs.monitor,
-                       after_eval=after_eval, probed_tokens_per_s=plan.probed_tokens_per_s)
-    weights = distributed.full_weights(model, world) if plan.parallel == "fsdp" else None
-    del objective_  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
-    distributed.shutdown(world)
-    return outcome, weights
 
 
 def per_source(results: list[tuple[str, dict[str, float]]]) -> dict[str, float]:
