@@ -218,3 +218,19 @@ def test_the_packages_version_is_pyprojects():
 
     project = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["project"]
     assert tunebench.__version__ == VERSION == project["version"]
+
+
+def _calls(path: Path, function: str) -> set[str]:
+    """The dotted names `function` in `path` calls (`recipe.run`, `loop.optimizer_steps`, `x.backward`)."""
+    tree = ast.parse(path.read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)}
+
+
+def test_a_reader_reaches_the_backward_pass_in_two_hops_from_each_job():
+    """Each training job's run hands its Recipe to recipe.run (hop one), whose body calls the optimizer steps
+    (hop two), whose body runs the backward pass: a layer added in between fails here."""
+    for job in ("finetune", "grpo", "pretrain"):
+        assert "recipe.run" in _calls(PACKAGE / "jobs" / f"{job}.py", "run"), job
+    assert "loop.optimizer_steps" in _calls(PACKAGE / "training" / "recipe.py", "run")
+    assert any(c.endswith(".backward") for c in _calls(PACKAGE / "training" / "loop.py", "optimizer_steps"))
