@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
@@ -152,17 +152,21 @@ OWNED = (("beta", ("dpo", "kto", "grpo"), {"dpo": PAPERS_DEFAULT, "kto": PAPERS_
          ("reward", ("grpo",), {"grpo": ()}), ("reward_weights", ("grpo",), {"grpo": ()}))
 
 
-def _to_dict(self) -> dict[str, Any]:
-    d = SCHEMA.to_dict(self)
-    d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
-    return d
+@dataclass(frozen=True)
+class RunConfig(schema.RunBase):
+    """A fine-tuning run's whole configuration: the shared sections, then its model, data and adapter; an
+    effective batch of 8 unless the batch keys say otherwise."""
 
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
 
-# model, data, adapter, then the eight shared sections (schema.SHARED); an effective batch of 8 unless the
-# batch keys say otherwise
-RunConfig = schema.run_type("RunConfig", {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig},
-                            schema.DEFAULT_EFFECTIVE_BATCH, "A fine-tuning run's whole configuration.", __name__,
-                            to_dict=_to_dict)
+    default_effective: ClassVar[int | None] = schema.DEFAULT_EFFECTIVE_BATCH
+
+    def to_dict(self) -> dict[str, Any]:
+        d = SCHEMA.to_dict(self)
+        d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
+        return d
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, **schema.SHARED}
 

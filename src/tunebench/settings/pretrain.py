@@ -82,16 +82,22 @@ class DataConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _data_files(self) -> list[str]:
-    d = self.data
-    return [f.strip() for f in d.train_file.split(",") if f.strip()] if d.train_file else [d.dataset_name]
+@dataclass(frozen=True)
+class PretrainRun(schema.RunBase):
+    """A pretraining run's whole configuration: the shared sections, then its model (the architecture) and data.
+    With no effective batch given, the CPU guide's batch_size x gradient_accumulation_steps in each process
+    (default_effective None)."""
 
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
-# model (the architecture), data, then the eight shared sections (schema.SHARED). With no effective batch
-# given, the CPU guide's batch_size x gradient_accumulation_steps in each process (default_effective None).
-PretrainRun = schema.run_type("PretrainRun", {"model": ModelConfig, "data": DataConfig}, None,
-                              "A pretraining run's whole configuration.", __name__,
-                              to_dict=lambda self: SCHEMA.to_dict(self), data_files=property(_data_files))
+    def to_dict(self) -> dict[str, Any]:
+        return SCHEMA.to_dict(self)
+
+    @property
+    def data_files(self) -> list[str]:
+        d = self.data
+        return [f.strip() for f in d.train_file.split(",") if f.strip()] if d.train_file else [d.dataset_name]
 
 
 def _files(value: Any) -> str | None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from tunebench.core.batch_rule import BatchAsk, asked
 from tunebench.core.errors import TunebenchError
 from tunebench.settings import tracking
 
@@ -210,8 +211,35 @@ class Distributed:
     """the number of processes the run must be started with (checked: a config cannot start processes)"""
 
 
-SHARED: dict[str, type] = {"hardware": Hardware, "batch": Batch, "optimizer": Optimizer, "schedule": Schedule,
-                           "output": Output, "evaluation": Evaluation, "logging": Logging, "distributed": Distributed}
+@dataclass(frozen=True)
+class RunBase:
+    """The eight sections every run shares, each defaulting to its section's defaults. A job's run type extends
+    it with its own sections and its effective batch when no batch key gives one (settings.finetune.RunConfig:
+    model, data, adapter, 8; settings.pretrain.PretrainRun: model, data, the CPU guide's micro x accumulation)."""
+
+    hardware: Hardware = dataclasses.field(default_factory=Hardware)
+    batch: Batch = dataclasses.field(default_factory=Batch)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    schedule: Schedule = dataclasses.field(default_factory=Schedule)
+    output: Output = dataclasses.field(default_factory=Output)
+    evaluation: Evaluation = dataclasses.field(default_factory=Evaluation)
+    logging: Logging = dataclasses.field(default_factory=Logging)
+    distributed: Distributed = dataclasses.field(default_factory=Distributed)
+
+    default_effective: typing.ClassVar[int | None] = None
+
+    def batch_ask(self) -> BatchAsk:
+        """What the batch keys ask for (batch_rule.asked holds the rule)."""
+        b = self.batch
+        return asked(b.effective_batch_size, b.micro_batch_size, b.grad_accum_steps, self.default_effective)
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Rows per optimizer step in one process."""
+        return self.batch_ask().effective_for(1)
+
+
+SHARED: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunBase)}  # section -> its class
 CHOICES: dict[str, tuple[str, ...]] = {
     "hardware.device": DEVICES, "hardware.precision": PRECISIONS, "hardware.compile": ON_OFF,
     "hardware.compile_mode": COMPILE_MODES, "hardware.attention": ATTENTIONS, "hardware.gradient_checkpointing": ON_OFF,
@@ -395,31 +423,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def run_type(name: str, own: dict[str, type], default_effective: int | None, doc: str, module: str,
-             **methods: Any) -> type:
-    """A job's whole configuration as a frozen dataclass: its own sections (`own`), then the eight shared ones,
-    each defaulting to its section's defaults; with the batch request both jobs make (batch_rule.asked, with
-    the job's `default_effective`) and the job's own `methods`. Made here so that the shared sections are
-    listed once, not retyped in each job's class."""
-    from tunebench.core.batch_rule import asked
-
-    def batch_ask(self):
-        """What the batch keys ask for (batch_rule.asked holds the rule)."""
-        b = self.batch
-        return asked(b.effective_batch_size, b.micro_batch_size, b.grad_accum_steps, default_effective)
-
-    def effective_batch_size(self) -> int:
-        """Rows per optimizer step in one process."""
-        return self.batch_ask().effective_for(1)
-
-    fields = [(section, cls, dataclasses.field(default_factory=cls)) for section, cls in {**own, **SHARED}.items()]
-    namespace = {"__doc__": doc, "batch_ask": batch_ask, "effective_batch_size": property(effective_batch_size),
-                 **methods}
-    cls = dataclasses.make_dataclass(name, fields, frozen=True, namespace=namespace)
-    cls.__module__ = module  # where it is defined for readers and pickling (make_dataclass's own argument is 3.12's)
-    return cls
 
 
 def check_shared(cfg: Any, world_size: int, job: str) -> None:

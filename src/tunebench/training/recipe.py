@@ -27,6 +27,7 @@ from tunebench.machine import distributed, trackers
 from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings.rundir import RunDir
+from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, loop, optim, runner, runplan
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler, memory
@@ -94,7 +95,7 @@ def resumed_steps(opened: runner.Opened) -> int | None:
     return None
 
 
-def run(cfg, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
+def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """One run of `r`, in the order it happens: the steps, the measured settings, the plan and its table; the
     objective as the process group wraps it, the optimizer, the schedule and the records; the resume point, the
     evaluation before, the optimizer steps (training.loop.optimizer_steps) with their evaluations and checkpoints,

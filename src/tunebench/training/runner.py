@@ -32,6 +32,7 @@ from tunebench.data import batching
 from tunebench.machine import distributed, hardware, trackers
 from tunebench.machine.distributed import World
 from tunebench.settings import schema
+from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
 from tunebench.training.loop import Batch, CausalLMLoss, LoopState
@@ -60,7 +61,7 @@ class Opened:
         return precision_.autocast_dtype(self.hw_plan.precision)
 
 
-def open_run(cfg, identity: dict[str, Any]) -> Opened:
+def open_run(cfg: RunBase, identity: dict[str, Any]) -> Opened:
     """What both training jobs do first, in this order: plan the hardware from cfg.hardware (an impossible
     request raises), join the process group torchrun set up, check the output directory and the checkpoint to
     resume from (rank 0; every rank gets its answer), settle the effective batch at this world size, set
@@ -93,7 +94,7 @@ def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
     return auto
 
 
-def host_rows(cfg, hw_plan: hardware.Plan) -> list[Decision]:
+def host_rows(cfg: RunBase, hw_plan: hardware.Plan) -> list[Decision]:
     """The hardware plan's rows as this run takes them (compile is decided later, by measuring), with the
     dataloader keys HF and the CPU guide use: batches are slices of tokenized data in memory."""
     h = cfg.hardware
@@ -112,7 +113,7 @@ def host_rows(cfg, hw_plan: hardware.Plan) -> list[Decision]:
     return rows
 
 
-def learning_rate(cfg, effective: int, steps: int) -> tuple["Optimization", Decision]:
+def learning_rate(cfg: RunBase, effective: int, steps: int) -> tuple["Optimization", Decision]:
     """The optimizer's settings from cfg.optimizer and cfg.schedule, the lr scaled to the effective batch when
     optimizer.lr_scaling asks, and its settings row."""
     o, s = cfg.optimizer, cfg.schedule
@@ -129,7 +130,8 @@ def scaled_lr(lr: float, effective: int, rule: str, reference: int) -> tuple[flo
     return lr * factor, f"{rule} scaling: {lr:g} x {factor:.3g} for effective batch {effective} vs {reference}"
 
 
-def records(opened: Opened, cfg, plan, **extra: Any) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
+def records(opened: Opened, cfg: RunBase, plan: runplan.RunPlan, **extra: Any
+            ) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
     """What rank 0 writes once the run starts: config.yaml (the configuration as asked: auto stays auto) and
     plan.json (what it became: the machine, the settings with their reasons, and the job's `extra`). Returns
     both as written, for the trackers' parameters."""
@@ -168,15 +170,15 @@ def tracking(opened: Opened, logging) -> Iterator[trackers.Tracking]:
         runlock.release(opened.out)
 
 
-def steps_row(cfg, steps: int, what: str) -> Decision:
+def steps_row(cfg: RunBase, steps: int, what: str) -> Decision:
     """The run's length and what set it: --max-steps, --max-tokens, or epochs of `what`."""
     s = cfg.schedule
     return Decision("total_steps", steps, "--max-steps" if s.max_steps else
                     f"--max-tokens {s.max_tokens:,}" if s.max_tokens else f"{s.epochs:g} epoch(s) of {what}")
 
 
-def measure(opened: Opened, cfg, model, step, what: tuple, *, max_length: int, widest: int, attention_rows: int,
-            n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
+def measure(opened: Opened, cfg: RunBase, model, step, what: tuple, *, max_length: int, widest: int,
+            attention_rows: int, n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
             asked_reason: str = "asked for", micro: int | None = None) -> tuple[runplan.Measured, float]:
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
     checkpointing, compile) and the seconds they took. `step` is a autotune.probe step; `what` names what is
