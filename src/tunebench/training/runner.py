@@ -191,15 +191,15 @@ def measure(opened: Opened, cfg: RunBase, model, step, what: tuple, *, max_lengt
     def measure_() -> runplan.Measured:
         shape = autotune.Shape(*what, max_length, autotune.where(hw, hw_plan, opened.device), hw_plan.precision,
                            hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
-        return runplan.measure(
-            model, step, shape, world_size=world.size, device=opened.device, precision=hw_plan.precision,
-            attention_asked=h.attention, attention_rows=attention_rows, widest=widest, effective=opened.effective,
-            resumed=opened.resumed, micro_asked=micro or opened.ask.micro, asked_reason=asked_reason, n_train=n_train,
-            max_length=max_length, checkpointing=h.gradient_checkpointing,
-            compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode,
-            quantized=quantized, run_tokens=run_tokens, local_ranks=world.local_size, measure_mode=h.measure,
+        return runplan.measure(model, step, runplan.Workload(
+            shape=shape, world_size=world.size, local_ranks=world.local_size, device=opened.device,
+            precision=hw_plan.precision, attention_asked=h.attention, attention_rows=attention_rows, widest=widest,
+            max_length=max_length, n_train=n_train, effective=opened.effective, resumed=opened.resumed,
+            micro_asked=micro or opened.ask.micro, asked_reason=asked_reason, checkpointing=h.gradient_checkpointing,
+            compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode, quantized=quantized,
+            run_tokens=run_tokens, measure_mode=h.measure,
             known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, max_length,
-                                shape.method))
+                                shape.method)))
 
     return measured_by_rank0(world, model, measure_)
 

@@ -170,40 +170,65 @@ def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str
                     + (f" x {world_size} ranks" if world_size > 1 else "") + unit)
 
 
-def measure(model, step, shape, *, world_size: int, device, precision: str, attention_asked: str,
-            attention_rows: int, widest: int, effective: int, resumed: tuple[int, int] | None,
-            micro_asked: int | None, asked_reason: str, n_train: int, max_length: int, checkpointing: str,
-            compile_asked: Decision, quantized: bool, run_tokens: float, local_ranks: int = 1,
-            compile_mode: str = "default", measure_mode: str = "bounded", known=None) -> Measured:
-    """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective
-    batch stays fixed), gradient checkpointing, compile. `step` is a tune.probe step function;
-    `run_tokens` the tokens the whole run will compute (compile pays off over those; the attention kernel, the
-    micro batch and compile share a measuring budget of a tenth of their training time, unless `measure_mode` is
-    full). `known` is the nearest machine class's record (tune.known): the order candidates are measured in,
-    and the prediction for those left unmeasured."""
+@dataclass(frozen=True)
+class Workload:
+    """What the measured decisions are made for, built once by runner.measure and handed whole to `measure`: what is
+    trained and where (`shape`, the measurement cache's key), its ranks, device and precision, the kernels and
+    batch asked for, its lengths and rows, what the whole run will compute, how much measuring may take, and the
+    nearest machine class's record (autotune.known) to start from."""
+
+    shape: Any  # autotune.Shape
+    world_size: int
+    local_ranks: int  # ranks sharing this machine
+    device: Any  # torch.device
+    precision: str
+    attention_asked: str
+    attention_rows: int  # rows the attention kernels are timed at
+    widest: int  # tokens an attention kernel must fit per row
+    max_length: int
+    n_train: int
+    effective: int  # rows per optimizer step over all ranks
+    resumed: tuple[int, int] | None  # a checkpoint's (micro batch, accumulation)
+    micro_asked: int | None
+    asked_reason: str
+    checkpointing: str  # auto | on | off
+    compile_asked: Decision
+    compile_mode: str
+    quantized: bool
+    run_tokens: float  # the tokens the whole run will compute: compile pays off over those
+    measure_mode: str = "bounded"  # bounded: a tenth of the training time (autotune.budget); full: everything
+    known: Any = None
+
+
+def measure(model, step, w: Workload) -> Measured:
+    """The measured decisions both jobs share, in order: attention kernel, micro batch (the effective batch stays
+    fixed), gradient checkpointing, compile, for workload `w`. `step` is an autotune.probe step function. The
+    attention kernel, the micro batch and compile share a measuring budget of a tenth of their training time,
+    unless `w.measure_mode` is full; `w.known` orders the candidates and predicts those left unmeasured."""
     from tunebench.training.autotune import attention, batch, compiler
     from tunebench.training.autotune.budget import Budget
 
-    budget = Budget(run_tokens) if measure_mode == "bounded" else None
+    budget = Budget(w.run_tokens) if w.measure_mode == "bounded" else None
     rows: list[Decision] = []
-    if checkpointing == "on":
+    if w.checkpointing == "on":
         rows.append(Decision("gradient_checkpointing", True, "asked for"))
     timed = Timed(model, step)
-    rows += attention.decide(model, attention_asked, lambda: timed(attention_rows)[0], shape, attention_rows, widest,
-                             precision, device, checkpointing, budget, known)
+    rows += attention.decide(model, w.attention_asked, lambda: timed(w.attention_rows)[0], w.shape, w.attention_rows,
+                             w.widest, w.precision, w.device, w.checkpointing, budget, w.known)
+    per_rank = w.effective // w.world_size
     micro, batch_rows, speed = measure_batch(
-        effective, world_size, resumed, micro_asked,
-        lambda: batch.micro_batch(step, shape, effective // world_size, n_train, max_length, device, local_ranks,
-                                  budget, known, timed.of_kernel(model)),
-        asked_reason, lambda micro: batch.cached_speed(shape, effective // world_size, n_train, micro, local_ranks))
+        w.effective, w.world_size, w.resumed, w.micro_asked,
+        lambda: batch.micro_batch(step, w.shape, per_rank, w.n_train, w.max_length, w.device, w.local_ranks, budget,
+                                  w.known, timed.of_kernel(model)),
+        w.asked_reason, lambda micro: batch.cached_speed(w.shape, per_rank, w.n_train, micro, w.local_ranks))
     rows += batch_rows
-    if speed is None and not resumed:  # a micro batch asked for: the attention pick may have timed that very step
+    if speed is None and not w.resumed:  # a micro batch asked for: the attention pick may have timed that very step
         speed = timed.of_kernel(model).get(micro, (None,))[0]
-    if checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
+    if w.checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
-    accum = resumed[1] if resumed else accumulation(effective, micro, world_size)
-    rows.append(compiler.pick(model, compile_asked, quantized, lambda: step(micro)[0], run_tokens, shape, micro,
-                              speed, compile_mode, budget))
+    accum = w.resumed[1] if w.resumed else accumulation(w.effective, micro, w.world_size)
+    rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
+                              micro, speed, w.compile_mode, budget))
     return Measured(tuple(rows), micro, accum, speed)
 
 
