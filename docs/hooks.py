@@ -76,6 +76,8 @@ def configuration() -> str:
                 key = f"{section}.{f.name}"
                 default = own.get(key, f.default if f.default is not dataclasses.MISSING else (
                     f.default_factory() if f.default_factory is not dataclasses.MISSING else ""))
+                if job == "train" and section == "adapter" and finetune.objective_default(f.name):
+                    default = finetune.objective_default(f.name)  # each objective's own
                 kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
                 out.append(f"| `{key}` | `{cell(kind)}` | `{cell(default)}` | {cell(docs.get(f.name, ''))} |")
             out.append("")

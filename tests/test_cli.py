@@ -325,3 +325,16 @@ def test_report_to_tensorboard_writes_events_tensorboards_reader_loads(tmp_path,
         assert [e.step for e in scalars] == [step for step, _ in logged], tag
         assert [e.value for e in scalars] == pytest.approx([value for _, value in logged], rel=1e-6), tag
     assert len(events.Scalars("train/loss")) == 4
+
+
+def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_table():
+    """DPO's beta, GRPO's group size and the rest default per objective (settings.finetune.OWNED); their --help
+    and the configuration reference say so from that table, not from prose that can drift from it."""
+    from tunebench.interfaces.cli_parser import train_help
+    from tunebench.settings.finetune import OWNED, objective_default
+
+    assert objective_default("beta") == "0.1 for DPO and KTO, 0.0 for GRPO"
+    for key, _, _ in OWNED:
+        text = objective_default(key)
+        if text:
+            assert train_help(f"adapter.{key}").endswith(f"(default {text})"), key

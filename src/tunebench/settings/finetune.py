@@ -106,13 +106,12 @@ class AdapterConfig:
     of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store) |
     grpo (prompts, and --reward)"""
     beta: float | None = None
-    """DPO's and KTO's beta, how far the model may move from its reference (default 0.1); GRPO's KL weight
-    (default 0: no reference pass)"""
+    """DPO's and KTO's beta, how far the model may move from its reference; GRPO's KL weight (0: no reference
+    pass)"""
     desirable_weight: float | None = None
-    """KTO: the weight of a desirable completion's loss (default 1.0; TRL suggests balancing the two kinds'
-    counts)"""
+    """KTO: the weight of a desirable completion's loss (TRL suggests balancing the two kinds' counts)"""
     undesirable_weight: float | None = None
-    """KTO: the weight of an undesirable completion's loss (default 1.0)"""
+    """KTO: the weight of an undesirable completion's loss"""
     # GRPO, with TRL's names (None: TRL's default, but max_completion_length, whose 512 would be slow on a CPU)
     reward: tuple[str, ...] = ()
     """GRPO: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
@@ -120,23 +119,23 @@ class AdapterConfig:
     reward_weights: tuple[float, ...] = ()
     """GRPO: one weight per --reward (default 1 each)"""
     num_generations: int | None = None
-    """GRPO: completions per prompt, the group (default 8)"""
+    """GRPO: completions per prompt, the group"""
     max_completion_length: int | None = None
-    """GRPO: new tokens per completion (default 256)"""
+    """GRPO: new tokens per completion"""
     temperature: float | None = None
-    """GRPO: the sampling temperature (default 1.0)"""
+    """GRPO: the sampling temperature"""
     top_p: float | None = None
-    """GRPO: nucleus sampling (default 1.0: off)"""
+    """GRPO: nucleus sampling (1.0: off)"""
     epsilon: float | None = None
-    """GRPO: the clipping epsilon (default 0.2)"""
+    """GRPO: the clipping epsilon"""
     epsilon_high: float | None = None
     """GRPO: the upper clipping epsilon (default: --epsilon; DAPO's paper: 0.28)"""
     loss_type: str | None = None
-    """GRPO: dapo (default, TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
+    """GRPO: dapo (TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
     scale_rewards: str | None = None
-    """GRPO: group (default: advantages divided by the group's std) | none (Dr. GRPO)"""
+    """GRPO: group (advantages divided by the group's std) | none (Dr. GRPO)"""
     orpo_lambda: float | None = None
-    """ORPO's lambda, the weight of its odds-ratio term (default 0.1, the paper's; TRL calls it beta)"""
+    """ORPO's lambda, the weight of its odds-ratio term (TRL calls it beta)"""
 
 
 PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
@@ -150,6 +149,15 @@ OWNED = (("beta", ("dpo", "kto", "grpo"), {"dpo": PAPERS_DEFAULT, "kto": PAPERS_
          ("epsilon", ("grpo",), {"grpo": 0.2}), ("epsilon_high", ("grpo",), {"grpo": None}),
          ("loss_type", ("grpo",), {"grpo": "dapo"}), ("scale_rewards", ("grpo",), {"grpo": "group"}),
          ("reward", ("grpo",), {"grpo": ()}), ("reward_weights", ("grpo",), {"grpo": ()}))
+
+
+def objective_default(name: str) -> str | None:
+    """What an objective's own adapter setting (OWNED) defaults to, by objective ("0.1 for DPO and KTO, 0.0 for
+    GRPO"), for its --help and the configuration reference; None where no objective gives it a value."""
+    by = {k: d for k, _, d in OWNED}.get(name, {})
+    given = {o: v for o, v in by.items() if v not in (None, ())}
+    return ", ".join(f"{v} for {' and '.join(o.upper() for o, w in given.items() if w == v)}"
+                     for v in dict.fromkeys(given.values())) or None
 
 
 @dataclass(frozen=True)
