@@ -56,7 +56,7 @@ def test_a_run_config_is_read_by_the_safe_loader(tmp_path):
     (tmp_path / "config.yaml").write_text("a: &a [x, x]\nb: &b [*a, *a]\nmodel: {name: *b}\n")
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "tiny"}))
     with pytest.raises(TunebenchError, match="config.yaml"):
-        inference.base_of(str(tmp_path))
+        inference.trained_on(str(tmp_path))
 
 
 def test_a_runs_summary_reads_back_typed_and_writes_the_same_json(mixture_run, tmp_path):

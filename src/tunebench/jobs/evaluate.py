@@ -29,12 +29,12 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
     `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`). Each of `ggufs`
     (a run's export) answers the same rows in llama.cpp, a row of the same table."""
     from tunebench.core.jsonfile import write_json
-    from tunebench.model.inference import base_of
+    from tunebench.model.inference import trained_on
 
     if base and adapters == [None]:
         raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
     check_ggufs(ggufs, generate, adapters[0] or model)
-    chosen = [("base", model or base_of(adapters[0]), None)] if base else []
+    chosen = [("base", model or trained_on(adapters[0]), None)] if base else []
     chosen += [(label_of(model, a), model, a) for a in adapters]
     labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
               for i, (label, _, _) in enumerate(chosen)]
@@ -154,8 +154,8 @@ def held_out(examples: formats.Examples, tokenized, data: DataConfig, run_dir: s
     if run is not None and run.config_file.is_file() and run.kind() != "pretrain":
         cfg = run.train_config()
         d = cfg.data
-        trained_on = [d.path] + [path for path, _ in d.sources]  # a mixture splits each of its datasets alike
-        if any(Path(p).resolve() == Path(data.path).resolve() for p in trained_on):
+        trained_files = [d.path] + [path for path, _ in d.sources]  # a mixture splits each of its datasets alike
+        if any(Path(p).resolve() == Path(data.path).resolve() for p in trained_files):
             _, eval_idx = split(len(tokenized), d.eval_fraction, cfg.schedule.seed, d.max_samples, d.eval_samples)
             if len(eval_idx) == 0:
                 raise TunebenchError(f"'{run_dir}' held no rows out of '{data.path}' (eval_fraction 0): its answers "

@@ -75,7 +75,7 @@ def combine(adapters: list[str], output_dir: str, weights: list[float] | None = 
     if len(templates) > 1:
         raise TunebenchError(f"the adapters were trained with different prompt formats ({', '.join(map(repr, templates))}); "
                              "a combined adapter answers one format: combine adapters trained with the same --template")
-    bases = {_resolved(inference.base_of(a)) for a in adapters}
+    bases = {_resolved(inference.trained_on(a)) for a in adapters}
     if len(bases) > 1 and model is None:
         raise TunebenchError(f"the adapters were trained on different base models ({', '.join(sorted(bases))}); "
                              "only adapters of one base combine")
@@ -95,7 +95,7 @@ def combine(adapters: list[str], output_dir: str, weights: list[float] | None = 
         loaded.tokenizer.save_pretrained(tmp)
         # what generate, eval and export read from a run directory: its base and its prompt format
         (tmp / "config.yaml").write_text(yaml.safe_dump({
-            "model": {"name": inference.base_of(adapters[0])}, "data": {"template": templates.pop()},
+            "model": {"name": inference.trained_on(adapters[0])}, "data": {"template": templates.pop()},
             "combined": {"adapters": [str(Path(a).resolve()) for a in adapters], "weights": weights,
                          "combination": combination, **extra}}, sort_keys=False))
     print(f"combined {len(adapters)} adapters ({combination}, weights {', '.join(f'{w:g}' for w in weights)}"

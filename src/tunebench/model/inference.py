@@ -17,7 +17,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.model import methods, models
 
 
-def base_of(adapter_dir: str) -> str:
+def trained_on(adapter_dir: str) -> str:
     """The base model an adapter (or a tunebench run directory) was trained on."""
     from tunebench.settings.rundir import RunDir
 
@@ -47,7 +47,7 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
         if adapter is None:
             spec = models.SMOLLM2
         else:
-            spec = base_of(adapter)
+            spec = trained_on(adapter)
     loaded = models.resolve(spec, tokenizer or (adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else None),
                             allow_download, dtype or torch.float32)
     if adapter is not None:
