@@ -177,7 +177,7 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 # The training jobs are recipes over training.recipe: none builds on another or on any other job (what they share
 # lives below the jobs, in training's finetune_model, finetune_data, finetune_report and pretraining; the run report
-# is only handed to the runner as the run's end), and each reads in one screen.
+# is only handed to the runner as the run's end), and each reads in order, one argument a line.
 RECIPES = ("tunebench.jobs.finetune", "tunebench.jobs.grpo", "tunebench.jobs.pretrain")
 
 
@@ -192,7 +192,8 @@ def test_no_training_recipe_imports_another_job():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_training_recipe_is_one_short_file(recipe):
     lines = (PACKAGE.parent / (recipe.replace(".", "/") + ".py")).read_text().splitlines()
-    assert len(lines) <= 64, f"{recipe}: {len(lines)} lines; move what is not the recipe's own order below the jobs"
+    # One argument a line in the Recipe a job hands over reads better than packed lines: about 100 lines a recipe.
+    assert len(lines) <= 100, f"{recipe}: {len(lines)} lines; move what is not the recipe's own order below the jobs"
 
 
 def test_no_module_inside_the_package_imports_its_root():

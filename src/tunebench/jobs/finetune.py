@@ -44,21 +44,35 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
         if prefer:
             summary.update({f"{unit}_skipped": examples.skipped, f"{unit}_dropped": data.dropped})
-        summary.update(finetune_report.held_out_answers(cfg, opened, model, tok, data, examples, messages, parts, eval_parts))
+        summary.update(finetune_report.held_out_answers(cfg, opened, model, tok, data, examples, messages, parts,
+                                                        eval_parts))
         return summary, saved
 
+    def eval_sets(micro: int) -> list:
+        names = [p.name for p in parts] or ["pairs"]
+        return [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
+                for name, e in zip(names, eval_parts) if len(e)]
+
     return recipe.run(cfg, opened, recipe.Recipe(
-        model=model, loss=loss, method_rows=[length_row, *method_rows, *finetune_data.template_rows(tok)],
+        model=model,
+        loss=loss,
+        method_rows=[length_row, *method_rows, *finetune_data.template_rows(tok)],
         header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
-        parallel=finetune_model.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit=unit,
+        parallel=finetune_model.pick_parallel(cfg, opened, trainable),
+        n_train=len(train_idx),
+        unit=unit,
         tokens_per_unit=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
-        what=finetune_model.measured_as(cfg, prefer), probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
+        what=finetune_model.measured_as(cfg, prefer),
+        probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
         # packed rows fill max_length, so a kernel must fit that, not just the longest example
-        widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()), max_length=d.max_length,
+        widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()),
+        max_length=d.max_length,
         longest=int(lengths[train_idx].max()),
         batches=finetune_data.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
-        eval_sets=lambda micro: [(name, batching.eval_batches(data, e, micro * 2, tok.pad_token_id, collate_unit))
-                                 for name, e in zip([p.name for p in parts] or ["pairs"], eval_parts) if len(e)],
-        identity=identity, finish=finish, publish=run_report.send, quantized=a.method == "qlora",
+        eval_sets=eval_sets,
+        identity=identity,
+        finish=finish,
+        publish=run_report.send,
+        quantized=a.method == "qlora",
         records=finetune_model.records(loaded, trainable, total),
         **finetune_model.kto_micro_batch(opened, kto)))

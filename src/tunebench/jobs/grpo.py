@@ -30,7 +30,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [], True)
     model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, False)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
-    reference, words = finetune_model.reference_for(model, a.method == "full") if a.beta else (None, "none (beta 0: no KL term)")
+    reference, words = finetune_model.reference_for(model, a.method == "full") if a.beta else \
+        (None, "none (beta 0: no KL term)")
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
                            eagerly=lambda: compiler.eagerly(compiled[0]))
@@ -43,22 +44,33 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     def finish(done: recipe.Finished):
         saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
         summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
-        summary.update(grpo.generation(sampler, done.outcome, settings), prompts_dropped=data.dropped, **held_out.after())
+        summary.update(grpo.generation(sampler, done.outcome, settings), prompts_dropped=data.dropped,
+                       **held_out.after())
         return summary, saved
 
     lengths = data.lengths()
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
     epoch_steps = sampler.record_steps(lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch))
     return recipe.run(cfg, opened, recipe.Recipe(
-        model=model, loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
+        model=model,
+        loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
         method_rows=[length_row, *method_rows, grpo.objective_row(cfg, words, dropped)],
         header=grpo.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
-        parallel=finetune_model.pick_parallel(cfg, opened, trainable), n_train=len(train_idx), unit="prompts",
+        parallel=finetune_model.pick_parallel(cfg, opened, trainable),
+        n_train=len(train_idx),
+        unit="prompts",
         tokens_per_unit=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
-        what=grpo.measured_as(cfg), probe_rows=lambda size: sampler.probe_rows(longest[:size]),
-        widest=int(lengths[train_idx].max()) + a.max_completion_length, max_length=cfg.data.max_length,
-        batches=lambda micro: (epoch_steps, sampler.collate, []), eval_sets=lambda micro: [], identity=identity,
-        finish=finish, publish=run_report.send, quantized=a.method == "qlora",
+        what=grpo.measured_as(cfg),
+        probe_rows=lambda size: sampler.probe_rows(longest[:size]),
+        widest=int(lengths[train_idx].max()) + a.max_completion_length,
+        max_length=cfg.data.max_length,
+        batches=lambda micro: (epoch_steps, sampler.collate, []),
+        eval_sets=lambda micro: [],
+        identity=identity,
+        finish=finish,
+        publish=run_report.send,
+        quantized=a.method == "qlora",
         records=finetune_model.records(loaded, trainable, total),
-        before_training=start, prefetch=False,  # sampling needs the live weights
+        before_training=start,
+        prefetch=False,  # sampling needs the live weights
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

@@ -38,8 +38,8 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         if not world.main or plan.parallel == "fsdp":
             return {}
         with compiler.eagerly(plan.compile):
-            generated = pretraining.generate_sample(model, tok, prompt, cfg.evaluation.sample_tokens or pretraining.SAMPLE_TOKENS,
-                                                s.seed, device, opened.autocast)
+            generated = pretraining.generate_sample(model, tok, prompt, cfg.evaluation.sample_tokens, s.seed, device,
+                                                    opened.autocast)
         print(f"\nsample at step {step}: {generated!r}")
         return {"sample": generated}
 
@@ -47,18 +47,31 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         saved = pretraining.save(model, tok, opened.out, done.weights)
         return pretraining.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
 
+    def batches(micro: int):
+        return (lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed, epoch),
+                train.collate, [])
+
     return recipe.run(cfg, opened, recipe.Recipe(
-        model=model, loss=None, rows=pretraining.model_rows(cfg, model, opened), method_rows=[],
+        model=model,
+        loss=None,
+        rows=pretraining.model_rows(cfg, model, opened),
+        method_rows=[],
         header=pretraining.header(tok_source, tok, cfg, n_tokens, train, val, model, n_params),
         parallel=pretraining.pick_parallel(cfg, opened, n_params),
-        n_train=len(train), unit=f"blocks of {d.max_length}", tokens_per_unit=d.max_length,
+        n_train=len(train),
+        unit=f"blocks of {d.max_length}",
+        tokens_per_unit=d.max_length,
         what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
-        probe_rows=lambda size: train.collate(range(min(size, len(train)))), widest=d.max_length,
-        max_length=d.max_length, asked_reason="training.batch_size",
-        batches=lambda micro: (lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed,
-                                                                  epoch), train.collate, []),
+        probe_rows=lambda size: train.collate(range(min(size, len(train)))),
+        widest=d.max_length,
+        max_length=d.max_length,
+        asked_reason="training.batch_size",
+        batches=batches,
         eval_sets=lambda micro: [("validation", val.batches(2 * micro))],
         identity=identity | {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
                              "split": [d.split, d.validation_split, d.validation_file]},
-        finish=finish, publish=run_report.send, records={"parameters": n_params},
-        batch_unit=f" blocks of {d.max_length}", after_eval=sample))
+        finish=finish,
+        publish=run_report.send,
+        records={"parameters": n_params},
+        batch_unit=f" blocks of {d.max_length}",
+        after_eval=sample))

@@ -113,7 +113,7 @@ SCHEMA = schema.Schema(
     defaults={"batch.micro_batch_size": 8, "optimizer.lr": 3e-4, "optimizer.weight_decay": 0.1,
               "schedule.warmup_ratio": 0.0, "output.output_dir": "runs/pretrain", "output.save_steps": 500,
               "output.save_total_limit": 3, "evaluation.eval_steps": 500, "logging.logging_steps": 10,
-              "hardware.gradient_checkpointing": "off"},
+              "hardware.gradient_checkpointing": "off", "evaluation.sample_tokens": 64},
     # the guide's top-level `device:` (or `device: {type: cpu}`) and its model's checkpointing switch
     aliases={"device": "hardware.device", "device.type": "hardware.device",
              "model.gradient_checkpointing": "hardware.gradient_checkpointing",
@@ -228,6 +228,9 @@ def validate(cfg: PretrainRun | PretrainConfig, world_size: int | None = None) -
     world_size = world_size or launched_world_size()
     schema.check_shared(cfg, world_size, "pretrain")
     m, d, h, e = cfg.model, cfg.data, cfg.hardware, cfg.evaluation
+    if e.sample_tokens is None:  # fine-tuning's sections leave it unset; pretraining samples at each evaluation
+        raise TunebenchError("evaluation.sample_tokens is null; give the number of tokens each sample takes, or leave "
+                             "the key out for pretraining's default")
     positive = {"model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
                 "model.n_layers": m.n_layers, "model.d_ff": m.d_ff, "model.max_seq_len": m.max_seq_len,
                 "data.max_length": d.max_length}

@@ -22,8 +22,6 @@ from tunebench.training import runner
 from tunebench.training import summary as summary_
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 
-SAMPLE_TOKENS = 64  # evaluation.sample_tokens' default
-
 
 def check_inputs(cfg: PretrainRun) -> None:
     d = cfg.data
