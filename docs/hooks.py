@@ -66,9 +66,13 @@ def configuration() -> str:
     for job, module in (("train", finetune), ("pretrain", pretrain)):
         out += [f"## `tunebench {job}`", ""]
         own = module.SCHEMA.defaults
+        if job == "pretrain":  # the shared sections are listed once, under train; pretraining's own defaults here
+            out += ["Shared keys whose default pretraining sets otherwise:", "", "| field | pretraining's default |",
+                    "|---|---|", *(f"| `{k}` | `{cell(v)}` |" for k, v in own.items() if k.split(".")[0] in schema.SHARED),
+                    ""]
         for section, cls in module.SECTIONS.items():
             if job == "pretrain" and section in schema.SHARED:
-                continue  # listed once, under train: the shared sections are the same class
+                continue
             docs = schema.docs(cls)
             out += [f"### `{section}`" + (" (shared by train and pretrain)" if section in schema.SHARED else ""), "",
                     "| field | type | default | what it is |", "|---|---|---|---|"]

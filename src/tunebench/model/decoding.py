@@ -94,6 +94,8 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
     `cache`: "dynamic" (transformers' DynamicCache, eager steps), "static" (a StaticCache, its step replayed as a
     CUDA graph on a GPU, run eagerly elsewhere: the same tokens), "auto" (static on a GPU for GRAPH_MIN_TOKENS or
     more new tokens where the model supports it, dynamic elsewhere)."""
+    if cache not in CACHES:
+        raise ValueError(f"cache {cache!r} is not one of {', '.join(CACHES)}")
     if max_new_tokens <= 0:
         return ids.new_zeros((ids.shape[0], 0))
     if methods.is_prompt_learning(model):

@@ -174,7 +174,7 @@ class Evaluation:
     sample_prompt: str | None = None
     """pretrain: each evaluation samples a continuation of this text (default: the start of a validation block)"""
     sample_tokens: int | None = None
-    """pretrain: tokens in each sample (pretraining's default: 64)"""
+    """pretrain: tokens in each sample"""
 
 
 @dataclass(frozen=True)
