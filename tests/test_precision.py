@@ -172,7 +172,9 @@ def test_the_probe_the_steps_and_the_answers_run_under_one_autocast(tmp_path, da
         "train.eval_max_new_tokens": 4, "train.max_steps": 2, "data.eval_fraction": 0.25,
         **({"adapter.quantization": "4bit"} if method == "qlora" else {})}))
     assert summary["precision"] == precision and len(_answers(out / "eval_answers.jsonl")) == 2
-    assert len(seen) > 10 and set(seen) == {None if precision == "fp32" else DTYPE[precision]}, set(seen)
+    # at least the probe's step, two training steps, two evaluations and a prefill per answer (an answer may end at
+    # EOS, and the decoding loop runs no forward after its last token): 10 in a bf16 LoRA run, 2026-11-27
+    assert len(seen) >= 7 and set(seen) == {None if precision == "fp32" else DTYPE[precision]}, set(seen)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
