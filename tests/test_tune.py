@@ -94,7 +94,9 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
     while not (out / "trials" / "trial-001" / "log.txt").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # at once: the trial has just started, however fast this machine trains it
-    stdout, stderr = proc.communicate(timeout=120)
+    # Past children.stop's 120 s grace: beside the torchrun tests, a trial has been seen not to end on SIGTERM
+    # (2026-11-27, 2 of 5 runs; its SIGKILL comes after the grace), and the search must still end as asked.
+    stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stdout + stderr
     assert "rerun the same command to resume" in stderr
     assert [r["experiment"] for r in _rows(out / "results.csv")] == ["trial-0"]
