@@ -218,7 +218,7 @@ def children_in_process(monkeypatch):
 
     from tunebench.interfaces import cli
     from tunebench.jobs import children
-    from tunebench.settings.schema import write_config
+    from tunebench.settings.yamlfiles import write_config
 
     real = children.start
 

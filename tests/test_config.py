@@ -174,7 +174,7 @@ def test_auto_is_none_and_an_earlier_runs_config_still_loads(tmp_path):
     old.write_text("batch:\n  micro_batch_size: 2\n  autotune_batch: false\n  effective_batch_size: 8\n")
     cfg = load_config(str(old))
     assert cfg.batch.micro_batch_size == 2 and cfg.batch_ask().micro == 2
-    from tunebench.settings.schema import write_config
+    from tunebench.settings.yamlfiles import write_config
 
     write_config(cfg, tmp_path / "again.yaml")  # read, never written
     assert "autotune_batch" not in (tmp_path / "again.yaml").read_text()

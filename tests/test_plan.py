@@ -21,7 +21,7 @@ from tunebench.interfaces.cli import main
 from tunebench.jobs import compare, finetune, search
 from tunebench.settings import pretrain as pretrain_config
 from tunebench.settings.finetune import load_config
-from tunebench.settings.schema import write_config
+from tunebench.settings.yamlfiles import write_config
 from tunebench.training import runplan
 
 # ---------------------------------------------------------------- values that survive the trip to a child

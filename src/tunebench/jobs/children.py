@@ -14,7 +14,7 @@ from pathlib import Path
 from tunebench.core.childenv import child_env
 from tunebench.core.durable import open_no_follow
 from tunebench.core.startup import die_with_parent
-from tunebench.settings.schema import write_config
+from tunebench.settings.yamlfiles import write_config
 
 
 def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, nproc: int = 1,

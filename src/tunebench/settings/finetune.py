@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
 from tunebench.settings import schema
-from tunebench.settings.schema import parse_override, read_yaml, short
+from tunebench.settings.schema import short
+from tunebench.settings.yamlfiles import parse_override, read_yaml
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"

@@ -15,7 +15,7 @@ from typing import Any
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
 from tunebench.settings import schema
-from tunebench.settings.schema import parse_override, read_yaml
+from tunebench.settings.yamlfiles import parse_override, read_yaml
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swish", "swiglu")
 SPLITS = ("random", "tail")  # data.split: seeded random blocks, or the last validation_split of the corpus

@@ -31,7 +31,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.data import batching
 from tunebench.machine import distributed, hardware, trackers
 from tunebench.machine.distributed import World
-from tunebench.settings import schema
+from tunebench.settings import yamlfiles
 from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
@@ -140,7 +140,7 @@ def records(opened: Opened, cfg: RunBase, plan: runplan.RunPlan, **extra: Any
     from tunebench.core.jsonfile import write_json
 
     def write() -> tuple[dict[str, Any], dict[str, Any]]:
-        schema.write_config(cfg, opened.out / "config.yaml")
+        yamlfiles.write_config(cfg, opened.out / "config.yaml")
         plan_ = {"hardware": opened.hw.to_dict(), "decisions": plan.to_json(), **extra}
         write_json(opened.out / "plan.json", plan_)
         return yaml.safe_load((opened.out / "config.yaml").read_text(encoding="utf-8")), json.loads(
