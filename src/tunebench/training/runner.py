@@ -1,6 +1,7 @@
-"""What every training job does around the loop: its opening (hardware plan, process group, output
-directory and resume point, batch, threads and seed), the settings table, signals, checkpoints and resume,
-the monitor, evaluation before and after, and the run's summary figures.
+"""The named steps every training run takes around the loop: its opening (hardware plan, process group, output
+directory and resume point, batch, threads and seed), the host's settings rows, the measured decisions, the
+learning rate, the records, the objective as the process group wraps it, the micro-batches, the stop request
+(signals), the slowdown watch and the loop's outcome.
 
 A job builds its model, data and decisions and hands them to training.recipe.run, which calls these in order;
 the optimizer steps themselves are loop.optimizer_steps.
