@@ -432,8 +432,7 @@ def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs,
              str(port), "--n_ctx", "1024", "--n_threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True))
     ours_port = free_port()
-    ours = app.serve([], [str(runs / "lora"), str(runs / "llama"), str(tools_run)], port=ours_port,
-                     ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    ours = app.serve(app.Served([], [str(runs / "lora"), str(runs / "llama"), str(tools_run)]), app.Door(port=ours_port), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         clients = {}
         for name, (port, server) in served.items():
@@ -700,8 +699,7 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
     shutil.copytree(runs / "lora", run)
     q8 = export.export(str(run), "gguf", "q8_0")
     port = free_port()
-    ours = app.serve([], [str(run)], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False, ggufs=[str(q8)],
-                     runtime="llama.cpp", runs_dir_asked=False)
+    ours = app.serve(app.Served([], [str(run)], ggufs=[str(q8)], runtime="llama.cpp"), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"), block=False, runs_dir_asked=False)
     f16 = run / "export" / "lora-f16.gguf"
     try:
         assert f"exporting {run} to {f16} for llama.cpp (once)" in capsys.readouterr().out

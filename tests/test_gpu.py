@@ -460,7 +460,7 @@ def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, m
 
     out = tmp_path / "run"
     finetune.run(cuda_config(dataset, out, **{"train.max_steps": 2}))
-    result = evaluate.run("tiny", str(out), DataConfig(path=str(dataset), max_length=256), device="auto")
+    result = evaluate.run("tiny", str(out), DataConfig(path=str(dataset), max_length=256), where=evaluate.Where("auto"))
     assert result["device"] == "cuda" and math.isfinite(result["eval_loss"])
 
     placed = []

@@ -235,3 +235,36 @@ def test_a_reader_reaches_the_backward_pass_in_two_hops_from_each_job():
         assert "recipe.run" in _calls(PACKAGE / "jobs" / f"{job}.py", "run"), job
     assert "loop.optimizer_steps" in _calls(PACKAGE / "training" / "recipe.py", "run")
     assert any(c.endswith(".backward") for c in _calls(PACKAGE / "training" / "loop.py", "optimizer_steps"))
+
+
+def _functions():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}", node.args
+
+
+def test_no_function_takes_more_than_twelve_parameters_and_every_cfg_is_typed():
+    """A signature past 12 parameters is a missing type (evaluate.Where, app.Served and app.Door, runplan.Units
+    replaced four); a `cfg` without its annotation hides which run type it is from every reader."""
+    wide, untyped = [], []
+    for where, a in _functions():
+        names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+        n = len(names) - (names[:1] in (["self"], ["cls"]))
+        if n > 12:
+            wide.append(f"{where} ({n})")
+        untyped += [where for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg == "cfg" and x.annotation is None]
+    assert not wide, f"more than 12 parameters: {wide}"
+    assert not untyped, f"cfg without a type: {untyped}"
+
+
+def test_a_recipe_holds_only_what_differs_between_objectives():
+    """What every recipe would pass the same belongs to recipe.run; what the measurement and the plan count is
+    runplan.Units, one field. At most 18 fields, and no run type made at run time."""
+    import dataclasses
+
+    from tunebench.training import recipe
+
+    assert len(dataclasses.fields(recipe.Recipe)) <= 18, [f.name for f in dataclasses.fields(recipe.Recipe)]
+    made = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "make_dataclass" in p.read_text()]
+    assert not made, made

@@ -31,8 +31,7 @@ def served(tmp_path_factory):
                                                            "train.lr": lr}))
         runs.append(str(root / name))
     port = free_port()
-    server = app.serve(["tiny"], runs, port=port, ab_db=str(root / "ab.sqlite"), block=False, auth="ann:s3cret",
-                       api_key="sk-api-key")
+    server = app.serve(app.Served(["tiny"], runs), app.Door(port=port, auth="ann:s3cret", api_key="sk-api-key"), ab_db=str(root / "ab.sqlite"), block=False)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-api-key", max_retries=0, timeout=120)
     yield client, runs, port
     server.close()
@@ -176,7 +175,7 @@ def test_a_client_over_its_share_is_told_to_wait(tmp_path, monkeypatch):
     """The API has its own per-client share: with a share of 0, a request is a 429 the client can act on."""
     monkeypatch.setattr(app, "API_PER_CLIENT", 0)
     port = free_port()
-    server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    server = app.serve(app.Served(["tiny"], []), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         for stream in (False, True):
@@ -199,7 +198,7 @@ def caller(tmp_path_factory):
                                                          "train.lr": 3e-3, "data.max_length": 512,
                                                          "data.eval_fraction": 0}))
     port = free_port()
-    server = app.serve([], [str(root / "run")], port=port, ab_db=str(root / "ab.sqlite"), block=False)
+    server = app.serve(app.Served([], [str(root / "run")]), app.Door(port=port), ab_db=str(root / "ab.sqlite"), block=False)
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120), \
         str(root / "run")
     server.close()

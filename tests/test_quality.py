@@ -242,7 +242,7 @@ def test_the_local_gsm8k_task_scores_a_right_answer_as_lm_eval_does(gsm8k_file, 
     from tunebench.jobs import evaluate
 
     monkeypatch.setattr(HFLM, "generate_until", lambda self, requests, disable_tqdm=False: [says for _ in requests])
-    result = evaluate.lm_eval("tiny", None, "gsm8k_local", str(gsm8k_file), limit=1)
+    result = evaluate.lm_eval("tiny", None, evaluate.LmEvalAsk("gsm8k_local", str(gsm8k_file), limit=1))
     assert result["lm_eval"]["gsm8k_local"]["exact_match,strict-match"] == expected
 
 

@@ -72,15 +72,14 @@ def test_concurrent_writers_lose_no_vote(tmp_path):
 def test_bad_input_is_one_line_before_any_model_loads(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TunebenchError, match="holds no model"):
-        app.serve(["tiny"], [str(tmp_path / "empty")], port=0, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+        app.serve(app.Served(["tiny"], [str(tmp_path / "empty")]), app.Door(port=0), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     with pytest.raises(TunebenchError, match="prompt file .* cannot be read"):
-        app.serve(["tiny"], [], port=0, ab_db=str(tmp_path / "ab.sqlite"), prompts=str(tmp_path / "none.jsonl"),
-                  block=False)
+        app.serve(app.Served(["tiny"], []), app.Door(port=0), ab_db=str(tmp_path / "ab.sqlite"), prompts=str(tmp_path / "none.jsonl"), block=False)
     (tmp_path / "notdb.sqlite").write_text("not a database, just text that is long enough" * 40)
     with pytest.raises(TunebenchError, match="not a usable A/B database"):
-        app.serve(["tiny"], [], port=0, ab_db=str(tmp_path / "notdb.sqlite"), block=False)
+        app.serve(app.Served(["tiny"], []), app.Door(port=0), ab_db=str(tmp_path / "notdb.sqlite"), block=False)
     with socket_in_use() as port, pytest.raises(TunebenchError, match=f"port {port} .* in use"):
-        app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+        app.serve(app.Served(["tiny"], []), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"), block=False)
 
 
 class socket_in_use:
@@ -164,7 +163,7 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
 
 def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
     port = free_port()
-    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    served = app.serve(app.Served(["tiny"], [tuned]), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read().decode()
         config = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=30).read())
@@ -190,7 +189,7 @@ def test_a_client_over_its_share_of_the_workers_is_told_busy(tmp_path, tuned, mo
 
     monkeypatch.setattr(app, "PER_CLIENT", 0)
     port = free_port()
-    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False)
+    served = app.serve(app.Served(["tiny"], [tuned]), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         with pytest.raises(Exception, match="busy: you already have 0 answers being generated"):
@@ -220,7 +219,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
     browser = _browser(chromium)
     port = free_port()
     db = tmp_path / "ab.sqlite"
-    served = app.serve(["tiny"], [tuned], port=port, ab_db=str(db), block=False, auth="ann:s3cret")
+    served = app.serve(app.Served(["tiny"], [tuned]), app.Door(port=port, auth="ann:s3cret"), ab_db=str(db), block=False)
     wait = WebDriverWait(browser, 60)
 
     def tab(name):

@@ -327,7 +327,7 @@ def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tup
 def open_server(tmp_path_factory):
     """The tiny model served on loopback with no login (the Host allowlist on) and no API key."""
     port = free_port()
-    server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path_factory.mktemp("ab") / "ab.sqlite"), block=False)
+    server = app.serve(app.Served(["tiny"], []), app.Door(port=port), ab_db=str(tmp_path_factory.mktemp("ab") / "ab.sqlite"), block=False)
     yield port
     server.close()
 
@@ -356,7 +356,7 @@ def test_a_server_without_a_login_answers_only_its_own_host_names(open_server):
 
 def test_with_a_login_the_api_is_closed_without_its_own_key_and_wrong_keys_are_slow(tmp_path):
     port = free_port()
-    server = app.serve(["tiny"], [], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False, auth="ann:s3cret")
+    server = app.serve(app.Served(["tiny"], []), app.Door(port=port, auth="ann:s3cret"), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
         status, _, text = _post(port, "/v1/models", None, {"Authorization": "Bearer s3cret"})
         assert status == 401 and "--api-key" in text
@@ -369,8 +369,7 @@ def test_with_a_login_the_api_is_closed_without_its_own_key_and_wrong_keys_are_s
 
 def test_the_studio_needs_a_login_or_no_auth_said_on_purpose(tmp_path, capsys):
     with pytest.raises(TunebenchError, match="the Train and Runs tabs start training"):
-        app.serve(["tiny"], [], port=free_port(), ab_db=str(tmp_path / "ab.sqlite"), block=False,
-                  runs_dir=str(tmp_path / "runs"))
+        app.serve(app.Served(["tiny"], []), app.Door(port=free_port()), ab_db=str(tmp_path / "ab.sqlite"), block=False, runs_dir=str(tmp_path / "runs"))
     assert app.studio_allowed("runs", False, None, False) is None  # the default, left off and said
     assert "the Train and Runs tabs are off" in capsys.readouterr().out
     assert app.studio_allowed("runs", True, ("ann", "pw"), False) == "runs"
@@ -477,8 +476,7 @@ def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_pa
     data.write_text("".join(json.dumps({"instruction": f"q {i}", "response": f"a {i}"}) + "\n" for i in range(12)))
     finetune.run(tiny_run_config(data, tmp_path / "run", **{"train.max_steps": 2}))
     port = free_port()
-    server = app.serve(["tiny"], [str(tmp_path / "run")], port=port, ab_db=str(tmp_path / "ab.sqlite"), block=False,
-                       auth="ann:s3cret-pw", api_key="sk-load-test")
+    server = app.serve(app.Served(["tiny"], [str(tmp_path / "run")]), app.Door(port=port, auth="ann:s3cret-pw", api_key="sk-load-test"), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     labels = tuple(e.label for e in models.entries(["tiny"], [str(tmp_path / "run")]))
     try:
         serve_load.load(port, "sk-load-test", "tiny", 2.0, labels)  # loaded and warm before RSS is read

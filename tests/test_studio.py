@@ -267,7 +267,7 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
     shots = tmp_path / "shots"  # this run's own: stale pictures kept from an earlier run cannot pass the checks
     shots.mkdir()
     runs, db, port = tmp_path / "runs", tmp_path / "ab.sqlite", free_port()
-    served = app.serve([str(bpe_model)], [], port=port, ab_db=str(db), block=False, runs_dir=str(runs), no_auth=True)
+    served = app.serve(app.Served([str(bpe_model)], []), app.Door(port=port, no_auth=True), ab_db=str(db), block=False, runs_dir=str(runs))
     browser = _browser(chromium)
     wait, slow = WebDriverWait(browser, 60), WebDriverWait(browser, 240)
 

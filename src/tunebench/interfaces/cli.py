@@ -49,13 +49,12 @@ def _serve(args: argparse.Namespace) -> int | None:
     from tunebench.interfaces.web import app
     from tunebench.model.models import SMOLLM2
 
-    app.serve(args.model or ([] if args.adapter or args.gguf else [SMOLLM2]), args.adapter, args.host, args.port, args.ab_db,
-              args.prompts, args.allow_download, auth=args.auth or os.environ.get("TUNEBENCH_AUTH") or None,
-              no_auth=args.no_auth, device=args.device, precision=args.precision,
-              runs_dir=None if args.no_studio else args.runs_dir or "runs", runs_dir_asked=args.runs_dir is not None,
-              api_key=args.api_key or os.environ.get("TUNEBENCH_API_KEY") or None, studio_models=args.studio_model,
-              allowed_host=args.allowed_host, ggufs=args.gguf, runtime=args.runtime)
-
+    app.serve(app.Served(args.model or ([] if args.adapter or args.gguf else [SMOLLM2]), args.adapter, args.gguf,
+                         args.runtime, args.device, args.precision, args.allow_download),
+              app.Door(args.host, args.port, args.auth or os.environ.get("TUNEBENCH_AUTH") or None, args.no_auth,
+                       args.api_key or os.environ.get("TUNEBENCH_API_KEY") or None, args.allowed_host),
+              ab_db=args.ab_db, prompts=args.prompts, runs_dir=None if args.no_studio else args.runs_dir or "runs",
+              runs_dir_asked=args.runs_dir is not None, studio_models=args.studio_model)
 
 def new_file(path: str, flag: str) -> None:
     """A file a command writes is a new one: an existing file (the A/B store itself, say) is never replaced."""
@@ -136,10 +135,11 @@ def _eval(args: argparse.Namespace) -> int | None:
 
     evaluate.table(args.model, args.adapter or [None], args.base,
                    _data_config(args.data, args.max_length, args.max_samples), args.output_dir,
-                   batch_size=args.batch_size, allow_download=args.allow_download, device=args.device,
-                   precision=args.precision, generate=args.generate, max_new_tokens=args.max_new_tokens,
-                   lm_eval_tasks=args.lm_eval, lm_eval_data=args.data, lm_eval_limit=args.lm_eval_limit,
-                   lm_eval_include=args.lm_eval_include, ggufs=args.gguf)
+                   batch_size=args.batch_size,
+                   where=evaluate.Where(args.device, args.precision, args.allow_download),
+                   generate=args.generate, max_new_tokens=args.max_new_tokens,
+                   lm_eval_ask=evaluate.LmEvalAsk(args.lm_eval, args.data, args.lm_eval_limit, args.lm_eval_include)
+                   if args.lm_eval else None, ggufs=args.gguf)
 
 
 def _compare(args: argparse.Namespace) -> int | None:

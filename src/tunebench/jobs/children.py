@@ -14,10 +14,11 @@ from pathlib import Path
 from tunebench.core.childenv import child_env
 from tunebench.core.durable import open_no_follow
 from tunebench.core.startup import die_with_parent
+from tunebench.settings.schema import RunBase
 from tunebench.settings.yamlfiles import write_config
 
 
-def start(job: str, cfg, run_dir: Path, *, log: Path, err: Path | None = None, nproc: int = 1,
+def start(job: str, cfg: RunBase, run_dir: Path, *, log: Path, err: Path | None = None, nproc: int = 1,
           program: list[str] | None = None, env: dict[str, str] | None = None,
           outlive_parent: bool = False) -> subprocess.Popen:
     """`program` (default `tunebench JOB`, through `tunebench launch` for several ranks) on run_dir/asked.yaml,

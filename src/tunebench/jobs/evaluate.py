@@ -21,12 +21,32 @@ from tunebench.training import runner
 from tunebench.training.loop import CausalLMLoss, evaluate
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where a model is scored: the device and precision asked ("auto": hardware.plan decides) and whether a model
+    name may be downloaded."""
+
+    device: str = "auto"
+    precision: str = "auto"
+    allow_download: bool = False
+
+
+@dataclass(frozen=True)
+class LmEvalAsk:
+    """lm-evaluation-harness's side of `tunebench eval`: its tasks (comma-separated), the JSONL tunebench's local
+    tasks read, a sample limit a task, and a directory of the user's own task YAMLs."""
+
+    tasks: str
+    data: str | None = None
+    limit: int | None = None
+    include: str | None = None
+
+
 def table(model: str | None, adapters: list[str | None], base: bool, data: DataConfig, output_dir: str, *,
-          batch_size: int, allow_download: bool, device: str, precision: str, generate: int, max_new_tokens: int,
-          lm_eval_tasks: str | None, lm_eval_data: str | None, lm_eval_limit: int | None,
-          lm_eval_include: str | None, ggufs: list[str] = ()) -> None:
+          batch_size: int, where: Where, generate: int, max_new_tokens: int, lm_eval_ask: LmEvalAsk | None = None,
+          ggufs: list[str] = ()) -> None:
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
-    `lm_eval_tasks`, lm-evaluation-harness's tasks instead (its local tasks read `lm_eval_data`). Each of `ggufs`
+    `lm_eval_ask`, lm-evaluation-harness's tasks instead (its local tasks read its `data`). Each of `ggufs`
     (a run's export) answers the same rows in llama.cpp, a row of the same table."""
     from tunebench.core.jsonfile import write_json
     from tunebench.model.inference import trained_on
@@ -39,15 +59,14 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
     labels = [label if [c[0] for c in chosen].count(label) == 1 else f"{label}-{i + 1}"
               for i, (label, _, _) in enumerate(chosen)]
     out = Path(output_dir)
-    if lm_eval_tasks:
+    if lm_eval_ask:
         for label, (_, spec, adapter) in zip(labels, chosen):
-            result = lm_eval(spec, adapter, lm_eval_tasks, lm_eval_data, lm_eval_limit, lm_eval_include, batch_size,
-                             device, precision, allow_download, out / label)
+            result = lm_eval(spec, adapter, lm_eval_ask, batch_size, where, out / label)
             print(json.dumps({"label": label, **result}, indent=2))
         return
-    results = [(label, run(spec, adapter, data, batch_size, allow_download=allow_download, device=device,
-                           precision=precision, generate=generate, max_new_tokens=max_new_tokens,
-                           answers=out / f"answers-{label}.jsonl", split_of=adapters[0]))
+    results = [(label, run(spec, adapter, data, batch_size, where=where, generate=generate,
+                           max_new_tokens=max_new_tokens, answers=out / f"answers-{label}.jsonl",
+                           split_of=adapters[0]))
                for label, (_, spec, adapter) in zip(labels, chosen)]
     for path in ggufs:
         label = f"{Path(path).stem} (llama.cpp)"
@@ -62,9 +81,8 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
 
 
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
-        allow_download: bool = False, device: str = "auto", precision: str = "auto", generate: int = 0,
-        max_new_tokens: int = 128, answers: Path | None = None, split_of: str | None = None,
-        template: str | None = None) -> dict:
+        where: Where = Where(), generate: int = 0, max_new_tokens: int = 128, answers: Path | None = None,
+        split_of: str | None = None, template: str | None = None) -> dict:
     """Loss (and, with `generate`, task scores) of one model. `split_of`: the run directory whose held-out
     rows and prompt format the answers use (default: the adapter's, or the model's when it is a run);
     `template` overrides that prompt format."""
@@ -72,9 +90,9 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
         raise TunebenchError(f"--generate must be 0 or more and --max-new-tokens 1 or more, got {generate} and "
                              f"{max_new_tokens}")
     examples = formats.load_examples(data)  # bad data is refused before the model loads
-    plan = hardware.plan(device, precision, hardware.detect(), "off")
+    plan = hardware.plan(where.device, where.precision, hardware.detect(), "off")
     runner.apply_plan(plan)
-    placed = inference.load(model, adapter, None, allow_download, plan=plan)  # the loss and the answers alike
+    placed = inference.load(model, adapter, None, where.allow_download, plan=plan)  # the loss and the answers alike
     tokenized = load_tokenized(data, placed.tokenizer, models.cache_dir(), examples)
     idx, _ = split(len(tokenized), 0.0, seed, data.max_samples)
     if len(idx) == 0:
@@ -186,15 +204,15 @@ def label_of(model: str | None, adapter: str | None) -> str:
 LM_EVAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "lm_eval"  # tunebench's local tasks
 
 
-def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None = None, limit: int | None = None,
-            include: str | None = None, batch_size: int = 8, device: str = "auto", precision: str = "auto",
-            allow_download: bool = False, output: Path | None = None) -> dict:
+def lm_eval(model: str | None, adapter: str | None, ask: LmEvalAsk, batch_size: int = 8, where: Where = Where(),
+            output: Path | None = None) -> dict:
     """EleutherAI's lm-evaluation-harness on the merged model: its tasks, prompts, filters and metrics.
     tunebench's local tasks (gsm8k_local) read `data` instead of downloading a dataset; `include` adds a
     directory of your own task YAMLs."""
     import importlib.util
     import tempfile
 
+    tasks, data, limit, include = ask.tasks, ask.data, ask.limit, ask.include
     if importlib.util.find_spec("lm_eval") is None:
         raise TunebenchError("--lm-eval needs EleutherAI's lm-evaluation-harness: pip install 'tunebench[lm-eval]' "
                              "(or pip install lm-eval)")
@@ -222,7 +240,7 @@ def lm_eval(model: str | None, adapter: str | None, tasks: str, data: str | None
         if unknown:  # before the model loads
             raise TunebenchError(f"lm-eval knows no task {', '.join(unknown)}; tunebench's local ones: "
                                  f"{', '.join(sorted(local))}; or pass --lm-eval-include DIR with your task YAMLs")
-        placed = inference.load(model, adapter, None, allow_download, device, precision)
+        placed = inference.load(model, adapter, None, where.allow_download, where.device, where.precision)
         if adapter:
             placed.model = placed.model.merge_and_unload()
         with placed.running():  # lm-eval calls the model in this thread: under the run's autocast

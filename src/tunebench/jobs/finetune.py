@@ -12,7 +12,7 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import finetune_data, finetune_model, finetune_report, recipe, runner
+from tunebench.training import finetune_data, finetune_model, finetune_report, recipe, runner, runplan
 
 
 @runner.job
@@ -59,20 +59,21 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         method_rows=[length_row, *method_rows, *finetune_data.template_rows(tok)],
         header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
-        n_train=len(train_idx),
-        unit=unit,
-        tokens_per_unit=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
-        what=finetune_model.measured_as(cfg, prefer),
-        probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
-        # packed rows fill max_length, so a kernel must fit that, not just the longest example
-        widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()),
-        max_length=d.max_length,
-        longest=int(lengths[train_idx].max()),
+        units=runplan.Units(
+            n=len(train_idx),
+            name=unit,
+            tokens_each=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
+            what=finetune_model.measured_as(cfg, prefer),
+            probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
+            # packed rows fill max_length, so a kernel must fit that, not just the longest example
+            widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()),
+            max_length=d.max_length,
+            quantized=a.method == "qlora",
+            longest=int(lengths[train_idx].max()),
+            **finetune_model.kto_micro_batch(opened, kto)),
         batches=finetune_data.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
         eval_sets=eval_sets,
         identity=identity,
         finish=finish,
         publish=run_report.send,
-        quantized=a.method == "qlora",
-        records=finetune_model.records(loaded, trainable, total),
-        **finetune_model.kto_micro_batch(opened, kto)))
+        records=finetune_model.records(loaded, trainable, total)))

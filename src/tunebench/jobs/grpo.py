@@ -11,7 +11,7 @@ from tunebench.data import batching, prompts
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import finetune_data, finetune_model, finetune_report, grpo, preference, recipe, runner
+from tunebench.training import finetune_data, finetune_model, finetune_report, grpo, preference, recipe, runner, runplan
 from tunebench.training.autotune import compiler
 
 
@@ -57,19 +57,20 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         method_rows=[length_row, *method_rows, grpo.objective_row(cfg, words, dropped)],
         header=grpo.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
-        n_train=len(train_idx),
-        unit="prompts",
-        tokens_per_unit=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
-        what=grpo.measured_as(cfg),
-        probe_rows=lambda size: sampler.probe_rows(longest[:size]),
-        widest=int(lengths[train_idx].max()) + a.max_completion_length,
-        max_length=cfg.data.max_length,
+        units=runplan.Units(
+            n=len(train_idx),
+            name="prompts",
+            tokens_each=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
+            what=grpo.measured_as(cfg),
+            probe_rows=lambda size: sampler.probe_rows(longest[:size]),
+            widest=int(lengths[train_idx].max()) + a.max_completion_length,
+            max_length=cfg.data.max_length,
+            quantized=a.method == "qlora"),
         batches=lambda micro: (epoch_steps, sampler.collate, []),
         eval_sets=lambda micro: [],
         identity=identity,
         finish=finish,
         publish=run_report.send,
-        quantized=a.method == "qlora",
         records=finetune_model.records(loaded, trainable, total),
         before_training=start,
         prefetch=False,  # sampling needs the live weights

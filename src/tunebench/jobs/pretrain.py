@@ -13,7 +13,7 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import arch
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, validate
-from tunebench.training import pretraining, recipe, runner
+from tunebench.training import pretraining, recipe, runner, runplan
 from tunebench.training.autotune import compiler
 
 
@@ -58,14 +58,16 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         method_rows=[],
         header=pretraining.header(tok_source, tok, cfg, n_tokens, train, val, model, n_params),
         parallel=pretraining.pick_parallel(cfg, opened, n_params),
-        n_train=len(train),
-        unit=f"blocks of {d.max_length}",
-        tokens_per_unit=d.max_length,
-        what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
-        probe_rows=lambda size: train.collate(range(min(size, len(train)))),
-        widest=d.max_length,
-        max_length=d.max_length,
-        asked_reason="training.batch_size",
+        units=runplan.Units(
+            n=len(train),
+            name=f"blocks of {d.max_length}",
+            tokens_each=d.max_length,
+            what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
+            probe_rows=lambda size: train.collate(range(min(size, len(train)))),
+            widest=d.max_length,
+            max_length=d.max_length,
+            asked_reason="training.batch_size",
+            batch_unit=f" blocks of {d.max_length}"),
         batches=batches,
         eval_sets=lambda micro: [("validation", val.batches(2 * micro))],
         identity=identity | {"tokenizer": blocks.tokenizer_hash(tok), "max_length": d.max_length,
@@ -73,5 +75,4 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         finish=finish,
         publish=run_report.send,
         records={"parameters": n_params},
-        batch_unit=f" blocks of {d.max_length}",
         after_eval=sample))

@@ -50,34 +50,24 @@ class Finished:
 
 @dataclass
 class Recipe:
-    """What one objective trains, as the runner needs it. A unit is what one row of the effective batch is: a
-    row, a preference pair, a judged completion, a GRPO prompt and its group, a block of tokens."""
+    """What one objective trains, as the runner needs it: its model and loss, what its units are (runplan.Units,
+    for the measurement and the plan), its rows in the table, how it batches and evaluates, and what it does at
+    the end."""
 
     model: torch.nn.Module
     loss: torch.nn.Module | None  # None: the next-token loss over the rows (runner.objective builds it)
+    units: runplan.Units
     method_rows: list[Decision]  # below the world and parallel rows: the method's, the objective's
     header: str  # printed above the settings table: the model, the data and what trains
     parallel: Decision
-    n_train: int  # training units
-    unit: str  # their name in the steps row: "rows", "pairs", "prompts", "blocks of 256"
-    tokens_per_unit: float  # for the total steps under --max-tokens and compile's pay-off
-    what: tuple  # the measurement cache's key for what is trained (model, method, quantization, rank, targets)
-    probe_rows: Callable[[int], Batch]  # size -> the widest units collated, for the probe's steps
-    widest: int  # tokens an attention kernel must fit per row
-    max_length: int
     batches: Callable[[int], tuple[EpochSteps, Callable[[list[int]], Batch], list[Decision]]]
     # micro batch -> (each epoch's steps, the collate of a micro batch, rows such as the batch layout's)
     eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
     identity: dict[str, Any]  # what a resume must match
     finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
-    publish: Callable[..., None]  # the trackers' end of the run (jobs.run_report.send)
+    publish: Callable[..., None]  # the trackers' end of the run (jobs.run_report.send: a layer above this one)
     records: dict[str, Any] = field(default_factory=dict)  # plan.json's extra fields
     rows: list[Decision] = field(default_factory=list)  # the model's rows, below the host's
-    quantized: bool = False
-    longest: int | None = None  # the longest unit's tokens, where rows are not packed to `widest`
-    micro: int | None = None  # a micro batch the objective's math fixes, taken as one asked for
-    asked_reason: str = "asked for"
-    batch_unit: str = ""  # after the effective batch's product in its row: " blocks of 256"
     before_training: Callable[[runplan.RunPlan], None] | None = None  # after the table, before the loop
     after_eval: Callable[[runplan.RunPlan, int], dict[str, Any]] | None = None
     prefetch: bool | None = None  # False: batches made on the loop's thread (GRPO samples from live weights)
@@ -112,14 +102,11 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     runtime = max(0.0, memory.runtime_mb(device.type) - held)  # what the process holds beside the weights
 
     # The steps and the measured settings.
-    steps = runplan.total_steps(r.n_train, effective, s.epochs, s.max_steps, s.max_tokens, r.tokens_per_unit)
-    measured, measure_s = runner.measure(
-        opened, cfg, r.model, probe_step(r.model, r.probe_rows, device, opened.autocast, r.loss), r.what,
-        max_length=r.max_length, widest=r.widest, n_train=r.n_train,
-        attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, r.n_train),  # the kernels' timing rows
-        run_tokens=steps * effective * r.tokens_per_unit, parallel=r.parallel, quantized=r.quantized, micro=r.micro,
-        asked_reason=r.asked_reason)
-    per_step = effective * r.tokens_per_unit / world.size  # the tokens one rank computes in a step
+    u = r.units
+    steps = runplan.total_steps(u.n, effective, s.epochs, s.max_steps, s.max_tokens, u.tokens_each)
+    probe = probe_step(r.model, u.probe_rows, device, opened.autocast, r.loss)
+    measured, measure_s = runner.measure(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
+    per_step = effective * u.tokens_each / world.size  # the tokens one rank computes in a step
     speed = measured.tokens_per_s if r.watch_speed else None  # GRPO's steps also sample: not the probe's speed
     steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
         s.time_budget, steps, per_step, speed, measure_s, resumed_steps(opened) if s.time_budget else None),
@@ -129,7 +116,7 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
-    memory_plan = memory.of_step(r.model, extra, micro, r.widest if packed or r.longest is None else r.longest,
+    memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
 
     # The plan and its table.
@@ -138,10 +125,10 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         *r.method_rows,
         *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,
         *[d for d in measured.decisions if d.setting == "compile"], optim.optimizer_row(device, optimization.weight_decay),
-        runplan.batch_row(effective, micro, accum, world.size, r.batch_unit),
+        runplan.batch_row(effective, micro, accum, world.size, u.batch_unit),
         memory.row(memory_plan, memory_free_mb(device, world.local_size), device.type), lr_row,
         runplan.logging_row(cfg.logging.logging_steps, device.type),
-        budget_row or runner.steps_row(cfg, steps, f"{r.n_train} {r.unit}, {effective} a step"),
+        budget_row or runner.steps_row(cfg, steps, f"{u.n} {u.name}, {effective} a step"),
         *([estimate] if estimate else [])])
     if not r.watch_speed:
         plan = dataclasses.replace(plan, probed_tokens_per_s=None)

@@ -178,28 +178,27 @@ def steps_row(cfg: RunBase, steps: int, what: str) -> Decision:
                     f"--max-tokens {s.max_tokens:,}" if s.max_tokens else f"{s.epochs:g} epoch(s) of {what}")
 
 
-def measure(opened: Opened, cfg: RunBase, model, step, what: tuple, *, max_length: int, widest: int,
-            attention_rows: int, n_train: int, run_tokens: float, parallel: Decision, quantized: bool = False,
-            asked_reason: str = "asked for", micro: int | None = None) -> tuple[runplan.Measured, float]:
+def measure(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_tokens: float,
+            parallel: Decision) -> tuple[runplan.Measured, float]:
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
-    checkpointing, compile) and the seconds they took. `step` is a autotune.probe step; `what` names what is
-    trained for the measurement cache (model, method, quantization, rank, target modules). `micro`, a micro
-    batch the job's math fixes (with `asked_reason`), is taken like one the user asked for."""
+    checkpointing, compile) for what `units` describe on this machine, and the seconds they took. `step` is an
+    autotune.probe step; a micro batch the job's math fixes (`units.micro`) is taken like one the user asked for."""
     from tunebench.training import autotune
     from tunebench.training.autotune import known
-    hw, hw_plan, world, h = opened.hw, opened.hw_plan, opened.world, cfg.hardware
+    hw, hw_plan, world, h, u = opened.hw, opened.hw_plan, opened.world, cfg.hardware, units
 
     def measure_() -> runplan.Measured:
-        shape = autotune.Shape(*what, max_length, autotune.where(hw, hw_plan, opened.device), hw_plan.precision,
-                           hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
+        shape = autotune.Shape(*u.what, u.max_length, autotune.where(hw, hw_plan, opened.device), hw_plan.precision,
+                               hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
         return runplan.measure(model, step, runplan.Workload(
             shape=shape, world_size=world.size, local_ranks=world.local_size, device=opened.device,
-            precision=hw_plan.precision, attention_asked=h.attention, attention_rows=attention_rows, widest=widest,
-            max_length=max_length, n_train=n_train, effective=opened.effective, resumed=opened.resumed,
-            micro_asked=micro or opened.ask.micro, asked_reason=asked_reason, checkpointing=h.gradient_checkpointing,
-            compile_asked=compile_decision(hw_plan, parallel.value), compile_mode=h.compile_mode, quantized=quantized,
-            run_tokens=run_tokens, measure_mode=h.measure,
-            known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, max_length,
+            precision=hw_plan.precision, attention_asked=h.attention,
+            attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, u.n),  # the kernels' timing rows
+            widest=u.widest, max_length=u.max_length, n_train=u.n, effective=opened.effective,
+            resumed=opened.resumed, micro_asked=u.micro or opened.ask.micro, asked_reason=u.asked_reason,
+            checkpointing=h.gradient_checkpointing, compile_asked=compile_decision(hw_plan, parallel.value),
+            compile_mode=h.compile_mode, quantized=u.quantized, run_tokens=run_tokens, measure_mode=h.measure,
+            known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, u.max_length,
                                 shape.method)))
 
     return measured_by_rank0(world, model, measure_)

@@ -171,6 +171,26 @@ def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str
 
 
 @dataclass(frozen=True)
+class Units:
+    """What one objective trains, as the measurement and the plan count it, built by the job and passed whole (to
+    runner.measure, which adds the machine to make a Workload). A unit is one row of the effective batch: a row, a
+    preference pair, a judged completion, a GRPO prompt and its group, a block of tokens."""
+
+    n: int  # training units
+    name: str  # in the steps row: "rows", "pairs", "prompts", "blocks of 256"
+    tokens_each: float  # for the total steps under --max-tokens and compile's pay-off
+    what: tuple  # the measurement cache's key for what is trained (model, method, quantization, rank, targets)
+    probe_rows: Callable[[int], Any]  # size -> the widest units collated, for the probe's steps
+    widest: int  # tokens an attention kernel must fit per row
+    max_length: int
+    quantized: bool = False
+    longest: int | None = None  # the longest unit's tokens, where rows are not packed to `widest`
+    micro: int | None = None  # a micro batch the objective's math fixes, taken as one asked for
+    asked_reason: str = "asked for"
+    batch_unit: str = ""  # after the effective batch's product in its row: " blocks of 256"
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the measured decisions are made for, built once by runner.measure and handed whole to `measure`: what is
     trained and where (`shape`, the measurement cache's key), its ranks, device and precision, the kernels and

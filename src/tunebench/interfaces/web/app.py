@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
@@ -499,15 +500,41 @@ def f16_export(run_dir: str, allow_download: bool = False) -> Path:
     return path
 
 
-def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", port: int = 7860,
-          ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None, allow_download: bool = False,
-          block: bool = True, auth: str | None = None, no_auth: bool = False, device: str = "auto",
-          precision: str = "auto", runs_dir: str | None = None, runs_dir_asked: bool = True,
-          api_key: str | None = None, studio_models: list[str] = (), allowed_host: list[str] = (),
-          ggufs: list[str] = (), runtime: str = "pytorch"):
+@dataclass(frozen=True)
+class Served:
+    """What `serve` answers with: model names or directories, run directories, llama.cpp exports (`ggufs`), the
+    runtime the runs answer in (llama.cpp: each run's f16 export, written once), and where PyTorch places them."""
+
+    models: list[str] = ()
+    runs: list[str] = ()
+    ggufs: list[str] = ()
+    runtime: str = "pytorch"
+    device: str = "auto"
+    precision: str = "auto"
+    allow_download: bool = False
+
+
+@dataclass(frozen=True)
+class Door:
+    """How `serve` is reached: the address, the page's login (`auth` "user:password", or `no_auth` to expose it
+    without one on purpose), the API's key and the Host names a page without a login answers to."""
+
+    host: str = "127.0.0.1"
+    port: int = 7860
+    auth: str | None = None
+    no_auth: bool = False
+    api_key: str | None = None
+    allowed_host: list[str] = ()
+
+
+def serve(served: Served, door: Door = Door(), *, ab_db: str = "tunebench-ab.sqlite", prompts: str | None = None,
+          runs_dir: str | None = None, runs_dir_asked: bool = True, studio_models: list[str] = (),
+          block: bool = True):
     """Check every input (exposure, models, port, database, prompt file), then start the app; returns it.
-    `ggufs` are exports answered by llama.cpp; runtime "llama.cpp" serves each run of `run_dirs` that way too,
-    from its f16 export (written once)."""
+    The studio's Train and Runs tabs work in `runs_dir` (None: off) and may start runs from `studio_models`."""
+    host, port, auth, no_auth, api_key = door.host, door.port, door.auth, door.no_auth, door.api_key
+    model_specs, run_dirs, ggufs, runtime = served.models, served.runs, served.ggufs, served.runtime
+    allow_download = served.allow_download
     import importlib.util
 
     credentials = parse_auth(auth)
@@ -535,7 +562,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     db = votes.open_store(ab_db)
     check_port(host, port)
     private_uploads()
-    registry = Registry(choices, allow_download, device, precision)
+    registry = Registry(choices, allow_download, served.device, served.precision)
     limit = ClientLimit(PER_CLIENT)
     studio = None
     if runs_dir is not None:
@@ -556,7 +583,7 @@ def serve(model_specs: list[str], run_dirs: list[str], host: str = "127.0.0.1", 
     if credentials is None:  # a login is what keeps a DNS-rebinding page out; without one, the Host header
         from starlette.middleware import Middleware
 
-        middleware.append(Middleware(HostAllowlist, allowed=allowed_hosts(host, list(allowed_host))))
+        middleware.append(Middleware(HostAllowlist, allowed=allowed_hosts(host, list(door.allowed_host))))
     # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
     # the visitor.
     app.launch(server_name=host, server_port=port, prevent_thread_lock=True, quiet=True, share=False,

@@ -24,7 +24,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tunebench.core import runlock
 from tunebench.core.childenv import child_env
@@ -33,7 +32,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
 from tunebench.jobs import children
 from tunebench.settings import finetune as finetune_settings
-from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL
+from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL, DataConfig, RunConfig
 from tunebench.settings.rundir import RunDir
 
 SAMPLE = BUILTIN_DATA  # the built-in Bitext-style sample, what `./run compare` trains on
@@ -84,7 +83,7 @@ class DataPreview:
                 "rest is the prompt.")
 
 
-def columns_of(fmt: str, cfg) -> dict[str, str]:
+def columns_of(fmt: str, cfg: DataConfig) -> dict[str, str]:
     return {"instruction": {"prompt": cfg.instruction_column, "response": cfg.response_column},
             "alpaca": {"prompt": "instruction (+ input)", "response": "output"},
             "question": {"prompt": "question", "response": "answer"},
@@ -157,7 +156,7 @@ class Ask:
         return out
 
 
-def check(ask: Ask, runs_dir: Path):
+def check(ask: Ask, runs_dir: Path) -> RunConfig:
     """The run's configuration, through the CLI's own parser and checks (the same one-line errors), before
     anything starts; a name already taken under the runs directory is refused."""
     from tunebench.interfaces.cli_parser import build_parser, train_config
@@ -195,7 +194,7 @@ def check(ask: Ask, runs_dir: Path):
 CHECK_ROWS = 2000  # rows of an upload the server reads to check it: the training child reads them all
 
 
-def check_sample(cfg) -> None:
+def check_sample(cfg: RunConfig) -> None:
     """The CLI's checks on what a web server may read of an upload (up to 200 MB, several at once): the first
     CHECK_ROWS rows through the same reader, format mapping and empty-row rule, the row count from a stream (no
     rows kept), the model and its length. The training child reads the whole file and refuses a bad row past the
@@ -219,7 +218,7 @@ def check_sample(cfg) -> None:
         inference.check_length(cfg.model.name, d.max_length, cfg.model.allow_download)
 
 
-def settings_rows(ask: Ask, cfg) -> list[list[str]]:
+def settings_rows(ask: Ask, cfg: RunConfig) -> list[list[str]]:
     """[setting, value, reason]: what was asked on the page, then what tunebench picks on this machine (`tunebench
     hw`'s rows), the measured ones marked as measured when the run starts, as the run's plan will record them."""
     from tunebench.core.batch_rule import micro_candidates
@@ -247,7 +246,7 @@ def settings_rows(ask: Ask, cfg) -> list[list[str]]:
 @dataclass
 class Job:
     name: str
-    cfg: Any  # the run's whole configuration, checked: the child starts from it written as RUN/asked.yaml
+    cfg: RunConfig  # the run's whole configuration, checked: the child starts from it written as RUN/asked.yaml
     log: Path
     owner: str = "local"  # who queued it (interfaces/web/models.client_of): the per-client queue bound counts it
     process: subprocess.Popen | None = None
