@@ -460,7 +460,7 @@ def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, m
 
     out = tmp_path / "run"
     finetune.run(cuda_config(dataset, out, **{"train.max_steps": 2}))
-    result = evaluate.run("tiny", str(out), DataConfig(path=str(dataset), max_length=256), where=evaluate.Where("auto"))
+    result = evaluate.run("tiny", str(out), DataConfig(path=str(dataset), max_length=256), where=evaluate.Placement("auto"))
     assert result["device"] == "cuda" and math.isfinite(result["eval_loss"])
 
     placed = []
@@ -472,7 +472,7 @@ def test_eval_generate_and_serve_place_the_model_on_the_gpu(tmp_path, dataset, m
         return on
 
     monkeypatch.setattr(inference, "place", spy)
-    text = generate.generate("tiny", str(out), "Where is my order?", 8, 0.0, raw=False)
+    text = generate.generate("tiny", str(out), "Placement is my order?", 8, 0.0, raw=False)
     assert isinstance(text, str) and placed == ["cuda"]
 
     registry = Registry(entries(["tiny"], [str(out)]), device="auto")

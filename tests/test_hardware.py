@@ -432,7 +432,7 @@ def test_the_sweep_climbs_while_a_step_up_repays_its_measuring_and_stops_where_i
 
 def _record(name: str, unit: str, precision: str, attention: dict[str, float], micro: dict[int, float]):
     from tunebench.training.autotune import known
-    outcome = known.Outcome("SmolLM2-135M", 134_515_008, 30, "lora", 128, 4, attention, micro)
+    outcome = known.Recorded("SmolLM2-135M", 134_515_008, 30, "lora", 128, 4, attention, micro)
     return known.Record(name, unit, precision, 2, "", "a test", (outcome,))
 
 

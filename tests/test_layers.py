@@ -245,7 +245,7 @@ def _functions():
 
 
 def test_no_function_takes_more_than_twelve_parameters_and_every_cfg_is_typed():
-    """A signature past 12 parameters is a missing type (evaluate.Where, app.Served and app.Door, runplan.Units
+    """A signature past 12 parameters is a missing type (evaluate.Placement, app.Served and app.Door, runplan.Units
     replaced four); a `cfg` without its annotation hides which run type it is from every reader."""
     wide, untyped = [], []
     for where, a in _functions():
@@ -268,3 +268,17 @@ def test_a_recipe_holds_only_what_differs_between_objectives():
     assert len(dataclasses.fields(recipe.Recipe)) <= 18, [f.name for f in dataclasses.fields(recipe.Recipe)]
     made = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "make_dataclass" in p.read_text()]
     assert not made, made
+
+
+def test_no_two_classes_share_a_name():
+    """A class name says which one it is (Hardware the machine, HardwareConfig the section asked for). The
+    exceptions: the pretraining API's ModelConfig and DataConfig, spelled as the CPU framework's documents spell
+    them, beside the fine-tuning sections of the same names in their own settings module."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    twice = {name: where for name, where in seen.items() if len(where) > 1}
+    assert set(twice) <= {"ModelConfig", "DataConfig"}, twice
+    assert all(sorted(w) == ["settings/finetune.py", "settings/pretrain.py"] for w in twice.values()), twice

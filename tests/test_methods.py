@@ -157,8 +157,8 @@ def test_generate_and_eval_load_each_methods_adapter(tmp_path, dataset, method):
     ours = placed.decode(enc["input_ids"], enc["attention_mask"], 4, None)
     assert ours[0].tolist() == ids[0, enc["input_ids"].shape[1]:].tolist() and len(ours[0]) > 0
     data = load_config(options={"data.path": str(dataset), "data.max_length": 256}).data
-    scored = evaluate.run(None, str(out), data, 4, where=evaluate.Where(precision="fp32"))
-    base = evaluate.run("tiny", None, data, 4, where=evaluate.Where(precision="fp32"))
+    scored = evaluate.run(None, str(out), data, 4, where=evaluate.Placement(precision="fp32"))
+    base = evaluate.run("tiny", None, data, 4, where=evaluate.Placement(precision="fp32"))
     # a random tiny model after one step guesses near uniformly over its vocabulary: the loss is about ln(V)
     vocab = models.resolve("tiny").model.config.vocab_size
     assert scored["eval_loss"] == pytest.approx(math.log(vocab), abs=0.5)

@@ -86,7 +86,7 @@ def test_a_saved_run_loads_as_it_trained_and_eval_gives_the_runs_own_answers(lor
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {DTYPE[precision]}
     assert placed.autocast_dtype == (None if precision == "fp32" else DTYPE[precision])
 
-    result = evaluate.run(None, str(out), DataConfig(path=str(data), max_length=64), where=evaluate.Where(precision=precision),
+    result = evaluate.run(None, str(out), DataConfig(path=str(data), max_length=64), where=evaluate.Placement(precision=precision),
                           generate=ASKED, max_new_tokens=6, answers=tmp_path / "answers.jsonl")
     assert result["precision"] == precision and result["generated"] == ASKED
     assert [a["answer"] for a in _answers(tmp_path / "answers.jsonl")] == \

@@ -266,7 +266,7 @@ def test_eval_runs_on_the_planned_device_and_precision(tmp_path, dataset, capsys
     from tunebench.jobs import evaluate
 
     data = DataConfig(path=str(dataset))
-    result = evaluate.run("tiny", None, data, batch_size=4, where=evaluate.Where("cpu", "fp32"))
+    result = evaluate.run("tiny", None, data, batch_size=4, where=evaluate.Placement("cpu", "fp32"))
     assert (result["device"], result["precision"], result["rows"]) == ("cpu", "fp32", len(ROWS))
     tok = models.byte_tokenizer()
     from tunebench.data.tokenize import load_tokenized

@@ -50,7 +50,7 @@ def asked(effective: int | None, micro: int | None, accum: int | None, default_e
     """The request both jobs make of the batch keys. Given values are kept as given: three that agree run,
     three that disagree are refused (check). With no effective batch given, micro x accumulation x world size
     when accumulation is given (HF Trainer's reading of per-device batch and accumulation); otherwise the
-    job's default effective batch: fine-tuning keeps the study's 8 whatever micro batch splits it, and
+    job's default effective batch: fine-tuning keeps its own (the study's) whatever micro batch splits it, and
     pretraining (None) reads the CPU guide's batch_size as each process's batch."""
     if effective is None and accum is None and default_effective is not None:
         effective = default_effective

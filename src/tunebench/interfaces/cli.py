@@ -136,7 +136,7 @@ def _eval(args: argparse.Namespace) -> int | None:
     evaluate.table(args.model, args.adapter or [None], args.base,
                    _data_config(args.data, args.max_length, args.max_samples), args.output_dir,
                    batch_size=args.batch_size,
-                   where=evaluate.Where(args.device, args.precision, args.allow_download),
+                   where=evaluate.Placement(args.device, args.precision, args.allow_download),
                    generate=args.generate, max_new_tokens=args.max_new_tokens,
                    lm_eval_ask=evaluate.LmEvalAsk(args.lm_eval, args.data, args.lm_eval_limit, args.lm_eval_include)
                    if args.lm_eval else None, ggufs=args.gguf)

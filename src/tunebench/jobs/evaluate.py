@@ -22,7 +22,7 @@ from tunebench.training.loop import CausalLMLoss, evaluate
 
 
 @dataclass(frozen=True)
-class Where:
+class Placement:
     """Where a model is scored: the device and precision asked ("auto": hardware.plan decides) and whether a model
     name may be downloaded."""
 
@@ -43,8 +43,8 @@ class LmEvalAsk:
 
 
 def table(model: str | None, adapters: list[str | None], base: bool, data: DataConfig, output_dir: str, *,
-          batch_size: int, where: Where, generate: int, max_new_tokens: int, lm_eval_ask: LmEvalAsk | None = None,
-          ggufs: list[str] = ()) -> None:
+          batch_size: int, where: Placement, generate: int, max_new_tokens: int,
+          lm_eval_ask: LmEvalAsk | None = None, ggufs: list[str] = ()) -> None:
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
     `lm_eval_ask`, lm-evaluation-harness's tasks instead (its local tasks read its `data`). Each of `ggufs`
     (a run's export) answers the same rows in llama.cpp, a row of the same table."""
@@ -81,7 +81,7 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
 
 
 def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: int = 8, seed: int = 42,
-        where: Where = Where(), generate: int = 0, max_new_tokens: int = 128, answers: Path | None = None,
+        where: Placement = Placement(), generate: int = 0, max_new_tokens: int = 128, answers: Path | None = None,
         split_of: str | None = None, template: str | None = None) -> dict:
     """Loss (and, with `generate`, task scores) of one model. `split_of`: the run directory whose held-out
     rows and prompt format the answers use (default: the adapter's, or the model's when it is a run);
@@ -204,7 +204,7 @@ def label_of(model: str | None, adapter: str | None) -> str:
 LM_EVAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "lm_eval"  # tunebench's local tasks
 
 
-def lm_eval(model: str | None, adapter: str | None, ask: LmEvalAsk, batch_size: int = 8, where: Where = Where(),
+def lm_eval(model: str | None, adapter: str | None, ask: LmEvalAsk, batch_size: int = 8, where: Placement = Placement(),
             output: Path | None = None) -> dict:
     """EleutherAI's lm-evaluation-harness on the merged model: its tasks, prompts, filters and metrics.
     tunebench's local tasks (gsm8k_local) read `data` instead of downloading a dataset; `include` adds a

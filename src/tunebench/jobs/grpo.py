@@ -17,7 +17,7 @@ from tunebench.training.autotune import compiler
 
 @runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
-    a, s, settings = cfg.adapter, cfg.schedule, grpo.Settings.of(cfg.adapter)
+    a, s, settings = cfg.adapter, cfg.schedule, grpo.GRPOSettings.of(cfg.adapter)
     rows, code, scoring = grpo.check_inputs(cfg)  # every input checked before anything expensive
     cfg, length_row = finetune_data.settle_length(cfg, grpo.prompt_lengths(rows, cfg))  # data.max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))

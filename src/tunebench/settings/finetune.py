@@ -163,8 +163,8 @@ def objective_default(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class RunConfig(schema.RunBase):
-    """A fine-tuning run's whole configuration: the shared sections, then its model, data and adapter; an
-    effective batch of 8 unless the batch keys say otherwise."""
+    """A fine-tuning run's whole configuration: the shared sections, then its model, data and adapter; the
+    effective batch schema.DEFAULT_EFFECTIVE_BATCH unless the batch keys say otherwise."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)

@@ -52,7 +52,7 @@ DEFAULT_EFFECTIVE_BATCH = 8  # rows per optimizer step when no batch key says ot
 
 
 @dataclass(frozen=True)
-class Hardware:
+class HardwareConfig:
     device: str = "auto"
     """where to train: auto (CUDA, then MPS, then the CPU) | cpu | cuda | mps"""
     force_cpu: bool = False
@@ -85,7 +85,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Batch:
+class BatchConfig:
     micro_batch_size: int | None = None
     """rows per forward pass, or auto (the default, held as None): measure the sizes that divide the effective
     batch and keep the fastest"""
@@ -112,7 +112,7 @@ class Optimizer:
     """adamw | adamw_torch | adamw_torch_fused (HF's names; all are torch's AdamW, fused where that is faster)"""
     lr_scaling: str = "none"
     """none | linear | sqrt: scale lr when the effective batch differs from lr_reference_batch"""
-    lr_reference_batch: int = 8
+    lr_reference_batch: int = DEFAULT_EFFECTIVE_BATCH
     """the effective batch the lr was tuned at (for lr_scaling)"""
 
 
@@ -214,8 +214,8 @@ class RunBase:
     it with its own sections and its effective batch when no batch key gives one (settings.finetune.RunConfig:
     model, data, adapter, 8; settings.pretrain.PretrainRun: model, data, the CPU guide's micro x accumulation)."""
 
-    hardware: Hardware = dataclasses.field(default_factory=Hardware)
-    batch: Batch = dataclasses.field(default_factory=Batch)
+    hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
+    batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
     optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
     schedule: Schedule = dataclasses.field(default_factory=Schedule)
     output: Output = dataclasses.field(default_factory=Output)

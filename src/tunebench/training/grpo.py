@@ -46,7 +46,7 @@ from tunebench.training.preference import reference_logps, token_logps
 
 
 @dataclass(frozen=True)
-class Settings:
+class GRPOSettings:
     """TRL's names and meanings."""
 
     num_generations: int
@@ -60,7 +60,7 @@ class Settings:
     scale_rewards: str
 
     @classmethod
-    def of(cls, a) -> Settings:
+    def of(cls, a) -> GRPOSettings:
         """The settings of an AdapterConfig (settings.finetune) whose objective is grpo."""
         return cls(a.num_generations, a.max_completion_length, a.temperature, a.top_p, a.beta, a.epsilon,
                    a.epsilon_high, a.loss_type, a.scale_rewards)
@@ -93,7 +93,7 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
     return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
 
 
-def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: Settings,
+def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: GRPOSettings,
            seed: int) -> list[list[int]]:
     """`num_generations` completions of each prompt (consecutive), each up to and including its EOS, sampled
     from the policy (top_k off, temperature and top_p as set), the random draws seeded by `seed` alone (the
@@ -138,7 +138,7 @@ class Sampler:
     name their step."""
 
     def __init__(self, model, tokenizer, data: PromptData, rows: PromptRows, rewards: list[rewards_.Reward],
-                 settings: Settings, device: torch.device, autocast, seed: int,
+                 settings: GRPOSettings, device: torch.device, autocast, seed: int,
                  eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model, self.tokenizer, self.data, self.rows, self.rewards = model, tokenizer, data, rows, rewards
         self.s, self.device, self.autocast, self.seed, self.eagerly = settings, device, autocast, seed, eagerly
@@ -246,7 +246,7 @@ class GRPOLoss(torch.nn.Module):
 
     unit = "completions"
 
-    def __init__(self, model, settings: Settings, rewards: list[rewards_.Reward], autocast_dtype=None,
+    def __init__(self, model, settings: GRPOSettings, rewards: list[rewards_.Reward], autocast_dtype=None,
                  reference=None):
         super().__init__()
         self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype
@@ -352,7 +352,7 @@ def measured_as(cfg: RunConfig) -> tuple:
             a.target_modules)
 
 
-def generation(sampler: Sampler, outcome, s: Settings) -> dict[str, Any]:
+def generation(sampler: Sampler, outcome, s: GRPOSettings) -> dict[str, Any]:
     """Sampling measured apart from the update: generated tokens a second, and the update's tokens a second
     over the training time less the sampling (the loop's step times include a step's sampling)."""
     state = outcome.state

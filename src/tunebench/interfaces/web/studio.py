@@ -138,7 +138,7 @@ class Ask:
     name: str
     model: str = DEFAULT_MODEL
     method: str = "lora"
-    effective_batch: int | None = None  # None: the default (8)
+    effective_batch: int | None = None  # None: the default (schema.DEFAULT_EFFECTIVE_BATCH)
     max_steps: int | None = None
     epochs: float | None = None
     max_length: int = 128  # the study's

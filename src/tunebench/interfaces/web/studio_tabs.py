@@ -14,7 +14,7 @@ from tunebench.interfaces.web import studio as studio_
 from tunebench.interfaces.web import studio_views as views
 from tunebench.interfaces.web.models import Registry, client_of, entries
 from tunebench.settings.rundir import RunDir
-from tunebench.settings.schema import EXPORT_FORMATS
+from tunebench.settings.schema import DEFAULT_EFFECTIVE_BATCH, EXPORT_FORMATS
 
 SETTINGS_HEAD = ["setting", "value", "reason"]
 BASE = "its base"  # the Runs tab's A/B: the picked run against the model it was trained from
@@ -60,7 +60,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             model = gr.Dropdown(offered, value=offered[0], label="Model (a preset, a served base, a run, or a "
                                 "directory the operator offers)", elem_id="tb-model")
             method = gr.Dropdown(list(studio_.METHODS), value="lora", label="Method", elem_id="tb-method")
-            batch = gr.Number(0, label="Effective batch (0: auto, 8)", precision=0, minimum=0)
+            batch = gr.Number(0, label=f"Effective batch (0: the default, {DEFAULT_EFFECTIVE_BATCH})", precision=0, minimum=0)
             steps = gr.Number(0, label="Steps (0: by epochs)", precision=0, minimum=0, elem_id="tb-steps")
             epochs = gr.Number(0, label="Epochs (0: the default, 1)", minimum=0)
             name = gr.Textbox(label="Run name", placeholder="my-run", elem_id="tb-name")

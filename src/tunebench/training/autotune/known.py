@@ -42,7 +42,7 @@ def unit(cpu_flags) -> str:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Recorded:
     """What one shape measured on a record's machine: tokens/s by attention kernel (at `attention_rows` rows)
     and by micro batch (with the kernel the run kept)."""
 
@@ -71,7 +71,7 @@ class Record:
     cores: int
     cpu_model: str
     source: str  # where and when it was measured, and how
-    outcomes: tuple[Outcome, ...]
+    outcomes: tuple[Recorded, ...]
 
     @property
     def label(self) -> str:
@@ -90,7 +90,7 @@ def parse(raw: dict, where: str) -> Record:
             raise ValueError(f"format {raw.get('format')!r}, this tunebench reads format {FORMAT}")
         if raw["unit"] not in UNITS:
             raise ValueError(f"unit {raw['unit']!r} is not one of {', '.join(UNITS)}")
-        outcomes = tuple(Outcome(o["model"], int(o["params"]), int(o["layers"]), o["method"], int(o["max_length"]),
+        outcomes = tuple(Recorded(o["model"], int(o["params"]), int(o["layers"]), o["method"], int(o["max_length"]),
                                  o.get("attention_rows"), {k: float(v) for k, v in o.get("attention", {}).items()},
                                  {int(k): float(v) for k, v in o.get("micro_batch", {}).items()}, o.get("compile"))
                          for o in raw["outcomes"])
@@ -114,7 +114,7 @@ class Known:
     """The prediction for one run: the nearest record's outcome for the nearest shape, and how near it is."""
 
     record: Record
-    outcome: Outcome
+    outcome: Recorded
     differs: tuple[str, ...]  # what about this machine or run is not the record's
 
     @property
@@ -156,7 +156,7 @@ def nearest(records, unit_: str, precision: str, cores: int, params: int, max_le
     here = UNITS.index(unit_)
     record = min(same, key=lambda r: (abs(UNITS.index(r.unit) - here), abs(math.log2(r.cores / max(cores, 1)))))
 
-    def distance(o: Outcome) -> float:
+    def distance(o: Recorded) -> float:
         family = o.method.split("+")[0] in ("lora", "qlora") and method.split("+")[0] in ("lora", "qlora")
         return ((0 if o.method == method else 1 if family else 3) + abs(math.log2(o.params / max(params, 1)))
                 + abs(math.log2(o.max_length / max(max_length, 1))))
@@ -209,7 +209,7 @@ def from_cache(entries: dict, cpu_model: str, cores: int, cpu_flags, precision: 
                  if p["status"] == "ok" and p["tokens_per_s"]}
         att = kernels.get(same(f), {})
         if micro:
-            outcomes.append(Outcome(Path(str(f["model"])).name, int(hit["model_params"]), int(hit["model_layers"]),
+            outcomes.append(Recorded(Path(str(f["model"])).name, int(hit["model_params"]), int(hit["model_layers"]),
                                     f["method"], int(f["max_length"]), att.get("rows"), att.get("speeds", {}), micro))
     if not outcomes:
         return None
