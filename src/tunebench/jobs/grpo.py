@@ -11,15 +11,25 @@ from tunebench.data import batching, prompts
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import finetune_data, finetune_model, finetune_report, grpo, preference, recipe, runner, runplan
+from tunebench.training import (
+    finetune_data,
+    finetune_model,
+    finetune_report,
+    grpo,
+    grpo_run,
+    preference,
+    recipe,
+    runner,
+    runplan,
+)
 from tunebench.training.autotune import compiler
 
 
 @runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, s, settings = cfg.adapter, cfg.schedule, grpo.GRPOSettings.of(cfg.adapter)
-    rows, code, scoring = grpo.check_inputs(cfg)  # every input checked before anything expensive
-    cfg, length_row = finetune_data.settle_length(cfg, grpo.prompt_lengths(rows, cfg))  # data.max_length a number
+    rows, code, scoring = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
+    cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg))  # data.max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
     finetune_model.check_memory(cfg, opened)  # before a weight loads
@@ -35,7 +45,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
                            eagerly=lambda: compiler.eagerly(compiled[0]))
-    held_out = grpo.HeldOutReward(sampler, np.concatenate(eval_parts).tolist())
+    held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist())
 
     def start(plan):
         compiled.append(plan.compile)
@@ -44,7 +54,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     def finish(done: recipe.Finished):
         saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
         summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
-        summary.update(grpo.generation(sampler, done.outcome, settings), prompts_dropped=data.dropped,
+        summary.update(grpo_run.generation(sampler, done.outcome, settings), prompts_dropped=data.dropped,
                        **held_out.after())
         return summary, saved
 
@@ -54,14 +64,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
         loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
-        method_rows=[length_row, *method_rows, grpo.objective_row(cfg, words, dropped)],
-        header=grpo.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
+        method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped)],
+        header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
         units=runplan.Units(
             n=len(train_idx),
             name="prompts",
             tokens_each=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
-            what=grpo.measured_as(cfg),
+            what=grpo_run.measured_as(cfg),
             probe_rows=lambda size: sampler.probe_rows(longest[:size]),
             widest=int(lengths[train_idx].max()) + a.max_completion_length,
             max_length=cfg.data.max_length,

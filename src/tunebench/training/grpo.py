@@ -29,17 +29,11 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from tunebench.core.decision import Decision
-from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
-from tunebench.model import models
-from tunebench.settings.finetune import RunConfig
-from tunebench.training import checkpoint, finetune_data
 from tunebench.training import rewards as rewards_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
@@ -294,95 +288,3 @@ class GRPOLoss(torch.nn.Module):
             loss = per_token.sum() / s.max_completion_length
         stats = torch.cat([kl_sum.reshape(1), batch["row_stats"].to(logp.dtype).sum(0)])
         return loss, stats
-
-
-# What the GRPO recipe (jobs/grpo.py) needs besides the algorithm: its inputs checked, its rows, its figures.
-
-
-def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward]]:
-    """(the prompts, the reward files' hashes, the rewards) read and checked: the columns the rewards read, a
-    resume's reward files unchanged, enough prompts for a step, a model that can be found."""
-    rows = prompts.load(cfg.data)
-    code = rewards_.files(cfg.adapter.reward)  # a resume runs the user's reward file again: the same file, or refused
-    if code and cfg.output.resume:
-        checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
-    scoring = rewards_.parse(cfg.adapter.reward, cfg.adapter.reward_weights)
-    rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
-    print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
-          + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
-    finetune_data.check_rows(len(rows), cfg, 0, "")
-    models.check_spec(cfg.model.name, cfg.model.allow_download)
-    return rows, code, scoring
-
-
-def prompt_lengths(rows: PromptRows, cfg: RunConfig):
-    """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
-    completion (max_completion_length)."""
-    from tunebench.data.tokenize import render_prompt
-
-    def lengths(tok, sample) -> list[int]:
-        return [len(tok(render_prompt(rows.prompts[i], tok, cfg.data.template), add_special_tokens=False)["input_ids"])
-                + cfg.adapter.max_completion_length for i in sample(len(rows.prompts))]
-
-    return lengths
-
-
-def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
-    a = cfg.adapter
-    return Decision("objective", "grpo", f"{a.num_generations} completions a prompt of up to {a.max_completion_length} "
-                    f"tokens at temperature {a.temperature:g} (top_p {a.top_p:g}); loss {a.loss_type}, advantages "
-                    f"scaled by {a.scale_rewards}, epsilon {a.epsilon:g}/{a.epsilon_high:g}, beta {a.beta:g}; reference: "
-                    f"{reference}" + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
-
-
-def header(source: str, cfg: RunConfig, data: PromptData, n_train: int, n_held_out: int, trainable: int,
-           total: int) -> str:
-    """The lines above the settings table: the model, the prompts and their split, what trains."""
-    dropped = (f"; {data.dropped} dropped: the prompt and --max-completion-length pass --max-length" if data.dropped
-               else "")
-    return (f"model: {source}\ndata: {cfg.data.path}, {n_train} train / {n_held_out} held-out prompts{dropped}\n"
-            f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
-
-
-def measured_as(cfg: RunConfig) -> tuple:
-    """What is trained, as the measurement cache keys it: a probe step is a micro batch of groups at the longest
-    completions, never sampled."""
-    a = cfg.adapter
-    return (cfg.model.name, f"{a.method}+grpo{a.num_generations}x{a.max_completion_length}", a.quantization, a.r,
-            a.target_modules)
-
-
-def generation(sampler: Sampler, outcome, s: GRPOSettings) -> dict[str, Any]:
-    """Sampling measured apart from the update: generated tokens a second, and the update's tokens a second
-    over the training time less the sampling (the loop's step times include a step's sampling)."""
-    state = outcome.state
-    update_s = max(state.train_time_s - sampler.generation_s, 1e-9)
-    return {"objective": "grpo", "num_generations": s.num_generations, "generated_tokens": sampler.generated_tokens,
-            "generation_s": round(sampler.generation_s, 3),
-            "generation_tokens_per_s": sampler.generated_tokens / sampler.generation_s if sampler.generation_s else None,
-            "update_s": round(update_s, 3), "update_tokens_per_s": state.tokens / update_s}
-
-
-class HeldOutReward:
-    """The held-out prompts' reward (greedy completions) before training and after, printed as each is taken;
-    nothing where no prompt is held out."""
-
-    def __init__(self, sampler: Sampler, keys: list[int]):
-        self.sampler, self.keys, self.start = sampler, keys, {}
-
-    def before(self) -> None:
-        if self.keys:
-            self.start = self.sampler.held_out_reward(self.keys)
-            print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
-
-    def after(self) -> dict[str, float]:
-        if not self.keys:
-            return {}
-        after = self.sampler.held_out_reward(self.keys)
-        print(f"held-out reward after training: {describe(after)} (before: {self.start['eval_reward']:.4f})")
-        return {"eval_reward_before": self.start["eval_reward"], **after}
-
-
-def describe(reward: dict[str, float]) -> str:
-    return f"{reward['eval_reward']:.4f}" + "".join(
-        f", {k[len('eval_rewards/'):-len('/mean')]} {v:.4f}" for k, v in reward.items() if k.startswith("eval_rewards/"))
