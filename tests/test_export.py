@@ -692,7 +692,7 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
 
     openai = needs_module("openai", "the API is read with the openai client (in the test extra)")
     needs_module("gradio", "serve needs gradio (the test extra)")
-    from tunebench.interfaces.web import app
+    from tunebench.interfaces.web import app, chat_ab
     from tunebench.interfaces.web.models import Registry, entries, stream
 
     run = tmp_path / "lora"
@@ -731,11 +731,11 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
     assert q8_label == f"gguf: {q8} (llama.cpp)" and registry.labels == [f16_label, q8_label]
     *_, last = stream(registry, q8_label, [{"role": "user", "content": "What is 3 plus one?"}], 6, 0.0)
     assert last.done and last.runtime == "llama.cpp" and last.new_tokens >= 1
-    *_, (_, status) = app.chat_turn(registry, q8_label, "What is 3 plus one?", [], 0.0, 1.0, 6)
+    *_, (_, status) = chat_ab.chat_turn(registry, q8_label, "What is 3 plus one?", [], 0.0, 1.0, 6)
     assert status.endswith("tokens/s (llama.cpp)")
     import random
 
-    *_, (a, b, _, state) = app.ab_answers(registry, f16_label, q8_label, "What is 5 plus one?", 0.8, 0.9, 6,
+    *_, (a, b, _, state) = chat_ab.ab_answers(registry, f16_label, q8_label, "What is 5 plus one?", 0.8, 0.9, 6,
                                           rng=random.Random(0))
     assert {state["model_a"], state["model_b"]} == {f16_label, q8_label}
     dice = random.Random(0)

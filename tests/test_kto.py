@@ -133,15 +133,15 @@ def test_a_thumbs_up_or_down_in_chat_is_a_judgement_kto_trains_on(tmp_path):
     from conftest import needs_module
 
     needs_module("gradio", "the web app is in the test extra: pip install -e '.[test]'")
-    from tunebench.interfaces.web import app
+    from tunebench.interfaces.web import chat_ab
 
     db = vote_store(tmp_path)
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"},
                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "no."}]
-    assert "liked (desirable" in app.chat_feedback(db, "model-x", history, 1, True, 0.7, 0.9, 64)
-    assert "disliked (undesirable" in app.chat_feedback(db, "model-x", history, 3, False, 0.7, 0.9, 64)
-    with pytest.raises(Exception, match="not an answer of the model"):
-        app.chat_feedback(db, "model-x", history, 2, True, 0.7, 0.9, 64)
+    assert "liked (desirable" in chat_ab.chat_feedback(db, "model-x", history, 1, True, 0.7, 0.9, 64)
+    assert "disliked (undesirable" in chat_ab.chat_feedback(db, "model-x", history, 3, False, 0.7, 0.9, 64)
+    with pytest.raises(TunebenchError, match="not an answer of the model"):
+        chat_ab.chat_feedback(db, "model-x", history, 2, True, 0.7, 0.9, 64)
     examples = judged.from_store(str(db))
     got = list(zip(examples.prompts, examples.completions, examples.labels))
     assert got[-2:] == [(history[:1], "hello!", True), (history[:3], "no.", False)]

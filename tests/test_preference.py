@@ -190,7 +190,7 @@ def test_the_probe_measures_pairs_apart_from_an_sft_runs_rows(tmp_path, dataset,
 
 
 def test_the_results_view_offers_the_command_that_trains_on_the_votes(tmp_path):
-    from tunebench.interfaces.web.app import train_on_votes
+    from tunebench.interfaces.web.chat_ab import train_on_votes
 
     assert "No votes yet" in train_on_votes(tmp_path / "none.sqlite")
     db = vote_store(tmp_path)

@@ -19,7 +19,7 @@ from tunebench.data import votes
 
 gr = needs_module("gradio", "the web app needs gradio (pip install -e '.[web]')")
 
-from tunebench.interfaces.web import app, models  # noqa: E402
+from tunebench.interfaces.web import app, chat_ab, models  # noqa: E402
 
 
 def _vote(db, a, b, vote):
@@ -122,13 +122,13 @@ def tuned(tmp_path_factory):
 def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     registry = models.Registry(models.entries(["tiny"], [tuned]))
     assert registry.get(registry.labels[0]) is registry.get(registry.labels[0])  # loaded once
-    history, status = list(app.chat_turn(registry, registry.labels[1], "hello", [], 0.7, 0.9, 8))[-1]
+    history, status = list(chat_ab.chat_turn(registry, registry.labels[1], "hello", [], 0.7, 0.9, 8))[-1]
     assert history[0] == {"role": "user", "content": "hello"} and history[1]["role"] == "assistant"
     assert "tokens/s" in status
     db = votes.open_store(tmp_path / "ab.sqlite")
     shown = set()
     for seed in range(8):  # the order is random: both orders show up
-        *_, (answer_a, answer_b, status, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1],
+        *_, (answer_a, answer_b, status, state) = chat_ab.ab_answers(registry, registry.labels[0], registry.labels[1],
                                                                   "hi there", 0.7, 0.9, 8, random.Random(seed))
         shown.add(state["model_a"])
         assert state["answer_a"] == answer_a and "Which answer is better?" in status
@@ -136,24 +136,24 @@ def test_the_handlers_chat_and_vote_blind(tmp_path, tuned):
     assert "tokens/s" not in status  # blind: a speed would name the model before the vote
     # Nothing of either answer shows before both are done (A streaming first showed each side's speed), and
     # greedy sampling, whose answers the Chat tab would name, is refused.
-    steps = list(app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.7, 0.9, 8))
+    steps = list(chat_ab.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.7, 0.9, 8))
     assert all(a == b == "" for a, b, _, _ in steps[:-1]) and steps[-1][3]["answer_a"] == steps[-1][0]
-    with pytest.raises(gr.Error, match="temperature of 0.3 or more"):
-        list(app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.0, 0.9, 8))
+    with pytest.raises(TunebenchError, match="temperature of 0.3 or more"):
+        list(chat_ab.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.0, 0.9, 8))
     # While the pair is open, the Chat tab hides the speed of both its models (it would name a side);
     # the vote reveals them and the Chat tab shows speeds again.
-    blinded = app.Blinded()
-    *_, (_, _, _, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.7, 0.9, 8,
+    blinded = chat_ab.Blinded()
+    *_, (_, _, _, state) = chat_ab.ab_answers(registry, registry.labels[0], registry.labels[1], "hi there", 0.7, 0.9, 8,
                                           blinded=blinded)
     for label in registry.labels:
-        _, status = list(app.chat_turn(registry, label, "hello", [], 0.7, 0.9, 8, blinded))[-1]
+        _, status = list(chat_ab.chat_turn(registry, label, "hello", [], 0.7, 0.9, 8, blinded))[-1]
         assert "tokens/s" not in status and "speed hidden" in status
-    message, state = app.ab_vote(db, "b", state, blinded)
+    message, state = chat_ab.ab_vote(db, "b", state, blinded)
     assert f"A was {state['model_a']}" in message and state["voted"] and "tokens/s" in message  # revealed
-    _, status = list(app.chat_turn(registry, registry.labels[0], "hello", [], 0.7, 0.9, 8, blinded))[-1]
+    _, status = list(chat_ab.chat_turn(registry, registry.labels[0], "hello", [], 0.7, 0.9, 8, blinded))[-1]
     assert "tokens/s" in status
-    with pytest.raises(gr.Error, match="already voted on"):
-        app.ab_vote(db, "a", state)  # one vote per pair of answers
+    with pytest.raises(TunebenchError, match="already voted on"):
+        chat_ab.ab_vote(db, "a", state)  # one vote per pair of answers
     (pair,) = votes.pairs(db)
     winner = state["model_b"]
     assert (pair.first_wins if winner == pair.first else pair.second_wins) == 1
@@ -194,6 +194,22 @@ def test_a_client_over_its_share_of_the_workers_is_told_busy(tmp_path, tuned, mo
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         with pytest.raises(Exception, match="busy: you already have 0 answers being generated"):
             client.predict("base: tiny", "hello", 0.7, 0.9, 8, api_name="/on_chat")
+    finally:
+        served.close()
+
+
+def test_a_handlers_problem_reaches_the_visitor_as_its_one_line(tmp_path, tuned):
+    """chat_ab raises TunebenchError without Gradio; the app shows its line to the visitor (Gradio's error), as a
+    page or a gradio_client sees it."""
+    from gradio_client import Client
+
+    port = free_port()
+    served = app.serve(app.Served(["tiny"], [tuned]), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"),
+                       block=False)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        with pytest.raises(Exception, match="Type a message first"):
+            client.predict("base: tiny", "   ", 0.7, 0.9, 8, api_name="/on_chat")
     finally:
         served.close()
 
@@ -308,15 +324,15 @@ def test_the_cli_reports_votes_and_refuses_bad_input_in_one_line(tmp_path, capsy
 def test_a_pair_takes_one_vote_however_fast_the_clicks(tmp_path, tuned):
     registry = models.Registry(models.entries(["tiny"], [tuned]))
     db = votes.open_store(tmp_path / "ab.sqlite")
-    *_, (_, _, _, state) = app.ab_answers(registry, registry.labels[0], registry.labels[1], "hi", 0.7, 0.9, 4)
+    *_, (_, _, _, state) = chat_ab.ab_answers(registry, registry.labels[0], registry.labels[1], "hi", 0.7, 0.9, 4)
     results = []
     barrier = threading.Barrier(4)
 
     def click(vote):
         barrier.wait()  # the same state, as two clicks before the first reply would give
         try:
-            results.append(app.ab_vote(db, vote, dict(state))[0])
-        except gr.Error:
+            results.append(chat_ab.ab_vote(db, vote, dict(state))[0])
+        except TunebenchError:
             results.append("refused")
 
     threads = [threading.Thread(target=click, args=(v,)) for v in ("a", "b", "a", "tie")]
@@ -339,8 +355,8 @@ def test_requests_past_the_limits_or_the_context_are_refused(tuned):
     gpt2 = models.Registry(models.entries(["gpt2-124m"], []))  # learned positions: past 1024 there is no row
     with pytest.raises(models.TooLong, match="this model sees 1,024"):
         list(models.stream(gpt2, gpt2.labels[0], [{"role": "user", "content": "word " * 1500}]))
-    with pytest.raises(gr.Error, match="the limit is"):  # the handler says it to the visitor in one line
-        list(app.chat_turn(registry, label, "x" * 9000, [], 0.7, 0.9, 8))
+    with pytest.raises(TunebenchError, match="the limit is"):  # the handler says it to the visitor in one line
+        list(chat_ab.chat_turn(registry, label, "x" * 9000, [], 0.7, 0.9, 8))
 
 
 def test_a_closed_stream_stops_its_generation_and_frees_the_lock():
@@ -379,16 +395,16 @@ def test_an_exposed_server_needs_a_login_unless_refused_on_purpose(tmp_path, cap
 def test_an_upload_is_read_once_and_removed(tmp_path):
     upload = tmp_path / "prompts.jsonl"
     upload.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
-    assert app.read_upload(str(upload)) == ["one", "two"] and not upload.exists()
+    assert chat_ab.read_upload(str(upload)) == ["one", "two"] and not upload.exists()
     bad = tmp_path / "bad.csv"
     bad.write_text("")
-    with pytest.raises(gr.Error, match="holds no prompts"):
-        app.read_upload(str(bad))
+    with pytest.raises(TunebenchError, match="holds no prompts"):
+        chat_ab.read_upload(str(bad))
     assert not bad.exists()
     big = tmp_path / "big.jsonl"  # the studio's page takes 200 MB uploads; a prompt set stays at 1 MB
-    big.write_text('{"prompt": "one"}\n' * (app.PROMPT_SET_BYTES // 18 + 1))
-    with pytest.raises(gr.Error, match="the limit is 1,048,576"):
-        app.read_upload(str(big))
+    big.write_text('{"prompt": "one"}\n' * (chat_ab.PROMPT_SET_BYTES // 18 + 1))
+    with pytest.raises(TunebenchError, match="the limit is 1,048,576"):
+        chat_ab.read_upload(str(big))
     assert not big.exists()
 
 
@@ -459,7 +475,7 @@ def test_an_ipv6_loopback_host_is_checked_as_ipv6():
 
 
 def test_a_pair_left_without_a_vote_stops_hiding_speeds_after_its_time():
-    blinded = app.Blinded(hours=1)
+    blinded = chat_ab.Blinded(hours=1)
     blinded.open("p1", ("base", "run"))
     assert blinded.hides("run") and blinded.hides("base") and not blinded.hides("other")
     blinded.close("p1")
