@@ -75,12 +75,15 @@ def configuration() -> str:
                 continue
             docs = schema.docs(cls)
             out += [f"### `{section}`" + (" (shared by train and pretrain)" if section in schema.SHARED else ""), "",
+                    *(["What the adapter is trained toward, and that objective's own settings (each refused for an "
+                       "objective it does not belong to). Also read as `adapter.objective` (the name), `adapter.beta` "
+                       "and so on, as configs spelled them before this section.", ""] if section == "objective" else []),
                     "| field | type | default | what it is |", "|---|---|---|---|"]
             for f in dataclasses.fields(cls):
                 key = f"{section}.{f.name}"
                 default = own.get(key, f.default if f.default is not dataclasses.MISSING else (
                     f.default_factory() if f.default_factory is not dataclasses.MISSING else ""))
-                if job == "train" and section == "adapter" and finetune.objective_default(f.name):
+                if job == "train" and section == "objective" and finetune.objective_default(f.name):
                     default = finetune.objective_default(f.name)  # each objective's own
                 kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
                 out.append(f"| `{key}` | `{cell(kind)}` | `{cell(default)}` | {cell(docs.get(f.name, ''))} |")

@@ -337,4 +337,4 @@ def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_tab
     for key, _, _ in OWNED:
         text = objective_default(key)
         if text:
-            assert train_help(f"adapter.{key}").endswith(f"(default {text})"), key
+            assert train_help(f"objective.{key}").endswith(f"(default {text})"), key

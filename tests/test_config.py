@@ -93,14 +93,15 @@ def test_replace_validates():
 
 
 def test_both_jobs_share_one_definition_of_each_common_section():
-    """The eight shared sections are one set of dataclasses; only model and data (and train's adapter) differ."""
+    """The eight shared sections are one set of dataclasses; only model and data (and train's adapter and
+    objective) differ."""
     from tunebench.settings import pretrain as pretrain_config
     from tunebench.settings import schema
     train, pre = load_config(), pretrain_config.load(None, {"data.train_file": "x.txt"})
     for section, cls in schema.SHARED.items():
         assert type(getattr(train, section)) is cls and type(getattr(pre, section)) is cls, section
     names = [{f.name for f in dataclasses.fields(type(cfg))} for cfg in (train, pre)]
-    assert names[0] - names[1] == {"adapter"} and names[1] - names[0] == set()
+    assert names[0] - names[1] == {"adapter", "objective"} and names[1] - names[0] == set()
     assert type(train.model) is not type(pre.model) and type(train.data) is not type(pre.data)
 
 
@@ -179,3 +180,26 @@ def test_auto_is_none_and_an_earlier_runs_config_still_loads(tmp_path):
     write_config(cfg, tmp_path / "again.yaml")  # read, never written
     assert "autotune_batch" not in (tmp_path / "again.yaml").read_text()
     assert load_config(str(tmp_path / "again.yaml")).batch.micro_batch_size == 2
+
+
+def test_the_objective_keys_are_read_as_every_earlier_config_spelled_them(tmp_path):
+    """The objective has its own section; adapter.objective and adapter.beta (dotted, nested in YAML, a run's old
+    config.yaml), train.objective and a top-level `objective: dpo` still set it, and a run's resume identity keeps
+    the shape its checkpoints saved before the split (the adapter's keys and the objective's, in one mapping)."""
+    from tunebench.training.finetune_model import identity
+
+    dotted = load_config(options={"adapter.objective": "dpo", "adapter.beta": 0.3})
+    (tmp_path / "old.yaml").write_text("adapter:\n  method: lora\n  objective: kto\n  beta: 0.2\n"
+                                       "  desirable_weight: 2.0\n")
+    (tmp_path / "top.yaml").write_text("objective: orpo\n")
+    (tmp_path / "new.yaml").write_text("objective:\n  name: dpo\n  beta: 0.3\n")
+    old, top, new = (load_config(tmp_path / f"{n}.yaml") for n in ("old", "top", "new"))
+    assert (dotted.objective.name, dotted.objective.beta) == ("dpo", 0.3) and dotted.objective == new.objective
+    assert (old.objective.name, old.objective.beta, old.objective.desirable_weight) == ("kto", 0.2, 2.0)
+    assert top.objective.name == "orpo" and load_config(options={"train.objective": "grpo",
+                                                                 "train.reward": "gsm8k"}).objective.name == "grpo"
+    saved = identity(dotted)["adapter"]
+    assert saved["objective"] == "dpo" and saved["beta"] == 0.3 and saved["r"] == 8 and "name" not in saved
+    assert set(saved) == {f.name for f in dataclasses.fields(type(dotted.adapter))} | {
+        "objective" if f.name == "name" else f.name for f in dataclasses.fields(type(dotted.objective))}
+    assert set(dataclasses.asdict(dotted.adapter)).isdisjoint(dataclasses.asdict(dotted.objective))

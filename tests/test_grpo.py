@@ -160,7 +160,7 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
 
 @pytest.mark.parametrize("options, message", [
     ({"adapter.num_generations": 1}, "--num-generations must be 2 or more"),
-    ({"adapter.loss_type": "bnpo"}, "adapter.loss_type .bnpo. is not one of dapo, grpo, dr_grpo"),
+    ({"adapter.loss_type": "bnpo"}, "objective.loss_type .bnpo. is not one of dapo, grpo, dr_grpo"),
     ({"adapter.temperature": 0.0}, "--temperature must be above 0"),
     ({"evaluation.eval_generate": 4}, "GRPO's prompts have none"),
     ({"adapter.reward": []}, "needs at least one --reward"),
@@ -174,9 +174,9 @@ def test_grpo_settings_are_checked_at_load(options, message):
 def test_grpo_settings_belong_to_grpo_and_default_to_trls():
     with pytest.raises(TunebenchError, match="--num-generations is GRPO's, and this run's objective is sft"):
         load_config(options={"adapter.num_generations": 4})
-    a = load_config(options={"adapter.method": "grpo", "adapter.reward": "gsm8k"}).adapter
-    assert (a.beta, a.num_generations, a.temperature, a.epsilon, a.epsilon_high, a.loss_type, a.scale_rewards,
-            a.reward) == (0.0, 8, 1.0, 0.2, 0.2, "dapo", "group", ("gsm8k",))
+    o = load_config(options={"adapter.method": "grpo", "objective.reward": "gsm8k"}).objective
+    assert (o.beta, o.num_generations, o.temperature, o.epsilon, o.epsilon_high, o.loss_type, o.scale_rewards,
+            o.reward) == (0.0, 8, 1.0, 0.2, 0.2, "dapo", "group", ("gsm8k",))
 
 
 def test_a_users_reward_gets_the_prompts_as_the_model_saw_them_and_the_rows_columns(tmp_path):

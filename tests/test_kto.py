@@ -109,8 +109,9 @@ def test_kto_weights_belong_to_kto_and_must_be_positive():
     with pytest.raises(TunebenchError, match="must be positive, got 1.0 and 0.0"):
         load_config(options={"adapter.method": "kto", "adapter.undesirable_weight": 0.0})
     cfg = load_config(options={"adapter.method": "kto"})
-    a = cfg.adapter
-    assert (a.method, a.objective, a.beta, a.desirable_weight, a.undesirable_weight) == ("lora", "kto", 0.1, 1.0, 1.0)
+    o = cfg.objective
+    assert (cfg.adapter.method, o.name, o.beta, o.desirable_weight, o.undesirable_weight) == ("lora", "kto", 0.1, 1.0,
+                                                                                             1.0)
 
 
 def test_kto_on_an_ab_store_from_the_command_line(tmp_path, capsys):

@@ -136,9 +136,9 @@ def test_an_ab_store_given_to_sft_says_which_method_trains_on_it(tmp_path, capsy
 
 def test_method_dpo_is_the_objective_on_lora_and_conflicts_are_refused():
     cfg = load_config(options={"adapter.method": "dpo"})
-    assert (cfg.adapter.objective, cfg.adapter.method, cfg.adapter.lora_dropout) == ("dpo", "lora", 0.0)
+    assert (cfg.objective.name, cfg.adapter.method, cfg.adapter.lora_dropout) == ("dpo", "lora", 0.0)
     cfg = load_config(options={"adapter.method": "orpo", "adapter.quantization": "4bit", "adapter.lora_dropout": 0.05})
-    assert (cfg.adapter.objective, cfg.adapter.method, cfg.adapter.lora_dropout) == ("orpo", "qlora", 0.05)
+    assert (cfg.objective.name, cfg.adapter.method, cfg.adapter.lora_dropout) == ("orpo", "qlora", 0.05)
     with pytest.raises(TunebenchError, match="--method dpo and --objective orpo disagree"):
         load_config(options={"adapter.method": "dpo", "train.objective": "orpo"})
     assert load_config(options={"train.objective": "dpo", "train.eval_generate": 4}).evaluation.eval_generate == 4  # scored

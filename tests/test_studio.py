@@ -220,7 +220,7 @@ def test_dpo_from_votes_queues_a_dpo_run_on_the_votes_from_the_runs_base(tmp_pat
     assert name.startswith("tuned-dpo-") and s.wait(name, 30) == 0
     asked = load_config(str(runs / name / "asked.yaml"))  # what the child started from: values, not an argv
     assert (asked.data.path, asked.model.name, asked.adapter.method) == (str(db), str(runs / "tuned"), "lora")
-    assert asked.adapter.objective == "dpo" and str(runs / name / "asked.yaml") in s.log_tail(name)
+    assert asked.objective.name == "dpo" and str(runs / name / "asked.yaml") in s.log_tail(name)
 
 
 @pytest.fixture(scope="module")

@@ -33,21 +33,21 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--packing",), "data.packing"),
     (("--eval-fraction",), "data.eval_fraction"),
     (("--method",), "adapter.method"),
-    (("--objective",), "adapter.objective"),
-    (("--beta",), "adapter.beta"),
-    (("--reward",), "adapter.reward"),
-    (("--reward-weights", "--reward_weights"), "adapter.reward_weights"),
-    (("--num-generations", "--num_generations"), "adapter.num_generations"),
-    (("--max-completion-length", "--max_completion_length"), "adapter.max_completion_length"),
-    (("--temperature",), "adapter.temperature"),
-    (("--top-p", "--top_p"), "adapter.top_p"),
-    (("--epsilon",), "adapter.epsilon"),
-    (("--epsilon-high", "--epsilon_high"), "adapter.epsilon_high"),
-    (("--loss-type", "--loss_type"), "adapter.loss_type"),
-    (("--scale-rewards", "--scale_rewards"), "adapter.scale_rewards"),
-    (("--desirable-weight", "--desirable_weight"), "adapter.desirable_weight"),
-    (("--undesirable-weight", "--undesirable_weight"), "adapter.undesirable_weight"),
-    (("--orpo-lambda",), "adapter.orpo_lambda"),
+    (("--objective",), "objective.name"),
+    (("--beta",), "objective.beta"),
+    (("--reward",), "objective.reward"),
+    (("--reward-weights", "--reward_weights"), "objective.reward_weights"),
+    (("--num-generations", "--num_generations"), "objective.num_generations"),
+    (("--max-completion-length", "--max_completion_length"), "objective.max_completion_length"),
+    (("--temperature",), "objective.temperature"),
+    (("--top-p", "--top_p"), "objective.top_p"),
+    (("--epsilon",), "objective.epsilon"),
+    (("--epsilon-high", "--epsilon_high"), "objective.epsilon_high"),
+    (("--loss-type", "--loss_type"), "objective.loss_type"),
+    (("--scale-rewards", "--scale_rewards"), "objective.scale_rewards"),
+    (("--desirable-weight", "--desirable_weight"), "objective.desirable_weight"),
+    (("--undesirable-weight", "--undesirable_weight"), "objective.undesirable_weight"),
+    (("--orpo-lambda",), "objective.orpo_lambda"),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha"),
     (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout"),
@@ -106,8 +106,8 @@ def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], st
         help_text = option[2] if len(option) > 2 else train_help(key)
         # --data may be given several times, each FILE:WEIGHT: a mixture (data.sources)
         p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=help_text, metavar="V",
-                       **({"action": "append"} if key in ("data.path", "adapter.reward")
-                          else {"nargs": "+"} if key == "adapter.reward_weights" else {}))
+                       **({"action": "append"} if key in ("data.path", "objective.reward")
+                          else {"nargs": "+"} if key == "objective.reward_weights" else {}))
     for flags, key in SHARED_OPTIONS:
         p.add_argument(*flags, dest=key, default=argparse.SUPPRESS, help=schema.help_for(key), metavar="V",
                        **({"nargs": "+"} if key == "logging.report_to" else {}))  # HF's list: --report-to mlflow wandb
@@ -129,7 +129,7 @@ def train_help(key: str) -> str:
     default = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])}[name]
     if default not in (None, (), "", False) and "default" not in words:
         words += f" (default {default})"
-    owned = objective_default(name) if section == "adapter" else None
+    owned = objective_default(name) if section == "objective" else None
     if owned and "default" not in words:  # an objective's own setting: each objective's default
         words += f" (default {owned})"
     return words

@@ -17,7 +17,7 @@ from tunebench.training import finetune_data, finetune_model, finetune_report, r
 
 @runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
-    a, d, prefer, kto = cfg.adapter, cfg.data, cfg.adapter.objective != "sft", cfg.adapter.objective == "kto"
+    a, d, prefer, kto = cfg.adapter, cfg.data, cfg.objective.name != "sft", cfg.objective.name == "kto"
     unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair
     examples, parts = finetune_data.check_inputs(cfg, prefer)  # every input checked before anything expensive
     cfg, length_row = finetune_data.settle_length(cfg, finetune_data.row_lengths(cfg, prefer, kto, examples, parts))

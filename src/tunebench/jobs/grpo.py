@@ -27,7 +27,8 @@ from tunebench.training.autotune import compiler
 
 @runner.job
 def run(cfg: RunConfig) -> dict[str, Any]:
-    a, s, settings = cfg.adapter, cfg.schedule, grpo.GRPOSettings.of(cfg.adapter)
+    a, o, s = cfg.adapter, cfg.objective, cfg.schedule
+    settings = grpo.GRPOSettings.of(o)
     rows, code, scoring = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
     cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg))  # data.max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
@@ -36,11 +37,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with distributed.local_rank0_first(opened.world):
         loaded = finetune_model.load(cfg, opened)
         tok = loaded.tokenizer
-        data = prompts.tokenize(rows, tok, cfg.data, a.max_completion_length)
+        data = prompts.tokenize(rows, tok, cfg.data, o.max_completion_length)
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [], True)
     model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, False)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
-    reference, words = finetune_model.reference_for(model, a.method == "full") if a.beta else \
+    reference, words = finetune_model.reference_for(model, a.method == "full") if o.beta else \
         (None, "none (beta 0: no KL term)")
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
@@ -70,10 +71,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         units=runplan.Units(
             n=len(train_idx),
             name="prompts",
-            tokens_each=float(a.num_generations * (lengths[train_idx].mean() + a.max_completion_length)),
+            tokens_each=float(o.num_generations * (lengths[train_idx].mean() + o.max_completion_length)),
             what=grpo_run.measured_as(cfg),
             probe_rows=lambda size: sampler.probe_rows(longest[:size]),
-            widest=int(lengths[train_idx].max()) + a.max_completion_length,
+            widest=int(lengths[train_idx].max()) + o.max_completion_length,
             max_length=cfg.data.max_length,
             quantized=a.method == "qlora"),
         batches=lambda micro: (epoch_steps, sampler.collate, []),

@@ -1,4 +1,4 @@
-"""Fine-tuning's configuration: its own `model`, `data` and `adapter` sections beside the eight sections
+"""Fine-tuning's configuration: its own `model`, `data`, `adapter` and `objective` sections beside the eight sections
 every run shares (schema.py, which also holds how a load fills them). Cross-field rules are checked once,
 in `validate`.
 """
@@ -85,6 +85,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AdapterConfig:
+    """What trains: the method (a PEFT method, or full) and its own settings."""
+
     method: str = "lora"
     """the fine-tuning method (all but full are PEFT methods), or an objective, which then trains with LoRA (QLoRA
     with --quantization)"""
@@ -102,7 +104,15 @@ class AdapterConfig:
     """the virtual tokens of prefix and prompt tuning"""
     prompt_init_text: str | None = None
     """prompt tuning: start the virtual tokens from this text's embeddings (default: random)"""
-    objective: str = "sft"
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """What the adapter is trained toward, and that objective's own settings (OWNED: each belongs to some
+    objectives and is refused for the others). Spelled adapter.objective, adapter.beta, ... before this section
+    existed; those keys still work (AS_ADAPTER)."""
+
+    name: str = "sft"
     """sft (the loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B store
     of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store) |
     grpo (prompts, and --reward)"""
@@ -153,7 +163,7 @@ OWNED = (("beta", ("dpo", "kto", "grpo"), {"dpo": PAPERS_DEFAULT, "kto": PAPERS_
 
 
 def objective_default(name: str) -> str | None:
-    """What an objective's own adapter setting (OWNED) defaults to, by objective ("0.1 for DPO and KTO, 0.0 for
+    """What an objective's own setting (OWNED) defaults to, by objective ("0.1 for DPO and KTO, 0.0 for
     GRPO"), for its --help and the configuration reference; None where no objective gives it a value."""
     by = {k: d for k, _, d in OWNED}.get(name, {})
     given = {o: v for o, v in by.items() if v not in (None, ())}
@@ -169,6 +179,7 @@ class RunConfig(schema.RunBase):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
 
     default_effective: ClassVar[int | None] = schema.DEFAULT_EFFECTIVE_BATCH
 
@@ -177,7 +188,13 @@ class RunConfig(schema.RunBase):
         d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
         return d
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, **schema.SHARED}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, "objective": ObjectiveConfig,
+            **schema.SHARED}
+# The objective's keys as they were spelled inside the adapter section (adapter.objective, adapter.beta, ...), and
+# a top-level `objective: dpo` in YAML: still read, as the objective section's.
+AS_ADAPTER = {"adapter.objective": "objective.name", "objective": "objective.name",
+              **{f"adapter.{f.name}": f"objective.{f.name}" for f in dataclasses.fields(ObjectiveConfig)
+                 if f.name != "name"}}
 
 # Names other tools use for our keys, so the hint lands on the right one.
 SYNONYMS = {"max_seq_length": "max_length", "lora_r": "r", "rank": "r", "alpha": "lora_alpha",
@@ -261,15 +278,16 @@ def profile_path(name: str) -> Path:
 SCHEMA = schema.Schema(
     "train", SECTIONS, defaults={"data.max_length": None},  # auto: settled from the rows (finetune_data.settle_length)
     # the hardware guide's Hydra key; the rest of its keys are the flat sections' (schema.FLAT_SECTIONS)
-    aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing"},
+    aliases={"model.use_gradient_checkpointing": "hardware.gradient_checkpointing", **AS_ADAPTER},
     hints=SYNONYMS, choices={
         "data.format": FORMATS, "data.train_on": TRAIN_ON, "data.on_unrenderable": ON_UNRENDERABLE,
-        "data.packing": schema.ON_OFF, "adapter.method": METHODS, "adapter.objective": OBJECTIVES,
-        "adapter.quantization": QUANTIZATIONS, "adapter.loss_type": LOSS_TYPES, "adapter.scale_rewards": SCALE_REWARDS},
+        "data.packing": schema.ON_OFF, "adapter.method": METHODS, "objective.name": OBJECTIVES,
+        "adapter.quantization": QUANTIZATIONS, "objective.loss_type": LOSS_TYPES,
+        "objective.scale_rewards": SCALE_REWARDS},
     converters={"data.sources": _sources, "data.packing": lambda value: (
         "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str),
-        "adapter.reward": lambda value: _items("adapter.reward", value, str),
-        "adapter.reward_weights": lambda value: _items("adapter.reward_weights", value, float)})
+        "objective.reward": lambda value: _items("objective.reward", value, str),
+        "objective.reward_weights": lambda value: _items("objective.reward_weights", value, float)})
 
 
 def _items(key: str, value: Any, kind: type) -> tuple:
@@ -300,25 +318,25 @@ def load_config(
     layers.append(dict(options or {}))
     layers.append(dict(parse_override(o) for o in overrides or []))
     tree = SCHEMA.fill(layers)
-    adapter = tree["adapter"]
+    adapter, given = tree["adapter"], tree["objective"]
     if adapter.get("method") in OBJECTIVES[1:]:  # `--method dpo`: the objective, on the default adapter
-        if adapter.get("objective", "sft") not in ("sft", adapter["method"]):
-            raise TunebenchError(f"--method {adapter['method']} and --objective {adapter['objective']} disagree; give "
+        if given.get("name", "sft") not in ("sft", adapter["method"]):
+            raise TunebenchError(f"--method {adapter['method']} and --objective {given['name']} disagree; give "
                                  "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
-        adapter["objective"] = adapter.pop("method")
-    objective = adapter.get("objective", "sft")
+        given["name"] = adapter.pop("method")
+    objective = given.get("name", "sft")
     for key, owners, default in OWNED:
         # TRL calls ORPO's lambda beta: a value given for another objective must not vanish unused
-        if adapter.get(key) not in (None, ()) and objective not in owners:
+        if given.get(key) not in (None, ()) and objective not in owners:
             whose = " and ".join(o.upper() + "'s" for o in owners)
             raise TunebenchError(f"--{key.replace('_', '-')} is {whose}, and this "
                                  f"run's objective is {objective}; " + (
                                      "ORPO's weight is --orpo-lambda" if key == "beta" and objective == "orpo"
                                      else f"drop it or use --method {owners[0]}"))
-        if objective in owners and adapter.get(key) is None:
-            adapter[key] = default[objective]
-    if objective == "grpo" and adapter.get("epsilon_high") is None:
-        adapter["epsilon_high"] = adapter["epsilon"]
+        if objective in owners and given.get(key) is None:
+            given[key] = default[objective]
+    if objective == "grpo" and given.get("epsilon_high") is None:
+        given["epsilon_high"] = given["epsilon"]
     if objective != "sft":
         adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
@@ -344,7 +362,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     SCHEMA.check(cfg)
     world_size = world_size or launched_world_size()
     schema.check_shared(cfg, world_size, "train")
-    d, a, e = cfg.data, cfg.adapter, cfg.evaluation
+    d, a, o, e = cfg.data, cfg.adapter, cfg.objective, cfg.evaluation
     check_template(d.template)
     if d.sources and d.path != BUILTIN_DATA:
         raise TunebenchError(f"data.path '{d.path}' and data.sources both name the data; give the mixture only "
@@ -371,24 +389,24 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if a.quantization != "none" and a.method not in ("lora", "qlora"):
         raise TunebenchError(f"--quantization {a.quantization} is QLoRA's: use --method qlora, or --quantization none "
                              f"with --method {a.method}")
-    if a.objective != "sft":
-        if any(v is not None and v <= 0 for v in (a.beta if a.objective != "grpo" else None, a.orpo_lambda)):
-            raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {a.beta} and {a.orpo_lambda}; "
+    if o.name != "sft":
+        if any(v is not None and v <= 0 for v in (o.beta if o.name != "grpo" else None, o.orpo_lambda)):
+            raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {o.beta} and {o.orpo_lambda}; "
                                  "the papers' default is 0.1")
-        if a.objective == "grpo":
-            check_grpo(a)
+        if o.name == "grpo":
+            check_grpo(o)
             if e.eval_generate:
                 raise TunebenchError("--eval-generate scores answers against held-out replies, and GRPO's prompts have "
                                      "none: a GRPO run reports its held-out reward instead (--eval-fraction); drop "
                                      "--eval-generate")
-        if any(v is not None and v <= 0 for v in (a.desirable_weight, a.undesirable_weight)):
+        if any(v is not None and v <= 0 for v in (o.desirable_weight, o.undesirable_weight)):
             raise TunebenchError(f"--desirable-weight and --undesirable-weight must be positive, got "
-                                 f"{a.desirable_weight} and {a.undesirable_weight}; TRL's default is 1.0")
+                                 f"{o.desirable_weight} and {o.undesirable_weight}; TRL's default is 1.0")
         if d.packing == "on":
-            raise TunebenchError(f"--objective {a.objective} keeps each pair's two rows side by side and cannot pack "
+            raise TunebenchError(f"--objective {o.name} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")
         if world_size > 1:
-            raise TunebenchError(f"--objective {a.objective} runs in one process for now; train without torchrun "
+            raise TunebenchError(f"--objective {o.name} runs in one process for now; train without torchrun "
                                  "(tunebench launch)")
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
@@ -396,24 +414,24 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     cfg.batch_ask().check(world_size)  # the job checks again once its group is up
 
 
-def check_grpo(a: AdapterConfig) -> None:
+def check_grpo(o: ObjectiveConfig) -> None:
     """GRPO's settings, each with the fix. The rewards themselves are built by the job (training.rewards: a file or
     function that is not there, a regex that does not compile) before any model loads."""
-    if a.num_generations < 2:
-        raise TunebenchError(f"--num-generations must be 2 or more, got {a.num_generations}: GRPO's advantage is a "
+    if o.num_generations < 2:
+        raise TunebenchError(f"--num-generations must be 2 or more, got {o.num_generations}: GRPO's advantage is a "
                              "completion's reward against its group's; TRL's default is 8")
-    if a.max_completion_length < 1:
-        raise TunebenchError(f"--max-completion-length must be 1 or more, got {a.max_completion_length}")
-    if not a.temperature > 0 or not 0 < a.top_p <= 1:
-        raise TunebenchError(f"--temperature must be above 0 and --top-p in (0, 1], got {a.temperature} and {a.top_p}")
-    if a.beta < 0 or a.epsilon < 0 or a.epsilon_high < 0:
-        raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {a.beta}, {a.epsilon} and "
-                             f"{a.epsilon_high}")
-    if not a.reward:
+    if o.max_completion_length < 1:
+        raise TunebenchError(f"--max-completion-length must be 1 or more, got {o.max_completion_length}")
+    if not o.temperature > 0 or not 0 < o.top_p <= 1:
+        raise TunebenchError(f"--temperature must be above 0 and --top-p in (0, 1], got {o.temperature} and {o.top_p}")
+    if o.beta < 0 or o.epsilon < 0 or o.epsilon_high < 0:
+        raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {o.beta}, {o.epsilon} and "
+                             f"{o.epsilon_high}")
+    if not o.reward:
         raise TunebenchError("--method grpo needs at least one --reward: gsm8k, format:REGEX, exact, contains or "
                              "path/to/file.py:function")
-    if a.reward_weights and len(a.reward_weights) != len(a.reward):
-        raise TunebenchError(f"--reward-weights gives {len(a.reward_weights)} weight(s) for {len(a.reward)} reward(s); "
+    if o.reward_weights and len(o.reward_weights) != len(o.reward):
+        raise TunebenchError(f"--reward-weights gives {len(o.reward_weights)} weight(s) for {len(o.reward)} reward(s); "
                              "give one weight per --reward, in the same order")
 
 

@@ -317,6 +317,8 @@ class Schema:
             name = FIELD_ALIASES.get(name, name)
             section = next((s for s in self.sections if name in {f.name for f in dataclasses.fields(self.sections[s])}),
                            section)
+            if section not in self.sections and "." in self.aliases.get(name, ""):  # train.objective: a top-level alias
+                return self.key_of(self.aliases[name])
         if section not in self.sections or name not in {f.name for f in dataclasses.fields(self.sections[section])}:
             return None
         return f"{section}.{name}"

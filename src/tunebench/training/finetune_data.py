@@ -32,7 +32,7 @@ def check_inputs(cfg: RunConfig, prefer: bool):
     """(preference pairs or None, the datasets) read and checked before anything expensive: enough rows for a
     step, a model that can be found, a max length it takes, a scored eval that has rows to answer."""
     if prefer:
-        examples, parts = (judged if cfg.adapter.objective == "kto" else pairs).load(cfg.data), []
+        examples, parts = (judged if cfg.objective.name == "kto" else pairs).load(cfg.data), []
         print(f"data: {examples.describe()}")
         check_rows(len(examples), cfg, 0, "")
     else:

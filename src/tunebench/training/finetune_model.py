@@ -24,7 +24,10 @@ from tunebench.training.autotune.probe import enable_checkpointing, memory_free_
 def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     """What a resume of this run must match: the model, the adapter's settings, the seed, the data."""
     d = cfg.data
-    return {"model": cfg.model.name, "adapter": cfg.to_dict()["adapter"], "seed": cfg.schedule.seed,
+    plain = cfg.to_dict()
+    # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it
+    adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in plain["objective"].items()}}
+    return {"model": cfg.model.name, "adapter": adapter, "seed": cfg.schedule.seed,
             "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
 
 
@@ -159,20 +162,20 @@ def measured_as(cfg: RunConfig, prefer: bool) -> tuple:
     """What is trained, as the measurement cache keys it: a preference step is a pair's two rows plus DPO's
     reference pass, measured apart from SFT's rows."""
     a = cfg.adapter
-    return (cfg.model.name, a.method if not prefer else f"{a.method}+{a.objective}", a.quantization,
+    return (cfg.model.name, a.method if not prefer else f"{a.method}+{cfg.objective.name}", a.quantization,
             a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules)
 
 
 def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.PreferenceLoss, Decision]:
     """The DPO, ORPO or KTO objective over `model`, and its settings row (see reference_for)."""
-    t = cfg.adapter
+    t = cfg.objective
     dropped = preference.disable_dropout(model)
     dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
-    if t.objective == "orpo":
+    if t.name == "orpo":
         return (preference.PreferenceLoss(model, "orpo", t.orpo_lambda, autocast),
                 Decision("objective", "orpo", f"lambda {t.orpo_lambda:g}; no reference model{dropout}"))
-    reference, words = reference_for(model, t.method == "full")
-    if t.objective == "kto":
+    reference, words = reference_for(model, cfg.adapter.method == "full")
+    if t.name == "kto":
         weights = (t.desirable_weight, t.undesirable_weight)
         return (preference.PreferenceLoss(model, "kto", t.beta, autocast, reference, weights),
                 Decision("objective", "kto", f"beta {t.beta:g}, desirable/undesirable weights {weights[0]:g}/"

@@ -54,10 +54,10 @@ class GRPOSettings:
     scale_rewards: str
 
     @classmethod
-    def of(cls, a) -> GRPOSettings:
-        """The settings of an AdapterConfig (settings.finetune) whose objective is grpo."""
-        return cls(a.num_generations, a.max_completion_length, a.temperature, a.top_p, a.beta, a.epsilon,
-                   a.epsilon_high, a.loss_type, a.scale_rewards)
+    def of(cls, o) -> GRPOSettings:
+        """The settings of an ObjectiveConfig (settings.finetune) whose name is grpo."""
+        return cls(o.num_generations, o.max_completion_length, o.temperature, o.top_p, o.beta, o.epsilon,
+                   o.epsilon_high, o.loss_type, o.scale_rewards)
 
 
 def stat_names(rewards: list[rewards_.Reward]) -> tuple[str, ...]:

@@ -20,10 +20,10 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     """(the prompts, the reward files' hashes, the rewards) read and checked: the columns the rewards read, a
     resume's reward files unchanged, enough prompts for a step, a model that can be found."""
     rows = prompts.load(cfg.data)
-    code = rewards_.files(cfg.adapter.reward)  # a resume runs the user's reward file again: the same file, or refused
+    code = rewards_.files(cfg.objective.reward)  # a resume runs the user's reward file again: the same file, or refused
     if code and cfg.output.resume:
         checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
-    scoring = rewards_.parse(cfg.adapter.reward, cfg.adapter.reward_weights)
+    scoring = rewards_.parse(cfg.objective.reward, cfg.objective.reward_weights)
     rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
     print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
           + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
@@ -39,16 +39,16 @@ def prompt_lengths(rows: PromptRows, cfg: RunConfig):
 
     def lengths(tok, sample) -> list[int]:
         return [len(tok(render_prompt(rows.prompts[i], tok, cfg.data.template), add_special_tokens=False)["input_ids"])
-                + cfg.adapter.max_completion_length for i in sample(len(rows.prompts))]
+                + cfg.objective.max_completion_length for i in sample(len(rows.prompts))]
 
     return lengths
 
 
 def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
-    a = cfg.adapter
-    return Decision("objective", "grpo", f"{a.num_generations} completions a prompt of up to {a.max_completion_length} "
-                    f"tokens at temperature {a.temperature:g} (top_p {a.top_p:g}); loss {a.loss_type}, advantages "
-                    f"scaled by {a.scale_rewards}, epsilon {a.epsilon:g}/{a.epsilon_high:g}, beta {a.beta:g}; reference: "
+    o = cfg.objective
+    return Decision("objective", "grpo", f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
+                    f"tokens at temperature {o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages "
+                    f"scaled by {o.scale_rewards}, epsilon {o.epsilon:g}/{o.epsilon_high:g}, beta {o.beta:g}; reference: "
                     f"{reference}" + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
 
 
@@ -64,8 +64,8 @@ def header(source: str, cfg: RunConfig, data: PromptData, n_train: int, n_held_o
 def measured_as(cfg: RunConfig) -> tuple:
     """What is trained, as the measurement cache keys it: a probe step is a micro batch of groups at the longest
     completions, never sampled."""
-    a = cfg.adapter
-    return (cfg.model.name, f"{a.method}+grpo{a.num_generations}x{a.max_completion_length}", a.quantization, a.r,
+    a, o = cfg.adapter, cfg.objective
+    return (cfg.model.name, f"{a.method}+grpo{o.num_generations}x{o.max_completion_length}", a.quantization, a.r,
             a.target_modules)
 
 

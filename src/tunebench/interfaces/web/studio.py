@@ -184,8 +184,8 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
     cfg = train_config(args)
     from tunebench.training import finetune_data
 
-    if cfg.adapter.objective != "sft" or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
-        finetune_data.check_inputs(cfg, cfg.adapter.objective != "sft")
+    if cfg.objective.name != "sft" or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
+        finetune_data.check_inputs(cfg, cfg.objective.name != "sft")
         return cfg
     check_sample(cfg)
     return cfg
