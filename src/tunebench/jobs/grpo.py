@@ -1,5 +1,6 @@
-"""`tunebench train --objective grpo`: GRPO on prompts with reward functions (training/grpo.py), one recipe over
-training.recipe: inputs, the run, model and prompts, the sampler, held-out reward, training, held-out reward."""
+"""`tunebench train --objective grpo`: GRPO on prompts with reward functions (training/grpo.py), or on episodes in an
+environment whose tools the model calls (--environment: training/episodes.py), one recipe over training.recipe:
+inputs, the run, model and prompts, the sampler, held-out reward, training, held-out reward."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import (
+    episodes,
     finetune_data,
     finetune_model,
     finetune_report,
@@ -29,23 +31,27 @@ from tunebench.training.autotune import compiler
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, o, s = cfg.adapter, cfg.objective, cfg.schedule
     settings = grpo.GRPOSettings.of(o)
-    rows, code, scoring = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
-    cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg))  # data.max_length a number
+    rows, code, scoring, env = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
+    cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg, env))  # max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
     finetune_model.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
         loaded = finetune_model.load(cfg, opened)
         tok = loaded.tokenizer
-        data = prompts.tokenize(rows, tok, cfg.data, o.max_completion_length)
+        template_row = env and episodes.template_for(tok, env.schemas, rows.prompts[0])  # before a prompt renders
+        data = episodes.tokenize(rows, tok, env, cfg.data.max_length, o.max_completion_length) if env else \
+            prompts.tokenize(rows, tok, cfg.data, o.max_completion_length)
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [], True)
     model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, False)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
     reference, words = finetune_model.reference_for(model, a.method == "full") if o.beta else \
         (None, "none (beta 0: no KL term)")
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
-    sampler = grpo.Sampler(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
-                           eagerly=lambda: compiler.eagerly(compiled[0]))
+    kind, in_env = (grpo.Sampler, {}) if env is None else (episodes.EpisodeSampler, {
+        "env": env, "openings": rows.prompts, "max_turns": o.max_turns, "max_length": cfg.data.max_length})
+    sampler = kind(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
+                   eagerly=lambda: compiler.eagerly(compiled[0]), **in_env)
     held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist())
 
     def start(plan):
@@ -64,17 +70,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = sampler.record_steps(lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch))
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
-        loss=grpo.GRPOLoss(model, settings, scoring, opened.autocast, reference),
-        method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped)],
+        loss=grpo.GRPOLoss(model, settings, sampler.reward_names(), opened.autocast, reference, sampler.episodes),
+        method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
+                     *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
         units=runplan.Units(
             n=len(train_idx),
             name="prompts",
-            tokens_each=float(o.num_generations * (lengths[train_idx].mean() + o.max_completion_length)),
+            tokens_each=float(o.num_generations * (lengths[train_idx].mean() + o.max_completion_length)),  # a turn
             what=grpo_run.measured_as(cfg),
             probe_rows=lambda size: sampler.probe_rows(longest[:size]),
-            widest=int(lengths[train_idx].max()) + o.max_completion_length,
+            widest=cfg.data.max_length if env else int(lengths[train_idx].max()) + o.max_completion_length,
             max_length=cfg.data.max_length,
             quantized=a.method == "qlora"),
         batches=lambda micro: (epoch_steps, sampler.collate, []),

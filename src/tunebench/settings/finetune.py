@@ -147,6 +147,14 @@ class ObjectiveConfig:
     """GRPO: group (advantages divided by the group's std) | none (Dr. GRPO)"""
     orpo_lambda: float | None = None
     """ORPO's lambda, the weight of its odds-ratio term (TRL calls it beta)"""
+    environment: str | None = None
+    """GRPO with tools: a Python file defining TOOLS, reset(row) and reward(messages, row), or builtin:lookup; each
+    completion becomes an episode of turns in which the model's tool calls run (training/environment.py)"""
+    max_turns: int | None = None
+    """GRPO with --environment: the model's turns an episode may take (default 4)"""
+    tool_timeout: float | None = None
+    """GRPO with --environment: seconds a tool call may take before the model is told it gave no answer (default
+    10)"""
 
 
 PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
@@ -159,7 +167,10 @@ OWNED = (("beta", ("dpo", "kto", "grpo"), {"dpo": PAPERS_DEFAULT, "kto": PAPERS_
          ("temperature", ("grpo",), {"grpo": 1.0}), ("top_p", ("grpo",), {"grpo": 1.0}),
          ("epsilon", ("grpo",), {"grpo": 0.2}), ("epsilon_high", ("grpo",), {"grpo": None}),
          ("loss_type", ("grpo",), {"grpo": "dapo"}), ("scale_rewards", ("grpo",), {"grpo": "group"}),
-         ("reward", ("grpo",), {"grpo": ()}), ("reward_weights", ("grpo",), {"grpo": ()}))
+         ("reward", ("grpo",), {"grpo": ()}), ("reward_weights", ("grpo",), {"grpo": ()}),
+         ("environment", ("grpo",), {"grpo": None}), ("max_turns", ("grpo",), {"grpo": None}),
+         ("tool_timeout", ("grpo",), {"grpo": None}))
+EPISODE_DEFAULTS = {"max_turns": 4, "tool_timeout": 10.0}  # where --environment is given
 
 
 def objective_default(name: str) -> str | None:
@@ -337,6 +348,9 @@ def load_config(
             given[key] = default[objective]
     if objective == "grpo" and given.get("epsilon_high") is None:
         given["epsilon_high"] = given["epsilon"]
+    if given.get("environment"):
+        for key, value in EPISODE_DEFAULTS.items():
+            given[key] = value if given.get(key) is None else given[key]
     if objective != "sft":
         adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
@@ -427,9 +441,15 @@ def check_grpo(o: ObjectiveConfig) -> None:
     if o.beta < 0 or o.epsilon < 0 or o.epsilon_high < 0:
         raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {o.beta}, {o.epsilon} and "
                              f"{o.epsilon_high}")
-    if not o.reward:
+    if o.environment is None and (o.max_turns is not None or o.tool_timeout is not None):
+        raise TunebenchError("--max-turns and --tool-timeout set episodes in an environment; give --environment "
+                             "FILE.py (or builtin:lookup), or drop them")
+    if o.environment is not None and not (o.max_turns >= 1 and o.tool_timeout > 0):
+        raise TunebenchError(f"--max-turns must be 1 or more and --tool-timeout above 0, got {o.max_turns} and "
+                             f"{o.tool_timeout}")
+    if not o.reward and o.environment is None:
         raise TunebenchError("--method grpo needs at least one --reward: gsm8k, format:REGEX, exact, contains or "
-                             "path/to/file.py:function")
+                             "path/to/file.py:function (or --environment, whose reward scores each episode)")
     if o.reward_weights and len(o.reward_weights) != len(o.reward):
         raise TunebenchError(f"--reward-weights gives {len(o.reward_weights)} weight(s) for {len(o.reward)} reward(s); "
                              "give one weight per --reward, in the same order")

@@ -60,6 +60,12 @@ class GRPOSettings:
                    o.epsilon_high, o.loss_type, o.scale_rewards)
 
 
+# An episode's own figures (training.episodes), after the rewards': turns and calls a mean per episode, the calls
+# that ran without error a share of the calls.
+EPISODE_STATS = ("episodes/turns", "episodes/calls", "episodes/calls_ok")
+EPISODE_STAT_PER = {"episodes/calls_ok": "episodes/calls"}
+
+
 def stat_names(rewards: list[rewards_.Reward]) -> tuple[str, ...]:
     """What each step logs (TRL's names), summed over completions; `count/<name>` counts the completions a
     reward scored (a user's function may return None), reward_sq gives reward_std (see finish)."""
@@ -124,6 +130,7 @@ class Groups:
     completions: list[list[int]]  # num_generations per prompt, consecutive
     advantages: torch.Tensor  # (completions,)
     row_stats: torch.Tensor  # (completions, len(stat_names) - 1): the per-completion terms of every stat but kl
+    masks: list[list[int]] | None = None  # an episode's: 1 on the policy's tokens (None: every completion token)
 
 
 class Sampler:
@@ -140,6 +147,12 @@ class Sampler:
         self.step_of: dict[int, tuple[int, int, list[int]]] = {}
         self.cached: tuple[tuple[int, int], Groups] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
+
+    episodes = False  # training.episodes.EpisodeSampler: a completion is an episode of turns
+
+    def reward_names(self) -> list[rewards_.Reward]:
+        """The rewards the step's stats name, in their columns' order."""
+        return self.rewards
 
     def record_steps(self, steps: Callable[[int], list[list[int]]]) -> Callable[[int], list[list[int]]]:
         def recorded(epoch: int) -> list[list[int]]:
@@ -216,7 +229,8 @@ class Sampler:
 
 
 def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int) -> Batch:
-    """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens.
+    """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens (on an
+    episode's, the policy's tokens of it: groups.masks).
     Besides the usual tensors: `advantages` (rows,), `row_stats` (rows, stats) and `counts` (completions,
     completion tokens): the units this micro batch adds to its optimizer step's normalisers (loop.prepare)."""
     from tunebench.data.batching import pad_examples
@@ -224,14 +238,15 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
     where = {key: i for i, key in enumerate(groups.keys)}
     picked = [where[key] * g + j for key in keys for j in range(g)]
     examples = []
+    masks = groups.masks or [[1] * len(c) for c in groups.completions]
     for key, i in zip([key for key in keys for _ in range(g)], picked):
         prompt, completion = data.ids[key], groups.completions[i]
-        examples.append((np.asarray(prompt + completion), np.asarray([0] * len(prompt) + [1] * len(completion))))
+        examples.append((np.asarray(prompt + completion), np.asarray([0] * len(prompt) + masks[i])))
     batch = pad_examples(examples, pad_id)
     index = torch.tensor(picked)
     batch["advantages"] = groups.advantages[index]
     batch["row_stats"] = groups.row_stats[index]
-    batch["counts"] = torch.tensor([len(picked), sum(len(groups.completions[i]) for i in picked)])
+    batch["counts"] = torch.tensor([len(picked), sum(sum(masks[i]) for i in picked)])
     return batch
 
 
@@ -241,11 +256,12 @@ class GRPOLoss(torch.nn.Module):
     unit = "completions"
 
     def __init__(self, model, settings: GRPOSettings, rewards: list[rewards_.Reward], autocast_dtype=None,
-                 reference=None):
+                 reference=None, episodes: bool = False):
         super().__init__()
         self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype
-        self.stat_names = stat_names(rewards)
-        self.stat_per = {f"rewards/{r.name}/mean": f"count/{r.name}" for r in rewards}
+        self.stat_names = stat_names(rewards) + (EPISODE_STATS if episodes else ())
+        self.stat_per = {f"rewards/{r.name}/mean": f"count/{r.name}" for r in rewards} | (
+            EPISODE_STAT_PER if episodes else {})
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
 
     def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:

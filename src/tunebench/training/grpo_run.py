@@ -4,6 +4,8 @@ its measurement key, and its figures (sampling against updating, the held-out re
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from tunebench.core.decision import Decision
@@ -11,41 +13,62 @@ from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import checkpoint, finetune_data
+from tunebench.training import checkpoint, environment, finetune_data
 from tunebench.training import rewards as rewards_
+from tunebench.training.environment import Environment
 from tunebench.training.grpo import GRPOSettings, Sampler
 
 
-def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward]]:
-    """(the prompts, the reward files' hashes, the rewards) read and checked: the columns the rewards read, a
-    resume's reward files unchanged, enough prompts for a step, a model that can be found."""
-    rows = prompts.load(cfg.data)
-    code = rewards_.files(cfg.objective.reward)  # a resume runs the user's reward file again: the same file, or refused
+def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None]:
+    """(the prompts, the reward and environment files' hashes, the rewards, the environment) read and checked: the
+    environment's names, the columns the rewards read, a resume's files unchanged, enough prompts for a step, a
+    model that can be found. With an environment, each row's prompt is reset(row)'s opening messages."""
+    o = cfg.objective
+    env = environment.load(o.environment, o.tool_timeout) if o.environment else None
+    rows = prompts.load(cfg.data) if env is None else environment.rows(env, cfg.data)
+    code = rewards_.files(o.reward)  # a resume runs the user's reward file again: the same file, or refused
+    if env is not None:
+        code[env.path] = hashlib.sha256(Path(env.path).read_bytes()).hexdigest()
     if code and cfg.output.resume:
         checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
     scoring = rewards_.parse(cfg.objective.reward, cfg.objective.reward_weights)
     rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
     print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
-          + ", ".join(f"{r.name} x {r.weight:g}" for r in scoring))
+          + ", ".join([*(["environment x 1"] if env else []), *(f"{r.name} x {r.weight:g}" for r in scoring)])
+          + (f"; environment {o.environment}: tools {', '.join(env.tools)}" if env else ""))
     finetune_data.check_rows(len(rows), cfg, 0, "")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
-    return rows, code, scoring
+    return rows, code, scoring, env
 
 
-def prompt_lengths(rows: PromptRows, cfg: RunConfig):
+def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
-    completion (max_completion_length)."""
+    completion (max_completion_length); an episode's opening (its tools rendered), plus max_turns of them."""
     from tunebench.data.tokenize import render_prompt
+    from tunebench.training import episodes
+
+    o = cfg.objective
 
     def lengths(tok, sample) -> list[int]:
+        if env is not None:
+            episodes.template_for(tok, env.schemas, rows.prompts[0])
+            return [len(episodes.opening_ids(tok, env, rows.prompts[i])) + o.max_turns * o.max_completion_length
+                    for i in sample(len(rows.prompts))]
         return [len(tok(render_prompt(rows.prompts[i], tok, cfg.data.template), add_special_tokens=False)["input_ids"])
-                + cfg.objective.max_completion_length for i in sample(len(rows.prompts))]
+                + o.max_completion_length for i in sample(len(rows.prompts))]
 
     return lengths
 
 
 def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
     o = cfg.objective
+    if o.environment:
+        return Decision("objective", "grpo", f"{o.num_generations} episodes a prompt in {o.environment}, up to "
+                        f"{o.max_turns} turns of up to {o.max_completion_length} tokens (the loss on the model's own "
+                        f"tokens; tool turns are context), tool calls limited to {o.tool_timeout:g} s; temperature "
+                        f"{o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages scaled by "
+                        f"{o.scale_rewards}, beta {o.beta:g}; reference: {reference}"
+                        + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
     return Decision("objective", "grpo", f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
                     f"tokens at temperature {o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages "
                     f"scaled by {o.scale_rewards}, epsilon {o.epsilon:g}/{o.epsilon_high:g}, beta {o.beta:g}; reference: "
@@ -97,9 +120,17 @@ class HeldOutReward:
             return {}
         after = self.sampler.held_out_reward(self.keys)
         print(f"held-out reward after training: {describe(after)} (before: {self.start['eval_reward']:.4f})")
-        return {"eval_reward_before": self.start["eval_reward"], **after}
+        return {"eval_reward_before": self.start["eval_reward"], **after,
+                **{f"{k}_before": v for k, v in self.start.items() if k.startswith("eval_episodes/")}}
 
 
 def describe(reward: dict[str, float]) -> str:
-    return f"{reward['eval_reward']:.4f}" + "".join(
+    """The held-out figures in a line: the reward and each reward's; for episodes, their success, turns and calls."""
+    text = f"{reward['eval_reward']:.4f}" + "".join(
         f", {k[len('eval_rewards/'):-len('/mean')]} {v:.4f}" for k, v in reward.items() if k.startswith("eval_rewards/"))
+    if "eval_episodes/success" in reward:
+        ran = reward["eval_episodes/calls_ok"]
+        text += (f"; episodes: {reward['eval_episodes/success']:.0%} succeeded, {reward['eval_episodes/turns']:.2f} "
+                 f"turns and {reward['eval_episodes/calls']:.2f} calls each"
+                 + (f", {ran:.0%} of the calls ran" if ran is not None else ""))
+    return text

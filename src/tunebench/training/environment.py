@@ -1,0 +1,175 @@
+"""An environment for multi-turn GRPO: a Python file the user writes, in the shape TRL's users know.
+
+    TOOLS = [lookup, add]                  # plain functions, type-hinted, with Google-style docstrings
+    def reset(row) -> list[dict]: ...      # the opening messages (OpenAI form) from a data row, every column given
+    def reward(messages, row) -> float: ...  # the finished episode's score
+
+Each tool's JSON schema is made from its signature and docstring by transformers' get_json_schema (what
+apply_chat_template(tools=[fn]) does). A call runs in a worker thread under a time limit: a tool that raises, runs
+past it, is not offered, or gets arguments its schema refuses answers the model with an error text (the episode
+goes on; a reward may penalise it). Everything here is checked when the file is loaded, before any model loads.
+A tool whose answers are random is the user's to seed: tunebench seeds Python's `random` and numpy per step
+(episodes.rollout), which makes a tool drawing from those reproducible on resume.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunebench.core.errors import TunebenchError
+
+BUILT_IN = Path(__file__).resolve().parents[1] / "configs" / "environments"  # `builtin:NAME` -> NAME.py here
+
+
+@dataclass(frozen=True)
+class Environment:
+    path: str
+    tools: dict[str, Callable[..., Any]]  # by name
+    schemas: list[dict[str, Any]]  # OpenAI's tool form, as chat templates take them
+    reset: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    reward: Callable[[list[dict[str, Any]], dict[str, Any]], float]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """One call's answer to the model, and whether it ran without error."""
+
+    text: str
+    ok: bool
+
+
+def resolve(spec: str) -> Path:
+    """`builtin:NAME` (configs/environments/NAME.py) or a path to the user's file; refused when there is none."""
+    if spec.startswith("builtin:"):
+        path = BUILT_IN / f"{spec.removeprefix('builtin:')}.py"
+        if not path.is_file():
+            shipped = ", ".join(f"builtin:{p.stem}" for p in sorted(BUILT_IN.glob("*.py")))
+            raise TunebenchError(f"--environment {spec}: no such built-in environment; shipped: {shipped}")
+        return path
+    path = Path(spec)
+    if not path.is_file() or path.suffix != ".py":
+        raise TunebenchError(f"--environment {spec} is not a Python file; give the file that defines TOOLS, reset "
+                             "and reward (or builtin:lookup)")
+    return path
+
+
+def load(spec: str, timeout_s: float) -> Environment:
+    """The environment in `spec`'s file, every name checked: TOOLS a list of type-hinted, documented functions,
+    reset(row) and reward(messages, row) callable with those arguments."""
+    from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
+
+    path = resolve(spec)
+    module_spec = importlib.util.spec_from_file_location(f"tunebench_environment_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: its error, said in one line
+        raise TunebenchError(f"--environment {spec} fails on import: {type(e).__name__}: {e}") from None
+    missing = [name for name in ("TOOLS", "reset", "reward") if not hasattr(module, name)]
+    if missing:
+        raise TunebenchError(f"--environment {spec} defines no {', '.join(missing)}; an environment gives TOOLS (a "
+                             "list of functions), reset(row) and reward(messages, row)")
+    tools = module.TOOLS
+    if not isinstance(tools, (list, tuple)) or not tools or not all(callable(t) for t in tools):
+        raise TunebenchError(f"--environment {spec}: TOOLS must be a non-empty list of functions")
+    schemas = []
+    for tool in tools:
+        try:
+            schemas.append(get_json_schema(tool))
+        except (TypeHintParsingException, DocstringParsingException) as e:
+            raise TunebenchError(f"--environment {spec}: tool {getattr(tool, '__name__', tool)!r} cannot be "
+                                 f"described to the model ({e}); give every argument a type hint and the function "
+                                 "a docstring with an Args: line for each") from None
+    names = [s["function"]["name"] for s in schemas]
+    if len(set(names)) != len(names):
+        raise TunebenchError(f"--environment {spec}: two tools share a name ({', '.join(names)}); name each once")
+    for name, wanted in (("reset", ("row",)), ("reward", ("messages", "row"))):
+        fn = getattr(module, name)
+        try:
+            inspect.signature(fn).bind(*wanted)
+        except (TypeError, ValueError):
+            raise TunebenchError(f"--environment {spec}: {name} must take ({', '.join(wanted)}); it is "
+                                 f"{name}{_signature(fn)}") from None
+    return Environment(str(path), dict(zip(names, tools)), schemas, module.reset, module.reward, timeout_s)
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return " (not a function)"
+
+
+def rows(env: Environment, data) -> Any:
+    """The data's rows as GRPO's prompts (data.prompts.PromptRows): each row's opening messages from reset(row),
+    every column kept for reward(messages, row) and the --reward functions."""
+    from tunebench.data import prompts, readers
+
+    if data.sources:
+        raise TunebenchError("GRPO takes one dataset; give --data once (a file of rows for the environment)")
+    records = readers.read_records(data.path)
+    if not records:
+        raise TunebenchError(f"dataset '{data.path}' has no rows; point --data at the environment's rows")
+    return prompts.PromptRows([opening(env, r) for r in records], [dict(r) for r in records], data.path)
+
+
+def opening(env: Environment, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """reset(row)'s opening messages, checked: a non-empty list of {role, content} with text content."""
+    try:
+        messages = env.reset(dict(row))
+    except Exception as e:  # noqa: BLE001 - the user's function on a data row
+        raise TunebenchError(f"--environment {env.path}: reset raised {type(e).__name__}: {e} on the row "
+                             f"{json.dumps(row, default=str)[:200]}") from None
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+            for m in messages):
+        raise TunebenchError(f"--environment {env.path}: reset must return a list of messages "
+                             "[{'role': 'system'|'user', 'content': text}, ...]; it returned "
+                             f"{str(messages)[:200]}")
+    return [dict(m) for m in messages]
+
+
+def call(env: Environment, name: str, arguments: dict[str, Any]) -> Result:
+    """One call, answered: the tool's return value as text, or an error text the model reads (a tool not offered,
+    arguments its schema refuses, an exception, no answer within the time limit)."""
+    from tunebench.data import toolcalls
+
+    if name not in env.tools:
+        return Result(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)
+    if not toolcalls.valid({"name": name, "arguments": arguments}, env.schemas):
+        return Result(f"error: the arguments {json.dumps(arguments)[:200]} do not fit {name}'s parameters", False)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = env.tools[name](**arguments)
+        except Exception as e:  # noqa: BLE001 - the tool's error is the model's to read
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    worker = threading.Thread(target=run, daemon=True, name=f"tool-{name}")
+    worker.start()
+    worker.join(env.timeout_s)
+    if worker.is_alive():  # a thread cannot be killed: it is left to finish on its own, its answer unread
+        return Result(f"error: {name} gave no answer within {env.timeout_s:g} s", False)
+    if "error" in box:
+        return Result(f"error: {box['error']}", False)
+    value = box.get("value")
+    return Result(value if isinstance(value, str) else json.dumps(value, default=str), True)
+
+
+def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
+    """reward(messages, row) as a float; None (no opinion) when it returns None. An exception is the user's bug
+    and stops the run, said in one line."""
+    try:
+        value = env.reward([dict(m) for m in messages], dict(row))
+    except Exception as e:  # noqa: BLE001
+        raise TunebenchError(f"--environment {env.path}: reward raised {type(e).__name__}: {e}") from None
+    return None if value is None else float(value)

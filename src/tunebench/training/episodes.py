@@ -1,0 +1,229 @@
+"""Multi-turn GRPO: episodes in an environment (training.environment) instead of single completions.
+
+For each prompt of a step, a group of episodes starts from reset(row)'s opening messages, rendered with the
+environment's tools by the run's chat template. Each turn, every live episode of the step samples its next
+assistant message in one batched decode (grpo.complete: left-padded, KV cache); its calls are read with the
+parser `eval` and the API use (data/toolcalls.parse), each call runs (environment.call: time limit, errors
+returned as text) and its result is appended as a tool turn, rendered by the same template; the episode ends
+when the model answers without a call, after `max_turns` of its turns, or when the context has no room for
+another. The whole context is one training row: the policy's own tokens carry the loss (mask 1); the opening
+prompt, the tools and every tool turn are context only (mask 0). Each episode is scored once, finished: the
+environment's reward(messages, row), then any --reward on the final answer, weighted; advantages are per
+group, as in single-turn GRPO (grpo.advantages), and an episode whose one turn has no call is exactly a
+single-turn completion (the same row, mask and advantage).
+
+The rollout of a step is seeded by (seed, epoch, step) as the single-turn sampling is, Python's `random` and
+numpy included (for tools that draw from them), so a resumed run replays the same episodes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tunebench.core.decision import Decision
+from tunebench.core.errors import TunebenchError
+from tunebench.data import toolcalls
+from tunebench.training import environment as environment_
+from tunebench.training import grpo
+from tunebench.training import rewards as rewards_
+from tunebench.training.loop import Batch
+
+
+@dataclass
+class Episode:
+    key: int  # the prompt (PromptData index) it started from
+    messages: list[dict[str, Any]]
+    ids: list[int]  # the whole context so far
+    mask: list[int]  # 1 on the policy's tokens
+    prompt_len: int
+    turns: int = 0
+    calls: int = 0
+    calls_ok: int = 0
+    cut: bool = False  # its last turn reached the token limit without ending
+    done: bool = False
+    tool_turns: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of each tool turn's tokens
+
+    def answer(self) -> str:
+        last = self.messages[-1]
+        return last["content"] if last["role"] == "assistant" else ""
+
+
+def template_for(tokenizer, schemas: list[dict], opening: list[dict]) -> Decision | None:
+    """The run's chat template for episodes: the model's own where it renders the tools, a call and its result
+    whole, else toolcalls.TEMPLATE (set on the tokenizer, so the run saves it and exports carry it). Returns its
+    settings row where it changed, None where it did not."""
+    probe = [*opening, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {"x": "probe"}}}]},
+        {"role": "tool", "name": schemas[0]["function"]["name"], "content": "probe result"}]
+    if toolcalls.renders_whole(probe, schemas, tokenizer):
+        return None
+    tokenizer.chat_template = toolcalls.TEMPLATE
+    return Decision("chat_template", toolcalls.NAME, "the model's own chat template does not render tool calls and "
+                    "their results: Hermes <tool_call> JSON (Qwen2.5's form), saved with the run")
+
+
+def opening_ids(tokenizer, env: environment_.Environment, messages: list[dict]) -> list[int]:
+    text = toolcalls.render(messages, env.schemas, tokenizer, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize(rows, tokenizer, env: environment_.Environment, max_length: int, max_completion_length: int):
+    """The openings as data.prompts.PromptData: each rendered with the tools; one that leaves no room for a whole
+    turn within max_length is dropped (counted)."""
+    from tunebench.data.prompts import PromptData
+
+    ids, kept = [], []
+    for k, messages in enumerate(rows.prompts):
+        prompt = opening_ids(tokenizer, env, messages)
+        if len(prompt) + max_completion_length <= max_length:
+            ids.append(prompt)
+            kept.append(k)
+    if not ids:
+        raise TunebenchError(f"no opening of '{rows.source}' (with its tools) leaves room for --max-completion-length "
+                             f"{max_completion_length} within --max-length {max_length}; raise --max-length")
+    return PromptData(ids, np.asarray(kept, np.int64), len(rows.prompts) - len(ids))
+
+
+def _tool_turn_ids(tokenizer, env: environment_.Environment, before: list[dict], after: list[dict]) -> list[int]:
+    """The tokens that follow the policy's end of turn: the rest of its turn as the template closes it, the tool
+    results and the next generation prompt, as the template renders `after` beyond `before`."""
+    eos = tokenizer.eos_token
+    a = toolcalls.render(before, env.schemas, tokenizer)
+    b = toolcalls.render(after, env.schemas, tokenizer, add_generation_prompt=True)
+    if not b.startswith(a) or eos not in a:
+        raise TunebenchError("the chat template does not render a conversation as a growing text ending each turn "
+                             f"with {eos!r}; multi-turn episodes need one that does (leave the template to tunebench)")
+    return tokenizer(a[a.rindex(eos) + len(eos):] + b[len(a):], add_special_tokens=False)["input_ids"]
+
+
+def rollout(sampler: EpisodeSampler, keys: list[int], n: int, temperature: float | None, top_p: float,
+            ) -> list[Episode]:
+    """`n` episodes of each prompt of `keys` (consecutive), played to their end (module docstring)."""
+    s, tok, env = sampler.s, sampler.tokenizer, sampler.env
+    episodes = [Episode(k, [dict(m) for m in sampler.openings[k]], list(sampler.data.ids[k]),
+                        [0] * len(sampler.data.ids[k]), len(sampler.data.ids[k])) for k in keys for _ in range(n)]
+    eos = tok.eos_token_id
+    for _ in range(sampler.max_turns):
+        live = [e for e in episodes if not e.done]
+        for e in live:
+            if len(e.ids) + s.max_completion_length > sampler.max_length:  # no room for a whole turn
+                e.done = True
+        live = [e for e in live if not e.done]
+        if not live:
+            break
+        with sampler.eagerly():
+            replies = grpo.complete(sampler.model, tok, sampler.device, sampler.autocast, [e.ids for e in live], 1,
+                                    s.max_completion_length, temperature, top_p)
+        for e, reply in zip(live, replies):
+            e.ids += reply
+            e.mask += [1] * len(reply)
+            e.turns += 1
+            ended = bool(reply) and reply[-1] == eos
+            text, calls = toolcalls.parse(tok.decode(reply[:-1] if ended else reply, skip_special_tokens=False))
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+            before = [*e.messages, message]  # the conversation through this reply, as _tool_turn_ids renders it
+            e.messages = list(before)
+            if not ended or not calls or e.turns == sampler.max_turns:
+                e.cut, e.done = not ended, True
+                continue
+            for c in calls:
+                result = environment_.call(env, c["name"], c["arguments"])
+                e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
+                e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
+            turn = _tool_turn_ids(tok, env, before, e.messages)
+            e.tool_turns.append((len(e.ids), len(e.ids) + len(turn)))
+            e.ids += turn
+            e.mask += [0] * len(turn)
+    for e in episodes:
+        e.done = True
+    return episodes
+
+
+class EpisodeSampler(grpo.Sampler):
+    """grpo.Sampler's batches, each step's groups made of episodes: the same seeding, the same rows (the policy's
+    tokens masked in), and the episodes' own figures (turns, calls, calls that ran) among the step's stats."""
+
+    episodes = True
+
+    def __init__(self, *args, env: environment_.Environment, openings: list[list[dict]], max_turns: int,
+                 max_length: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.env, self.openings, self.max_turns, self.max_length = env, openings, max_turns, max_length
+        self.weights = torch.tensor([1.0, *(r.weight for r in self.rewards)], dtype=torch.float32)
+
+    def score_episodes(self, episodes: list[Episode]) -> torch.Tensor:
+        """(episodes, 1 + rewards): the environment's reward, then each --reward on the final answer."""
+        columns = [self.rows.columns[self.data.source(e.key)] for e in episodes]
+        env = [environment_.score(self.env, e.messages, row) for e, row in zip(episodes, columns)]
+        names = self.rows.column_names()
+        prompts = [self.tokenizer.decode(self.data.ids[e.key]) for e in episodes]
+        answers = [e.answer() for e in episodes]
+        per = [r.score(prompts, answers, {n: [c.get(n) for c in columns] for n in names}) for r in self.rewards]
+        table = [env, *per]
+        return torch.tensor([[torch.nan if v is None else v for v in col] for col in table],
+                            dtype=torch.float32).T.reshape(len(episodes), len(table))
+
+    def groups(self, keys: list[int], seed: int) -> grpo.Groups:
+        started = time.perf_counter()
+        state = random.getstate(), np.random.get_state()
+        try:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                episodes = rollout(self, keys, self.s.num_generations, self.s.temperature, self.s.top_p)
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+        self.generation_s += time.perf_counter() - started
+        self.generated_tokens += sum(sum(e.mask) for e in episodes)
+        scores = self.score_episodes(episodes)
+        adv, total, zero = grpo.advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
+        lengths = torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32)
+        clipped = torch.tensor([float(e.cut) for e in episodes])
+        per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
+                                                           (~torch.isnan(scores[:, j])).float())]
+        figures = torch.tensor([[e.turns, e.calls, e.calls_ok] for e in episodes], dtype=torch.float32)
+        stats = torch.cat([torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), lengths,
+                                        clipped, *per], 1), figures], 1)
+        return grpo.Groups(keys, [e.ids[e.prompt_len:] for e in episodes], adv, stats,
+                           [e.mask[e.prompt_len:] for e in episodes])
+
+    def probe_rows(self, keys: list[int]) -> Batch:
+        """A micro batch of whole contexts (max_length each), every token the policy's: the most a step holds."""
+        g = self.s.num_generations
+        longest = max(self.max_length - len(self.data.ids[k]) for k in keys)
+        groups = grpo.Groups(keys, [[self.tokenizer.eos_token_id] * longest] * (len(keys) * g),
+                             torch.zeros(len(keys) * g), torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
+        return grpo.rows_of(groups, keys, self.data, g, self.tokenizer.pad_token_id)
+
+    def stat_names(self) -> tuple[str, ...]:
+        return (*grpo.stat_names(self.reward_names()), *grpo.EPISODE_STATS)
+
+    def reward_names(self) -> list[rewards_.Reward]:
+        return [rewards_.Reward("environment", 1.0, lambda p, c, cols: []), *self.rewards]
+
+    def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
+        """Greedy episodes of the held-out prompts: the weighted reward (and each reward's), the share that scored
+        above 0 (success), turns, calls and the share of calls that ran."""
+        episodes = []
+        for start in range(0, len(keys), batch_size):
+            episodes += rollout(self, keys[start:start + batch_size], 1, None, 1.0)
+        scores = self.score_episodes(episodes)
+        total = (scores * self.weights).nansum(1)
+        calls = sum(e.calls for e in episodes)
+        names = ["environment", *(r.name for r in self.rewards)]
+        return {"eval_reward": float(total.mean()),
+                **{f"eval_rewards/{n}/mean": float(torch.nanmean(scores[:, j])) for j, n in enumerate(names)},
+                "eval_episodes/success": float((total > 0).float().mean()),
+                "eval_episodes/turns": float(np.mean([e.turns for e in episodes])),
+                "eval_episodes/calls": calls / len(episodes),
+                "eval_episodes/calls_ok": sum(e.calls_ok for e in episodes) / calls if calls else None}

@@ -1,0 +1,202 @@
+"""Multi-turn GRPO in an environment (training/environment.py, training/episodes.py): the file's checks, the
+episodes' tokens and masks, the tools' failures as turns, and runs from the command line, resumed exactly."""
+
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from conftest import run_losses, sigterm_after_step
+from tunebench.data import toolcalls
+from tunebench.interfaces.cli import main
+from tunebench.training import environment, episodes, grpo
+
+ENV = '''
+import time
+
+
+def look(k: str) -> str:
+    """Look a key up.
+
+    Args:
+        k: the key
+    """
+    if k == "boom":
+        raise ValueError("no such key")
+    if k == "slow":
+        time.sleep(5)
+    return {"a": "1", "b": "2"}.get(k, "?")
+
+
+TOOLS = [look]
+
+
+def reset(row):
+    return [{"role": "user", "content": row["q"]}]
+
+
+def reward(messages, row):
+    return float(messages[-1]["role"] == "assistant" and row["a"] in messages[-1]["content"])
+'''
+
+
+def _env(tmp_path, text=ENV, name="env.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"q": f"k {k}?", "a": v}) + "\n" for k, v in [("a", "1"), ("b", "2")] * 4))
+    return path
+
+
+def _train(tmp_path, env, out, *extra):
+    return ["train", "--model", "tiny", "--method", "grpo", "--environment", str(env), "--data", str(_rows(tmp_path)),
+            "--num-generations", "3", "--max-completion-length", "12", "--max-turns", "3", "--effective-batch-size",
+            "2", "--max-steps", "3", "--precision", "fp32", "--no-progress", "--eval-fraction", "0.25",
+            "--output-dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "is not a Python file"),
+    ("TOOLS = []\ndef reset(row): ...\ndef reward(messages, row): ...\n", "TOOLS must be a non-empty list"),
+    ("def f(x):\n    '''F.\n\n    Args:\n        x: x\n    '''\nTOOLS = [f]\ndef reset(row): ...\n"
+     "def reward(messages, row): ...\n", "tool 'f' cannot be described to the model .*type hint"),
+    (ENV.replace("def reward(messages, row):", "def reward(messages):"), r"reward must take \(messages, row\)"),
+    (ENV.replace("def reset(row):", "def start(row):"), "defines no reset"),
+])
+def test_a_bad_environment_is_refused_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, text,
+                                                                          message):
+    from tunebench.training import finetune_model
+
+    monkeypatch.setattr(finetune_model, "load", lambda *a: pytest.fail("the model loaded"))
+    env = _env(tmp_path, text) if text is not None else tmp_path / "missing.py"
+    assert main(_train(tmp_path, env, tmp_path / "out")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_max_turns_is_one_or_more_and_belongs_to_an_environment(tmp_path, capsys):
+    assert main(_train(tmp_path, _env(tmp_path), tmp_path / "out", "--max-turns", "0")) == 2
+    assert "--max-turns must be 1 or more" in capsys.readouterr().err
+    assert main(["train", "--model", "tiny", "--method", "grpo", "--reward", "exact", "--max-turns", "2", "--data",
+                 str(_rows(tmp_path))]) == 2
+    assert "--max-turns and --tool-timeout set episodes in an environment" in capsys.readouterr().err
+
+
+def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_with_an_error(tmp_path):
+    env = environment.load(str(_env(tmp_path)), timeout_s=0.3)
+    assert environment.call(env, "look", {"k": "a"}) == environment.Result("1", True)
+    raised = environment.call(env, "look", {"k": "boom"})
+    assert not raised.ok and raised.text == "error: ValueError: no such key"
+    started = time.perf_counter()
+    slow = environment.call(env, "look", {"k": "slow"})
+    assert not slow.ok and "no answer within 0.3 s" in slow.text and time.perf_counter() - started < 2
+    assert not environment.call(env, "look", {"k": 3}).ok  # the schema says a string
+    assert "no tool named 'find'" in environment.call(env, "find", {}).text
+
+
+def _scripted(tok, replies):
+    """grpo.complete that answers each live episode, turn after turn, with the next of its `replies` texts."""
+    turn = {"n": 0}
+
+    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0):
+        texts = replies[turn["n"]]
+        turn["n"] += 1
+        return [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts[:len(prompts)]]
+
+    return complete
+
+
+def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0):
+    from tunebench.data.prompts import PromptRows
+
+    tok = tiny.tokenizer
+    env = environment.load(str(_env(tmp_path)), timeout_s)
+    rows = [{"q": "k a?", "a": "1"}, {"q": "k boom?", "a": "?"}]
+    prompts = PromptRows([environment.opening(env, r) for r in rows], rows, "rows")
+    episodes.template_for(tok, env.schemas, prompts.prompts[0])
+    data = episodes.tokenize(prompts, tok, env, 1024, 12)  # scripted replies: no model reads these contexts
+    settings = grpo.GRPOSettings(2, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    return episodes.EpisodeSampler(tiny.model, tok, data, prompts, [], settings, torch.device("cpu"), None, 0, env=env,
+                                   openings=prompts.prompts, max_turns=max_turns, max_length=1024)
+
+
+def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_does(tmp_path, tiny, monkeypatch):
+    """A call, its result, an answer: the row is the template's rendering of the conversation token for token;
+    the mask covers the two replies the policy wrote and nothing of the tools, the prompt or the tool turn."""
+    sampler = _sampler(tmp_path, tiny)
+    tok = tiny.tokenizer
+    call = toolcalls.written("look", {"k": "a"})
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[call, call], ["It is 1.", "It is 2."]]))
+    first, second = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    assert [m["role"] for m in first.messages] == ["user", "assistant", "tool", "assistant"]
+    assert first.messages[2]["content"] == "1" and first.answer() == "It is 1." and (first.turns, first.calls) == (2, 1)
+    rendered = toolcalls.render(first.messages, sampler.env.schemas, tok)
+    assert rendered == tok.decode(first.ids) + "\n"  # the template closes the last turn with a newline
+    policy = [t for t, m in zip(first.ids, first.mask) if m]
+    eos = tok.eos_token
+    assert tok.decode(policy) == f"{call}{eos}It is 1.{eos}"
+    assert first.mask[:first.prompt_len] == [0] * first.prompt_len
+    (start, end), = first.tool_turns
+    assert set(first.mask[start:end]) == {0} and "<tool_response>\n1\n</tool_response>" in tok.decode(first.ids[start:end])
+    assert sampler.score_episodes([first, second]).flatten().tolist() == [1.0, 0.0]
+
+
+def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkeypatch):
+    sampler = _sampler(tmp_path, tiny, timeout_s=0.2)
+    tok = tiny.tokenizer
+    calls = [toolcalls.written("look", {"k": "boom"}), toolcalls.written("look", {"k": 7}),
+             toolcalls.written("nope", {})]
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [calls, ["a", "b", "c"]]))
+    done = episodes.rollout(sampler, [1], 3, 1.0, 1.0)
+    answers = [e.messages[2]["content"] for e in done]
+    assert answers[0] == "error: ValueError: no such key" and "do not fit look's parameters" in answers[1]
+    assert "no tool named 'nope'" in answers[2]
+    assert all(e.turns == 2 and e.calls == 1 and e.calls_ok == 0 and e.answer() for e in done)
+
+
+def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatch):
+    """Episodes that answer at once: each row is the opening and the reply with the loss on the whole reply, as
+    grpo.rows_of makes a single-turn completion's, and the group's advantages are grpo.advantages of the scores."""
+    sampler = _sampler(tmp_path, tiny)
+    tok = tiny.tokenizer
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [["It is 1.", "no"]]))
+    groups = sampler.groups([0], seed=1)
+    replies = [tok("It is 1.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+               tok("no", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    single = grpo.Groups([0], replies, *grpo.advantages(torch.tensor([[1.0], [0.0]]), torch.ones(1), 2, "group")[:1],
+                         groups.row_stats)
+    theirs, ours = (grpo.rows_of(g, [0], sampler.data, 2, tok.pad_token_id) for g in (single, groups))
+    for key in ("input_ids", "labels", "advantages", "counts"):
+        assert torch.equal(theirs[key], ours[key]), key
+
+
+def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resumes_exactly(tmp_path, capsys):
+    """Three steps of episodes (sampled from the tiny model), and the same run stopped by SIGTERM after step 2 and
+    resumed: the same rewards, turns and losses; each step logs its episodes, the summary the held-out ones."""
+    one, stopped = tmp_path / "one", tmp_path / "stopped"
+    env = _env(tmp_path)
+    assert main(_train(tmp_path, env, one)) == 0
+    printed = capsys.readouterr().out
+    assert "rewards: environment x 1; environment" in printed and "tools look" in printed
+    assert "3 episodes a prompt in" in printed and "up to 3 turns of up to 12 tokens" in printed
+    assert "held-out reward before training:" in printed and "succeeded" in printed
+    with sigterm_after_step(2):
+        assert main(_train(tmp_path, env, stopped)) == 130
+    assert main(_train(tmp_path, env, stopped, "--resume", "auto")) == 0
+    rows = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert {"episodes/turns", "episodes/calls", "frac_reward_zero_std", "rewards/environment/mean"} <= set(rows[0])
+    theirs = {r["step"]: r for r in (json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r}
+    for r in rows:
+        for key in ("reward", "episodes/turns", "completions/mean_length"):
+            assert theirs[r["step"]][key] == pytest.approx(r[key], abs=1e-6), (r["step"], key)
+    assert run_losses(stopped) == pytest.approx(run_losses(one), rel=1e-4, abs=1e-6)
+    summary = json.loads((one / "summary.json").read_text())
+    assert {"eval_episodes/success", "eval_episodes/success_before", "eval_episodes/turns"} <= set(summary)
