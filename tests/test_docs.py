@@ -270,6 +270,14 @@ def _votes(tmp: Path) -> None:
                               "It reaches your card in 5 days." if i % 2 else "No idea.", bool(i % 2), settings)
 
 
+def _environment(tmp: Path) -> None:
+    """The agents tutorial's env.py, the page's own Python block as written, and rows for it."""
+    page = (ROOT / "docs" / "tutorials" / "agents.md").read_text(encoding="utf-8")
+    (tmp / "env.py").write_text(re.search(r"```python\n(.*?)```", page, re.S).group(1))
+    rows = [{"question": f"What is under {k}?", "answer": v} for k, v in (("a", "1"), ("b", "2"), ("c", "3"))] * 3
+    (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 # What each tutorial asks a user to bring (the README and the CSV tutorial have their own test above), and what its
 # commands must have left behind
 TUTORIALS = {
@@ -278,6 +286,7 @@ TUTORIALS = {
                         "runs/compare/report-again/report.md"]),
     "search.md": (None, ["runs/tune/study.sqlite", "runs/tune/results.csv", "runs/tune/best.yaml"]),
     "grpo.md": (_gsm8k, ["runs/grpo/adapter_config.json"]),
+    "agents.md": (_environment, ["runs/agent/adapter_config.json"]),
     "votes.md": (_votes, ["pairs.jsonl", "runs/dpo/adapter_config.json", "runs/dpo-from-file/adapter_config.json",
                           "runs/kto/adapter_config.json"]),
     "distributed.md": (None, ["runs/ddp/adapter_config.json"]),
@@ -341,6 +350,10 @@ RAN_AS_SAID = {
         and len(_csv_rows(tmp / "runs" / "tune" / "results.csv")) == 3,  # the third's number skips duplicates
         "two trials, then a third"),
     "grpo.md": lambda tmp: _check(_summary(tmp / "runs" / "grpo" / "summary.json")["steps"] == 2, "2 GRPO steps"),
+    "agents.md": lambda tmp: _check(
+        _summary(tmp / "runs" / "agent" / "summary.json")["steps"] == 2
+        and "eval_episodes/success" in _summary(tmp / "runs" / "agent" / "summary.json"),
+        "2 GRPO steps of episodes, held-out episodes scored"),
     "votes.md": lambda tmp: _check(
         _summary(tmp / "runs" / "dpo" / "summary.json")["objective"] == "dpo"
         and _summary(tmp / "runs" / "kto" / "summary.json")["objective"] == "kto"
