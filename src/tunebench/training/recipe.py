@@ -116,7 +116,7 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     epoch_steps, collate, batch_rows = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
-    memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
+    memory_plan = memory.of_step(r.model, extra, micro * u.rows_each, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
 
     # The plan and its table.

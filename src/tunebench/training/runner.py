@@ -193,7 +193,8 @@ def measure(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run
         return runplan.measure(model, step, runplan.Workload(
             shape=shape, world_size=world.size, local_ranks=world.local_size, device=opened.device,
             precision=hw_plan.precision, attention_asked=h.attention,
-            attention_rows=min(opened.ask.micro or runplan.ATTENTION_ROWS, u.n),  # the kernels' timing rows
+            # the kernels' timing units: ATTENTION_ROWS rows (a GRPO group of 8 is 8 rows), or the micro batch asked
+            attention_rows=min(opened.ask.micro or max(1, runplan.ATTENTION_ROWS // u.rows_each), u.n),
             widest=u.widest, max_length=u.max_length, n_train=u.n, effective=opened.effective,
             resumed=opened.resumed, micro_asked=u.micro or opened.ask.micro, asked_reason=u.asked_reason,
             checkpointing=h.gradient_checkpointing, compile_asked=compile_decision(hw_plan, parallel.value),

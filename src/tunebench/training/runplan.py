@@ -188,6 +188,7 @@ class Units:
     micro: int | None = None  # a micro batch the objective's math fixes, taken as one asked for
     asked_reason: str = "asked for"
     batch_unit: str = ""  # after the effective batch's product in its row: " blocks of 256"
+    rows_each: int = 1  # the training rows a unit is (GRPO's group): the attention kernels are timed at rows
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class Workload:
     device: Any  # torch.device
     precision: str
     attention_asked: str
-    attention_rows: int  # rows the attention kernels are timed at
+    attention_rows: int  # the micro batch (units) the attention kernels are timed at
     widest: int  # tokens an attention kernel must fit per row
     max_length: int
     n_train: int
