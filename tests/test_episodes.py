@@ -27,6 +27,8 @@ def look(k: str) -> str:
         raise ValueError("no such key")
     if k == "slow":
         time.sleep(5)
+    if k == "long":
+        return "x " * 2000
     return {"a": "1", "b": "2"}.get(k, "?")
 
 
@@ -159,6 +161,15 @@ def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkey
     assert answers[0] == "error: ValueError: no such key" and "do not fit look's parameters" in answers[1]
     assert "no tool named 'nope'" in answers[2]
     assert all(e.turns == 2 and e.calls == 1 and e.calls_ok == 0 and e.answer() for e in done)
+
+
+def test_results_that_do_not_fit_the_context_end_the_episode_unread(tmp_path, tiny, monkeypatch):
+    sampler = _sampler(tmp_path, tiny)
+    tok = tiny.tokenizer
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("look", {"k": "long"})]]))
+    e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
+    assert (e.turns, e.calls, e.tool_turns) == (1, 1, []) and len(e.ids) <= sampler.max_length
+    assert e.messages[-1]["role"] == "assistant" and sum(e.mask) == len(e.ids) - e.prompt_len
 
 
 def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatch):

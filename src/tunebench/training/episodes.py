@@ -139,6 +139,9 @@ def rollout(sampler: EpisodeSampler, keys: list[int], n: int, temperature: float
                 e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
                 e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
             turn = _tool_turn_ids(tok, env, before, e.messages)
+            if len(e.ids) + len(turn) > sampler.max_length:  # the results do not fit: the model never reads them
+                e.messages, e.done = list(before), True
+                continue
             e.tool_turns.append((len(e.ids), len(e.ids) + len(turn)))
             e.ids += turn
             e.mask += [0] * len(turn)
