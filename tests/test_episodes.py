@@ -93,7 +93,7 @@ def test_max_turns_is_one_or_more_and_belongs_to_an_environment(tmp_path, capsys
 
 def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_with_an_error(tmp_path):
     env = environment.load(str(_env(tmp_path)), timeout_s=0.3)
-    assert environment.call(env, "look", {"k": "a"}) == environment.Result("1", True)
+    assert environment.call(env, "look", {"k": "a"}) == environment.ToolAnswer("1", True)
     raised = environment.call(env, "look", {"k": "boom"})
     assert not raised.ok and raised.text == "error: ValueError: no such key"
     started = time.perf_counter()

@@ -540,6 +540,8 @@ def run(s: Search) -> dict:
                 if any(t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)):
                     time.sleep(2.0)  # what is left may be running elsewhere: its end may finish the study
                     continue
+                if finished() >= trials:  # another search's last trial ended since the ask: the study is done
+                    continue
                 duplicates += 1
                 if duplicates >= MAX_DUPLICATES or exhausted(study, params):
                     raise _exhausted_error(study, trials)

@@ -39,7 +39,7 @@ class Environment:
 
 
 @dataclass(frozen=True)
-class Result:
+class ToolAnswer:
     """One call's answer to the model, and whether it ran without error."""
 
     text: str
@@ -137,15 +137,15 @@ def opening(env: Environment, row: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(m) for m in messages]
 
 
-def call(env: Environment, name: str, arguments: dict[str, Any]) -> Result:
+def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
     """One call, answered: the tool's return value as text, or an error text the model reads (a tool not offered,
     arguments its schema refuses, an exception, no answer within the time limit)."""
     from tunebench.data import toolcalls
 
     if name not in env.tools:
-        return Result(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)
+        return ToolAnswer(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)
     if not toolcalls.valid({"name": name, "arguments": arguments}, env.schemas):
-        return Result(f"error: the arguments {json.dumps(arguments)[:200]} do not fit {name}'s parameters", False)
+        return ToolAnswer(f"error: the arguments {json.dumps(arguments)[:200]} do not fit {name}'s parameters", False)
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -158,11 +158,11 @@ def call(env: Environment, name: str, arguments: dict[str, Any]) -> Result:
     worker.start()
     worker.join(env.timeout_s)
     if worker.is_alive():  # a thread cannot be killed: it is left to finish on its own, its answer unread
-        return Result(f"error: {name} gave no answer within {env.timeout_s:g} s", False)
+        return ToolAnswer(f"error: {name} gave no answer within {env.timeout_s:g} s", False)
     if "error" in box:
-        return Result(f"error: {box['error']}", False)
+        return ToolAnswer(f"error: {box['error']}", False)
     value = box.get("value")
-    return Result(value if isinstance(value, str) else json.dumps(value, default=str), True)
+    return ToolAnswer(value if isinstance(value, str) else json.dumps(value, default=str), True)
 
 
 def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
