@@ -212,7 +212,8 @@ class Distributed:
 class RunBase:
     """The eight sections every run shares, each defaulting to its section's defaults. A job's run type extends
     it with its own sections and its effective batch when no batch key gives one (settings.finetune.RunConfig:
-    model, data, adapter, 8; settings.pretrain.PretrainRun: model, data, the CPU guide's micro x accumulation)."""
+    model, data, adapter, objective, DEFAULT_EFFECTIVE_BATCH; settings.pretrain.PretrainRun: model, data, the CPU
+    guide's micro x accumulation)."""
 
     hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
     batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
