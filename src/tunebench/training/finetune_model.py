@@ -20,13 +20,17 @@ from tunebench.training import preference, runner
 from tunebench.training.autotune import memory
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 
+EPISODE_KEYS = ("environment", "max_turns", "tool_timeout")
+
 
 def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     """What a resume of this run must match: the model, the adapter's settings, the seed, the data."""
     d = cfg.data
     plain = cfg.to_dict()
-    # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it
-    adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in plain["objective"].items()}}
+    # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it;
+    # the episodes' keys (added since) only where set, so that such a checkpoint still matches
+    adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in plain["objective"].items()
+                                      if k not in EPISODE_KEYS or v is not None}}
     return {"model": cfg.model.name, "adapter": adapter, "seed": cfg.schedule.seed,
             "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
 
