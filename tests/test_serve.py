@@ -183,24 +183,8 @@ def test_the_app_starts_on_a_free_port_and_answers(tmp_path, tuned):
         served.close()
 
 
-def test_a_client_over_its_share_of_the_workers_is_told_busy(tmp_path, tuned, monkeypatch):
-    """The per-client limit is on the app's handlers: with a share of 0, every request is answered busy."""
-    from gradio_client import Client
-
-    monkeypatch.setattr(app, "PER_CLIENT", 0)
-    port = free_port()
-    served = app.serve(app.Served(["tiny"], [tuned]), app.Door(port=port), ab_db=str(tmp_path / "ab.sqlite"), block=False)
-    try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        with pytest.raises(Exception, match="busy: you already have 0 answers being generated"):
-            client.predict("base: tiny", "hello", 0.7, 0.9, 8, api_name="/on_chat")
-    finally:
-        served.close()
-
-
-def test_a_handlers_problem_reaches_the_visitor_as_its_one_line(tmp_path, tuned):
-    """chat_ab raises TunebenchError without Gradio; the app shows its line to the visitor (Gradio's error), as a
-    page or a gradio_client sees it."""
+def _chat_refused(tmp_path, tuned, message: str, match: str) -> None:
+    """A real server's Chat handler, called through gradio_client with `message`, refuses it with `match`."""
     from gradio_client import Client
 
     port = free_port()
@@ -208,10 +192,22 @@ def test_a_handlers_problem_reaches_the_visitor_as_its_one_line(tmp_path, tuned)
                        block=False)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        with pytest.raises(Exception, match="Type a message first"):
-            client.predict("base: tiny", "   ", 0.7, 0.9, 8, api_name="/on_chat")
+        with pytest.raises(Exception, match=match):
+            client.predict("base: tiny", message, 0.7, 0.9, 8, api_name="/on_chat")
     finally:
         served.close()
+
+
+def test_a_client_over_its_share_of_the_workers_is_told_busy(tmp_path, tuned, monkeypatch):
+    """The per-client limit is on the app's handlers: with a share of 0, every request is answered busy."""
+    monkeypatch.setattr(app, "PER_CLIENT", 0)
+    _chat_refused(tmp_path, tuned, "hello", "busy: you already have 0 answers being generated")
+
+
+def test_a_handlers_problem_reaches_the_visitor_as_its_one_line(tmp_path, tuned):
+    """chat_ab raises TunebenchError without Gradio; the app shows its line to the visitor (Gradio's error), as a
+    page or a gradio_client sees it."""
+    _chat_refused(tmp_path, tuned, "   ", "Type a message first")
 
 
 def _browser(chromium):
