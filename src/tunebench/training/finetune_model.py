@@ -15,12 +15,10 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.machine import hardware, metrics
 from tunebench.model import methods, models
-from tunebench.settings.finetune import RunConfig
+from tunebench.settings.finetune import EPISODE_DEFAULTS, RunConfig
 from tunebench.training import preference, runner
 from tunebench.training.autotune import memory
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
-
-EPISODE_KEYS = ("environment", "max_turns", "tool_timeout")
 
 
 def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
@@ -29,8 +27,9 @@ def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     plain = cfg.to_dict()
     # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it;
     # the episodes' keys (added since) only where set, so that such a checkpoint still matches
+    episode_keys = {"environment", *EPISODE_DEFAULTS}
     adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in plain["objective"].items()
-                                      if k not in EPISODE_KEYS or v is not None}}
+                                      if k not in episode_keys or v is not None}}
     return {"model": cfg.model.name, "adapter": adapter, "seed": cfg.schedule.seed,
             "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
 
