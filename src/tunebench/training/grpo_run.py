@@ -88,7 +88,8 @@ def measured_as(cfg: RunConfig) -> tuple:
     """What is trained, as the measurement cache keys it: a probe step is a micro batch of groups at the longest
     completions, never sampled."""
     a, o = cfg.adapter, cfg.objective
-    return (cfg.model.name, f"{a.method}+grpo{o.num_generations}x{o.max_completion_length}", a.quantization, a.r,
+    episodes = f"+episodes{o.max_turns}" if o.environment else ""  # whole contexts: not a single turn's probe
+    return (cfg.model.name, f"{a.method}+grpo{o.num_generations}x{o.max_completion_length}{episodes}", a.quantization, a.r,
             a.target_modules)
 
 
