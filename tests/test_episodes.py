@@ -2,13 +2,17 @@
 episodes' tokens and masks, the tools' failures as turns, and runs from the command line, resumed exactly."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from conftest import run_losses, sigterm_after_step
+from conftest import run_losses
 from tunebench.data import toolcalls
 from tunebench.interfaces.cli import main
 from tunebench.training import environment, episodes, grpo
@@ -42,6 +46,14 @@ def reset(row):
 def reward(messages, row):
     return float(messages[-1]["role"] == "assistant" and row["a"] in messages[-1]["content"])
 '''
+
+
+# The reward of the run that is killed: once the checkpoint KILL_AFTER names is on disk, the next episode scored
+# (one of the following step's) kills its process with SIGKILL.
+KILLER = """def reward(messages, row):
+    import os, signal
+    if os.path.isdir(os.environ.get("KILL_AFTER", "/nonexistent")):
+        os.kill(os.getpid(), signal.SIGKILL)"""
 
 
 def _env(tmp_path, text=ENV, name="env.py"):
@@ -188,26 +200,67 @@ def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatc
         assert torch.equal(theirs[key], ours[key]), key
 
 
-def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resumes_exactly(tmp_path, capsys):
-    """Three steps of episodes (sampled from the tiny model), and the same run stopped by SIGTERM after step 2 and
-    resumed: the same rewards, turns and losses; each step logs its episodes, the summary the held-out ones."""
-    one, stopped = tmp_path / "one", tmp_path / "stopped"
-    env = _env(tmp_path)
-    assert main(_train(tmp_path, env, one)) == 0
+def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resumes_after_kill_9(tmp_path, capsys):
+    """Three steps of episodes (sampled from the tiny model), and the same run killed with SIGKILL in step 3's
+    episodes (its environment's reward kills its own process once step 2's checkpoint is on disk: no handler, no
+    flush, as kill -9 leaves it) and resumed: the same rewards, turns and losses; each step logs its episodes, the
+    summary the held-out ones."""
+    one, killed = tmp_path / "one", tmp_path / "killed"
+    env = _env(tmp_path, ENV.replace("def reward(messages, row):", KILLER))
+    assert main(_train(tmp_path, env, one, "--save-steps", "1")) == 0
     printed = capsys.readouterr().out
     assert "rewards: environment x 1; environment" in printed and "tools look" in printed
     assert "3 episodes a prompt in" in printed and "up to 3 turns of up to 12 tokens" in printed
     assert "held-out reward before training:" in printed and "succeeded" in printed
-    with sigterm_after_step(2):
-        assert main(_train(tmp_path, env, stopped)) == 130
-    assert main(_train(tmp_path, env, stopped, "--resume", "auto")) == 0
+    command = [sys.executable, "-m", "tunebench", *_train(tmp_path, env, killed, "--save-steps", "1")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "KILL_AFTER": str(killed / "checkpoints" / "step-00000002")})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))][-1] == "step-00000002"
+    assert main(_train(tmp_path, env, killed, "--save-steps", "1", "--resume", "auto")) == 0
     rows = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert {"episodes/turns", "episodes/calls", "frac_reward_zero_std", "rewards/environment/mean"} <= set(rows[0])
-    theirs = {r["step"]: r for r in (json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines())
+    theirs = {r["step"]: r for r in (json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines())
               if "loss" in r}
+    assert sorted(theirs) == [1, 2, 3]
     for r in rows:
         for key in ("reward", "episodes/turns", "completions/mean_length"):
             assert theirs[r["step"]][key] == pytest.approx(r[key], abs=1e-6), (r["step"], key)
-    assert run_losses(stopped) == pytest.approx(run_losses(one), rel=1e-4, abs=1e-6)
+    assert run_losses(killed) == pytest.approx(run_losses(one), rel=1e-4, abs=1e-6)
     summary = json.loads((one / "summary.json").read_text())
     assert {"eval_episodes/success", "eval_episodes/success_before", "eval_episodes/turns"} <= set(summary)
+    assert main(["report", str(one)]) == 0  # the run's report draws the episodes' turns and calls
+    assert "GRPO in an environment: turns and tool calls" in (one / "report" / "report.md").read_text()
+    assert (one / "report" / "grpo_episodes.png").is_file()
+
+
+@pytest.mark.usefixtures("children_in_process")
+def test_compare_puts_two_environments_runs_side_by_side(tmp_path):
+    """A matrix of one GRPO run in each of two environments: each results row names its environment and holds its
+    held-out episodes' figures before and after, and the report sets them side by side."""
+    from tunebench.jobs import compare, report
+
+    strict = _env(tmp_path, name="strict.py")
+    lenient = _env(tmp_path, ENV.replace('row["a"] in messages[-1]["content"]', "True"), name="lenient.py")
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(  # the base is a whole run (the lenient environment's); the strict run changes the file
+        f"base: {{model.name: tiny, data.path: '{_rows(tmp_path)}', objective.name: grpo, objective.num_generations: 3, "
+        f"objective.max_completion_length: 12, objective.environment: '{lenient}', objective.max_turns: 2, "
+        "train.effective_batch_size: 2, train.max_steps: 1, hardware.precision: fp32, data.eval_fraction: 0.25, "
+        "train.compile: 'off'}\n"
+        f"experiments:\n  - {{name: strict, set: {{objective.environment: '{strict}'}}}}\n  - {{name: lenient}}\n")
+    out = tmp_path / "results.csv"
+    compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {})
+    with out.open() as f:
+        rows = {r["experiment"]: r for r in __import__("csv").DictReader(f)}
+    assert {r["status"] for r in rows.values()} == {"ok"}, [r["message"] for r in rows.values()]
+    assert rows["strict"]["environment"] == str(strict) and rows["lenient"]["environment"] == str(lenient)
+    assert float(rows["lenient"]["episode_success"]) == 1.0  # every episode that ends in an answer scores 1
+    for r in rows.values():
+        summary = json.loads((tmp_path / "runs" / f"{r['experiment']}-cpu-r1" / "summary.json").read_text())
+        assert float(r["episode_success_before"]) == summary["eval_episodes/success_before"]
+        assert float(r["reward"]) == pytest.approx(summary["eval_reward"])
+        assert float(r["episode_turns"]) == pytest.approx(summary["eval_episodes/turns"])
+    text = (report.write([str(out)], str(tmp_path / "report")).parent / "report.md").read_text()
+    section = text.split("## Held-out reward (GRPO), before training and after")[1].split("##")[0]
+    assert str(strict) in section and str(lenient) in section and "| 100% |" in section
