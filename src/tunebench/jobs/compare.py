@@ -34,6 +34,13 @@ from tunebench.settings.rundir import RunDir
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "matrices"
 
 # The results CSV schema, one row per run (documented in docs/RESULTS.md).
+# A GRPO run's held-out figures (summary.json's names), before training and after; the episodes' where it ran in an
+# environment. Columns an earlier results CSV lacks are added empty (upgrade).
+EPISODE_COLUMNS = {"environment": "environment", "reward_before": "eval_reward_before", "reward": "eval_reward",
+                   "episode_success_before": "eval_episodes/success_before",
+                   "episode_success": "eval_episodes/success", "episode_turns": "eval_episodes/turns",
+                   "episode_calls": "eval_episodes/calls", "episode_calls_ok": "eval_episodes/calls_ok"}
+
 SCHEMA = [
     "experiment", "config", "repeat", "device", "device_name", "cores", "processes", "threads", "batch_size",
     "grad_accum",
@@ -41,6 +48,7 @@ SCHEMA = [
     "duration_seconds", "measure_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
     *quality.TASK_SCORES,  # task quality (train.eval_generate > 0; the tool scores where rows offer tools)
     "objective", "reward_accuracy",  # sft, or dpo/orpo with the held-out pairs' reward accuracy
+    *EPISODE_COLUMNS,  # grpo: the held-out reward before and after; in an environment, its episodes'
     "trainable_params", "torch_version", "transformers_version", "peft_version", "bitsandbytes_version", "hostname", "timestamp",
     "status", "message", "run_dir",
 ]
@@ -269,6 +277,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "final_train_loss": s.final_train_loss, "eval_loss": s.eval_loss, "mfu": s.mfu,
         **{k: s.get(k) for k in quality.TASK_SCORES},
         "objective": s.objective, "reward_accuracy": s.get("eval_rewards/accuracies"),
+        **{column: s.get(key) for column, key in EPISODE_COLUMNS.items()},
         "trainable_params": s.trainable_parameters or s.parameters,
         "torch_version": v.get("torch"), "transformers_version": v.get("transformers"),
         "peft_version": v.get("peft"), "bitsandbytes_version": v.get("bitsandbytes"),

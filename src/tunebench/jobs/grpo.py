@@ -62,7 +62,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
         summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
         summary.update(grpo_run.generation(sampler, done.outcome, settings), prompts_dropped=data.dropped,
-                       **held_out.after())
+                       **({"environment": cfg.objective.environment} if env else {}), **held_out.after())
         return summary, saved
 
     lengths = data.lengths()

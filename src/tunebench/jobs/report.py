@@ -424,8 +424,31 @@ def _sections(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         (f"Each configuration on each device, against {r['baseline_device']}",
          ["device", "config", "time (s)", "tokens/s", f"speedup vs {r['baseline_device']}, same config",
           f"speedup vs {r['baseline_device']} {r['baseline_config']}"], across),
+        *_rewards(r["runs"]),
         ("All runs", COLUMNS + ["run report"], all_rows),
     ]
+
+
+def _rewards(runs: list[Run]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """GRPO runs' held-out figures side by side, each before training and after: the reward, and where the run
+    played episodes in an environment, their success, turns, calls and calls that ran; none where no run has them."""
+    held = [run for run in runs if run.ok and run.num("reward") is not None]
+    if not held:
+        return []
+
+    def share(run: Run, key: str) -> str:
+        return "" if run.num(key) is None else f"{100 * run.num(key):.0f}%"
+
+    rows = []
+    for run in held:
+        rows.append([run.row["experiment"], run.device, run.row.get("environment") or "(single completions)",
+                     f"{run.num('reward_before'):.3f}" if run.num("reward_before") is not None else "",
+                     f"{run.num('reward'):.3f}", share(run, "episode_success_before"), share(run, "episode_success"),
+                     _fmt(run.num("episode_turns"), 2), _fmt(run.num("episode_calls"), 2),
+                     share(run, "episode_calls_ok")])
+    return [("Held-out reward (GRPO), before training and after",
+             ["experiment", "device", "environment", "reward before", "reward after", "success before",
+              "success after", "turns / episode", "calls / episode", "calls that ran"], rows)]
 
 
 def charts(r: dict) -> list[tuple[str, bytes]]:

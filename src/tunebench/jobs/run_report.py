@@ -114,6 +114,17 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
                                    "Completions", "optimizer step", "tokens",
                                    twin=[("KL", x, [r["kl"] for r in sampled], {"color": "tab:red"})],
                                    twin_label="KL")))
+    played = [r for r in sampled if "episodes/turns" in r]
+    if played:  # GRPO in an environment
+        x = [r["step"] for r in played]
+        ran = [(r["step"], r["episodes/calls_ok"]) for r in played if r.get("episodes/calls_ok") is not None]
+        out.insert(3, ("grpo_episodes", "GRPO in an environment: turns and tool calls per episode, step by step, "
+                                        "and the share of calls that ran without error",
+                       _line_chart([("turns", x, [r["episodes/turns"] for r in played], {}),
+                                    ("calls", x, [r["episodes/calls"] for r in played], {"linestyle": "--"})],
+                                   "Episodes", "optimizer step", "per episode",
+                                   twin=[("calls that ran", [s for s, _ in ran], [v for _, v in ran],
+                                          {"color": "tab:green", "linestyle": ":"})], twin_label="share")))
     judged = [r for r in steps if "desirable" in r]
     if judged:  # a KTO run
         out.insert(1, ("kto", "KTO: the mean implied reward of the desirable and the undesirable completions, and the "
