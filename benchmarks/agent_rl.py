@@ -116,37 +116,22 @@ def write(out: Path, sft_rows: int, grpo_rows: int, held_out: int, seed: int = 0
 
 def episodes_of(model: str | None, adapter: str | None, files: dict[str, Path], max_turns: int) -> dict:
     """Greedy episodes of every held-out question: success, exact calls, calls per episode, failed calls."""
-    import torch
-
-    from tunebench.data.prompts import PromptRows
     from tunebench.data.readers import read_records
     from tunebench.model import inference
-    from tunebench.training import environment, episodes, grpo
+    from tunebench.training import environment, episodes
 
-    placed = inference.load(model, adapter)
     env = environment.load(str(files["env"]), 10)
     records = read_records(str(files["held"]))
-    rows = PromptRows([environment.opening(env, r) for r in records], records, str(files["held"]))
-    tok = placed.tokenizer
-    episodes.template_for(tok, env.schemas, rows.prompts[0])
-    data = episodes.tokenize(rows, tok, env, 2048, 64)
-    settings = grpo.GRPOSettings(2, 64, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
-    sampler = episodes.EpisodeSampler(placed.model, tok, data, rows, [], settings, placed.device, placed.autocast_dtype,
-                                      0, env=env, openings=rows.prompts, max_turns=max_turns, max_length=2048)
-    played = []
-    with torch.no_grad():
-        for start in range(0, len(data), 8):
-            played += episodes.rollout(sampler, list(range(start, min(start + 8, len(data)))), 1, None, 1.0)
-    wins = sampler.score_episodes(played)[:, 0]
+    played = episodes.play(inference.load(model, adapter), env, records, max_turns)
+    wins = [environment.score(env, e.messages, records[e.key]) for e in played]
     exact = expected = 0
     for e in played:
-        row = records[data.source(e.key)]
         asked = [m["tool_calls"][0]["function"] for m in e.messages if m.get("tool_calls")]
-        want = [{"name": "temperature", "arguments": {"town": t}} for t in row["towns"]]
+        want = [{"name": "temperature", "arguments": {"town": t}} for t in records[e.key]["towns"]]
         expected += len(want)
         exact += sum(w in asked for w in want)
     calls = sum(e.calls for e in played)
-    return {"success": 100 * float(wins.mean()), "exact_calls": 100 * exact / expected,
+    return {"success": 100 * sum(w or 0.0 for w in wins) / len(played), "exact_calls": 100 * exact / expected,
             "calls_per_episode": calls / len(played),
             "failed_calls": 100 * (calls - sum(e.calls_ok for e in played)) / calls if calls else 0.0}
 

@@ -265,14 +265,15 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-def weather_calls_file(path: Path) -> Path:
+def weather_calls_file(path: Path, tools: list[dict] = WEATHER) -> Path:
     """Eight copies of one chat row in OpenAI's form: 'Weather?' answered with the call get_weather(city=Oslo),
-    its 'tool' result 'rain', and the reply 'Rain.', the row offering WEATHER; for a tiny model to learn a call."""
+    its 'tool' result 'rain', and the reply 'Rain.', the row offering `tools` (WEATHER, or an environment's schema
+    of get_weather); for a tiny model to learn a call."""
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
     row = {"messages": [{"role": "user", "content": "Weather?"}, call,
                         {"role": "tool", "tool_call_id": "c1", "content": "rain"},
-                        {"role": "assistant", "content": "Rain."}], "tools": WEATHER}
+                        {"role": "assistant", "content": "Rain."}], "tools": tools}
     path.write_text((json.dumps(row) + "\n") * 8)
     return path
 

@@ -384,12 +384,15 @@ def test_the_default_models_tokenizer_keeps_its_digit_split_through_the_gguf_con
 
 
 
-def _tool_run(runs, root):
+def _tool_run(runs, root, tools=WEATHER, eos=None):
     """A tiny Llama (1,024 positions: the tools' JSON is in the prompt) on the runs' BPE tokenizer, fully
-    fine-tuned until it answers 'Weather?' with get_weather(city=Oslo) in the tool template the run records."""
+    fine-tuned until it answers 'Weather?' offered `tools` with get_weather(city=Oslo) in the tool template the
+    run records. `eos`: a special token added as the tokenizer's end of sequence (an agent's turns end with it)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(runs / "tok")
+    if eos:
+        tok.add_special_tokens({"eos_token": eos})
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
@@ -397,7 +400,7 @@ def _tool_run(runs, root):
                                  pad_token_id=tok.pad_token_id)).save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
     finetune.run(load_config(options={
-        "model.name": str(root / "base"), "data.path": str(weather_calls_file(root / "calls.jsonl")), "data.max_length": 1024,
+        "model.name": str(root / "base"), "data.path": str(weather_calls_file(root / "calls.jsonl", tools)), "data.max_length": 1024,
         "train.max_steps": 150, "train.lr": 3e-3, "adapter.method": "full", "train.micro_batch_size": 2,
         "train.effective_batch_size": 4, "data.eval_fraction": 0, "train.output_dir": str(root / "tools"),
         "train.progress": False, "train.compile": "off", "hardware.precision": "fp32"}))
@@ -473,6 +476,118 @@ def test_llama_cpps_server_and_tunebench_serve_give_the_same_greedy_answer(runs,
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
     _, theirs_calls = toolcalls.parse(theirs_tools.choices[0].message.content)
     assert theirs_calls[:1] == [{"name": "get_weather", "arguments": {"city": "Oslo"}}], theirs_tools
+
+
+# No return type on the tool: transformers' get_json_schema writes it as the schema's "return", which
+# llama-cpp-python's server drops from a request's tools (its pydantic model has no such field), so its prompt
+# would not be the one training rendered.
+AGENT = '''
+def get_weather(city: str):
+    """Today's weather in a city.
+
+    Args:
+        city: the city
+    """
+    return {"Oslo": "rain"}.get(city, "unknown city")
+
+
+TOOLS = [get_weather]
+
+
+def reset(row):
+    return [{"role": "user", "content": row["q"]}]
+
+
+def reward(messages, row):
+    return float(messages[-1]["role"] == "assistant" and "Rain" in messages[-1]["content"])
+'''
+
+
+def _play(client, model: str, env, question: str, max_turns: int) -> tuple[list, str | None]:
+    """A greedy episode through an OpenAI-compatible server, as an agent framework plays one: each reply's calls
+    (the API's `tool_calls`, or the template's <tool_call> text where the server returns it as text, as
+    llama-cpp-python's does) run in the environment and come back as tool messages, until a reply without a call."""
+    from tunebench.data import toolcalls
+    from tunebench.training import environment
+
+    messages, calls = [{"role": "user", "content": question}], []
+    for _ in range(max_turns):
+        message = client.chat.completions.create(model=model, messages=messages, tools=env.schemas, temperature=0,
+                                                 max_tokens=120, extra_body={"repeat_penalty": 1.0}).choices[0].message
+        asked = [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                 for c in message.tool_calls or []]
+        text = message.content or ""
+        if not asked:
+            text, asked = toolcalls.parse(text)
+        if not asked:
+            return calls, text.strip()
+        calls += asked
+        messages.append({"role": "assistant", "content": "", "tool_calls": [  # "": llama-cpp-python refuses None
+            {"id": f"c{len(messages)}{i}", "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(asked)]})
+        messages += [{"role": "tool", "tool_call_id": f"c{len(messages) - 1}{i}",
+                      "content": environment.call(env, c["name"], c["arguments"]).text} for i, c in enumerate(asked)]
+    return calls, None
+
+
+def test_an_agent_trained_in_an_environment_plays_the_same_episode_once_exported_and_served(runs, tmp_path,
+                                                                                           llama_cpp_server):
+    """Issue 71: a tool model trained further by GRPO in an environment, exported to GGUF, plays the same greedy
+    episode everywhere it runs: in training's own rollout (PyTorch), through `tunebench serve`'s API from the run
+    (PyTorch) and from the GGUF (llama.cpp), and through llama.cpp's own server from the GGUF, whose template
+    renders the tool's result turn: the same call, the same result, the same answer."""
+    import subprocess
+    import sys
+    import time
+
+    openai = needs_module("openai", "the servers are read with the openai client (in the test extra)")
+    needs_module("gradio", "serve needs gradio (the test extra)")
+    from tunebench.interfaces.web import app
+    from tunebench.training import environment, episodes
+
+    (tmp_path / "env.py").write_text(AGENT)
+    env = environment.load(str(tmp_path / "env.py"), 10)
+    # the call form first, on the environment's own schema; each turn of the template ends with the tokenizer's EOS,
+    # as SmolLM2's does, so a rollout's turn ends where generation stops
+    sft = _tool_run(runs, tmp_path, env.schemas, eos="<|im_end|>")
+    (tmp_path / "rows.jsonl").write_text((json.dumps({"q": "Weather?"}) + "\n") * 4)
+    run = tmp_path / "agent"
+    assert cli.main(["train", "--method", "grpo", "--model", str(sft), "--environment", str(tmp_path / "env.py"),
+                     "--data", str(tmp_path / "rows.jsonl"), "--num-generations", "2", "--max-completion-length",
+                     "100", "--max-turns", "2", "--max-length", "1024", "--effective-batch-size", "2", "--max-steps",
+                     "2", "--precision", "fp32", "--eval-fraction", "0", "--no-progress", "--output-dir",
+                     str(run)]) == 0
+    (trained,) = episodes.play(inference.load(None, str(run)), env, [{"q": "Weather?"}], 2, 100, 1024)
+    expected = ([{"name": "get_weather", "arguments": {"city": "Oslo"}}], trained.answer().strip())
+    assert [m["tool_calls"][0]["function"] for m in trained.messages if m.get("tool_calls")] == expected[0]
+    assert "Rain" in expected[1], trained.messages  # the episode the model was taught, played to its end
+    gguf = export.export(str(run), "gguf", "f16")
+    port, ours_port = free_port(), free_port()
+    theirs = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                               "--port", str(port), "--n_ctx", "1024", "--n_threads", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ours = app.serve(app.Served([], [str(run)], ggufs=[str(gguf)]), app.Door(port=ours_port),
+                     ab_db=str(tmp_path / "ab.sqlite"), block=False, runs_dir_asked=False)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert theirs.poll() is None and time.monotonic() < deadline, "llama.cpp's server did not start"
+                time.sleep(0.5)
+        mine = openai.OpenAI(base_url=f"http://127.0.0.1:{ours_port}/v1", api_key="none", max_retries=0)
+        played = {"serve, the run (PyTorch)": _play(mine, str(run), env, "Weather?", 2),
+                  "serve, the GGUF (llama.cpp)": _play(mine, str(gguf), env, "Weather?", 2),
+                  "llama.cpp's server": _play(client, "x", env, "Weather?", 2)}
+    finally:
+        theirs.terminate()
+        theirs.wait(30)
+        ours.close()
+    for where, episode in played.items():
+        assert episode == expected, (where, episode, expected)
 
 
 def test_gemma3_270m_trains_and_every_gguf_type_ships_or_names_its_cause(tmp_path, llama_cpp, gemma3_gguf, capsys):

@@ -230,3 +230,27 @@ class EpisodeSampler(grpo.Sampler):
                 "eval_episodes/turns": float(np.mean([e.turns for e in episodes])),
                 "eval_episodes/calls": calls / len(episodes),
                 "eval_episodes/calls_ok": sum(e.calls_ok for e in episodes) / calls if calls else None}
+
+
+def play(placed, env: environment_.Environment, records: list[dict[str, Any]], max_turns: int,
+         max_new_tokens: int = 64, max_length: int = 2048, batch_size: int = 8) -> list[Episode]:
+    """Greedy episodes of `records` (one each, in order) by a placed model (model.inference.load: a run, an
+    adapter, a merged model) in the run's way: the template episodes train in, the same calls and tool turns.
+    What a benchmark or a check of an export plays; an opening with no room for a turn is left out (the
+    episodes' `key` is its record's index)."""
+    from tunebench.data.prompts import PromptRows
+
+    rows = PromptRows([environment_.opening(env, r) for r in records], [dict(r) for r in records], env.path)
+    template_for(placed.tokenizer, env.schemas, rows.prompts[0])
+    data = tokenize(rows, placed.tokenizer, env, max_length, max_new_tokens)
+    settings = grpo.GRPOSettings(1, max_new_tokens, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    sampler = EpisodeSampler(placed.model, placed.tokenizer, data, rows, [], settings, placed.device,
+                             placed.autocast_dtype, 0, env=env, openings=rows.prompts, max_turns=max_turns,
+                             max_length=max_length)
+    played = []
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            played += rollout(sampler, list(range(start, min(start + batch_size, len(data)))), 1, None, 1.0)
+    for e in played:
+        e.key = int(data.source(e.key))
+    return played
