@@ -65,6 +65,20 @@ def test_a_micro_batch_is_its_rows_in_file_order_then_each_prompt_with_the_previ
     assert batch["counts"].tolist() == [3]
 
 
+def test_on_several_ranks_a_rows_mismatched_completion_is_drawn_from_the_global_micro_step(tmp_path, tiny):
+    """Rank 1 of 2 holds rows 1 and 3 of the global micro-step [0, 1, 2, 3]: their KL rows take the completions of
+    rows 0 and 2, as one process holding all four would, not of each other."""
+    cfg = DataConfig(path=str(judged_file(tmp_path)), template=GOLDEN["template"], max_length=256)
+    data = judged.tokenize(judged.load(cfg), tiny.tokenizer, cfg)
+    pad = tiny.tokenizer.pad_token_id
+    whole, mine = judged.collate(data, [0, 1, 2, 3], pad), judged.collate(data, [3, 1], pad, [2, 0, 3, 1])
+    for row, k in enumerate([1, 3]):
+        n = int(mine["attention_mask"][2 + row].sum())
+        assert n == int(whole["attention_mask"][4 + k].sum())
+        assert mine["input_ids"][2 + row, :n].tolist() == whole["input_ids"][4 + k, :n].tolist()
+    assert mine["counts"].tolist() == [2]
+
+
 def _golden_config(tmp_path, **extra):
     weights = GOLDEN["weights"]
     return load_config(options={

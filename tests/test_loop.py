@@ -482,7 +482,7 @@ def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     next_micro = next_micro or runner.micro_batches(
         lambda epoch: batching.epoch_steps(np.arange(len(data)), 2, 0, epoch),
-        lambda rows: batching.collate(data, rows, tok.pad_token_id), World(), 1, 2)
+        lambda rows, _: batching.collate(data, rows, tok.pad_token_id), World(), 1, 2)
     settings = LoopSettings(total_steps=steps, grad_accum_steps=2, max_grad_norm=1.0, device=torch.device("cpu"),
                             progress=False, logging_steps=logging_steps, prefetch=prefetch)
     logs = []

@@ -38,7 +38,7 @@ class Blocks:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def collate(self, indices) -> dict[str, torch.Tensor]:
+    def collate(self, indices, step_indices=None) -> dict[str, torch.Tensor]:
         """(B, length) input_ids, labels (the same ids: the loss shifts them) and an all-real mask."""
         ids = torch.from_numpy(np.stack([self.tokens[self.starts[i]: self.starts[i] + self.length]
                                          for i in indices]).astype(np.int64))

@@ -419,9 +419,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if d.packing == "on":
             raise TunebenchError(f"--objective {o.name} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")
-        if world_size > 1:
-            raise TunebenchError(f"--objective {o.name} runs in one process for now; train without torchrun "
-                                 "(tunebench launch)")
+        if world_size > 1 and o.name == "grpo":
+            raise TunebenchError("--objective grpo runs in one process for now (DPO, ORPO and KTO run on several); "
+                                 "train without torchrun (tunebench launch)")
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")

@@ -138,8 +138,10 @@ def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx
         steps = lambda epoch: batching.epoch_steps(  # noqa: E731
             train_idx, opened.effective, cfg.schedule.seed, epoch, lengths=lengths if layout == "length-grouped" else None)
         if layout == "packed":
-            return steps, lambda rows: batching.collate_packed(data, rows, pad_id, cfg.data.max_length), [row]
-        return steps, lambda rows: collate_unit(data, rows, pad_id), [row]
+            return steps, lambda rows, _: batching.collate_packed(data, rows, pad_id, cfg.data.max_length), [row]
+        if collate_unit is judged.collate:  # its mismatched KL rows are drawn from the global micro-step
+            return steps, lambda rows, step_rows: judged.collate(data, rows, pad_id, step_rows), [row]
+        return steps, lambda rows, _: collate_unit(data, rows, pad_id), [row]
     return batches
 
 

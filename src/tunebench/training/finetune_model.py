@@ -154,7 +154,8 @@ def kto_micro_batch(opened: runner.Opened, kto: bool) -> dict[str, Any]:
     per-device batch), so the probe never picks it: the whole effective batch on each rank, unless asked."""
     if not kto:
         return {}
-    why = "KTO estimates its KL reference point over each micro batch (TRL's per-device batch), so it is not measured"
+    why = ("KTO estimates its KL reference point over each micro batch (TRL's per-device batch; all ranks' rows "
+           "together), so it is not measured")
     if opened.ask.micro:
         return {"asked_reason": f"asked for; {why}"}
     return {"micro": opened.effective // opened.world.size,

@@ -197,7 +197,7 @@ class Sampler:
                              *per], 1)
         return Groups(keys, completions, adv, stats)
 
-    def collate(self, keys: list[int]) -> Batch:
+    def collate(self, keys: list[int], step_keys: list[int] | None = None) -> Batch:
         epoch, k, step_keys = self.step_of[keys[0]]
         if self.cached is None or self.cached[0] != (epoch, k):
             seed = int(np.random.SeedSequence([self.seed, epoch, k]).generate_state(1)[0])

@@ -211,12 +211,13 @@ def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: W
     objective.train(was_training)
     if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves the root's weights gathered
         objective.reshard()
-    sums = [float(total), count] + ([] if stats is None else stats.tolist())
+    inner = unwrap(objective)
+    names = getattr(inner, "stat_names", ())  # a rank whose share had no batch adds zeros: the same collective
+    sums = [float(total), count] + (stats.tolist() if stats is not None else [0.0] * len(names))
     sums = distributed.all_sum(sums, world) if split else sums
     loss, count = sums[0] / max(sums[1], 1), sums[1]
-    if stats is None:
+    if not names:
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
-    inner = unwrap(objective)
     return {"eval_loss": loss, f"eval_{inner.unit}": int(count),
             **{f"eval_{name}": value for name, value in stat_means(inner, sums[2:], count).items()}}
 

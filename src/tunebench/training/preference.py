@@ -17,7 +17,8 @@ of the whole optimizer step, so accumulation gives the loss and gradients of one
   estimate max(0, mean over the mismatched rows of log pi - log ref), no gradient; a desirable completion's loss
   is 1 - sigmoid(beta * (log pi/ref - z)), an undesirable one's 1 - sigmoid(beta * (z - log pi/ref)), weighted by
   desirable_weight / undesirable_weight. Like TRL's KTOTrainer, z is estimated per micro batch, so KTO's micro
-  batch is part of its math (finetune sets it, never the probe).
+  batch is part of its math (finetune sets it, never the probe); on several ranks, per global micro-step (every
+  rank's rows, the mismatched ones drawn across them), so the ranks compute one process's z.
 
 Written here rather than taken from TRL: TRL's trainers are Trainer subclasses with their own data
 pipeline and loop, and these losses must run inside tunebench's loop (measured micro batch, exact
@@ -155,6 +156,13 @@ class PreferenceLoss(torch.nn.Module):
         return reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, stat sums) of the micro batch; both 0 for a filler (runner.micro_batches: `live` 0)."""
+        loss, stats = self.losses(batch)
+        if "live" in batch:
+            loss, stats = loss * batch["live"], stats * batch["live"]
+        return loss, stats
+
+    def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
         pairs = rows // 2
         if self.method == "kto":
@@ -192,6 +200,18 @@ class PreferenceLoss(torch.nn.Module):
                              (chosen - rejected).sum(), logps[:pairs].sum(), logps[pairs:].sum(), *extra])
         return loss, stats
 
+    def reference_point(self, kl_terms: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        """KTO's z: max(0, the mean of log pi - log ref over the mismatched rows), TRL's estimate over a micro
+        batch. On several ranks in training, over the global micro-step: each rank's sum and count are added up
+        (a filler's are 0), so 2 ranks x N rows give one process's N x 2. Evaluation keeps each batch's own."""
+        sums = torch.stack([kl_terms.sum(), torch.tensor(float(len(kl_terms)), device=kl_terms.device,
+                                                         dtype=kl_terms.dtype)])
+        if live is not None:
+            sums = sums * live
+        if self.training and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
+
     def kto(self, batch: Batch, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..n-1 judged (labels in batch["label"]), rows n..2n-1 their mismatched KL rows."""
         index = batch["loss_index"]
@@ -208,7 +228,7 @@ class PreferenceLoss(torch.nn.Module):
         policy = summed(token_logps(self.model, own, own_index, self.autocast_dtype), own_index)
         with torch.no_grad():
             kl_policy = summed(token_logps(self.model, other, kl_index, self.autocast_dtype), kl_index)
-        kl = (kl_policy - kl_reference).mean().clamp(min=0)  # z: TRL's estimate over the micro batch
+        kl = self.reference_point(kl_policy - kl_reference, batch.get("live"))
         ratios = policy - reference
         good = batch["label"].bool()
         losses = torch.where(good, self.weights[0] * (1 - torch.sigmoid(self.beta * (ratios - kl))),

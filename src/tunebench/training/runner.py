@@ -227,10 +227,13 @@ def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[li
                   micro_batch_size: int, grad_accum_steps: int) -> Callable[[LoopState], Batch]:
     """The loop's `next_micro_batch`. `steps(epoch)` lists the epoch's optimizer steps (a pure function
     of seed, epoch and effective batch: batching.epoch_steps); each is cut into `grad_accum_steps`
-    global micro-steps of micro batch x world size rows, and this rank collates its share. The data
-    position (epoch, batch_in_epoch) counts global micro-steps. A short last step can leave a rank no
-    rows: it gets a filler row with no loss and no real tokens, because every rank must run the same
-    number of forward/backward passes for the gradient sync (one process skips it)."""
+    global micro-steps of micro batch x world size rows, and this rank collates its share:
+    `collate(its rows, the global micro-step's rows)` (KTO pairs each completion with another of the global
+    micro-step, so ranks together hold what one process would). The data position (epoch, batch_in_epoch)
+    counts global micro-steps. A short last step can leave a rank no rows: it gets a filler row with no
+    loss and no real tokens (or, for an objective that counts its own units, a real row with `counts` 0 and
+    `live` 0, which multiplies its loss and figures), because every rank must run the same number of
+    forward/backward passes for the gradient sync (one process skips it)."""
     epochs: dict[int, list[list[int]]] = {}
 
     def next_micro_batch(s: LoopState) -> Batch:
@@ -246,8 +249,10 @@ def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[li
         s.batch_in_epoch += 1
         mine = distributed.shard(rows, world, micro_batch_size)
         if mine:
-            return collate(mine)
-        filler = collate(order[k][:1])
+            return collate(mine, rows)
+        filler = collate(order[k][:1], order[k][:1])
+        if "counts" in filler:  # an objective that counts its own units: they and its loss are multiplied by 0
+            return {**filler, "counts": torch.zeros_like(filler["counts"]), "live": torch.zeros(())}
         return {**filler, "labels": torch.full_like(filler["labels"], -100),
                 "attention_mask": torch.zeros_like(filler["attention_mask"])}
 
