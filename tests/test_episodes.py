@@ -1,6 +1,7 @@
 """Multi-turn GRPO in an environment (training/environment.py, training/episodes.py): the file's checks, the
 episodes' tokens and masks, the tools' failures as turns, and runs from the command line, resumed exactly."""
 
+import csv
 import json
 import os
 import re
@@ -252,7 +253,7 @@ def test_compare_puts_two_environments_runs_side_by_side(tmp_path):
     out = tmp_path / "results.csv"
     compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {})
     with out.open() as f:
-        rows = {r["experiment"]: r for r in __import__("csv").DictReader(f)}
+        rows = {r["experiment"]: r for r in csv.DictReader(f)}
     assert {r["status"] for r in rows.values()} == {"ok"}, [r["message"] for r in rows.values()]
     assert rows["strict"]["environment"] == str(strict) and rows["lenient"]["environment"] == str(lenient)
     assert float(rows["lenient"]["episode_success"]) == 1.0  # every episode that ends in an answer scores 1
