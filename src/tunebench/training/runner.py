@@ -223,8 +223,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[list[int]], Batch], world: World,
-                  micro_batch_size: int, grad_accum_steps: int) -> Callable[[LoopState], Batch]:
+def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[list[int], list[int]], Batch],
+                  world: World, micro_batch_size: int, grad_accum_steps: int) -> Callable[[LoopState], Batch]:
     """The loop's `next_micro_batch`. `steps(epoch)` lists the epoch's optimizer steps (a pure function
     of seed, epoch and effective batch: batching.epoch_steps); each is cut into `grad_accum_steps`
     global micro-steps of micro batch x world size rows, and this rank collates its share:
