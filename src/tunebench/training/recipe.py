@@ -60,8 +60,9 @@ class Recipe:
     method_rows: list[Decision]  # below the world and parallel rows: the method's, the objective's
     header: str  # printed above the settings table: the model, the data and what trains
     parallel: Decision
-    batches: Callable[[int], tuple[EpochSteps, Callable[[list[int]], Batch], list[Decision]]]
-    # micro batch -> (each epoch's steps, the collate of a micro batch: (its rows, the global micro-step's) -> Batch, rows such as the batch layout's)
+    batches: Callable[[int], tuple[EpochSteps, Callable[[list[int], list[int]], Batch], list[Decision]]]
+    # micro batch -> (each epoch's steps, the collate of a micro batch from (its rows, the global micro-step's),
+    # rows such as the batch layout's)
     eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
     identity: dict[str, Any]  # what a resume must match
     finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
