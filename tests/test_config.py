@@ -70,7 +70,7 @@ def test_three_batch_flags_run_as_given_when_they_agree_at_the_world_size_and_ar
     with pytest.raises(TunebenchError, match=r"x 2 ranks != --effective-batch-size 4"):
         load_config(options={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.effective_batch_size": 4})
     with pytest.raises(TunebenchError, match="--objective grpo runs in one process for now"):
-        load_config(options={"train.objective": "grpo"})  # refused at load, before the output directory is touched
+        load_config(options={"train.objective": "grpo", "objective.reward": ["gsm8k"]})  # at load, before any output
     assert load_config(options={"train.objective": "dpo"}).objective.name == "dpo"  # DPO, ORPO, KTO: on ranks
     monkeypatch.delenv("WORLD_SIZE")
     keys = {"data.train_file": "x.txt", "training.batch_size": 2, "training.gradient_accumulation_steps": 2}

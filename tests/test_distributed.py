@@ -445,6 +445,11 @@ def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objectiv
         assert ours[step] == pytest.approx(theirs[step], abs=1e-6), step
     if objective == "dpo":
         assert ours[1] == pytest.approx(np.log(2), abs=1e-6)  # the policy is its reference at the first step
+        # saved by 2 ranks after step 2, resumed in 1 process: the same data position, the same step 3
+        moved = tmp_path / "two-then-one"
+        _tunebench(_train_args(data, moved, 2, effective=4, objective=objective, max_steps=2), nproc=2)
+        _tunebench(_train_args(data, moved, 4, effective=4, objective=objective, resume="auto"))
+        assert _losses(moved) == pytest.approx(theirs, abs=1e-6)
     _same_weights(_weights(two), _weights(one))
     rows = {name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             for name, run in (("one", one), ("two", two))}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import unavailable
+from conftest import pairs_file, unavailable
 from test_cli import tb_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,6 +278,11 @@ def _environment(tmp: Path) -> None:
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _pairs(tmp: Path) -> None:
+    """Preference pairs for the distributed tutorial's DPO run: the DPO golden's six."""
+    pairs_file(tmp)
+
+
 # What each tutorial asks a user to bring (the README and the CSV tutorial have their own test above), and what its
 # commands must have left behind
 TUTORIALS = {
@@ -289,7 +294,7 @@ TUTORIALS = {
     "agents.md": (_environment, ["runs/agent/adapter_config.json"]),
     "votes.md": (_votes, ["pairs.jsonl", "runs/dpo/adapter_config.json", "runs/dpo-from-file/adapter_config.json",
                           "runs/kto/adapter_config.json"]),
-    "distributed.md": (None, ["runs/ddp/adapter_config.json"]),
+    "distributed.md": (_pairs, ["runs/ddp/adapter_config.json", "runs/ddp-dpo/adapter_config.json"]),
 }
 
 
@@ -360,7 +365,9 @@ RAN_AS_SAID = {
         and len((tmp / "pairs.jsonl").read_text().splitlines()) == 12,
         "DPO and KTO from the store; its 12 A or B votes exported as pairs (ties and both-bad left out)"),
     "distributed.md": lambda tmp: _check(
-        _summary(tmp / "runs" / "ddp" / "summary.json")["world_size"] == 2, "two ranks"),
+        _summary(tmp / "runs" / "ddp" / "summary.json")["world_size"] == 2
+        and _summary(tmp / "runs" / "ddp-dpo" / "summary.json")["world_size"] == 2
+        and _summary(tmp / "runs" / "ddp-dpo" / "summary.json")["objective"] == "dpo", "two ranks, SFT then DPO"),
 }
 
 
