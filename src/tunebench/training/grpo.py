@@ -197,7 +197,9 @@ class Sampler:
                              *per], 1)
         return Groups(keys, completions, adv, stats)
 
-    def collate(self, keys: list[int], step_keys: list[int] | None = None) -> Batch:
+    def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
+        """The rows of `keys`' groups; the groups are made once for their whole optimizer step (step_of), so the
+        global micro-step's keys (runner.micro_batches' second argument) add nothing here."""
         epoch, k, step_keys = self.step_of[keys[0]]
         if self.cached is None or self.cached[0] != (epoch, k):
             seed = int(np.random.SeedSequence([self.seed, epoch, k]).generate_state(1)[0])
