@@ -69,9 +69,10 @@ def test_three_batch_flags_run_as_given_when_they_agree_at_the_world_size_and_ar
     assert cfg.batch_ask().check(2) == 2  # 1 x 1 x 2 ranks
     with pytest.raises(TunebenchError, match=r"x 2 ranks != --effective-batch-size 4"):
         load_config(options={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.effective_batch_size": 4})
-    with pytest.raises(TunebenchError, match="--objective grpo runs in one process for now"):
-        load_config(options={"train.objective": "grpo", "objective.reward": ["gsm8k"]})  # at load, before any output
-    assert load_config(options={"train.objective": "dpo"}).objective.name == "dpo"  # DPO, ORPO, KTO: on ranks
+    grpo = {"train.objective": "grpo", "objective.reward": ["gsm8k"], "adapter.method": "full"}
+    with pytest.raises(TunebenchError, match="FSDP shards it; use --parallel ddp"):  # at load, before any output
+        load_config(options={**grpo, "distributed.parallel": "fsdp"})
+    assert load_config(options=grpo).objective.name == "grpo"  # every objective runs on ranks, GRPO with DDP
     monkeypatch.delenv("WORLD_SIZE")
     keys = {"data.train_file": "x.txt", "training.batch_size": 2, "training.gradient_accumulation_steps": 2}
     with pytest.raises(TunebenchError, match="set only two"):  # pretraining's keys, by the same rule

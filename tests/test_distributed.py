@@ -465,3 +465,76 @@ def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objectiv
     assert "eval_loss" in held and mine["world_size"] == 2
     for key in held:  # the held-out pairs' (or completions') loss and rewards, summed over the ranks' shares
         assert mine[key] == pytest.approx(one_process[key], rel=1e-5, abs=1e-6), key
+
+
+# GRPO's completions fixed by their prompt (not by the seed, which differs by rank), so 2 ranks and 1 process learn
+# from the same ones; the script replaces the sampler and runs the command line as `python -m tunebench` would.
+FIXED_GRPO = """import sys, zlib
+import torch
+from tunebench.interfaces import cli
+from tunebench.training import grpo
+
+def fixed(model, tokenizer, device, autocast, prompts, s, seed):
+    out = []
+    for p in prompts:
+        g = torch.Generator().manual_seed(zlib.crc32(str(p).encode()))
+        for _ in range(s.num_generations):
+            n = int(torch.randint(1, s.max_completion_length, (1,), generator=g))
+            out.append(torch.randint(3, 60, (n,), generator=g).tolist() + [tokenizer.eos_token_id])
+    return out
+
+grpo.sample = fixed
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _grpo_args(tmp_path, out, micro, *extra):
+    data = tmp_path / "q.jsonl"  # 12 prompts: 9 train, steps of 4, 4 and 1 (rank 1's share of that one: a filler)
+    data.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
+                            for a in range(1, 5) for b in range(1, 4)))
+    lengths = tmp_path / "lengths.py"
+    lengths.write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    return ["train", "--model", "tiny", "--method", "grpo", "--reward", f"{lengths}:length", "--reward", "format:\\d",
+            "--reward-weights", "0.1", "1", "--data", str(data), "--num-generations", "3",
+            "--max-completion-length", "8", "--batch-size", str(micro), "--effective-batch-size", "4",
+            "--eval-fraction", "0.25", "--precision", "fp32", "--lora-dropout", "0", "--attention", "sdpa",
+            "--compile", "off", "--lr", "3e-3", "--schedule", "constant", "--warmup-ratio", "0", "--no-progress",
+            "--threads", "1", "--max-steps", "3", "--output-dir", str(out), *extra]
+
+
+def _steps(out):
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+@pytest.mark.parametrize("loss_type, beta", [("dapo", "0"), ("grpo", "0.04"), ("dr_grpo", "0")])
+def test_grpo_on_two_ranks_matches_one_process_on_the_same_completions(tmp_path, loss_type, beta):
+    """Each rank generates its own prompts' groups (a group whole on one rank, its advantages its own); the loss
+    is normalised over the whole step's completions or completion tokens as the loss type says, the rewards and
+    the share of groups that taught nothing summed over the ranks; a short last step leaves rank 1 a filler."""
+    script = tmp_path / "fixed.py"
+    script.write_text(FIXED_GRPO)
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--loss-type", loss_type, "--beta", beta)
+    for out, micro, launch in ((one, 4, [sys.executable]), (two, 2, [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+        done = subprocess.run([*launch, str(script), *_grpo_args(tmp_path, out, micro, *extra)], capture_output=True,
+                              text=True, env=_env(), timeout=300)
+        assert done.returncode == 0, done.stderr[-4000:]
+    ours, theirs = _steps(two), _steps(one)
+    assert sorted(ours) == [1, 2, 3]
+    for step, r in theirs.items():
+        assert ours[step]["loss"] == pytest.approx(r["loss"], abs=1e-6), step
+        for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "rewards/length/mean",
+                    "kl"):
+            assert ours[step][key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), (step, key)
+    assert theirs[2]["reward_std"] > 0 and (theirs[3]["kl"] > 0) == (beta != "0")  # the steps taught something
+    ours_w = _weights(two)
+    for name, theirs_w in _weights(one).items():
+        # within 2% of one lr step (3e-3): with beta, a few elements whose gradient is rounding noise (the KL term
+        # is 0 at the first step) take Adam steps that turn another summation order into ~1e-5 (seen: 3.6e-5 in 2
+        # of 512 elements; one process at micro 1 against micro 4: 1.6e-4); a loss normalised per rank, say,
+        # moves most elements by a large part of a step
+        torch.testing.assert_close(ours_w[name], theirs_w, rtol=1e-4, atol=6e-5, msg=name)
+    mine, one_process = (json.loads((run / "summary.json").read_text()) for run in (two, one))
+    assert mine["world_size"] == 2 and mine["generated_tokens"] == one_process["generated_tokens"]
+    assert mine["eval_reward"] == pytest.approx(one_process["eval_reward"], abs=1e-6)

@@ -28,6 +28,10 @@ ON_UNRENDERABLE = ("refuse", "drop")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo.py)
 SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's reward spread, or not
+# GRPO's ranks each sample from a whole copy of the policy (decoding stops at each rank's own EOS, so a sharded
+# forward's gathers would not line up across ranks)
+GRPO_NOT_SHARDED = ("--objective grpo samples its completions from a whole model on each rank, and FSDP shards it; "
+                    "use --parallel ddp (LoRA, or a full fine-tune that fits on one rank)")
 
 
 @dataclass(frozen=True)
@@ -419,9 +423,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if d.packing == "on":
             raise TunebenchError(f"--objective {o.name} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")
-        if world_size > 1 and o.name == "grpo":
-            raise TunebenchError("--objective grpo runs in one process for now (DPO, ORPO and KTO run on several); "
-                                 "train without torchrun (tunebench launch)")
+        if world_size > 1 and o.name == "grpo" and cfg.distributed.parallel == "fsdp":
+            raise TunebenchError(GRPO_NOT_SHARDED)
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")

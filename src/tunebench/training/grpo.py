@@ -145,14 +145,26 @@ class Sampler:
         self.s, self.device, self.autocast, self.seed, self.eagerly = settings, device, autocast, seed, eagerly
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
         self.step_of: dict[int, tuple[int, int, list[int]]] = {}
-        self.cached: tuple[tuple[int, int], Groups] | None = None
+        self.cached: tuple[tuple[int, int], Groups | None] | None = None
         self.generated_tokens, self.generation_s = 0, 0.0
+        self.share: Callable[[list[int]], list[int]] = lambda step_keys: step_keys
+        self.rank = 0
+
+    def on_ranks(self, share: Callable[[list[int]], list[int]], rank: int) -> None:
+        """Under torchrun: each step's groups made for this rank's prompts alone (`share` of the step's keys:
+        runner.step_share), so a group is whole on one rank and its advantages are its own; the draws seeded by
+        the rank as well (rank 0 draws as one process does), so a resume at the same world size samples again
+        what the run did."""
+        self.share, self.rank = share, rank
 
     episodes = False  # training.episodes.EpisodeSampler: a completion is an episode of turns
 
     def reward_names(self) -> list[rewards_.Reward]:
         """The rewards the step's stats name, in their columns' order."""
         return self.rewards
+
+    def stat_names(self) -> tuple[str, ...]:
+        return stat_names(self.rewards)
 
     def record_steps(self, steps: Callable[[int], list[list[int]]]) -> Callable[[int], list[list[int]]]:
         def recorded(epoch: int) -> list[list[int]]:
@@ -202,9 +214,17 @@ class Sampler:
         global micro-step's keys (runner.micro_batches' second argument) add nothing here."""
         epoch, k, step_keys = self.step_of[keys[0]]
         if self.cached is None or self.cached[0] != (epoch, k):
-            seed = int(np.random.SeedSequence([self.seed, epoch, k]).generate_state(1)[0])
-            self.cached = ((epoch, k), self.groups(step_keys, seed))
+            mine = self.share(step_keys)
+            seed = int(np.random.SeedSequence([self.seed, epoch, k, *([self.rank] if self.rank else [])])
+                       .generate_state(1)[0])
+            self.cached = ((epoch, k), self.groups(mine, seed) if mine else None)
         groups = self.cached[1]
+        if groups is None or keys[0] not in groups.keys:
+            # runner.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
+            # are zeroed there): one EOS a completion, nothing sampled
+            g = self.s.num_generations
+            groups = Groups(keys, [[self.tokenizer.eos_token_id]] * (len(keys) * g), torch.zeros(len(keys) * g),
+                            torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
         return rows_of(groups, keys, self.data, self.s.num_generations, self.tokenizer.pad_token_id)
 
     def probe_rows(self, keys: list[int]) -> Batch:
@@ -213,7 +233,7 @@ class Sampler:
         g, length = self.s.num_generations, self.s.max_completion_length
         filler = [self.tokenizer.eos_token_id] * length
         groups = Groups(keys, [filler] * (len(keys) * g), torch.zeros(len(keys) * g),
-                        torch.zeros(len(keys) * g, len(stat_names(self.rewards)) - 1))
+                        torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
         return rows_of(groups, keys, self.data, g, self.tokenizer.pad_token_id)
 
     def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
@@ -305,4 +325,6 @@ class GRPOLoss(torch.nn.Module):
         else:  # dr_grpo
             loss = per_token.sum() / s.max_completion_length
         stats = torch.cat([kl_sum.reshape(1), batch["row_stats"].to(logp.dtype).sum(0)])
+        if "live" in batch:  # runner.micro_batches' filler for a rank with no prompts: no loss, no figures
+            loss, stats = loss * batch["live"], stats * batch["live"]
         return loss, stats

@@ -93,14 +93,16 @@ def measured_as(cfg: RunConfig) -> tuple:
             a.target_modules)
 
 
-def generation(sampler: Sampler, outcome, s: GRPOSettings) -> dict[str, Any]:
-    """Sampling measured apart from the update: generated tokens a second, and the update's tokens a second
-    over the training time less the sampling (the loop's step times include a step's sampling)."""
+def generation(ranks: list[tuple[int, float]], outcome, s: GRPOSettings) -> dict[str, Any]:
+    """Sampling measured apart from the update, from each rank's (generated tokens, seconds sampling): generated
+    tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks sampling side by side),
+    and the update's tokens a second over the training time less that sampling (rank 0's step times include its
+    own sampling and the wait for the slowest rank's)."""
     state = outcome.state
-    update_s = max(state.train_time_s - sampler.generation_s, 1e-9)
-    return {"objective": "grpo", "num_generations": s.num_generations, "generated_tokens": sampler.generated_tokens,
-            "generation_s": round(sampler.generation_s, 3),
-            "generation_tokens_per_s": sampler.generated_tokens / sampler.generation_s if sampler.generation_s else None,
+    tokens, seconds = sum(t for t, _ in ranks), max(s_ for _, s_ in ranks)
+    update_s = max(state.train_time_s - seconds, 1e-9)
+    return {"objective": "grpo", "num_generations": s.num_generations, "generated_tokens": tokens,
+            "generation_s": round(seconds, 3), "generation_tokens_per_s": tokens / seconds if seconds else None,
             "update_s": round(update_s, 3), "update_tokens_per_s": state.tokens / update_s}
 
 
@@ -108,13 +110,15 @@ class HeldOutReward:
     """The held-out prompts' reward (greedy completions) before training and after, printed as each is taken;
     nothing where no prompt is held out."""
 
-    def __init__(self, sampler: Sampler, keys: list[int]):
-        self.sampler, self.keys, self.start = sampler, keys, {}
+    def __init__(self, sampler: Sampler, keys: list[int], main: bool = True):
+        self.sampler, self.keys, self.main, self.start = sampler, keys, main, {}
 
     def before(self) -> None:
+        """On every rank (they hold the same weights; only rank 0 reports, and only it takes `after`)."""
         if self.keys:
             self.start = self.sampler.held_out_reward(self.keys)
-            print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
+            if self.main:
+                print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
 
     def after(self) -> dict[str, float]:
         if not self.keys:

@@ -46,6 +46,7 @@ class Finished:
     outcome: runner.Outcome
     weights: dict | None
     measure_s: float
+    ranks: list[Any] | None = None  # each rank's Recipe.rank_figures(), in rank order (None: it has none)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Recipe:
     after_eval: Callable[[runplan.RunPlan, int], dict[str, Any]] | None = None
     prefetch: bool | None = None  # False: batches made on the loop's thread (GRPO samples from live weights)
     watch_speed: bool = True  # False: a step's time is not the probe's (GRPO's steps sample as well)
+    rank_figures: Callable[[], Any] | None = None  # what each rank counted itself, gathered for `finish`
 
 
 def resumed_steps(opened: runner.Opened) -> int | None:
@@ -222,13 +224,14 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
                 metrics.close()
         outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
         weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
+        ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
         del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
         distributed.shutdown(world)
 
         # Rank 0: the job's outputs, the summary, the trackers.
         if not world.main:
             return {}
-        summary, saved = r.finish(Finished(plan, outcome, weights, measure_s))
+        summary, saved = r.finish(Finished(plan, outcome, weights, measure_s, ranks))
         summary.update(tracking.costs())
         summary["memory_plan_mb"] = round(memory_plan.total, 1)  # beside the measured peak_memory_mb
         write_json(opened.out / "summary.json", summary)

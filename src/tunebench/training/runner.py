@@ -259,6 +259,13 @@ def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[li
     return next_micro_batch
 
 
+def step_share(step: list[int], world: World, micro_batch_size: int, grad_accum_steps: int) -> list[int]:
+    """This rank's rows of one optimizer step: its shares of the step's global micro-steps, in order (what
+    micro_batches hands it over the step)."""
+    return [row for rows in batching.micro_steps(step, micro_batch_size * world.size, grad_accum_steps)
+            for row in distributed.shard(rows, world, micro_batch_size)]
+
+
 def every(steps: float | None, total: int) -> int | None:
     """`eval_steps` as a step count: N steps, or below 1 that share of the run's `total` steps (HF Trainer's rule)."""
     if steps is None:
