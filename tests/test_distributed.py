@@ -538,3 +538,68 @@ def test_grpo_on_two_ranks_matches_one_process_on_the_same_completions(tmp_path,
     mine, one_process = (json.loads((run / "summary.json").read_text()) for run in (two, one))
     assert mine["world_size"] == 2 and mine["generated_tokens"] == one_process["generated_tokens"]
     assert mine["eval_reward"] == pytest.approx(one_process["eval_reward"], abs=1e-6)
+
+
+# A reward that writes the prompts of each training step it scores (a group: the prompt num_generations times) to the
+# file SCORED names, and kills rank 0 with SIGKILL once the checkpoint KILL_AFTER names is on disk (a real kill: no
+# handler runs, the step in flight is lost).
+RECORDER = """import json, os, signal
+
+def seen(prompts, completions, **kwargs):
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" and os.path.isdir(os.environ.get("KILL_AFTER", "/nonexistent")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if len(prompts) % 3 == 0 and prompts[0] == prompts[1]:
+        with open(os.environ["SCORED"], "a") as f:
+            f.write(json.dumps({"rank": rank, "prompts": prompts[::3]}) + "\\n")
+    return [0.0] * len(prompts)
+"""
+
+
+def _scored(path, skip_first=0):
+    """The prompts a run's training steps scored, each rank's first `skip_first` steps left out."""
+    calls, seen = [], {}
+    for line in path.read_text().splitlines():
+        call = json.loads(line)
+        seen[call["rank"]] = seen.get(call["rank"], 0) + 1
+        if seen[call["rank"]] > skip_first:
+            calls += call["prompts"]
+    return sorted(calls)
+
+
+def test_grpo_killed_on_two_ranks_resumes_on_two_one_and_four(tmp_path):
+    """Sampled for real: a 2-rank run killed with SIGKILL in step 3 resumes on 2 ranks to the uninterrupted run's
+    rewards and losses (each rank draws as it did), and on 1 and on 4 ranks from the same data position: steps 3
+    and 4 learn from the same prompts (a short last step, then the next epoch's first)."""
+    recorder = tmp_path / "seen.py"
+    recorder.write_text(RECORDER)
+
+    def run(out, nproc, *extra, **env):
+        args = _grpo_args(tmp_path, out, 4 // nproc, "--reward", f"{recorder}:seen", "--reward-weights", "0.1", "1",
+                          "0", "--max-steps", "4", "--save-steps", "1", *extra)
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+        return subprocess.run([sys.executable, *launch, "-m", "tunebench", *args], capture_output=True, text=True,
+                              env={**_env(), "SCORED": str(out) + ".scored", **env}, timeout=300)
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert run(whole, 2).returncode == 0
+    done = run(killed, 2, KILL_AFTER=str(killed / "checkpoints" / "step-00000002"))
+    assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*"))[-1] == "step-00000002"
+    import shutil
+    for nproc in (1, 4):
+        shutil.copytree(killed, tmp_path / f"on-{nproc}")
+    expected = _scored(Path(f"{whole}.scored"), skip_first=2)  # steps 3 and 4 (each rank had prompts in 1 and 2)
+    for out, nproc in ((killed, 2), (tmp_path / "on-1", 1), (tmp_path / "on-4", 4)):
+        Path(f"{out}.scored").unlink(missing_ok=True)
+        resumed = run(out, nproc, "--resume", "auto")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "continuing from" in resumed.stdout and _scored(Path(f"{out}.scored")) == expected, nproc
+        steps = _steps(out)
+        assert sorted(steps) == [1, 2, 3, 4] and json.loads((out / "summary.json").read_text())["world_size"] == nproc
+        for step in (1, 2):  # before the kill: the 2-rank run's own figures
+            assert steps[step]["reward"] == pytest.approx(_steps(whole)[step]["reward"], abs=1e-6)
+    for step, r in _steps(whole).items():  # on 2 ranks again, the uninterrupted run's draws, rewards and losses
+        assert _steps(killed)[step]["reward"] == pytest.approx(r["reward"], abs=1e-6), step
+        assert _steps(killed)[step]["loss"] == pytest.approx(r["loss"], abs=1e-6), step
+    assert _steps(whole)[3]["reward_std"] > 0 or _steps(whole)[4]["reward_std"] > 0  # sampling made groups differ
