@@ -8,6 +8,7 @@ same sums in a different order: losses and weights agree to float rounding, not 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -422,20 +423,42 @@ def test_what_ranks_send_each_other_is_read_as_data_never_as_code():
         distributed._decode(distributed._encode(value), ())  # a class not named is refused too
 
 
-@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
-def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objective):
-    """DPO, ORPO and KTO on 2 ranks x micro 2 take one process's micro-4 steps: the loss normalised over the
-    whole step's pairs (or judged completions), the reference pass under DDP, KTO's KL reference point over the
-    global micro-step (its mismatched rows drawn across the ranks, the sums all-reduced), and a short last step
-    whose rows one rank cannot share (a filler with no units); the held-out figures reduced across ranks."""
+def _preference_data(tmp_path, objective):
     from conftest import pairs_file
 
     if objective == "kto":
         data = tmp_path / "judged.jsonl"
         golden = json.loads((Path(__file__).parent / "golden" / "kto.json").read_text())
         data.write_text("".join(json.dumps(r) + "\n" for r in golden["rows"]))  # 10: 8 train, steps of 4, 4, 4
-    else:
-        data = pairs_file(tmp_path)  # 6 pairs: 5 train, steps of 4 and 1 (rank 1's share of that one: a filler)
+        return data
+    return pairs_file(tmp_path)  # 6 pairs: 5 train, steps of 4 and 1 (rank 1's share of that one: a filler)
+
+
+def test_preference_objectives_fully_fine_tuned_under_fsdp_match_one_process(tmp_path):
+    """FSDP2 shards the policy's weights, gradients and AdamW moments; the reference (a frozen whole copy on each
+    rank: FSDP refuses LoRA, whose reference is the base with the adapter off) scores each rank's pairs."""
+    for objective in ("dpo", "orpo", "kto"):
+        data = _preference_data(tmp_path, objective)
+        one, two = tmp_path / f"{objective}-one", tmp_path / f"{objective}-two"
+        args = {"effective": 4, "objective": objective, "method": "full", "lr": "1e-3"}
+        _tunebench(_train_args(data, one, 4, **args))
+        _tunebench(_train_args(data, two, 2, parallel="fsdp", **args), nproc=2)
+        ours, theirs = _losses(two), _losses(one)
+        assert sorted(ours) == [1, 2, 3], objective
+        for step in ours:
+            assert ours[step] == pytest.approx(theirs[step], abs=1e-6), (objective, step)
+        _same_weights(_weights(two), _weights(one))
+        plan = {d["setting"]: d["value"] for d in json.loads((two / "plan.json").read_text())["decisions"]}
+        assert plan["parallel"] == "fsdp" and plan["world"] == 2
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
+def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objective):
+    """DPO, ORPO and KTO on 2 ranks x micro 2 take one process's micro-4 steps: the loss normalised over the
+    whole step's pairs (or judged completions), the reference pass under DDP, KTO's KL reference point over the
+    global micro-step (its mismatched rows drawn across the ranks, the sums all-reduced), and a short last step
+    whose rows one rank cannot share (a filler with no units); the held-out figures reduced across ranks."""
+    data = _preference_data(tmp_path, objective)
     one, two = tmp_path / "one", tmp_path / "two"
     _tunebench(_train_args(data, one, 4, effective=4, objective=objective))
     _tunebench(_train_args(data, two, 2, effective=4, objective=objective), nproc=2)
@@ -445,11 +468,14 @@ def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objectiv
         assert ours[step] == pytest.approx(theirs[step], abs=1e-6), step
     if objective == "dpo":
         assert ours[1] == pytest.approx(np.log(2), abs=1e-6)  # the policy is its reference at the first step
-        # saved by 2 ranks after step 2, resumed in 1 process: the same data position, the same step 3
-        moved = tmp_path / "two-then-one"
+        # saved by 2 ranks after step 2, resumed in 1 process and on 4 ranks: the same data position, the same step 3
+        moved, four = tmp_path / "two-then-one", tmp_path / "two-then-four"
         _tunebench(_train_args(data, moved, 2, effective=4, objective=objective, max_steps=2), nproc=2)
+        shutil.copytree(moved, four)
         _tunebench(_train_args(data, moved, 4, effective=4, objective=objective, resume="auto"))
+        _tunebench(_train_args(data, four, 1, effective=4, objective=objective, resume="auto"), nproc=4)
         assert _losses(moved) == pytest.approx(theirs, abs=1e-6)
+        assert _losses(four) == pytest.approx(theirs, abs=1e-6)
     _same_weights(_weights(two), _weights(one))
     rows = {name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             for name, run in (("one", one), ("two", two))}
@@ -586,7 +612,6 @@ def test_grpo_killed_on_two_ranks_resumes_on_two_one_and_four(tmp_path):
     done = run(killed, 2, KILL_AFTER=str(killed / "checkpoints" / "step-00000002"))
     assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
     assert sorted(p.name for p in (killed / "checkpoints").glob("step-*"))[-1] == "step-00000002"
-    import shutil
     for nproc in (1, 4):
         shutil.copytree(killed, tmp_path / f"on-{nproc}")
     expected = _scored(Path(f"{whole}.scored"), skip_first=2)  # steps 3 and 4 (each rank had prompts in 1 and 2)
