@@ -6,6 +6,7 @@ fp32, dropout 0, fixed kernels, so 2 ranks x micro batch 2 and 1 process x micro
 same sums in a different order: losses and weights agree to float rounding, not bit for bit.
 """
 
+import csv
 import json
 import os
 import shutil
@@ -628,3 +629,35 @@ def test_grpo_killed_on_two_ranks_resumes_on_two_one_and_four(tmp_path):
         assert _steps(killed)[step]["reward"] == pytest.approx(r["reward"], abs=1e-6), step
         assert _steps(killed)[step]["loss"] == pytest.approx(r["loss"], abs=1e-6), step
     assert _steps(whole)[3]["reward_std"] > 0 or _steps(whole)[4]["reward_std"] > 0  # sampling made groups differ
+
+
+@pytest.mark.usefixtures("children_in_process")
+def test_compare_runs_preference_and_grpo_rows_on_two_ranks_beside_sft(tmp_path, rows):
+    """A matrix whose SFT row runs in one process and whose DPO and GRPO rows set nproc 2: each results row says its
+    objective and processes, DPO its held-out reward accuracy, GRPO its held-out reward; the report lists them."""
+    from conftest import pairs_file
+    from tunebench.jobs import compare, report
+
+    pairs = pairs_file(tmp_path)
+    _grpo_args(tmp_path, tmp_path / "unused", 2)  # writes q.jsonl and lengths.py
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(
+        f"base: {{model.name: tiny, data.path: '{rows}', train.max_steps: 2, train.effective_batch_size: 4, "
+        "hardware.precision: fp32, train.compile: 'off', data.eval_fraction: 0.2}\n"
+        "experiments:\n  - {name: sft}\n"
+        f"  - {{name: dpo, nproc: 2, set: {{data.path: '{pairs}', objective.name: dpo}}}}\n"
+        f"  - {{name: grpo, nproc: 2, set: {{data.path: '{tmp_path / 'q.jsonl'}', objective.name: grpo, "
+        f"objective.reward: ['{tmp_path / 'lengths.py'}:length'], objective.num_generations: 2, "
+        "objective.max_completion_length: 8}}\n")
+    out = tmp_path / "results.csv"
+    compare.run(str(matrix), str(out), str(tmp_path / "runs"), 1, {})
+    with out.open() as f:
+        got = {r["experiment"]: r for r in csv.DictReader(f)}
+    assert {r["status"] for r in got.values()} == {"ok"}, [r["message"] for r in got.values()]
+    assert [(got[n]["objective"], got[n]["processes"]) for n in ("sft", "dpo", "grpo")] == [
+        ("sft", "1"), ("dpo", "2"), ("grpo", "2")]
+    assert got["dpo"]["reward_accuracy"] != "" and got["grpo"]["reward"] != "" and got["sft"]["reward"] == ""
+    text = (report.write([str(out)], str(tmp_path / "report")).parent / "report.md").read_text()
+    runs = text.split("## All runs")[1]
+    assert all(f"| {n} |" in runs for n in ("sft", "dpo", "grpo")) and "| objective |" in runs
+    assert "grpo" in text.split("## Held-out reward (GRPO), before training and after")[1].split("##")[0]

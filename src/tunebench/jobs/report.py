@@ -379,12 +379,13 @@ def build(paths: list[str], baseline_device: str | None = None, baseline_config:
     }
 
 
-COLUMNS = ["experiment", "device_name", "processes", "config", "method", "batch_size", "grad_accum", "quantization",
-           "precision", "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
-           *quality.TASK_SCORES, "trainable_params", "status"]
+COLUMNS = ["experiment", "device_name", "processes", "config", "method", "objective", "batch_size", "grad_accum",
+           "quantization", "precision", "duration_seconds", "tokens_per_s", "peak_memory_mb", "final_train_loss",
+           "eval_loss", "reward_accuracy", "mfu", *quality.TASK_SCORES, "trainable_params", "status"]
 
 
 DIGITS = {"duration_seconds": 1, "tokens_per_s": 0, "peak_memory_mb": 0, "final_train_loss": 4, "eval_loss": 4,
+          "reward_accuracy": 3,
           **{k: quality.DIGITS[k] for k in quality.TASK_SCORES}}
 
 
