@@ -278,9 +278,11 @@ def _environment(tmp: Path) -> None:
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _pairs(tmp: Path) -> None:
-    """Preference pairs for the distributed tutorial's DPO run: the DPO golden's six."""
+def _pairs_and_prompts(tmp: Path) -> None:
+    """The distributed tutorial's data: preference pairs for its DPO run (the DPO golden's six), GSM8K-style rows
+    for its GRPO run."""
     pairs_file(tmp)
+    _gsm8k(tmp)
 
 
 # What each tutorial asks a user to bring (the README and the CSV tutorial have their own test above), and what its
@@ -294,7 +296,8 @@ TUTORIALS = {
     "agents.md": (_environment, ["runs/agent/adapter_config.json"]),
     "votes.md": (_votes, ["pairs.jsonl", "runs/dpo/adapter_config.json", "runs/dpo-from-file/adapter_config.json",
                           "runs/kto/adapter_config.json"]),
-    "distributed.md": (_pairs, ["runs/ddp/adapter_config.json", "runs/ddp-dpo/adapter_config.json"]),
+    "distributed.md": (_pairs_and_prompts, ["runs/ddp/adapter_config.json", "runs/ddp-dpo/adapter_config.json",
+                                            "runs/ddp-grpo/adapter_config.json"]),
 }
 
 
@@ -367,7 +370,9 @@ RAN_AS_SAID = {
     "distributed.md": lambda tmp: _check(
         _summary(tmp / "runs" / "ddp" / "summary.json")["world_size"] == 2
         and _summary(tmp / "runs" / "ddp-dpo" / "summary.json")["world_size"] == 2
-        and _summary(tmp / "runs" / "ddp-dpo" / "summary.json")["objective"] == "dpo", "two ranks, SFT then DPO"),
+        and _summary(tmp / "runs" / "ddp-dpo" / "summary.json")["objective"] == "dpo"
+        and _summary(tmp / "runs" / "ddp-grpo" / "summary.json")["world_size"] == 2
+        and _summary(tmp / "runs" / "ddp-grpo" / "summary.json")["steps"] == 2, "two ranks, SFT, then DPO, then GRPO"),
 }
 
 
