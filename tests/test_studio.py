@@ -370,3 +370,29 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
     ARTIFACTS.mkdir(parents=True, exist_ok=True)  # kept for people to look at, once checked
     for picture in shots.glob("*.png"):
         shutil.copyfile(picture, ARTIFACTS / picture.name)
+
+
+def test_a_run_on_two_processes_is_checked_at_two_ranks_trains_on_both_and_resumes_on_both(tmp_path):
+    """The Train tab's processes: the settings checked at that many ranks (a batch they cannot share is refused),
+    the run launched on them, and Resume on as many as it started on."""
+    from conftest import pairs_file
+
+    pairs = str(pairs_file(tmp_path))  # DPO: what a studio user trains from the A/B tab's votes
+    with pytest.raises(TunebenchError, match=r"--effective-batch-size 3 is not a multiple of 2 rank"):
+        studio.check(studio.Ask(pairs, "odd", "tiny", "dpo", effective_batch=3, processes=2), tmp_path / "runs")
+    with pytest.raises(TunebenchError, match="processes 0 is out of this page's range"):
+        studio.check(studio.Ask(pairs, "none", "tiny", "dpo", processes=0), tmp_path / "runs")
+    ask = studio.Ask(pairs, "ranks", "tiny", "dpo", effective_batch=4, max_steps=2, processes=2)
+    rows = {r[0]: r for r in studio.settings_rows(ask, studio.check(ask, tmp_path / "runs"))}
+    assert rows["processes"][1] == "2" and "(the divisors of 2)" in rows["micro_batch_size"][2]
+    s = studio.Studio(tmp_path / "runs")
+    assert s.start(ask) == "ranks: starting"
+    assert s.wait("ranks", 120) == 0, s.log_tail("ranks")
+    run = tmp_path / "runs" / "ranks"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["objective"] == "dpo"
+    (run / "summary.json").unlink()  # as a run stopped after its last checkpoint leaves it
+    assert s.resume("ranks") == "ranks: starting"
+    assert s.wait("ranks", 120) == 0, s.log_tail("ranks")
+    assert "continuing from" in s.log_tail("ranks", 200)
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2

@@ -481,8 +481,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-download", action="store_true", help="let transformers fetch an uncached hub model")
 
 
-def train_config(args: argparse.Namespace):
-    """`tunebench train`'s parsed arguments as its run configuration (every value checked there)."""
+def train_config(args: argparse.Namespace, world_size: int | None = None):
+    """`tunebench train`'s parsed arguments as its run configuration (every value checked there, at `world_size`
+    ranks: by default the launched run's)."""
     from tunebench.settings.finetune import load_config
 
     options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
@@ -502,7 +503,7 @@ def train_config(args: argparse.Namespace):
             raise TunebenchError("give the hardware profile once (--profile NAME or hardware=NAME)")
         profile = hydra[0].split("=", 1)[1]
         overrides = [o for o in overrides if o not in hydra]
-    cfg = load_config(configs[0] if configs else None, options, overrides, profile)
+    cfg = load_config(configs[0] if configs else None, options, overrides, profile, world_size=world_size)
     if configs and cfg.output.resume:
         check_resumed_where_saved(Path(configs[0]), Path(cfg.output.output_dir))
     return cfg

@@ -42,7 +42,8 @@ SHOWN_EXAMPLES = 3
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # What one page may ask of the server: the queue, the page's numbers, the uploads it keeps (see Studio).
 MAX_QUEUED, MAX_QUEUED_PER_CLIENT = 8, 2
-BOUNDS = {"max_steps": (1, 1_000_000), "epochs": (0.01, 100), "effective_batch": (1, 4096), "max_length": (8, 32_768)}
+BOUNDS = {"max_steps": (1, 1_000_000), "epochs": (0.01, 100), "effective_batch": (1, 4096), "max_length": (8, 32_768),
+          "processes": (1, 64)}
 MAX_UPLOADS, MAX_UPLOAD_BYTES = 16, 2 * 2 ** 30  # files kept for runs, and their total size
 UPLOAD_GRACE_S = 3600  # an upload no run uses yet is kept this long (the page between upload and Start)
 PARQUET_MAX_BYTES = 2 * 2 ** 30  # uncompressed, from the file's own metadata, before a row is read
@@ -142,6 +143,7 @@ class Ask:
     max_steps: int | None = None
     epochs: float | None = None
     max_length: int = 128  # the study's
+    processes: int = 1  # ranks on this machine (tunebench launch --nproc-per-node), each rank a share of the batch
 
     def argv(self, runs_dir: Path) -> list[str]:
         """`tunebench train`'s arguments for this ask."""
@@ -181,7 +183,7 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
     except SystemExit:  # argparse has printed its usage line to stderr
         raise TunebenchError(f"these settings are not a valid `tunebench train` call: {shlex.join(ask.argv(runs_dir))}"
                              ) from None
-    cfg = train_config(args)
+    cfg = train_config(args, ask.processes)  # checked at the number of ranks it will run on
     from tunebench.training import finetune_data
 
     if cfg.objective.name != "sft" or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
@@ -224,8 +226,10 @@ def settings_rows(ask: Ask, cfg: RunConfig) -> list[list[str]]:
     from tunebench.core.batch_rule import micro_candidates
     from tunebench.machine import hardware
 
-    effective = cfg.batch_ask().check(1)
+    effective = cfg.batch_ask().check(ask.processes)
     rows = [["model", ask.model, "asked on this page"], ["method", ask.method, "asked on this page"],
+            ["processes", str(ask.processes), "asked on this page" + (
+                "; tunebench launch starts the ranks, each a share of every step's rows" if ask.processes > 1 else "")],
             ["data", ask.data, "asked on this page"], ["max_length", str(ask.max_length), "asked on this page"],
             ["effective_batch_size", str(effective),
              "asked on this page" if ask.effective_batch else "the default; = micro x accumulation x ranks"],
@@ -233,9 +237,10 @@ def settings_rows(ask: Ask, cfg: RunConfig) -> list[list[str]]:
              "asked on this page" if ask.max_steps or ask.epochs else "the default"]]
     plan = hardware.plan(cfg.hardware.device, cfg.hardware.precision, hardware.detect(), cfg.hardware.compile)
     rows += [[d.setting, str(d.value), d.reason] for d in plan.decisions]
-    sizes = micro_candidates(effective, 1, effective)
+    sizes = micro_candidates(effective, ask.processes, effective)
+    share = effective // ask.processes
     rows += [["micro_batch_size", "measured at start", f"the fastest that fits of {', '.join(map(str, sizes))} "
-                                                      f"(the divisors of {effective}), timed on this run's model"],
+                                                      f"(the divisors of {share}), timed on this run's model"],
              ["attention", "measured at start", "the fastest kernel on this run's rows"],
              ["learning_rate", f"{cfg.optimizer.lr:g}", "the default (--lr on the command line)"]]
     return rows
@@ -249,6 +254,7 @@ class Job:
     cfg: RunConfig  # the run's whole configuration, checked: the child starts from it written as RUN/asked.yaml
     log: Path
     owner: str = "local"  # who queued it (interfaces/web/models.client_of): the per-client queue bound counts it
+    processes: int = 1  # its ranks (tunebench launch)
     process: subprocess.Popen | None = None
     stopping: bool = False
 
@@ -272,7 +278,7 @@ class Studio:
         self.queue: list[Job] = []
         self.current: Job | None = None
         self.finished: dict[str, int] = {}  # name -> exit code, of the runs this studio started
-        self.program = [sys.executable, "-m", "tunebench", "train"]  # what runs a job's arguments
+        self.program: list[str] | None = None  # what runs a job's arguments: None, tunebench train (or launch)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="tunebench-studio")
@@ -294,15 +300,13 @@ class Studio:
                                  "offers more directories with `tunebench serve --studio-model DIR`)")
         return model
 
-    def _owner(self, name: str) -> str | None:
-        return read_json(self.logs / f"{name}.json").get("owner")
-
     # -- the queue
     def start(self, ask: Ask, client: str = "local") -> str:
         if self.state(ask.name) in ("queued", "running", "stopping"):  # not on disk yet when only queued
             raise TunebenchError(f"a run named {ask.name!r} is already {self.state(ask.name)}; pick another name")
         self.check_model(ask.model)
-        return self._enqueue(Job(ask.name, check(ask, self.runs_dir), self.logs / f"{ask.name}.log", client))
+        return self._enqueue(Job(ask.name, check(ask, self.runs_dir), self.logs / f"{ask.name}.log", client,
+                                 ask.processes))
 
     def resume(self, name: str, client: str = "local") -> str:
         run = self.run_path(name)
@@ -310,14 +314,15 @@ class Studio:
             raise TunebenchError(f"run {name!r} is {self.state(name)}; resume it once it has stopped")
         if RunDir(run).summary_file.is_file():
             raise TunebenchError(f"run {name!r} has finished; start a new run to train more")
-        owner = self._owner(name)
+        queued = read_json(self.logs / f"{name}.json")
         # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal,
         # written where the run is (its config's output_dir may name where it was before a rename)
         from tunebench.settings.finetune import load_config
 
+        processes = queued.get("processes", 1)  # on as many ranks as it started on
         cfg = load_config(RunDir(run).config_file, options={"output.resume": "auto", "output.output_dir": str(run),
-                                                             "logging.progress": False})
-        return self._enqueue(Job(name, cfg, self.logs / f"{name}.log", owner or client))
+                                                             "logging.progress": False}, world_size=processes)
+        return self._enqueue(Job(name, cfg, self.logs / f"{name}.log", queued.get("owner") or client, processes))
 
     def stop(self, name: str, client: str = "local") -> str:
         """SIGTERM to a running run (it saves a checkpoint, which Resume continues from), once: a second click
@@ -359,7 +364,7 @@ class Studio:
             self.logs.mkdir(exist_ok=True)
             self.finished.pop(job.name, None)
             with open_no_follow(self.logs / f"{job.name}.json") as f:
-                f.write(json.dumps({"owner": job.owner}))
+                f.write(json.dumps({"owner": job.owner, "processes": job.processes}))
             self.queue.append(job)
             ahead = len(self.queue) - 1 + (self.current is not None) + len(self.left_running())
         self._wake.set()
@@ -389,7 +394,7 @@ class Studio:
                     with open_no_follow(job.log, "a") as log:
                         log.write(f"\n$ tunebench train {run / 'asked.yaml'}\n")
                     job.process = children.start(
-                        "train", job.cfg, run, log=job.log, program=self.program, outlive_parent=True,
+                        "train", job.cfg, run, log=job.log, nproc=job.processes, program=self.program, outlive_parent=True,
                         env=child_env(PYTHONUNBUFFERED="1"))
                 except Exception as e:  # noqa: BLE001 - whatever stops a start, the run is recorded as failed
                     # with its reason (in its log when that can be written, else the console) and the queue goes

@@ -28,12 +28,13 @@ def _image(png: bytes | None):
     return None if png is None else Image.open(io.BytesIO(png))
 
 
-def _ask(data, name, model, method, batch, steps, epochs, max_length) -> studio_.Ask:
+def _ask(data, name, model, method, batch, steps, epochs, max_length, processes) -> studio_.Ask:
     if not data:
         raise TunebenchError("no data yet: upload a file (CSV, JSON, JSONL or Parquet) or use the built-in sample")
     return studio_.Ask(data=data, name=(name or "").strip(), model=(model or "").strip(), method=method,
                        effective_batch=int(batch) if batch else None, max_steps=int(steps) if steps else None,
-                       epochs=float(epochs) if epochs else None, max_length=int(max_length))
+                       epochs=float(epochs) if epochs else None, max_length=int(max_length),
+                       processes=int(processes or 1))
 
 
 def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, ab_first, ab_second, db: Path) -> None:
@@ -63,6 +64,8 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             batch = gr.Number(0, label=f"Effective batch (0: the default, {DEFAULT_EFFECTIVE_BATCH})", precision=0, minimum=0)
             steps = gr.Number(0, label="Steps (0: by epochs)", precision=0, minimum=0, elem_id="tb-steps")
             epochs = gr.Number(0, label="Epochs (0: the default, 1)", minimum=0)
+            processes = gr.Number(1, label="Processes (ranks on this machine)", precision=0, minimum=1,
+                                  elem_id="tb-processes")
             name = gr.Textbox(label="Run name", placeholder="my-run", elem_id="tb-name")
         with gr.Row():
             check = gr.Button("Show the settings", elem_id="tb-check")
@@ -106,7 +109,7 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
         upload.upload(on_upload, [upload, max_length, model], [data_path, data_info, examples])
         sample.click(lambda length, m: on_data(studio_.SAMPLE, length, m), [max_length, model],
                      [data_path, data_info, examples])
-        asked = [data_path, name, model, method, batch, steps, epochs, max_length]
+        asked = [data_path, name, model, method, batch, steps, epochs, max_length, processes]
 
         def on_check(*values):
             try:
@@ -116,9 +119,10 @@ def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, a
             except TunebenchError as e:
                 return [], error(e)
 
-        def on_start(data_, name_, model_, method_, batch_, steps_, epochs_, length_, request: gr.Request):
+        def on_start(data_, name_, model_, method_, batch_, steps_, epochs_, length_, processes_,
+                     request: gr.Request):
             try:
-                a = _ask(data_, name_, model_, method_, batch_, steps_, epochs_, length_)
+                a = _ask(data_, name_, model_, method_, batch_, steps_, epochs_, length_, processes_)
                 studio.check_model(a.model)
                 rows = studio_.settings_rows(a, studio_.check(a, studio.runs_dir))
                 said = studio.start(a, client_of(request))
