@@ -17,7 +17,9 @@ completion's mean over its tokens, then the mean over the step's completions), "
 completions x max_completion_length). All three are sums over the step divided by a count of the whole step, so
 the micro batch never changes the math; and the sampling is seeded by (seed, epoch, step) and made for the whole
 step whatever its micro batches, so the completions a step learns from depend on neither the micro batch nor a
-resume (exact resume needs no sampler state beyond the checkpoint's).
+resume (exact resume needs no sampler state beyond the checkpoint's). Under torchrun each rank makes the groups of
+its own prompts of the step (Sampler.on_ranks), seeded by its rank as well; the loop sums the step's counts over
+the ranks, so the normalisations above are the whole step's.
 
 Written here rather than taken from TRL: TRL's GRPOTrainer is a Trainer subclass with its own loop and
 generation; tests/golden/make_grpo_golden.py checks losses, advantages, rewards and KL against it step by step.
