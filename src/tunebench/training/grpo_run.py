@@ -110,7 +110,7 @@ class HeldOutReward:
     """The held-out prompts' reward (greedy completions) before training and after, printed as each is taken;
     nothing where no prompt is held out."""
 
-    def __init__(self, sampler: Sampler, keys: list[int], main: bool = True):
+    def __init__(self, sampler: Sampler, keys: list[int], main: bool):
         self.sampler, self.keys, self.main, self.start = sampler, keys, main, {}
 
     def before(self) -> None:
