@@ -517,15 +517,19 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def _grpo_args(tmp_path, out, micro, *extra):
-    data = tmp_path / "q.jsonl"  # 12 prompts: 9 train, steps of 4, 4 and 1 (rank 1's share of that one: a filler)
+    # 18 prompts: 9 train, steps of 4, 4 and 1 (rank 1's share of that one: a filler); 9 held out, decoded in
+    # batches of 8 and 1 (rank 0 takes the first, rank 1 the second)
+    data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
-                            for a in range(1, 5) for b in range(1, 4)))
-    lengths = tmp_path / "lengths.py"
-    lengths.write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+                            for a in range(1, 7) for b in range(1, 4)))
+    lengths = tmp_path / "lengths.py"  # `answer` scores the prompt, not the completion: the held-out figures differ
+    lengths.write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+                       "def answer(completions, answer, **kwargs):\n    return [float(a.split()[-1]) for a in answer]\n")
     return ["train", "--model", "tiny", "--method", "grpo", "--reward", f"{lengths}:length", "--reward", "format:\\d",
-            "--reward-weights", "0.1", "1", "--data", str(data), "--num-generations", "3",
+            "--reward", f"{lengths}:answer", "--reward-weights", "0.1", "1", "0.01", "--data", str(data),
+            "--num-generations", "3",
             "--max-completion-length", "8", "--batch-size", str(micro), "--effective-batch-size", "4",
-            "--eval-fraction", "0.25", "--precision", "fp32", "--lora-dropout", "0", "--attention", "sdpa",
+            "--eval-fraction", "0.5", "--precision", "fp32", "--lora-dropout", "0", "--attention", "sdpa",
             "--compile", "off", "--lr", "3e-3", "--schedule", "constant", "--warmup-ratio", "0", "--no-progress",
             "--threads", "1", "--max-steps", "3", "--output-dir", str(out), *extra]
 
@@ -565,7 +569,9 @@ def test_grpo_on_two_ranks_matches_one_process_on_the_same_completions(tmp_path,
         torch.testing.assert_close(ours_w[name], theirs_w, rtol=1e-4, atol=6e-5, msg=name)
     mine, one_process = (json.loads((run / "summary.json").read_text()) for run in (two, one))
     assert mine["world_size"] == 2 and mine["generated_tokens"] == one_process["generated_tokens"]
-    assert mine["eval_reward"] == pytest.approx(one_process["eval_reward"], abs=1e-6)
+    for key in ("eval_reward_before", "eval_reward", "eval_rewards/answer/mean", "eval_rewards/length/mean"):
+        # the 9 held-out prompts' greedy completions: 8 decoded by rank 0 and 1 by rank 1, read together
+        assert mine[key] == pytest.approx(one_process[key], abs=1e-6), key
 
 
 # A reward that writes the prompts of each training step it scores (a group: the prompt num_generations times) to the
@@ -604,7 +610,7 @@ def test_grpo_killed_on_two_ranks_resumes_on_two_one_and_four(tmp_path):
 
     def run(out, nproc, *extra, **env):
         args = _grpo_args(tmp_path, out, 4 // nproc, "--reward", f"{recorder}:seen", "--reward-weights", "0.1", "1",
-                          "0", "--max-steps", "4", "--save-steps", "1", *extra)
+                          "0.01", "0", "--max-steps", "4", "--save-steps", "1", *extra)
         launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
         return subprocess.run([sys.executable, *launch, "-m", "tunebench", *args], capture_output=True, text=True,
                               env={**_env(), "SCORED": str(out) + ".scored", **env}, timeout=300)

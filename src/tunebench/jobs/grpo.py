@@ -52,7 +52,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "env": env, "openings": rows.prompts, "max_turns": o.max_turns, "max_length": cfg.data.max_length})
     sampler = kind(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
                    eagerly=lambda: compiler.eagerly(compiled[0]), **in_env)
-    held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist(), opened.world.main)
+    held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist(), opened.world)
 
     def start(plan):
         compiled.append(plan.compile)
@@ -65,7 +65,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
         summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
         summary.update(grpo_run.generation(done.ranks, done.outcome, settings), prompts_dropped=data.dropped,
-                       **({"environment": cfg.objective.environment} if env else {}), **held_out.after())
+                       **({"environment": cfg.objective.environment} if env else {}), **held_out.after(done.ranks))
         return summary, saved
 
     lengths = data.lengths()
@@ -96,5 +96,5 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         records=finetune_model.records(loaded, trainable, total),
         before_training=start,
         prefetch=False,  # sampling needs the live weights
-        rank_figures=lambda: (sampler.generated_tokens, sampler.generation_s),
+        rank_figures=held_out.rank_figures,  # the sampling's figures and the held-out rows after training
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

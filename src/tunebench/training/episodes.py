@@ -214,22 +214,29 @@ class EpisodeSampler(grpo.Sampler):
     def reward_names(self) -> list[rewards_.Reward]:
         return [rewards_.Reward("environment", 1.0, lambda p, c, cols: []), *self.rewards]
 
-    def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
-        """Greedy episodes of the held-out prompts: the weighted reward (and each reward's), the share that scored
-        above 0 (success), turns, calls and the share of calls that ran."""
-        episodes = []
-        for start in range(0, len(keys), batch_size):
-            episodes += rollout(self, keys[start:start + batch_size], 1, None, 1.0)
-        scores = self.score_episodes(episodes)
+    def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]:
+        """Each held-out prompt's greedy episode (`chunks` played as one batch each): its row of scores (the
+        environment's, then each --reward's), then its turns, calls and calls that ran."""
+        rows = []
+        for chunk in chunks:
+            episodes = rollout(self, chunk, 1, None, 1.0)
+            rows += [[*scores, e.turns, e.calls, e.calls_ok]
+                     for scores, e in zip(self.score_episodes(episodes).tolist(), episodes)]
+        return rows
+
+    def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]:
+        """The weighted reward (and each reward's), the share that scored above 0 (success), turns, calls and the
+        share of calls that ran, over held_out_scores' rows (all ranks' together)."""
+        table = torch.tensor(rows, dtype=torch.float64)
+        scores, (turns, calls, ok) = table[:, :-3].float(), table[:, -3:].T
         total = (scores * self.weights).nansum(1)
-        calls = sum(e.calls for e in episodes)
         names = ["environment", *(r.name for r in self.rewards)]
         return {"eval_reward": float(total.mean()),
                 **{f"eval_rewards/{n}/mean": float(torch.nanmean(scores[:, j])) for j, n in enumerate(names)},
                 "eval_episodes/success": float((total > 0).float().mean()),
-                "eval_episodes/turns": float(np.mean([e.turns for e in episodes])),
-                "eval_episodes/calls": calls / len(episodes),
-                "eval_episodes/calls_ok": sum(e.calls_ok for e in episodes) / calls if calls else None}
+                "eval_episodes/turns": float(turns.mean()),
+                "eval_episodes/calls": float(calls.mean()),
+                "eval_episodes/calls_ok": float(ok.sum() / calls.sum()) if calls.sum() else None}
 
 
 def play(placed, env: environment_.Environment, records: list[dict[str, Any]], max_turns: int,

@@ -238,16 +238,20 @@ class Sampler:
                         torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
         return rows_of(groups, keys, self.data, g, self.tokenizer.pad_token_id)
 
-    def held_out_reward(self, keys: list[int], batch_size: int = 8) -> dict[str, float]:
-        """The weighted reward of one greedy completion of each of `keys` (held-out prompts), and each reward's."""
-        per = []
-        for start in range(0, len(keys), batch_size):
-            chunk = keys[start:start + batch_size]
+    def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]:
+        """Each held-out prompt's row of reward scores (NaN where a reward had no opinion) for one greedy completion,
+        `chunks` (lists of held-out prompts) decoded as one batch each."""
+        rows = []
+        for chunk in chunks:
             with self.eagerly():
                 completions = complete(self.model, self.tokenizer, self.device, self.autocast,
                                        [self.data.ids[k] for k in chunk], 1, self.s.max_completion_length)
-            per.append(self.score(chunk, completions, 1))
-        scores = torch.cat(per)
+            rows += self.score(chunk, completions, 1).tolist()
+        return rows
+
+    def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]:
+        """The weighted reward of held_out_scores' rows (all ranks' together), and each reward's."""
+        scores = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(self.rewards))
         return {"eval_reward": float((scores * self.weights).nansum(1).mean()),
                 **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
 

@@ -11,6 +11,8 @@ from typing import Any
 from tunebench.core.decision import Decision
 from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
+from tunebench.machine import distributed
+from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import checkpoint, environment, finetune_data
@@ -93,13 +95,13 @@ def measured_as(cfg: RunConfig) -> tuple:
             a.target_modules)
 
 
-def generation(ranks: list[tuple[int, float]], outcome, s: GRPOSettings) -> dict[str, Any]:
-    """Sampling measured apart from the update, from each rank's (generated tokens, seconds sampling): generated
+def generation(ranks: list[dict[str, Any]], outcome, s: GRPOSettings) -> dict[str, Any]:
+    """Sampling measured apart from the update, from each rank's figures (HeldOutReward.rank_figures): generated
     tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks sampling side by side),
     and the update's tokens a second over the training time less that sampling (rank 0's step times include its
     own sampling and the wait for the slowest rank's)."""
     state = outcome.state
-    tokens, seconds = sum(t for t, _ in ranks), max(s_ for _, s_ in ranks)
+    tokens, seconds = sum(r["generated_tokens"] for r in ranks), max(r["generation_s"] for r in ranks)
     update_s = max(state.train_time_s - seconds, 1e-9)
     return {"objective": "grpo", "num_generations": s.num_generations, "generated_tokens": tokens,
             "generation_s": round(seconds, 3), "generation_tokens_per_s": tokens / seconds if seconds else None,
@@ -107,23 +109,39 @@ def generation(ranks: list[tuple[int, float]], outcome, s: GRPOSettings) -> dict
 
 
 class HeldOutReward:
-    """The held-out prompts' reward (greedy completions) before training and after, printed as each is taken;
-    nothing where no prompt is held out."""
+    """The held-out prompts' reward (greedy completions) before training and after, printed by rank 0 as each is
+    taken; nothing where no prompt is held out. The prompts are decoded in batches of `batch_size`, as one process
+    makes them, each rank every world-size-th batch (as loop.evaluate shares held-out batches), and rank 0 reads
+    every rank's rows: the figures are one process's, in a share of its time."""
 
-    def __init__(self, sampler: Sampler, keys: list[int], main: bool):
-        self.sampler, self.keys, self.main, self.start = sampler, keys, main, {}
+    def __init__(self, sampler: Sampler, keys: list[int], world: World, batch_size: int = 8):
+        self.sampler, self.keys, self.world, self.start = sampler, keys, world, {}
+        self.chunks = [keys[i:i + batch_size] for i in range(0, len(keys), batch_size)]
+
+    def mine(self) -> list[list[float]]:
+        """This rank's rows (Sampler.held_out_scores) of the held-out prompts, at the model's weights now."""
+        return self.sampler.held_out_scores(self.chunks[self.world.rank::self.world.size])
 
     def before(self) -> None:
-        """On every rank (they hold the same weights; only rank 0 reports, and only it takes `after`)."""
-        if self.keys:
-            self.start = self.sampler.held_out_reward(self.keys)
-            if self.main:
-                print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
+        """On every rank, before the first step."""
+        if not self.keys:
+            return
+        rows = distributed.gather(self.world, self.mine())
+        if rows is not None:
+            self.start = self.sampler.held_out_figures([row for part in rows for row in part])
+            print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
 
-    def after(self) -> dict[str, float]:
+    def rank_figures(self) -> dict[str, Any]:
+        """On every rank once training has ended (recipe.Recipe.rank_figures): its sampling's tokens and seconds,
+        and its share of the held-out rows after training, for rank 0's `generation` and `after`."""
+        return {"generated_tokens": self.sampler.generated_tokens, "generation_s": self.sampler.generation_s,
+                "held_out": self.mine() if self.keys else []}
+
+    def after(self, ranks: list[dict[str, Any]]) -> dict[str, float]:
+        """Rank 0: the figures after training from every rank's rank_figures, beside those before."""
         if not self.keys:
             return {}
-        after = self.sampler.held_out_reward(self.keys)
+        after = self.sampler.held_out_figures([row for r in ranks for row in r["held_out"]])
         print(f"held-out reward after training: {describe(after)} (before: {self.start['eval_reward']:.4f})")
         return {"eval_reward_before": self.start["eval_reward"], **after,
                 **{f"{k}_before": v for k, v in self.start.items() if k.startswith("eval_episodes/")}}
