@@ -365,6 +365,26 @@ def test_threads_per_rank_split_the_usable_cores(local_ranks, omp, launched, thr
     assert decision.value == threads and why in decision.reason
 
 
+@pytest.mark.parametrize("options, why", [
+    ({"train.objective": "grpo", "objective.reward": ["gsm8k"]}, "--objective grpo samples"),  # auto's pick
+    ({"evaluation.eval_generate": 2, "distributed.parallel": "fsdp"}, "--eval-generate needs the whole model"),
+])
+def test_what_cannot_run_sharded_is_refused_when_fsdp_is_picked(options, why):
+    """GRPO samples, and --eval-generate generates, with a whole model on each rank: FSDP, asked for or picked by
+    auto for a model that does not fit a rank, is refused with the fix (these compared the table's row, not its
+    value, with "fsdp", and never fired)."""
+    from types import SimpleNamespace
+
+    from tunebench.core.errors import TunebenchError
+    from tunebench.settings.finetune import load_config
+    from tunebench.training import finetune_model
+
+    cfg = load_config(options={"adapter.method": "full", **options}, world_size=2)
+    opened = SimpleNamespace(world=World(rank=0, size=2, local_size=2, backend="gloo"), device=torch.device("cpu"))
+    with pytest.raises(TunebenchError, match=why):
+        finetune_model.pick_parallel(cfg, opened, 10**12)  # a trillion parameters fit no rank: auto shards
+
+
 def test_parallel_auto_shards_what_does_not_fit_and_keeps_adapters_on_ddp():
     assert hardware.pick_parallel("auto", "full", 10_000_000, 2, 10_000).value == "ddp"  # ~153 MB of 10 GB
     assert hardware.pick_parallel("auto", "pretrain", 1_000_000_000, 2, 10_000).value == "fsdp"

@@ -143,10 +143,10 @@ def pick_parallel(cfg: RunConfig, opened: runner.Opened, trainable: int) -> Deci
     world = opened.world
     parallel = hardware.pick_parallel(cfg.distributed.parallel, cfg.adapter.method, trainable, world.size,
                                       memory_free_mb(opened.device, world.local_size))
-    if cfg.evaluation.eval_generate and parallel == "fsdp":
+    if cfg.evaluation.eval_generate and parallel.value == "fsdp":
         raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
                              "`tunebench eval --adapter OUT --generate N` after training instead")
-    if cfg.objective.name == "grpo" and parallel == "fsdp":  # auto's pick, when the model does not fit a rank
+    if cfg.objective.name == "grpo" and parallel.value == "fsdp":  # auto's pick, when the model does not fit a rank
         raise TunebenchError(GRPO_NOT_SHARDED)
     return parallel
 
