@@ -96,5 +96,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         records=finetune_model.records(loaded, trainable, total),
         before_training=start,
         prefetch=False,  # sampling needs the live weights
-        rank_figures=held_out.rank_figures,  # the sampling's figures and the held-out rows after training
+        rank_figures=lambda: {"generated_tokens": sampler.generated_tokens, "generation_s": sampler.generation_s,
+                              "held_out": held_out.mine()},  # every rank's, once training has ended
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

@@ -96,10 +96,10 @@ def measured_as(cfg: RunConfig) -> tuple:
 
 
 def generation(ranks: list[dict[str, Any]], outcome, s: GRPOSettings) -> dict[str, Any]:
-    """Sampling measured apart from the update, from each rank's figures (HeldOutReward.rank_figures): generated
-    tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks sampling side by side),
-    and the update's tokens a second over the training time less that sampling (rank 0's step times include its
-    own sampling and the wait for the slowest rank's)."""
+    """Sampling measured apart from the update, from each rank's figures (its "generated_tokens" and
+    "generation_s"): generated tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks
+    sampling side by side), and the update's tokens a second over the training time less that sampling (rank 0's
+    step times include its own sampling and the wait for the slowest rank's)."""
     state = outcome.state
     tokens, seconds = sum(r["generated_tokens"] for r in ranks), max(r["generation_s"] for r in ranks)
     update_s = max(state.train_time_s - seconds, 1e-9)
@@ -119,8 +119,9 @@ class HeldOutReward:
         self.chunks = [keys[i:i + batch_size] for i in range(0, len(keys), batch_size)]
 
     def mine(self) -> list[list[float]]:
-        """This rank's rows (Sampler.held_out_scores) of the held-out prompts, at the model's weights now."""
-        return self.sampler.held_out_scores(self.chunks[self.world.rank::self.world.size])
+        """This rank's rows (Sampler.held_out_scores) of the held-out prompts, at the model's weights now; on every
+        rank, before training (`before`) and after it (gathered for `after`)."""
+        return self.sampler.held_out_scores(self.chunks[self.world.rank::self.world.size]) if self.keys else []
 
     def before(self) -> None:
         """On every rank, before the first step."""
@@ -131,14 +132,9 @@ class HeldOutReward:
             self.start = self.sampler.held_out_figures([row for part in rows for row in part])
             print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
 
-    def rank_figures(self) -> dict[str, Any]:
-        """On every rank once training has ended (recipe.Recipe.rank_figures): its sampling's tokens and seconds,
-        and its share of the held-out rows after training, for rank 0's `generation` and `after`."""
-        return {"generated_tokens": self.sampler.generated_tokens, "generation_s": self.sampler.generation_s,
-                "held_out": self.mine() if self.keys else []}
-
     def after(self, ranks: list[dict[str, Any]]) -> dict[str, float]:
-        """Rank 0: the figures after training from every rank's rank_figures, beside those before."""
+        """Rank 0: the figures after training from every rank's rows (each rank's figures' "held_out": its `mine`
+        once training has ended), beside those before."""
         if not self.keys:
             return {}
         after = self.sampler.held_out_figures([row for r in ranks for row in r["held_out"]])

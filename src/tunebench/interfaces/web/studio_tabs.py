@@ -34,7 +34,7 @@ def _ask(data, name, model, method, batch, steps, epochs, max_length, processes)
     return studio_.Ask(data=data, name=(name or "").strip(), model=(model or "").strip(), method=method,
                        effective_batch=int(batch) if batch else None, max_steps=int(steps) if steps else None,
                        epochs=float(epochs) if epochs else None, max_length=int(max_length),
-                       processes=int(processes or 1))
+                       processes=1 if processes is None else int(processes))  # 0 reaches check, refused
 
 
 def add_tabs(gr, studio: studio_.Studio, registry: Registry, tabs, chat_model, ab_first, ab_second, db: Path) -> None:
