@@ -379,7 +379,10 @@ def test_what_cannot_run_sharded_is_refused_when_fsdp_is_picked(options, why):
     from tunebench.settings.finetune import load_config
     from tunebench.training import finetune_model
 
-    cfg = load_config(options={"adapter.method": "full", **options}, world_size=2)
+    if "distributed.parallel" in options:  # asked for: refused at load, before any output
+        with pytest.raises(TunebenchError, match=why):
+            load_config(options={"adapter.method": "full", **options}, world_size=2)
+    cfg = load_config(options={"adapter.method": "full", **options}, world_size=1)
     opened = SimpleNamespace(world=World(rank=0, size=2, local_size=2, backend="gloo"), device=torch.device("cpu"))
     with pytest.raises(TunebenchError, match=why):
         finetune_model.pick_parallel(cfg, opened, 10**12)  # a trillion parameters fit no rank: auto shards

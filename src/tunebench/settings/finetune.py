@@ -28,10 +28,6 @@ ON_UNRENDERABLE = ("refuse", "drop")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo.py)
 SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's reward spread, or not
-# GRPO's ranks each sample from a whole copy of the policy (decoding stops at each rank's own EOS, so a sharded
-# forward's gathers would not line up across ranks)
-GRPO_NOT_SHARDED = ("--objective grpo samples its completions from a whole model on each rank, and FSDP shards it; "
-                    "use --parallel ddp (LoRA, or a full fine-tune that fits on one rank)")
 
 
 @dataclass(frozen=True)
@@ -376,6 +372,18 @@ def replace(cfg: RunConfig, **dotted: Any) -> RunConfig:
     return new
 
 
+def not_sharded(cfg: RunConfig) -> str | None:
+    """Why this run cannot train under FSDP (None: it can): GRPO's ranks and --eval-generate decode with a whole
+    model on each rank, each stopping at its own EOS, so a sharded forward's gathers would not line up."""
+    if cfg.objective.name == "grpo":
+        return ("--objective grpo samples its completions from a whole model on each rank, and FSDP shards it; use "
+                "--parallel ddp (LoRA, or a full fine-tune that fits on one rank)")
+    if cfg.evaluation.eval_generate:
+        return ("--eval-generate needs the whole model on one rank, and FSDP shards it; run `tunebench eval "
+                "--adapter OUT --generate N` after training instead")
+    return None
+
+
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     SCHEMA.check(cfg)
     world_size = world_size or launched_world_size()
@@ -423,11 +431,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if d.packing == "on":
             raise TunebenchError(f"--objective {o.name} keeps each pair's two rows side by side and cannot pack "
                                  "rows; use --packing auto or off")
-        if world_size > 1 and o.name == "grpo" and cfg.distributed.parallel == "fsdp":
-            raise TunebenchError(GRPO_NOT_SHARDED)
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
+    if world_size > 1 and cfg.distributed.parallel == "fsdp" and (refused := not_sharded(cfg)):
+        raise TunebenchError(refused)
     cfg.batch_ask().check(world_size)  # the job checks again once its group is up
 
 

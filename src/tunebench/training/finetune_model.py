@@ -15,7 +15,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.machine import hardware, metrics
 from tunebench.model import methods, models
-from tunebench.settings.finetune import EPISODE_DEFAULTS, GRPO_NOT_SHARDED, RunConfig
+from tunebench.settings.finetune import EPISODE_DEFAULTS, RunConfig, not_sharded
 from tunebench.training import preference, runner
 from tunebench.training.autotune import memory
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
@@ -143,11 +143,9 @@ def pick_parallel(cfg: RunConfig, opened: runner.Opened, trainable: int) -> Deci
     world = opened.world
     parallel = hardware.pick_parallel(cfg.distributed.parallel, cfg.adapter.method, trainable, world.size,
                                       memory_free_mb(opened.device, world.local_size))
-    if cfg.evaluation.eval_generate and parallel.value == "fsdp":
-        raise TunebenchError("--eval-generate needs the whole model on one rank, and FSDP shards it; run "
-                             "`tunebench eval --adapter OUT --generate N` after training instead")
-    if cfg.objective.name == "grpo" and parallel.value == "fsdp":  # auto's pick, when the model does not fit a rank
-        raise TunebenchError(GRPO_NOT_SHARDED)
+    if parallel.value == "fsdp":  # asked for (refused at load too), or auto's pick for a model no rank can hold
+        if refused := not_sharded(cfg):
+            raise TunebenchError(refused)
     return parallel
 
 
