@@ -96,6 +96,5 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         records=finetune_model.records(loaded, trainable, total),
         before_training=start,
         prefetch=False,  # sampling needs the live weights
-        rank_figures=lambda: {"generated_tokens": sampler.generated_tokens, "generation_s": sampler.generation_s,
-                              "held_out": held_out.mine()},  # every rank's, once training has ended
+        rank_figures=lambda: grpo_run.rank_figures(sampler, held_out),
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

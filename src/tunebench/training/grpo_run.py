@@ -108,6 +108,14 @@ def generation(ranks: list[dict[str, Any]], outcome, s: GRPOSettings) -> dict[st
             "update_s": round(update_s, 3), "update_tokens_per_s": state.tokens / update_s}
 
 
+def rank_figures(sampler: Sampler, held_out: HeldOutReward) -> dict[str, Any]:
+    """What each rank counted itself, read on every rank once training has ended (recipe.Recipe.rank_figures) and
+    gathered for rank 0: its sampling's tokens and seconds (for `generation`), its held-out rows (for
+    HeldOutReward.after)."""
+    return {"generated_tokens": sampler.generated_tokens, "generation_s": sampler.generation_s,
+            "held_out": held_out.mine()}
+
+
 class HeldOutReward:
     """The held-out prompts' reward (greedy completions) before training and after, printed by rank 0 as each is
     taken; nothing where no prompt is held out. The prompts are decoded in batches of `batch_size`, as one process
