@@ -331,6 +331,4 @@ class GRPOLoss(torch.nn.Module):
         else:  # dr_grpo
             loss = per_token.sum() / s.max_completion_length
         stats = torch.cat([kl_sum.reshape(1), batch["row_stats"].to(logp.dtype).sum(0)])
-        if "live" in batch:  # runner.micro_batches' filler for a rank with no prompts: no loss, no figures
-            loss, stats = loss * batch["live"], stats * batch["live"]
         return loss, stats

@@ -156,13 +156,7 @@ class PreferenceLoss(torch.nn.Module):
         return reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss sum, stat sums) of the micro batch; both 0 for a filler (runner.micro_batches: `live` 0)."""
-        loss, stats = self.losses(batch)
-        if "live" in batch:
-            loss, stats = loss * batch["live"], stats * batch["live"]
-        return loss, stats
-
-    def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, stat sums) of the micro batch (a filler's, `live` 0, the loop multiplies by 0)."""
         rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
         pairs = rows // 2
         if self.method == "kto":

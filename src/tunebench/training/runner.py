@@ -232,7 +232,7 @@ def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[li
     micro-step, so ranks together hold what one process would). The data position (epoch, batch_in_epoch)
     counts global micro-steps. A short last step can leave a rank no rows: it gets a filler row with no
     loss and no real tokens (or, for an objective that counts its own units, a real row with `counts` 0 and
-    `live` 0, which multiplies its loss and figures), because every rank must run the same number of
+    `live` 0, by which the loop multiplies its loss and figures), because every rank must run the same number of
     forward/backward passes for the gradient sync (one process skips it)."""
     epochs: dict[int, list[list[int]]] = {}
 
