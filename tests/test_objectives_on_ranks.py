@@ -113,6 +113,30 @@ def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objectiv
         assert mine[key] == pytest.approx(one_process[key], rel=1e-5, abs=1e-6), key
 
 
+def test_each_objective_trains_on_two_ranks_at_the_defaults(tmp_path):
+    """Nothing pinned but the model, the data, the length and the effective batch (the pairs file has 5 training
+    rows): rank 0 measures alone (the attention kernel through
+    the objective's own loss, the micro batch) while the other ranks wait for its answer. KTO's reference point
+    all-reduced inside rank 0's probe step and both ranks hung for good (issue 81); every other rank test pins the
+    settings, so none measured on ranks."""
+    from conftest import pairs_file
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    _grpo_args(tmp_path, tmp_path / "unused", 2)  # writes q.jsonl
+    data = {"sft": rows, "dpo": pairs_file(tmp_path), "orpo": pairs_file(tmp_path),
+            "kto": _preference_data(tmp_path, "kto"), "grpo": tmp_path / "q.jsonl"}
+    for objective, path in data.items():
+        out = tmp_path / objective
+        extra = ["--reward", "format:\\d", "--num-generations", "2", "--max-completion-length", "8"] \
+            if objective == "grpo" else []
+        _tunebench(["train", "--model", "tiny", "--objective", objective, "--data", str(path), "--max-steps", "2",
+                    "--effective-batch-size", "4", "--output-dir", str(out), "--no-progress", *extra], nproc=2, timeout=180)
+        plan = {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
+        assert plan["world"]["value"] == 2 and plan["attention"]["reason"].startswith("measured"), objective
+        assert sorted(_losses(out)) == [1, 2], objective
+
+
 # GRPO's completions fixed by their prompt (not by the seed, which differs by rank), so 2 ranks and 1 process learn
 # from the same ones; the script replaces the sampler and runs the command line as `python -m tunebench` would.
 FIXED_GRPO = """import sys, zlib

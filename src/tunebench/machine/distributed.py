@@ -113,6 +113,30 @@ def all_sum(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
+_alone = [0]  # how deep this process is inside code its other ranks do not run (see alone)
+
+
+@contextlib.contextmanager
+def alone():
+    """Code one rank runs while the others wait for it (agree's `decide`: rank 0's measurements, whose probe steps
+    run the objective's loss): a collective there would wait for ranks that are not coming, so `sum_in_step`
+    leaves a tensor as it is inside it. KTO's reference point all-reduced inside rank 0's probe step and hung
+    both ranks at the defaults (issue 81)."""
+    _alone[0] += 1
+    try:
+        yield
+    finally:
+        _alone[0] -= 1
+
+
+def sum_in_step(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over the ranks in place, where every rank runs this same step (the loop's); as it is in one
+    process, and inside `alone`."""
+    if not _alone[0] and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
 def _encode(value: Any) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(value, buffer)
@@ -138,7 +162,8 @@ def agree(world: World, decide: Callable[[], T], safe: Sequence[type] = ()) -> T
         return decide()
     if world.main:
         try:
-            value = decide()
+            with alone():
+                value = decide()
             _broadcast(("ok", value), world, safe)
             return value
         except TunebenchError as e:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tunebench.core.precision import autocast
+from tunebench.machine import distributed
 from tunebench.training.loop import Batch, body_and_head
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -202,8 +203,8 @@ class PreferenceLoss(torch.nn.Module):
                                                          dtype=kl_terms.dtype)])
         if live is not None:
             sums = sums * live
-        if self.training and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(sums)
+        if self.training:
+            distributed.sum_in_step(sums)
         return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
 
     def kto(self, batch: Batch, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
