@@ -49,6 +49,45 @@ def reward(messages, row):
 '''
 
 
+# An environment with state, one instance an episode (ENVIRONMENT): a cart that `add` fills; the reward is whether it
+# holds the number of items the row wants. `add("slow")` finishes after a short tool timeout, in its thread.
+CART = '''
+import threading
+
+
+class Cart:
+    released = threading.Event()  # set by the test: a timed-out add("slow") goes on then
+
+    def __init__(self):
+        self.items = []
+
+    def reset(self, row):
+        self.items = list(row.get("start", []))
+        return [{"role": "user", "content": row["q"]}]
+
+    def add(self, item: str) -> str:
+        """Add.
+
+        Args:
+            item: the item
+        """
+        if item == "slow":
+            Cart.released.wait(10)
+        self.items.append(item)
+        return f"{len(self.items)} item(s)"
+
+    def count(self) -> int:
+        """Count."""
+        return len(self.items)
+
+    def reward(self, messages, row):
+        return float(len(self.items) == row["want"])
+
+
+ENVIRONMENT = Cart
+'''
+
+
 # The reward of the run that is killed: once the checkpoint KILL_AFTER names is on disk, the next episode scored
 # (one of the following step's) kills its process with SIGKILL.
 KILLER = """def reward(messages, row):
@@ -83,6 +122,12 @@ def _train(tmp_path, env, out, *extra):
      "def reward(messages, row): ...\n", "tool 'f' cannot be described to the model .*type hint"),
     (ENV.replace("def reward(messages, row):", "def reward(messages):"), r"reward must take \(messages, row\)"),
     (ENV.replace("def reset(row):", "def start(row):"), "defines no reset"),
+    (CART.replace("    def reward(self, messages, row):", "    def score(self, messages, row):"),
+     "ENVIRONMENT's instances have no reward method"),
+    (CART.replace("def add(", "def _add(").replace("def count(", "def _count("), "ENVIRONMENT has no tools"),
+    (CART + "\ndef reset(row): ...\n", "defines ENVIRONMENT and module-level reset"),
+    (CART.replace("ENVIRONMENT = Cart", "ENVIRONMENT = Cart()"), "ENVIRONMENT must be a class"),
+    (CART.replace("self.items = []", "self.items = 1 / 0"), r"ENVIRONMENT\(\) raised ZeroDivisionError"),
 ])
 def test_a_bad_environment_is_refused_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, text,
                                                                           message):
@@ -128,18 +173,18 @@ def _scripted(tok, replies):
     return complete
 
 
-def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0):
+def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0, text=ENV, rows=None, max_length=1024):
     from tunebench.data.prompts import PromptRows
 
     tok = tiny.tokenizer
-    env = environment.load(str(_env(tmp_path)), timeout_s)
-    rows = [{"q": "k a?", "a": "1"}, {"q": "k boom?", "a": "?"}]
+    env = environment.load(str(_env(tmp_path, text)), timeout_s)
+    rows = rows or [{"q": "k a?", "a": "1"}, {"q": "k boom?", "a": "?"}]
     prompts = PromptRows([environment.opening(env, r) for r in rows], rows, "rows")
     episodes.template_for(tok, env.schemas, prompts.prompts[0])
-    data = episodes.tokenize(prompts, tok, env, 1024, 12)  # scripted replies: no model reads these contexts
+    data = episodes.tokenize(prompts, tok, env, max_length, 12)  # scripted replies: no model reads these contexts
     settings = grpo.GRPOSettings(2, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
     return episodes.EpisodeSampler(tiny.model, tok, data, prompts, [], settings, torch.device("cpu"), None, 0, env=env,
-                                   openings=prompts.prompts, max_turns=max_turns, max_length=1024)
+                                   openings=prompts.prompts, max_turns=max_turns, max_length=max_length)
 
 
 def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_does(tmp_path, tiny, monkeypatch):
@@ -183,6 +228,85 @@ def test_results_that_do_not_fit_the_context_end_the_episode_unread(tmp_path, ti
     e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
     assert (e.turns, e.calls, e.tool_turns) == (1, 1, []) and len(e.ids) <= sampler.max_length
     assert e.messages[-1]["role"] == "assistant" and sum(e.mask) == len(e.ids) - e.prompt_len
+
+
+def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
+    """The four stop rules, one episode each: an answer without a call, a reply cut at --max-completion-length (no
+    EOS), a call on the last of --max-turns (not run), results with no room in the context (not read); the step's
+    stats give each rule's share."""
+    sampler = _sampler(tmp_path, tiny, max_turns=2)
+    tok = tiny.tokenizer
+    call, long_call = toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "long"})
+    first = ["It is 1.", "x", call, long_call]
+
+    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0):
+        if len(prompts) == 4:  # the first turn: episode 1's reply has no EOS, as when the token limit cuts it
+            return [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * (i != 1)
+                    for i, t in enumerate(first)]
+        return [tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]  # episode 2's second turn
+
+    monkeypatch.setattr(grpo, "complete", complete)
+    sampler.s = grpo.GRPOSettings(4, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    played = episodes.rollout(sampler, [0], 4, 1.0, 1.0)
+    assert [e.stop for e in played] == ["answered", "cut", "max_turns", "no_room"]
+    assert [(e.turns, e.calls) for e in played] == [(1, 0), (1, 0), (2, 1), (1, 1)]
+    monkeypatch.setattr(episodes, "rollout", lambda *a: played)
+    groups = sampler.groups([0], seed=1)
+    names = sampler.stat_names()[1:]  # the row stats: every stat but kl
+    shares = {n: groups.row_stats[:, names.index(n)].tolist() for n in names if n.startswith("episodes/stop/")}
+    assert shares == {"episodes/stop/answered": [1, 0, 0, 0], "episodes/stop/cut": [0, 1, 0, 0],
+                      "episodes/stop/max_turns": [0, 0, 1, 0], "episodes/stop/no_room": [0, 0, 0, 1]}
+
+
+def test_an_episode_opens_with_its_own_rows_messages_when_an_opening_is_dropped(tmp_path, tiny, monkeypatch):
+    """An opening too long for a turn is dropped at tokenizing: the next prompt's episodes still carry their own
+    row's messages (they took the dropped row's, by index into the rows, and the reward read another question)."""
+    rows = [{"q": "k " + "a " * 600 + "?", "a": "1"}, {"q": "k b?", "a": "2"}]
+    sampler = _sampler(tmp_path, tiny, rows=rows)
+    assert sampler.data.dropped == 1 and sampler.data.source(0) == 1
+    monkeypatch.setattr(grpo, "complete", _scripted(tiny.tokenizer, [["It is 2."]]))
+    e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
+    assert e.messages[0]["content"] == "k b?" and sampler.score_episodes([e]).flatten().tolist() == [1.0]
+
+
+def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, tiny, monkeypatch):
+    """ENVIRONMENT's episodes each fill their own cart (reset sets it from the row; the reward reads it), and a call
+    that timed out and finishes later in its thread changes its own episode's cart, never the next one's."""
+    sampler = _sampler(tmp_path, tiny, timeout_s=0.2, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
+    tok = tiny.tokenizer
+    add = [toolcalls.written("add", {"item": "slow"}), toolcalls.written("add", {"item": "pen"})]
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [add, ["Done.", "Done."]]))
+    slow, fast = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    assert "no answer within 0.2 s" in slow.messages[2]["content"] and fast.messages[2]["content"] == "1 item(s)"
+    cart = {e.stop: e.env.tools["add"].__self__ for e in (slow,)} | {"next": fast.env.tools["add"].__self__}
+    assert cart["answered"] is not cart["next"] and cart["next"].items == ["pen"]
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("count", {})], ["Done."]]))
+    after, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)  # the next step's episode, while add("slow") still waits
+    type(cart["next"]).released.set()
+    for _ in range(1000):  # the timed-out call finishes in its thread, on its own episode's cart
+        if cart["answered"].items:
+            break
+        time.sleep(0.01)
+    assert cart["answered"].items == ["slow"] and cart["next"].items == ["pen"]
+    assert after.messages[2]["content"] == "0" and after.env.tools["add"].__self__.items == []
+    assert sampler.score_episodes([slow, fast, after]).flatten().tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_stateful_environment_trains_from_the_command_line(tmp_path):
+    """Two GRPO steps on the tiny model in ENVIRONMENT's carts (add only); the step logs why its episodes stopped."""
+    rows = tmp_path / "carts.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"Add {n}.", "want": n}) + "\n" for n in (1, 2, 1, 2, 1, 2)))
+    out = tmp_path / "out"
+    one_tool = CART.replace('    def count(self) -> int:\n        """Count."""\n        return len(self.items)\n', "")
+    assert one_tool != CART  # the tiny model's 512 positions hold one tool's schema and 3 turns, not two
+    args = _train(tmp_path, _env(tmp_path, one_tool), out, "--max-steps", "2")
+    args[args.index("--data") + 1] = str(rows)
+    assert main(args) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        stops = [r[f"episodes/stop/{why}"] for why in grpo.EPISODE_STOPS]
+        assert sum(stops) == pytest.approx(1.0) and "rewards/environment/mean" in r
 
 
 def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatch):

@@ -10,10 +10,23 @@ past it, is not offered, or gets arguments its schema refuses answers the model 
 goes on; a reward may penalise it). Everything here is checked when the file is loaded, before any model loads.
 A tool whose answers are random is the user's to seed: tunebench seeds Python's `random` and numpy per step
 (episodes.rollout), which makes a tool drawing from those reproducible on resume.
+
+An environment with state (a shopping cart, a file system, a game) gives a class instead, as TRL's
+`environment_factory` does: one instance an episode, its public methods the tools.
+
+    class Cart:
+        def reset(self, row) -> list[dict]: ...        # sets this episode's state; the same messages as for the row
+        def add(self, item: str, n: int) -> str: ...   # a tool: type-hinted, documented (every public method but
+        def reward(self, messages, row) -> float: ...  # reset and reward)
+    ENVIRONMENT = Cart                                 # a class, or any function making a new instance
+
+The module-level functions are shared by every episode; an instance is its episode's alone, so a tool that
+times out and finishes later in its thread changes only its own, finished episode's state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -30,12 +43,16 @@ BUILT_IN = Path(__file__).resolve().parents[1] / "configs" / "environments"  # `
 
 @dataclass(frozen=True)
 class Environment:
+    """What an episode talks to. From a file of module-level functions, one value every episode shares; from a file
+    with an ENVIRONMENT class, `session` gives each episode its own (tools, reset and reward of a new instance)."""
+
     path: str
     tools: dict[str, Callable[..., Any]]  # by name
     schemas: list[dict[str, Any]]  # OpenAI's tool form, as chat templates take them
     reset: Callable[[dict[str, Any]], list[dict[str, Any]]]
     reward: Callable[[list[dict[str, Any]], dict[str, Any]], float]
     timeout_s: float
+    factory: Callable[[], Any] | None = None  # ENVIRONMENT: makes one episode's instance (None: module functions)
 
 
 @dataclass(frozen=True)
@@ -63,9 +80,7 @@ def resolve(spec: str) -> Path:
 
 def load(spec: str, timeout_s: float) -> Environment:
     """The environment in `spec`'s file, every name checked: TOOLS a list of type-hinted, documented functions,
-    reset(row) and reward(messages, row) callable with those arguments."""
-    from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
-
+    reset(row) and reward(messages, row) callable with those arguments (or ENVIRONMENT's, on one instance)."""
     path = resolve(spec)
     module_spec = importlib.util.spec_from_file_location(f"tunebench_environment_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
@@ -73,13 +88,87 @@ def load(spec: str, timeout_s: float) -> Environment:
         module_spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - the user's file: its error, said in one line
         raise TunebenchError(f"--environment {spec} fails on import: {type(e).__name__}: {e}") from None
+    if hasattr(module, "ENVIRONMENT"):
+        return _of_class(spec, path, module, timeout_s)
     missing = [name for name in ("TOOLS", "reset", "reward") if not hasattr(module, name)]
     if missing:
         raise TunebenchError(f"--environment {spec} defines no {', '.join(missing)}; an environment gives TOOLS (a "
-                             "list of functions), reset(row) and reward(messages, row)")
+                             "list of functions), reset(row) and reward(messages, row), or ENVIRONMENT (a class "
+                             "whose methods are reset, reward and the tools)")
     tools = module.TOOLS
     if not isinstance(tools, (list, tuple)) or not tools or not all(callable(t) for t in tools):
         raise TunebenchError(f"--environment {spec}: TOOLS must be a non-empty list of functions")
+    _check_callbacks(spec, module)
+    return Environment(str(path), *_described(spec, tools), module.reset, module.reward, timeout_s)
+
+
+def _of_class(spec: str, path: Path, module, timeout_s: float) -> Environment:
+    """ENVIRONMENT's environment, checked on one instance made here: reset(row), reward(messages, row) and at least
+    one tool (its public methods but those two). Module-level TOOLS, reset or reward beside it are refused: which
+    one trains would be a guess."""
+    both = [name for name in ("TOOLS", "reset", "reward") if hasattr(module, name)]
+    if both:
+        raise TunebenchError(f"--environment {spec} defines ENVIRONMENT and module-level {', '.join(both)}; give one "
+                             "form: the class (one instance an episode) or the module's functions (shared)")
+    factory = module.ENVIRONMENT
+    if not callable(factory):
+        raise TunebenchError(f"--environment {spec}: ENVIRONMENT must be a class (or a function making an "
+                             f"instance); it is {type(factory).__name__}")
+    instance = _instance(spec, factory)
+    missing = [name for name in ("reset", "reward") if not callable(getattr(instance, name, None))]
+    if missing:
+        raise TunebenchError(f"--environment {spec}: ENVIRONMENT's instances have no {' or '.join(missing)} method; "
+                             "give reset(self, row) and reward(self, messages, row)")
+    _check_callbacks(spec, instance)
+    names = _tool_names(instance)
+    if not names:
+        raise TunebenchError(f"--environment {spec}: ENVIRONMENT has no tools; its public methods other than reset "
+                             "and reward are the tools the model calls")
+    tools, schemas = _described(spec, [getattr(instance, n) for n in names])
+    return Environment(str(path), tools, schemas, instance.reset, instance.reward, timeout_s, factory)
+
+
+def _instance(spec: str, factory: Callable[[], Any]) -> Any:
+    try:
+        return factory()
+    except Exception as e:  # noqa: BLE001 - the user's class: its error, said in one line
+        raise TunebenchError(f"--environment {spec}: ENVIRONMENT() raised {type(e).__name__}: {e}; it is called "
+                             "with no arguments, once an episode") from None
+
+
+def _tool_names(instance: Any) -> list[str]:
+    """The instance's public methods but reset and reward, in the order the class defines them."""
+    found = []
+    for klass in reversed(type(instance).__mro__[:-1]):  # object's own methods are no tools
+        found += [n for n, v in vars(klass).items() if inspect.isfunction(v) and not n.startswith("_")
+                  and n not in ("reset", "reward") and n not in found]
+    return found
+
+
+def session(env: Environment) -> Environment:
+    """What one episode talks to: `env` itself for module functions (shared); for an ENVIRONMENT class, a new
+    instance's tools, reset and reward (its state its own)."""
+    if env.factory is None:
+        return env
+    instance = _instance(env.path, env.factory)
+    return dataclasses.replace(env, tools={n: getattr(instance, n) for n in env.tools}, reset=instance.reset,
+                               reward=instance.reward)
+
+
+def _check_callbacks(spec: str, owner: Any) -> None:
+    for name, wanted in (("reset", ("row",)), ("reward", ("messages", "row"))):
+        fn = getattr(owner, name)
+        try:
+            inspect.signature(fn).bind(*wanted)
+        except (TypeError, ValueError):
+            raise TunebenchError(f"--environment {spec}: {name} must take ({', '.join(wanted)}); it is "
+                                 f"{name}{_signature(fn)}") from None
+
+
+def _described(spec: str, tools: list[Callable[..., Any]]) -> tuple[dict[str, Callable[..., Any]], list[dict]]:
+    """The tools by name and their JSON schemas (transformers' get_json_schema), each name given once."""
+    from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
+
     schemas = []
     for tool in tools:
         try:
@@ -91,14 +180,7 @@ def load(spec: str, timeout_s: float) -> Environment:
     names = [s["function"]["name"] for s in schemas]
     if len(set(names)) != len(names):
         raise TunebenchError(f"--environment {spec}: two tools share a name ({', '.join(names)}); name each once")
-    for name, wanted in (("reset", ("row",)), ("reward", ("messages", "row"))):
-        fn = getattr(module, name)
-        try:
-            inspect.signature(fn).bind(*wanted)
-        except (TypeError, ValueError):
-            raise TunebenchError(f"--environment {spec}: {name} must take ({', '.join(wanted)}); it is "
-                                 f"{name}{_signature(fn)}") from None
-    return Environment(str(path), dict(zip(names, tools)), schemas, module.reset, module.reward, timeout_s)
+    return dict(zip(names, tools)), schemas
 
 
 def _signature(fn) -> str:

@@ -42,11 +42,11 @@ class Episode:
     ids: list[int]  # the whole context so far
     mask: list[int]  # 1 on the policy's tokens
     prompt_len: int
+    env: environment_.Environment  # what it talks to: its own instance's tools, or the module's shared ones
     turns: int = 0
     calls: int = 0
     calls_ok: int = 0
-    cut: bool = False  # its last turn reached the token limit without ending
-    done: bool = False
+    stop: str | None = None  # why it ended (one of grpo.EPISODE_STOPS); None while it plays
     tool_turns: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of each tool turn's tokens
 
     def answer(self) -> str:
@@ -104,50 +104,72 @@ def _tool_turn_ids(tokenizer, env: environment_.Environment, before: list[dict],
 
 def rollout(sampler: EpisodeSampler, keys: list[int], n: int, temperature: float | None, top_p: float,
             ) -> list[Episode]:
-    """`n` episodes of each prompt of `keys` (consecutive), played to their end (module docstring)."""
-    s, tok, env = sampler.s, sampler.tokenizer, sampler.env
-    episodes = [Episode(k, [dict(m) for m in sampler.openings[k]], list(sampler.data.ids[k]),
-                        [0] * len(sampler.data.ids[k]), len(sampler.data.ids[k])) for k in keys for _ in range(n)]
-    eos = tok.eos_token_id
+    """`n` episodes of each prompt of `keys` (consecutive), played to their end: each turn, every episode still
+    playing with room for a whole reply samples it in one batched decode, then `take_turn` runs its calls. Each
+    ends by one of grpo.EPISODE_STOPS, recorded in `stop`."""
+    episodes = [begin(sampler, k) for k in keys for _ in range(n)]
     for _ in range(sampler.max_turns):
-        live = [e for e in episodes if not e.done]
-        for e in live:
-            if len(e.ids) + s.max_completion_length > sampler.max_length:  # no room for a whole turn
-                e.done = True
-        live = [e for e in live if not e.done]
-        if not live:
+        for e in episodes:
+            if e.stop is None and len(e.ids) + sampler.s.max_completion_length > sampler.max_length:
+                e.stop = "no_room"
+        playing = [e for e in episodes if e.stop is None]
+        if not playing:
             break
         with sampler.eagerly():
-            replies = grpo.complete(sampler.model, tok, sampler.device, sampler.autocast, [e.ids for e in live], 1,
-                                    s.max_completion_length, temperature, top_p)
-        for e, reply in zip(live, replies):
-            e.ids += reply
-            e.mask += [1] * len(reply)
-            e.turns += 1
-            ended = bool(reply) and reply[-1] == eos
-            text, calls = toolcalls.parse(tok.decode(reply[:-1] if ended else reply, skip_special_tokens=False))
-            message = {"role": "assistant", "content": text}
-            if calls:
-                message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-            before = [*e.messages, message]  # the conversation through this reply, as _tool_turn_ids renders it
-            e.messages = list(before)
-            if not ended or not calls or e.turns == sampler.max_turns:
-                e.cut, e.done = not ended, True
-                continue
-            for c in calls:
-                result = environment_.call(env, c["name"], c["arguments"])
-                e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
-                e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
-            turn = _tool_turn_ids(tok, env, before, e.messages)
-            if len(e.ids) + len(turn) > sampler.max_length:  # the results do not fit: the model never reads them
-                e.messages, e.done = list(before), True
-                continue
-            e.tool_turns.append((len(e.ids), len(e.ids) + len(turn)))
-            e.ids += turn
-            e.mask += [0] * len(turn)
-    for e in episodes:
-        e.done = True
+            replies = grpo.complete(sampler.model, sampler.tokenizer, sampler.device, sampler.autocast,
+                                    [e.ids for e in playing], 1, sampler.s.max_completion_length, temperature, top_p)
+        for e, reply in zip(playing, replies):
+            e.stop = take_turn(sampler, e, reply)
     return episodes
+
+
+def begin(sampler: EpisodeSampler, key: int) -> Episode:
+    """An episode of prompt `key` at its opening. With an ENVIRONMENT class, a new instance's reset(row) sets its
+    state, and must open as the row did when the prompts were made (their tokens are the group's shared opening)."""
+    opening = sampler.openings[sampler.data.source(key)]
+    env = environment_.session(sampler.env)
+    if env is not sampler.env:
+        row = sampler.rows.columns[sampler.data.source(key)]
+        if environment_.opening(env, row) != opening:
+            raise TunebenchError(f"--environment {env.path}: reset(row) opened an episode with other messages than "
+                                 f"it gave for the same row before ({str(opening)[:120]}); its messages must depend "
+                                 "on the row alone (draw the episode's state, not its opening, from `random`)")
+    ids = list(sampler.data.ids[key])
+    return Episode(key, [dict(m) for m in opening], ids, [0] * len(ids), len(ids), env)
+
+
+def take_turn(sampler: EpisodeSampler, e: Episode, reply: list[int]) -> str | None:
+    """`reply` appended to `e` (the policy's tokens), its calls run in the episode's environment and their results
+    appended as one tool turn (context only); why the episode ends with it (one of grpo.EPISODE_STOPS), or None."""
+    tok = sampler.tokenizer
+    e.ids += reply
+    e.mask += [1] * len(reply)
+    e.turns += 1
+    ended = bool(reply) and reply[-1] == tok.eos_token_id
+    text, calls = toolcalls.parse(tok.decode(reply[:-1] if ended else reply, skip_special_tokens=False))
+    message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    before = [*e.messages, message]  # the conversation through this reply, as _tool_turn_ids renders it
+    e.messages = list(before)
+    if not ended:
+        return "cut"
+    if not calls:
+        return "answered"
+    if e.turns == sampler.max_turns:  # its calls are not run: the model would never read their results
+        return "max_turns"
+    for c in calls:
+        result = environment_.call(e.env, c["name"], c["arguments"])
+        e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
+        e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
+    turn = _tool_turn_ids(tok, e.env, before, e.messages)
+    if len(e.ids) + len(turn) > sampler.max_length:  # the results do not fit: the model never reads them
+        e.messages = list(before)
+        return "no_room"
+    e.tool_turns.append((len(e.ids), len(e.ids) + len(turn)))
+    e.ids += turn
+    e.mask += [0] * len(turn)
+    return None
 
 
 class EpisodeSampler(grpo.Sampler):
@@ -165,7 +187,7 @@ class EpisodeSampler(grpo.Sampler):
     def score_episodes(self, episodes: list[Episode]) -> torch.Tensor:
         """(episodes, 1 + rewards): the environment's reward, then each --reward on the final answer."""
         columns = [self.rows.columns[self.data.source(e.key)] for e in episodes]
-        env = [environment_.score(self.env, e.messages, row) for e, row in zip(episodes, columns)]
+        env = [environment_.score(e.env, e.messages, row) for e, row in zip(episodes, columns)]
         names = self.rows.column_names()
         prompts = [self.tokenizer.decode(self.data.ids[e.key]) for e in episodes]
         answers = [e.answer() for e in episodes]
@@ -191,10 +213,11 @@ class EpisodeSampler(grpo.Sampler):
         scores = self.score_episodes(episodes)
         adv, total, zero = grpo.advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
         lengths = torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32)
-        clipped = torch.tensor([float(e.cut) for e in episodes])
+        clipped = torch.tensor([float(e.stop == "cut") for e in episodes])
         per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
                                                            (~torch.isnan(scores[:, j])).float())]
-        figures = torch.tensor([[e.turns, e.calls, e.calls_ok] for e in episodes], dtype=torch.float32)
+        figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in grpo.EPISODE_STOPS)]
+                                for e in episodes], dtype=torch.float32)
         stats = torch.cat([torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), lengths,
                                         clipped, *per], 1), figures], 1)
         return grpo.Groups(keys, [e.ids[e.prompt_len:] for e in episodes], adv, stats,

@@ -62,9 +62,14 @@ class GRPOSettings:
                    o.epsilon_high, o.loss_type, o.scale_rewards)
 
 
-# An episode's own figures (training.episodes), after the rewards': turns and calls a mean per episode, the calls
-# that ran without error a share of the calls.
-EPISODE_STATS = ("episodes/turns", "episodes/calls", "episodes/calls_ok")
+# Why an episode (training.episodes) ends, the rules in the order its turn applies them: the model answered without
+# a call; its reply reached --max-completion-length without ending; it called on its last turn (--max-turns); the
+# context had no room for another whole reply, or for the tool results it asked for.
+EPISODE_STOPS = ("answered", "cut", "max_turns", "no_room")
+# An episode's own figures, after the rewards': turns and calls a mean per episode, the calls that ran without error
+# a share of the calls, then the share of episodes that ended by each of EPISODE_STOPS.
+EPISODE_STATS = ("episodes/turns", "episodes/calls", "episodes/calls_ok",
+                 *(f"episodes/stop/{why}" for why in EPISODE_STOPS))
 EPISODE_STAT_PER = {"episodes/calls_ok": "episodes/calls"}
 
 
