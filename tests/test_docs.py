@@ -271,11 +271,15 @@ def _votes(tmp: Path) -> None:
 
 
 def _environment(tmp: Path) -> None:
-    """The agents tutorial's env.py, the page's own Python block as written, and rows for it."""
+    """The agents tutorial's env.py and cart.py, the page's own Python blocks as written, and rows for each."""
     page = (ROOT / "docs" / "tutorials" / "agents.md").read_text(encoding="utf-8")
-    (tmp / "env.py").write_text(re.search(r"```python\n(.*?)```", page, re.S).group(1))
+    env, cart = re.findall(r"```python\n(.*?)```", page, re.S)
+    (tmp / "env.py").write_text(env)
+    (tmp / "cart.py").write_text(cart)
     rows = [{"question": f"What is under {k}?", "answer": v} for k, v in (("a", "1"), ("b", "2"), ("c", "3"))] * 3
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    carts = [{"item": item, "count": n} for item, n in (("pen", 2), ("cup", 1), ("ink", 3))] * 3
+    (tmp / "carts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in carts))
 
 
 def _pairs_and_prompts(tmp: Path) -> None:
@@ -293,7 +297,7 @@ TUTORIALS = {
                         "runs/compare/report-again/report.md"]),
     "search.md": (None, ["runs/tune/study.sqlite", "runs/tune/results.csv", "runs/tune/best.yaml"]),
     "grpo.md": (_gsm8k, ["runs/grpo/adapter_config.json"]),
-    "agents.md": (_environment, ["runs/agent/adapter_config.json"]),
+    "agents.md": (_environment, ["runs/agent/adapter_config.json", "runs/cart/adapter_config.json"]),
     "votes.md": (_votes, ["pairs.jsonl", "runs/dpo/adapter_config.json", "runs/dpo-from-file/adapter_config.json",
                           "runs/kto/adapter_config.json"]),
     "distributed.md": (_pairs_and_prompts, ["runs/ddp/adapter_config.json", "runs/ddp-dpo/adapter_config.json",
@@ -358,10 +362,15 @@ RAN_AS_SAID = {
         and len(_csv_rows(tmp / "runs" / "tune" / "results.csv")) == 3,  # the third's number skips duplicates
         "two trials, then a third"),
     "grpo.md": lambda tmp: _check(_summary(tmp / "runs" / "grpo" / "summary.json")["steps"] == 2, "2 GRPO steps"),
-    "agents.md": lambda tmp: _check(
-        _summary(tmp / "runs" / "agent" / "summary.json")["steps"] == 2
-        and "eval_episodes/success" in _summary(tmp / "runs" / "agent" / "summary.json"),
-        "2 GRPO steps of episodes, held-out episodes scored"),
+    "agents.md": lambda tmp: (
+        _check(_summary(tmp / "runs" / "agent" / "summary.json")["steps"] == 2
+               and "eval_episodes/success" in _summary(tmp / "runs" / "agent" / "summary.json"),
+               "2 GRPO steps of episodes, held-out episodes scored"),
+        _check(_summary(tmp / "runs" / "cart" / "summary.json")["steps"] == 2
+               and all(abs(sum(r[f"episodes/stop/{why}"] for why in ("answered", "cut", "max_turns", "no_room")) - 1)
+                       < 1e-6 for r in map(json.loads, (tmp / "runs" / "cart" / "metrics.jsonl").read_text().splitlines())
+                       if "loss" in r),
+               "2 GRPO steps in the cart environment, each episode's stop counted")),
     "votes.md": lambda tmp: _check(
         _summary(tmp / "runs" / "dpo" / "summary.json")["objective"] == "dpo"
         and _summary(tmp / "runs" / "kto" / "summary.json")["objective"] == "kto"
