@@ -51,14 +51,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     kind, in_env = (grpo.Sampler, {}) if env is None else (episodes.EpisodeSampler, {
         "env": env, "openings": rows.prompts, "max_turns": o.max_turns, "max_length": cfg.data.max_length})
     sampler = kind(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
-                   eagerly=lambda: compiler.eagerly(compiled[0]), **in_env)
+                   eagerly=lambda: compiler.eagerly(compiled[0]), rank=opened.world.rank, **in_env)
     held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist(), opened.world)
 
     def start(plan):
         compiled.append(plan.compile)
-        if opened.world.backend is not None:
-            sampler.on_ranks(lambda step: runner.step_share(step, opened.world, plan.micro_batch_size,
-                                                            plan.grad_accum_steps), opened.world.rank)
         held_out.before()
 
     def finish(done: recipe.Finished):
@@ -70,7 +67,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     lengths = data.lengths()
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
-    epoch_steps = sampler.record_steps(lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch))
+    epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
         loss=grpo.GRPOLoss(model, settings, sampler.reward_names(), opened.autocast, reference, sampler.episodes),
@@ -88,7 +85,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             max_length=cfg.data.max_length,
             quantized=a.method == "qlora",
             rows_each=o.num_generations),
-        batches=lambda micro: (epoch_steps, sampler.collate, []),
+        batches=lambda micro: runner.Batches(epoch_steps, sampler.collate, begin_step=sampler.begin_step),
         eval_sets=lambda micro: [],
         identity=identity,
         finish=finish,

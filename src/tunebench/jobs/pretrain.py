@@ -48,8 +48,8 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         return pretraining.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
 
     def batches(micro: int):
-        return (lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed, epoch),
-                train.collate, [])
+        return runner.Batches(lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed, epoch),
+                              train.collate)
 
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,

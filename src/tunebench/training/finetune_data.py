@@ -129,8 +129,8 @@ def split_rows(cfg: RunConfig, data, spans, parts, prefer: bool):
 
 
 def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx, collate_unit, pad_id: int):
-    """micro batch -> (each epoch's steps, the collate of a micro batch, the batch layout's row): the layout
-    decided for the micro batch the runner measured."""
+    """micro batch -> runner.Batches (each epoch's steps, the collate of a micro batch, the batch layout's row):
+    the layout decided for the micro batch the runner measured."""
     lengths = data.lengths()
 
     def batches(micro: int):
@@ -138,10 +138,11 @@ def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx
         steps = lambda epoch: batching.epoch_steps(  # noqa: E731
             train_idx, opened.effective, cfg.schedule.seed, epoch, lengths=lengths if layout == "length-grouped" else None)
         if layout == "packed":
-            return steps, lambda rows, _: batching.collate_packed(data, rows, pad_id, cfg.data.max_length), [row]
+            return runner.Batches(steps, lambda rows, _: batching.collate_packed(data, rows, pad_id, cfg.data.max_length),
+                                  [row])
         if collate_unit is judged.collate:  # its mismatched KL rows are drawn from the global micro-step
-            return steps, lambda rows, step_rows: judged.collate(data, rows, pad_id, step_rows), [row]
-        return steps, lambda rows, _: collate_unit(data, rows, pad_id), [row]
+            return runner.Batches(steps, lambda rows, step_rows: judged.collate(data, rows, pad_id, step_rows), [row])
+        return runner.Batches(steps, lambda rows, _: collate_unit(data, rows, pad_id), [row])
     return batches
 
 

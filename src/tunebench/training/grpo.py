@@ -18,7 +18,7 @@ completions x max_completion_length). All three are sums over the step divided b
 the micro batch never changes the math; and the sampling is seeded by (seed, epoch, step) and made for the whole
 step whatever its micro batches, so the completions a step learns from depend on neither the micro batch nor a
 resume (exact resume needs no sampler state beyond the checkpoint's). Under torchrun each rank makes the groups of
-its own prompts of the step (Sampler.on_ranks), seeded by its rank as well; the loop sums the step's counts over
+its own prompts of the step (Sampler.begin_step), seeded by its rank as well; the loop sums the step's counts over
 the ranks, so the normalisations above are the whole step's.
 
 Written here rather than taken from TRL: TRL's GRPOTrainer is a Trainer subclass with its own loop and
@@ -141,28 +141,22 @@ class Groups:
 
 
 class Sampler:
-    """The GRPO batches: for each optimizer step, the groups of all its prompts made once (generated and
-    scored), then each micro batch's rows. `record_steps` wraps the epoch's step lists so a micro batch's rows
-    name their step."""
+    """The GRPO step's data: `begin_step` makes the groups of the step's prompts once (sampled, scored, given their
+    advantages), before its first micro batch; `collate` then cuts each micro batch's rows from them.
+
+    Under torchrun each rank makes the groups of its own prompts of the step (what runner.micro_batches hands
+    begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by `rank` as
+    well (rank 0 draws as one process does), so a resume at the same world size samples again what the run did."""
 
     def __init__(self, model, tokenizer, data: PromptData, rows: PromptRows, rewards: list[rewards_.Reward],
                  settings: GRPOSettings, device: torch.device, autocast, seed: int,
-                 eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, rank: int = 0):
         self.model, self.tokenizer, self.data, self.rows, self.rewards = model, tokenizer, data, rows, rewards
         self.s, self.device, self.autocast, self.seed, self.eagerly = settings, device, autocast, seed, eagerly
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
-        self.step_of: dict[int, tuple[int, int, list[int]]] = {}
-        self.cached: tuple[tuple[int, int], Groups | None] | None = None
+        self.rank = rank
+        self.step_groups: Groups | None = None  # this step's, made by begin_step (None: no prompt of it here)
         self.generated_tokens, self.generation_s = 0, 0.0
-        self.share: Callable[[list[int]], list[int]] = lambda step_keys: step_keys
-        self.rank = 0
-
-    def on_ranks(self, share: Callable[[list[int]], list[int]], rank: int) -> None:
-        """Under torchrun: each step's groups made for this rank's prompts alone (`share` of the step's keys:
-        runner.step_share), so a group is whole on one rank and its advantages are its own; the draws seeded by
-        the rank as well (rank 0 draws as one process does), so a resume at the same world size samples again
-        what the run did."""
-        self.share, self.rank = share, rank
 
     episodes = False  # training.episodes.EpisodeSampler: a completion is an episode of turns
 
@@ -172,15 +166,6 @@ class Sampler:
 
     def stat_names(self) -> tuple[str, ...]:
         return stat_names(self.rewards)
-
-    def record_steps(self, steps: Callable[[int], list[list[int]]]) -> Callable[[int], list[list[int]]]:
-        def recorded(epoch: int) -> list[list[int]]:
-            order = steps(epoch)
-            for k, keys in enumerate(order):
-                for key in keys:
-                    self.step_of[key] = (epoch, k, keys)
-            return order
-        return recorded
 
     def texts(self, keys: list[int], completions: list[list[int]], g: int
               ) -> tuple[list[str], list[str], dict[str, list]]:
@@ -199,7 +184,17 @@ class Sampler:
         scores = [[torch.nan if v is None else v for v in r.score(prompts, texts, columns)] for r in self.rewards]
         return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.rewards))
 
+    def begin_step(self, epoch: int, step: int, keys: list[int]) -> None:
+        """The step's groups, made before its first micro batch (runner.Batches.begin_step): `keys`, this rank's
+        prompts of optimizer step `step` of `epoch`, sampled (seeded by the seed, epoch, step and rank, whatever
+        the micro batch), scored and given their advantages."""
+        seed = int(np.random.SeedSequence([self.seed, epoch, step, *([self.rank] if self.rank else [])])
+                   .generate_state(1)[0])
+        self.step_groups = self.groups(keys, seed) if keys else None
+
     def groups(self, keys: list[int], seed: int) -> Groups:
+        """`keys`' groups: num_generations completions of each prompt sampled, scored by the rewards, each given its
+        advantage within its group, with the step's stats per completion."""
         started = time.perf_counter()
         with self.eagerly():
             completions = sample(self.model, self.tokenizer, self.device, self.autocast,
@@ -217,15 +212,9 @@ class Sampler:
         return Groups(keys, completions, adv, stats)
 
     def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
-        """The rows of `keys`' groups; the groups are made once for their whole optimizer step (step_of), so the
-        global micro-step's keys (runner.micro_batches' second argument) add nothing here."""
-        epoch, k, step_keys = self.step_of[keys[0]]
-        if self.cached is None or self.cached[0] != (epoch, k):
-            mine = self.share(step_keys)
-            seed = int(np.random.SeedSequence([self.seed, epoch, k, *([self.rank] if self.rank else [])])
-                       .generate_state(1)[0])
-            self.cached = ((epoch, k), self.groups(mine, seed) if mine else None)
-        groups = self.cached[1]
+        """The rows of `keys`' groups, cut from the step's (begin_step made them; the global micro-step's keys,
+        runner.micro_batches' second argument, add nothing here)."""
+        groups = self.step_groups
         if groups is None or keys[0] not in groups.keys:
             # runner.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
             # are zeroed there): one EOS a completion, nothing sampled

@@ -34,8 +34,6 @@ from tunebench.training.autotune import compiler, memory
 from tunebench.training.autotune.probe import memory_free_mb, probe_step
 from tunebench.training.loop import Batch, Hooks, LoopSettings, LoopState
 
-EpochSteps = Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
-
 
 @dataclass(frozen=True)
 class Finished:
@@ -61,9 +59,7 @@ class Recipe:
     method_rows: list[Decision]  # below the world and parallel rows: the method's, the objective's
     header: str  # printed above the settings table: the model, the data and what trains
     parallel: Decision
-    batches: Callable[[int], tuple[EpochSteps, Callable[[list[int], list[int]], Batch], list[Decision]]]
-    # micro batch -> (each epoch's steps, the collate of a micro batch from (its rows, the global micro-step's),
-    # rows such as the batch layout's)
+    batches: Callable[[int], runner.Batches]  # micro batch -> how the micro batches are made
     eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
     identity: dict[str, Any]  # what a resume must match
     finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
@@ -116,9 +112,9 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         safe=(Decision,))
     estimate = runplan.estimate_row(steps, per_step, speed, measure_s)
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    epoch_steps, collate, batch_rows = r.batches(micro)
+    made = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
-    packed = any(d.setting == "batch layout" and d.value == "packed" for d in batch_rows)
+    packed = any(d.setting == "batch layout" and d.value == "packed" for d in made.rows)
     memory_plan = memory.of_step(r.model, extra, micro * u.rows_each, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
 
@@ -126,7 +122,7 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
         *r.method_rows,
-        *[d for d in measured.decisions if d.setting != "compile"], *batch_rows,
+        *[d for d in measured.decisions if d.setting != "compile"], *made.rows,
         *[d for d in measured.decisions if d.setting == "compile"], optim.optimizer_row(device, optimization.weight_decay),
         runplan.batch_row(effective, micro, accum, world.size, u.batch_unit),
         memory.row(memory_plan, memory_free_mb(device, world.local_size), device.type), lr_row,
@@ -199,7 +195,7 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
         if before:
             log({"step": 0, **before})
             runner.say(world, f"eval before training: {describe_eval(before)}")
-        next_micro_batch = runner.micro_batches(epoch_steps, collate, world, micro, accum)
+        next_micro_batch = runner.micro_batches(made.steps, made.collate, world, micro, accum, made.begin_step)
         old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         runner.Phase.loop_started = True
         wall = time.perf_counter()

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -223,11 +223,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass(frozen=True)
+class Batches:
+    """How a run's micro batches are made, once its micro batch is decided (a Recipe's `batches`)."""
+
+    steps: Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
+    collate: Callable[[list[int], list[int]], Batch]  # (this rank's units of a micro-step, the global micro-step's)
+    rows: list[Decision] = field(default_factory=list)  # settings rows such as the batch layout's
+    # (epoch, step in the epoch, this rank's units of it): run before the step's first micro batch is collated;
+    # GRPO's rollout (its groups sampled, scored and given their advantages, which collate then cuts into rows)
+    begin_step: Callable[[int, int, list[int]], None] | None = None
+
+
 def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[list[int], list[int]], Batch],
-                  world: World, micro_batch_size: int, grad_accum_steps: int) -> Callable[[LoopState], Batch]:
+                  world: World, micro_batch_size: int, grad_accum_steps: int,
+                  begin_step: Callable[[int, int, list[int]], None] | None = None) -> Callable[[LoopState], Batch]:
     """The loop's `next_micro_batch`. `steps(epoch)` lists the epoch's optimizer steps (a pure function
     of seed, epoch and effective batch: batching.epoch_steps); each is cut into `grad_accum_steps`
-    global micro-steps of micro batch x world size rows, and this rank collates its share:
+    global micro-steps of micro batch x world size rows; `begin_step`, if given, is told each step (its epoch,
+    its index, this rank's units of it: step_share) before its first micro-step, and this rank collates its share:
     `collate(its rows, the global micro-step's rows)` (KTO pairs each completion with another of the global
     micro-step, so ranks together hold what one process would). The data position (epoch, batch_in_epoch)
     counts global micro-steps. A short last step can leave a rank no rows: it gets a filler row with no
@@ -245,6 +259,8 @@ def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[li
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
             return next_micro_batch(s)
         k, j = divmod(s.batch_in_epoch, grad_accum_steps)
+        if j == 0 and begin_step is not None:  # checkpoints fall between steps: a resume starts at a j of 0 too
+            begin_step(s.epoch, k, step_share(order[k], world, micro_batch_size, grad_accum_steps))
         rows = batching.micro_steps(order[k], micro_batch_size * world.size, grad_accum_steps)[j]
         s.batch_in_epoch += 1
         mine = distributed.shard(rows, world, micro_batch_size)
