@@ -228,12 +228,14 @@ def _calls(path: Path, function: str) -> set[str]:
     return {ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)}
 
 
-def test_a_reader_reaches_the_backward_pass_in_two_hops_from_each_job():
-    """Each training job's run hands its Recipe to recipe.run (hop one), whose body calls the optimizer steps
-    (hop two), whose body runs the backward pass: a layer added in between fails here."""
+def test_a_reader_reaches_the_backward_pass_in_three_hops_from_each_job():
+    """Each training job's run hands its Recipe to recipe.run (hop one), which reads as its named stages (plan_run,
+    build_trainer, train, finish); its train stage (hop two) calls the optimizer steps (hop three), whose body runs
+    the backward pass: a layer added in between fails here."""
     for job in ("finetune", "grpo", "pretrain"):
         assert "recipe.run" in _calls(PACKAGE / "jobs" / f"{job}.py", "run"), job
-    assert "loop.optimizer_steps" in _calls(PACKAGE / "training" / "recipe.py", "run")
+    assert {"plan_run", "build_trainer", "train", "finish"} <= _calls(PACKAGE / "training" / "recipe.py", "run")
+    assert "loop.optimizer_steps" in _calls(PACKAGE / "training" / "recipe.py", "train")
     assert any(c.endswith(".backward") for c in _calls(PACKAGE / "training" / "loop.py", "optimizer_steps"))
 
 

@@ -85,22 +85,49 @@ def resumed_steps(opened: runner.Opened) -> int | None:
 
 
 def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
-    """One run of `r`, in the order it happens: the steps, the measured settings, the plan and its table; the
-    objective as the process group wraps it, the optimizer, the schedule and the records; the resume point, the
-    evaluation before, the optimizer steps (training.loop.optimizer_steps) with their evaluations and checkpoints,
-    the last checkpoint and the evaluation after; then, on rank 0, the job's outputs, summary.json and the
-    trackers. Returns the summary on rank 0, {} on the other ranks.
+    """One run of `r`, in four stages: plan it (the steps, the measured settings, the plan and its table), build its
+    trainer (the objective as the process group wraps it, the optimizer, the schedule), train (the records, the
+    resume point, the evaluation before, the optimizer steps of training.loop.optimizer_steps with their
+    evaluations and checkpoints, the last checkpoint and the evaluation after), then, on rank 0, finish (the job's
+    outputs, summary.json and the trackers). Returns the summary on rank 0, {} on the other ranks.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second Ctrl-C aborts; see
     runner.StopRequest); under several ranks a signal to any one stops all of them at the same step. Only rank 0
     writes records and talks; every rank runs the rest (evaluation and saving are collectives)."""
+    planned = plan_run(cfg, opened, r)
+    if r.before_training:
+        r.before_training(planned.plan)
+    trainer = build_trainer(cfg, opened, r, planned)
+    with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
+        trained = train(cfg, opened, r, planned, trainer, tracking)
+        del trainer  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
+        distributed.shutdown(opened.world)
+        if not opened.world.main:
+            return {}
+        return finish(cfg, opened, r, planned, trained, tracking)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What `plan_run` decided: the plan (its table printed), how the micro batches are made, the optimizer's
+    settings, the memory the plan predicts for a step, and the seconds measuring took."""
+
+    plan: runplan.RunPlan
+    batches: runner.Batches
+    optimization: runner.Optimization
+    memory_plan: memory.MemoryPlan
+    measure_s: float
+
+
+def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
+    """The steps, the measured settings (runner.measure), the batches for the micro batch chosen, the memory of a
+    step, and the plan with its table, printed on rank 0."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
     extra = list(r.loss.parameters()) if r.loss is not None else []  # a full fine-tune's reference copy, say
     held = memory.held_mb(r.model, extra)
     startup.release_freed()  # what loading freed (an fp32 copy cast down) is not the run's
     runtime = max(0.0, memory.runtime_mb(device.type) - held)  # what the process holds beside the weights
 
-    # The steps and the measured settings.
     u = r.units
     steps = runplan.total_steps(u.n, effective, s.epochs, s.max_steps, s.max_tokens, u.tokens_each)
     probe = probe_step(r.model, u.probe_rows, device, opened.autocast, r.loss)
@@ -118,7 +145,6 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     memory_plan = memory.of_step(r.model, extra, micro * u.rows_each, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
 
-    # The plan and its table.
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
         *r.method_rows,
@@ -134,103 +160,140 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     if world.main:
         print(r.header)
         summary_.print_plan(plan.decisions)
-    if r.before_training:
-        r.before_training(plan)
+    return Planned(plan, made, optimization, memory_plan, measure_s)
 
-    # The objective as the process group wraps it (DDP, FSDP), each rank's own dropout masks, the optimizer over
-    # the parameters FSDP sharded, the schedule, fp16's GradScaler.
+
+@dataclass
+class Trainer:
+    """What trains: the objective as the process group wraps it (and the module evaluation runs through), the
+    optimizer over the parameters FSDP sharded, the schedule, fp16's GradScaler, and the loop's settings."""
+
+    objective: torch.nn.Module
+    eval_objective: torch.nn.Module
+    split_eval: bool  # evaluation splits its batches over the ranks
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    identity: dict[str, Any]  # what a checkpoint records and a resume must match
+    settings: LoopSettings
+    eval_sets: list[tuple[str, list[Batch]]]  # the held-out batches, by name
+
+
+def build_trainer(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned) -> Trainer:
+    """The objective as the process group wraps it (DDP, FSDP), each rank's own dropout masks, the optimizer, the
+    schedule, the loop's settings and the held-out batches, for `planned`'s plan."""
+    world, device, plan = opened.world, opened.device, planned.plan
     objective, eval_objective, split_eval = runner.objective(r.model, opened.autocast, device, world, plan.parallel,
                                                              r.loss)
     if world.backend is not None:
         torch.manual_seed(opened.seed + world.rank)
+    optimization = planned.optimization
     optimizer = optim.adamw(r.model, optimization.lr, optimization.weight_decay, device, optimization.betas)
     scheduler = optim.scheduler(optimizer, optimization.schedule, optimization.warmup_steps, plan.total_steps)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
     identity = r.identity | {"rows_per_micro_step": plan.micro_batch_size * world.size,
                              "grad_accum_steps": plan.grad_accum_steps}
-    eval_sets = r.eval_sets(micro)
     o, lg = cfg.output, cfg.logging
     settings = LoopSettings(
         total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
         device=device, logging_steps=int(plan.value("logging_steps")),
         eval_steps=runner.every(cfg.evaluation.eval_steps, plan.total_steps), save_steps=o.save_steps,
         progress=lg.progress, pin_memory=bool(plan.value("pin_memory")), world=world, prefetch=r.prefetch)
+    return Trainer(objective, eval_objective, split_eval, optimizer, scheduler, scaler, identity, settings,
+                   r.eval_sets(plan.micro_batch_size))
 
-    with runner.tracking(opened, lg) as tracking:  # closed with the run's outcome, whatever it is
-        # The records (rank 0: config.yaml and plan.json, the trackers' parameters) and the resume point.
-        if world.main:
-            tracking.start(trackers.params_of(*runner.records(opened, cfg, plan, **r.records)()))
-        startup.done()  # the libraries and the model are in: collection resumes, with them frozen
-        state = LoopState()
-        if opened.resume_from:
-            state = checkpoint.load(opened.resume_from, r.model, optimizer, scheduler, identity, scaler, world)
-            runner.say(world, f"resume: continuing from {opened.resume_from} (step {state.step})")
-        metrics = MetricsWriter(opened.out / "metrics.jsonl", tracking.log) if world.main else None
-        log = metrics or (lambda record: None)
-        stop = runner.StopRequest(world.rank if world.backend else None)
 
-        def save(at: LoopState) -> None:
-            path = checkpoint.save(opened.out / "checkpoints", r.model, optimizer, scheduler, at, identity,
-                                   o.save_total_limit, scaler, world)
-            log({"step": at.step, "checkpoint": str(path)})
+@dataclass(frozen=True)
+class Trained:
+    """What `train` leaves for `finish`: the loop's outcome, a sharded model's gathered weights and each rank's own
+    figures (Recipe.rank_figures)."""
 
-        def evaluate(step: int) -> dict[str, Any]:  # each of eval_sets (several: combined by runner.per_source)
-            with compiler.eagerly(plan.compile):
-                record = runner.per_source([(name, loop.evaluate(eval_objective, batches, device, world, split_eval))
-                                            for name, batches in eval_sets])
-            return record | (r.after_eval(plan, step) if r.after_eval else {})
+    outcome: runner.Outcome
+    weights: dict | None
+    ranks: list[Any] | None
 
-        has_eval = any(batches for _, batches in eval_sets)
-        sampler = Monitor(opened.out / "monitor.jsonl" if lg.monitor and world.main else None,
-                          gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
-                          sink=tracking.system if world.main else None)
-        watch = runner.SlowdownWatch(plan.probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size,
-                                     log, settings.warmup_steps_excluded) if world.main else \
-            (lambda step, seconds, positions: None)
-        hooks = Hooks(log=log, evaluate=evaluate if has_eval else None, save=save,
-                      should_stop=lambda: stop.requested, step_done=watch)
 
-        # The evaluation before, the optimizer steps, the last checkpoint, the evaluation after.
-        before = evaluate(0) if has_eval and state.step == 0 else None
-        if before:
-            log({"step": 0, **before})
-            runner.say(world, f"eval before training: {describe_eval(before)}")
-        next_micro_batch = runner.micro_batches(made.steps, made.collate, world, micro, accum, made.begin_step)
-        old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        runner.Phase.loop_started = True
-        wall = time.perf_counter()
+def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
+          tracking: trackers.Tracking) -> Trained:
+    """The records (rank 0: config.yaml and plan.json, the trackers' parameters), the resume point, the evaluation
+    before, the optimizer steps, the last checkpoint and the evaluation after; then what every rank must gather
+    before the process group closes (the peaks, a sharded model's weights, each rank's figures)."""
+    world, device, plan, o, lg = opened.world, opened.device, planned.plan, cfg.output, cfg.logging
+    if world.main:
+        tracking.start(trackers.params_of(*runner.records(opened, cfg, plan, **r.records)()))
+    startup.done()  # the libraries and the model are in: collection resumes, with them frozen
+    state = LoopState()
+    if opened.resume_from:
+        state = checkpoint.load(opened.resume_from, r.model, t.optimizer, t.scheduler, t.identity, t.scaler, world)
+        runner.say(world, f"resume: continuing from {opened.resume_from} (step {state.step})")
+    metrics = MetricsWriter(opened.out / "metrics.jsonl", tracking.log) if world.main else None
+    log = metrics or (lambda record: None)
+    stop = runner.StopRequest(world.rank if world.backend else None)
+    eval_sets = t.eval_sets
+
+    def save(at: LoopState) -> None:
+        path = checkpoint.save(opened.out / "checkpoints", r.model, t.optimizer, t.scheduler, at, t.identity,
+                               o.save_total_limit, t.scaler, world)
+        log({"step": at.step, "checkpoint": str(path)})
+
+    def evaluate(step: int) -> dict[str, Any]:  # each of eval_sets (several: combined by runner.per_source)
+        with compiler.eagerly(plan.compile):
+            record = runner.per_source([(name, loop.evaluate(t.eval_objective, batches, device, world, t.split_eval))
+                                        for name, batches in eval_sets])
+        return record | (r.after_eval(plan, step) if r.after_eval else {})
+
+    has_eval = any(batches for _, batches in eval_sets)
+    sampler = Monitor(opened.out / "monitor.jsonl" if lg.monitor and world.main else None,
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
+                      sink=tracking.system if world.main else None)
+    watch = runner.SlowdownWatch(plan.probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size,
+                                 log, t.settings.warmup_steps_excluded) if world.main else \
+        (lambda step, seconds, positions: None)
+    hooks = Hooks(log=log, evaluate=evaluate if has_eval else None, save=save,
+                  should_stop=lambda: stop.requested, step_done=watch)
+
+    before = evaluate(0) if has_eval and state.step == 0 else None
+    if before:
+        log({"step": 0, **before})
+        runner.say(world, f"eval before training: {describe_eval(before)}")
+    made = planned.batches
+    next_micro_batch = runner.micro_batches(made.steps, made.collate, world, plan.micro_batch_size,
+                                            plan.grad_accum_steps, made.begin_step)
+    old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    runner.Phase.loop_started = True
+    wall = time.perf_counter()
+    try:
         try:
-            try:
-                reset_peak_memory(device)  # the summary's peak is the loop's, not a probe's or the loading's
-                with sampler:
-                    state = loop.optimizer_steps(objective, optimizer, scheduler, next_micro_batch, state, settings,
-                                                 hooks, scaler)
-                if not (o.save_steps and state.step % o.save_steps == 0):  # the loop did not just save it
-                    save(state)
-            finally:
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
-            wall = time.perf_counter() - wall
-            peaks = distributed.gather(world, peak_memory_mb(device)) or [0.0]
-            after = evaluate(state.step) if has_eval else {}
-            if after:
-                log({"step": state.step, **after})
+            reset_peak_memory(device)  # the summary's peak is the loop's, not a probe's or the loading's
+            with sampler:
+                state = loop.optimizer_steps(t.objective, t.optimizer, t.scheduler, next_micro_batch, state,
+                                             t.settings, hooks, t.scaler)
+            if not (o.save_steps and state.step % o.save_steps == 0):  # the loop did not just save it
+                save(state)
         finally:
-            if metrics:
-                metrics.close()
-        outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
-        weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
-        ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-        del objective  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
-        distributed.shutdown(world)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        wall = time.perf_counter() - wall
+        peaks = distributed.gather(world, peak_memory_mb(device)) or [0.0]
+        after = evaluate(state.step) if has_eval else {}
+        if after:
+            log({"step": state.step, **after})
+    finally:
+        if metrics:
+            metrics.close()
+    outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
+    weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
+    ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
+    return Trained(outcome, weights, ranks)
 
-        # Rank 0: the job's outputs, the summary, the trackers.
-        if not world.main:
-            return {}
-        summary, saved = r.finish(Finished(plan, outcome, weights, measure_s, ranks))
-        summary.update(tracking.costs())
-        summary["memory_plan_mb"] = round(memory_plan.total, 1)  # beside the measured peak_memory_mb
-        write_json(opened.out / "summary.json", summary)
-        summary_.report(summary, opened.out)
-        r.publish(tracking, summary, opened.out, saved if lg.log_model else [])
+
+def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: Trained,
+           tracking: trackers.Tracking) -> dict[str, Any]:
+    """Rank 0: the job's outputs and summary (Recipe.finish), summary.json, the closing lines, the trackers."""
+    summary, saved = r.finish(Finished(planned.plan, trained.outcome, trained.weights, planned.measure_s, trained.ranks))
+    summary.update(tracking.costs())
+    summary["memory_plan_mb"] = round(planned.memory_plan.total, 1)  # beside the measured peak_memory_mb
+    write_json(opened.out / "summary.json", summary)
+    summary_.report(summary, opened.out)
+    r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary
