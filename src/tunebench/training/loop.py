@@ -46,6 +46,14 @@ class LoopState:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def took_step(self, position: tuple[int, int], tokens: float, samples: float, token_sq: float) -> None:
+        """One optimizer step more, its data consumed up to `position` (epoch, batch_in_epoch)."""
+        self.step += 1
+        self.epoch, self.batch_in_epoch = position
+        self.tokens += int(tokens)
+        self.samples += int(samples)
+        self.token_sq += int(token_sq)
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -411,11 +419,10 @@ def optimizer_steps(
     gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
     log the same figures and stop at the same step.
 
-    The host never waits for the device inside a step: losses, gradient norms and step times stay on
-    the device until a logging, eval or save step reads them all at once (`to_host`), and with
-    `settings.prefetch` the next steps' batches are made on a background thread. (Several ranks still
-    sum their token counts before each step; with NCCL that collective is a sync of its own.)
-    """
+    The host never waits for the device inside a step: losses, gradient norms and step times stay on the device
+    until a logging, eval or save step reads them all at once (`to_host`; _after_step), and with `settings.prefetch`
+    the next steps' batches are made on a background thread. (Several ranks still sum their token counts before
+    each step; with NCCL that collective is a sync of its own.)"""
     from tqdm.auto import tqdm
 
     device, world = settings.device, settings.world
@@ -425,15 +432,7 @@ def optimizer_steps(
     objective.train()
     bar = tqdm(total=settings.total_steps, initial=state.step, disable=not (settings.progress and world.main),
                unit="step", dynamic_ncols=True)
-    prefetch = settings.prefetch if settings.prefetch is not None else device.type == "cuda"
-    if device.type == "cuda":
-        # The batch probe and the eval before training leave their blocks cached in PyTorch's allocator. The
-        # driver's own allocations (the prefetch stream, a kernel module loaded on first use) cannot use that
-        # cache: after a probe near the memory's edge, creating the stream failed with "CUDA error: out of
-        # memory" (an H200, micro 8 out of memory, 4 chosen). Hand the cache back once; the first step
-        # reserves what it needs again.
-        torch.cuda.empty_cache()
-    feed = (Prefetcher if prefetch else _Inline)(next_micro_batch, state, settings)
+    feed = _feed(next_micro_batch, state, settings)
     timer = StepTimer(device)
     done: list[_Done] = []
     try:
@@ -469,49 +468,79 @@ def optimizer_steps(
                 loss_acc += loss.detach()
                 if stats is not None:
                     stats_acc = stats if stats_acc is None else stats_acc + stats
-            if scaler:
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
-                grad_norm = grad_norm.full_tensor()
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            state.step += 1
-            state.epoch, state.batch_in_epoch = item.position
-            state.tokens += int(step_tokens)
-            state.samples += int(step_samples)
-            state.token_sq += int(step_sq)
+            grad_norm, lr = _update(optimizer, scheduler, scaler, params, settings.max_grad_norm)
+            state.took_step(item.position, step_tokens, step_samples, step_sq)
             done.append(_Done(state.step, state.epoch, loss_acc, grad_norm, stats_acc, int(step_loss_tokens), lr,
                               int(step_tokens), state.tokens, timer.stop(mark), item.positions))
             bar.update(1)
-            due_eval = bool(hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0
-                            and state.step < settings.total_steps)
-            due_save = bool(hooks.save and settings.save_steps and state.step % settings.save_steps == 0)
-            if due_eval or due_save or state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
-                _read(done, state, settings, hooks, timer, bar, objective)
-                done = []
-            if due_eval:
-                hooks.log({"step": state.step, **hooks.evaluate(state.step)})
-            stop = distributed.all_sum([float(hooks.should_stop())], world)[0] > 0  # a signal to any rank stops all
-            if stop and done:  # a checkpoint holds every loss up to its step
-                _read(done, state, settings, hooks, timer, bar, objective)
-                done = []
-            if hooks.save and (due_save or stop):
-                hooks.save(state)
-            if stop:
-                raise Interrupted(state.step, world)
+            done = _after_step(done, state, settings, hooks, timer, bar, objective)
         if done:  # the data ran out before total_steps
             _read(done, state, settings, hooks, timer, bar, objective)
     finally:
         feed.close()
         bar.close()
     return state
+
+
+def _feed(next_micro_batch: Callable[[LoopState], Batch | None], state: LoopState, settings: LoopSettings
+          ) -> _Inline:
+    """Where the steps' inputs come from: made on a background thread (settings.prefetch; by default on CUDA) or
+    when asked for."""
+    device = settings.device
+    prefetch = settings.prefetch if settings.prefetch is not None else device.type == "cuda"
+    if device.type == "cuda":
+        # The batch probe and the eval before training leave their blocks cached in PyTorch's allocator. The
+        # driver's own allocations (the prefetch stream, a kernel module loaded on first use) cannot use that
+        # cache: after a probe near the memory's edge, creating the stream failed with "CUDA error: out of
+        # memory" (an H200, micro 8 out of memory, 4 chosen). Hand the cache back once; the first step
+        # reserves what it needs again.
+        torch.cuda.empty_cache()
+    return (Prefetcher if prefetch else _Inline)(next_micro_batch, state, settings)
+
+
+def _update(optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
+            params: list[torch.Tensor], max_grad_norm: float) -> tuple[torch.Tensor, float]:
+    """The optimizer step on the accumulated gradients, clipped (fp16's scale taken out first), then the schedule's:
+    (the gradient norm before clipping, on the device; the lr the step used)."""
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
+        grad_norm = grad_norm.full_tensor()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return grad_norm, lr
+
+
+def _after_step(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar,
+                objective: torch.nn.Module) -> list[_Done]:
+    """What follows an optimizer step: the figures read (at a logging, eval or save step, or a stop), the
+    evaluation and the checkpoint when due, a stop asked on any rank (raised as Interrupted once saved). Returns
+    the steps not read yet."""
+    world = settings.world
+    due_eval = bool(hooks.evaluate and settings.eval_steps and state.step % settings.eval_steps == 0
+                    and state.step < settings.total_steps)
+    due_save = bool(hooks.save and settings.save_steps and state.step % settings.save_steps == 0)
+    if due_eval or due_save or state.step % settings.logging_steps == 0 or state.step == settings.total_steps:
+        _read(done, state, settings, hooks, timer, bar, objective)
+        done = []
+    if due_eval:
+        hooks.log({"step": state.step, **hooks.evaluate(state.step)})
+    stop = distributed.all_sum([float(hooks.should_stop())], world)[0] > 0  # a signal to any rank stops all
+    if stop and done:  # a checkpoint holds every loss up to its step
+        _read(done, state, settings, hooks, timer, bar, objective)
+        done = []
+    if hooks.save and (due_save or stop):
+        hooks.save(state)
+    if stop:
+        raise Interrupted(state.step, world)
+    return done
 
 
 def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar,

@@ -78,43 +78,14 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     size predicted past `budget_mb` is never tried (no swap, no OOM killer).
     """
     sizes = sorted(sizes)
-    measured: dict[int, tuple[float, float, float]] = {}  # size -> tokens/s, peak MB, seconds
-    rows: dict[int, Probe] = {}
-    for size, (tps, peak, seconds) in (seen or {}).items():  # timed already, with the kernel kept
-        if size in sizes and peak <= budget_mb:
-            measured[size] = (tps, peak, seconds)
-            rows[size] = Probe(size, round(tps, 1), round(peak, 1), "ok")
+    measured = {size: m for size, m in (seen or {}).items() if size in sizes and m[1] <= budget_mb}
+    # size -> tokens/s, peak MB, seconds; those timed already (with the kernel kept) are rows as they are
+    rows = {size: Probe(size, round(tps, 1), round(peak, 1), "ok") for size, (tps, peak, _) in measured.items()}
     # The record's fastest first, when a size already timed predicts its memory; a first size measured blind is
     # the smallest (on a CPU a step past the RAM is the OOM killer, not an exception).
     start = known.best_micro(sizes) if known is not None and time_budget is not None and measured else None
     order = [start, *[s for s in sizes if s > start], *[s for s in reversed(sizes) if s < start]] \
         if start is not None else sizes
-
-    def train_s(tps: float) -> float | None:
-        return time_budget.run_tokens / tps if time_budget is not None else None
-
-    def best() -> tuple[int, float] | None:
-        ok = [(s, m[0]) for s, m in measured.items()]
-        return max(ok, key=lambda x: x[1]) if ok else None
-
-    def gain_of(size: int) -> tuple[float | None, str]:
-        """The gain expected of `size` over the best so far, and what says so."""
-        b = best()
-        if b is None:
-            return None, ""
-        ratio = known.micro_ratio(size, b[0]) if known is not None else None
-        if ratio is not None:
-            return ratio - 1, "on record"
-        below = sorted(s for s in measured if s < size)
-        if size > b[0] and len(below) >= 2:  # the run's own trend, halved
-            g = measured[below[-1]][0] / measured[below[-2]][0] - 1
-            return g / 2, f"half the {g:+.0%} of micro {below[-2]} -> {below[-1]}"
-        curve = sorted(s for s in (known.outcome.micro_batch if known is not None else {}) if s <= b[0])
-        if size > b[0] and len(curve) >= 2:  # the record's trend up to the best measured size, halved
-            g = known.micro_ratio(curve[-1], curve[-2]) - 1
-            return g / 2, f"half the {g:+.0%} of micro {curve[-2]} -> {curve[-1]} on record"
-        return None, ""
-
     stopped = {"up": "", "down": ""}
     memory_stop = ("over budget", "out of memory", "out of memory below it")
     for size in order:
@@ -134,14 +105,14 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
             rows[size] = Probe(size, None, None, "skipped: " + stopped[direction])
             continue
         if stopped[direction]:  # after a measured flat step no record overrules it: nothing larger is predicted
-            rows[size] = _unmeasured(size, known, best(), stopped[direction], predicted_mb,
+            rows[size] = _unmeasured(size, known, _best(measured), stopped[direction], predicted_mb,
                                      predict="flat" not in stopped[direction])
             continue
         if near is not None and time_budget is not None:
             cost = sec_near * size / near
-            gain, why = gain_of(size)
-            b = best()
-            saves = train_s(b[1]) * (1 - 1 / (1 + gain)) if gain is not None and gain > 0 else 0.0
+            gain, why = _gain(size, measured, known)
+            b = _best(measured)
+            saves = time_budget.run_tokens / b[1] * (1 - 1 / (1 + gain)) if gain is not None and gain > 0 else 0.0
             worth = time_budget.affords(cost) if gain is None else saves > cost
             if not worth:
                 reason = (time_budget.why_not(cost) if gain is None else
@@ -167,16 +138,54 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
         measured[size] = (tps, peak, seconds)
         if time_budget is not None:
             time_budget.saw(tps)
-        step_from = max((s for s in measured if s < size), default=None) if direction == "up" else \
-            min((s for s in measured if s > size), default=None)
-        if time_budget is not None and step_from is not None:
-            g = measured[size][0] / measured[step_from][0] - 1 if direction == "up" else \
-                measured[step_from][0] / measured[size][0] - 1
-            if direction == "up" and g < FLAT:
-                stopped["up"] = f"not measured: micro {step_from} -> {size} gained {g:+.0%}, flat"
-            elif direction == "down" and g >= FLAT:
-                stopped["down"] = f"not measured: micro {size} -> {step_from} gained {g:+.0%}"
-    probes = tuple(rows[s] for s in sizes if s in rows)
+            stopped[direction] = _step_stop(measured, size, direction) or stopped[direction]
+    return _choose(tuple(rows[s] for s in sizes if s in rows), known)
+
+
+def _best(measured: dict[int, tuple[float, float, float]]) -> tuple[int, float] | None:
+    """The fastest size measured so far and its tokens/s."""
+    ok = [(s, m[0]) for s, m in measured.items()]
+    return max(ok, key=lambda x: x[1]) if ok else None
+
+
+def _gain(size: int, measured: dict[int, tuple[float, float, float]], known: Known | None
+          ) -> tuple[float | None, str]:
+    """The gain expected of `size` over the best so far, and what says so."""
+    b = _best(measured)
+    if b is None:
+        return None, ""
+    ratio = known.micro_ratio(size, b[0]) if known is not None else None
+    if ratio is not None:
+        return ratio - 1, "on record"
+    below = sorted(s for s in measured if s < size)
+    if size > b[0] and len(below) >= 2:  # the run's own trend, halved
+        g = measured[below[-1]][0] / measured[below[-2]][0] - 1
+        return g / 2, f"half the {g:+.0%} of micro {below[-2]} -> {below[-1]}"
+    curve = sorted(s for s in (known.outcome.micro_batch if known is not None else {}) if s <= b[0])
+    if size > b[0] and len(curve) >= 2:  # the record's trend up to the best measured size, halved
+        g = known.micro_ratio(curve[-1], curve[-2]) - 1
+        return g / 2, f"half the {g:+.0%} of micro {curve[-2]} -> {curve[-1]} on record"
+    return None, ""
+
+
+def _step_stop(measured: dict[int, tuple[float, float, float]], size: int, direction: str) -> str | None:
+    """Why the sweep stops going `direction` after measuring `size`: a flat step up, or a step down that gained
+    (the size above it was faster); None to go on."""
+    step_from = max((s for s in measured if s < size), default=None) if direction == "up" else \
+        min((s for s in measured if s > size), default=None)
+    if step_from is None:
+        return None
+    g = measured[size][0] / measured[step_from][0] - 1 if direction == "up" else \
+        measured[step_from][0] / measured[size][0] - 1
+    if direction == "up" and g < FLAT:
+        return f"not measured: micro {step_from} -> {size} gained {g:+.0%}, flat"
+    if direction == "down" and g >= FLAT:
+        return f"not measured: micro {size} -> {step_from} gained {g:+.0%}"
+    return None
+
+
+def _choose(probes: tuple[Probe, ...], known: Known | None) -> Result:
+    """The fastest size measured, or one predicted at least FASTER than it, with the reason and the sizes left."""
     ok = [p for p in probes if p.status == "ok"]
     if not ok:
         return Result(0, probes, "no micro batch fits")
