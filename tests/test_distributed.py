@@ -20,7 +20,7 @@ import torch
 from conftest import free_port, run_losses, run_weights
 from tunebench.machine import hardware
 from tunebench.machine.distributed import World
-from tunebench.training import runner
+from tunebench.training import feed
 
 ROWS = [{"instruction": f"question {i}{' and more words' * (i % 4)}", "response": f"answer {i}" + " yes" * (i % 5)}
         for i in range(20)]  # uneven lengths: ranks hold unequal numbers of loss tokens
@@ -289,7 +289,7 @@ def test_effective_batch_that_the_ranks_cannot_share_is_refused(tmp_path, rows):
 
 
 def _shares(n_rows, micro, world_size, epoch=0):
-    """Each rank's micro-batches of one epoch, as runner.micro_batches builds them."""
+    """Each rank's micro-batches of one epoch, as feed.micro_batches builds them."""
     data = np.arange(n_rows)
 
     def collate(rows_, step_rows):
@@ -302,7 +302,7 @@ def _shares(n_rows, micro, world_size, epoch=0):
     shares, accum = [], 2
     for rank in range(world_size):
         world = World(rank, world_size, rank, world_size, "gloo")
-        take = runner.micro_batches(lambda e: epoch_steps(data, micro * world_size * accum, 7, e), collate, world,
+        take = feed.micro_batches(lambda e: epoch_steps(data, micro * world_size * accum, 7, e), collate, world,
                                     micro, accum)
         state = LoopState(epoch=epoch)
         steps = len(epoch_steps(data, micro * world_size * accum, 7, epoch)) * accum
@@ -342,7 +342,7 @@ def test_each_epoch_is_ordered_once_not_once_a_micro_batch():
 
     from tunebench.training.loop import LoopState
 
-    take, state = runner.micro_batches(steps, collate, World(), 1, 2), LoopState()
+    take, state = feed.micro_batches(steps, collate, World(), 1, 2), LoopState()
     rows = [take(state)["input_ids"][:, 0].tolist() for _ in range(9)]
     assert rows[:6] == [[0], [1], [2], [3], [4], [4]]  # [4] again: the filler of the short step, with no loss
     assert calls == [0, 1]  # two epochs, each ordered once

@@ -21,7 +21,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_jsonl
 from tunebench.jobs import compare, finetune
 from tunebench.machine.metrics import MetricsWriter
-from tunebench.training import checkpoint
+from tunebench.training import checkpoint, measuring
 
 
 def test_rng_states_round_trip_as_tensors_and_numbers():
@@ -216,15 +216,14 @@ def test_a_stop_while_measuring_says_nothing_was_trained_and_leaves_the_director
     """SIGTERM (or Ctrl-C) during the measuring phase, before the loop's own handling: one line that says so,
     exit 130 as a stopped run, no checkpoint, and the run directory's lock let go."""
     from tunebench.core import runlock
-    from tunebench.training import runner
 
-    real = runner.measure
+    real = measuring.measure
 
     def measure(*args, **kwargs):
         os.kill(os.getpid(), signum)  # delivered between bytecodes, inside the measuring
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "measure", measure)
+    monkeypatch.setattr(measuring, "measure", measure)
     out = tmp_path / "run"
     with pytest.raises(TunebenchError) as stopped:
         finetune.run(tiny_run_config(dataset, out, **{"batch.micro_batch_size": "auto"}))

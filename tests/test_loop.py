@@ -12,7 +12,7 @@ from tunebench.jobs import finetune
 from tunebench.model import inference
 from tunebench.model.models import byte_tokenizer
 from tunebench.settings.finetune import DataConfig
-from tunebench.training import checkpoint, runner
+from tunebench.training import checkpoint, feed
 from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, optimizer_steps
 
 
@@ -480,7 +480,7 @@ def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
     model = copy.deepcopy(tiny.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    next_micro = next_micro or runner.micro_batches(
+    next_micro = next_micro or feed.micro_batches(
         lambda epoch: batching.epoch_steps(np.arange(len(data)), 2, 0, epoch),
         lambda rows, _: batching.collate(data, rows, tok.pad_token_id), World(), 1, 2)
     settings = LoopSettings(total_steps=steps, grad_accum_steps=2, max_grad_norm=1.0, device=torch.device("cpu"),

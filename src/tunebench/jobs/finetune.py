@@ -12,10 +12,10 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import finetune_data, finetune_model, finetune_report, recipe, runner, runplan
+from tunebench.training import finetune_data, finetune_model, finetune_report, recipe, runner, runplan, stopping
 
 
-@runner.job
+@stopping.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, d, prefer, kto = cfg.adapter, cfg.data, cfg.objective.name != "sft", cfg.objective.name == "kto"
     unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair

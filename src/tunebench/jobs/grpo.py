@@ -14,6 +14,7 @@ from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import (
     episodes,
+    feed,
     finetune_data,
     finetune_model,
     finetune_report,
@@ -23,11 +24,12 @@ from tunebench.training import (
     recipe,
     runner,
     runplan,
+    stopping,
 )
 from tunebench.training.autotune import compiler
 
 
-@runner.job
+@stopping.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, o, s = cfg.adapter, cfg.objective, cfg.schedule
     settings = grpo.GRPOSettings.of(o)
@@ -85,7 +87,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             max_length=cfg.data.max_length,
             quantized=a.method == "qlora",
             rows_each=o.num_generations),
-        batches=lambda micro: runner.Batches(epoch_steps, sampler.collate, begin_step=sampler.begin_step),
+        batches=lambda micro: feed.Batches(epoch_steps, sampler.collate, begin_step=sampler.begin_step),
         eval_sets=lambda micro: [],
         identity=identity,
         finish=finish,

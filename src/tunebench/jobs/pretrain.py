@@ -13,11 +13,11 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import arch
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, validate
-from tunebench.training import pretraining, recipe, runner, runplan
+from tunebench.training import feed, pretraining, recipe, runner, runplan, stopping
 from tunebench.training.autotune import compiler
 
 
-@runner.job
+@stopping.job
 def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
     cfg = validate(cfg)  # the CPU guide's trio becomes the run it describes
     m, d, s = cfg.model, cfg.data, cfg.schedule
@@ -48,7 +48,7 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
         return pretraining.summarize(cfg, opened, done.plan, model, done.outcome, n_params, done.measure_s), saved
 
     def batches(micro: int):
-        return runner.Batches(lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed, epoch),
+        return feed.Batches(lambda epoch: batching.epoch_steps(np.arange(len(train)), opened.effective, s.seed, epoch),
                               train.collate)
 
     return recipe.run(cfg, opened, recipe.Recipe(

@@ -12,7 +12,7 @@ from tunebench.data import batching, judged, mixture, pairs
 from tunebench.data.tokenize import split
 from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import runner
+from tunebench.training import feed, runner
 from tunebench.training.autotune import layout
 
 DROPPED = {True: "the prompt alone fills --max-length", False: "no response left after truncation"}
@@ -129,7 +129,7 @@ def split_rows(cfg: RunConfig, data, spans, parts, prefer: bool):
 
 
 def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx, collate_unit, pad_id: int):
-    """micro batch -> runner.Batches (each epoch's steps, the collate of a micro batch, the batch layout's row):
+    """micro batch -> feed.Batches (each epoch's steps, the collate of a micro batch, the batch layout's row):
     the layout decided for the micro batch the runner measured."""
     lengths = data.lengths()
 
@@ -138,11 +138,11 @@ def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx
         steps = lambda epoch: batching.epoch_steps(  # noqa: E731
             train_idx, opened.effective, cfg.schedule.seed, epoch, lengths=lengths if layout == "length-grouped" else None)
         if layout == "packed":
-            return runner.Batches(steps, lambda rows, _: batching.collate_packed(data, rows, pad_id, cfg.data.max_length),
+            return feed.Batches(steps, lambda rows, _: batching.collate_packed(data, rows, pad_id, cfg.data.max_length),
                                   [row])
         if collate_unit is judged.collate:  # its mismatched KL rows are drawn from the global micro-step
-            return runner.Batches(steps, lambda rows, step_rows: judged.collate(data, rows, pad_id, step_rows), [row])
-        return runner.Batches(steps, lambda rows, _: collate_unit(data, rows, pad_id), [row])
+            return feed.Batches(steps, lambda rows, step_rows: judged.collate(data, rows, pad_id, step_rows), [row])
+        return feed.Batches(steps, lambda rows, _: collate_unit(data, rows, pad_id), [row])
     return batches
 
 

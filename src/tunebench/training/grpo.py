@@ -144,7 +144,7 @@ class Sampler:
     """The GRPO step's data: `begin_step` makes the groups of the step's prompts once (sampled, scored, given their
     advantages), before its first micro batch; `collate` then cuts each micro batch's rows from them.
 
-    Under torchrun each rank makes the groups of its own prompts of the step (what runner.micro_batches hands
+    Under torchrun each rank makes the groups of its own prompts of the step (what feed.micro_batches hands
     begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by `rank` as
     well (rank 0 draws as one process does), so a resume at the same world size samples again what the run did."""
 
@@ -185,7 +185,7 @@ class Sampler:
         return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.rewards))
 
     def begin_step(self, epoch: int, step: int, keys: list[int]) -> None:
-        """The step's groups, made before its first micro batch (runner.Batches.begin_step): `keys`, this rank's
+        """The step's groups, made before its first micro batch (feed.Batches.begin_step): `keys`, this rank's
         prompts of optimizer step `step` of `epoch`, sampled (seeded by the seed, epoch, step and rank, whatever
         the micro batch), scored and given their advantages."""
         seed = int(np.random.SeedSequence([self.seed, epoch, step, *([self.rank] if self.rank else [])])
@@ -213,10 +213,10 @@ class Sampler:
 
     def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
         """The rows of `keys`' groups, cut from the step's (begin_step made them; the global micro-step's keys,
-        runner.micro_batches' second argument, add nothing here)."""
+        feed.micro_batches' second argument, add nothing here)."""
         groups = self.step_groups
         if groups is None or keys[0] not in groups.keys:
-            # runner.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
+            # feed.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
             # are zeroed there): one EOS a completion, nothing sampled
             g = self.s.num_generations
             groups = Groups(keys, [[self.tokenizer.eos_token_id]] * (len(keys) * g), torch.zeros(len(keys) * g),

@@ -461,7 +461,7 @@ def optimizer_steps(
                     b["totals"] = totals  # the whole step's normalisers, not this micro-batch's
                 with distributed.gradient_sync(objective, enabled=i == len(item.prepared) - 1):
                     loss, stats = split_output(objective(b))
-                    if "live" in b:  # runner.micro_batches' filler (a rank with no rows here): no loss, no figures
+                    if "live" in b:  # feed.micro_batches' filler (a rank with no rows here): no loss, no figures
                         loss, stats = loss * b["live"], None if stats is None else stats * b["live"]
                     loss = loss * scale
                     (scaler.scale(loss) if scaler else loss).backward()

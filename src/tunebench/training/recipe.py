@@ -28,7 +28,7 @@ from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_
 from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import RunBase
-from tunebench.training import checkpoint, loop, optim, runner, runplan
+from tunebench.training import checkpoint, feed, loop, measuring, optim, runner, runplan, stopping
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler, memory
 from tunebench.training.autotune.probe import memory_free_mb, probe_step
@@ -59,7 +59,7 @@ class Recipe:
     method_rows: list[Decision]  # below the world and parallel rows: the method's, the objective's
     header: str  # printed above the settings table: the model, the data and what trains
     parallel: Decision
-    batches: Callable[[int], runner.Batches]  # micro batch -> how the micro batches are made
+    batches: Callable[[int], feed.Batches]  # micro batch -> how the micro batches are made
     eval_sets: Callable[[int], list[tuple[str, list[Batch]]]]  # micro batch -> the held-out batches, by name
     identity: dict[str, Any]  # what a resume must match
     finish: Callable[[Finished], tuple[dict[str, Any], list[Path]]]  # rank 0: (summary, files saved)
@@ -92,7 +92,7 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     outputs, summary.json and the trackers). Returns the summary on rank 0, {} on the other ranks.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second Ctrl-C aborts; see
-    runner.StopRequest); under several ranks a signal to any one stops all of them at the same step. Only rank 0
+    stopping.StopRequest); under several ranks a signal to any one stops all of them at the same step. Only rank 0
     writes records and talks; every rank runs the rest (evaluation and saving are collectives)."""
     planned = plan_run(cfg, opened, r)
     if r.before_training:
@@ -113,14 +113,14 @@ class Planned:
     settings, the memory the plan predicts for a step, and the seconds measuring took."""
 
     plan: runplan.RunPlan
-    batches: runner.Batches
+    batches: feed.Batches
     optimization: runner.Optimization
     memory_plan: memory.MemoryPlan
     measure_s: float
 
 
 def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
-    """The steps, the measured settings (runner.measure), the batches for the micro batch chosen, the memory of a
+    """The steps, the measured settings (measuring.measure), the batches for the micro batch chosen, the memory of a
     step, and the plan with its table, printed on rank 0."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
     extra = list(r.loss.parameters()) if r.loss is not None else []  # a full fine-tune's reference copy, say
@@ -131,7 +131,7 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     u = r.units
     steps = runplan.total_steps(u.n, effective, s.epochs, s.max_steps, s.max_tokens, u.tokens_each)
     probe = probe_step(r.model, u.probe_rows, device, opened.autocast, r.loss)
-    measured, measure_s = runner.measure(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
+    measured, measure_s = measuring.measure(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
     per_step = effective * u.tokens_each / world.size  # the tokens one rank computes in a step
     speed = measured.tokens_per_s if r.watch_speed else None  # GRPO's steps also sample: not the probe's speed
     steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
@@ -228,7 +228,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         runner.say(world, f"resume: continuing from {opened.resume_from} (step {state.step})")
     metrics = MetricsWriter(opened.out / "metrics.jsonl", tracking.log) if world.main else None
     log = metrics or (lambda record: None)
-    stop = runner.StopRequest(world.rank if world.backend else None)
+    stop = stopping.StopRequest(world.rank if world.backend else None)
     eval_sets = t.eval_sets
 
     def save(at: LoopState) -> None:
@@ -257,10 +257,10 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         log({"step": 0, **before})
         runner.say(world, f"eval before training: {describe_eval(before)}")
     made = planned.batches
-    next_micro_batch = runner.micro_batches(made.steps, made.collate, world, plan.micro_batch_size,
+    next_micro_batch = feed.micro_batches(made.steps, made.collate, world, plan.micro_batch_size,
                                             plan.grad_accum_steps, made.begin_step)
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    runner.Phase.loop_started = True
+    stopping.Phase.loop_started = True
     wall = time.perf_counter()
     try:
         try:

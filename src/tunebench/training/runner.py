@@ -1,10 +1,10 @@
-"""The named steps every training run takes around the loop: its opening (hardware plan, process group, output
-directory and resume point, batch, threads and seed), the host's settings rows, the measured decisions, the
-learning rate, the records, the objective as the process group wraps it, the micro-batches, the stop request
-(signals), the slowdown watch and the loop's outcome.
+"""A training run's set-up around the loop: its opening (hardware plan, process group, output directory and resume
+point, batch, threads and seed), the host's settings rows, the learning rate, the records and trackers, the
+objective as the process group wraps it, the slowdown watch and the loop's outcome.
 
-A job builds its model, data and decisions and hands them to training.recipe.run, which calls these in order;
-the optimizer steps themselves are loop.optimizer_steps.
+Beside it, each with one job: training/measuring.py (the measured decisions, rank 0 alone), training/feed.py (the
+loop's micro batches and each step's start), training/stopping.py (signals). training.recipe.run calls them in
+order; the optimizer steps themselves are loop.optimizer_steps.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import contextlib
 import json
 import math
 import random
-import signal
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +26,13 @@ from tunebench.core import runlock
 from tunebench.core.batch_rule import BatchAsk
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
-from tunebench.data import batching
 from tunebench.machine import distributed, hardware, trackers
 from tunebench.machine.distributed import World
 from tunebench.settings import yamlfiles
 from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
-from tunebench.training.loop import Batch, CausalLMLoss, LoopState
+from tunebench.training.loop import CausalLMLoss, LoopState
 
 
 @dataclass(frozen=True)
@@ -178,108 +174,10 @@ def steps_row(cfg: RunBase, steps: int, what: str) -> Decision:
                     f"--max-tokens {s.max_tokens:,}" if s.max_tokens else f"{s.epochs:g} epoch(s) of {what}")
 
 
-def measure(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_tokens: float,
-            parallel: Decision) -> tuple[runplan.Measured, float]:
-    """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
-    checkpointing, compile) for what `units` describe on this machine, and the seconds they took. `step` is an
-    autotune.probe step; a micro batch the job's math fixes (`units.micro`) is taken like one the user asked for."""
-    from tunebench.training import autotune
-    from tunebench.training.autotune import known
-    hw, hw_plan, world, h, u = opened.hw, opened.hw_plan, opened.world, cfg.hardware, units
-
-    def measure_() -> runplan.Measured:
-        shape = autotune.Shape(*u.what, u.max_length, autotune.where(hw, hw_plan, opened.device), hw_plan.precision,
-                               hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
-        return runplan.measure(model, step, runplan.Workload(
-            shape=shape, world_size=world.size, local_ranks=world.local_size, device=opened.device,
-            precision=hw_plan.precision, attention_asked=h.attention,
-            # the kernels' timing units: ATTENTION_ROWS rows (a GRPO group of 8 is 8 rows), or the micro batch asked
-            attention_rows=min(opened.ask.micro or max(1, runplan.ATTENTION_ROWS // u.rows_each), u.n),
-            widest=u.widest, max_length=u.max_length, n_train=u.n, effective=opened.effective,
-            resumed=opened.resumed, micro_asked=u.micro or opened.ask.micro, asked_reason=u.asked_reason,
-            checkpointing=h.gradient_checkpointing, compile_asked=compile_decision(hw_plan, parallel.value),
-            compile_mode=h.compile_mode, quantized=u.quantized, run_tokens=run_tokens, measure_mode=h.measure,
-            known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, u.max_length,
-                                shape.method)))
-
-    return measured_by_rank0(world, model, measure_)
-
-
-def measured_by_rank0(world: World, model, measure: Callable[[], runplan.Measured]) -> tuple[runplan.Measured, float]:
-    """The measured decisions and the seconds they took (reported apart from training): rank 0 measures, the
-    other ranks take its answers and apply them to their copy of the model (ranks never disagree, never race
-    on the cache)."""
-    started = time.perf_counter()
-    measured = distributed.agree(world, measure, safe=(runplan.Measured, Decision))
-    seconds = time.perf_counter() - started
-    if not world.main:
-        runplan.apply_measured(model, list(measured.decisions))
-    return measured, seconds
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-@dataclass(frozen=True)
-class Batches:
-    """How a run's micro batches are made, once its micro batch is decided (a Recipe's `batches`)."""
-
-    steps: Callable[[int], list[list[int]]]  # epoch -> its optimizer steps, each a list of unit indices
-    collate: Callable[[list[int], list[int]], Batch]  # (this rank's units of a micro-step, the global micro-step's)
-    rows: list[Decision] = field(default_factory=list)  # settings rows such as the batch layout's
-    # (epoch, step in the epoch, this rank's units of it): run before the step's first micro batch is collated;
-    # GRPO's rollout (its groups sampled, scored and given their advantages, which collate then cuts into rows)
-    begin_step: Callable[[int, int, list[int]], None] | None = None
-
-
-def micro_batches(steps: Callable[[int], list[list[int]]], collate: Callable[[list[int], list[int]], Batch],
-                  world: World, micro_batch_size: int, grad_accum_steps: int,
-                  begin_step: Callable[[int, int, list[int]], None] | None = None) -> Callable[[LoopState], Batch]:
-    """The loop's `next_micro_batch`. `steps(epoch)` lists the epoch's optimizer steps (a pure function
-    of seed, epoch and effective batch: batching.epoch_steps); each is cut into `grad_accum_steps`
-    global micro-steps of micro batch x world size rows; `begin_step`, if given, is told each step (its epoch,
-    its index, this rank's units of it: step_share) before its first micro-step, and this rank collates its share:
-    `collate(its rows, the global micro-step's rows)` (KTO pairs each completion with another of the global
-    micro-step, so ranks together hold what one process would). The data position (epoch, batch_in_epoch)
-    counts global micro-steps. A short last step can leave a rank no rows: it gets a filler row with no
-    loss and no real tokens (or, for an objective that counts its own units, a real row with `counts` 0 and
-    `live` 0, by which the loop multiplies its loss and figures), because every rank must run the same number of
-    forward/backward passes for the gradient sync (one process skips it)."""
-    epochs: dict[int, list[list[int]]] = {}
-
-    def next_micro_batch(s: LoopState) -> Batch:
-        order = epochs.get(s.epoch)
-        if order is None:  # once an epoch: the shuffle and its lists are O(rows), not O(1) a micro-batch
-            order = epochs[s.epoch] = steps(s.epoch)
-        if s.batch_in_epoch >= len(order) * grad_accum_steps:
-            epochs.pop(s.epoch, None)
-            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-            return next_micro_batch(s)
-        k, j = divmod(s.batch_in_epoch, grad_accum_steps)
-        if j == 0 and begin_step is not None:  # checkpoints fall between steps: a resume starts at a j of 0 too
-            begin_step(s.epoch, k, step_share(order[k], world, micro_batch_size, grad_accum_steps))
-        rows = batching.micro_steps(order[k], micro_batch_size * world.size, grad_accum_steps)[j]
-        s.batch_in_epoch += 1
-        mine = distributed.shard(rows, world, micro_batch_size)
-        if mine:
-            return collate(mine, rows)
-        filler = collate(order[k][:1], order[k][:1])
-        if "counts" in filler:  # an objective that counts its own units: they and its loss are multiplied by 0
-            return {**filler, "counts": torch.zeros_like(filler["counts"]), "live": torch.zeros(())}
-        return {**filler, "labels": torch.full_like(filler["labels"], -100),
-                "attention_mask": torch.zeros_like(filler["attention_mask"])}
-
-    return next_micro_batch
-
-
-def step_share(step: list[int], world: World, micro_batch_size: int, grad_accum_steps: int) -> list[int]:
-    """This rank's rows of one optimizer step: its shares of the step's global micro-steps, in order (what
-    micro_batches hands it over the step)."""
-    return [row for rows in batching.micro_steps(step, micro_batch_size * world.size, grad_accum_steps)
-            for row in distributed.shard(rows, world, micro_batch_size)]
 
 
 def every(steps: float | None, total: int) -> int | None:
@@ -287,13 +185,6 @@ def every(steps: float | None, total: int) -> int | None:
     if steps is None:
         return None
     return max(1, round(steps * total)) if steps < 1 else int(steps)
-
-
-def compile_decision(plan: hardware.Plan, parallel: str) -> Decision:
-    """What compiler.pick is asked: the plan's, except under FSDP sharding, where it is off."""
-    if parallel == "fsdp":
-        return Decision("compile", False, "not combined with FSDP sharding here")
-    return plan.decision("compile")
 
 
 def apply_plan(plan: hardware.Plan) -> None:
@@ -376,63 +267,6 @@ def objective(model, autocast_dtype, device: torch.device, world: World, paralle
         distributed.shard_fsdp(loss, model, world, device)
         return loss, loss, False
     return distributed.wrap_ddp(loss, world, device), loss, True
-
-
-class Phase:
-    """Whether this process's run has reached its training loop: what a stop outside the loop's own handling
-    has to say (StopRequest handles it inside)."""
-
-    loop_started = False
-
-
-def job(run: Callable) -> Callable:
-    """A training job's entry point: Ctrl-C or SIGTERM outside the loop (loading, measuring, the evaluation
-    before it, the summary after it) stops the run with one line that says what it leaves, exit 130 as a
-    stopped run; and every run directory lock it took is let go however it ends (runlock.released)."""
-    import functools
-
-    @functools.wraps(run)
-    def guarded(*args, **kwargs):
-        def on_signal(signum, frame):
-            name = signal.Signals(signum).name
-            if Phase.loop_started:
-                raise TunebenchError(f"{name} after training: the run's last checkpoint is kept; rerun with "
-                                     "--resume auto to finish its evaluation and files", 130)
-            raise TunebenchError(f"{name} before the first training step (loading or measuring): nothing was "
-                                 "trained and no checkpoint written; start the run again to train", 130)
-
-        Phase.loop_started = False
-        main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread's only
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-        try:
-            return runlock.released(run)(*args, **kwargs)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-
-    return guarded
-
-
-class StopRequest:
-    """Ctrl-C or SIGTERM asks the loop to stop after this step and save a checkpoint. A second Ctrl-C (a person
-    at a terminal, more than a second after the first) aborts without it; SIGTERM never does: it is what a
-    process manager or the studio's Stop sends, and a second Stop click must not throw away the checkpoint
-    being written (the only one, with the studio's defaults)."""
-
-    def __init__(self, rank: int | None = None):
-        self.requested, self.at, self.rank = False, 0.0, rank
-
-    def on_signal(self, signum, frame) -> None:
-        # torchrun passes the terminal's Ctrl-C on to its workers, which got it already: a repeat within a
-        # second is the same request, not the second one that aborts.
-        if self.requested:
-            if signum == signal.SIGINT and time.monotonic() - self.at > 1.0:
-                raise KeyboardInterrupt
-            return
-        self.requested, self.at = True, time.monotonic()
-        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
-        print(f"\n{signal.Signals(signum).name}" + (f" (rank {self.rank})" if self.rank is not None else "")
-              + f": saving a checkpoint after this step{again}", flush=True)
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str
 @dataclass(frozen=True)
 class Units:
     """What one objective trains, as the measurement and the plan count it, built by the job and passed whole (to
-    runner.measure, which adds the machine to make a Workload). A unit is one row of the effective batch: a row, a
+    measuring.measure, which adds the machine to make a Workload). A unit is one row of the effective batch: a row, a
     preference pair, a judged completion, a GRPO prompt and its group, a block of tokens."""
 
     n: int  # training units
@@ -193,7 +193,7 @@ class Units:
 
 @dataclass(frozen=True)
 class Workload:
-    """What the measured decisions are made for, built once by runner.measure and handed whole to `measure`: what is
+    """What the measured decisions are made for, built once by measuring.measure and handed whole to `measure`: what is
     trained and where (`shape`, the measurement cache's key), its ranks, device and precision, the kernels and
     batch asked for, its lengths and rows, what the whole run will compute, how much measuring may take, and the
     nearest machine class's record (autotune.known) to start from."""
