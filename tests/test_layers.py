@@ -1,6 +1,7 @@
 """The package's shape: no import circle, and the modules that must load without torch do."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,19 @@ def test_no_two_classes_share_a_name():
     twice = {name: where for name, where in seen.items() if len(where) > 1}
     assert set(twice) <= {"ModelConfig", "DataConfig"}, twice
     assert all(sorted(w) == ["settings/finetune.py", "settings/pretrain.py"] for w in twice.values()), twice
+
+
+def test_the_loop_reads_each_objective_through_its_written_protocol(tiny):
+    """loop.Objective names what the loop and evaluation ask of an objective (its unit, stats, their means): each
+    objective has all of it, and the loop probes none of it with getattr or hasattr."""
+    from tunebench.training import grpo, loop, preference
+
+    settings = grpo.GRPOSettings(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    objectives = [loop.CausalLMLoss(tiny.model), *(preference.PreferenceLoss(tiny.model, m, 0.1)
+                                                   for m in ("dpo", "orpo", "kto")),
+                  grpo.GRPOLoss(tiny.model, settings, [])]
+    for objective in objectives:
+        assert isinstance(objective, loop.Objective), type(objective).__name__
+        assert objective.stat_finish({"x": 1.0}, 2) == {"x": 1.0} or isinstance(objective, grpo.GRPOLoss)
+    source = (PACKAGE / "training" / "loop.py").read_text()
+    assert not re.search(r"(getattr|hasattr)\([^)]*\"(stat_names|stat_per|stat_finish|unit)\"", source)

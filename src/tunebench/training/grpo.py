@@ -273,7 +273,8 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
 
 
 class GRPOLoss(torch.nn.Module):
-    """The GRPO objective over `model` (module docstring); returns (loss sum, stat sums over completions)."""
+    """The GRPO objective over `model` (module docstring), a loop.Objective: (loss sum, stat sums over
+    completions)."""
 
     unit = "completions"
 

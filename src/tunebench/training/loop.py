@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -106,16 +106,41 @@ def body_and_head(model):
     return body, head
 
 
+@runtime_checkable
+class Objective(Protocol):
+    """What the loop and evaluation ask of an objective (CausalLMLoss, preference.PreferenceLoss, grpo.GRPOLoss), the
+    module DDP or FSDP wraps. `forward(batch)` gives its loss summed over the batch's units, or (that sum, the sums
+    of its `stat_names` over them). The loss is normalised per `unit` over the whole optimizer step (tokens, or the
+    counts a batch brings: pairs, judged examples, completions); each stat is reported as a mean per unit, or per
+    the stat `stat_per` names for it; `stat_finish(means, units)` makes the figures that are no mean (GRPO's
+    reward_std)."""
+
+    unit: str
+    stat_names: tuple[str, ...]
+    stat_per: dict[str, str]
+
+    def __call__(self, batch: Batch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]: ...
+
+
 class CausalLMLoss(torch.nn.Module):
     """The training objective as a module: the sum of next-token cross-entropy over the loss positions
     of one prepared micro-batch. This is what DDP and FSDP wrap. Their hooks (gradient sync, gathering
     sharded weights) arm in the wrapped module's forward, so the loop calls this forward and never the
     model's submodules directly: a loss computed beside the wrapper would silently never synchronise."""
 
+    unit: ClassVar[str] = "tokens"
+    stat_names: ClassVar[tuple[str, ...]] = ()  # the loss alone: evaluation adds perplexity
+    stat_per: ClassVar[dict[str, str]] = {}
+
     def __init__(self, model, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.autocast_dtype = autocast_dtype
+
+    def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:
+        return means
 
     def forward(self, batch: Batch) -> torch.Tensor:
         model, autocast_dtype = self.model, self.autocast_dtype
@@ -219,8 +244,8 @@ def evaluate(objective: torch.nn.Module, batches, device: torch.device, world: W
     objective.train(was_training)
     if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves the root's weights gathered
         objective.reshard()
-    inner = unwrap(objective)
-    names = getattr(inner, "stat_names", ())  # a rank whose share had no batch adds zeros: the same collective
+    inner: Objective = unwrap(objective)
+    names = inner.stat_names  # a rank whose share had no batch adds zeros: the same collective
     sums = [float(total), count] + (stats.tolist() if stats is not None else [0.0] * len(names))
     sums = distributed.all_sum(sums, world) if split else sums
     loss, count = sums[0] / max(sums[1], 1), sums[1]
@@ -234,13 +259,12 @@ def stat_means(objective: torch.nn.Module, sums: list[float], units: float) -> d
     """An objective's metric sums as means: per loss unit, or per the count another of its stats holds (its
     `stat_per`: KTO's rewards/chosen is a mean over the desirable rows); a mean over no rows is left out. Its
     `stat_finish(means, units)`, if any, makes the figures that are not means (GRPO's reward_std)."""
-    inner = unwrap(objective)
-    per = getattr(inner, "stat_per", {})
+    inner: Objective = unwrap(objective)
+    per = inner.stat_per
     named = dict(zip(inner.stat_names, sums))
     means = {name: v / (named[per[name]] if name in per else max(units, 1)) for name, v in named.items()
              if name not in per or named[per[name]]}
-    finish = getattr(inner, "stat_finish", None)  # figures not a mean of sums (GRPO's reward_std)
-    return finish(means, units) if finish else means
+    return inner.stat_finish(means, units)
 
 
 @dataclass

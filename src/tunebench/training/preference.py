@@ -143,6 +143,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 class PreferenceLoss(torch.nn.Module):
+    """DPO's, ORPO's or KTO's loss over `model` (module docstring), a loop.Objective: (loss sum, stat sums)."""
 
     def __init__(self, model, method: str, beta: float, autocast_dtype: torch.dtype | None = None,
                  reference=None, weights: tuple[float, float] = (1.0, 1.0)):
@@ -155,6 +156,9 @@ class PreferenceLoss(torch.nn.Module):
 
     def reference_logps(self, batch: Batch, index: torch.Tensor) -> torch.Tensor:
         return reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype)
+
+    def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:
+        return means  # every figure is a mean (loop.Objective)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, stat sums) of the micro batch (a filler's, `live` 0, the loop multiplies by 0)."""
