@@ -14,7 +14,7 @@ from tunebench.machine import distributed
 from tunebench.model import arch
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, validate
 from tunebench.training import feed, pretraining, recipe, runner, runplan, stopping
-from tunebench.training.autotune import compiler
+from tunebench.training.autotune import Trained, compiler
 
 
 @stopping.job
@@ -62,7 +62,7 @@ def run(cfg: PretrainRun | PretrainConfig) -> dict[str, Any]:
             n=len(train),
             name=f"blocks of {d.max_length}",
             tokens_each=d.max_length,
-            what=(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
+            what=Trained(f"pretrain:{arch.fingerprint(m)}", "pretrain", "none", None, None),
             probe_rows=lambda size: train.collate(range(min(size, len(train)))),
             widest=d.max_length,
             max_length=d.max_length,

@@ -17,7 +17,7 @@ from tunebench.machine import hardware, metrics
 from tunebench.model import methods, models
 from tunebench.settings.finetune import EPISODE_DEFAULTS, RunConfig, not_sharded
 from tunebench.training import preference, runner
-from tunebench.training.autotune import memory
+from tunebench.training.autotune import Trained, memory
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 
 
@@ -162,12 +162,12 @@ def kto_micro_batch(opened: runner.Opened, kto: bool) -> dict[str, Any]:
             "asked_reason": f"the effective batch: {why}; --batch-size N estimates it over N rows instead"}
 
 
-def measured_as(cfg: RunConfig, prefer: bool) -> tuple:
+def measured_as(cfg: RunConfig, prefer: bool) -> Trained:
     """What is trained, as the measurement cache keys it: a preference step is a pair's two rows plus DPO's
     reference pass, measured apart from SFT's rows."""
     a = cfg.adapter
-    return (cfg.model.name, a.method if not prefer else f"{a.method}+{cfg.objective.name}", a.quantization,
-            a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules)
+    return Trained(cfg.model.name, a.method if not prefer else f"{a.method}+{cfg.objective.name}", a.quantization,
+                   a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules)
 
 
 def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.PreferenceLoss, Decision]:

@@ -17,6 +17,7 @@ from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import checkpoint, environment, finetune_data
 from tunebench.training import rewards as rewards_
+from tunebench.training.autotune import Trained
 from tunebench.training.environment import Environment
 from tunebench.training.grpo import GRPOSettings, Sampler
 
@@ -86,13 +87,13 @@ def header(source: str, cfg: RunConfig, data: PromptData, n_train: int, n_held_o
             f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.4f}%)")
 
 
-def measured_as(cfg: RunConfig) -> tuple:
+def measured_as(cfg: RunConfig) -> Trained:
     """What is trained, as the measurement cache keys it: a probe step is a micro batch of groups at the longest
     completions, never sampled."""
     a, o = cfg.adapter, cfg.objective
     episodes = f"+episodes{o.max_turns}" if o.environment else ""  # whole contexts: not a single turn's probe
-    return (cfg.model.name, f"{a.method}+grpo{o.num_generations}x{o.max_completion_length}{episodes}", a.quantization, a.r,
-            a.target_modules)
+    return Trained(cfg.model.name, f"{a.method}+grpo{o.num_generations}x{o.max_completion_length}{episodes}",
+                   a.quantization, a.r, a.target_modules)
 
 
 def generation(ranks: list[dict[str, Any]], outcome, s: GRPOSettings) -> dict[str, Any]:

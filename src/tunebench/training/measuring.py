@@ -25,8 +25,9 @@ def measure(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run
     hw, hw_plan, world, h, u = opened.hw, opened.hw_plan, opened.world, cfg.hardware, units
 
     def measure_() -> runplan.Measured:
-        shape = autotune.Shape(*u.what, u.max_length, autotune.where(hw, hw_plan, opened.device), hw_plan.precision,
-                               hw.versions.get("torch", ""), h.attention, h.liger, h.gradient_checkpointing)
+        shape = u.what.shape(max_length=u.max_length, where=autotune.where(hw, hw_plan, opened.device),
+                             precision=hw_plan.precision, torch=hw.versions.get("torch", ""), attention=h.attention,
+                             liger=h.liger, gradient_checkpointing=h.gradient_checkpointing)
         return runplan.measure(model, step, runplan.Workload(
             shape=shape, world_size=world.size, local_ranks=world.local_size, device=opened.device,
             precision=hw_plan.precision, attention_asked=h.attention,

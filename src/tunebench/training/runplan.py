@@ -179,7 +179,7 @@ class Units:
     n: int  # training units
     name: str  # in the steps row: "rows", "pairs", "prompts", "blocks of 256"
     tokens_each: float  # for the total steps under --max-tokens and compile's pay-off
-    what: tuple  # the measurement cache's key for what is trained (model, method, quantization, rank, targets)
+    what: Any  # autotune.Trained: what is trained, as the measurement cache keys it
     probe_rows: Callable[[int], Any]  # size -> the widest units collated, for the probe's steps
     widest: int  # tokens an attention kernel must fit per row
     max_length: int

@@ -38,6 +38,23 @@ class Shape:
         return f"{kind}|" + json.dumps({**asdict(self), **extra}, sort_keys=True, default=str)
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What is trained, as the measurement cache keys it: the first five fields of a Shape, which the job knows
+    (runplan.Units.what); measuring.measure adds the machine's and the kernels' with `shape`."""
+
+    model: str
+    method: str  # with the objective where a step differs: "lora+dpo", "lora+grpo8x256+episodes4"
+    quantization: str
+    r: int | None  # or prompt tuning's virtual tokens
+    target_modules: str | None
+
+    def shape(self, **machine: Any) -> Shape:
+        """The Shape of this run on a machine (max_length, where, precision, torch, attention, liger,
+        gradient_checkpointing, by name)."""
+        return Shape(**asdict(self), **machine)
+
+
 def where(hw, plan, device) -> str:
     """The machine a measurement holds for: the GPU, or the CPU at this run's thread count."""
     return hw.gpus[0].name if device.type == "cuda" else f"{hw.cpu_model} x{plan.threads}"
