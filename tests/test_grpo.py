@@ -51,6 +51,45 @@ def test_advantages_are_each_rewards_distance_from_its_groups_mean_in_group_stds
     assert adv[:4] == pytest.approx((group - group.mean()).tolist())
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_groups_that_teach_nothing_leave_the_update_with_the_same_loss_and_gradients(tiny, loss_type):
+    """At beta 0 a group whose advantages are all 0 adds 0 to the loss and its gradient: its rows are left out of
+    the forward and backward (counted in frac_groups_skipped), and the step's loss, gradients and every other stat
+    are the ones all rows give; a micro batch of such groups alone still runs one row, to no effect."""
+    from tunebench.data.prompts import PromptData
+    from tunebench.training.loop import prepare
+
+    model, tok = tiny.model, tiny.tokenizer
+    data = PromptData([[5, 6, 7], [8, 9], [10, 11, 12, 13]], torch.arange(3).numpy(), 0)
+    completions = [[20, 21, 2], [22, 2], [23, 24, 25, 2], [26, 2], [27, 28, 2], [29, 2]]
+    groups = grpo.Groups([0, 1, 2], completions, torch.tensor([1.0, -1.0, 0.0, 0.0, 0.7, -0.7]),
+                         torch.arange(18, dtype=torch.float32).reshape(6, 3))
+    settings = grpo.GRPOSettings(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, loss_type, "group")
+    objective = grpo.GRPOLoss(model, settings, [rewards.Reward("r", 1.0, lambda p, c, cols: [])])
+
+    def step(keys, skip):
+        batch, _, _ = prepare(grpo.rows_of(groups, keys, data, 2, tok.pad_token_id, skip_alike=skip),
+                              torch.device("cpu"))
+        model.zero_grad(set_to_none=True)
+        loss, stats = objective(batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return batch, loss.detach(), stats, grads
+
+    whole, skipped = step([0, 1, 2], False), step([0, 1, 2], True)
+    assert whole[0]["input_ids"].shape[0] == 6 and skipped[0]["input_ids"].shape[0] == 4  # group 1 left out
+    assert skipped[1] == pytest.approx(float(whole[1]), abs=1e-6)
+    assert max(float(g.abs().max()) for g in whole[3].values()) > 0.1  # the other groups teach something
+    torch.testing.assert_close(skipped[2][:-1], whole[2][:-1])  # kl and every completion's stats
+    names = objective.stat_names
+    assert names[-1] == "frac_groups_skipped" and (float(whole[2][-1]), float(skipped[2][-1])) == (0.0, 2.0)
+    for name, grad in whole[3].items():  # to fp32 rounding: other batch shapes sum in another order (seen: 3e-7
+        torch.testing.assert_close(skipped[3][name], grad, rtol=1e-5, atol=1e-6, msg=name)  # of gradients up to 1.1)
+    alone = step([1], True)  # only the alike group: one row runs, adding nothing
+    assert alone[0]["input_ids"].shape[0] == 1 and float(alone[1]) == 0.0 and float(alone[2][-1]) == 2.0
+    assert all(float(g.abs().max()) == 0.0 for g in alone[3].values())
+
+
 def _config(tmp_path, name, **extra):
     s = GOLDEN["settings"][name]
     (tmp_path / "rewards.py").write_text(GOLDEN["rewards"])

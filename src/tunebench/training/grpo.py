@@ -221,7 +221,8 @@ class Sampler:
             g = self.s.num_generations
             groups = Groups(keys, [[self.tokenizer.eos_token_id]] * (len(keys) * g), torch.zeros(len(keys) * g),
                             torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
-        return rows_of(groups, keys, self.data, self.s.num_generations, self.tokenizer.pad_token_id)
+        return rows_of(groups, keys, self.data, self.s.num_generations, self.tokenizer.pad_token_id,
+                       skip_alike=self.s.beta == 0)
 
     def probe_rows(self, keys: list[int]) -> Batch:
         """A micro batch as large as `keys` can make (every completion max_completion_length long, zero
@@ -250,25 +251,34 @@ class Sampler:
                 **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
 
 
-def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int) -> Batch:
+def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip_alike: bool = False
+            ) -> Batch:
     """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens (on an
     episode's, the policy's tokens of it: groups.masks).
-    Besides the usual tensors: `advantages` (rows,), `row_stats` (rows, stats) and `counts` (completions,
-    completion tokens): the units this micro batch adds to its optimizer step's normalisers (loop.prepare)."""
+    Besides the usual tensors: `advantages` (rows,), `row_stats` (completions, stats: every completion's, rows or
+    not), `counts` (completions, completion tokens: the units this micro batch adds to its optimizer step's
+    normalisers, loop.prepare) and `skipped` (completions left out).
+
+    `skip_alike` (beta 0): a group whose advantages are all 0 teaches nothing (its loss and gradient are 0 without a
+    KL term), so its rows are left out of the forward and backward; it still counts in the normalisers and the
+    stats, so the step's loss and gradients are the same. A micro batch of such groups alone keeps its first row
+    (an advantage of 0 again): every rank runs its forward and backward for the gradient sync."""
     from tunebench.data.batching import pad_examples
 
     where = {key: i for i, key in enumerate(groups.keys)}
     picked = [where[key] * g + j for key in keys for j in range(g)]
-    examples = []
     masks = groups.masks or [[1] * len(c) for c in groups.completions]
-    for key, i in zip([key for key in keys for _ in range(g)], picked):
-        prompt, completion = data.ids[key], groups.completions[i]
-        examples.append((np.asarray(prompt + completion), np.asarray([0] * len(prompt) + masks[i])))
+    owners = [key for key in keys for _ in range(g)]
+    # a completion of a group that teaches nothing: all its group's advantages are 0
+    alike = [skip_alike and not groups.advantages[i - i % g:i - i % g + g].any() for i in picked]
+    rows = [(key, i) for key, i, out in zip(owners, picked, alike) if not out] or [(owners[0], picked[0])]
+    examples = [(np.asarray(data.ids[key] + groups.completions[i]),
+                 np.asarray([0] * len(data.ids[key]) + masks[i])) for key, i in rows]
     batch = pad_examples(examples, pad_id)
-    index = torch.tensor(picked)
-    batch["advantages"] = groups.advantages[index]
-    batch["row_stats"] = groups.row_stats[index]
+    batch["advantages"] = groups.advantages[torch.tensor([i for _, i in rows])]
+    batch["row_stats"] = groups.row_stats[torch.tensor(picked)]
     batch["counts"] = torch.tensor([len(picked), sum(sum(masks[i]) for i in picked)])
+    batch["skipped"] = torch.tensor(float(sum(alike)))
     return batch
 
 
@@ -282,7 +292,7 @@ class GRPOLoss(torch.nn.Module):
                  reference=None, episodes: bool = False):
         super().__init__()
         self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype
-        self.stat_names = stat_names(rewards) + (EPISODE_STATS if episodes else ())
+        self.stat_names = stat_names(rewards) + (EPISODE_STATS if episodes else ()) + ("frac_groups_skipped",)
         self.stat_per = {f"rewards/{r.name}/mean": f"count/{r.name}" for r in rewards} | (
             EPISODE_STAT_PER if episodes else {})
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
@@ -325,5 +335,6 @@ class GRPOLoss(torch.nn.Module):
                     / tokens.clamp(min=1)).sum()
         else:  # dr_grpo
             loss = per_token.sum() / s.max_completion_length
-        stats = torch.cat([kl_sum.reshape(1), batch["row_stats"].to(logp.dtype).sum(0)])
+        skipped = batch.get("skipped", torch.zeros((), device=logp.device)).to(logp.dtype).reshape(1)
+        stats = torch.cat([kl_sum.reshape(1), batch["row_stats"].to(logp.dtype).sum(0), skipped])
         return loss, stats
