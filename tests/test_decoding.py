@@ -99,3 +99,31 @@ def test_the_static_cache_path_a_gpu_replays_as_a_graph_makes_the_same_tokens_as
     eos = int(dynamic[1, 2])
     with_eos = [decoding.decode(model, ids, mask, 20, eos, tok.pad_token_id, cache=c) for c in ("dynamic", "static")]
     assert with_eos[0].tolist() == with_eos[1].tolist() and with_eos[0][1, 3:].eq(tok.pad_token_id).all()
+
+
+def test_a_finished_row_leaves_the_batch_and_the_others_sample_what_they_would_have(monkeypatch):
+    """Sampled in fp32: the dynamic cache drops each row at its EOS (transformers' batch_select_indices), the static
+    path feeds it padding to the end; the same seed gives the same tokens both ways, because each step draws for
+    every row (dropping a row's draw would shift the others'). The batches shrink as rows end."""
+    from transformers import DynamicCache
+
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok, model = loaded.tokenizer, loaded.model.eval()
+    ids, mask = _left_padded(tok, ["Hello there, how are", "Hi", "The order number is 12", "Where is"])
+    torch.manual_seed(3)
+    free = decoding.decode(model, ids, mask, 16, None, tok.pad_token_id, temperature=1.0)
+    eos = int(free[1, 2])  # row 1's third token ends it; the others run on, some past it
+    sizes = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda self, index: sizes.append(len(index)) or select(self, index))
+    runs = {}
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(3)
+        runs[cache] = decoding.decode(model, ids, mask, 16, eos, tok.pad_token_id, temperature=1.0, cache=cache)
+    assert runs["dynamic"].tolist() == runs["static"].tolist()
+    ended = [row.index(eos) for row in runs["dynamic"].tolist() if eos in row]
+    assert ended and sizes and sizes[0] < 4 and sizes == sorted(sizes, reverse=True)  # rows left, one by one
+    assert any(eos not in row[:max(ended)] for row in runs["dynamic"].tolist())  # others went on past an end

@@ -11,7 +11,10 @@ does not let a caller change:
   attention (two small matmuls) is faster there, so decoding on a CPU runs the model's eager attention (the
   prompt's prefill too: one call). On CUDA the model keeps its own kernel.
 The model still does the forward passes (its own cache class, positions and masks), so any transformers causal
-LM decodes here; rows are left-padded, and a row that reached EOS is fed padding until every row has.
+LM decodes here; rows are left-padded, and a row that reached EOS leaves the batch (its cache rows selected away,
+transformers' batch_select_indices), so the rows still decoding no longer carry it; the static cache keeps its rows
+(a graph replays fixed shapes) and feeds a finished row padding. Each step draws one uniform for every row, finished
+or not, so a row's draws, and so its tokens, do not depend on when the others end.
 PEFT's prompt-learning adapters (prefix, prompt, p-tuning) are the exception: they put their virtual tokens in
 through generate's own input preparation, so they keep `generate`, behind the same call.
 
@@ -39,10 +42,12 @@ log = logging.getLogger(__name__)
 GRAPH_MIN_TOKENS = 16  # shorter decodes stay eager: a capture costs about one eager step per layer's kernels
 
 
-def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, top_k: int = 0) -> torch.Tensor:
+def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, top_k: int = 0,
+                rows: torch.Tensor | None = None, batch: int | None = None) -> torch.Tensor:
     """(B, 1) next tokens: greedy when temperature is None, else drawn from softmax(logits / temperature) kept to
     the top_k likeliest tokens (0: all) and to the smallest set of them whose probability reaches top_p, by
-    inverse CDF with the global generator."""
+    inverse CDF with the global generator. `logits` may be `rows` of a batch of `batch`: the draws are made for the
+    whole batch and these rows' taken, as if every row were there."""
     if temperature is None:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float()
@@ -55,7 +60,8 @@ def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, t
         keep[:, 0] = True  # the likeliest always (top_p 0 would keep nothing, and token 0 would come out forever)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]
+    u = torch.rand(probs.shape[0] if batch is None else batch, 1, device=probs.device)
+    u = (u if rows is None else u[rows]) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).clamp(max=probs.shape[-1] - 1)
 
 
@@ -104,28 +110,36 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
                              and static_ready(model)):
         steps = _static_steps(model, ids, mask, max_new_tokens)
         if steps is not None:
-            return _run(steps, ids.shape[0], max_new_tokens, eos, pad, temperature, top_p, top_k, each)
+            return _run(steps, ids.shape[0], max_new_tokens, eos, pad, temperature, top_p, top_k, each, False)
     with eager_attention(model, ids.device):
         return _run(_dynamic_steps(model, ids, mask), ids.shape[0], max_new_tokens, eos, pad, temperature, top_p,
-                    top_k, each)
+                    top_k, each, True)
 
 
-def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, top_k, each) -> torch.Tensor:
-    """The loop both caches share: `steps` yields the first logits, then is sent each step's tokens and yields
-    the next logits."""
+def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, top_k, each, shrink: bool
+         ) -> torch.Tensor:
+    """The loop both caches share: `steps` yields the first logits, then is sent each step's tokens (of the rows
+    it still decodes) and which of those rows go on (None: all), and yields their next logits. With `shrink`, a
+    row that made its EOS leaves: `steps` is told to drop it."""
     logits = next(steps)
     done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    live = torch.arange(rows, device=logits.device)  # the rows `logits` holds, in order
     out = []
     for i in range(max_new_tokens):
-        token = sample_from(logits, temperature, top_p, top_k)
-        token = torch.where(done[:, None], torch.full_like(token, pad), token)
+        drawn = sample_from(logits, temperature, top_p, top_k, live, rows)  # (len(live), 1)
+        token = torch.full((rows, 1), pad, dtype=drawn.dtype, device=drawn.device)
+        token[live] = torch.where(done[live, None], torch.full_like(drawn, pad), drawn)
         out.append(token)
         if eos is not None:
             done |= token[:, 0] == eos
         if (each is not None and each(token[:, 0])) or (eos is not None and bool(done.all())) \
                 or i == max_new_tokens - 1:
             break
-        logits = steps.send(token)
+        keep = None
+        if shrink and eos is not None and bool(done[live].any()):
+            keep = ~done[live]
+            live = live[keep]
+        logits = steps.send((token[live], keep))
     steps.close()
     return torch.cat(out, 1)
 
@@ -138,11 +152,16 @@ def _dynamic_steps(model, ids, mask):
                  logits_to_keep=1)
     last = positions[:, -1:]
     while True:
-        token = yield step.logits[:, -1]
+        token, keep = yield step.logits[:, -1]
+        cache = getattr(step, kw)
+        if keep is not None:  # finished rows leave: their cache rows, mask and positions with them
+            index = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(index)
+            mask, last = mask[index], last[index]
         mask = torch.cat([mask, torch.ones_like(token)], 1)
         last = last + 1
-        step = model(input_ids=token, attention_mask=mask, position_ids=last, **{kw: getattr(step, kw)},
-                     use_cache=True, logits_to_keep=1)
+        step = model(input_ids=token, attention_mask=mask, position_ids=last, **{kw: cache}, use_cache=True,
+                     logits_to_keep=1)
 
 
 def static_ready(model) -> bool:
@@ -187,13 +206,13 @@ def _static_steps(model, ids, mask, max_new_tokens: int):
 
 
 def _static_loop(first, run, token, position, seen, width: int):
-    fed = yield first
+    fed, _ = yield first  # every row, always (_run does not shrink a static cache)
     while True:
         token.copy_(fed)
         position.add_(1)
         seen[:, width] = True
         width += 1
-        fed = yield run()
+        fed, _ = yield run()
 
 
 _said: set[str] = set()
