@@ -127,3 +127,31 @@ def test_a_finished_row_leaves_the_batch_and_the_others_sample_what_they_would_h
     ended = [row.index(eos) for row in runs["dynamic"].tolist() if eos in row]
     assert ended and sizes and sizes[0] < 4 and sizes == sorted(sizes, reverse=True)  # rows left, one by one
     assert any(eos not in row[:max(ended)] for row in runs["dynamic"].tolist())  # others went on past an end
+
+
+def test_a_group_prefills_its_prompt_once_and_samples_what_every_row_prefilled_would(monkeypatch):
+    """GRPO's n completions of a prompt: the prompt is prefilled once and its cache repeated for its rows
+    (transformers' batch_repeat_interleave); sampled in fp32 with EOS, the tokens are those of the same rows each
+    prefilled on their own, and of the static path (which repeats the prompt rows)."""
+    from transformers import DynamicCache
+
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok, model = loaded.tokenizer, loaded.model.eval()
+    ids, mask = _left_padded(tok, ["Hello there, how are", "Hi", "Where is"])
+    repeated = []
+    interleave = DynamicCache.batch_repeat_interleave
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave",
+                        lambda self, n: repeated.append(n) or interleave(self, n))
+    torch.manual_seed(5)
+    eos = int(decoding.decode(model, ids, mask, 6, None, tok.pad_token_id, temperature=1.0, repeat=3)[4, 3])
+    runs = []
+    for rows, masks, repeat, cache in ((ids, mask, 3, "dynamic"), (ids.repeat_interleave(3, 0),
+                                       mask.repeat_interleave(3, 0), 1, "dynamic"), (ids, mask, 3, "static")):
+        torch.manual_seed(5)
+        runs.append(decoding.decode(model, rows, masks, 12, eos, tok.pad_token_id, temperature=1.0, repeat=repeat,
+                                    cache=cache).tolist())
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 9
+    assert repeated == [3, 3]  # the first decode and the first run prefilled 3 prompts for 9 rows; the rest 9
+    assert any(eos in row for row in runs[0]) and len({tuple(r) for r in runs[0][:3]}) > 1  # a group's rows differ

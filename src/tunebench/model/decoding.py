@@ -93,9 +93,11 @@ CACHES = ("auto", "dynamic", "static")
 @torch.no_grad()
 def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: int | None, pad: int,
            temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, each: Each | None = None,
-           cache: str = "auto") -> torch.Tensor:
-    """(B, new) tokens after the left-padded prompts `ids` (attention `mask`), padding after each row's EOS
-    (eos None: every row runs max_new_tokens). `each` sees the tokens as they come (a streamed reply) and may
+           cache: str = "auto", repeat: int = 1) -> torch.Tensor:
+    """(B x repeat, new) tokens after the left-padded prompts `ids` (attention `mask`), `repeat` rows of each
+    prompt in a row (GRPO's group), padding after each row's EOS (eos None: every row runs max_new_tokens). On the
+    dynamic cache each prompt is prefilled once and its cache repeated for its rows (transformers'
+    batch_repeat_interleave). `each` sees the tokens as they come (a streamed reply) and may
     stop the decoding. The caller holds the model in eval mode under its autocast (inference.Placed.running).
     `cache`: "dynamic" (transformers' DynamicCache, eager steps), "static" (a StaticCache, its step replayed as a
     CUDA graph on a GPU, run eagerly elsewhere: the same tokens), "auto" (static on a GPU for GRAPH_MIN_TOKENS or
@@ -104,6 +106,8 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
         raise ValueError(f"cache {cache!r} is not one of {', '.join(CACHES)}")
     if max_new_tokens <= 0:
         return ids.new_zeros((ids.shape[0], 0))
+    if methods.is_prompt_learning(model) or cache == "static" or (cache == "auto" and ids.is_cuda):
+        ids, mask, repeat = ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0), 1
     if methods.is_prompt_learning(model):
         return _by_generate(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each)
     if cache == "static" or (cache == "auto" and ids.is_cuda and max_new_tokens >= GRAPH_MIN_TOKENS
@@ -112,8 +116,8 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
         if steps is not None:
             return _run(steps, ids.shape[0], max_new_tokens, eos, pad, temperature, top_p, top_k, each, False)
     with eager_attention(model, ids.device):
-        return _run(_dynamic_steps(model, ids, mask), ids.shape[0], max_new_tokens, eos, pad, temperature, top_p,
-                    top_k, each, True)
+        return _run(_dynamic_steps(model, ids, mask, repeat), ids.shape[0] * repeat, max_new_tokens, eos, pad,
+                    temperature, top_p, top_k, each, True)
 
 
 def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, top_k, each, shrink: bool
@@ -144,16 +148,20 @@ def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, to
     return torch.cat(out, 1)
 
 
-def _dynamic_steps(model, ids, mask):
-    """Logits of the last position: the prompt's, then each fed token's (transformers' DynamicCache)."""
+def _dynamic_steps(model, ids, mask, repeat: int = 1):
+    """Logits of the last position: the prompt's, then each fed token's (transformers' DynamicCache); each prompt
+    prefilled once, its cache, mask and position repeated for its `repeat` rows."""
     kw = cache_keyword(model)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     step = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{kw: DynamicCache()}, use_cache=True,
                  logits_to_keep=1)
+    cache, logits = getattr(step, kw), step.logits[:, -1]
     last = positions[:, -1:]
+    if repeat > 1:
+        cache.batch_repeat_interleave(repeat)
+        logits, mask, last = (t.repeat_interleave(repeat, 0) for t in (logits, mask, last))
     while True:
-        token, keep = yield step.logits[:, -1]
-        cache = getattr(step, kw)
+        token, keep = yield logits
         if keep is not None:  # finished rows leave: their cache rows, mask and positions with them
             index = keep.nonzero().squeeze(1)
             cache.batch_select_indices(index)
@@ -162,6 +170,7 @@ def _dynamic_steps(model, ids, mask):
         last = last + 1
         step = model(input_ids=token, attention_mask=mask, position_ids=last, **{kw: cache}, use_cache=True,
                      logits_to_keep=1)
+        cache, logits = getattr(step, kw), step.logits[:, -1]
 
 
 def static_ready(model) -> bool:

@@ -89,16 +89,17 @@ class Placed:
             self.model.train(was_training)
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, temperature: float | None = None,
-               top_p: float = 1.0, top_k: int = 0, each=None, eos: int | None = -1) -> torch.Tensor:
-        """(B, new) tokens after the left-padded prompts `ids`: model/decoding.py's batched loop with the KV
+               top_p: float = 1.0, top_k: int = 0, each=None, eos: int | None = -1, repeat: int = 1) -> torch.Tensor:
+        """(B x repeat, new) tokens after the left-padded prompts `ids`: model/decoding.py's batched loop with the KV
         cache under `running` (greedy when temperature is None), padding after each row's EOS (the tokenizer's,
-        unless `eos` names another or None for none); `each` as decoding.decode's."""
+        unless `eos` names another or None for none); `each` and `repeat` as decoding.decode's."""
         from tunebench.model import decoding
 
         eos = self.tokenizer.eos_token_id if eos == -1 else eos
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
         with self.running() as model:
-            return decoding.decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each)
+            return decoding.decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each,
+                                   repeat=repeat)
 
     def context_limit(self) -> int | None:
         return context_limit(self.model)

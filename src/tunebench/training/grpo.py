@@ -114,18 +114,18 @@ def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[
 def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], n: int,
              max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0) -> list[list[int]]:
     """`n` completions of each prompt (consecutive), decoded as one left-padded batch with the KV cache
-    (model.decoding; greedy when temperature is None) under inference.Placed (the run's precision and
-    autocast), each cut after its EOS."""
+    (model.decoding: each prompt prefilled once for its n rows; greedy when temperature is None) under
+    inference.Placed (the run's precision and autocast), each cut after its EOS."""
     from tunebench.model.inference import Placed
 
     width, pad, eos = max(map(len, prompts)), tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids = torch.full((len(prompts) * n, width), pad, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i * n:(i + 1) * n, width - len(p):] = torch.tensor(p)
-        mask[i * n:(i + 1) * n, width - len(p):] = 1
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
     new = Placed(model, tokenizer, device, autocast).decode(ids.to(device), mask.to(device), max_new_tokens,
-                                                           temperature, top_p)
+                                                           temperature, top_p, repeat=n)
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 
