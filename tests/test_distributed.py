@@ -6,6 +6,7 @@ fp32, dropout 0, fixed kernels, so 2 ranks x micro batch 2 and 1 process x micro
 same sums in a different order: losses and weights agree to float rounding, not bit for bit.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -419,3 +420,55 @@ def test_what_ranks_send_each_other_is_read_as_data_never_as_code():
         distributed._decode(distributed._encode(_RunsCode()), ())
     with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
         distributed._decode(distributed._encode(value), ())  # a class not named is refused too
+
+
+# Two ranks that each wait for the other in gloo forever (a recv neither sends), with the flag-only SIGTERM handler a
+# training run has: the handler cannot run while the main thread waits in C++.
+STUCK_RANKS = """import os, signal
+import torch
+import torch.distributed as dist
+from tunebench.machine import distributed
+from tunebench.training.stopping import StopRequest
+
+world = distributed.init("cpu")
+signal.signal(signal.SIGTERM, StopRequest(world.rank).on_signal)
+print(f"waiting {os.getpid()}", flush=True)
+dist.recv(torch.zeros(1), src=1 - world.rank)
+"""
+
+
+def test_ranks_stuck_in_a_collective_die_with_their_launcher(tmp_path):
+    """kill -9 of the launcher while both ranks wait in a collective: Linux's parent-death SIGTERM reaches a Python
+    handler that cannot run, and the ranks lived on with parent 1 (holding their run directory) until killed by
+    hand. Each rank's watch thread sees its parent gone and its handler not run, and ends it
+    (TUNEBENCH_STUCK_S: 2 s here, 30 by default)."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_RANKS)
+    log = tmp_path / "ranks.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc-per-node", "2", str(script)], stdout=out, stderr=subprocess.STDOUT,
+                                    env={**_env(), "TUNEBENCH_STUCK_S": "2"}, start_new_session=True)
+    try:
+        for _ in range(600):
+            pids = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("waiting ")]
+            if len(pids) == 2:
+                break
+            time.sleep(0.1)
+        assert len(pids) == 2, log.read_text()[-2000:]
+        time.sleep(0.5)  # both inside the recv
+        launcher.kill()
+        launcher.wait()
+        for _ in range(300):  # the watch: 0.5 s to see the parent gone, then 2 s for a handler that never runs
+            alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
+                     open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"]
+            if not alive:
+                break
+            time.sleep(0.1)
+        assert not alive, f"ranks {alive} outlived their launcher\n{log.read_text()[-2000:]}"
+    finally:
+        for pid in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)

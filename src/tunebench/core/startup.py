@@ -124,3 +124,39 @@ def die_with_parent(parent: int) -> bool:
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
     return True
+
+
+_handled = [False]  # whether a Python signal handler of this process has run (note_signal)
+STUCK_S = 30.0  # how long after its parent died a process may go without running its handler (see watch_parent)
+GRACE_S = 600.0  # how long after that it may take to checkpoint and stop
+
+
+def note_signal() -> None:
+    """Called by every Python signal handler of a run (training.stopping): the main thread runs Python again."""
+    _handled[0] = True
+
+
+def watch_parent(parent: int) -> None:
+    """End this process if `parent` dies and it does not end on its own. die_with_parent's SIGTERM reaches Python's
+    handler only between bytecodes of the main thread: a rank blocked in a collective whose peer is gone (gloo waits
+    in C++) never runs it, and lived on with parent 1, holding its run directory, after its launcher was killed
+    with kill -9. So a daemon thread (collectives release the GIL) watches the parent: once it is gone, a process
+    whose handler has not run within STUCK_S seconds is stuck and is killed; one whose handler ran (it is saving a
+    checkpoint and stopping) gets GRACE_S more. TUNEBENCH_STUCK_S sets the first."""
+    import signal
+    import threading
+    import time
+
+    stuck = float(os.environ.get("TUNEBENCH_STUCK_S", STUCK_S))
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        deadline = time.monotonic() + stuck
+        while not _handled[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _handled[0]:
+            time.sleep(GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="tunebench-parent-watch").start()

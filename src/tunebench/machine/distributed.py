@@ -62,6 +62,7 @@ def init(device_type: str, backend: str = "auto") -> World:
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env:  # a torchrun rank: its own session, so only this reaches it when the agent
         startup.die_with_parent(os.getppid())  # (tunebench launch, or a compare above it) is killed
+        startup.watch_parent(os.getppid())  # and a rank stuck in a collective, whose handler cannot run, too
     world = World(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                   int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     chosen = backend if backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")

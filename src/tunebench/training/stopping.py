@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tunebench.core import runlock
+from tunebench.core import runlock, startup
 from tunebench.core.errors import TunebenchError
 
 
@@ -29,6 +29,7 @@ def job(run: Callable) -> Callable:
     @functools.wraps(run)
     def guarded(*args, **kwargs):
         def on_signal(signum, frame):
+            startup.note_signal()
             name = signal.Signals(signum).name
             if Phase.loop_started:
                 raise TunebenchError(f"{name} after training: the run's last checkpoint is kept; rerun with "
@@ -58,6 +59,7 @@ class StopRequest:
         self.requested, self.at, self.rank = False, 0.0, rank
 
     def on_signal(self, signum, frame) -> None:
+        startup.note_signal()
         # torchrun passes the terminal's Ctrl-C on to its workers, which got it already: a repeat within a
         # second is the same request, not the second one that aborts.
         if self.requested:
