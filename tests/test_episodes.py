@@ -309,6 +309,25 @@ def test_a_stateful_environment_trains_from_the_command_line(tmp_path):
         assert sum(stops) == pytest.approx(1.0) and "rewards/environment/mean" in r
 
 
+def test_episodes_train_on_two_ranks(tmp_path):
+    """Episodes under torchrun: each rank plays its own prompts' groups (each in its own ENVIRONMENT instances),
+    the step's figures summed over the ranks, the held-out episodes shared; two steps end to end."""
+    from test_distributed import _tunebench
+
+    rows = tmp_path / "carts.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"Add {n}.", "want": n}) + "\n" for n in (1, 2, 1, 2, 1, 2, 1, 2)))
+    one_tool = CART.replace('    def count(self) -> int:\n        """Count."""\n        return len(self.items)\n', "")
+    out = tmp_path / "out"
+    args = _train(tmp_path, _env(tmp_path, one_tool), out, "--max-steps", "2", "--batch-size", "1")
+    args[args.index("--data") + 1] = str(rows)
+    _tunebench(args, nproc=2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2 and "eval_episodes/success" in summary
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(abs(sum(r[f"episodes/stop/{why}"] for why in grpo.EPISODE_STOPS) - 1) < 1e-6 for r in steps)
+
+
 def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatch):
     """Episodes that answer at once: each row is the opening and the reply with the loss on the whole reply, as
     grpo.rows_of makes a single-turn completion's, and the group's advantages are grpo.advantages of the scores."""
