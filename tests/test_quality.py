@@ -252,3 +252,32 @@ def test_lm_eval_refusals(gsm8k_file, capsys):
     assert "pass it with --data FILE" in capsys.readouterr().err
     assert cli.main(["eval", "--model", "tiny", "--lm-eval", "no_such_task", "--data", str(gsm8k_file)]) == 2
     assert "lm-eval knows no task no_such_task" in capsys.readouterr().err
+
+
+def test_a_dataset_whose_tool_schema_refers_outside_itself_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """Such rows trained every epoch and were refused only when --eval-generate scored the first call (exit 2 after
+    the whole run): the schemas are checked when the data loads, in one line, before any weight; a `$ref` inside
+    its schema is fine."""
+    import json
+
+    from tunebench.interfaces.cli import main
+    from tunebench.training import finetune_model
+
+    def rows(ref):
+        tools = [{"type": "function", "function": {"name": "f", "description": "F.", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": ref}}, "$defs": {"n": {"type": "integer"}}}}}]
+        turns = [{"role": "user", "content": "Call f."}, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]
+        return "".join(json.dumps({"messages": turns, "tools": tools}) + "\n" for _ in range(12))
+
+    (tmp_path / "outside.jsonl").write_text(rows("https://example.com/n.json"))
+    monkeypatch.setattr(finetune_model, "load", lambda *a: pytest.fail("the model loaded"))
+    args = ["train", "--model", "tiny", "--effective-batch-size", "4", "--max-steps", "1", "--precision", "fp32"]
+    assert main([*args, "--data", str(tmp_path / "outside.jsonl"), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the data's tool f: its parameters refer to 'https://example.com/n.json'" in err[0], err
+    assert not (tmp_path / "out").exists()
+    from tunebench.data import formats, toolcalls  # a $ref inside the schema passes the same check
+    inside = [formats.Conversation([], json.loads(rows("#/$defs/n").splitlines()[0])["tools"])]
+    toolcalls.check_schemas(inside)

@@ -178,6 +178,50 @@ def check_prompt_format(rows: list, template: str) -> None:
                              "render; leave --template at auto (the chat template renders them)")
 
 
+def check_schemas(rows: list) -> None:
+    """Every tool schema the rows offer is a JSON schema whose `$ref`s resolve inside it (nothing is ever fetched:
+    see `valid`), each distinct one checked once when the data loads, before any weight. Such a row used to train
+    every epoch and be refused only when --eval-generate scored its first call."""
+    import jsonschema
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import specification_with
+
+    from tunebench.data.formats import tools_of
+
+    seen: set[str] = set()
+    for row in rows:
+        for tool in tools_of(row) or []:
+            name, schema = tool["function"]["name"], tool["function"].get("parameters") or {"type": "object"}
+            key = json.dumps(schema, sort_keys=True, default=str)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+                dialect = schema.get("$schema", "https://json-schema.org/draft/2020-12/schema")
+                resolver = Registry().resolver_with_root(specification_with(dialect).create_resource(schema))
+                for ref in _refs(schema):
+                    resolver.lookup(ref)
+            except jsonschema.SchemaError as e:
+                raise TunebenchError(f"the data's tool {name}: its parameters are not a JSON schema ({e.message}); "
+                                     "fix the row's tools") from None
+            except Unresolvable as e:
+                raise TunebenchError(f"the data's tool {name}: its parameters refer to {e.ref!r}, outside the schema; "
+                                     "tunebench never fetches a dataset's references: put the definition under the "
+                                     "schema's $defs") from None
+
+
+def _refs(schema: Any) -> list[str]:
+    """Every `$ref` in a schema, nested ones included."""
+    if isinstance(schema, dict):
+        own = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+        return own + [r for v in schema.values() for r in _refs(v)]
+    if isinstance(schema, list):
+        return [r for v in schema for r in _refs(v)]
+    return []
+
+
 PATTERN_TIMEOUT_S = 0.2  # a dataset's regex run on model output: past this it has not matched
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
-from tunebench.data import batching, judged, mixture, pairs
+from tunebench.data import batching, judged, mixture, pairs, toolcalls
 from tunebench.data.tokenize import split
 from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig
@@ -42,6 +42,7 @@ def check_inputs(cfg: RunConfig, prefer: bool):
                 print(f"data{'' if len(parts) == 1 else ' ' + part.name}: {part.examples.describe_dropped()}")
         check_rows(sum(len(p.examples.messages) for p in parts), cfg,
                    sum(len(p.examples.empty_rows) for p in parts), "empty")
+        toolcalls.check_schemas([m for p in parts for m in p.examples.messages])
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     if cfg.data.max_length is not None:  # auto is settled within the model's positions (settle_length)
         inference.check_length(cfg.model.name, cfg.data.max_length, cfg.model.allow_download)
