@@ -387,3 +387,36 @@ RAN_AS_SAID = {
 
 def _check(ok: bool, said: str) -> None:
     assert ok, f"the tutorial says: {said}"
+
+
+# Claims the pages made that the code refutes (issue 83's docs read), each with what shows it false: the phrase must
+# not come back.
+REFUTED = [
+    ("docs/tutorials/votes.md", "Not yet: several processes", "DPO, ORPO and KTO run on ranks: test_objectives_on_ranks"),
+    ("docs/tutorials/agents.md", "Not yet: episodes under torchrun", "test_episodes runs episodes on two ranks"),
+    ("docs/development.md", "needs no downloads", "the set-up installs Chromium, PostgreSQL and builds llama.cpp"),
+    ("docs/guides/evaluation.md", "`eval --base --data", "eval refuses --base without --adapter"),
+    ("docs/guides/evaluation.md", "out.q4_k_m.gguf", "export names its files NAME-QUANT.gguf"),
+    ("docs/guides/data.md", "64 (now the default)", "evaluation.eval_max_new_tokens defaults to 128"),
+]
+
+
+@pytest.mark.parametrize("page, phrase, why", REFUTED)
+def test_no_page_says_what_the_code_refutes(page, phrase, why):
+    assert phrase not in (ROOT / page).read_text(encoding="utf-8"), f"{page} says {phrase!r}; but {why}"
+
+
+def test_the_new_tokens_default_and_the_no_progress_help_say_what_the_code_does():
+    """data.md's default new tokens is the field's; --no-progress's help says it turns the bar off."""
+    import contextlib
+    import io
+
+    from tunebench.interfaces import cli
+    from tunebench.settings.schema import Evaluation
+
+    assert Evaluation().eval_max_new_tokens == 128
+    assert "the default is now 128" in (ROOT / "docs" / "guides" / "data.md").read_text(encoding="utf-8")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.main(["train", "--help"])
+    assert "--no-progress off: a progress bar" in " ".join(out.getvalue().split())

@@ -116,7 +116,7 @@ def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], st
                        **({"nargs": "+"} if key == "logging.report_to" else {}))  # HF's list: --report-to mlflow wandb
     for flags, key, value in SWITCHES:
         p.add_argument(*flags, dest=key, action="store_const", const=value, default=argparse.SUPPRESS,
-                       help=schema.help_for(key))
+                       help=schema.help_for(key) if value is True else f"off: {schema.help_for(key)} ({key} false)")
 
 
 def train_help(key: str) -> str:
