@@ -135,7 +135,8 @@ def test_each_family_exports_and_llama_cpp_generates_as_transformers(family_runs
 def test_each_family_exports_a_merged_hf_directory(family_runs, tmp_path, family, capsys):
     """--format hf: the merged model, read back by transformers, gives the merged model's logits (f32)."""
     hf = export.export(str(family_runs / family), "hf", "f32", str(tmp_path / "hf"))
-    assert "100.0% of the time" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "100.0% of the time" in said and "read back by transformers' from_pretrained of the safetensors" in said
     assert json.loads((hf / "config.json").read_text())["model_type"] == family
 
 

@@ -865,3 +865,44 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
                           (["--gguf", str(run / "config.yaml")], "is not a .gguf file")):
         assert cli.main(["serve", *args, "--port", str(free_port()), "--no-studio"]) == 2, args
         assert message in capsys.readouterr().err, args
+
+
+def test_an_exact_type_is_judged_where_the_model_decides_not_at_its_near_ties():
+    """A read-back that picks the runner-up only where the model's top two tokens are within NEAR_TIE (another
+    summation order can do that to the same weights) passes f16's check, saying its agreement near-ties included;
+    one that flips a decided position is still refused. Judged on every position, the first was refused."""
+    from types import SimpleNamespace
+
+    loaded = models.resolve("tiny")
+    tiny, tok = loaded.model.eval(), loaded.tokenizer
+
+    class Sharp(torch.nn.Module):  # the tiny model's logits spread out: some positions decided, some near-ties
+        config = tiny.config
+
+        def get_input_embeddings(self):
+            return tiny.get_input_embeddings()
+
+        def forward(self, ids):
+            return SimpleNamespace(logits=tiny(ids).logits * 8)
+
+    model = Sharp()
+
+    class Flipped(torch.nn.Module):
+        def __init__(self, lead):
+            super().__init__()
+            self.lead = lead  # flip where the top two are closer than this
+
+        def forward(self, ids):
+            logits = model(ids).logits.clone()  # (1, T, V)
+            top2 = logits[0].topk(2, -1)
+            close = (top2.values[:, 0] - top2.values[:, 1]) < self.lead
+            rows = torch.nonzero(close).squeeze(1)
+            logits[0, rows, top2.indices[rows, 1]] = top2.values[rows, 0] + 1e-3  # the runner-up now leads
+            return SimpleNamespace(logits=logits)
+
+    with torch.no_grad():
+        near = export.compare(model, Flipped(export.NEAR_TIE), tok, None, "f16")
+    assert near.top1 == 1.0 and near.everywhere is not None and near.everywhere < 0.97  # all-positions would refuse
+    assert "near-ties included" in near.line("f16")
+    with pytest.raises(export.Refused, match="does not reproduce the model"), torch.no_grad():
+        export.compare(model, Flipped(10.0), tok, None, "f16")  # decided positions flipped too
