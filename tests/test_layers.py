@@ -301,3 +301,19 @@ def test_the_loop_reads_each_objective_through_its_written_protocol(tiny):
         assert objective.stat_finish({"x": 1.0}, 2) == {"x": 1.0} or isinstance(objective, grpo.GRPOLoss)
     source = (PACKAGE / "training" / "loop.py").read_text()
     assert not re.search(r"(getattr|hasattr)\([^)]*\"(stat_names|stat_per|stat_finish|unit)\"", source)
+
+
+@pytest.mark.parametrize("version, refused", [("2.5.1+cu121", True), ("2.6.0", False), ("2.13.0+cpu", False)])
+def test_a_torch_older_than_2_6_is_refused_by_the_set_up(tmp_path, version, refused):
+    """torch.load(weights_only=True), which reads every checkpoint, can be made to run code before torch 2.6
+    (CVE-2025-32434): pyproject asks for 2.6, and ./run refuses an older torch already in the venv (pip would
+    replace it with PyPI's newest, a CUDA build on Linux) with its own check, run here on a stand-in torch."""
+    import tomllib
+
+    root = PACKAGE.parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "torch>=2.6" in deps
+    check = re.search(r'-c "(import sys, torch;[^"]+)"', (root / "run").read_text()).group(1)
+    (tmp_path / "torch.py").write_text(f"__version__ = {version!r}\n")
+    done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert (done.returncode != 0) == refused
