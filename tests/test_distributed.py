@@ -472,3 +472,26 @@ def test_ranks_stuck_in_a_collective_die_with_their_launcher(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_one_machine_launch_listens_on_loopback_alone(tmp_path, rows):
+    """torchrun's stores (its rendezvous's and the one the ranks share) listened on every interface, unauthenticated,
+    while a 2-rank run trained on one machine (seen with ss: the launcher on *:PORT); they are served on 127.0.0.1."""
+    import psutil
+
+    out = tmp_path / "run"
+    args = _train_args(rows, out, 2, effective=4) + ["--max-steps", "40"]
+    launcher = subprocess.Popen([sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", "2", "--", *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    seen = set()
+    try:
+        while launcher.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                seen |= {c.laddr.ip for c in psutil.Process(launcher.pid).net_connections(kind="tcp")
+                         if c.status == psutil.CONN_LISTEN}
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 0
+    assert seen and seen <= {"127.0.0.1"}, seen

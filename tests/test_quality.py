@@ -104,7 +104,7 @@ def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):
     tok, eos = tiny.tokenizer, tiny.tokenizer.eos_token_id
     a, b = tok.convert_tokens_to_ids(["a", "b"])
 
-    def fake_decode(model, ids, mask, max_new_tokens, eos_, pad, temperature, *args):
+    def fake_decode(model, ids, mask, max_new_tokens, eos_, pad, temperature, *args, **kwargs):
         assert max_new_tokens == 3 and temperature is None and eos_ == eos
         return torch.tensor([[a, eos, tok.pad_token_id], [a, b, a]])
 

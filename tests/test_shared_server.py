@@ -85,7 +85,7 @@ def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_pat
 
 
 def test_sigterm_never_aborts_the_save_and_a_second_ctrl_c_does(monkeypatch):
-    from tunebench.training.runner import StopRequest
+    from tunebench.training.stopping import StopRequest
 
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])

@@ -1,11 +1,15 @@
 """`tunebench launch`: a tunebench job on several processes (and machines) through torchrun itself
 (torch.distributed.run), not a launcher of our own. What it adds: one line per failure instead of
-torchrun's tracebacks, and threads per rank split from the cores this process may use, where
-torchrun would set OMP_NUM_THREADS=1 for every rank."""
+torchrun's tracebacks, threads per rank split from the cores this process may use, where
+torchrun would set OMP_NUM_THREADS=1 for every rank, and, on one machine, its coordination stores listening on
+the loopback interface alone (`loopback_stores`). A run on several machines keeps torchrun's rendezvous, which
+listens on every interface: run it on a trusted network (docs/tutorials/distributed.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sys
 
 from tunebench.core.errors import TunebenchError
@@ -38,7 +42,8 @@ def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: in
         args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
                  "--rdzv-id", rdzv_id]
     else:
-        args += ["--standalone"]  # one machine: a rendezvous on a free local port
+        # one machine: a rendezvous on a free local port, the ranks told to reach it at the loopback address
+        args += ["--standalone", "--local-addr", "127.0.0.1"]
     args += ["-m", "tunebench", *job_args]
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -46,7 +51,8 @@ def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: in
     from torch.distributed.run import run as torchrun
 
     try:
-        torchrun(parse_args(args))
+        with loopback_stores() if not rdzv_endpoint else contextlib.nullcontext():
+            torchrun(parse_args(args))
     except ChildFailedError as e:
         # Each rank has printed its own one-line error; say which ones failed, and exit as the first to fail
         # did (torchrun then stops the others, so theirs is its SIGTERM).
@@ -55,3 +61,33 @@ def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: in
         print(f"tunebench: launch: {codes}", file=sys.stderr)
         return first if isinstance(first, int) and first > 0 else 1
     return 0
+
+
+@contextlib.contextmanager
+def loopback_stores():
+    """torchrun's stores (the rendezvous's and the one its ranks share) served on 127.0.0.1 alone while it runs
+    in this process. torchrun makes them with TCPStore(host, port, is_master=True), whose server listens on every
+    interface whatever the host, so on one machine a host on the LAN could reach a run's unauthenticated store
+    and flood or delete its keys. A store's server here is handed a socket bound to loopback (TCPStore's
+    master_listen_fd); its clients, the ranks on this machine, reach it there."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    real = dist.TCPStore
+
+    class LoopbackStore(real):
+        def __init__(self, host_name, port, *args, is_master=False, **kwargs):
+            if is_master and kwargs.get("master_listen_fd") is None:
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.bind(("127.0.0.1", int(port)))
+                listener.listen(128)
+                host_name, port = "127.0.0.1", listener.getsockname()[1]
+                kwargs["master_listen_fd"] = listener.detach()  # the store's now: it listens and closes it
+                kwargs["use_libuv"] = False  # the libuv server takes no socket handed to it
+            super().__init__(host_name, port, *args, is_master=is_master, **kwargs)
+
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = LoopbackStore
+    try:
+        yield
+    finally:
+        dist.TCPStore = c10d_rendezvous_backend.TCPStore = real

@@ -204,7 +204,7 @@ def build_trainer(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Plann
 
 
 @dataclass(frozen=True)
-class Trained:
+class TrainResult:
     """What `train` leaves for `finish`: the loop's outcome, a sharded model's gathered weights and each rank's own
     figures (Recipe.rank_figures)."""
 
@@ -214,7 +214,7 @@ class Trained:
 
 
 def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
-          tracking: trackers.Tracking) -> Trained:
+          tracking: trackers.Tracking) -> TrainResult:
     """The records (rank 0: config.yaml and plan.json, the trackers' parameters), the resume point, the evaluation
     before, the optimizer steps, the last checkpoint and the evaluation after; then what every rank must gather
     before the process group closes (the peaks, a sharded model's weights, each rank's figures)."""
@@ -284,10 +284,10 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-    return Trained(outcome, weights, ranks)
+    return TrainResult(outcome, weights, ranks)
 
 
-def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: Trained,
+def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: TrainResult,
            tracking: trackers.Tracking) -> dict[str, Any]:
     """Rank 0: the job's outputs and summary (Recipe.finish), summary.json, the closing lines, the trackers."""
     summary, saved = r.finish(Finished(planned.plan, trained.outcome, trained.weights, planned.measure_s, trained.ranks))
