@@ -224,6 +224,7 @@ def test_a_stop_while_measuring_says_nothing_was_trained_and_leaves_the_director
         return real(*args, **kwargs)
 
     monkeypatch.setattr(measuring, "measure", measure)
+    before = signal.getsignal(signal.SIGTERM)  # what the process had (another test may have left torch's own)
     out = tmp_path / "run"
     with pytest.raises(TunebenchError) as stopped:
         finetune.run(tiny_run_config(dataset, out, **{"batch.micro_batch_size": "auto"}))
@@ -232,7 +233,7 @@ def test_a_stop_while_measuring_says_nothing_was_trained_and_leaves_the_director
         f"{name} before the first training step (loading or measuring): nothing was trained and no checkpoint "
         "written; start the run again to train")
     assert runlock.holder(out) is None and not (out / "checkpoints").exists()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the job's own handling ends with it
+    assert signal.getsignal(signal.SIGTERM) is before  # the job's own handling ends with it
 
 
 def test_writes_into_a_run_directory_refuse_a_planted_symbolic_link(tmp_path):

@@ -430,10 +430,12 @@ def compare(model, back, tokenizer, template: str | None, quant: str,
         total += ids.shape[1]
         decided_same += (agrees & clear).sum().item()
         decided += clear.sum().item()
-    # Every type is judged where the model decides (its top token leads by NEAR_TIE): at a near-tie, another
-    # summation order alone (the same f32 weights under another kernel) can flip the pick, and once refused an
-    # export it wrote exactly (max logit difference 0 in five later tries). f32 is still held to F32_MAX_DIFF.
-    if not decided:
+    # f32 and the quantized types are judged where the model decides (its top token leads by NEAR_TIE): at a
+    # near-tie another summation order alone (the same f32 weights under another kernel) can flip the pick, and
+    # once refused an f32 export it wrote exactly (max logit difference 0 in five later tries); f32 is still held to
+    # F32_MAX_DIFF, which a wrong tensor passes nowhere. f16 and bf16 have no such bound: they stay judged at every
+    # position (a wrong rotary row order agrees where the model decides, and only that catches it).
+    if quant in ("f16", "bf16") or not decided:
         agreement = Agreement(max(diffs), same / total, total, reader)
     else:
         agreement = Agreement(max(diffs), decided_same / decided, decided, reader, same / total, total)
