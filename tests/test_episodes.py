@@ -292,15 +292,22 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     assert sampler.score_episodes([slow, fast, after]).flatten().tolist() == [1.0, 1.0, 0.0]
 
 
+def _cart_train(tmp_path, out, n_rows, *extra):
+    """A 2-step GRPO command in CART with its count tool left out (the tiny model's 512 positions hold one tool's
+    schema and 3 turns, not two), on `n_rows` rows wanting 1 or 2 items."""
+    one_tool = CART.replace('    def count(self) -> int:\n        """Count."""\n        return len(self.items)\n', "")
+    assert one_tool != CART
+    rows = tmp_path / "carts.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"Add {n}.", "want": n}) + "\n" for n in (1, 2) * (n_rows // 2)))
+    args = _train(tmp_path, _env(tmp_path, one_tool), out, "--max-steps", "2", *extra)
+    args[args.index("--data") + 1] = str(rows)
+    return args
+
+
 def test_a_stateful_environment_trains_from_the_command_line(tmp_path):
     """Two GRPO steps on the tiny model in ENVIRONMENT's carts (add only); the step logs why its episodes stopped."""
-    rows = tmp_path / "carts.jsonl"
-    rows.write_text("".join(json.dumps({"q": f"Add {n}.", "want": n}) + "\n" for n in (1, 2, 1, 2, 1, 2)))
     out = tmp_path / "out"
-    one_tool = CART.replace('    def count(self) -> int:\n        """Count."""\n        return len(self.items)\n', "")
-    assert one_tool != CART  # the tiny model's 512 positions hold one tool's schema and 3 turns, not two
-    args = _train(tmp_path, _env(tmp_path, one_tool), out, "--max-steps", "2")
-    args[args.index("--data") + 1] = str(rows)
+    args = _cart_train(tmp_path, out, 6)
     assert main(args) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in steps] == [1, 2]
@@ -314,12 +321,8 @@ def test_episodes_train_on_two_ranks(tmp_path):
     the step's figures summed over the ranks, the held-out episodes shared; two steps end to end."""
     from test_distributed import _tunebench
 
-    rows = tmp_path / "carts.jsonl"
-    rows.write_text("".join(json.dumps({"q": f"Add {n}.", "want": n}) + "\n" for n in (1, 2, 1, 2, 1, 2, 1, 2)))
-    one_tool = CART.replace('    def count(self) -> int:\n        """Count."""\n        return len(self.items)\n', "")
     out = tmp_path / "out"
-    args = _train(tmp_path, _env(tmp_path, one_tool), out, "--max-steps", "2", "--batch-size", "1")
-    args[args.index("--data") + 1] = str(rows)
+    args = _cart_train(tmp_path, out, 8, "--batch-size", "1")
     _tunebench(args, nproc=2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 and "eval_episodes/success" in summary
