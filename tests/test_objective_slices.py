@@ -1,0 +1,49 @@
+"""Each objective is a slice with typed settings (settings/objectives.py): what runs made before the slices saved
+(their identity, their config.yaml, their checkpoints) still reads and resumes.
+
+tests/fixtures/before_slices was written by commit 1fbf9e0, before the objective's settings became typed: three
+tiny runs stopped at step 2 (DPO, KTO, GRPO: their checkpoints and config.yaml) and the identity a resume
+compares, for eight configurations.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tunebench.interfaces.cli import main
+from tunebench.settings.finetune import load_config
+from tunebench.training import finetune_model
+
+BEFORE = Path(__file__).parent / "fixtures" / "before_slices"
+IDENTITIES = json.loads((BEFORE / "identities.json").read_text())
+COMMON = ["--model", "tiny", "--effective-batch-size", "2", "--batch-size", "2", "--precision", "fp32",
+          "--attention", "eager", "--compile", "off", "--no-progress"]
+RUNS = {"dpo": ["--method", "dpo", "--data", "pairs.jsonl"],
+        "kto": ["--method", "kto", "--data", "judged.jsonl"],
+        "grpo": ["--method", "grpo", "--reward", "gsm8k", "--reward", "format:\\d", "--reward-weights", "1", "0.5",
+                 "--num-generations", "2", "--max-completion-length", "8", "--data", "q.jsonl"]}
+
+
+@pytest.mark.parametrize("name", sorted(IDENTITIES))
+def test_a_runs_identity_and_config_are_what_they_were_before_the_slices(name):
+    case = IDENTITIES[name]
+    cfg = load_config(options=case["options"])
+    assert finetune_model.identity(cfg) == case["identity"]
+    # the config.yaml such a run wrote (every objective key, None where not its own) loads to the same run
+    old = load_config(options={f"{s}.{k}": v for s, keys in case["config"].items() for k, v in keys.items()
+                               if not (s == "data" and k == "sources")})
+    assert old == cfg
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_checkpoint_saved_before_the_slices_resumes_where_it_stopped(tmp_path, monkeypatch, capsys, name):
+    """The run goes on from step 2 (only step 3 is trained: a rerun would log steps 1 to 3)."""
+    shutil.copytree(BEFORE, tmp_path / "runs")
+    monkeypatch.chdir(tmp_path / "runs")  # the identity holds the data path as it was given
+    assert load_config(f"{name}/config.yaml").objective.name == name
+    assert main(["train", *COMMON, *RUNS[name], "--max-steps", "3", "--resume", "auto", "--output-dir", name]) == 0
+    assert f"resume: continuing from {name}/checkpoints/step-00000002 (step 2)" in capsys.readouterr().out
+    steps = [json.loads(line) for line in Path(name, "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [3]
