@@ -55,7 +55,7 @@ def readme() -> str:
 
 
 def configuration() -> str:
-    from tunebench.settings import finetune, pretrain, schema
+    from tunebench.settings import finetune, objectives, pretrain, schema
 
     out = ["# Configuration reference", "",
            "Every field of a run's configuration, by section, with its default and its documentation (the same text",
@@ -83,8 +83,8 @@ def configuration() -> str:
                 key = f"{section}.{f.name}"
                 default = own.get(key, f.default if f.default is not dataclasses.MISSING else (
                     f.default_factory() if f.default_factory is not dataclasses.MISSING else ""))
-                if job == "train" and section == "objective" and finetune.objective_default(f.name):
-                    default = finetune.objective_default(f.name)  # each objective's own
+                if job == "train" and section == "objective" and objectives.default_text(f.name):
+                    default = objectives.default_text(f.name)  # each objective's own
                 kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
                 out.append(f"| `{key}` | `{cell(kind)}` | `{cell(default)}` | {cell(docs.get(f.name, ''))} |")
             out.append("")

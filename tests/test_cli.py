@@ -1,4 +1,5 @@
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -328,13 +329,16 @@ def test_report_to_tensorboard_writes_events_tensorboards_reader_loads(tmp_path,
 
 
 def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_table():
-    """DPO's beta, GRPO's group size and the rest default per objective (settings.finetune.OWNED); their --help
-    and the configuration reference say so from that table, not from prose that can drift from it."""
+    """DPO's beta, GRPO's group size and the rest default per objective (each objective's settings type,
+    settings/objectives.py); their --help and the configuration reference say so from those types, not from prose
+    that can drift from them."""
     from tunebench.interfaces.cli_parser import train_help
-    from tunebench.settings.finetune import OWNED, objective_default
+    from tunebench.settings.finetune import ObjectiveKeys
+    from tunebench.settings.objectives import default_text
 
-    assert objective_default("beta") == "0.1 for DPO and KTO, 0.0 for GRPO"
-    for key, _, _ in OWNED:
-        text = objective_default(key)
+    assert default_text("beta") == "0.1 for DPO and KTO, 0.0 for GRPO"
+    assert default_text("num_generations") == "8 for GRPO" and default_text("orpo_lambda") == "0.1 for ORPO"
+    for key in (f.name for f in dataclasses.fields(ObjectiveKeys)):
+        text = default_text(key)
         if text:
             assert train_help(f"objective.{key}").endswith(f"(default {text})"), key

@@ -188,6 +188,7 @@ def test_the_objective_keys_are_read_as_every_earlier_config_spelled_them(tmp_pa
     """The objective has its own section; adapter.objective and adapter.beta (dotted, nested in YAML, a run's old
     config.yaml), train.objective and a top-level `objective: dpo` still set it, and a run's resume identity keeps
     the shape its checkpoints saved before the split (the adapter's keys and the objective's, in one mapping)."""
+    from tunebench.settings.finetune import ObjectiveKeys
     from tunebench.training.finetune_model import identity
 
     dotted = load_config(options={"adapter.objective": "dpo", "adapter.beta": 0.3})
@@ -203,6 +204,6 @@ def test_the_objective_keys_are_read_as_every_earlier_config_spelled_them(tmp_pa
     saved = identity(dotted)["adapter"]
     assert saved["objective"] == "dpo" and saved["beta"] == 0.3 and saved["r"] == 8 and "name" not in saved
     assert set(saved) == {f.name for f in dataclasses.fields(type(dotted.adapter))} | {
-        "objective" if f.name == "name" else f.name for f in dataclasses.fields(type(dotted.objective))} - {
+        "objective" if f.name == "name" else f.name for f in dataclasses.fields(ObjectiveKeys)} - {
         "environment", "max_turns", "tool_timeout"}  # unset: left out, as checkpoints before them hold none
     assert set(dataclasses.asdict(dotted.adapter)).isdisjoint(dataclasses.asdict(dotted.objective))

@@ -16,6 +16,7 @@ import torch
 from conftest import run_losses
 from tunebench.data import toolcalls
 from tunebench.interfaces.cli import main
+from tunebench.settings.objectives import GRPO
 from tunebench.training import environment, episodes, grpo
 
 ENV = '''
@@ -182,7 +183,7 @@ def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0, text=ENV, rows=None, ma
     prompts = PromptRows([environment.opening(env, r) for r in rows], rows, "rows")
     episodes.template_for(tok, env.schemas, prompts.prompts[0])
     data = episodes.tokenize(prompts, tok, env, max_length, 12)  # scripted replies: no model reads these contexts
-    settings = grpo.GRPOSettings(2, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    settings = GRPO(2, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
     return episodes.EpisodeSampler(tiny.model, tok, data, prompts, [], settings, torch.device("cpu"), None, 0, env=env,
                                    openings=prompts.prompts, max_turns=max_turns, max_length=max_length)
 
@@ -246,12 +247,12 @@ def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
         return [tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]  # episode 2's second turn
 
     monkeypatch.setattr(grpo, "complete", complete)
-    sampler.s = grpo.GRPOSettings(4, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    sampler.s = GRPO(4, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
     played = episodes.rollout(sampler, [0], 4, 1.0, 1.0)
     assert [e.stop for e in played] == ["answered", "cut", "max_turns", "no_room"]
     assert [(e.turns, e.calls) for e in played] == [(1, 0), (1, 0), (2, 1), (1, 1)]
     monkeypatch.setattr(episodes, "rollout", lambda *a: played)
-    groups = sampler.groups([0], seed=1)
+    groups = sampler.groups_of([0], sampler.draw([0], seed=1))
     names = sampler.stat_names()[1:]  # the row stats: every stat but kl
     shares = {n: groups.row_stats[:, names.index(n)].tolist() for n in names if n.startswith("episodes/stop/")}
     assert shares == {"episodes/stop/answered": [1, 0, 0, 0], "episodes/stop/cut": [0, 1, 0, 0],
@@ -337,7 +338,7 @@ def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatc
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [["It is 1.", "no"]]))
-    groups = sampler.groups([0], seed=1)
+    groups = sampler.groups_of([0], sampler.draw([0], seed=1))
     replies = [tok("It is 1.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
                tok("no", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     single = grpo.Groups([0], replies, *grpo.advantages(torch.tensor([[1.0], [0.0]]), torch.ones(1), 2, "group")[:1],

@@ -14,6 +14,7 @@ from tunebench.core.errors import TunebenchError
 from tunebench.interfaces.cli import main
 from tunebench.jobs import grpo as grpo_job
 from tunebench.settings.finetune import load_config
+from tunebench.settings.objectives import GRPO
 from tunebench.training import grpo, rewards
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "grpo.json").read_text())
@@ -64,7 +65,7 @@ def test_groups_that_teach_nothing_leave_the_update_with_the_same_loss_and_gradi
     completions = [[20, 21, 2], [22, 2], [23, 24, 25, 2], [26, 2], [27, 28, 2], [29, 2]]
     groups = grpo.Groups([0, 1, 2], completions, torch.tensor([1.0, -1.0, 0.0, 0.0, 0.7, -0.7]),
                          torch.arange(18, dtype=torch.float32).reshape(6, 3))
-    settings = grpo.GRPOSettings(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, loss_type, "group")
+    settings = GRPO(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, loss_type, "group")
     objective = grpo.GRPOLoss(model, settings, [rewards.Reward("r", 1.0, lambda p, c, cols: [])])
 
     def step(keys, skip):

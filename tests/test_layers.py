@@ -240,6 +240,48 @@ def test_a_reader_reaches_the_backward_pass_in_three_hops_from_each_job():
     assert any(c.endswith(".backward") for c in _calls(PACKAGE / "training" / "loop.py", "optimizer_steps"))
 
 
+def _method_calls(path: Path, cls: str, method: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    owner = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    body = next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return {ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)}
+
+
+def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five():
+    """jobs/grpo.py's begin_step is one GRPO step's data in order (draw, then the groups' advantages) and calls the
+    sampler's draw (hop one); an environment's draw plays the episodes (episodes.rollout, hop two), whose turn
+    decodes through grpo.complete (three), inference.Placed.decode (four) and decoding.decode (five); a
+    completion's draw samples (two) through complete (three) to the same decode. `collate` samples nothing."""
+    training = PACKAGE / "training"
+    assert {"sampler.draw", "sampler.groups_of", "grpo.step_seed"} <= _calls(PACKAGE / "jobs" / "grpo.py", "run")
+    assert "rollout" in _method_calls(training / "episodes.py", "EpisodeSampler", "draw")
+    assert "grpo.complete" in _calls(training / "episodes.py", "rollout")
+    assert "sample" in _method_calls(training / "grpo.py", "Sampler", "draw")
+    assert "complete" in _calls(training / "grpo.py", "sample")
+    assert any(c.endswith(").decode") for c in _calls(training / "grpo.py", "complete"))
+    assert "decoding.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode")
+    assert _method_calls(training / "grpo.py", "Sampler", "collate") <= {"Groups", "rows_of", "len", "torch.zeros",
+                                                                          "self.stat_names"}
+
+
+def test_only_the_settings_loader_and_the_preference_slice_test_an_objectives_name():
+    """The code around an objective reads its typed settings' facts (data, unit, samples, preference, report,
+    reference_forwards), never its name: a string test of 'sft', 'dpo', 'orpo', 'kto' or 'grpo' is the settings
+    loader's (settings/finetune.py, settings/objectives.py) or the preference slice's, which builds DPO's, ORPO's
+    or KTO's loss (training/preference.py). Before the typed settings, 11 files did."""
+    names = {"sft", "dpo", "orpo", "kto", "grpo"}
+    testing = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and "loss_type" not in ast.unparse(node) and any(  # GRPO's "grpo" loss
+                    isinstance(c, ast.Constant) and c.value in names
+                    or isinstance(c, (ast.Tuple, ast.List, ast.Set)) and any(
+                        isinstance(e, ast.Constant) and e.value in names for e in c.elts)
+                    for c in [node.left, *node.comparators]):
+                testing.add(str(path.relative_to(PACKAGE)))
+    assert testing <= {"settings/finetune.py", "settings/objectives.py", "training/preference.py"}, testing
+
+
 def _functions():
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -290,9 +332,10 @@ def test_no_two_classes_share_a_name():
 def test_the_loop_reads_each_objective_through_its_written_protocol(tiny):
     """loop.Objective names what the loop and evaluation ask of an objective (its unit, stats, their means): each
     objective has all of it, and the loop probes none of it with getattr or hasattr."""
+    from tunebench.settings.objectives import GRPO
     from tunebench.training import grpo, loop, preference
 
-    settings = grpo.GRPOSettings(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    settings = GRPO(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
     objectives = [loop.CausalLMLoss(tiny.model), *(preference.PreferenceLoss(tiny.model, m, 0.1)
                                                    for m in ("dpo", "orpo", "kto")),
                   grpo.GRPOLoss(tiny.model, settings, [])]

@@ -47,3 +47,28 @@ def test_a_checkpoint_saved_before_the_slices_resumes_where_it_stopped(tmp_path,
     assert f"resume: continuing from {name}/checkpoints/step-00000002 (step 2)" in capsys.readouterr().out
     steps = [json.loads(line) for line in Path(name, "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "loss" in r] == [3]
+
+
+def test_each_objective_holds_only_its_own_settings_with_their_defaults():
+    """The tagged union: one type per objective (SFT holds nothing, GRPO its 14 keys), built from the flat section
+    users spell; another objective's key is refused in one line, and GRPO's episode keys default where there is an
+    environment only."""
+    import dataclasses
+
+    from tunebench.core.errors import TunebenchError
+    from tunebench.settings import objectives
+
+    own = {name: objectives.own_keys(kind) for name, kind in objectives.BY_NAME.items()}
+    assert own["sft"] == () and own["dpo"] == ("beta",) and own["orpo"] == ("orpo_lambda",)
+    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 14
+    dpo = load_config(options={"train.objective": "dpo"}).objective
+    assert type(dpo) is objectives.DPO and dpo.beta == 0.1 and not hasattr(dpo, "num_generations")
+    assert dataclasses.asdict(dpo) == {"name": "dpo", "beta": 0.1}  # what config.yaml saves of it
+    grpo = load_config(options={"train.objective": "grpo", "objective.reward": "gsm8k", "objective.epsilon": 0.3})
+    assert (grpo.objective.epsilon_high, grpo.objective.max_turns, grpo.objective.samples) == (0.3, None, True)
+    env = load_config(options={"train.objective": "grpo", "objective.environment": "builtin:lookup"}).objective
+    assert (env.max_turns, env.tool_timeout) == (4, 10.0)
+    with pytest.raises(TunebenchError, match="--num-generations is GRPO's, and this run's objective is kto"):
+        load_config(options={"train.objective": "kto", "objective.num_generations": 4})
+    with pytest.raises(TunebenchError, match="objective.name 'ppo' is not one of sft, dpo, orpo, kto, grpo"):
+        load_config(options={"train.objective": "ppo"})

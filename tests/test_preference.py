@@ -142,7 +142,7 @@ def test_method_dpo_is_the_objective_on_lora_and_conflicts_are_refused():
     with pytest.raises(TunebenchError, match="--method dpo and --objective orpo disagree"):
         load_config(options={"adapter.method": "dpo", "train.objective": "orpo"})
     assert load_config(options={"train.objective": "dpo", "train.eval_generate": 4}).evaluation.eval_generate == 4  # scored
-    with pytest.raises(TunebenchError, match="--beta and --orpo-lambda must be positive"):
+    with pytest.raises(TunebenchError, match="--beta must be positive, got 0"):
         load_config(options={"train.objective": "dpo", "train.beta": 0})
     with pytest.raises(TunebenchError, match="--beta is DPO's.*ORPO's weight is --orpo-lambda"):
         load_config(options={"adapter.method": "orpo", "train.beta": 0.2})  # TRL's name for ORPO's lambda

@@ -39,7 +39,7 @@ def finetune(config: str | Path | None = None, **options: Any) -> dict[str, Any]
     from tunebench.settings.finetune import load_config
 
     cfg = load_config(config, {k.replace("__", "."): v for k, v in options.items()})
-    return (grpo if cfg.objective.name == "grpo" else finetune).run(cfg)
+    return (grpo if cfg.objective.samples else finetune).run(cfg)
 
 
 def train_tokenizer(files: list[str], vocab_size: int, type: str = "bpe", output_dir: str | Path = "tokenizer",

@@ -17,7 +17,7 @@ def _train(args: argparse.Namespace) -> int | None:
     from tunebench.jobs import finetune, grpo
 
     cfg = train_config(args)
-    (grpo if cfg.objective.name == "grpo" else finetune).run(cfg)
+    (grpo if cfg.objective.samples else finetune).run(cfg)
 
 
 def _pretrain(args: argparse.Namespace) -> int | None:

@@ -13,7 +13,8 @@ from tunebench.core import VERSION
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import quant_auto
 from tunebench.model import quality
-from tunebench.settings.finetune import METHODS, OBJECTIVES, objective_default
+from tunebench.settings.finetune import METHODS, OBJECTIVES
+from tunebench.settings.objectives import default_text
 
 # (flags, config key): the help is the field's documentation in settings/finetune.py, with its default.
 # The reference study's underscore spellings are aliases.
@@ -132,7 +133,7 @@ def train_help(key: str) -> str:
     default = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])}[name]
     if default not in (None, (), "", False) and "default" not in words:
         words += f" (default {default})"
-    owned = objective_default(name) if section == "objective" else None
+    owned = default_text(name) if section == "objective" else None
     if owned and "default" not in words:  # an objective's own setting: each objective's default
         words += f" (default {owned})"
     return words

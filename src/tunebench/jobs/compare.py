@@ -126,7 +126,7 @@ def load_matrix(spec: str, extra: dict[str, Any] | None = None,
             cfg = load_config(options={**base, **e.overrides}, world_size=e.nproc)
         except TunebenchError as err:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': {err}") from err
-        if cfg.objective.name != "sft" and sizing.budget_seconds(raw.get("budget"), spec) is not None:
+        if cfg.objective.unit != "rows" and sizing.budget_seconds(raw.get("budget"), spec) is not None:
             raise TunebenchError(f"matrix {spec}, experiment '{e.name}': budget times SFT rows, not {cfg.objective.name} "
                                  "pairs; give base data.max_samples instead of the budget")
     return base, experiments

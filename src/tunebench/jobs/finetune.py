@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.data import batching, judged, mixture, pairs
+from tunebench.data import batching, mixture
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.model import models
@@ -17,10 +17,10 @@ from tunebench.training import finetune_data, finetune_model, finetune_report, r
 
 @stopping.job
 def run(cfg: RunConfig) -> dict[str, Any]:
-    a, d, prefer, kto = cfg.adapter, cfg.data, cfg.objective.name != "sft", cfg.objective.name == "kto"
-    unit = "examples" if kto else "pairs" if prefer else "rows"  # KTO: a judged completion; DPO/ORPO: a pair
-    examples, parts = finetune_data.check_inputs(cfg, prefer)  # every input checked before anything expensive
-    cfg, length_row = finetune_data.settle_length(cfg, finetune_data.row_lengths(cfg, prefer, kto, examples, parts))
+    a, d, o = cfg.adapter, cfg.data, cfg.objective
+    prefer, unit = o.preference, o.unit  # DPO/ORPO: a pair; KTO: a judged completion; SFT: a row
+    examples, parts = finetune_data.check_inputs(cfg)  # every input checked before anything expensive
+    cfg, length_row = finetune_data.settle_length(cfg, finetune_data.row_lengths(cfg, examples, parts))
     d = cfg.data
     identity = finetune_model.identity(cfg)
     opened = runner.open_run(cfg, identity)
@@ -29,14 +29,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         loaded = finetune_model.load(cfg, opened)
         tok = loaded.tokenizer
         if prefer:  # the pairs or judgements that fit max_length, one span
-            data, messages = (judged if kto else pairs).tokenize(examples, tok, d), []
+            data, messages = finetune_data.JUDGEMENTS[o.data].tokenize(examples, tok, d), []
             spans = [np.arange(len(data))]
         else:
             data, spans, messages = mixture.tokenize(parts, tok, models.cache_dir())
-    train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, spans, parts, prefer)
-    model, loss, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, prefer)
+    train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, spans, parts)
+    model, loss, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
-    collate_unit = judged.collate if kto else pairs.collate if prefer else batching.collate
+    collate_unit = finetune_data.JUDGEMENTS[o.data].collate if prefer else batching.collate
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def finish(done: recipe.Finished):
@@ -63,15 +63,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             n=len(train_idx),
             name=unit,
             tokens_each=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
-            what=finetune_model.measured_as(cfg, prefer),
+            what=finetune_model.measured_as(cfg),
             probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
             # packed rows fill max_length, so a kernel must fit that, not just the longest example
             widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()),
             max_length=d.max_length,
             quantized=a.method == "qlora",
             longest=int(lengths[train_idx].max()),
-            **finetune_model.kto_micro_batch(opened, kto)),
-        batches=finetune_data.batcher(cfg, opened, prefer, data, train_idx, collate_unit, tok.pad_token_id),
+            **finetune_model.fixed_micro_batch(opened, o)),
+        batches=finetune_data.batcher(cfg, opened, data, train_idx, collate_unit, tok.pad_token_id),
         eval_sets=eval_sets,
         identity=identity,
         finish=finish,

@@ -1,8 +1,5 @@
-"""`tunebench train --objective grpo`: GRPO on prompts with reward functions (training/grpo.py), or on episodes in an
-environment whose tools the model calls (--environment: training/episodes.py), one recipe over training.recipe:
-inputs, the run, model and prompts, the sampler, held-out reward, training, held-out reward."""
-
-from __future__ import annotations
+"""`tunebench train --objective grpo`: GRPO on prompts with rewards (training/grpo.py) or on episodes in an environment
+(--environment: training/episodes.py), one recipe over training.recipe; begin_step below is one step's data."""
 
 from typing import Any
 
@@ -32,29 +29,33 @@ from tunebench.training.autotune import compiler
 @stopping.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, o, s = cfg.adapter, cfg.objective, cfg.schedule
-    settings = grpo.GRPOSettings.of(o)
     rows, code, scoring, env = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
     cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg, env))  # max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
     finetune_model.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
-        loaded = finetune_model.load(cfg, opened)
-        tok = loaded.tokenizer
+        tok = (loaded := finetune_model.load(cfg, opened)).tokenizer
         template_row = env and episodes.template_for(tok, env.schemas, rows.prompts[0])  # before a prompt renders
         data = episodes.tokenize(rows, tok, env, cfg.data.max_length, o.max_completion_length) if env else \
             prompts.tokenize(rows, tok, cfg.data, o.max_completion_length)
-    train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [], True)
-    model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened, False)
+    train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [])
+    model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
-    reference, words = finetune_model.reference_for(model, a.method == "full") if o.beta else \
+    reference, words = preference.reference_for(model, a.method == "full") if o.beta else \
         (None, "none (beta 0: no KL term)")
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     kind, in_env = (grpo.Sampler, {}) if env is None else (episodes.EpisodeSampler, {
         "env": env, "openings": rows.prompts, "max_turns": o.max_turns, "max_length": cfg.data.max_length})
-    sampler = kind(model, tok, data, rows, scoring, settings, opened.device, opened.autocast, s.seed,
-                   eagerly=lambda: compiler.eagerly(compiled[0]), rank=opened.world.rank, **in_env)
+    sampler = kind(model, tok, data, rows, scoring, o, opened.device, opened.autocast, s.seed,
+                   eagerly=lambda: compiler.eagerly(compiled[0]), **in_env)
     held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist(), opened.world)
+
+    def begin_step(epoch: int, step: int, keys: list[int]) -> None:
+        """One step's data before its micro batches: this rank's prompts drawn (sampled, or episodes played:
+        episodes.rollout; seeded by seed, epoch, step, rank) and scored, then their groups' advantages."""
+        drawn = sampler.draw(keys, grpo.step_seed(s.seed, epoch, step, opened.world.rank)) if keys else None
+        sampler.step_groups = drawn and sampler.groups_of(keys, drawn)
 
     def start(plan):
         compiled.append(plan.compile)
@@ -63,8 +64,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     def finish(done: recipe.Finished):
         saved = finetune_model.save_final(model, tok, opened.out, cfg, loaded, done.weights)
         summary = finetune_report.summarize(cfg, opened, done.plan, model, done.outcome, trainable, done.measure_s)
-        summary.update(grpo_run.generation(done.ranks, done.outcome, settings), prompts_dropped=data.dropped,
-                       **({"environment": cfg.objective.environment} if env else {}), **held_out.after(done.ranks))
+        summary.update(grpo_run.generation(done.ranks, done.outcome, o), prompts_dropped=data.dropped,
+                       **({"environment": o.environment} if env else {}), **held_out.after(done.ranks))
         return summary, saved
 
     lengths = data.lengths()
@@ -72,7 +73,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
-        loss=grpo.GRPOLoss(model, settings, sampler.reward_names(), opened.autocast, reference, sampler.episodes),
+        loss=grpo.GRPOLoss(model, o, sampler.reward_names(), opened.autocast, reference, sampler.episodes),
         method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
@@ -87,7 +88,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             max_length=cfg.data.max_length,
             quantized=a.method == "qlora",
             rows_each=o.num_generations),
-        batches=lambda micro: feed.Batches(epoch_steps, sampler.collate, begin_step=sampler.begin_step),
+        batches=lambda micro: feed.Batches(epoch_steps, sampler.collate, begin_step=begin_step),
         eval_sets=lambda micro: [],
         identity=identity,
         finish=finish,

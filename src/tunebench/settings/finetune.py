@@ -13,21 +13,18 @@ from typing import Any, ClassVar
 
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
-from tunebench.settings import schema
+from tunebench.settings import objectives, schema
 from tunebench.settings.schema import short
 from tunebench.settings.yamlfiles import parse_override, read_yaml
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
-OBJECTIVES = ("sft", "dpo", "orpo", "kto", "grpo")  # next-token loss on the replies | preference pairs (data.pairs)
-# | single judgements (data.judged) | rewards of sampled completions (data.prompts, training.grpo)
+OBJECTIVES = objectives.NAMES  # each objective's own settings type: settings/objectives.py
 FORMATS = ("auto", "instruction", "alpaca", "question", "chat", "xlam", "text")  # data/formats.py reads each
 TRAIN_ON = ("response", "final", "all")
 ON_UNRENDERABLE = ("refuse", "drop")
 QUANTIZATIONS = ("none", "4bit", "8bit")
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo.py)
-SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's reward spread, or not
 
 
 @dataclass(frozen=True)
@@ -107,10 +104,11 @@ class AdapterConfig:
 
 
 @dataclass(frozen=True)
-class ObjectiveConfig:
-    """What the adapter is trained toward, and that objective's own settings (OWNED: each belongs to some
-    objectives and is refused for the others). Spelled adapter.objective, adapter.beta, ... before this section
-    existed; those keys still work (AS_ADAPTER)."""
+class ObjectiveKeys:
+    """The objective section as users spell it: every key some objective has (flags, YAML, old runs' config.yaml,
+    the configuration reference's help). A run holds the objective's own type instead (settings.objectives.build:
+    each key belongs to some objectives and is refused for the others). Spelled adapter.objective, adapter.beta,
+    ... before this section existed; those keys still work (AS_ADAPTER)."""
 
     name: str = "sft"
     """sft (the loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B store
@@ -123,7 +121,7 @@ class ObjectiveConfig:
     """KTO: the weight of a desirable completion's loss (TRL suggests balancing the two kinds' counts)"""
     undesirable_weight: float | None = None
     """KTO: the weight of an undesirable completion's loss"""
-    # GRPO, with TRL's names (None: TRL's default, but max_completion_length, whose 512 would be slow on a CPU)
+    # GRPO, with TRL's names (settings.objectives.GRPO holds the defaults)
     reward: tuple[str, ...] = ()
     """GRPO: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
     path/to/file.py:function (TRL's signature: prompts, completions, **columns)"""
@@ -157,30 +155,6 @@ class ObjectiveConfig:
     10)"""
 
 
-PAPERS_DEFAULT = 0.1  # DPO's beta and ORPO's lambda, as their papers (and TRL) set them
-# The settings that belong to some objectives: (key, its objectives, its default there); GRPO's beta is TRL's 0
-# (no KL term, no reference pass).
-OWNED = (("beta", ("dpo", "kto", "grpo"), {"dpo": PAPERS_DEFAULT, "kto": PAPERS_DEFAULT, "grpo": 0.0}),
-         ("orpo_lambda", ("orpo",), {"orpo": PAPERS_DEFAULT}),
-         ("desirable_weight", ("kto",), {"kto": 1.0}), ("undesirable_weight", ("kto",), {"kto": 1.0}),
-         ("num_generations", ("grpo",), {"grpo": 8}), ("max_completion_length", ("grpo",), {"grpo": 256}),
-         ("temperature", ("grpo",), {"grpo": 1.0}), ("top_p", ("grpo",), {"grpo": 1.0}),
-         ("epsilon", ("grpo",), {"grpo": 0.2}), ("epsilon_high", ("grpo",), {"grpo": None}),
-         ("loss_type", ("grpo",), {"grpo": "dapo"}), ("scale_rewards", ("grpo",), {"grpo": "group"}),
-         ("reward", ("grpo",), {"grpo": ()}), ("reward_weights", ("grpo",), {"grpo": ()}),
-         ("environment", ("grpo",), {"grpo": None}), ("max_turns", ("grpo",), {"grpo": None}),
-         ("tool_timeout", ("grpo",), {"grpo": None}))
-EPISODE_DEFAULTS = {"max_turns": 4, "tool_timeout": 10.0}  # where --environment is given
-
-
-def objective_default(name: str) -> str | None:
-    """What an objective's own setting (OWNED) defaults to, by objective ("0.1 for DPO and KTO, 0.0 for
-    GRPO"), for its --help and the configuration reference; None where no objective gives it a value."""
-    by = {k: d for k, _, d in OWNED}.get(name, {})
-    given = {o: v for o, v in by.items() if v not in (None, ())}
-    return ", ".join(f"{v} for {' and '.join(o.upper() for o, w in given.items() if w == v)}"
-                     for v in dict.fromkeys(given.values())) or None
-
 
 @dataclass(frozen=True)
 class RunConfig(schema.RunBase):
@@ -190,7 +164,7 @@ class RunConfig(schema.RunBase):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
-    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    objective: objectives.Objective = dataclasses.field(default_factory=objectives.SFT)
 
     default_effective: ClassVar[int | None] = schema.DEFAULT_EFFECTIVE_BATCH
 
@@ -199,12 +173,12 @@ class RunConfig(schema.RunBase):
         d["data"]["sources"] = [{"path": p, "weight": w} for p, w in self.data.sources]  # YAML has no tuples
         return d
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, "objective": ObjectiveConfig,
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "adapter": AdapterConfig, "objective": ObjectiveKeys,
             **schema.SHARED}
 # The objective's keys as they were spelled inside the adapter section (adapter.objective, adapter.beta, ...), and
 # a top-level `objective: dpo` in YAML: still read, as the objective section's.
 AS_ADAPTER = {"adapter.objective": "objective.name", "objective": "objective.name",
-              **{f"adapter.{f.name}": f"objective.{f.name}" for f in dataclasses.fields(ObjectiveConfig)
+              **{f"adapter.{f.name}": f"objective.{f.name}" for f in dataclasses.fields(ObjectiveKeys)
                  if f.name != "name"}}
 
 # Names other tools use for our keys, so the hint lands on the right one.
@@ -293,8 +267,9 @@ SCHEMA = schema.Schema(
     hints=SYNONYMS, choices={
         "data.format": FORMATS, "data.train_on": TRAIN_ON, "data.on_unrenderable": ON_UNRENDERABLE,
         "data.packing": schema.ON_OFF, "adapter.method": METHODS, "objective.name": OBJECTIVES,
-        "adapter.quantization": QUANTIZATIONS, "objective.loss_type": LOSS_TYPES,
-        "objective.scale_rewards": SCALE_REWARDS},
+        "adapter.quantization": QUANTIZATIONS, "objective.loss_type": objectives.LOSS_TYPES,
+        "objective.scale_rewards": objectives.SCALE_REWARDS},
+    builders={"objective": objectives.build},
     converters={"data.sources": _sources, "data.packing": lambda value: (
         "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str),
         "objective.reward": lambda value: _items("objective.reward", value, str),
@@ -336,21 +311,6 @@ def load_config(
                                  "one of them (--objective dpo|orpo with --method lora|qlora|full|...)")
         given["name"] = adapter.pop("method")
     objective = given.get("name", "sft")
-    for key, owners, default in OWNED:
-        # TRL calls ORPO's lambda beta: a value given for another objective must not vanish unused
-        if given.get(key) not in (None, ()) and objective not in owners:
-            whose = " and ".join(o.upper() + "'s" for o in owners)
-            raise TunebenchError(f"--{key.replace('_', '-')} is {whose}, and this "
-                                 f"run's objective is {objective}; " + (
-                                     "ORPO's weight is --orpo-lambda" if key == "beta" and objective == "orpo"
-                                     else f"drop it or use --method {owners[0]}"))
-        if objective in owners and given.get(key) is None:
-            given[key] = default[objective]
-    if objective == "grpo" and given.get("epsilon_high") is None:
-        given["epsilon_high"] = given["epsilon"]
-    if given.get("environment"):
-        for key, value in EPISODE_DEFAULTS.items():
-            given[key] = value if given.get(key) is None else given[key]
     if objective != "sft":
         adapter.setdefault("lora_dropout", 0.0)  # see preference.disable_dropout; asked for, it is kept
     if adapter.get("quantization", "none") != "none" and adapter.get("method", "lora") == "lora":
@@ -362,7 +322,7 @@ def load_config(
 
 def replace(cfg: RunConfig, **dotted: Any) -> RunConfig:
     """A copy of `cfg` with dotted keys replaced (`replace(cfg, **{"optimizer.lr": 1e-3})`)."""
-    tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}
+    tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}  # the objective's: its name and own keys
     for key, value in dotted.items():
         for resolved, v in SCHEMA.resolve(key, value):
             section, name = resolved.split(".")
@@ -375,7 +335,7 @@ def replace(cfg: RunConfig, **dotted: Any) -> RunConfig:
 def not_sharded(cfg: RunConfig) -> str | None:
     """Why this run cannot train under FSDP (None: it can): GRPO's ranks and --eval-generate decode with a whole
     model on each rank, each stopping at its own EOS, so a sharded forward's gathers would not line up."""
-    if cfg.objective.name == "grpo":
+    if cfg.objective.samples:
         return ("--objective grpo samples its completions from a whole model on each rank, and FSDP shards it; use "
                 "--parallel ddp (LoRA, or a full fine-tune that fits on one rank)")
     if cfg.evaluation.eval_generate:
@@ -415,55 +375,19 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if a.quantization != "none" and a.method not in ("lora", "qlora"):
         raise TunebenchError(f"--quantization {a.quantization} is QLoRA's: use --method qlora, or --quantization none "
                              f"with --method {a.method}")
-    if o.name != "sft":
-        if any(v is not None and v <= 0 for v in (o.beta if o.name != "grpo" else None, o.orpo_lambda)):
-            raise TunebenchError(f"--beta and --orpo-lambda must be positive, got {o.beta} and {o.orpo_lambda}; "
-                                 "the papers' default is 0.1")
-        if o.name == "grpo":
-            check_grpo(o)
-            if e.eval_generate:
-                raise TunebenchError("--eval-generate scores answers against held-out replies, and GRPO's prompts have "
-                                     "none: a GRPO run reports its held-out reward instead (--eval-fraction); drop "
-                                     "--eval-generate")
-        if any(v is not None and v <= 0 for v in (o.desirable_weight, o.undesirable_weight)):
-            raise TunebenchError(f"--desirable-weight and --undesirable-weight must be positive, got "
-                                 f"{o.desirable_weight} and {o.undesirable_weight}; TRL's default is 1.0")
-        if d.packing == "on":
-            raise TunebenchError(f"--objective {o.name} keeps each pair's two rows side by side and cannot pack "
-                                 "rows; use --packing auto or off")
+    o.check()
+    if o.samples and e.eval_generate:
+        raise TunebenchError("--eval-generate scores answers against held-out replies, and GRPO's prompts have none: a "
+                             "GRPO run reports its held-out reward instead (--eval-fraction); drop --eval-generate")
+    if o.data != "rows" and d.packing == "on":
+        raise TunebenchError(f"--objective {o.name} keeps each pair's two rows side by side and cannot pack rows; use "
+                             "--packing auto or off")
     if a.method in ("prefix", "prompt") and d.packing == "on":
         raise TunebenchError(f"--method {a.method} cannot train on packed rows (PEFT drops the position ids that "
                              "separate them); use --packing auto or off")
     if world_size > 1 and cfg.distributed.parallel == "fsdp" and (refused := not_sharded(cfg)):
         raise TunebenchError(refused)
     cfg.batch_ask().check(world_size)  # the job checks again once its group is up
-
-
-def check_grpo(o: ObjectiveConfig) -> None:
-    """GRPO's settings, each with the fix. The rewards themselves are built by the job (training.rewards: a file or
-    function that is not there, a regex that does not compile) before any model loads."""
-    if o.num_generations < 2:
-        raise TunebenchError(f"--num-generations must be 2 or more, got {o.num_generations}: GRPO's advantage is a "
-                             "completion's reward against its group's; TRL's default is 8")
-    if o.max_completion_length < 1:
-        raise TunebenchError(f"--max-completion-length must be 1 or more, got {o.max_completion_length}")
-    if not o.temperature > 0 or not 0 < o.top_p <= 1:
-        raise TunebenchError(f"--temperature must be above 0 and --top-p in (0, 1], got {o.temperature} and {o.top_p}")
-    if o.beta < 0 or o.epsilon < 0 or o.epsilon_high < 0:
-        raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {o.beta}, {o.epsilon} and "
-                             f"{o.epsilon_high}")
-    if o.environment is None and (o.max_turns is not None or o.tool_timeout is not None):
-        raise TunebenchError("--max-turns and --tool-timeout set episodes in an environment; give --environment "
-                             "FILE.py (or builtin:lookup), or drop them")
-    if o.environment is not None and not (o.max_turns >= 1 and o.tool_timeout > 0):
-        raise TunebenchError(f"--max-turns must be 1 or more and --tool-timeout above 0, got {o.max_turns} and "
-                             f"{o.tool_timeout}")
-    if not o.reward and o.environment is None:
-        raise TunebenchError("--method grpo needs at least one --reward: gsm8k, format:REGEX, exact, contains or "
-                             "path/to/file.py:function (or --environment, whose reward scores each episode)")
-    if o.reward_weights and len(o.reward_weights) != len(o.reward):
-        raise TunebenchError(f"--reward-weights gives {len(o.reward_weights)} weight(s) for {len(o.reward)} reward(s); "
-                             "give one weight per --reward, in the same order")
 
 
 def check_template(template: str) -> None:

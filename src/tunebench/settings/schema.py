@@ -300,6 +300,8 @@ class Schema:
     hints: dict[str, str]  # names other tools use, for 'did you mean' only
     converters: dict[str, Any] = dataclasses.field(default_factory=dict)  # key -> its own reader (data.sources)
     choices: dict[str, tuple] = dataclasses.field(default_factory=dict)  # the job's own keys' choices (CHOICES: shared)
+    # a section a run holds as something other than its spelled keys (the objective: its own typed settings)
+    builders: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def keys(self) -> list[str]:
         return [f"{s}.{f.name}" for s, cls in self.sections.items() for f in dataclasses.fields(cls)]
@@ -383,7 +385,8 @@ class Schema:
         return out
 
     def build(self, tree: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        return {s: cls(**tree[s]) for s, cls in self.sections.items()}
+        return {s: self.builders[s](tree[s]) if s in self.builders else cls(**tree[s])
+                for s, cls in self.sections.items()}
 
     def flatten(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         """A YAML file's {section: {key: value}} as dotted keys; a top-level value that is not a section
@@ -416,13 +419,13 @@ class Schema:
     def to_dict(self, cfg: Any) -> dict[str, Any]:
         """The configuration as plain data, shaped as JSON and YAML read it back (a tuple as a list), so that a
         run's identity compares equal to the one its checkpoint saved."""
-        return {s: _plain(dataclasses.asdict(getattr(cfg, s))) for s in self.sections}
+        return {s: plain(dataclasses.asdict(getattr(cfg, s))) for s in self.sections}
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+        return {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def check_shared(cfg: Any, world_size: int, job: str) -> None:

@@ -29,6 +29,7 @@ import torch
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
+from tunebench.settings.objectives import GRPO
 from tunebench.training import environment as environment_
 from tunebench.training import grpo
 from tunebench.training import rewards as rewards_
@@ -196,7 +197,9 @@ class EpisodeSampler(grpo.Sampler):
         return torch.tensor([[torch.nan if v is None else v for v in col] for col in table],
                             dtype=torch.float32).T.reshape(len(episodes), len(table))
 
-    def groups(self, keys: list[int], seed: int) -> grpo.Groups:
+    def draw(self, keys: list[int], seed: int) -> grpo.Drawn:
+        """num_generations episodes of each prompt of `keys` played (rollout; Python's, NumPy's and torch's draws
+        seeded by `seed`, each put back after), each scored by the environment's reward and the --reward ones."""
         started = time.perf_counter()
         state = random.getstate(), np.random.get_state()
         try:
@@ -210,18 +213,12 @@ class EpisodeSampler(grpo.Sampler):
             np.random.set_state(state[1])
         self.generation_s += time.perf_counter() - started
         self.generated_tokens += sum(sum(e.mask) for e in episodes)
-        scores = self.score_episodes(episodes)
-        adv, total, zero = grpo.advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
-        lengths = torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32)
-        clipped = torch.tensor([float(e.stop == "cut") for e in episodes])
-        per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
-                                                           (~torch.isnan(scores[:, j])).float())]
         figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in grpo.EPISODE_STOPS)]
                                 for e in episodes], dtype=torch.float32)
-        stats = torch.cat([torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), lengths,
-                                        clipped, *per], 1), figures], 1)
-        return grpo.Groups(keys, [e.ids[e.prompt_len:] for e in episodes], adv, stats,
-                           [e.mask[e.prompt_len:] for e in episodes])
+        return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], self.score_episodes(episodes),
+                          torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32),
+                          torch.tensor([float(e.stop == "cut") for e in episodes]),
+                          [e.mask[e.prompt_len:] for e in episodes], figures)
 
     def probe_rows(self, keys: list[int]) -> Batch:
         """A micro batch of whole contexts (max_length each), every token the policy's: the most a step holds."""
@@ -273,7 +270,7 @@ def play(placed, env: environment_.Environment, records: list[dict[str, Any]], m
     rows = PromptRows([environment_.opening(env, r) for r in records], [dict(r) for r in records], env.path)
     template_for(placed.tokenizer, env.schemas, rows.prompts[0])
     data = tokenize(rows, placed.tokenizer, env, max_length, max_new_tokens)
-    settings = grpo.GRPOSettings(1, max_new_tokens, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    settings = GRPO(num_generations=1, max_completion_length=max_new_tokens)
     sampler = EpisodeSampler(placed.model, placed.tokenizer, data, rows, [], settings, placed.device,
                              placed.autocast_dtype, 0, env=env, openings=rows.prompts, max_turns=max_turns,
                              max_length=max_length)

@@ -16,6 +16,7 @@ from tunebench.training import feed, runner
 from tunebench.training.autotune import layout
 
 DROPPED = {True: "the prompt alone fills --max-length", False: "no response left after truncation"}
+JUDGEMENTS = {"pairs": pairs, "judged": judged}  # by Objective.data: each reader's load, tokenize and collate
 
 
 def template_rows(tok) -> list[Decision]:
@@ -28,11 +29,11 @@ def template_rows(tok) -> list[Decision]:
                      "template does not render them: Hermes <tool_call> JSON (Qwen2.5's form), saved with the run")]
 
 
-def check_inputs(cfg: RunConfig, prefer: bool):
+def check_inputs(cfg: RunConfig):
     """(preference pairs or None, the datasets) read and checked before anything expensive: enough rows for a
     step, a model that can be found, a max length it takes, a scored eval that has rows to answer."""
-    if prefer:
-        examples, parts = (judged if cfg.objective.name == "kto" else pairs).load(cfg.data), []
+    if cfg.objective.preference:
+        examples, parts = JUDGEMENTS[cfg.objective.data].load(cfg.data), []
         print(f"data: {examples.describe()}")
         check_rows(len(examples), cfg, 0, "")
     else:
@@ -88,7 +89,7 @@ def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
     return dataclasses.replace(cfg, data=dataclasses.replace(d, max_length=length)), Decision("max_length", length, why)
 
 
-def row_lengths(cfg: RunConfig, prefer: bool, kto: bool, examples, parts):
+def row_lengths(cfg: RunConfig, examples, parts):
     """`settle_length`'s measure for the fine-tuning recipes: tokens per row (a pair's longer row, a judged
     completion with its prompt) as training renders them, uncut."""
     import dataclasses
@@ -96,8 +97,8 @@ def row_lengths(cfg: RunConfig, prefer: bool, kto: bool, examples, parts):
     from tunebench.data.tokenize import tokenize_messages, use_template
 
     def lengths(tok, sample) -> list[int]:
-        if prefer:
-            return (judged if kto else pairs).tokenize(examples, tok, dataclasses.replace(
+        if cfg.objective.preference:
+            return JUDGEMENTS[cfg.objective.data].tokenize(examples, tok, dataclasses.replace(
                 cfg.data, max_length=10**9)).lengths().tolist()
         out: list[int] = []
         for part in parts:
@@ -111,10 +112,10 @@ def row_lengths(cfg: RunConfig, prefer: bool, kto: bool, examples, parts):
     return lengths
 
 
-def split_rows(cfg: RunConfig, data, spans, parts, prefer: bool):
+def split_rows(cfg: RunConfig, data, spans, parts):
     """(the training rows in the mixture's proportions, each dataset's training and held-out rows), checked:
     enough rows left after tokenizing, and held-out rows with replies when the run scores its answers."""
-    check_rows(len(data), cfg, data.dropped, "whose prompt alone fills --max-length" if prefer
+    check_rows(len(data), cfg, data.dropped, "whose prompt alone fills --max-length" if cfg.objective.data != "rows"
                else "left without a response by truncation at --max-length")
     seed = cfg.schedule.seed
     train_parts, eval_parts = mixture.splits(spans, cfg.data, seed)
@@ -129,13 +130,13 @@ def split_rows(cfg: RunConfig, data, spans, parts, prefer: bool):
     return train_idx, train_parts, eval_parts
 
 
-def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx, collate_unit, pad_id: int):
+def batcher(cfg: RunConfig, opened: runner.Opened, data, train_idx, collate_unit, pad_id: int):
     """micro batch -> feed.Batches (each epoch's steps, the collate of a micro batch, the batch layout's row):
     the layout decided for the micro batch the runner measured."""
     lengths = data.lengths()
 
     def batches(micro: int):
-        layout, row = decide_layout(cfg, prefer, lengths, train_idx, micro * opened.world.size, opened.effective)
+        layout, row = decide_layout(cfg, lengths, train_idx, micro * opened.world.size, opened.effective)
         steps = lambda epoch: batching.epoch_steps(  # noqa: E731
             train_idx, opened.effective, cfg.schedule.seed, epoch, lengths=lengths if layout == "length-grouped" else None)
         if layout == "packed":
@@ -147,11 +148,11 @@ def batcher(cfg: RunConfig, opened: runner.Opened, prefer: bool, data, train_idx
     return batches
 
 
-def decide_layout(cfg: RunConfig, prefer: bool, lengths, train_idx, rows_per_step: int,
+def decide_layout(cfg: RunConfig, lengths, train_idx, rows_per_step: int,
                   effective: int) -> tuple[str, Decision]:
     """How rows are laid out in a micro batch (packed, length-grouped or as they come), and its row."""
     prompt_method = cfg.adapter.method in methods.PROMPT_METHODS
-    packing = "off" if prompt_method or prefer else cfg.data.packing  # a pair's two rows stay side by side
+    packing = "off" if prompt_method or cfg.objective.preference else cfg.data.packing  # a pair's two rows stay side by side
     batch_layout, reason = layout.decide(packing, lengths, train_idx, rows_per_step, cfg.schedule.seed,
                                          cfg.data.max_length, effective)
     if prompt_method and cfg.data.packing == "auto":

@@ -4,6 +4,7 @@ other PEFT methods, QLoRA, full), the parallel layout, the preference objective'
 weights. jobs/finetune.py and jobs/grpo.py share it (finetune_data.py: the rows; finetune_report.py: what is said)."""
 
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
 from tunebench.machine import hardware, metrics
 from tunebench.model import methods, models
-from tunebench.settings.finetune import EPISODE_DEFAULTS, RunConfig, not_sharded
+from tunebench.settings import objectives, schema
+from tunebench.settings.finetune import ObjectiveKeys, RunConfig, not_sharded
 from tunebench.training import preference, runner
 from tunebench.training.autotune import Trained, memory
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
@@ -25,10 +27,13 @@ def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     """What a resume of this run must match: the model, the adapter's settings, the seed, the data."""
     d = cfg.data
     plain = cfg.to_dict()
-    # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it;
-    # the episodes' keys (added since) only where set, so that such a checkpoint still matches
-    episode_keys = {"environment", *EPISODE_DEFAULTS}
-    adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in plain["objective"].items()
+    # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it:
+    # every objective key, None where not this objective's (as before its settings were typed); the episodes' keys
+    # (added since) only where set, so that such a checkpoint still matches
+    keys = tuple(f.name for f in dataclasses.fields(ObjectiveKeys) if f.name != "name")
+    episode_keys = {"environment", *objectives.EPISODE_DEFAULTS}
+    every = schema.plain(objectives.every_key(cfg.objective, keys))
+    adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in every.items()
                                       if k not in episode_keys or v is not None}}
     return {"model": cfg.model.name, "adapter": adapter, "seed": cfg.schedule.seed,
             "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
@@ -120,7 +125,7 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
     return model, rows
 
 
-def trainable_model(cfg: RunConfig, loaded: models.Loaded, opened: runner.Opened, prefer: bool):
+def trainable_model(cfg: RunConfig, loaded: models.Loaded, opened: runner.Opened):
     """(model with its method applied, the preference loss or None, its settings rows, (trainable, total)
     parameters); refused when nothing would train."""
     model, rows = build_model(cfg, loaded, opened.hw_plan.precision, opened.device)
@@ -129,8 +134,8 @@ def trainable_model(cfg: RunConfig, loaded: models.Loaded, opened: runner.Opened
     if cfg.hardware.gradient_checkpointing == "on":
         enable_checkpointing(model)
     loss_module = None
-    if prefer:
-        loss_module, row = preference_loss(model, cfg, autocast)
+    if cfg.objective.preference:
+        loss_module, row = preference.loss_for(model, cfg.objective, cfg.adapter.method == "full", autocast)
         rows.append(row)
     trainable, total = metrics.count_parameters(model)
     if trainable == 0:
@@ -149,10 +154,10 @@ def pick_parallel(cfg: RunConfig, opened: runner.Opened, trainable: int) -> Deci
     return parallel
 
 
-def kto_micro_batch(opened: runner.Opened, kto: bool) -> dict[str, Any]:
+def fixed_micro_batch(opened: runner.Opened, o: objectives.Objective) -> dict[str, Any]:
     """KTO's micro batch is part of its math (its KL reference point is estimated over each one, as over TRL's
     per-device batch), so the probe never picks it: the whole effective batch on each rank, unless asked."""
-    if not kto:
+    if not o.micro_batch_in_math:
         return {}
     why = ("KTO estimates its KL reference point over each micro batch (TRL's per-device batch; all ranks' rows "
            "together), so it is not measured")
@@ -162,42 +167,12 @@ def kto_micro_batch(opened: runner.Opened, kto: bool) -> dict[str, Any]:
             "asked_reason": f"the effective batch: {why}; --batch-size N estimates it over N rows instead"}
 
 
-def measured_as(cfg: RunConfig, prefer: bool) -> Trained:
+def measured_as(cfg: RunConfig) -> Trained:
     """What is trained, as the measurement cache keys it: a preference step is a pair's two rows plus DPO's
     reference pass, measured apart from SFT's rows."""
     a = cfg.adapter
-    return Trained(cfg.model.name, a.method if not prefer else f"{a.method}+{cfg.objective.name}", a.quantization,
+    return Trained(cfg.model.name, a.method if not cfg.objective.preference else f"{a.method}+{cfg.objective.name}", a.quantization,
                    a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules)
-
-
-def preference_loss(model, cfg: RunConfig, autocast) -> tuple[preference.PreferenceLoss, Decision]:
-    """The DPO, ORPO or KTO objective over `model`, and its settings row (see reference_for)."""
-    t = cfg.objective
-    dropped = preference.disable_dropout(model)
-    dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
-    if t.name == "orpo":
-        return (preference.PreferenceLoss(model, "orpo", t.orpo_lambda, autocast),
-                Decision("objective", "orpo", f"lambda {t.orpo_lambda:g}; no reference model{dropout}"))
-    reference, words = reference_for(model, cfg.adapter.method == "full")
-    if t.name == "kto":
-        weights = (t.desirable_weight, t.undesirable_weight)
-        return (preference.PreferenceLoss(model, "kto", t.beta, autocast, reference, weights),
-                Decision("objective", "kto", f"beta {t.beta:g}, desirable/undesirable weights {weights[0]:g}/"
-                         f"{weights[1]:g}; reference: {words}{dropout}"))
-    return (preference.PreferenceLoss(model, "dpo", t.beta, autocast, reference),
-            Decision("objective", "dpo", f"beta {t.beta:g}; reference: {words}{dropout}"))
-
-
-def reference_for(model, full: bool):
-    """(the reference, its description) of an objective that compares the policy with its start: under full
-    fine-tuning a frozen copy made here, before any step, so the probe counts its memory; else the adapter's
-    starting values, put back for the reference pass (preference.StartingAdapter: the same computation as the
-    policy's, compiled or not); a prompt-learning adapter, whose start is not the base, switched off."""
-    if full:
-        return preference.reference_copy(model), "a frozen copy of the starting weights"
-    if methods.is_prompt_learning(model):
-        return None, "the base with the adapter off (no copy)"
-    return preference.StartingAdapter(model), "the base: the adapter at its starting values (no copy of the base)"
 
 
 def save_final(model, tokenizer, out: Path, cfg: RunConfig, loaded: models.Loaded,

@@ -20,8 +20,8 @@ from tunebench.training.autotune import compiler
 def header(cfg: RunConfig, loaded: models.Loaded, parts, data, n_train: int, eval_parts, unit: str, trainable: int,
            total: int) -> str:
     """The lines above the settings table: the model, the data and its split, what trains."""
-    prefer = cfg.objective.name != "sft"
-    dropped = (f"; {data.dropped} of {len(data) + data.dropped} {unit} dropped: {finetune_data.DROPPED[prefer]}"
+    dropped = (f"; {data.dropped} of {len(data) + data.dropped} {unit} dropped: "
+               f"{finetune_data.DROPPED[cfg.objective.data != 'rows']}"
                if data.dropped else "")
     return (f"model: {loaded.source}\ndata: {' + '.join(p.config.path for p in parts) or cfg.data.path} ({data.fmt}), "
             f"{n_train} train / {sum(map(len, eval_parts))} eval {unit}{dropped}\n"
@@ -36,9 +36,9 @@ def held_out_answers(cfg: RunConfig, opened: runner.Opened, model, tok, data, ex
     n = cfg.evaluation.eval_generate
     if not n:
         return {}
-    if cfg.objective.name != "sft":
-        kto = cfg.objective.name == "kto"
-        held = [i for i in np.concatenate(eval_parts) if not kto or data.labels[i]][:n]
+    if cfg.objective.preference:
+        judged = cfg.objective.data == "judged"
+        held = [i for i in np.concatenate(eval_parts) if not judged or data.labels[i]][:n]
         groups = [("pairs", [examples.answered(data.source(i)) for i in held])]
     else:
         groups = [(p.name, [messages[data.rows[i]] for i in e[:n]]) for p, e in zip(parts, eval_parts)]
@@ -54,9 +54,7 @@ def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runne
     seq = state.token_sq / max(state.tokens, 1)  # attention over each example's own length, not the packed row's
     fpt = training_flops_per_token(matmul, trainable, layers, width, seq, a.method == "full")
     # DPO's reference pass; KTO's, and both over its KL rows; GRPO's when beta puts a KL term in its loss
-    o = cfg.objective
-    forwards = {"dpo": 1, "kto": 3, "grpo": 1 if o.beta else 0}.get(o.name, 0)
-    fpt += forwards * (2 * matmul + 4 * layers * width * seq)  # each 2N for the matmuls, a third of attention
+    fpt += cfg.objective.reference_forwards * (2 * matmul + 4 * layers * width * seq)  # each 2N for the matmuls, a third of attention
     summary = {
         "model": cfg.model.name, "method": a.method, "quantization": a.quantization,
         **summary_.figures(outcome, fpt, opened.hw_plan, opened.hw, opened.world), "parallel": plan.parallel,
@@ -66,9 +64,7 @@ def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runne
     }
     summary.update({k: v for k, v in outcome.after.items()
                     if k.startswith(("eval_loss/", "eval_rewards/", "eval_pairs", "eval_kl", "eval_examples"))})
-    if o.name != "sft":
-        summary.update({"objective": o.name, **({"orpo_lambda": o.orpo_lambda} if o.name == "orpo" else
-                                                {"beta": o.beta})})
+    summary.update(cfg.objective.report())
     return summary
 
 

@@ -18,7 +18,7 @@ completions x max_completion_length). All three are sums over the step divided b
 the micro batch never changes the math; and the sampling is seeded by (seed, epoch, step) and made for the whole
 step whatever its micro batches, so the completions a step learns from depend on neither the micro batch nor a
 resume (exact resume needs no sampler state beyond the checkpoint's). Under torchrun each rank makes the groups of
-its own prompts of the step (Sampler.begin_step), seeded by its rank as well; the loop sums the step's counts over
+its own prompts of the step (jobs/grpo.py's begin_step), seeded by its rank as well; the loop sums the step's counts over
 the ranks, so the normalisations above are the whole step's.
 
 Written here rather than taken from TRL: TRL's GRPOTrainer is a Trainer subclass with its own loop and
@@ -36,31 +36,10 @@ import numpy as np
 import torch
 
 from tunebench.data.prompts import PromptData, PromptRows
+from tunebench.settings.objectives import GRPO
 from tunebench.training import rewards as rewards_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    """TRL's names and meanings."""
-
-    num_generations: int
-    max_completion_length: int
-    temperature: float
-    top_p: float
-    beta: float
-    epsilon: float
-    epsilon_high: float
-    loss_type: str
-    scale_rewards: str
-
-    @classmethod
-    def of(cls, o) -> GRPOSettings:
-        """The settings of an ObjectiveConfig (settings.finetune) whose name is grpo."""
-        return cls(o.num_generations, o.max_completion_length, o.temperature, o.top_p, o.beta, o.epsilon,
-                   o.epsilon_high, o.loss_type, o.scale_rewards)
-
 
 # Why an episode (training.episodes) ends, the rules in the order its turn applies them: the model answered without
 # a call; its reply reached --max-completion-length without ending; it called on its last turn (--max-turns); the
@@ -100,7 +79,7 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
     return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
 
 
-def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: GRPOSettings,
+def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: GRPO,
            seed: int) -> list[list[int]]:
     """`num_generations` completions of each prompt (consecutive), each up to and including its EOS, sampled
     from the policy (top_k off, temperature and top_p as set), the random draws seeded by `seed` alone (the
@@ -129,6 +108,25 @@ def complete(model, tokenizer, device: torch.device, autocast, prompts: list[lis
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """The seed of one rank's draws in optimizer step `step` of `epoch`: the same whatever the micro batch and
+    after a resume; rank 0's as one process's."""
+    return int(np.random.SeedSequence([seed, epoch, step, *([rank] if rank else [])]).generate_state(1)[0])
+
+
+@dataclass
+class Drawn:
+    """What one step drew for its prompts, before the advantages: completions (or episodes' tokens after their
+    opening), each one's reward scores and the figures its stats add."""
+
+    completions: list[list[int]]  # num_generations per prompt, consecutive
+    scores: torch.Tensor  # (completions, rewards), NaN where a reward had no opinion
+    lengths: torch.Tensor  # (completions,) the policy's tokens
+    clipped: torch.Tensor  # (completions,) 1 where cut at max_completion_length
+    masks: list[list[int]] | None = None  # an episode's: 1 on the policy's tokens
+    figures: torch.Tensor | None = None  # (completions, more stats): an episode's turns, calls, its stop
+
+
 @dataclass
 class Groups:
     """One step's prompts, their completions and what each completion carries into the loss."""
@@ -141,21 +139,21 @@ class Groups:
 
 
 class Sampler:
-    """The GRPO step's data: `begin_step` makes the groups of the step's prompts once (sampled, scored, given their
-    advantages), before its first micro batch; `collate` then cuts each micro batch's rows from them.
+    """The GRPO step's parts: `draw` samples and scores the step's prompts' completions, `groups_of` gives them their
+    advantages; the job (jobs/grpo.py's begin_step) sets `step_groups` so, before the step's first micro batch, and
+    `collate` then cuts each micro batch's rows from them.
 
     Under torchrun each rank makes the groups of its own prompts of the step (what feed.micro_batches hands
-    begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by `rank` as
-    well (rank 0 draws as one process does), so a resume at the same world size samples again what the run did."""
+    begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by the rank
+    as well (step_seed), so a resume at the same world size samples again what the run did."""
 
     def __init__(self, model, tokenizer, data: PromptData, rows: PromptRows, rewards: list[rewards_.Reward],
-                 settings: GRPOSettings, device: torch.device, autocast, seed: int,
-                 eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, rank: int = 0):
+                 settings: GRPO, device: torch.device, autocast, seed: int,
+                 eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model, self.tokenizer, self.data, self.rows, self.rewards = model, tokenizer, data, rows, rewards
         self.s, self.device, self.autocast, self.seed, self.eagerly = settings, device, autocast, seed, eagerly
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
-        self.rank = rank
-        self.step_groups: Groups | None = None  # this step's, made by begin_step (None: no prompt of it here)
+        self.step_groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
         self.generated_tokens, self.generation_s = 0, 0.0
 
     episodes = False  # training.episodes.EpisodeSampler: a completion is an episode of turns
@@ -184,35 +182,34 @@ class Sampler:
         scores = [[torch.nan if v is None else v for v in r.score(prompts, texts, columns)] for r in self.rewards]
         return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.rewards))
 
-    def begin_step(self, epoch: int, step: int, keys: list[int]) -> None:
-        """The step's groups, made before its first micro batch (feed.Batches.begin_step): `keys`, this rank's
-        prompts of optimizer step `step` of `epoch`, sampled (seeded by the seed, epoch, step and rank, whatever
-        the micro batch), scored and given their advantages."""
-        seed = int(np.random.SeedSequence([self.seed, epoch, step, *([self.rank] if self.rank else [])])
-                   .generate_state(1)[0])
-        self.step_groups = self.groups(keys, seed) if keys else None
-
-    def groups(self, keys: list[int], seed: int) -> Groups:
-        """`keys`' groups: num_generations completions of each prompt sampled, scored by the rewards, each given its
-        advantage within its group, with the step's stats per completion."""
+    def draw(self, keys: list[int], seed: int) -> Drawn:
+        """num_generations completions of each prompt of `keys` sampled (seeded by `seed` alone), and scored."""
         started = time.perf_counter()
         with self.eagerly():
             completions = sample(self.model, self.tokenizer, self.device, self.autocast,
                                  [self.data.ids[k] for k in keys], self.s, seed)
         self.generation_s += time.perf_counter() - started
         self.generated_tokens += sum(map(len, completions))
-        scores = self.score(keys, completions, self.s.num_generations)
-        adv, total, zero = advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         eos = self.tokenizer.eos_token_id
-        clipped = torch.tensor([float(not c or c[-1] != eos) for c in completions])
-        per = [t for j in range(len(self.rewards)) for t in (torch.nan_to_num(scores[:, j]), (~torch.isnan(scores[:, j])).float())]
-        stats = torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), lengths, clipped,
-                             *per], 1)
-        return Groups(keys, completions, adv, stats)
+        return Drawn(completions, self.score(keys, completions, self.s.num_generations),
+                     torch.tensor([len(c) for c in completions], dtype=torch.float32),
+                     torch.tensor([float(not c or c[-1] != eos) for c in completions]))
+
+    def groups_of(self, keys: list[int], drawn: Drawn) -> Groups:
+        """`keys`' groups of what was drawn: each completion's advantage within its group, and the step's stats
+        per completion (stat_names' order, kl aside)."""
+        scores = drawn.scores
+        adv, total, zero = advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
+        per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
+                                                           (~torch.isnan(scores[:, j])).float())]
+        stats = torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), drawn.lengths,
+                             drawn.clipped, *per], 1)
+        if drawn.figures is not None:
+            stats = torch.cat([stats, drawn.figures], 1)
+        return Groups(keys, drawn.completions, adv, stats, drawn.masks)
 
     def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
-        """The rows of `keys`' groups, cut from the step's (begin_step made them; the global micro-step's keys,
+        """The rows of `keys`' groups, cut from the step's (the job's begin_step made them; the global micro-step's keys,
         feed.micro_batches' second argument, add nothing here)."""
         groups = self.step_groups
         if groups is None or keys[0] not in groups.keys:
@@ -288,7 +285,7 @@ class GRPOLoss(torch.nn.Module):
 
     unit = "completions"
 
-    def __init__(self, model, settings: GRPOSettings, rewards: list[rewards_.Reward], autocast_dtype=None,
+    def __init__(self, model, settings: GRPO, rewards: list[rewards_.Reward], autocast_dtype=None,
                  reference=None, episodes: bool = False):
         super().__init__()
         self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype

@@ -15,11 +15,12 @@ from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
+from tunebench.settings.objectives import GRPO
 from tunebench.training import checkpoint, environment, finetune_data
 from tunebench.training import rewards as rewards_
 from tunebench.training.autotune import Trained
 from tunebench.training.environment import Environment
-from tunebench.training.grpo import GRPOSettings, Sampler
+from tunebench.training.grpo import Sampler
 
 
 def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None]:
@@ -66,13 +67,13 @@ def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
 def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
     o = cfg.objective
     if o.environment:
-        return Decision("objective", "grpo", f"{o.num_generations} episodes a prompt in {o.environment}, up to "
+        return Decision("objective", o.name, f"{o.num_generations} episodes a prompt in {o.environment}, up to "
                         f"{o.max_turns} turns of up to {o.max_completion_length} tokens (the loss on the model's own "
                         f"tokens; tool turns are context), tool calls limited to {o.tool_timeout:g} s; temperature "
                         f"{o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages scaled by "
                         f"{o.scale_rewards}, beta {o.beta:g}; reference: {reference}"
                         + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
-    return Decision("objective", "grpo", f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
+    return Decision("objective", o.name, f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
                     f"tokens at temperature {o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages "
                     f"scaled by {o.scale_rewards}, epsilon {o.epsilon:g}/{o.epsilon_high:g}, beta {o.beta:g}; reference: "
                     f"{reference}" + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
@@ -96,7 +97,7 @@ def measured_as(cfg: RunConfig) -> Trained:
                    a.quantization, a.r, a.target_modules)
 
 
-def generation(ranks: list[dict[str, Any]], outcome, s: GRPOSettings) -> dict[str, Any]:
+def generation(ranks: list[dict[str, Any]], outcome, s: GRPO) -> dict[str, Any]:
     """Sampling measured apart from the update, from each rank's figures (its "generated_tokens" and
     "generation_s"): generated tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks
     sampling side by side), and the update's tokens a second over the training time less that sampling (rank 0's
@@ -104,7 +105,7 @@ def generation(ranks: list[dict[str, Any]], outcome, s: GRPOSettings) -> dict[st
     state = outcome.state
     tokens, seconds = sum(r["generated_tokens"] for r in ranks), max(r["generation_s"] for r in ranks)
     update_s = max(state.train_time_s - seconds, 1e-9)
-    return {"objective": "grpo", "num_generations": s.num_generations, "generated_tokens": tokens,
+    return {"objective": s.name, "num_generations": s.num_generations, "generated_tokens": tokens,
             "generation_s": round(seconds, 3), "generation_tokens_per_s": tokens / seconds if seconds else None,
             "update_s": round(update_s, 3), "update_tokens_per_s": state.tokens / update_s}
 

@@ -33,8 +33,11 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from tunebench.core.decision import Decision
 from tunebench.core.precision import autocast
 from tunebench.machine import distributed
+from tunebench.model import methods
+from tunebench.settings.objectives import Objective
 from tunebench.training.loop import Batch, body_and_head
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -236,3 +239,32 @@ class PreferenceLoss(torch.nn.Module):
         stats = torch.stack([kl * n, (rewards * g).sum(), (rewards * (1 - g)).sum(), (logps * g).sum(),
                              (logps * (1 - g)).sum(), g.sum(), (1 - g).sum()])
         return losses.sum(), stats
+
+
+def loss_for(model, o: Objective, full: bool, autocast_dtype) -> tuple[PreferenceLoss, Decision]:
+    """The DPO, ORPO or KTO objective `o` over `model`, and its settings row (see reference_for)."""
+    dropped = disable_dropout(model)
+    dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
+    if o.name == "orpo":
+        return (PreferenceLoss(model, "orpo", o.orpo_lambda, autocast_dtype),
+                Decision("objective", "orpo", f"lambda {o.orpo_lambda:g}; no reference model{dropout}"))
+    reference, words = reference_for(model, full)
+    if o.name == "kto":
+        weights = (o.desirable_weight, o.undesirable_weight)
+        return (PreferenceLoss(model, "kto", o.beta, autocast_dtype, reference, weights),
+                Decision("objective", "kto", f"beta {o.beta:g}, desirable/undesirable weights {weights[0]:g}/"
+                         f"{weights[1]:g}; reference: {words}{dropout}"))
+    return (PreferenceLoss(model, "dpo", o.beta, autocast_dtype, reference),
+            Decision("objective", "dpo", f"beta {o.beta:g}; reference: {words}{dropout}"))
+
+
+def reference_for(model, full: bool):
+    """(the reference, its description) of an objective that compares the policy with its start (DPO, KTO, GRPO
+    with beta): under full fine-tuning a frozen copy made here, before any step, so the probe counts its memory;
+    else the adapter's starting values, put back for the reference pass (StartingAdapter: the same computation as
+    the policy's, compiled or not); a prompt-learning adapter, whose start is not the base, switched off."""
+    if full:
+        return reference_copy(model), "a frozen copy of the starting weights"
+    if methods.is_prompt_learning(model):
+        return None, "the base with the adapter off (no copy)"
+    return StartingAdapter(model), "the base: the adapter at its starting values (no copy of the base)"

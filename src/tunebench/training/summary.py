@@ -64,7 +64,7 @@ def report(summary: dict[str, Any], out: Path) -> None:
     """The closing lines of a run."""
     if summary["eval_loss"] is not None:
         print(f"eval after training: {describe_eval(summary)}")
-    if summary.get("objective") == "grpo":  # a GRPO step's batches are its sampled completions
+    if "generated_tokens" in summary:  # a GRPO step's batches are its sampled completions
         print(f"sampling: {summary['generated_tokens']:,} tokens in {summary['generation_s']:.1f}s "
               f"({summary['generation_tokens_per_s'] or 0:,.0f} generated tokens/s, {100 * summary['data_wait_fraction']:.0f}% "
               f"of step time); the updates: {summary['update_tokens_per_s']:,.0f} tokens/s")

@@ -32,12 +32,13 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
 from tunebench.jobs import children
 from tunebench.settings import finetune as finetune_settings
+from tunebench.settings import objectives
 from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL, DataConfig, RunConfig
 from tunebench.settings.rundir import RunDir
 
 SAMPLE = BUILTIN_DATA  # the built-in Bitext-style sample, what `./run compare` trains on
-# every method, and the objectives that need no more than a data file (GRPO needs a reward: the CLI's)
-METHODS = (*finetune_settings.METHODS, *(o for o in finetune_settings.OBJECTIVES if o not in ("sft", "grpo")))
+# every method, and the objectives that need no more than a data file of judgements (GRPO needs a reward: the CLI's)
+METHODS = (*finetune_settings.METHODS, *(name for name, kind in objectives.BY_NAME.items() if kind().preference))
 SHOWN_EXAMPLES = 3
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # What one page may ask of the server: the queue, the page's numbers, the uploads it keeps (see Studio).
@@ -186,8 +187,8 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
     cfg = train_config(args, ask.processes)  # checked at the number of ranks it will run on
     from tunebench.training import finetune_data
 
-    if cfg.objective.name != "sft" or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
-        finetune_data.check_inputs(cfg, cfg.objective.name != "sft")
+    if cfg.objective.preference or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
+        finetune_data.check_inputs(cfg)
         return cfg
     check_sample(cfg)
     return cfg
