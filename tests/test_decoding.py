@@ -155,3 +155,44 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_every_row_prefilled_w
     assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 9
     assert repeated == [3, 3]  # the first decode and the first run prefilled 3 prompts for 9 rows; the rest 9
     assert any(eos in row for row in runs[0]) and len({tuple(r) for r in runs[0][:3]}) > 1  # a group's rows differ
+
+
+def test_turns_keep_each_rows_cache_and_make_the_tokens_of_decoding_whole_contexts():
+    """GRPO's episodes over three turns, sampled in fp32: two rows share an opening (prefilled once), one is shorter
+    (left padding), a row ends early at an EOS and leaves, one stops playing after the second turn, and each turn
+    appends a tool turn of its own length. decoding.Turns feeds each row only what its cache lacks, and makes the
+    tokens that decoding each turn's whole contexts afresh makes, with the same seed; it feeds far fewer tokens."""
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok, model = loaded.tokenizer, loaded.model.eval()
+    opening, other = (tok(t, add_special_tokens=False)["input_ids"] for t in ("Hello there, how are", "Hi"))
+    contexts = {0: list(opening), 1: list(opening), 2: list(other)}
+    torch.manual_seed(0)  # the first turn's seed
+    free = decoding.decode(model, *_padded(contexts.values(), tok), 8, None, tok.pad_token_id, temperature=1.0)
+    eos = int(free[1, 2])  # row 1's third token ends it in the first turn
+    turns, whole_tokens = decoding.Turns(), 0
+    for turn in range(3):
+        rows = [r for r in contexts if not (turn == 2 and r == 2)]  # row 2 stopped after turn two
+        torch.manual_seed(turn)
+        ids, mask = _padded([contexts[r] for r in rows], tok)
+        whole = decoding.decode(model, ids, mask, 8, eos, tok.pad_token_id, temperature=1.0, cache="dynamic")
+        whole_tokens += int(mask.sum())
+        torch.manual_seed(turn)
+        kept = turns.decode(model, rows, [contexts[r] for r in rows], 8, eos, tok.pad_token_id, temperature=1.0)
+        assert kept.tolist() == whole.tolist(), turn
+        if turn == 0:
+            assert eos in kept[1].tolist() and any(eos not in row for row in kept.tolist())  # one ended early
+        for r, reply in zip(rows, kept.tolist()):
+            reply = reply[:reply.index(eos) + 1] if eos in reply else reply
+            contexts[r] += reply + tok(" result" * (r + 1), add_special_tokens=False)["input_ids"]  # a tool turn
+    assert sorted(turns.kept) == [0, 1]  # row 2's cache dropped when it stopped playing
+    assert turns.prefilled < whole_tokens / 3, (turns.prefilled, whole_tokens)
+
+
+def _padded(rows, tok):
+    rows = list(rows)
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask

@@ -166,7 +166,7 @@ def _scripted(tok, replies):
     """grpo.complete that answers each live episode, turn after turn, with the next of its `replies` texts."""
     turn = {"n": 0}
 
-    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0):
+    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0, **_):
         texts = replies[turn["n"]]
         turn["n"] += 1
         return [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts[:len(prompts)]]
@@ -240,7 +240,7 @@ def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
     call, long_call = toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "long"})
     first = ["It is 1.", "x", call, long_call]
 
-    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0):
+    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0, **_):
         if len(prompts) == 4:  # the first turn: episode 1's reply has no EOS, as when the token limit cuts it
             return [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * (i != 1)
                     for i, t in enumerate(first)]
@@ -377,6 +377,8 @@ def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resu
     assert run_losses(killed) == pytest.approx(run_losses(one), rel=1e-4, abs=1e-6)
     summary = json.loads((one / "summary.json").read_text())
     assert {"eval_episodes/success", "eval_episodes/success_before", "eval_episodes/turns"} <= set(summary)
+    assert set(summary["sampling_split_s"]) == {"prefill", "decode", "tools", "scoring"}
+    assert 0 < summary["prefilled_tokens"] and summary["sampling_split_s"]["decode"] > 0
     assert main(["report", str(one)]) == 0  # the run's report draws the episodes' turns and calls
     assert "GRPO in an environment: turns and tool calls" in (one / "report" / "report.md").read_text()
     assert (one / "report" / "grpo_episodes.png").is_file()
@@ -412,3 +414,18 @@ def test_compare_puts_two_environments_runs_side_by_side(tmp_path):
     text = (report.write([str(out)], str(tmp_path / "report")).parent / "report.md").read_text()
     section = text.split("## Held-out reward (GRPO), before training and after")[1].split("##")[0]
     assert str(strict) in section and str(lenient) in section and "| 100% |" in section
+
+
+def test_a_rollout_keeping_each_episodes_cache_draws_what_decoding_whole_contexts_draws(tmp_path, tiny):
+    """The tiny model's own sampled episodes (fp32, one seed): with each episode's KV cache kept across turns
+    (decoding.Turns, the default) the step draws the same tokens, scores and stops as decoding every turn's whole
+    contexts afresh, and feeds the model fewer context tokens (a group's opening once)."""
+    drawn = {}
+    for keep in (True, False):
+        sampler = _sampler(tmp_path, tiny)
+        sampler.keep_cache = keep
+        drawn[keep] = (sampler.draw([0, 1], seed=3), sampler.prefilled)
+    (cached, fed_cached), (whole, fed_whole) = drawn[True], drawn[False]
+    assert cached.completions == whole.completions and torch.equal(cached.figures, whole.figures)
+    assert torch.equal(cached.scores.nan_to_num(-1), whole.scores.nan_to_num(-1))
+    assert 0 < fed_cached < fed_whole

@@ -189,6 +189,9 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
                      r"reference: the base: the adapter at its starting values", printed)
     assert re.search(r"held-out reward before training: [\d.]+, gsm8k [\d.]+, format [\d.]+ on 3 prompts", printed)
     assert "sampling: " in printed and "generated tokens/s" in printed
+    split = re.search(r"step time: prefill ([\d.]+)s, decode ([\d.]+)s, tools ([\d.]+)s, scoring ([\d.]+)s, "
+                      r"update ([\d.]+)s", printed)
+    assert split and float(split[2]) > 0 and float(split[3]) == 0  # no environment: no tools
     assert sorted(run_losses(out)) == [1, 2, 3, 4]
     first = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line)
     assert {"reward", "reward_std", "kl", "frac_reward_zero_std", "completions/mean_length", "rewards/gsm8k/mean",

@@ -258,8 +258,9 @@ def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five
     assert "grpo.complete" in _calls(training / "episodes.py", "rollout")
     assert "sample" in _method_calls(training / "grpo.py", "Sampler", "draw")
     assert "complete" in _calls(training / "grpo.py", "sample")
-    assert any(c.endswith(").decode") for c in _calls(training / "grpo.py", "complete"))
+    assert {"placed.decode", "placed.decode_turns"} <= _calls(training / "grpo.py", "complete")
     assert "decoding.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode")
+    assert "turns.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode_turns")
     assert _method_calls(training / "grpo.py", "Sampler", "collate") <= {"Groups", "rows_of", "len", "torch.zeros",
                                                                           "self.stat_names"}
 

@@ -31,15 +31,21 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer
 
 from tunebench.model import methods
 
 log = logging.getLogger(__name__)
 GRAPH_MIN_TOKENS = 16  # shorter decodes stay eager: a capture costs about one eager step per layer's kernels
+# Seconds this process spent on prefills (each decode's or turn's first forward, up to its first logits), summed:
+# a caller reads its change around a decode to split prefill from decode (GRPO's step time).
+PREFILL_S = [0.0]
 
 
 def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, top_k: int = 0,
@@ -86,6 +92,59 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(methods.base_of(model).forward).parameters else "past_key_values"
 
 
+class GrowingLayer(DynamicLayer):
+    """transformers' DynamicLayer with its keys and values held in buffers that grow by doubling: a token's update
+    writes in place, where DynamicLayer's torch.cat copies the whole cache every token (at 16 rows x 450 positions
+    of SmolLM2-135M in bf16, 166 MB a step). `keys` and `values` are views of the filled part, as DynamicLayer's."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length, self._keys, self._values = 0, None, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2]:
+            size = max(end, 2 * (0 if self._keys is None else self._keys.shape[-2]), 64)
+            self._keys, self._values = (self._grown(old, new, size) for old, new in
+                                        ((self._keys, key_states), (self._values, value_states)))
+        self._keys[..., self.length:end, :] = key_states
+        self._values[..., self.length:end, :] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def _grown(self, old: torch.Tensor | None, new: torch.Tensor, size: int) -> torch.Tensor:
+        grown = new.new_empty((*new.shape[:-2], size, new.shape[-1]))
+        if old is not None:
+            grown[..., :self.length, :] = old[..., :self.length, :]
+        return grown
+
+    def _views(self) -> None:
+        self.keys, self.values = self._keys[..., :self.length, :], self._values[..., :self.length, :]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            self._keys, self._values = (t.repeat_interleave(repeats, dim=0) for t in (self._keys, self._values))
+            self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            self._keys, self._values = self._keys[indices, ...], self._values[indices, ...]
+            self._views()
+
+
+def growing_cache() -> DynamicCache:
+    """A DynamicCache whose layers are GrowingLayers (made as the model's layers first update it)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
+
+
 Each = Callable[[torch.Tensor], bool]  # called with each step's (B,) new tokens; True stops the decoding
 CACHES = ("auto", "dynamic", "static")
 
@@ -125,7 +184,9 @@ def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, to
     """The loop both caches share: `steps` yields the first logits, then is sent each step's tokens (of the rows
     it still decodes) and which of those rows go on (None: all), and yields their next logits. With `shrink`, a
     row that made its EOS leaves: `steps` is told to drop it."""
+    started = time.perf_counter()
     logits = next(steps)
+    PREFILL_S[0] += time.perf_counter() - started
     done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     live = torch.arange(rows, device=logits.device)  # the rows `logits` holds, in order
     out = []
@@ -153,7 +214,7 @@ def _dynamic_steps(model, ids, mask, repeat: int = 1):
     prefilled once, its cache, mask and position repeated for its `repeat` rows."""
     kw = cache_keyword(model)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    step = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{kw: DynamicCache()}, use_cache=True,
+    step = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{kw: growing_cache()}, use_cache=True,
                  logits_to_keep=1)
     cache, logits = getattr(step, kw), step.logits[:, -1]
     last = positions[:, -1:]
@@ -171,6 +232,115 @@ def _dynamic_steps(model, ids, mask, repeat: int = 1):
         step = model(input_ids=token, attention_mask=mask, position_ids=last, **{kw: cache}, use_cache=True,
                      logits_to_keep=1)
         cache, logits = getattr(step, kw), step.logits[:, -1]
+
+
+class Turns:
+    """Decoding over the turns of the same rows (GRPO's episodes) with each row's KV cache kept between them: a
+    row's context is fed once, then only what was appended to it since (the rest of its last reply and a tool
+    turn); rows that share a context on their first turn (a group's opening) are prefilled once. A row's cache is
+    kept compact (its real tokens only, padding dropped), laid side by side left-padded for each turn, and grown
+    by the turn's dynamic cache; a row that made its EOS leaves the turn's batch, its cache kept for its next turn.
+    Each step draws for every row of the turn (as `decode`), so the tokens are those of decoding each turn's whole
+    contexts afresh: the same positions and attention, the logits within float rounding of the recomputation.
+    Only plain DynamicCache layers are kept (a sliding-window layer drops its old keys): other models decode each
+    turn's whole contexts."""
+
+    def __init__(self):
+        self.kept: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], int]] = {}  # row -> (layers, fed)
+        self.plain = True  # False once a model's cache was not plain DynamicLayers: whole contexts each turn
+        self.prefilled = 0  # the tokens fed to the model as context (not decoded): what keeping the cache saves
+
+    @torch.no_grad()
+    def decode(self, model, rows: list[int], contexts: list[list[int]], max_new_tokens: int, eos: int | None,
+               pad: int, temperature: float | None = None, top_p: float = 1.0) -> torch.Tensor:
+        """(len(rows), new) tokens after each row's whole context (`rows` the caller's ids for them, the same
+        from turn to turn), as `decode` makes them from the left-padded contexts, padding after each EOS. A row
+        not given is done: its cache is dropped."""
+        device = model.device if hasattr(model, "device") else next(model.parameters()).device
+        self.kept = {r: k for r, k in self.kept.items() if r in set(rows)}
+        if not self.plain or methods.is_prompt_learning(model):
+            ids, mask = _left_padded(contexts, pad, device)
+            self.prefilled += int(mask.sum())
+            return decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, cache="dynamic")
+        with eager_attention(model, device):
+            self._prefill(model, [(r, c) for r, c in zip(rows, contexts) if r not in self.kept], pad, device)
+            if not self.plain:
+                return self.decode(model, rows, contexts, max_new_tokens, eos, pad, temperature, top_p)
+            return _run(self._steps(model, rows, contexts, pad, device), len(rows), max_new_tokens, eos, pad,
+                        temperature, top_p, 0, None, True)
+
+    def _prefill(self, model, new: list[tuple[int, list[int]]], pad: int, device) -> None:
+        """Each new row's context but its last token, fed once per distinct context, kept compact."""
+        if not new:
+            return
+        distinct = list(dict.fromkeys(tuple(c[:-1]) for _, c in new))
+        kw = cache_keyword(model)
+        ids, mask = _left_padded([list(c) for c in distinct], pad, device)
+        self.prefilled += int(mask.sum())
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    **{kw: DynamicCache()}, use_cache=True, logits_to_keep=1)
+        cache = getattr(out, kw)
+        if not all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers):
+            self.plain = False
+            return
+        where = {c: i for i, c in enumerate(distinct)}
+        for row, context in new:
+            self._keep(row, cache, where[tuple(context[:-1])], mask)
+
+    def _keep(self, row: int, cache, i: int, mask: torch.Tensor) -> None:
+        real = mask[i].bool()
+        self.kept[row] = ([(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers],
+                          int(real.sum()))
+
+    def _steps(self, model, rows, contexts, pad: int, device):
+        """_dynamic_steps' generator over the kept caches: the first logits after feeding each row what its cache
+        lacks; a row leaving (or the turn ending) has its cache kept."""
+        kw = cache_keyword(model)
+        fed = [self.kept[r][1] for r in rows]
+        width = max(fed)
+        layers = []
+        for j in range(len(self.kept[rows[0]][0])):
+            keys, values = (torch.stack([F.pad(self.kept[r][0][j][k], (0, 0, width - n, 0))
+                                         for r, n in zip(rows, fed)]) for k in (0, 1))
+            layers.append((keys, values))
+        cache = growing_cache()
+        for j, (keys, values) in enumerate(layers):
+            cache.update(keys, values, j)
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in fed], device=device)
+        chunks = [c[n:] for c, n in zip(contexts, fed)]
+        ids, chunk_mask = _left_padded(chunks, pad, device)
+        self.prefilled += int(chunk_mask.sum()) - len(rows)  # the last token of each context is fed as decoding's
+        positions = torch.tensor(fed, device=device)[:, None] + (chunk_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([mask, chunk_mask], 1)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{kw: cache}, use_cache=True,
+                     logits_to_keep=1)
+        cache, logits, last = getattr(step, kw), step.logits[:, -1], positions[:, -1:]
+        live = list(rows)
+        try:
+            while True:
+                token, keep = yield logits
+                if keep is not None:  # rows that made their EOS leave the turn: their caches kept for the next
+                    for i in (~keep).nonzero().squeeze(1).tolist():
+                        self._keep(live[i], cache, i, mask)
+                    index = keep.nonzero().squeeze(1)
+                    cache.batch_select_indices(index)
+                    mask, last = mask[index], last[index]
+                    live = [live[i] for i in index.tolist()]
+                mask = torch.cat([mask, torch.ones_like(token)], 1)
+                last = last + 1
+                step = model(input_ids=token, attention_mask=mask, position_ids=last, **{kw: cache}, use_cache=True,
+                             logits_to_keep=1)
+                cache, logits = getattr(step, kw), step.logits[:, -1]
+        finally:  # the turn ended: the rows still in it keep what they were fed
+            for i, row in enumerate(live):
+                self._keep(row, cache, i, mask)
+
+
+def _left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
 
 
 def static_ready(model) -> bool:

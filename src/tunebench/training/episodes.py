@@ -29,6 +29,7 @@ import torch
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
+from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
 from tunebench.training import environment as environment_
 from tunebench.training import grpo
@@ -109,16 +110,24 @@ def rollout(sampler: EpisodeSampler, keys: list[int], n: int, temperature: float
     playing with room for a whole reply samples it in one batched decode, then `take_turn` runs its calls. Each
     ends by one of grpo.EPISODE_STOPS, recorded in `stop`."""
     episodes = [begin(sampler, k) for k in keys for _ in range(n)]
+    turns = decoding.Turns()  # each episode's KV cache, kept across its turns
+    sampler.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
+    sampler.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
     for _ in range(sampler.max_turns):
         for e in episodes:
             if e.stop is None and len(e.ids) + sampler.s.max_completion_length > sampler.max_length:
                 e.stop = "no_room"
-        playing = [e for e in episodes if e.stop is None]
+        playing = [i for i, e in enumerate(episodes) if e.stop is None]
         if not playing:
             break
         with sampler.eagerly():
             replies = grpo.complete(sampler.model, sampler.tokenizer, sampler.device, sampler.autocast,
-                                    [e.ids for e in playing], 1, sampler.s.max_completion_length, temperature, top_p)
+                                    [episodes[i].ids for i in playing], 1, sampler.s.max_completion_length,
+                                    temperature, top_p, turns=turns if sampler.keep_cache else None, rows=playing)
+        sampler.rollout_prefilled += turns.prefilled if sampler.keep_cache else sum(len(episodes[i].ids)
+                                                                                      for i in playing)
+        turns.prefilled = 0
+        playing = [episodes[i] for i in playing]
         for e, reply in zip(playing, replies):
             e.stop = take_turn(sampler, e, reply)
     return episodes
@@ -159,11 +168,13 @@ def take_turn(sampler: EpisodeSampler, e: Episode, reply: list[int]) -> str | No
         return "answered"
     if e.turns == sampler.max_turns:  # its calls are not run: the model would never read their results
         return "max_turns"
+    started = time.perf_counter()
     for c in calls:
         result = environment_.call(e.env, c["name"], c["arguments"])
         e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
         e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
     turn = _tool_turn_ids(tok, e.env, before, e.messages)
+    sampler.rollout_tools_s += time.perf_counter() - started
     if len(e.ids) + len(turn) > sampler.max_length:  # the results do not fit: the model never reads them
         e.messages = list(before)
         return "no_room"
@@ -178,6 +189,7 @@ class EpisodeSampler(grpo.Sampler):
     tokens masked in), and the episodes' own figures (turns, calls, calls that ran) among the step's stats."""
 
     episodes = True
+    keep_cache = True  # False: each turn decodes the episodes' whole contexts afresh (the path before Turns)
 
     def __init__(self, *args, env: environment_.Environment, openings: list[list[dict]], max_turns: int,
                  max_length: int, **kwargs):
@@ -200,7 +212,7 @@ class EpisodeSampler(grpo.Sampler):
     def draw(self, keys: list[int], seed: int) -> grpo.Drawn:
         """num_generations episodes of each prompt of `keys` played (rollout; Python's, NumPy's and torch's draws
         seeded by `seed`, each put back after), each scored by the environment's reward and the --reward ones."""
-        started = time.perf_counter()
+        started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
         state = random.getstate(), np.random.get_state()
         try:
             random.seed(seed)
@@ -211,11 +223,15 @@ class EpisodeSampler(grpo.Sampler):
         finally:
             random.setstate(state[0])
             np.random.set_state(state[1])
-        self.generation_s += time.perf_counter() - started
+        self.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill, self.rollout_tools_s)
         self.generated_tokens += sum(sum(e.mask) for e in episodes)
+        self.prefilled += self.rollout_prefilled
         figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in grpo.EPISODE_STOPS)]
                                 for e in episodes], dtype=torch.float32)
-        return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], self.score_episodes(episodes),
+        started = time.perf_counter()
+        scores = self.score_episodes(episodes)
+        self.times["scoring"] += time.perf_counter() - started
+        return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], scores,
                           torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32),
                           torch.tensor([float(e.stop == "cut") for e in episodes]),
                           [e.mask[e.prompt_len:] for e in episodes], figures)

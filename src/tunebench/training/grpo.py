@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tunebench.data.prompts import PromptData, PromptRows
+from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
 from tunebench.training import rewards as rewards_
 from tunebench.training.loop import Batch
@@ -50,6 +51,9 @@ EPISODE_STOPS = ("answered", "cut", "max_turns", "no_room")
 EPISODE_STATS = ("episodes/turns", "episodes/calls", "episodes/calls_ok",
                  *(f"episodes/stop/{why}" for why in EPISODE_STOPS))
 EPISODE_STAT_PER = {"episodes/calls_ok": "episodes/calls"}
+# A step's sampling time by part: the prompts' and contexts' prefills, the decoding of new tokens, an episode's
+# tools (its calls and the tool turns rendered), the rewards' scoring (summary.json's sampling_split_s).
+SPLIT = ("prefill", "decode", "tools", "scoring")
 
 
 def stat_names(rewards: list[rewards_.Reward]) -> tuple[str, ...]:
@@ -91,20 +95,25 @@ def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[
 
 
 def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], n: int,
-             max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0) -> list[list[int]]:
+             max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0, turns=None,
+             rows: list[int] | None = None) -> list[list[int]]:
     """`n` completions of each prompt (consecutive), decoded as one left-padded batch with the KV cache
     (model.decoding: each prompt prefilled once for its n rows; greedy when temperature is None) under
-    inference.Placed (the run's precision and autocast), each cut after its EOS."""
+    inference.Placed (the run's precision and autocast), each cut after its EOS. With `turns` (decoding.Turns,
+    an episode loop's: n is 1), `prompts` are the contexts of `rows`, each fed only past what its cache holds."""
     from tunebench.model.inference import Placed
 
-    width, pad, eos = max(map(len, prompts)), tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    new = Placed(model, tokenizer, device, autocast).decode(ids.to(device), mask.to(device), max_new_tokens,
-                                                           temperature, top_p, repeat=n)
+    placed, eos = Placed(model, tokenizer, device, autocast), tokenizer.eos_token_id
+    if turns is not None:
+        new = placed.decode_turns(turns, rows, prompts, max_new_tokens, temperature, top_p)
+    else:
+        width, pad = max(map(len, prompts)), tokenizer.pad_token_id
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        new = placed.decode(ids.to(device), mask.to(device), max_new_tokens, temperature, top_p, repeat=n)
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 
@@ -155,6 +164,8 @@ class Sampler:
         self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
         self.step_groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
         self.generated_tokens, self.generation_s = 0, 0.0
+        self.prefilled = 0  # context tokens fed to the model while sampling (a group's prompt once)
+        self.times = dict.fromkeys(SPLIT, 0.0)  # the sampling's seconds by part (SPLIT)
 
     episodes = False  # training.episodes.EpisodeSampler: a completion is an episode of turns
 
@@ -184,16 +195,26 @@ class Sampler:
 
     def draw(self, keys: list[int], seed: int) -> Drawn:
         """num_generations completions of each prompt of `keys` sampled (seeded by `seed` alone), and scored."""
-        started = time.perf_counter()
+        started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
         with self.eagerly():
             completions = sample(self.model, self.tokenizer, self.device, self.autocast,
                                  [self.data.ids[k] for k in keys], self.s, seed)
-        self.generation_s += time.perf_counter() - started
+        self.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
         self.generated_tokens += sum(map(len, completions))
+        self.prefilled += sum(len(self.data.ids[k]) for k in keys)
         eos = self.tokenizer.eos_token_id
-        return Drawn(completions, self.score(keys, completions, self.s.num_generations),
+        started = time.perf_counter()
+        scores = self.score(keys, completions, self.s.num_generations)
+        self.times["scoring"] += time.perf_counter() - started
+        return Drawn(completions, scores,
                      torch.tensor([len(c) for c in completions], dtype=torch.float32),
                      torch.tensor([float(not c or c[-1] != eos) for c in completions]))
+
+    def took(self, seconds: float, prefill: float, tools: float = 0.0) -> None:
+        """A draw's sampling time (its scoring aside), split: prefill, tools, and decode the rest."""
+        self.generation_s += seconds
+        for part, s in (("prefill", prefill), ("tools", tools), ("decode", seconds - prefill - tools)):
+            self.times[part] += s
 
     def groups_of(self, keys: list[int], drawn: Drawn) -> Groups:
         """`keys`' groups of what was drawn: each completion's advantage within its group, and the step's stats

@@ -98,14 +98,17 @@ def measured_as(cfg: RunConfig) -> Trained:
 
 
 def generation(ranks: list[dict[str, Any]], outcome, s: GRPO) -> dict[str, Any]:
-    """Sampling measured apart from the update, from each rank's figures (its "generated_tokens" and
-    "generation_s"): generated tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks
+    """Sampling measured apart from the update, from each rank's figures (its "generated_tokens", the context
+    tokens it fed the model, "prefilled_tokens", and "generation_s"): generated tokens a second (all ranks' tokens over the slowest rank's sampling time, the ranks
     sampling side by side), and the update's tokens a second over the training time less that sampling (rank 0's
     step times include its own sampling and the wait for the slowest rank's)."""
     state = outcome.state
     tokens, seconds = sum(r["generated_tokens"] for r in ranks), max(r["generation_s"] for r in ranks)
     update_s = max(state.train_time_s - seconds, 1e-9)
     return {"objective": s.name, "num_generations": s.num_generations, "generated_tokens": tokens,
+            "prefilled_tokens": sum(r["prefilled_tokens"] for r in ranks),
+            # the slowest rank's seconds in each part of its sampling (grpo.SPLIT)
+            "sampling_split_s": {k: round(max(r["times"][k] for r in ranks), 3) for k in ranks[0]["times"]},
             "generation_s": round(seconds, 3), "generation_tokens_per_s": tokens / seconds if seconds else None,
             "update_s": round(update_s, 3), "update_tokens_per_s": state.tokens / update_s}
 
@@ -115,7 +118,7 @@ def rank_figures(sampler: Sampler, held_out: HeldOutReward) -> dict[str, Any]:
     gathered for rank 0: its sampling's tokens and seconds (for `generation`), its held-out rows (for
     HeldOutReward.after)."""
     return {"generated_tokens": sampler.generated_tokens, "generation_s": sampler.generation_s,
-            "held_out": held_out.mine()}
+            "prefilled_tokens": sampler.prefilled, "times": sampler.times, "held_out": held_out.mine()}
 
 
 class HeldOutReward:

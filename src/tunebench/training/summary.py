@@ -67,7 +67,10 @@ def report(summary: dict[str, Any], out: Path) -> None:
     if "generated_tokens" in summary:  # a GRPO step's batches are its sampled completions
         print(f"sampling: {summary['generated_tokens']:,} tokens in {summary['generation_s']:.1f}s "
               f"({summary['generation_tokens_per_s'] or 0:,.0f} generated tokens/s, {100 * summary['data_wait_fraction']:.0f}% "
-              f"of step time); the updates: {summary['update_tokens_per_s']:,.0f} tokens/s")
+              f"of step time; {summary['prefilled_tokens']:,} context tokens fed); the updates: "
+              f"{summary['update_tokens_per_s']:,.0f} tokens/s")
+        print("step time: " + ", ".join(f"{part} {s:.1f}s" for part, s in summary["sampling_split_s"].items())
+              + f", update {summary['update_s']:.1f}s")
     elif summary["data_wait_fraction"] > 0.1:
         print(f"warning: input-bound: {100 * summary['data_wait_fraction']:.0f}% of step time went to producing "
               "batches; lower --max-length padding waste or move tokenization off the hot path (see tunebench "
