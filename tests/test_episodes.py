@@ -206,7 +206,7 @@ def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_d
     assert first.mask[:first.prompt_len] == [0] * first.prompt_len
     (start, end), = first.tool_turns
     assert set(first.mask[start:end]) == {0} and "<tool_response>\n1\n</tool_response>" in tok.decode(first.ids[start:end])
-    assert sampler.score_episodes([first, second]).flatten().tolist() == [1.0, 0.0]
+    assert sampler.score_episodes([first, second])[0].flatten().tolist() == [1.0, 0.0]
 
 
 def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkeypatch):
@@ -267,7 +267,7 @@ def test_an_episode_opens_with_its_own_rows_messages_when_an_opening_is_dropped(
     assert sampler.data.dropped == 1 and sampler.data.source(0) == 1
     monkeypatch.setattr(grpo, "complete", _scripted(tiny.tokenizer, [["It is 2."]]))
     e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
-    assert e.messages[0]["content"] == "k b?" and sampler.score_episodes([e]).flatten().tolist() == [1.0]
+    assert e.messages[0]["content"] == "k b?" and sampler.score_episodes([e])[0].flatten().tolist() == [1.0]
 
 
 def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, tiny, monkeypatch):
@@ -290,7 +290,7 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
         time.sleep(0.01)
     assert cart["answered"].items == ["slow"] and cart["next"].items == ["pen"]
     assert after.messages[2]["content"] == "0" and after.env.tools["add"].__self__.items == []
-    assert sampler.score_episodes([slow, fast, after]).flatten().tolist() == [1.0, 1.0, 0.0]
+    assert sampler.score_episodes([slow, fast, after])[0].flatten().tolist() == [1.0, 1.0, 0.0]
 
 
 def _cart_train(tmp_path, out, n_rows, *extra):
@@ -429,3 +429,61 @@ def test_a_rollout_keeping_each_episodes_cache_draws_what_decoding_whole_context
     assert cached.completions == whole.completions and torch.equal(cached.figures, whole.figures)
     assert torch.equal(cached.scores.nan_to_num(-1), whole.scores.nan_to_num(-1))
     assert 0 < fed_cached < fed_whole
+
+
+def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_supervision(tmp_path, tiny,
+                                                                                           monkeypatch):
+    """An environment's reward returning one number per turn: the group's rewards are normalized together and
+    each policy token gets the sum of its turn's and the later turns' (the GRPO paper's process supervision); the
+    tool turn's tokens carry nothing. A group of one-number rewards gets grpo.advantages' figures."""
+    per_turn = ENV.replace('''    return float(messages[-1]["role"] == "assistant" and row["a"] in messages[-1]["content"])''',
+                           '''    turns = sum(m["role"] == "assistant" for m in messages)
+    return [0.5] * (turns - 1) + [float(row["a"] in messages[-1]["content"])]''')
+    sampler = _sampler(tmp_path, tiny, text=per_turn)
+    tok = tiny.tokenizer
+    call = toolcalls.written("look", {"k": "a"})
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[call, "no"], ["It is 1."]]))
+    drawn = sampler.draw([0], seed=1)
+    assert drawn.turn_rewards == [{0: 0.5, 1: 1.0}, {0: 0.0}] and drawn.scores[:, 0].tolist() == [1.5, 0.0]
+    pool = torch.tensor([0.5, 1.0, 0.0], dtype=torch.float64)
+    norm = ((pool - pool.mean()) / (pool.std() + 1e-4)).tolist()
+    expected = [[norm[0] + norm[1], norm[1]], [norm[2]]]
+    got = grpo.turn_advantages(drawn.turn_rewards, 2, "group")
+    assert [len(a) for a in got] == [2, 1] and sum(got, []) == pytest.approx(sum(expected, []))
+    groups = sampler.groups_of([0], drawn)
+    batch = grpo.rows_of(groups, [0], sampler.data, 2, tok.pad_token_id)
+    targets = batch["labels"][:, 1:] != -100
+    first = [batch["token_advantages"][0][targets[0]].tolist(), batch["token_advantages"][1][targets[1]].tolist()]
+    reply = len(tok(call, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS: turn one
+    assert first[0] == pytest.approx([expected[0][0]] * reply + [expected[0][1]] * (len(first[0]) - reply))
+    assert first[1] == pytest.approx([expected[1][0]] * len(first[1]))
+    from tunebench.training.loop import prepare
+
+    ready, _, _ = prepare(batch, torch.device("cpu"))  # the loss reads the tokens' own advantages
+    loss = grpo.GRPOLoss(tiny.model, sampler.s, sampler.reward_names(), episodes=True)
+    doubled = dict(ready, token_advantages=2 * ready["token_advantages"])
+    with torch.no_grad():
+        assert abs(float(loss(ready)[0])) > 1e-3
+        assert float(loss(doubled)[0]) == pytest.approx(2 * float(loss(ready)[0]), rel=1e-5)
+    scalar = [{0: 1.0}, {0: 0.0}, {2: 0.25}, {1: 1.0}]  # one number each, at each episode's last turn
+    rows = torch.tensor([[1.0], [0.0], [0.25], [1.0]])
+    assert [a[-1] for a in grpo.turn_advantages(scalar, 4, "group")] == pytest.approx(
+        grpo.advantages(rows, torch.ones(1), 4, "group")[0].tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("returned, message", [
+    ("[1.0, 2.0, 3.0]", "returned 3 per-turn rewards for episode 0, which took 1 turn"),
+    ('["high"]', "reward of episode 0, turn 1 is 'high'; return a finite number"),
+    ("[float('inf')]", "reward of episode 0, turn 1 is 'inf'"),
+    ('"1"', "reward of episode 0 is '1'"),
+])
+def test_a_per_turn_reward_of_the_wrong_length_or_type_is_refused_naming_the_episode_and_turn(
+        tmp_path, tiny, monkeypatch, returned, message):
+    from tunebench.core.errors import TunebenchError
+
+    wrong = ENV.replace('''    return float(messages[-1]["role"] == "assistant" and row["a"] in messages[-1]["content"])''',
+                        f"    return {returned}")
+    sampler = _sampler(tmp_path, tiny, text=wrong)
+    monkeypatch.setattr(grpo, "complete", _scripted(tiny.tokenizer, [["It is 1.", "no"]]))
+    with pytest.raises(TunebenchError, match=re.escape(message)):
+        sampler.draw([0], seed=1)

@@ -30,6 +30,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -247,11 +248,32 @@ def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
     return ToolAnswer(value if isinstance(value, str) else json.dumps(value, default=str), True)
 
 
-def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
-    """reward(messages, row) as a float; None (no opinion) when it returns None. An exception is the user's bug
-    and stops the run, said in one line."""
+def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any], turns: int = 1,
+          episode: int = 0) -> float | list[float] | None:
+    """reward(messages, row): a float for the episode; None (no opinion) when it returns None; or, returned as a
+    list, one float per turn of the model's (`turns` of them: per-turn rewards, credited to each turn's tokens).
+    An exception, or a list of another length or holding anything but numbers, is the user's bug and stops the
+    run, said in one line naming the episode (`episode`, its index in the step) and the turn."""
     try:
         value = env.reward([dict(m) for m in messages], dict(row))
     except Exception as e:  # noqa: BLE001
         raise TunebenchError(f"--environment {env.path}: reward raised {type(e).__name__}: {e}") from None
-    return None if value is None else float(value)
+    if isinstance(value, (list, tuple)):
+        if len(value) != turns:
+            raise TunebenchError(f"--environment {env.path}: reward returned {len(value)} per-turn rewards for "
+                                 f"episode {episode}, which took {turns} turn(s); return one number per turn of the "
+                                 "model's, or one number for the episode")
+        return [_number(env, v, f"reward of episode {episode}, turn {t + 1}") for t, v in enumerate(value)]
+    return None if value is None else _number(env, value, f"reward of episode {episode}", nan=True)
+
+
+def _number(env: Environment, value: Any, what: str, nan: bool = False) -> float:
+    """`value` as a float, refused in one line where it is none (a NaN for the episode is no opinion, as None)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.inf
+    if isinstance(value, str) or math.isinf(number) or math.isnan(number) and not nan:
+        raise TunebenchError(f"--environment {env.path}: {what} is {str(value)[:60]!r}; return a finite number (or "
+                             "None for no opinion on the episode)")
+    return number

@@ -18,6 +18,7 @@ numpy included (for tools that draw from them), so a resumed run replays the sam
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -184,6 +185,13 @@ def take_turn(sampler: EpisodeSampler, e: Episode, reply: list[int]) -> str | No
     return None
 
 
+def turn_of(e: Episode) -> list[int]:
+    """The turn (0 the first) each token after the opening belongs to: a tool turn's tokens count to the turn
+    before them (they are not the policy's, and carry no loss)."""
+    ends = [end for _, end in e.tool_turns]
+    return [sum(end <= p for end in ends) for p in range(e.prompt_len, len(e.ids))]
+
+
 class EpisodeSampler(grpo.Sampler):
     """grpo.Sampler's batches, each step's groups made of episodes: the same seeding, the same rows (the policy's
     tokens masked in), and the episodes' own figures (turns, calls, calls that ran) among the step's stats."""
@@ -197,17 +205,36 @@ class EpisodeSampler(grpo.Sampler):
         self.env, self.openings, self.max_turns, self.max_length = env, openings, max_turns, max_length
         self.weights = torch.tensor([1.0, *(r.weight for r in self.rewards)], dtype=torch.float32)
 
-    def score_episodes(self, episodes: list[Episode]) -> torch.Tensor:
-        """(episodes, 1 + rewards): the environment's reward, then each --reward on the final answer."""
+    def score_episodes(self, episodes: list[Episode]) -> tuple[torch.Tensor, list[list[float] | None]]:
+        """((episodes, 1 + rewards): the environment's reward, then each --reward on the final answer; each
+        episode's per-turn rewards where the environment gave them, their sum in its column)."""
         columns = [self.rows.columns[self.data.source(e.key)] for e in episodes]
-        env = [environment_.score(e.env, e.messages, row) for e, row in zip(episodes, columns)]
+        given = [environment_.score(e.env, e.messages, row, e.turns, i)
+                 for i, (e, row) in enumerate(zip(episodes, columns))]
+        per_turn = [v if isinstance(v, list) else None for v in given]
+        env = [sum(v) if isinstance(v, list) else v for v in given]
         names = self.rows.column_names()
         prompts = [self.tokenizer.decode(self.data.ids[e.key]) for e in episodes]
         answers = [e.answer() for e in episodes]
         per = [r.score(prompts, answers, {n: [c.get(n) for c in columns] for n in names}) for r in self.rewards]
         table = [env, *per]
         return torch.tensor([[torch.nan if v is None else v for v in col] for col in table],
-                            dtype=torch.float32).T.reshape(len(episodes), len(table))
+                            dtype=torch.float32).T.reshape(len(episodes), len(table)), per_turn
+
+    def turn_rewards(self, episodes: list[Episode], scores: torch.Tensor, per_turn: list[list[float] | None]
+                     ) -> list[dict[int, float]]:
+        """Each episode's {turn: weighted reward}: the environment's per-turn rewards (or its one reward, at the
+        last turn), the --reward scores of the final answer added at the last turn (grpo.turn_advantages)."""
+        out = []
+        for e, row, turns in zip(episodes, scores.tolist(), per_turn):
+            last = max(e.turns, 1) - 1
+            rewards = {t: self.weights[0].item() * r for t, r in enumerate(turns)} if turns is not None else (
+                {} if math.isnan(row[0]) else {last: self.weights[0].item() * row[0]})
+            answer = [w * v for w, v in zip(self.weights[1:].tolist(), row[1:]) if not math.isnan(v)]
+            if answer:
+                rewards[last] = rewards.get(last, 0.0) + sum(answer)
+            out.append(rewards)
+        return out
 
     def draw(self, keys: list[int], seed: int) -> grpo.Drawn:
         """num_generations episodes of each prompt of `keys` played (rollout; Python's, NumPy's and torch's draws
@@ -229,12 +256,14 @@ class EpisodeSampler(grpo.Sampler):
         figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in grpo.EPISODE_STOPS)]
                                 for e in episodes], dtype=torch.float32)
         started = time.perf_counter()
-        scores = self.score_episodes(episodes)
+        scores, per_turn = self.score_episodes(episodes)
         self.times["scoring"] += time.perf_counter() - started
+        turns = None if all(t is None for t in per_turn) else self.turn_rewards(episodes, scores, per_turn)
         return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], scores,
                           torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32),
                           torch.tensor([float(e.stop == "cut") for e in episodes]),
-                          [e.mask[e.prompt_len:] for e in episodes], figures)
+                          [e.mask[e.prompt_len:] for e in episodes], figures, turns,
+                          turns and [turn_of(e) for e in episodes])
 
     def probe_rows(self, keys: list[int]) -> Batch:
         """A micro batch of whole contexts (max_length each), every token the policy's: the most a step holds."""
@@ -257,7 +286,7 @@ class EpisodeSampler(grpo.Sampler):
         for chunk in chunks:
             episodes = rollout(self, chunk, 1, None, 1.0)
             rows += [[*scores, e.turns, e.calls, e.calls_ok]
-                     for scores, e in zip(self.score_episodes(episodes).tolist(), episodes)]
+                     for scores, e in zip(self.score_episodes(episodes)[0].tolist(), episodes)]
         return rows
 
     def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]:

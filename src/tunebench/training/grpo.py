@@ -134,6 +134,10 @@ class Drawn:
     clipped: torch.Tensor  # (completions,) 1 where cut at max_completion_length
     masks: list[list[int]] | None = None  # an episode's: 1 on the policy's tokens
     figures: torch.Tensor | None = None  # (completions, more stats): an episode's turns, calls, its stop
+    # per-turn rewards (an environment's reward returned a list): each episode's {turn: weighted reward}, and the
+    # turn each of its completion tokens belongs to; None where every reward is the episode's
+    turn_rewards: list[dict[int, float]] | None = None
+    turn_of: list[list[int]] | None = None
 
 
 @dataclass
@@ -145,6 +149,14 @@ class Groups:
     advantages: torch.Tensor  # (completions,)
     row_stats: torch.Tensor  # (completions, len(stat_names) - 1): the per-completion terms of every stat but kl
     masks: list[list[int]] | None = None  # an episode's: 1 on the policy's tokens (None: every completion token)
+    token_advantages: list[list[float]] | None = None  # per completion token, with per-turn rewards (turn_advantages)
+
+    def silent(self, i: int, g: int) -> bool:
+        """Whether completion i's group (of `g`) teaches nothing: every advantage of every one of its tokens is 0."""
+        group = range(i - i % g, i - i % g + g)
+        if self.token_advantages is not None:
+            return not any(a for j in group for a in self.token_advantages[j])
+        return not self.advantages[group.start:group.stop].any()
 
 
 class Sampler:
@@ -227,7 +239,11 @@ class Sampler:
                              drawn.clipped, *per], 1)
         if drawn.figures is not None:
             stats = torch.cat([stats, drawn.figures], 1)
-        return Groups(keys, drawn.completions, adv, stats, drawn.masks)
+        tokens = None
+        if drawn.turn_rewards is not None:
+            per_turn = turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
+            tokens = [[a[t] if t < len(a) else 0.0 for t in turns] for a, turns in zip(per_turn, drawn.turn_of)]
+        return Groups(keys, drawn.completions, adv, stats, drawn.masks, tokens)
 
     def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
         """The rows of `keys`' groups, cut from the step's (the job's begin_step made them; the global micro-step's keys,
@@ -269,6 +285,26 @@ class Sampler:
                 **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
 
 
+def turn_advantages(rewards: list[dict[int, float]], group: int, scale: str) -> list[list[float]]:
+    """Each episode's advantage at each of its turns from per-turn rewards, as the GRPO paper's process supervision
+    (Shao et al., 2024, 4.1.3): every reward of a group's episodes normalized together, (r - mean) / (std + 1e-4)
+    with scale "group" (std with Bessel's correction, as `advantages`), r - mean with "none"; a turn's advantage is
+    the sum of the normalized rewards of that turn and the later ones (what followed from it), so a turn's reward
+    is credited to its own tokens and to the turns that led to it, never to a later turn. An episode whose reward
+    is one number has it at its last turn, so a group of such episodes gets `advantages`' figures."""
+    out = []
+    for start in range(0, len(rewards), group):
+        episodes = rewards[start:start + group]
+        pool = torch.tensor([r for e in episodes for r in e.values()], dtype=torch.float64)
+        mean = pool.mean() if len(pool) else torch.tensor(0.0, dtype=torch.float64)
+        std = pool.std() if len(pool) > 1 else torch.tensor(torch.nan, dtype=torch.float64)
+        for e in episodes:
+            norm = {t: float(torch.nan_to_num((r - mean) / (std + 1e-4) if scale == "group" else r - mean))
+                    for t, r in e.items()}
+            out.append([sum(v for j, v in norm.items() if j >= t) for t in range(max(e, default=-1) + 1)])
+    return out
+
+
 def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip_alike: bool = False
             ) -> Batch:
     """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens (on an
@@ -288,12 +324,18 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
     masks = groups.masks or [[1] * len(c) for c in groups.completions]
     owners = [key for key in keys for _ in range(g)]
     # a completion of a group that teaches nothing: all its group's advantages are 0
-    alike = [skip_alike and not groups.advantages[i - i % g:i - i % g + g].any() for i in picked]
+    alike = [skip_alike and groups.silent(i, g) for i in picked]
     rows = [(key, i) for key, i, out in zip(owners, picked, alike) if not out] or [(owners[0], picked[0])]
     examples = [(np.asarray(data.ids[key] + groups.completions[i]),
                  np.asarray([0] * len(data.ids[key]) + masks[i])) for key, i in rows]
     batch = pad_examples(examples, pad_id)
     batch["advantages"] = groups.advantages[torch.tensor([i for _, i in rows])]
+    if groups.token_advantages is not None:  # per-turn rewards: each completion token its own advantage
+        grid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for r, (key, i) in enumerate(rows):
+            start = len(data.ids[key])
+            grid[r, start:start + len(groups.completions[i])] = torch.tensor(groups.token_advantages[i])
+        batch["token_advantages"] = grid[:, 1:].contiguous()  # aligned with the shifted targets (loop.prepare)
     batch["row_stats"] = groups.row_stats[torch.tensor(picked)]
     batch["counts"] = torch.tensor([len(picked), sum(sum(masks[i]) for i in picked)])
     batch["skipped"] = torch.tensor(float(sum(alike)))
@@ -332,7 +374,8 @@ class GRPOLoss(torch.nn.Module):
         ref = reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype, s.temperature) \
             if s.beta else None
         logp = token_logps(self.model, batch, index, self.autocast_dtype, s.temperature)
-        adv = batch["advantages"].to(logp.dtype)[row]
+        adv = batch["token_advantages"].to(logp.dtype).reshape(-1)[index] if "token_advantages" in batch else \
+            batch["advantages"].to(logp.dtype)[row]
         ratio = torch.exp(logp - logp.detach())  # 1 in value: one update per generation
         per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high) * adv)
         totals = batch["totals"]  # (completions, completion tokens) of the whole step
