@@ -2,6 +2,7 @@
 check, a second click or a second process loses nothing, a client that stops reading holds nothing, and the
 server's secrets stay in the server. Each test here failed on the code before these checks."""
 
+import hashlib
 import json
 import os
 import signal
@@ -443,7 +444,7 @@ def test_a_reward_file_changed_since_the_checkpoint_is_refused_before_it_runs(tm
 
     reward = tmp_path / "reward.py"
     reward.write_text("def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
-    made = rewards.files([f"{reward}:score", "gsm8k"])
+    made = {path: f.sha256 for path, f in rewards.files([f"{reward}:score", "gsm8k"]).items()}
     assert list(made) == [str(reward.resolve())]
     step = tmp_path / "run" / "checkpoints" / "step-1"
     step.mkdir(parents=True)
@@ -454,7 +455,34 @@ def test_a_reward_file_changed_since_the_checkpoint_is_refused_before_it_runs(tm
         z.writestr("data", b"x")
     reward.write_text("import os\nos.remove('everything')\n")
     with pytest.raises(TunebenchError, match="different reward_files"):
-        checkpoint.check_before_resume(tmp_path / "run", str(step), {"reward_files": rewards.files([f"{reward}:score"])})
+        checkpoint.check_before_resume(tmp_path / "run", str(step), {"reward_files": {
+            path: f.sha256 for path, f in rewards.files([f"{reward}:score"]).items()}})
+
+
+def test_an_environment_file_changed_since_the_checkpoint_is_refused_before_any_of_it_runs(tmp_path, monkeypatch):
+    """A resume of a GRPO run in an environment whose file was replaced (a visitor's env.py where the run
+    resumes): refused on its hash before the file is imported; the bytes hashed are the bytes that run."""
+    import zipfile
+
+    from tunebench.settings.finetune import load_config
+    from tunebench.training import checkpoint, grpo_run
+
+    monkeypatch.chdir(tmp_path)
+    env = tmp_path / "env.py"
+    env.write_text("TOOLS = []\n")
+    step = tmp_path / "run" / "checkpoints" / "step-1"
+    step.mkdir(parents=True)
+    (step / checkpoint.STATE).write_text(json.dumps({"identity": {"reward_files": {
+        "env.py": hashlib.sha256(env.read_bytes()).hexdigest()}}, "loop": {}}))
+    with zipfile.ZipFile(step / checkpoint.TENSORS, "w") as z:
+        z.writestr("data", b"x")
+    (tmp_path / "rows.jsonl").write_text('{"q": "x"}\n' * 8)
+    env.write_text("open('ran', 'w').write('a visitor ran this')\n")
+    cfg = load_config(options={"train.objective": "grpo", "objective.environment": "env.py", "model.name": "tiny",
+                               "data.path": "rows.jsonl", "output.output_dir": "run", "output.resume": str(step)})
+    with pytest.raises(TunebenchError, match="different reward_files"):
+        grpo_run.check_inputs(cfg)
+    assert not (tmp_path / "ran").exists()
 
 
 # -- load --------------------------------------------------------------------------------------------------------

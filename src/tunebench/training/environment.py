@@ -27,7 +27,6 @@ times out and finishes later in its thread changes only its own, finished episod
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 import json
 import math
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.core.userfile import UserFile
 
 BUILT_IN = Path(__file__).resolve().parents[1] / "configs" / "environments"  # `builtin:NAME` -> NAME.py here
 
@@ -79,14 +79,13 @@ def resolve(spec: str) -> Path:
     return path
 
 
-def load(spec: str, timeout_s: float) -> Environment:
+def load(spec: str, timeout_s: float, file: UserFile | None = None) -> Environment:
     """The environment in `spec`'s file, every name checked: TOOLS a list of type-hinted, documented functions,
-    reset(row) and reward(messages, row) callable with those arguments (or ENVIRONMENT's, on one instance)."""
+    reset(row) and reward(messages, row) callable with those arguments (or ENVIRONMENT's, on one instance). `file`:
+    the file's bytes as read (and hashed) before, run as they are; else read here."""
     path = resolve(spec)
-    module_spec = importlib.util.spec_from_file_location(f"tunebench_environment_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        module = (file or UserFile.read(path)).run(f"tunebench_environment_{path.stem}")
     except Exception as e:  # noqa: BLE001 - the user's file: its error, said in one line
         raise TunebenchError(f"--environment {spec} fails on import: {type(e).__name__}: {e}") from None
     if hasattr(module, "ENVIRONMENT"):

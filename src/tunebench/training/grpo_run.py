@@ -4,11 +4,10 @@ its measurement key, and its figures (sampling against updating, the held-out re
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Any
 
 from tunebench.core.decision import Decision
+from tunebench.core.userfile import UserFile
 from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
 from tunebench.machine import distributed
@@ -28,14 +27,15 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     environment's names, the columns the rewards read, a resume's files unchanged, enough prompts for a step, a
     model that can be found. With an environment, each row's prompt is reset(row)'s opening messages."""
     o = cfg.objective
-    env = environment.load(o.environment, o.tool_timeout) if o.environment else None
-    rows = prompts.load(cfg.data) if env is None else environment.rows(env, cfg.data)
-    code = rewards_.files(o.reward)  # a resume runs the user's reward file again: the same file, or refused
-    if env is not None:
-        code[env.path] = hashlib.sha256(Path(env.path).read_bytes()).hexdigest()
+    # the user's files read and hashed before any of them runs: a resume runs them again, the same bytes or refused
+    read = rewards_.files(o.reward)
+    env_file = UserFile.read(environment.resolve(o.environment)) if o.environment else None
+    code = {p: f.sha256 for p, f in read.items()} | ({str(env_file.path): env_file.sha256} if env_file else {})
     if code and cfg.output.resume:
         checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
-    scoring = rewards_.parse(cfg.objective.reward, cfg.objective.reward_weights)
+    env = environment.load(o.environment, o.tool_timeout, env_file) if o.environment else None
+    rows = prompts.load(cfg.data) if env is None else environment.rows(env, cfg.data)
+    scoring = rewards_.parse(cfg.objective.reward, cfg.objective.reward_weights, read)
     rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
     print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
           + ", ".join([*(["environment x 1"] if env else []), *(f"{r.name} x {r.weight:g}" for r in scoring)])

@@ -16,8 +16,6 @@ function that is not there.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.core.userfile import UserFile
 
 BUILT_IN = ("gsm8k", "format", "exact", "contains")
 
@@ -38,18 +37,20 @@ class Reward:
     column: str | None = None  # the reference column it reads
 
 
-def parse(specs: Sequence[str], weights: Sequence[float] | None) -> list[Reward]:
-    """The rewards of `specs` with their weights (one each, as settings.finetune.check_grpo has checked); refused
-    with the fix when one cannot be built."""
+def parse(specs: Sequence[str], weights: Sequence[float] | None, read: dict[str, UserFile] | None = None
+          ) -> list[Reward]:
+    """The rewards of `specs` with their weights (one each, as the GRPO settings' check has made sure); refused
+    with the fix when one cannot be built. `read`: the user's files as `files` read and hashed them, run as
+    they are (else read here)."""
     weights = list(weights) if weights else [1.0] * len(specs)
-    rewards = [one(spec, float(w)) for spec, w in zip(specs, weights)]
+    rewards = [one(spec, float(w), read or {}) for spec, w in zip(specs, weights)]
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise TunebenchError(f"--reward names one reward twice ({', '.join(names)}); give each once, with its weight")
     return rewards
 
 
-def one(spec: str, weight: float) -> Reward:
+def one(spec: str, weight: float, read: dict[str, UserFile]) -> Reward:
     kind, _, arg = spec.partition(":")
     if not math.isfinite(weight):
         raise TunebenchError(f"--reward-weights {weight} for {spec} is not a number; give a finite weight")
@@ -72,33 +73,31 @@ def one(spec: str, weight: float) -> Reward:
         test = (lambda x, ref: x.strip() == ref.strip()) if kind == "exact" else (lambda x, ref: ref.strip() in x)
         return Reward(kind, weight, lambda p, c, cols: [float(test(x, str(ref))) for x, ref in zip(c, cols[column])],
                       column)
-    return user_function(spec, weight)
+    return user_function(spec, weight, read.get(str(Path(spec.rpartition(":")[0]).resolve())))
 
 
-def files(specs: Sequence[str]) -> dict[str, str]:
-    """{path: sha256} of the user's reward files among `specs`, read without running them: a run records them, and
-    a resume refuses a file that changed since (the function would run other code than the run trained with)."""
+def files(specs: Sequence[str]) -> dict[str, UserFile]:
+    """{resolved path: its file read} of the user's reward files among `specs`, read without running them: a run
+    records their hashes, and a resume refuses a file that changed since (the function would run other code than
+    the run trained with) before it runs; `parse` then runs these bytes."""
     out = {}
     for spec in specs:
         path = spec.rpartition(":")[0]
         if spec.partition(":")[0] not in BUILT_IN and path.endswith(".py") and Path(path).is_file():
-            out[str(Path(path).resolve())] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            out[str(Path(path).resolve())] = UserFile.read(path)
     return out
 
 
-def user_function(spec: str, weight: float) -> Reward:
+def user_function(spec: str, weight: float, file: UserFile | None = None) -> Reward:
     """`path/to/file.py:function`, loaded from the file (not from an installed package)."""
     path, _, name = spec.rpartition(":")
     if not path or not name or not path.endswith(".py"):
         raise TunebenchError(f"--reward {spec!r:.80} is not one of {', '.join(BUILT_IN)} nor path/to/file.py:function; "
                              "name a built-in reward or a Python file and the function in it")
-    file = Path(path)
-    if not file.is_file():
+    if file is None and not Path(path).is_file():
         raise TunebenchError(f"--reward {spec}: no file {path}; give the path of the Python file that defines {name}")
-    module_spec = importlib.util.spec_from_file_location(f"tunebench_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        module = (file or UserFile.read(path)).run(f"tunebench_reward_{Path(path).stem}")
     except Exception as e:  # the user's code: any error it raises is theirs to see, in one line
         raise TunebenchError(f"--reward {spec}: importing {path} failed ({type(e).__name__}: {e}); fix the file") from None
     fn = getattr(module, name, None)
