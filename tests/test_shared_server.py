@@ -515,3 +515,22 @@ def test_under_load_nothing_hangs_nothing_500s_and_the_page_still_answers(tmp_pa
         server.close()
     assert figures["refused"] + figures["answered"] > 10 and figures["bad-input-refused"] >= 3, figures
     assert serve_load.passed(figures, growth, 400) == [], figures
+
+
+def test_a_vote_store_whose_read_never_ends_is_stopped_at_the_time_limit(tmp_path, monkeypatch):
+    """A store whose `votes` is a recursive view (its query would run forever, holding the reader): the read is
+    interrupted past votes.READ_LIMIT_S and refused in one line."""
+    import sqlite3
+    import time
+
+    from tunebench.data import votes
+
+    monkeypatch.setattr(votes, "READ_LIMIT_S", 0.5)
+    db = tmp_path / "votes.sqlite"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE VIEW votes AS WITH RECURSIVE r(id) AS (SELECT 1 UNION ALL SELECT id + 1 FROM r) "
+                    "SELECT id, 'a' AS model_a, 'b' AS model_b, 'a' AS vote FROM r")
+    started = time.monotonic()
+    with pytest.raises(TunebenchError, match="took over 0.5 s and was stopped"):
+        votes.votes(db, "model_a, model_b, vote")
+    assert time.monotonic() - started < 10

@@ -396,3 +396,29 @@ def test_a_run_on_two_processes_is_checked_at_two_ranks_trains_on_both_and_resum
     assert s.wait("ranks", 120) == 0, s.log_tail("ranks")
     assert "continuing from" in s.log_tail("ranks", 200)
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+
+
+def test_a_preference_upload_is_checked_on_a_sample_and_a_sqlite_upload_is_never_opened(tmp_path, monkeypatch):
+    """DPO on an upload: the web process reads CHECK_ROWS rows of it through the pairs' reader, as SFT's; an
+    upload that is a SQLite file (here named x.jsonl) is refused at upload, never opened as a vote store."""
+    import sqlite3
+
+    from tunebench.data import pairs, readers
+
+    monkeypatch.setattr(studio, "CHECK_ROWS", 50)
+    big = tmp_path / "pairs.jsonl"
+    big.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n"
+                           for i in range(300)) + "not json\n")
+    loaded = []
+    real = readers.read_records
+    monkeypatch.setattr(readers, "read_records", lambda spec, limit=None: loaded.append(limit) or real(spec, limit))
+    cfg = studio.check(studio.Ask(str(big), "dpo-run", "tiny", method="dpo"), tmp_path / "runs")
+    assert cfg.objective.name == "dpo" and loaded == [50]
+    db = tmp_path / "x.jsonl"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE votes (id INTEGER PRIMARY KEY, model_a, model_b, vote)")
+    monkeypatch.setattr(pairs, "from_store", lambda path: pytest.fail("an upload was opened as a vote store"))
+    s = studio.Studio(tmp_path / "runs")
+    with pytest.raises(TunebenchError, match="x.jsonl is a SQLite file; upload data as CSV, JSON, JSONL or Parquet"):
+        s.keep_upload(str(db))
+    assert not s.uploads.exists() or not any(s.uploads.iterdir())

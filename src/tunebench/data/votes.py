@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import sqlite3
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -125,15 +126,35 @@ def record_feedback(path: str | Path, messages: list[dict], model: str, answer: 
 
 def feedback(path: str | Path) -> list[tuple[list[dict], str, bool]]:
     """(conversation before the answer, answer, liked) of every thumbs up or down, oldest first; none in a store
-    from before the Chat tab had them. Read-only, as `votes`."""
-    con = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    from before the Chat tab had them. Read-only and time-limited, as `votes`."""
+    con = read_only(path)
     try:
         if not con.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='feedback'").fetchone():
             return []
         return [(json.loads(m), a, bool(liked)) for m, a, liked in
                 con.execute("SELECT messages, answer, liked FROM feedback ORDER BY id")]
+    except sqlite3.DatabaseError as e:
+        raise _unreadable(path, e) from None
     finally:
         con.close()
+
+
+READ_LIMIT_S = 30.0  # the longest a read of a store may take (a planted view can make a query run forever)
+
+
+def read_only(path: str | Path) -> sqlite3.Connection:
+    """The store opened read-only, each statement interrupted past READ_LIMIT_S (sqlite3's progress handler)."""
+    con = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    deadline = time.monotonic() + READ_LIMIT_S
+    con.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    return con
+
+
+def _unreadable(path: str | Path, e: sqlite3.DatabaseError) -> TunebenchError:
+    if "interrupted" in str(e):
+        return TunebenchError(f"reading the A/B database '{path}' took over {READ_LIMIT_S:g} s and was stopped; it is "
+                              "not a store tunebench serve wrote (pass the --ab-db serve wrote)")
+    return TunebenchError(f"'{path}' is not an A/B database of tunebench serve ({e})")
 
 
 def wilson(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
@@ -182,11 +203,11 @@ def votes(path: str | Path, columns: str) -> list[tuple]:
     its journal mode included, and works on a file the reader may not write."""
     if not Path(path).is_file():
         raise TunebenchError(f"A/B database '{path}' not found; pass the --ab-db that tunebench serve wrote")
-    con = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    con = read_only(path)
     try:
         return con.execute(f"SELECT {columns} FROM votes ORDER BY id").fetchall()
     except sqlite3.DatabaseError as e:
-        raise TunebenchError(f"'{path}' is not an A/B database of tunebench serve ({e})") from e
+        raise _unreadable(path, e) from e
     finally:
         con.close()
 

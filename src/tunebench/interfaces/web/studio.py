@@ -185,10 +185,11 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
         raise TunebenchError(f"these settings are not a valid `tunebench train` call: {shlex.join(ask.argv(runs_dir))}"
                              ) from None
     cfg = train_config(args, ask.processes)  # checked at the number of ranks it will run on
+    from tunebench.data import pairs
     from tunebench.training import finetune_data
 
-    if cfg.objective.preference or cfg.data.sources:  # votes (a small database) or a mixture: read as the CLI
-        finetune_data.check_inputs(cfg)
+    if cfg.data.sources or cfg.objective.preference and pairs.is_store(cfg.data.path):
+        finetune_data.check_inputs(cfg)  # a mixture, or the server's own vote store (read within votes.READ_LIMIT_S)
         return cfg
     check_sample(cfg)
     return cfg
@@ -199,7 +200,8 @@ CHECK_ROWS = 2000  # rows of an upload the server reads to check it: the trainin
 
 def check_sample(cfg: RunConfig) -> None:
     """The CLI's checks on what a web server may read of an upload (up to 200 MB, several at once): the first
-    CHECK_ROWS rows through the same reader, format mapping and empty-row rule, the row count from a stream (no
+    CHECK_ROWS rows through the same reader, format mapping and empty-row rule (a preference run's: its pairs' or
+    judgements' reader), the row count from a stream (no
     rows kept), the model and its length. The training child reads the whole file and refuses a bad row past the
     sample in its log, with the same one-line error."""
     from tunebench.data import formats, readers
@@ -208,14 +210,22 @@ def check_sample(cfg: RunConfig) -> None:
 
     d = cfg.data
     records = readers.read_records(d.path, limit=CHECK_ROWS)
-    _, messages = formats.records_to_messages(records, d, d.path)
-    empty = sum(formats.is_empty(m) for m in messages)
-    if empty == len(messages):
-        raise TunebenchError(f"'{d.path}' has no usable rows: every row of its first {len(messages):,} has an empty "
-                             "prompt or response")
+    if cfg.objective.preference:  # pairs or judgements: the same sample through their own readers
+        read = finetune_data.JUDGEMENTS[cfg.objective.data].from_records(records, d, d.path)
+        if not len(read):
+            raise TunebenchError(f"'{d.path}' holds no usable {cfg.objective.unit} in its first {len(records):,} rows "
+                                 f"({read.describe()})")
+        usable = len(read) / len(records)
+    else:
+        _, messages = formats.records_to_messages(records, d, d.path)
+        empty = sum(formats.is_empty(m) for m in messages)
+        if empty == len(messages):
+            raise TunebenchError(f"'{d.path}' has no usable rows: every row of its first {len(messages):,} has an "
+                                 "empty prompt or response")
+        usable = 1 - empty / len(messages)
     total = len(records) if len(records) < CHECK_ROWS else readers.count_records(d.path)
-    if total is not None:  # the empty share of the sample stands for the file's
-        finetune_data.check_rows(total - round(empty * total / len(messages)), cfg, 0, "")
+    if total is not None:  # the usable share of the sample stands for the file's
+        finetune_data.check_rows(round(usable * total), cfg, 0, "")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     if d.max_length is not None:
         inference.check_length(cfg.model.name, d.max_length, cfg.model.allow_download)
@@ -506,10 +516,13 @@ class Studio:
         """An uploaded data file kept under the runs directory (Gradio's temporary copy is deleted here): by its
         content, once; a Parquet file whose rows would unpack past PARQUET_MAX_BYTES refused from its metadata;
         uploads no run uses are dropped after UPLOAD_GRACE_S, and the rest are bounded in count and bytes."""
-        from tunebench.data import readers
+        from tunebench.data import pairs, readers
 
         src = Path(file)
         try:
+            if pairs.is_store(str(src)):  # by its name or its first bytes: never opened as a database here
+                raise TunebenchError(f"{src.name} is a SQLite file; upload data as CSV, JSON, JSONL or Parquet (the "
+                                     "A/B votes are trained from the server's own store: Runs, then DPO on the votes)")
             if src.suffix.lower() == ".parquet":
                 readers.check_parquet(src, PARQUET_MAX_BYTES)
             digest = hashlib.sha256()
