@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -303,6 +304,19 @@ def sigterm_after_step(step: int):
         yield
     finally:
         MetricsWriter.__call__ = real_call
+
+
+def assert_resumed(out, step: int, printed: str | None = None) -> None:
+    """A resumed run went on from its checkpoint at `step`, not trained again from the start: steps 1 to `step`
+    are logged once each (by the first process; a run that ignored its checkpoint and retrained under the same
+    seed logs the same losses again, which a comparison of {step: loss} cannot see), later steps after them, and,
+    where its output is given, it said it continued from that step."""
+    steps = [r["step"] for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r]
+    assert [s for s in steps if s <= step] == list(range(1, step + 1)), steps
+    assert steps[-1] > step and steps[step:] == sorted(steps[step:]), steps
+    if printed is not None:
+        assert re.search(rf"resume: continuing from \S+ \(step {step}\)", printed), printed[-2000:]
 
 
 def run_losses(out) -> dict[int, float]:

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import run_losses
+from conftest import assert_resumed, run_losses
 from tunebench.data import toolcalls
 from tunebench.interfaces.cli import main
 from tunebench.settings.objectives import GRPO
@@ -365,7 +365,9 @@ def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resu
                           env={**os.environ, "KILL_AFTER": str(killed / "checkpoints" / "step-00000002")})
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))][-1] == "step-00000002"
+    capsys.readouterr()
     assert main(_train(tmp_path, env, killed, "--save-steps", "1", "--resume", "auto")) == 0
+    assert_resumed(killed, 2, capsys.readouterr().out)
     rows = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert {"episodes/turns", "episodes/calls", "frac_reward_zero_std", "rewards/environment/mean"} <= set(rows[0])
     theirs = {r["step"]: r for r in (json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines())

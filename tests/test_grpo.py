@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_losses, sigterm_after_step
+from conftest import assert_resumed, run_losses, sigterm_after_step
 from tunebench.core.errors import TunebenchError
 from tunebench.interfaces.cli import main
 from tunebench.jobs import grpo as grpo_job
@@ -159,6 +159,7 @@ def test_the_sampled_completions_depend_on_seed_and_step_not_the_micro_batch_and
     with sigterm_after_step(2):
         assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, "--eval-fraction": 0.25})) == 130
     assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, "--eval-fraction": 0.25, "--resume": "auto"})) == 0
+    assert_resumed(stopped, 2)
 
     def rows(out):
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

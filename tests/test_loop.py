@@ -4,7 +4,16 @@ import json
 import pytest
 import torch
 
-from conftest import ROWS, add_lora, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
+from conftest import (
+    ROWS,
+    add_lora,
+    assert_resumed,
+    pairs_file,
+    run_losses,
+    run_weights,
+    sigterm_after_step,
+    tiny_run_config,
+)
 from tunebench.core.errors import TunebenchError
 from tunebench.data import batching
 from tunebench.data.tokenize import tokenize_messages
@@ -79,6 +88,7 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_run(tmp_path, dataset
     assert e.value.exit_code == 130
     assert [p.name for p in checkpoint.list_checkpoints(part / "checkpoints")] == ["step-00000003"]
     finetune.run(_cfg(dataset, part, **extra, **{"train.resume": "auto"}))
+    assert_resumed(part, 3)
     resumed = _losses(part)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_resumed
 from test_distributed import ROWS, _env, _losses, _same_weights, _train_args, _tunebench, _weights
 from tunebench.machine.distributed import World
 
@@ -269,7 +270,8 @@ def test_grpo_killed_on_two_ranks_resumes_on_two_one_and_four(tmp_path):
         Path(f"{out}.scored").unlink(missing_ok=True)
         resumed = run(out, nproc, "--resume", "auto")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert "continuing from" in resumed.stdout and _scored(Path(f"{out}.scored")) == expected, nproc
+        assert _scored(Path(f"{out}.scored")) == expected, nproc
+        assert_resumed(out, 2, resumed.stdout)
         steps = _steps(out)
         assert sorted(steps) == [1, 2, 3, 4] and json.loads((out / "summary.json").read_text())["world_size"] == nproc
         for step in (1, 2):  # before the kill: the 2-rank run's own figures
