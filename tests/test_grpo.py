@@ -257,3 +257,20 @@ def test_prompts_come_as_text_chat_messages_gsm8k_questions_or_instruction_rows(
     assert read({"messages": chat})[0] == [chat[:1]]
     with pytest.raises(TunebenchError, match="has no prompt column .it has text."):
         read({"text": "plain"})
+
+
+def test_each_rank_draws_with_a_seed_of_its_own_and_rank_0_as_one_process():
+    """Ranks sample different prompts of a step, but a group on one rank must not repeat another rank's draws: the
+    step's seed takes the rank (rank 0's is one process's), and the job passes each rank's own."""
+    import ast
+    from pathlib import Path
+
+    import numpy as np
+
+    assert grpo.step_seed(42, 0, 3, 0) == int(np.random.SeedSequence([42, 0, 3]).generate_state(1)[0])
+    assert len({grpo.step_seed(42, 0, 3, rank) for rank in range(4)}) == 4
+    assert grpo.step_seed(42, 1, 3, 0) != grpo.step_seed(42, 0, 3, 0) != grpo.step_seed(42, 0, 4, 0)
+    job = Path(grpo.__file__).parents[1] / "jobs" / "grpo.py"
+    calls = [n for n in ast.walk(ast.parse(job.read_text())) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) == "grpo.step_seed"]
+    assert [ast.unparse(c.args[-1]) for c in calls] == ["opened.world.rank"]

@@ -361,3 +361,12 @@ def test_a_torch_older_than_2_6_is_refused_by_the_set_up(tmp_path, version, refu
     (tmp_path / "torch.py").write_text(f"__version__ = {version!r}\n")
     done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert (done.returncode != 0) == refused
+
+
+def test_every_planted_bug_of_the_mutation_table_is_still_planted_once():
+    """tests/mutations.py runs by hand (it reruns parts of the suite once per bug); here, on every run, each bug's
+    line is still in its file exactly once, so a refactor cannot quietly turn a row into "not planted"."""
+    import mutations
+
+    missing = [b.name for b in mutations.BUGS if (mutations.ROOT / b.path).read_text().count(b.old) != 1]
+    assert not missing, missing
