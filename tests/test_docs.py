@@ -398,7 +398,20 @@ REFUTED = [
     ("docs/guides/evaluation.md", "`eval --base --data", "eval refuses --base without --adapter"),
     ("docs/guides/evaluation.md", "out.q4_k_m.gguf", "export names its files NAME-QUANT.gguf"),
     ("docs/guides/data.md", "64 (now the default)", "evaluation.eval_max_new_tokens defaults to 128"),
+    ("docs/tutorials/distributed.md", "train exactly like 1 process", "ranks sum in another order: to float rounding"),
+    ("docs/guides/fine-tuning.md", "On this 2-core VM", "the machine is named, or said to be unrecorded"),
 ]
+
+
+def test_the_studio_page_lists_every_method_and_export_type_the_page_offers():
+    """studio.md's lists are the page's own: each method of interfaces/web/studio.METHODS and each export type."""
+    pytest.importorskip("gradio", reason="the studio needs gradio (the web extra)")
+    from tunebench.interfaces.web import studio
+
+    text = (ROOT / "docs" / "guides" / "studio.md").read_text(encoding="utf-8").lower()
+    spelled = {"full": "full", "prefix": "prefix", "prompt": "prompt tuning"}
+    assert [m for m in studio.METHODS if spelled.get(m, m) not in text] == []
+    assert [q for q in studio.QUANTS if q not in text] == []
 
 
 @pytest.mark.parametrize("page, phrase, why", REFUTED)
