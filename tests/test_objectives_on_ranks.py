@@ -74,20 +74,28 @@ def test_preference_objectives_fully_fine_tuned_under_fsdp_match_one_process(tmp
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
 def test_preference_objectives_on_two_ranks_match_one_process(tmp_path, objective):
-    """DPO, ORPO and KTO on 2 ranks x micro 2 take one process's micro-4 steps: the loss normalised over the
-    whole step's pairs (or judged completions), the reference pass under DDP, KTO's KL reference point over the
-    global micro-step (its mismatched rows drawn across the ranks, the sums all-reduced), and a short last step
-    whose rows one rank cannot share (a filler with no units); the held-out figures reduced across ranks."""
+    """DPO and ORPO on 2 ranks x micro 1 x accumulation 2, KTO on 2 ranks x micro 2, take one process's micro-4
+    steps: the loss normalised over the whole step's pairs (or judged completions), the reference pass under DDP,
+    KTO's KL reference point over the global micro-step (its mismatched rows drawn across the ranks, the sums
+    all-reduced), and a short last step whose rows one rank cannot share (a filler with no units); the held-out
+    figures reduced across ranks. KTO accumulates too: 2 ranks x micro 1 x 2 take one process's micro 2 x 2."""
     data = _preference_data(tmp_path, objective)
     one, two = tmp_path / "one", tmp_path / "two"
     _tunebench(_train_args(data, one, 4, effective=4, objective=objective))
-    _tunebench(_train_args(data, two, 2, effective=4, objective=objective), nproc=2)
+    # DPO's and ORPO's math has no micro batch: their ranks accumulate here; KTO's z is its micro batch's (below)
+    _tunebench(_train_args(data, two, 2 if objective == "kto" else 1, effective=4, objective=objective), nproc=2)
     ours, theirs = _losses(two), _losses(one)
     assert sorted(ours) == [1, 2, 3]
     for step in ours:
         assert ours[step] == pytest.approx(theirs[step], abs=1e-6), step
     if objective == "dpo":
         assert ours[1] == pytest.approx(np.log(2), abs=1e-6)  # the policy is its reference at the first step
+    if objective == "kto":  # its KL point over accumulation x ranks: a global micro-step of 2 rows both ways
+        acc_one, acc_two = tmp_path / "acc-one", tmp_path / "acc-two"
+        _tunebench(_train_args(data, acc_one, 2, effective=4, objective=objective))
+        _tunebench(_train_args(data, acc_two, 1, effective=4, objective=objective), nproc=2)
+        assert _losses(acc_two) == pytest.approx(_losses(acc_one), abs=1e-6)
+        assert any(abs(_losses(acc_one)[s] - theirs[s]) > 1e-5 for s in theirs)  # z moved with the micro batch
     if objective in ("dpo", "kto"):  # KTO: its KL reference point over the same global micro-step at every size
         # saved by 2 ranks after step 2, resumed in 1 process and on 4 ranks: the same data position, the same step 3
         moved, four = tmp_path / "two-then-one", tmp_path / "two-then-four"

@@ -136,6 +136,12 @@ def test_one_run_at_a_time_a_second_waits_in_the_queue_and_stop_keeps_a_resumabl
     restarted = studio.Studio(runs)  # a server started again while the run trains: it sees the run, and waits
     assert restarted.state("first") == "running (started by an earlier server)"
     assert restarted.queue_text() == "Training: **first**"
+    # a run asked of the restarted server waits behind the one an earlier server left training, never beside it
+    assert restarted.start(studio.Ask(data, "third", "tiny")) == "third: queued, 1 run ahead"
+    restarted._step()
+    assert restarted.state("third") == "queued" and not (runs / "third").exists()
+    with restarted._lock:  # taken back: this test goes on with the first server's queue alone
+        restarted.queue.clear()
     assert restarted.stop("first") == "first: stopping (SIGTERM); it saves a checkpoint first, and Resume continues " \
                                       "from it"
     assert s.wait("first", 30) == 130 and s.state("first") == "stopped (checkpoint kept)"
