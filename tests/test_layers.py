@@ -370,3 +370,14 @@ def test_every_planted_bug_of_the_mutation_table_is_still_planted_once():
 
     missing = [b.name for b in mutations.BUGS if (mutations.ROOT / b.path).read_text().count(b.old) != 1]
     assert not missing, missing
+
+
+def test_no_function_in_training_runs_past_eighty_lines():
+    """The run's machinery reads as named parts (recipe.run's stages, optimizer_steps' _feed/_update/_after_step,
+    the batch probe's _gain/_best/_step_stop/_choose): a function in training/ past 80 lines is one to split."""
+    long = []
+    for path in sorted((PACKAGE / "training").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not long, long
