@@ -76,7 +76,8 @@ def configuration() -> str:
             docs = schema.docs(cls)
             out += [f"### `{section}`" + (" (shared by train and pretrain)" if section in schema.SHARED else ""), "",
                     *(["What the adapter is trained toward, and that objective's own settings (each refused for an "
-                       "objective it does not belong to). Also read as `adapter.objective` (the name), `adapter.beta` "
+                       "objective it does not belong to: a run holds only its objective's own, with that objective's "
+                       "defaults). Also read as `adapter.objective` (the name), `adapter.beta` "
                        "and so on, as configs spelled them before this section.", ""] if section == "objective" else []),
                     "| field | type | default | what it is |", "|---|---|---|---|"]
             for f in dataclasses.fields(cls):
