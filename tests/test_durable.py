@@ -259,3 +259,29 @@ def test_writes_into_a_run_directory_refuse_a_planted_symbolic_link(tmp_path):
     with open_no_follow(run / "plain.txt", "a") as f:
         f.write("two\n")
     assert (run / "plain.txt").read_text() == "one\ntwo\n"
+
+
+def test_a_runs_metrics_monitor_and_results_refuse_a_planted_link_and_leave_its_target_whole(tmp_path):
+    """metrics.jsonl, monitor.jsonl, compare's results.csv: appended to, and their torn tail cut first; a link
+    planted at any of them is refused in one line, and the file it points at keeps every byte (cutting "its" tail
+    would have cut the target's last line)."""
+    from tunebench.core.durable import repair_tail
+    from tunebench.jobs import compare
+    from tunebench.machine.metrics import MetricsWriter
+    from tunebench.machine.monitor import Monitor
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("line one\nno newline at the end")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("metrics.jsonl", "monitor.jsonl", "results.csv"):
+        (run / name).symlink_to(victim)
+    with pytest.raises(TunebenchError, match="metrics.jsonl' is a symbolic link"):
+        MetricsWriter(run / "metrics.jsonl")
+    with pytest.raises(TunebenchError, match="monitor.jsonl' is a symbolic link"):
+        Monitor(run / "monitor.jsonl").__enter__()
+    with pytest.raises(TunebenchError, match="results.csv' is a symbolic link"):
+        compare.append_row(run / "results.csv", {})
+    with pytest.raises(TunebenchError, match="is a symbolic link"):
+        repair_tail(run / "metrics.jsonl")
+    assert victim.read_text() == "line one\nno newline at the end"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def open_no_follow(path: str | Path, mode: str = "w", encoding: str | None = "utf-8"):
+def open_no_follow(path: str | Path, mode: str = "w", encoding: str | None = "utf-8", newline: str | None = None):
     """open(path, mode) for "w", "wb", "a" or "ab", refusing a symbolic link where the file goes: a run
     directory is shared (the studio's runs, a team's disk), and a link planted there must not turn a write of
     ours into a write of some other file of the user's. Raises TunebenchError naming the link."""
@@ -27,7 +27,7 @@ def open_no_follow(path: str | Path, mode: str = "w", encoding: str | None = "ut
             raise TunebenchError(f"'{path}' is a symbolic link; tunebench writes there only to a plain file: remove "
                                  "the link") from None
         raise
-    return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding)
+    return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding, newline=newline)
 
 
 def umask_mode(directory: bool = False) -> int:
@@ -144,9 +144,14 @@ def repair_tail(path: str | Path) -> bool:
     """Cut a line-oriented file (CSV, JSONL) back to its last newline, so an append after a torn write
     starts a row of its own instead of gluing onto half a row. True when something was cut."""
     p = Path(path)
+    if p.is_symlink():  # a planted link: cutting "its" tail would cut the file it points at
+        from tunebench.core.errors import TunebenchError
+
+        raise TunebenchError(f"'{path}' is a symbolic link; tunebench writes there only to a plain file: remove the "
+                             "link")
     if not p.is_file() or p.stat().st_size == 0:
         return False
-    with p.open("rb+") as f:
+    with os.fdopen(os.open(p, os.O_RDWR | os.O_NOFOLLOW), "rb+") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - 1))

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tunebench.core.durable import atomic_file, repair_tail
+from tunebench.core.durable import atomic_file, open_no_follow, repair_tail
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import children, sizing
 from tunebench.model import quality
@@ -247,7 +247,7 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
     repair_tail(path)
     new = not path.is_file() or path.stat().st_size == 0
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", newline="", encoding="utf-8") as f:
+    with open_no_follow(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=SCHEMA)
         if new:
             w.writeheader()
@@ -431,7 +431,7 @@ def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]
     row: dict[str, Any] = {"device": device, "hostname": socket.gethostname(), "run_dir": str(run_dir),
                            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     stderr = (run_dir / "stderr.txt").read_text(errors="replace")
-    with (run_dir / "log.txt").open("a") as log:
+    with open_no_follow(run_dir / "log.txt", "a") as log:
         log.write(stderr)
     keep_record(run_dir)
     if proc.returncode == 0 and (run_dir / "summary.json").is_file():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tunebench.core import startup
-from tunebench.core.durable import repair_tail
+from tunebench.core.durable import open_no_follow, repair_tail
 
 
 class MetricsWriter:
@@ -22,7 +22,7 @@ class MetricsWriter:
     def __init__(self, path: Path, also: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
         repair_tail(path)  # a resumed run appends after a torn last line, not onto it
-        self._f = path.open("a", encoding="utf-8")
+        self._f = open_no_follow(path, "a")  # a link planted in a shared run directory is refused
         self._also = also
 
     def __call__(self, record: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tunebench.core.durable import open_no_follow
+
 
 class Monitor:
     """Samples into monitor.jsonl; `summary()` gives means and peaks for summary.json."""
@@ -57,7 +59,7 @@ class Monitor:
     def _run(self) -> None:
         self._psutil.cpu_percent(interval=None)  # the first readings are meaningless; prime them
         self._proc.cpu_percent(interval=None)
-        f = self._path.open("a", encoding="utf-8") if self._path else None
+        f = self._file
         try:
             while not self._stop.wait(self._interval):
                 row = self.sample()
@@ -72,6 +74,8 @@ class Monitor:
                 f.close()
 
     def __enter__(self) -> Monitor:
+        # opened here, not in the thread: a link planted in the run directory is refused in one line
+        self._file = open_no_follow(self._path, "a") if self._path else None
         self._thread.start()
         return self
 
