@@ -48,6 +48,18 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under TUNEBENCH_STRICT=1, and not on conftest.STRICT_SKIPS: {_skip_reason(report)}"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A skip when a test module is collected (a module-level skip or importorskip) bypasses the hook above: the
+    same rule here, so a whole file cannot pass strict mode by skipping."""
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT and report.skipped and _skip_reason(report) not in STRICT_SKIPS:
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid} skipped at collection under TUNEBENCH_STRICT=1, and not on "
+                           f"conftest.STRICT_SKIPS: {_skip_reason(report)}")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Under strict mode, the skips that passed, by reason (each on STRICT_SKIPS): read from the reports, which
     reach the controller from every xdist worker."""

@@ -381,3 +381,21 @@ def test_no_function_in_training_runs_past_eighty_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1})")
     assert not long, long
+
+
+def test_strict_mode_fails_a_whole_module_skipped_at_collection(tmp_path):
+    """conftest's strict rule reaches a skip made while a module is collected (module-level skip, importorskip),
+    which the per-test hook never sees: the run fails under TUNEBENCH_STRICT=1 and skips without it."""
+    import os
+    import subprocess
+    import sys
+
+    probe = tmp_path / "test_probe.py"
+    probe.write_text('import pytest\n\npytest.skip("a reason nobody allowed", allow_module_level=True)\n')
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", str(probe)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    strict = subprocess.run(run, capture_output=True, text=True, env={**env, "TUNEBENCH_STRICT": "1"}, timeout=120)
+    plain = subprocess.run(run, capture_output=True, text=True, env={k: v for k, v in env.items()
+                                                                      if k != "TUNEBENCH_STRICT"}, timeout=120)
+    assert strict.returncode != 0 and "skipped at collection under TUNEBENCH_STRICT=1" in strict.stdout
+    assert plain.returncode in (0, 5) and "1 skipped" in plain.stdout  # 5: no test left to run
