@@ -26,10 +26,10 @@ EPISODE_DEFAULTS = {"max_turns": 4, "tool_timeout": 10.0}  # GRPO where --enviro
 
 
 @dataclass(frozen=True)
-class SFT:
-    """The next-token loss on the replies."""
+class ObjectiveBase:
+    """What every objective's type has: its facts as class values and the methods the code reads them by; no
+    settings (each type below adds its own). Not an objective itself: a run holds one of the five below."""
 
-    name: str = field(default="sft", init=False)
     data: ClassVar[str] = "rows"  # what it learns from: rows | pairs (prompt, chosen, rejected) | judged | prompts
     unit: ClassVar[str] = "rows"  # one unit of a step
     samples: ClassVar[bool] = False  # it samples its own completions each step (jobs/grpo.py runs it)
@@ -54,7 +54,14 @@ class SFT:
 
 
 @dataclass(frozen=True)
-class DPO(SFT):
+class SFT(ObjectiveBase):
+    """The next-token loss on the replies."""
+
+    name: str = field(default="sft", init=False)
+
+
+@dataclass(frozen=True)
+class DPO(ObjectiveBase):
     """Preference pairs against a reference (Rafailov et al., 2023)."""
 
     name: str = field(default="dpo", init=False)
@@ -75,7 +82,7 @@ class DPO(SFT):
 
 
 @dataclass(frozen=True)
-class ORPO(SFT):
+class ORPO(ObjectiveBase):
     """Preference pairs with an odds-ratio term and no reference (Hong et al., 2024)."""
 
     name: str = field(default="orpo", init=False)
@@ -92,7 +99,7 @@ class ORPO(SFT):
 
 
 @dataclass(frozen=True)
-class KTO(SFT):
+class KTO(ObjectiveBase):
     """Single judged completions against a KL reference point (Ethayarajh et al., 2024)."""
 
     name: str = field(default="kto", init=False)
@@ -118,7 +125,7 @@ class KTO(SFT):
 
 
 @dataclass(frozen=True)
-class GRPO(SFT):
+class GRPO(ObjectiveBase):
     """Rewards of the policy's own sampled completions or episodes (Shao et al., 2024), with TRL's names and
     defaults (but max_completion_length, whose 512 would be slow on a CPU)."""
 
