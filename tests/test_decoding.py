@@ -169,13 +169,14 @@ def test_turns_keep_each_rows_cache_and_make_the_tokens_of_decoding_whole_contex
     opening, other = (tok(t, add_special_tokens=False)["input_ids"] for t in ("Hello there, how are", "Hi"))
     contexts = {0: list(opening), 1: list(opening), 2: list(other)}
     torch.manual_seed(0)  # the first turn's seed
-    free = decoding.decode(model, *_padded(contexts.values(), tok), 8, None, tok.pad_token_id, temperature=1.0)
+    ids, mask = decoding.left_padded(list(contexts.values()), tok.pad_token_id, "cpu")
+    free = decoding.decode(model, ids, mask, 8, None, tok.pad_token_id, temperature=1.0)
     eos = int(free[1, 2])  # row 1's third token ends it in the first turn
     turns, whole_tokens = decoding.Turns(), 0
     for turn in range(3):
         rows = [r for r in contexts if not (turn == 2 and r == 2)]  # row 2 stopped after turn two
         torch.manual_seed(turn)
-        ids, mask = _padded([contexts[r] for r in rows], tok)
+        ids, mask = decoding.left_padded([contexts[r] for r in rows], tok.pad_token_id, "cpu")
         whole = decoding.decode(model, ids, mask, 8, eos, tok.pad_token_id, temperature=1.0, cache="dynamic")
         whole_tokens += int(mask.sum())
         torch.manual_seed(turn)
@@ -188,11 +189,3 @@ def test_turns_keep_each_rows_cache_and_make_the_tokens_of_decoding_whole_contex
             contexts[r] += reply + tok(" result" * (r + 1), add_special_tokens=False)["input_ids"]  # a tool turn
     assert sorted(turns.kept) == [0, 1]  # row 2's cache dropped when it stopped playing
     assert turns.prefilled < whole_tokens / 3, (turns.prefilled, whole_tokens)
-
-
-def _padded(rows, tok):
-    rows = list(rows)
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask

@@ -257,9 +257,10 @@ class Turns:
         from turn to turn), as `decode` makes them from the left-padded contexts, padding after each EOS. A row
         not given is done: its cache is dropped."""
         device = model.device if hasattr(model, "device") else next(model.parameters()).device
-        self.kept = {r: k for r, k in self.kept.items() if r in set(rows)}
+        playing = set(rows)
+        self.kept = {r: k for r, k in self.kept.items() if r in playing}
         if not self.plain or methods.is_prompt_learning(model):
-            ids, mask = _left_padded(contexts, pad, device)
+            ids, mask = left_padded(contexts, pad, device)
             self.prefilled += int(mask.sum())
             return decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, cache="dynamic")
         with eager_attention(model, device):
@@ -275,7 +276,7 @@ class Turns:
             return
         distinct = list(dict.fromkeys(tuple(c[:-1]) for _, c in new))
         kw = cache_keyword(model)
-        ids, mask = _left_padded([list(c) for c in distinct], pad, device)
+        ids, mask = left_padded([list(c) for c in distinct], pad, device)
         self.prefilled += int(mask.sum())
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                     **{kw: DynamicCache()}, use_cache=True, logits_to_keep=1)
@@ -298,17 +299,14 @@ class Turns:
         kw = cache_keyword(model)
         fed = [self.kept[r][1] for r in rows]
         width = max(fed)
-        layers = []
-        for j in range(len(self.kept[rows[0]][0])):
+        cache = growing_cache()
+        for j in range(len(self.kept[rows[0]][0])):  # each layer's kept rows, left-padded side by side
             keys, values = (torch.stack([F.pad(self.kept[r][0][j][k], (0, 0, width - n, 0))
                                          for r, n in zip(rows, fed)]) for k in (0, 1))
-            layers.append((keys, values))
-        cache = growing_cache()
-        for j, (keys, values) in enumerate(layers):
             cache.update(keys, values, j)
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in fed], device=device)
         chunks = [c[n:] for c, n in zip(contexts, fed)]
-        ids, chunk_mask = _left_padded(chunks, pad, device)
+        ids, chunk_mask = left_padded(chunks, pad, device)
         self.prefilled += int(chunk_mask.sum()) - len(rows)  # the last token of each context is fed as decoding's
         positions = torch.tensor(fed, device=device)[:, None] + (chunk_mask.cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([mask, chunk_mask], 1)
@@ -336,7 +334,8 @@ class Turns:
                 self._keep(row, cache, i, mask)
 
 
-def _left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of token lists, left-padded to the longest: what `decode` and Turns take."""
     width = max(map(len, rows))
     ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)

@@ -107,13 +107,8 @@ def complete(model, tokenizer, device: torch.device, autocast, prompts: list[lis
     if turns is not None:
         new = placed.decode_turns(turns, rows, prompts, max_new_tokens, temperature, top_p)
     else:
-        width, pad = max(map(len, prompts)), tokenizer.pad_token_id
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        new = placed.decode(ids.to(device), mask.to(device), max_new_tokens, temperature, top_p, repeat=n)
+        ids, mask = decoding.left_padded(prompts, tokenizer.pad_token_id, device)
+        new = placed.decode(ids, mask, max_new_tokens, temperature, top_p, repeat=n)
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 
