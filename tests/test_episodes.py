@@ -184,8 +184,8 @@ def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0, text=ENV, rows=None, ma
     episodes.template_for(tok, env.schemas, prompts.prompts[0])
     data = episodes.tokenize(prompts, tok, env, max_length, 12)  # scripted replies: no model reads these contexts
     settings = GRPO(2, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
-    return episodes.EpisodeSampler(tiny.model, tok, data, prompts, [], settings, torch.device("cpu"), None, 0, env=env,
-                                   openings=prompts.prompts, max_turns=max_turns, max_length=max_length)
+    on = grpo.Sampling(tiny.model, tok, data, prompts, [], settings, torch.device("cpu"))
+    return episodes.Episodes(on, env, prompts.prompts, max_turns, max_length)
 
 
 def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_does(tmp_path, tiny, monkeypatch):
@@ -247,12 +247,12 @@ def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
         return [tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]  # episode 2's second turn
 
     monkeypatch.setattr(grpo, "complete", complete)
-    sampler.s = GRPO(4, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    sampler.on.s = GRPO(4, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
     played = episodes.rollout(sampler, [0], 4, 1.0, 1.0)
     assert [e.stop for e in played] == ["answered", "cut", "max_turns", "no_room"]
     assert [(e.turns, e.calls) for e in played] == [(1, 0), (1, 0), (2, 1), (1, 1)]
     monkeypatch.setattr(episodes, "rollout", lambda *a: played)
-    groups = sampler.groups_of([0], sampler.draw([0], seed=1))
+    groups = grpo.StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
     names = sampler.stat_names()[1:]  # the row stats: every stat but kl
     shares = {n: groups.row_stats[:, names.index(n)].tolist() for n in names if n.startswith("episodes/stop/")}
     assert shares == {"episodes/stop/answered": [1, 0, 0, 0], "episodes/stop/cut": [0, 1, 0, 0],
@@ -264,7 +264,7 @@ def test_an_episode_opens_with_its_own_rows_messages_when_an_opening_is_dropped(
     row's messages (they took the dropped row's, by index into the rows, and the reward read another question)."""
     rows = [{"q": "k " + "a " * 600 + "?", "a": "1"}, {"q": "k b?", "a": "2"}]
     sampler = _sampler(tmp_path, tiny, rows=rows)
-    assert sampler.data.dropped == 1 and sampler.data.source(0) == 1
+    assert sampler.on.data.dropped == 1 and sampler.on.data.source(0) == 1
     monkeypatch.setattr(grpo, "complete", _scripted(tiny.tokenizer, [["It is 2."]]))
     e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
     assert e.messages[0]["content"] == "k b?" and sampler.score_episodes([e])[0].flatten().tolist() == [1.0]
@@ -338,12 +338,12 @@ def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatc
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [["It is 1.", "no"]]))
-    groups = sampler.groups_of([0], sampler.draw([0], seed=1))
+    groups = grpo.StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
     replies = [tok("It is 1.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
                tok("no", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     single = grpo.Groups([0], replies, *grpo.advantages(torch.tensor([[1.0], [0.0]]), torch.ones(1), 2, "group")[:1],
                          groups.row_stats)
-    theirs, ours = (grpo.rows_of(g, [0], sampler.data, 2, tok.pad_token_id) for g in (single, groups))
+    theirs, ours = (grpo.rows_of(g, [0], sampler.on.data, 2, tok.pad_token_id) for g in (single, groups))
     for key in ("input_ids", "labels", "advantages", "counts"):
         assert torch.equal(theirs[key], ours[key]), key
 
@@ -426,7 +426,7 @@ def test_a_rollout_keeping_each_episodes_cache_draws_what_decoding_whole_context
     for keep in (True, False):
         sampler = _sampler(tmp_path, tiny)
         sampler.keep_cache = keep
-        drawn[keep] = (sampler.draw([0, 1], seed=3), sampler.prefilled)
+        drawn[keep] = (sampler.draw([0, 1], seed=3), sampler.on.prefilled)
     (cached, fed_cached), (whole, fed_whole) = drawn[True], drawn[False]
     assert cached.completions == whole.completions and torch.equal(cached.figures, whole.figures)
     assert torch.equal(cached.scores.nan_to_num(-1), whole.scores.nan_to_num(-1))
@@ -452,8 +452,8 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     expected = [[norm[0] + norm[1], norm[1]], [norm[2]]]
     got = grpo.turn_advantages(drawn.turn_rewards, 2, "group")
     assert [len(a) for a in got] == [2, 1] and sum(got, []) == pytest.approx(sum(expected, []))
-    groups = sampler.groups_of([0], drawn)
-    batch = grpo.rows_of(groups, [0], sampler.data, 2, tok.pad_token_id)
+    groups = grpo.StepRows(sampler).groups_of([0], drawn)
+    batch = grpo.rows_of(groups, [0], sampler.on.data, 2, tok.pad_token_id)
     targets = batch["labels"][:, 1:] != -100
     first = [batch["token_advantages"][0][targets[0]].tolist(), batch["token_advantages"][1][targets[1]].tolist()]
     reply = len(tok(call, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS: turn one
@@ -462,7 +462,7 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     from tunebench.training.loop import prepare
 
     ready, _, _ = prepare(batch, torch.device("cpu"))  # the loss reads the tokens' own advantages
-    loss = grpo.GRPOLoss(tiny.model, sampler.s, sampler.reward_names(), episodes=True)
+    loss = grpo.GRPOLoss(tiny.model, sampler.on.s, sampler.reward_names(), episodes=True)
     doubled = dict(ready, token_advantages=2 * ready["token_advantages"])
     with torch.no_grad():
         assert abs(float(loss(ready)[0])) > 1e-3

@@ -249,20 +249,21 @@ def _method_calls(path: Path, cls: str, method: str) -> set[str]:
 
 def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five():
     """jobs/grpo.py's begin_step is one GRPO step's data in order (draw, then the groups' advantages) and calls the
-    sampler's draw (hop one); an environment's draw plays the episodes (episodes.rollout, hop two), whose turn
+    draws' draw (hop one); an environment's draw plays the episodes (episodes.rollout, hop two), whose turn
     decodes through grpo.complete (three), inference.Placed.decode (four) and decoding.decode (five); a
     completion's draw samples (two) through complete (three) to the same decode. `collate` samples nothing."""
     training = PACKAGE / "training"
-    assert {"sampler.draw", "sampler.groups_of", "grpo.step_seed"} <= _calls(PACKAGE / "jobs" / "grpo.py", "run")
-    assert "rollout" in _method_calls(training / "episodes.py", "EpisodeSampler", "draw")
+    assert {"draws.draw", "step_rows.groups_of", "grpo.step_seed"} <= _calls(PACKAGE / "jobs" / "grpo.py", "run")
+    assert "rollout" in _method_calls(training / "episodes.py", "Episodes", "draw")
     assert "grpo.complete" in _calls(training / "episodes.py", "rollout")
-    assert "sample" in _method_calls(training / "grpo.py", "Sampler", "draw")
+    assert "sample" in _method_calls(training / "grpo.py", "Completions", "draw")
     assert "complete" in _calls(training / "grpo.py", "sample")
     assert {"placed.decode", "placed.decode_turns"} <= _calls(training / "grpo.py", "complete")
     assert "decoding.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode")
     assert "turns.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode_turns")
-    assert _method_calls(training / "grpo.py", "Sampler", "collate") <= {"Groups", "rows_of", "len", "torch.zeros",
-                                                                          "self.stat_names"}
+    assert _method_calls(training / "grpo.py", "StepRows", "collate") <= {"self.filler", "rows_of"}
+    assert _method_calls(training / "grpo.py", "StepRows", "filler") <= {"Groups", "len", "torch.zeros",
+                                                                         "self.draws.stat_names"}
 
 
 def test_only_the_settings_loader_and_the_preference_slice_test_an_objectives_name():

@@ -45,17 +45,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     reference, words = preference.reference_for(model, a.method == "full") if o.beta else \
         (None, "none (beta 0: no KL term)")
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
-    kind, in_env = (grpo.Sampler, {}) if env is None else (episodes.EpisodeSampler, {
-        "env": env, "openings": rows.prompts, "max_turns": o.max_turns, "max_length": cfg.data.max_length})
-    sampler = kind(model, tok, data, rows, scoring, o, opened.device, opened.autocast, s.seed,
-                   eagerly=lambda: compiler.eagerly(compiled[0]), **in_env)
-    held_out = grpo_run.HeldOutReward(sampler, np.concatenate(eval_parts).tolist(), opened.world)
+    on = grpo.Sampling(model, tok, data, rows, scoring, o, opened.device, opened.autocast,
+                       eagerly=lambda: compiler.eagerly(compiled[0]))
+    draws = episodes.Episodes(on, env, rows.prompts, o.max_turns, cfg.data.max_length) if env else grpo.Completions(on)
+    step_rows = grpo.StepRows(draws)  # the step's groups, cut into the micro batches' rows
+    held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 
     def begin_step(epoch: int, step: int, keys: list[int]) -> None:
         """One step's data before its micro batches: this rank's prompts drawn (sampled, or episodes played:
         episodes.rollout; seeded by seed, epoch, step, rank) and scored, then their groups' advantages."""
-        drawn = sampler.draw(keys, grpo.step_seed(s.seed, epoch, step, opened.world.rank)) if keys else None
-        sampler.step_groups = drawn and sampler.groups_of(keys, drawn)
+        drawn = draws.draw(keys, grpo.step_seed(s.seed, epoch, step, opened.world.rank)) if keys else None
+        step_rows.groups = drawn and step_rows.groups_of(keys, drawn)
 
     def start(plan):
         compiled.append(plan.compile)
@@ -73,7 +73,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
-        loss=grpo.GRPOLoss(model, o, sampler.reward_names(), opened.autocast, reference, sampler.episodes),
+        loss=grpo.GRPOLoss(model, o, draws.reward_names(), opened.autocast, reference, draws.episodes),
         method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
@@ -83,12 +83,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             name="prompts",
             tokens_each=float(o.num_generations * (lengths[train_idx].mean() + o.max_completion_length)),  # a turn
             what=grpo_run.measured_as(cfg),
-            probe_rows=lambda size: sampler.probe_rows(longest[:size]),
+            probe_rows=lambda size: step_rows.probe_rows(longest[:size]),
             widest=cfg.data.max_length if env else int(lengths[train_idx].max()) + o.max_completion_length,
             max_length=cfg.data.max_length,
             quantized=a.method == "qlora",
             rows_each=o.num_generations),
-        batches=lambda micro: feed.Batches(epoch_steps, sampler.collate, begin_step=begin_step),
+        batches=lambda micro: feed.Batches(epoch_steps, step_rows.collate, begin_step=begin_step),
         eval_sets=lambda micro: [],
         identity=identity,
         finish=finish,
@@ -96,5 +96,5 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         records=finetune_model.records(loaded, trainable, total),
         before_training=start,
         prefetch=False,  # sampling needs the live weights
-        rank_figures=lambda: grpo_run.rank_figures(sampler, held_out),
+        rank_figures=lambda: grpo_run.rank_figures(on, held_out),
         watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling

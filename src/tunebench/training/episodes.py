@@ -35,7 +35,6 @@ from tunebench.settings.objectives import GRPO
 from tunebench.training import environment as environment_
 from tunebench.training import grpo
 from tunebench.training import rewards as rewards_
-from tunebench.training.loop import Batch
 
 
 @dataclass
@@ -105,54 +104,54 @@ def _tool_turn_ids(tokenizer, env: environment_.Environment, before: list[dict],
     return tokenizer(a[a.rindex(eos) + len(eos):] + b[len(a):], add_special_tokens=False)["input_ids"]
 
 
-def rollout(sampler: EpisodeSampler, keys: list[int], n: int, temperature: float | None, top_p: float,
+def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None, top_p: float,
             ) -> list[Episode]:
     """`n` episodes of each prompt of `keys` (consecutive), played to their end: each turn, every episode still
     playing with room for a whole reply samples it in one batched decode, then `take_turn` runs its calls. Each
     ends by one of grpo.EPISODE_STOPS, recorded in `stop`."""
-    episodes = [begin(sampler, k) for k in keys for _ in range(n)]
+    on = draws.on
+    episodes = [begin(draws, k) for k in keys for _ in range(n)]
     turns = decoding.Turns()  # each episode's KV cache, kept across its turns
-    sampler.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
-    sampler.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
-    for _ in range(sampler.max_turns):
+    draws.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
+    draws.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
+    for _ in range(draws.max_turns):
         for e in episodes:
-            if e.stop is None and len(e.ids) + sampler.s.max_completion_length > sampler.max_length:
+            if e.stop is None and len(e.ids) + on.s.max_completion_length > draws.max_length:
                 e.stop = "no_room"
         playing = [i for i, e in enumerate(episodes) if e.stop is None]
         if not playing:
             break
-        with sampler.eagerly():
-            replies = grpo.complete(sampler.model, sampler.tokenizer, sampler.device, sampler.autocast,
-                                    [episodes[i].ids for i in playing], 1, sampler.s.max_completion_length,
-                                    temperature, top_p, turns=turns if sampler.keep_cache else None, rows=playing)
-        sampler.rollout_prefilled += turns.prefilled if sampler.keep_cache else sum(len(episodes[i].ids)
-                                                                                      for i in playing)
+        with on.eagerly():
+            replies = grpo.complete(on.model, on.tokenizer, on.device, on.autocast,
+                                    [episodes[i].ids for i in playing], 1, on.s.max_completion_length,
+                                    temperature, top_p, turns=turns if draws.keep_cache else None, rows=playing)
+        draws.rollout_prefilled += turns.prefilled if draws.keep_cache else sum(len(episodes[i].ids) for i in playing)
         turns.prefilled = 0
         playing = [episodes[i] for i in playing]
         for e, reply in zip(playing, replies):
-            e.stop = take_turn(sampler, e, reply)
+            e.stop = take_turn(draws, e, reply)
     return episodes
 
 
-def begin(sampler: EpisodeSampler, key: int) -> Episode:
+def begin(draws: Episodes, key: int) -> Episode:
     """An episode of prompt `key` at its opening. With an ENVIRONMENT class, a new instance's reset(row) sets its
     state, and must open as the row did when the prompts were made (their tokens are the group's shared opening)."""
-    opening = sampler.openings[sampler.data.source(key)]
-    env = environment_.session(sampler.env)
-    if env is not sampler.env:
-        row = sampler.rows.columns[sampler.data.source(key)]
+    opening = draws.openings[draws.on.data.source(key)]
+    env = environment_.session(draws.env)
+    if env is not draws.env:
+        row = draws.on.rows.columns[draws.on.data.source(key)]
         if environment_.opening(env, row) != opening:
             raise TunebenchError(f"--environment {env.path}: reset(row) opened an episode with other messages than "
                                  f"it gave for the same row before ({str(opening)[:120]}); its messages must depend "
                                  "on the row alone (draw the episode's state, not its opening, from `random`)")
-    ids = list(sampler.data.ids[key])
+    ids = list(draws.on.data.ids[key])
     return Episode(key, [dict(m) for m in opening], ids, [0] * len(ids), len(ids), env)
 
 
-def take_turn(sampler: EpisodeSampler, e: Episode, reply: list[int]) -> str | None:
+def take_turn(draws: Episodes, e: Episode, reply: list[int]) -> str | None:
     """`reply` appended to `e` (the policy's tokens), its calls run in the episode's environment and their results
     appended as one tool turn (context only); why the episode ends with it (one of grpo.EPISODE_STOPS), or None."""
-    tok = sampler.tokenizer
+    tok = draws.on.tokenizer
     e.ids += reply
     e.mask += [1] * len(reply)
     e.turns += 1
@@ -167,7 +166,7 @@ def take_turn(sampler: EpisodeSampler, e: Episode, reply: list[int]) -> str | No
         return "cut"
     if not calls:
         return "answered"
-    if e.turns == sampler.max_turns:  # its calls are not run: the model would never read their results
+    if e.turns == draws.max_turns:  # its calls are not run: the model would never read their results
         return "max_turns"
     started = time.perf_counter()
     for c in calls:
@@ -175,8 +174,8 @@ def take_turn(sampler: EpisodeSampler, e: Episode, reply: list[int]) -> str | No
         e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
         e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
     turn = _tool_turn_ids(tok, e.env, before, e.messages)
-    sampler.rollout_tools_s += time.perf_counter() - started
-    if len(e.ids) + len(turn) > sampler.max_length:  # the results do not fit: the model never reads them
+    draws.rollout_tools_s += time.perf_counter() - started
+    if len(e.ids) + len(turn) > draws.max_length:  # the results do not fit: the model never reads them
         e.messages = list(before)
         return "no_room"
     e.tool_turns.append((len(e.ids), len(e.ids) + len(turn)))
@@ -192,31 +191,35 @@ def turn_of(e: Episode) -> list[int]:
     return [sum(end <= p for end in ends) for p in range(e.prompt_len, len(e.ids))]
 
 
-class EpisodeSampler(grpo.Sampler):
-    """grpo.Sampler's batches, each step's groups made of episodes: the same seeding, the same rows (the policy's
-    tokens masked in), and the episodes' own figures (turns, calls, calls that ran) among the step's stats."""
+class Episodes:
+    """Multi-turn draws (a grpo.Draws): each completion an episode played in the environment (rollout), scored by
+    its reward and any --reward on its final answer; its own figures (turns, calls, calls that ran, why it stopped)
+    follow the rewards' among the step's stats. The same seeding and rows as single-turn completions, the policy's
+    tokens masked in."""
 
     episodes = True
     keep_cache = True  # False: each turn decodes the episodes' whole contexts afresh (the path before Turns)
 
-    def __init__(self, *args, env: environment_.Environment, openings: list[list[dict]], max_turns: int,
-                 max_length: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.env, self.openings, self.max_turns, self.max_length = env, openings, max_turns, max_length
-        self.weights = torch.tensor([1.0, *(r.weight for r in self.rewards)], dtype=torch.float32)
+    def __init__(self, on: grpo.Sampling, env: environment_.Environment, openings: list[list[dict]], max_turns: int,
+                 max_length: int):
+        self.on, self.env, self.openings, self.max_turns, self.max_length = on, env, openings, max_turns, max_length
+        self.weights = torch.tensor([1.0, *(r.weight for r in on.rewards)], dtype=torch.float32)
+        self.rollout_prefilled = 0  # the last rollout's context tokens fed to the model (its turns' prefills)
+        self.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
 
     def score_episodes(self, episodes: list[Episode]) -> tuple[torch.Tensor, list[list[float] | None]]:
         """((episodes, 1 + rewards): the environment's reward, then each --reward on the final answer; each
         episode's per-turn rewards where the environment gave them, their sum in its column)."""
-        columns = [self.rows.columns[self.data.source(e.key)] for e in episodes]
+        on = self.on
+        columns = [on.rows.columns[on.data.source(e.key)] for e in episodes]
         given = [environment_.score(e.env, e.messages, row, e.turns, i)
                  for i, (e, row) in enumerate(zip(episodes, columns))]
         per_turn = [v if isinstance(v, list) else None for v in given]
         env = [sum(v) if isinstance(v, list) else v for v in given]
-        names = self.rows.column_names()
-        prompts = [self.tokenizer.decode(self.data.ids[e.key]) for e in episodes]
+        names = on.rows.column_names()
+        prompts = [on.tokenizer.decode(on.data.ids[e.key]) for e in episodes]
         answers = [e.answer() for e in episodes]
-        per = [r.score(prompts, answers, {n: [c.get(n) for c in columns] for n in names}) for r in self.rewards]
+        per = [r.score(prompts, answers, {n: [c.get(n) for c in columns] for n in names}) for r in on.rewards]
         table = [env, *per]
         return torch.tensor([[torch.nan if v is None else v for v in col] for col in table],
                             dtype=torch.float32).T.reshape(len(episodes), len(table)), per_turn
@@ -239,25 +242,26 @@ class EpisodeSampler(grpo.Sampler):
     def draw(self, keys: list[int], seed: int) -> grpo.Drawn:
         """num_generations episodes of each prompt of `keys` played (rollout; Python's, NumPy's and torch's draws
         seeded by `seed`, each put back after), each scored by the environment's reward and the --reward ones."""
+        on = self.on
         started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
         state = random.getstate(), np.random.get_state()
         try:
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                episodes = rollout(self, keys, self.s.num_generations, self.s.temperature, self.s.top_p)
+                episodes = rollout(self, keys, on.s.num_generations, on.s.temperature, on.s.top_p)
         finally:
             random.setstate(state[0])
             np.random.set_state(state[1])
-        self.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill, self.rollout_tools_s)
-        self.generated_tokens += sum(sum(e.mask) for e in episodes)
-        self.prefilled += self.rollout_prefilled
+        on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill, self.rollout_tools_s)
+        on.generated_tokens += sum(sum(e.mask) for e in episodes)
+        on.prefilled += self.rollout_prefilled
         figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in grpo.EPISODE_STOPS)]
                                 for e in episodes], dtype=torch.float32)
         started = time.perf_counter()
         scores, per_turn = self.score_episodes(episodes)
-        self.times["scoring"] += time.perf_counter() - started
+        on.times["scoring"] += time.perf_counter() - started
         turns = None if all(t is None for t in per_turn) else self.turn_rewards(episodes, scores, per_turn)
         return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], scores,
                           torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32),
@@ -265,19 +269,15 @@ class EpisodeSampler(grpo.Sampler):
                           [e.mask[e.prompt_len:] for e in episodes], figures, turns,
                           turns and [turn_of(e) for e in episodes])
 
-    def probe_rows(self, keys: list[int]) -> Batch:
-        """A micro batch of whole contexts (max_length each), every token the policy's: the most a step holds."""
-        g = self.s.num_generations
-        longest = max(self.max_length - len(self.data.ids[k]) for k in keys)
-        groups = grpo.Groups(keys, [[self.tokenizer.eos_token_id] * longest] * (len(keys) * g),
-                             torch.zeros(len(keys) * g), torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
-        return grpo.rows_of(groups, keys, self.data, g, self.tokenizer.pad_token_id)
+    def probe_length(self, keys: list[int]) -> int:
+        """A whole context (max_length) less the shortest opening of `keys`: the most a step's row holds."""
+        return max(self.max_length - len(self.on.data.ids[k]) for k in keys)
 
     def stat_names(self) -> tuple[str, ...]:
         return (*grpo.stat_names(self.reward_names()), *grpo.EPISODE_STATS)
 
     def reward_names(self) -> list[rewards_.Reward]:
-        return [rewards_.Reward("environment", 1.0, lambda p, c, cols: []), *self.rewards]
+        return [rewards_.Reward("environment", 1.0, lambda p, c, cols: []), *self.on.rewards]
 
     def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]:
         """Each held-out prompt's greedy episode (`chunks` played as one batch each): its row of scores (the
@@ -295,7 +295,7 @@ class EpisodeSampler(grpo.Sampler):
         table = torch.tensor(rows, dtype=torch.float64)
         scores, (turns, calls, ok) = table[:, :-3].float(), table[:, -3:].T
         total = (scores * self.weights).nansum(1)
-        names = ["environment", *(r.name for r in self.rewards)]
+        names = ["environment", *(r.name for r in self.on.rewards)]
         return {"eval_reward": float(total.mean()),
                 **{f"eval_rewards/{n}/mean": float(torch.nanmean(scores[:, j])) for j, n in enumerate(names)},
                 "eval_episodes/success": float((total > 0).float().mean()),
@@ -316,13 +316,12 @@ def play(placed, env: environment_.Environment, records: list[dict[str, Any]], m
     template_for(placed.tokenizer, env.schemas, rows.prompts[0])
     data = tokenize(rows, placed.tokenizer, env, max_length, max_new_tokens)
     settings = GRPO(num_generations=1, max_completion_length=max_new_tokens)
-    sampler = EpisodeSampler(placed.model, placed.tokenizer, data, rows, [], settings, placed.device,
-                             placed.autocast_dtype, 0, env=env, openings=rows.prompts, max_turns=max_turns,
-                             max_length=max_length)
+    on = grpo.Sampling(placed.model, placed.tokenizer, data, rows, [], settings, placed.device, placed.autocast_dtype)
+    draws = Episodes(on, env, rows.prompts, max_turns, max_length)
     played = []
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
-            played += rollout(sampler, list(range(start, min(start + batch_size, len(data)))), 1, None, 1.0)
+            played += rollout(draws, list(range(start, min(start + batch_size, len(data)))), 1, None, 1.0)
     for e in played:
         e.key = int(data.source(e.key))
     return played

@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -154,68 +155,24 @@ class Groups:
         return not self.advantages[group.start:group.stop].any()
 
 
-class Sampler:
-    """The GRPO step's parts: `draw` samples and scores the step's prompts' completions, `groups_of` gives them their
-    advantages; the job (jobs/grpo.py's begin_step) sets `step_groups` so, before the step's first micro batch, and
-    `collate` then cuts each micro batch's rows from them.
+@dataclass
+class Sampling:
+    """What a step's draws are made with (the policy as it trains, its prompts and rewards, the run's precision), and
+    what drawing took: shared by both kinds of draws (Completions here, episodes.Episodes)."""
 
-    Under torchrun each rank makes the groups of its own prompts of the step (what feed.micro_batches hands
-    begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by the rank
-    as well (step_seed), so a resume at the same world size samples again what the run did."""
-
-    def __init__(self, model, tokenizer, data: PromptData, rows: PromptRows, rewards: list[rewards_.Reward],
-                 settings: GRPO, device: torch.device, autocast, seed: int,
-                 eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        self.model, self.tokenizer, self.data, self.rows, self.rewards = model, tokenizer, data, rows, rewards
-        self.s, self.device, self.autocast, self.seed, self.eagerly = settings, device, autocast, seed, eagerly
-        self.weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
-        self.step_groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
-        self.generated_tokens, self.generation_s = 0, 0.0
-        self.prefilled = 0  # context tokens fed to the model while sampling (a group's prompt once)
-        self.times = dict.fromkeys(SPLIT, 0.0)  # the sampling's seconds by part (SPLIT)
-
-    episodes = False  # training.episodes.EpisodeSampler: a completion is an episode of turns
-
-    def reward_names(self) -> list[rewards_.Reward]:
-        """The rewards the step's stats name, in their columns' order."""
-        return self.rewards
-
-    def stat_names(self) -> tuple[str, ...]:
-        return stat_names(self.rewards)
-
-    def texts(self, keys: list[int], completions: list[list[int]], g: int
-              ) -> tuple[list[str], list[str], dict[str, list]]:
-        """(prompts, completions, columns) as the rewards read them, one item a completion (`g` a prompt): each
-        prompt the text the model was given, in the run's prompt format."""
-        rendered = {k: self.tokenizer.decode(self.data.ids[k]) for k in keys}
-        sources = [self.data.source(k) for k in keys for _ in range(g)]
-        prompts = [rendered[k] for k in keys for _ in range(g)]
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        names = self.rows.column_names()
-        return prompts, texts, {n: [self.rows.columns[i].get(n) for i in sources] for n in names}
-
-    def score(self, keys: list[int], completions: list[list[int]], g: int) -> torch.Tensor:
-        """(completions, rewards) each reward's score, NaN where it returned None (`g` completions a prompt)."""
-        prompts, texts, columns = self.texts(keys, completions, g)
-        scores = [[torch.nan if v is None else v for v in r.score(prompts, texts, columns)] for r in self.rewards]
-        return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.rewards))
-
-    def draw(self, keys: list[int], seed: int) -> Drawn:
-        """num_generations completions of each prompt of `keys` sampled (seeded by `seed` alone), and scored."""
-        started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
-        with self.eagerly():
-            completions = sample(self.model, self.tokenizer, self.device, self.autocast,
-                                 [self.data.ids[k] for k in keys], self.s, seed)
-        self.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
-        self.generated_tokens += sum(map(len, completions))
-        self.prefilled += sum(len(self.data.ids[k]) for k in keys)
-        eos = self.tokenizer.eos_token_id
-        started = time.perf_counter()
-        scores = self.score(keys, completions, self.s.num_generations)
-        self.times["scoring"] += time.perf_counter() - started
-        return Drawn(completions, scores,
-                     torch.tensor([len(c) for c in completions], dtype=torch.float32),
-                     torch.tensor([float(not c or c[-1] != eos) for c in completions]))
+    model: Any
+    tokenizer: Any
+    data: PromptData
+    rows: PromptRows
+    rewards: list[rewards_.Reward]
+    s: GRPO
+    device: torch.device
+    autocast: Any = None
+    eagerly: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # sampling runs uncompiled
+    generated_tokens: int = 0
+    generation_s: float = 0.0
+    prefilled: int = 0  # context tokens fed to the model while sampling (a group's prompt once)
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPLIT, 0.0))  # seconds by part (SPLIT)
 
     def took(self, seconds: float, prefill: float, tools: float = 0.0) -> None:
         """A draw's sampling time (its scoring aside), split: prefill, tools, and decode the rest."""
@@ -223,11 +180,117 @@ class Sampler:
         for part, s in (("prefill", prefill), ("tools", tools), ("decode", seconds - prefill - tools)):
             self.times[part] += s
 
+
+class Draws(Protocol):
+    """Where a step's completions come from, what the job, the loss and the held-out reward read of it: Completions
+    (one sampled reply a completion) or episodes.Episodes (an episode of turns in an environment a completion)."""
+
+    on: Sampling
+    episodes: bool  # a completion is an episode of turns: its figures (EPISODE_STATS) follow the rewards'
+    weights: torch.Tensor  # (rewards,) each scores column's weight in the reward
+
+    def draw(self, keys: list[int], seed: int) -> Drawn: ...
+    def reward_names(self) -> list[rewards_.Reward]: ...
+    def stat_names(self) -> tuple[str, ...]: ...
+    def probe_length(self, keys: list[int]) -> int: ...
+    def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]: ...
+    def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]: ...
+
+
+class Completions:
+    """Single-turn draws: num_generations completions of each prompt sampled in one batched decode (`sample`), each
+    scored by the --reward functions on its text."""
+
+    episodes = False
+
+    def __init__(self, on: Sampling):
+        self.on = on
+        self.weights = torch.tensor([r.weight for r in on.rewards], dtype=torch.float32)
+
+    def reward_names(self) -> list[rewards_.Reward]:
+        """The rewards the step's stats name, in their columns' order."""
+        return self.on.rewards
+
+    def stat_names(self) -> tuple[str, ...]:
+        return stat_names(self.on.rewards)
+
+    def probe_length(self, keys: list[int]) -> int:
+        """The longest completion a row of `keys` can hold: what the probe's rows are made of."""
+        return self.on.s.max_completion_length
+
+    def texts(self, keys: list[int], completions: list[list[int]], g: int
+              ) -> tuple[list[str], list[str], dict[str, list]]:
+        """(prompts, completions, columns) as the rewards read them, one item a completion (`g` a prompt): each
+        prompt the text the model was given, in the run's prompt format."""
+        on = self.on
+        rendered = {k: on.tokenizer.decode(on.data.ids[k]) for k in keys}
+        sources = [on.data.source(k) for k in keys for _ in range(g)]
+        prompts = [rendered[k] for k in keys for _ in range(g)]
+        texts = [on.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        names = on.rows.column_names()
+        return prompts, texts, {n: [on.rows.columns[i].get(n) for i in sources] for n in names}
+
+    def score(self, keys: list[int], completions: list[list[int]], g: int) -> torch.Tensor:
+        """(completions, rewards) each reward's score, NaN where it returned None (`g` completions a prompt)."""
+        prompts, texts, columns = self.texts(keys, completions, g)
+        scores = [[torch.nan if v is None else v for v in r.score(prompts, texts, columns)] for r in self.on.rewards]
+        return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.on.rewards))
+
+    def draw(self, keys: list[int], seed: int) -> Drawn:
+        """num_generations completions of each prompt of `keys` sampled (seeded by `seed` alone), and scored."""
+        on = self.on
+        started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
+        with on.eagerly():
+            completions = sample(on.model, on.tokenizer, on.device, on.autocast, [on.data.ids[k] for k in keys],
+                                 on.s, seed)
+        on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
+        on.generated_tokens += sum(map(len, completions))
+        on.prefilled += sum(len(on.data.ids[k]) for k in keys)
+        eos = on.tokenizer.eos_token_id
+        started = time.perf_counter()
+        scores = self.score(keys, completions, on.s.num_generations)
+        on.times["scoring"] += time.perf_counter() - started
+        return Drawn(completions, scores,
+                     torch.tensor([len(c) for c in completions], dtype=torch.float32),
+                     torch.tensor([float(not c or c[-1] != eos) for c in completions]))
+
+    def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]:
+        """Each held-out prompt's row of reward scores (NaN where a reward had no opinion) for one greedy completion,
+        `chunks` (lists of held-out prompts) decoded as one batch each."""
+        on, rows = self.on, []
+        for chunk in chunks:
+            with on.eagerly():
+                completions = complete(on.model, on.tokenizer, on.device, on.autocast,
+                                       [on.data.ids[k] for k in chunk], 1, on.s.max_completion_length)
+            rows += self.score(chunk, completions, 1).tolist()
+        return rows
+
+    def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]:
+        """The weighted reward of held_out_scores' rows (all ranks' together), and each reward's."""
+        rewards = self.on.rewards
+        scores = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(rewards))
+        return {"eval_reward": float((scores * self.weights).nansum(1).mean()),
+                **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(rewards)}}
+
+
+class StepRows:
+    """A step's groups and their micro batches, whatever drew them: the job's begin_step draws the step's prompts
+    (`draws.draw`) and sets `groups` to `groups_of` them before the step's first micro batch, and `collate` then
+    cuts each micro batch's rows from them.
+
+    Under torchrun each rank makes the groups of its own prompts of the step (what feed.micro_batches hands
+    begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by the rank
+    as well (step_seed), so a resume at the same world size samples again what the run did."""
+
+    def __init__(self, draws: Draws):
+        self.draws, self.s = draws, draws.on.s
+        self.groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
+
     def groups_of(self, keys: list[int], drawn: Drawn) -> Groups:
         """`keys`' groups of what was drawn: each completion's advantage within its group, and the step's stats
         per completion (stat_names' order, kl aside)."""
         scores = drawn.scores
-        adv, total, zero = advantages(scores, self.weights, self.s.num_generations, self.s.scale_rewards)
+        adv, total, zero = advantages(scores, self.draws.weights, self.s.num_generations, self.s.scale_rewards)
         per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
                                                            (~torch.isnan(scores[:, j])).float())]
         stats = torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), drawn.lengths,
@@ -240,44 +303,28 @@ class Sampler:
             tokens = [[a[t] if t < len(a) else 0.0 for t in turns] for a, turns in zip(per_turn, drawn.turn_of)]
         return Groups(keys, drawn.completions, adv, stats, drawn.masks, tokens)
 
+    def filler(self, keys: list[int], length: int) -> Groups:
+        """Groups of `keys` whose completions are `length` EOS tokens each, advantages and stats 0: nothing drawn."""
+        g, eos = self.s.num_generations, self.draws.on.tokenizer.eos_token_id
+        return Groups(keys, [[eos] * length] * (len(keys) * g), torch.zeros(len(keys) * g),
+                      torch.zeros(len(keys) * g, len(self.draws.stat_names()) - 1))
+
     def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
         """The rows of `keys`' groups, cut from the step's (the job's begin_step made them; the global micro-step's keys,
         feed.micro_batches' second argument, add nothing here)."""
-        groups = self.step_groups
+        groups = self.groups
         if groups is None or keys[0] not in groups.keys:
             # feed.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
             # are zeroed there): one EOS a completion, nothing sampled
-            g = self.s.num_generations
-            groups = Groups(keys, [[self.tokenizer.eos_token_id]] * (len(keys) * g), torch.zeros(len(keys) * g),
-                            torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
-        return rows_of(groups, keys, self.data, self.s.num_generations, self.tokenizer.pad_token_id,
-                       skip_alike=self.s.beta == 0)
+            groups = self.filler(keys, 1)
+        return rows_of(groups, keys, self.draws.on.data, self.s.num_generations,
+                       self.draws.on.tokenizer.pad_token_id, skip_alike=self.s.beta == 0)
 
     def probe_rows(self, keys: list[int]) -> Batch:
-        """A micro batch as large as `keys` can make (every completion max_completion_length long, zero
-        advantages), without generating: what the probe times and sizes."""
-        g, length = self.s.num_generations, self.s.max_completion_length
-        filler = [self.tokenizer.eos_token_id] * length
-        groups = Groups(keys, [filler] * (len(keys) * g), torch.zeros(len(keys) * g),
-                        torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
-        return rows_of(groups, keys, self.data, g, self.tokenizer.pad_token_id)
-
-    def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]:
-        """Each held-out prompt's row of reward scores (NaN where a reward had no opinion) for one greedy completion,
-        `chunks` (lists of held-out prompts) decoded as one batch each."""
-        rows = []
-        for chunk in chunks:
-            with self.eagerly():
-                completions = complete(self.model, self.tokenizer, self.device, self.autocast,
-                                       [self.data.ids[k] for k in chunk], 1, self.s.max_completion_length)
-            rows += self.score(chunk, completions, 1).tolist()
-        return rows
-
-    def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]:
-        """The weighted reward of held_out_scores' rows (all ranks' together), and each reward's."""
-        scores = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(self.rewards))
-        return {"eval_reward": float((scores * self.weights).nansum(1).mean()),
-                **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(self.rewards)}}
+        """A micro batch as large as `keys` can make (every completion as long as the draws' can be, zero
+        advantages), without drawing: what the probe times and sizes."""
+        groups = self.filler(keys, self.draws.probe_length(keys))
+        return rows_of(groups, keys, self.draws.on.data, self.s.num_generations, self.draws.on.tokenizer.pad_token_id)
 
 
 def turn_advantages(rewards: list[dict[int, float]], group: int, scale: str) -> list[list[float]]:

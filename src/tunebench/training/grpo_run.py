@@ -19,7 +19,7 @@ from tunebench.training import checkpoint, environment, finetune_data
 from tunebench.training import rewards as rewards_
 from tunebench.training.autotune import Trained
 from tunebench.training.environment import Environment
-from tunebench.training.grpo import Sampler
+from tunebench.training.grpo import Draws, Sampling
 
 
 def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None]:
@@ -113,12 +113,12 @@ def generation(ranks: list[dict[str, Any]], outcome, s: GRPO) -> dict[str, Any]:
             "update_s": round(update_s, 3), "update_tokens_per_s": state.tokens / update_s}
 
 
-def rank_figures(sampler: Sampler, held_out: HeldOutReward) -> dict[str, Any]:
+def rank_figures(on: Sampling, held_out: HeldOutReward) -> dict[str, Any]:
     """What each rank counted itself, read on every rank once training has ended (recipe.Recipe.rank_figures) and
     gathered for rank 0: its sampling's tokens and seconds (for `generation`), its held-out rows (for
     HeldOutReward.after)."""
-    return {"generated_tokens": sampler.generated_tokens, "generation_s": sampler.generation_s,
-            "prefilled_tokens": sampler.prefilled, "times": sampler.times, "held_out": held_out.mine()}
+    return {"generated_tokens": on.generated_tokens, "generation_s": on.generation_s,
+            "prefilled_tokens": on.prefilled, "times": on.times, "held_out": held_out.mine()}
 
 
 class HeldOutReward:
@@ -127,14 +127,14 @@ class HeldOutReward:
     makes them, each rank every world-size-th batch (as loop.evaluate shares held-out batches), and rank 0 reads
     every rank's rows: the figures are one process's, in a share of its time."""
 
-    def __init__(self, sampler: Sampler, keys: list[int], world: World, batch_size: int = 8):
-        self.sampler, self.keys, self.world, self.start = sampler, keys, world, {}
+    def __init__(self, draws: Draws, keys: list[int], world: World, batch_size: int = 8):
+        self.draws, self.keys, self.world, self.start = draws, keys, world, {}
         self.chunks = [keys[i:i + batch_size] for i in range(0, len(keys), batch_size)]
 
     def mine(self) -> list[list[float]]:
-        """This rank's rows (Sampler.held_out_scores) of the held-out prompts, at the model's weights now; on every
+        """This rank's rows (Draws.held_out_scores) of the held-out prompts, at the model's weights now; on every
         rank, before training (`before`) and after it (gathered for `after`)."""
-        return self.sampler.held_out_scores(self.chunks[self.world.rank::self.world.size]) if self.keys else []
+        return self.draws.held_out_scores(self.chunks[self.world.rank::self.world.size]) if self.keys else []
 
     def before(self) -> None:
         """On every rank, before the first step."""
@@ -142,7 +142,7 @@ class HeldOutReward:
             return
         rows = distributed.gather(self.world, self.mine())
         if rows is not None:
-            self.start = self.sampler.held_out_figures([row for part in rows for row in part])
+            self.start = self.draws.held_out_figures([row for part in rows for row in part])
             print(f"held-out reward before training: {describe(self.start)} on {len(self.keys)} prompts")
 
     def after(self, ranks: list[dict[str, Any]]) -> dict[str, float]:
@@ -150,7 +150,7 @@ class HeldOutReward:
         once training has ended), beside those before."""
         if not self.keys:
             return {}
-        after = self.sampler.held_out_figures([row for r in ranks for row in r["held_out"]])
+        after = self.draws.held_out_figures([row for r in ranks for row in r["held_out"]])
         print(f"held-out reward after training: {describe(after)} (before: {self.start['eval_reward']:.4f})")
         return {"eval_reward_before": self.start["eval_reward"], **after,
                 **{f"{k}_before": v for k, v in self.start.items() if k.startswith("eval_episodes/")}}
