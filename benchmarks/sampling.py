@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lora", default="", help="comma-separated modules to wrap in a LoRA adapter (r 8, alpha 16, "
+                    "PEFT's get_peft_model), as a LoRA run samples through its adapter: e.g. q_proj,v_proj")
     args = ap.parse_args()
     if not GSM8K.exists():
         raise SystemExit(f"needs GSM8K at {GSM8K} (../shared/data)")
@@ -41,6 +43,11 @@ def main() -> int:
 
     placed = inference.load("smollm2-135m-instruct", None)
     tok = placed.tokenizer
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        placed.model = get_peft_model(placed.model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1,
+                                                               target_modules=args.lora.split(",")))
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[:args.prompts]]
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=False), add_special_tokens=False)["input_ids"] for q in questions]
@@ -57,7 +64,8 @@ def main() -> int:
     runs = [once() for _ in range(args.repeats)]
     speeds = [n / s for n, s in runs]
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, tunebench at "
-          f"{Path(tunebench.__file__).parents[1]}, {placed.device}, autocast {placed.autocast_dtype}")
+          f"{Path(tunebench.__file__).parents[1]}, {placed.device}, autocast {placed.autocast_dtype}"
+          + (f", LoRA on {args.lora}" if args.lora else ""))
     print(f"{args.prompts} prompts x {args.generations}, up to {args.new_tokens} new tokens: "
           f"{runs[0][0]} tokens a decode; generated tokens/s median {statistics.median(speeds):.1f} "
           f"(min {min(speeds):.1f}, max {max(speeds):.1f})")

@@ -44,6 +44,35 @@ def test_each_row_of_a_left_padded_batch_decodes_as_generate_decodes_it_alone(fa
         assert row[:len(theirs)] == theirs and all(t == tok.pad_token_id for t in row[len(theirs):])
 
 
+def test_grouped_attention_gives_eager_attentions_logits_over_a_growing_caches_views():
+    """Decoding on a CPU runs grouped_attention for a model whose key/value heads serve several query heads (the
+    tiny model: 4 query heads, 2 key/value heads): left-padded prefill and one-token steps over GrowingLayer's
+    strided views give transformers' eager attention's logits over the whole context (fp32)."""
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok, model = loaded.tokenizer, loaded.model.eval()
+    assert model.model.layers[0].self_attn.num_key_value_groups == 2
+    ids, mask = _left_padded(tok, ["Hello there, how are you", "Hi", "The order number is"])
+    nxt = torch.tensor([[7], [9], [11]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    whole_ids, whole_mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+    with torch.no_grad():
+        model.config._attn_implementation = "eager"
+        theirs = model(input_ids=whole_ids, attention_mask=whole_mask,
+                       position_ids=(whole_mask.cumsum(-1) - 1).clamp(min=0)).logits
+        with decoding.eager_attention(model, ids.device):
+            assert model.config._attn_implementation == decoding.GROUPED
+            kw = decoding.cache_keyword(model)
+            first = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                          **{kw: decoding.growing_cache()}, use_cache=True)
+            step = model(input_ids=nxt, attention_mask=whole_mask, position_ids=positions[:, -1:] + 1,
+                         **{kw: getattr(first, kw)}, use_cache=True)
+    real = mask.bool()
+    torch.testing.assert_close(first.logits[real], theirs[:, :-1][real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step.logits[:, -1], theirs[:, -1], rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_draws_from_the_tempered_distribution_and_top_p_keeps_only_the_nucleus():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
