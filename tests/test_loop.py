@@ -358,6 +358,37 @@ def test_a_fresh_run_never_replaces_an_earlier_one(tmp_path, dataset):
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step-00000001"]
 
 
+def test_a_sigterm_whose_raise_python_swallowed_still_stops_the_run_before_its_loop(tmp_path, dataset, monkeypatch):
+    """A run's SIGTERM handler raises in whatever the main thread runs; landing in a finalizer (or an at-fork hook,
+    a thread's start), the raise is printed as "Exception ignored" and lost, and the run trained on as if never
+    asked to stop (a search's trial outlived its SIGTERM). The stop is kept and raised again between the run's
+    stages: exit 130 before the first step, nothing trained or written."""
+    import os
+    import signal
+
+    from tunebench.training import recipe
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the finalizer
+
+    planned = recipe.plan_run
+    swallowed = []
+
+    def plan_then_signal(*args):
+        made = planned(*args)
+        Finalized()
+        swallowed.append(True)  # the raise did not reach this frame
+        return made
+
+    monkeypatch.setattr(recipe, "plan_run", plan_then_signal)
+    out = tmp_path / "run"
+    with pytest.raises(TunebenchError, match="SIGTERM before the first training step") as stopped:
+        finetune.run(_cfg(dataset, out, **{"train.max_steps": 2}))
+    assert swallowed and stopped.value.exit_code == 130
+    assert not checkpoint.list_checkpoints(out / "checkpoints") and not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("method, precision", [("full", "bf16"), ("full", "fp32"), ("lora", "fp32")])
 def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precision):
     """What a run saves is what it trained: reloaded, it gives the run's own final eval loss."""

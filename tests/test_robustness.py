@@ -294,3 +294,33 @@ def test_generate_reads_the_runs_template(tmp_path, dataset):
     finetune.run(_cfg(dataset, out, **{"train.max_steps": 1, "data.template": "Q: {instruction}\nA: "}))
     assert trained_template(str(out)) == "Q: {instruction}\nA: "
     assert trained_template(str(tmp_path / "nothing"), None) == "auto"
+
+
+def test_a_child_is_started_without_a_process_of_its_own_between_fork_and_exec(tmp_path, monkeypatch):
+    """children.start's preexec_fn (die_with_parent) runs in the forked child before exec: libc's prctl is looked up
+    in the parent first, so the child never runs find_library (it starts `ldconfig -p`, a process of its own, a
+    long window where a signal lands in the half-made child)."""
+    import ctypes.util
+    import os
+    import sys
+
+    from tunebench.core import startup
+    from tunebench.jobs import children
+
+    calls = tmp_path / "find_library.txt"
+    real = ctypes.util.find_library
+
+    def noted(name):
+        with open(calls, "a") as f:  # the child inherits this function: its calls are written under its own pid
+            f.write(f"{os.getpid()}\n")
+        return real(name)
+
+    monkeypatch.setattr(ctypes.util, "find_library", noted)
+    startup.libc_prctl.cache_clear()
+    try:
+        proc = children.start("train", tiny_run_config(tmp_path / "d.jsonl", tmp_path / "run"), tmp_path / "run",
+                              log=tmp_path / "log.txt", program=[sys.executable, "-c", "pass"])
+        assert proc.wait(60) == 0
+    finally:
+        startup.libc_prctl.cache_clear()
+    assert calls.read_text().split() == [str(os.getpid())]  # once, in this process

@@ -100,6 +100,14 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
     assert proc.returncode == 130, stdout + stderr
     assert "rerun the same command to resume" in stderr
     assert [r["experiment"] for r in _rows(out / "results.csv")] == ["trial-0"]
+    from tunebench.core import runlock
+
+    # the trial's process is gone (its run directory's lock with it): stopped by the search, or, had the signal
+    # landed while the search was starting it, by its own SIGTERM when the search died (die_with_parent)
+    deadline = time.time() + 60
+    while runlock.holder(out / "trials" / "trial-001") is not None and time.time() < deadline:
+        time.sleep(0.2)
+    assert runlock.holder(out / "trials" / "trial-001") is None
 
     # The same command again resumes: one trial done, one to run (the interrupted one does not count).
     overrides = dict(_base(dataset))

@@ -29,6 +29,7 @@ alone. PyTorch's CUDA allocator keeps GPU memory in the same way.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import sys
@@ -106,19 +107,30 @@ def allocator() -> tuple[str, str]:
     return "C default", "freed memory goes back to the OS (the tunebench command keeps it)"
 
 
+@functools.cache
+def libc_prctl():
+    """libc's prctl, or None where there is none. Looked up once: find_library runs `ldconfig -p` (a process of its
+    own), which must not happen in a child between fork and exec, where die_with_parent runs as Popen's preexec_fn
+    (children.start looks it up in the parent first, and the fork inherits the answer)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def die_with_parent(parent: int) -> bool:
     """Ask Linux to send this process SIGTERM when its parent dies, even by kill -9 (a training process then
     checkpoints and stops; nothing keeps training for no one), and do it now if `parent` is already gone.
     Children of compare and tune call it before they run; torchrun's ranks, whose agent starts each in a
     session of its own that no process-group kill reaches, call it as they join the group. False where the
     system has no prctl (elsewhere than Linux: the parent's own `stop` still ends them)."""
-    import ctypes
-    import ctypes.util
     import signal
 
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = libc_prctl()
+    if prctl is None:
         return False
     prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before prctl took effect

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tunebench.core.childenv import child_env
 from tunebench.core.durable import open_no_follow
-from tunebench.core.startup import die_with_parent
+from tunebench.core.startup import die_with_parent, libc_prctl
 from tunebench.settings.schema import RunBase
 from tunebench.settings.yamlfiles import write_config
 
@@ -31,6 +31,7 @@ def start(job: str, cfg: RunBase, run_dir: Path, *, log: Path, err: Path | None 
     launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
     argv = [*(program or [sys.executable, "-m", "tunebench", *launch, job]), str(asked)]
     parent = os.getpid()
+    libc_prctl()  # looked up here, not in the forked child (see libc_prctl)
     with open_no_follow(log, "a") as out, (open_no_follow(err) if err else contextlib.nullcontext()) as errors:
         return subprocess.Popen(argv, stdout=out, stderr=errors or subprocess.STDOUT, text=True,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=child_env() if env is None else env,

@@ -95,6 +95,7 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     stopping.StopRequest); under several ranks a signal to any one stops all of them at the same step. Only rank 0
     writes records and talks; every rank runs the rest (evaluation and saving are collectives)."""
     planned = plan_run(cfg, opened, r)
+    stopping.raise_if_signalled()  # between stages: a stop whose raise was swallowed while planning
     if r.before_training:
         r.before_training(planned.plan)
     trainer = build_trainer(cfg, opened, r, planned)
@@ -259,6 +260,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     made = planned.batches
     next_micro_batch = feed.micro_batches(made.steps, made.collate, world, plan.micro_batch_size,
                                             plan.grad_accum_steps, made.begin_step)
+    stopping.raise_if_signalled()  # the last look before the loop takes the signals over
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping.Phase.loop_started = True
     wall = time.perf_counter()

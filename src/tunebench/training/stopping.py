@@ -15,9 +15,27 @@ from tunebench.core.errors import TunebenchError
 
 class Phase:
     """Whether this process's run has reached its training loop: what a stop outside the loop's own handling
-    has to say (StopRequest handles it inside)."""
+    has to say (StopRequest handles it inside); and the signal `job`'s handler raised for, kept because the raise
+    can land where Python swallows it (a finalizer, an at-fork hook, a thread's start: "Exception ignored in ..."),
+    and the run went on as if never asked to stop (raise_if_signalled looks again)."""
 
     loop_started = False
+    signalled: str | None = None
+
+
+def raise_if_signalled() -> None:
+    """Raise again the stop `job`'s handler raised, where that raise was swallowed: called between a run's stages
+    and before its loop takes the signals over."""
+    if Phase.signalled:
+        raise _stopped(Phase.signalled)
+
+
+def _stopped(name: str) -> TunebenchError:
+    if Phase.loop_started:
+        return TunebenchError(f"{name} after training: the run's last checkpoint is kept; rerun with --resume auto "
+                              "to finish its evaluation and files", 130)
+    return TunebenchError(f"{name} before the first training step (loading or measuring): nothing was trained and no "
+                          "checkpoint written; start the run again to train", 130)
 
 
 def job(run: Callable) -> Callable:
@@ -30,14 +48,10 @@ def job(run: Callable) -> Callable:
     def guarded(*args, **kwargs):
         def on_signal(signum, frame):
             startup.note_signal()
-            name = signal.Signals(signum).name
-            if Phase.loop_started:
-                raise TunebenchError(f"{name} after training: the run's last checkpoint is kept; rerun with "
-                                     "--resume auto to finish its evaluation and files", 130)
-            raise TunebenchError(f"{name} before the first training step (loading or measuring): nothing was "
-                                 "trained and no checkpoint written; start the run again to train", 130)
+            Phase.signalled = signal.Signals(signum).name
+            raise _stopped(Phase.signalled)
 
-        Phase.loop_started = False
+        Phase.loop_started, Phase.signalled = False, None
         main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread's only
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
