@@ -658,7 +658,8 @@ def test_eval_scores_an_export_with_llama_cpps_own_answers_beside_the_run(runs, 
         assert message in capsys.readouterr().err, args
 
 
-def _quant_auto_pick(tmp_path, per_row: dict, tolerance: float, sizes: dict | None = None):
+def _quant_auto_pick(tmp_path, per_row: dict, tolerance: float, sizes: dict | None = None,
+                     types: tuple[str, ...] | None = None):
     """quant_auto.pick over stand-in files (`sizes` bytes; a type missing from them fails its check) whose rows
     score `per_row[type]`; (chosen, [types scored, in order], {type: Tried})."""
     from tunebench.jobs import quant_auto
@@ -683,7 +684,7 @@ def _quant_auto_pick(tmp_path, per_row: dict, tolerance: float, sizes: dict | No
 
     work = tmp_path / f"work{len(list(tmp_path.glob('work*')))}"
     work.mkdir()
-    settings = quant_auto.Settings(tolerance=tolerance)
+    settings = quant_auto.Settings(tolerance=tolerance, **({"types": types} if types else {}))
     chosen, path, tried = quant_auto.pick(write, Held(), settings, work)
     assert path == work / f"{chosen}.gguf"
     return chosen, scored, {t.quant: t for t in tried}, quant_auto.reason(chosen, tried, settings)
@@ -726,6 +727,19 @@ def test_quant_auto_picks_the_smallest_type_shown_within_tolerance_by_real_size(
     zero = [0.0] * 32  # an untrained run: f16 scores 0 everywhere, and so does every type; nothing is shown within
     chosen, _, t, why = _quant_auto_pick(tmp_path, dict.fromkeys(per_row, zero), 1.0)
     assert chosen == "q8_0" and t["q2_k"].outcome == "cannot tell" and why.startswith("f16 scores 0 ROUGE-L on every")
+
+
+def test_quant_types_limits_what_quant_auto_writes_and_an_unknown_type_is_refused(tmp_path, capsys):
+    """--quant-types: only the types named are written and tried (f16 always, as the reference); the rule is the
+    same over them; a type --quant auto does not make is refused in one line before anything loads."""
+    base = [30.0 + i for i in range(32)]
+    per_row = {"f16": base, "q2_k": [v - 20 for v in base], "q4_k_m": base, "q8_0": base}
+    chosen, scored, t, _ = _quant_auto_pick(tmp_path, per_row, 1.0, types=("q8_0", "q2_k"))
+    assert chosen == "q8_0" and scored == ["f16", "q2_k", "q8_0"] and set(t) == {"f16", "q2_k", "q8_0"}
+    assert t["q2_k"].outcome == "outside tolerance"
+    assert cli.main(["export", str(tmp_path / "nowhere"), "--quant", "auto", "--quant-types", "q4_k_m,q7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--quant-types q4_k_m,q7: q7 is not a type --quant auto tries" in err[0], err
 
 
 def test_quant_auto_ships_the_safe_type_when_a_few_rows_tie_a_lossy_one_with_f16(tmp_path):

@@ -127,7 +127,8 @@ def _export(args: argparse.Namespace) -> int | None:
     from tunebench.jobs.export import export
 
     export(args.run_dir, args.format, args.quant, args.output, args.allow_download,
-           quant_auto.Settings(args.quant_rows, args.quant_tolerance, args.quant_metric, args.max_new_tokens))
+           quant_auto.Settings(args.quant_rows, args.quant_tolerance, args.quant_metric, args.max_new_tokens,
+                               args.quant_types))
 
 
 def _eval(args: argparse.Namespace) -> int | None:

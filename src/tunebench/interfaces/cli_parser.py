@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"--quant auto: held-out rows each type answers (default {quant_auto.ROWS})")
     p.add_argument("--quant-tolerance", type=float, default=quant_auto.TOLERANCE,
                    help=f"--quant auto: points of the metric a type may lose against f16 (default {quant_auto.TOLERANCE:g})")
+    p.add_argument("--quant-types", default=",".join(quant_auto.CANDIDATES), type=lambda s: tuple(s.split(",")),
+                   help="--quant auto: the types to try, comma-separated (default every one, smallest bits first: "
+                        f"{','.join(quant_auto.CANDIDATES)}); each is written and checked, so fewer take less time")
     p.add_argument("--quant-metric", default="rougeL", choices=quality.OBJECTIVES,
                    help="--quant auto: the task score compared (default rougeL)")
     p.add_argument("--max-new-tokens", type=positive, default=128,

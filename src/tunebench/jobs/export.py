@@ -52,6 +52,8 @@ def export(run_dir: str, fmt: str = "gguf", quant: str | None = None, output: st
     if fmt not in EXPORT_FORMATS:
         raise TunebenchError(f"--format '{fmt}' is not one of {', '.join(EXPORT_FORMATS)}")
     quant = check_quant(fmt, quant)
+    if quant == "auto":
+        auto.check()
     source = find_source(run_dir)
     config = base_config(source, allow_download)
     writer, why = gguf_export.route(config) if fmt != "hf" else ("hf", "")

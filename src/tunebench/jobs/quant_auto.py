@@ -59,12 +59,18 @@ class Settings:
     tolerance: float = TOLERANCE
     metric: str = "rougeL"
     max_new_tokens: int = 128
+    types: tuple[str, ...] = CANDIDATES  # the types tried (--quant-types), f16 always the reference
 
     def check(self) -> None:
         if self.rows < 1 or self.tolerance < 0 or self.metric not in quality.OBJECTIVES:
             raise TunebenchError(f"--quant auto needs --quant-rows 1 or more, --quant-tolerance 0 or more and "
                                  f"--quant-metric one of {', '.join(quality.OBJECTIVES)}; got {self.rows}, "
                                  f"{self.tolerance} and {self.metric!r}")
+        unknown = [q for q in self.types if q not in CANDIDATES]
+        if unknown or not self.types:
+            raise TunebenchError(f"--quant-types {','.join(self.types)}: "
+                                 + (f"{', '.join(unknown)} is not a type --quant auto tries" if unknown else "no type")
+                                 + f"; give some of {','.join(CANDIDATES)} (f16 is always the reference)")
 
 
 def held_out(run_dir: Path, settings: Settings):
@@ -120,7 +126,7 @@ def pick(write: Callable, held, settings: Settings, work: Path) -> tuple[str, Pa
     ref = _score(held, reference, REFERENCE, settings, work)
     tried = [ref]
     written = []
-    for quant in CANDIDATES:
+    for quant in (q for q in CANDIDATES if q in settings.types):
         path = work / f"{quant}.gguf"
         try:
             write(quant, path)
