@@ -222,8 +222,13 @@ def test_uploads_are_kept_by_content_for_their_runs_bounded_and_previewed_from_a
     import pyarrow.parquet as pq
 
     s = studio.Studio(tmp_path / "runs")
-    first = s.keep_upload(str(_csv(tmp_path / "up1.csv", 3000)))
+    umask = os.umask(0o022)  # a common default: others may read what is written
+    try:
+        first = s.keep_upload(str(_csv(tmp_path / "up1.csv", 3000)))
+    finally:
+        os.umask(umask)
     assert Path(first).is_absolute() and not (tmp_path / "up1.csv").exists()  # Gradio's copy is gone
+    assert Path(first).stat().st_mode & 0o077 == 0 and Path(first).parent.stat().st_mode & 0o077 == 0  # ours only
     assert s.keep_upload(str(_csv(tmp_path / "again.csv", 3000))) == first  # the same bytes, kept once
     shown = studio.preview(first, "tiny")
     assert shown.rows == studio.PREVIEW_ROWS and "first 2,000 rows" in shown.markdown()

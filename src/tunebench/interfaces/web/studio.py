@@ -539,8 +539,12 @@ class Studio:
                     if len(kept) >= MAX_UPLOADS or held + src.stat().st_size > MAX_UPLOAD_BYTES:
                         raise TunebenchError(f"the studio already keeps {len(kept)} uploads ({held / 2 ** 20:,.0f} MB) "
                                              "for runs; delete finished runs, or train this file from a terminal")
-                    self.uploads.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(src, dest)
+                    self.uploads.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    # the visitor's data: readable by the server's user only, whatever the umask; never through a
+                    # link planted at the name
+                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    with open(fd, "wb") as out, open(src, "rb") as f:
+                        shutil.copyfileobj(f, out)
                 os.utime(dest)
         finally:
             src.unlink(missing_ok=True)
