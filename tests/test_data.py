@@ -433,3 +433,8 @@ def test_a_reply_in_the_tool_template_reads_back_as_its_calls():
     said, calls = toolcalls.parse(text)
     assert calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
     assert said.startswith("Let me check.") and "broken" in said  # a call that does not parse stays text
+    # what a policy may write in 512 tokens of "[[[[": nested past Python's recursion limit, no call (was an
+    # uncaught RecursionError, ending a GRPO run or an API request)
+    deep = '<tool_call>\n{"name": "f", "arguments": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}\n</tool_call>"
+    said, calls = toolcalls.parse("Hm. " + deep)
+    assert calls == [] and said.startswith("Hm.")

@@ -155,12 +155,13 @@ def written(name: str, arguments: dict[str, Any]) -> str:
 
 def parse(text: str) -> tuple[str, list[dict[str, Any]]]:
     """A reply in TEMPLATE's form split into its text and its calls [{"name", "arguments"}]; a <tool_call> whose
-    JSON does not parse (or names no function) is no call, and stays in the text."""
+    JSON does not parse (or nests too deep for Python's parser, or names no function) is no call, and stays in the
+    text."""
     calls, kept = [], text
     for found in CALL.finditer(text):
         try:
             call = json.loads(found.group(1))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a model's output may nest past Python's recursion limit
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             args = call.get("arguments", {})
