@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_resumed, run_losses
+from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
 from tunebench.interfaces.cli import main
 from tunebench.settings.objectives import GRPO
@@ -150,6 +151,25 @@ def test_max_turns_is_one_or_more_and_belongs_to_an_environment(tmp_path, capsys
     assert main(["train", "--model", "tiny", "--method", "grpo", "--reward", "exact", "--max-turns", "2", "--data",
                  str(_rows(tmp_path))]) == 2
     assert "--max-turns and --tool-timeout set episodes in an environment" in capsys.readouterr().err
+
+
+def test_a_reset_or_reward_that_never_answers_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    """reset and reward run under a time limit of their own (environment.CALLBACK_S): one that never returns is
+    the user's bug, refused in one line naming it, where it used to hang the run without a word."""
+    stuck = ENV.replace("def reset(row):\n", "def reset(row):\n    if row.get('q') == 'stuck':\n"
+                                                "        time.sleep(30)\n")
+    stuck = stuck.replace("def reward(messages, row):\n", "def reward(messages, row):\n    if row.get('q') == "
+                                                             "'late':\n        time.sleep(30)\n")
+    assert stuck.count("time.sleep(30)") == 2
+    env = environment.load(str(_env(tmp_path, stuck)), timeout_s=0.3)
+    monkeypatch.setattr(environment, "CALLBACK_S", 0.3)
+    assert environment.opening(env, {"q": "k a?"})[0]["content"] == "k a?"
+    with pytest.raises(TunebenchError, match=r"reset gave no answer within 0.3 s on the row \{\"q\": \"stuck\"\}"):
+        environment.opening(env, {"q": "stuck"})
+    with pytest.raises(TunebenchError, match="reward gave no answer within 0.3 s; it must return"):
+        environment.score(env, [{"role": "assistant", "content": "1"}], {"q": "late", "a": "1"})
+    with pytest.raises(TunebenchError, match="reward raised KeyError"):  # as before: its error, in one line
+        environment.score(env, [{"role": "assistant", "content": "1"}], {"q": "no answer column"})
 
 
 def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_with_an_error(tmp_path):

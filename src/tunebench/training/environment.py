@@ -203,13 +203,42 @@ def rows(env: Environment, data) -> Any:
     return prompts.PromptRows([opening(env, r) for r in records], [dict(r) for r in records], data.path)
 
 
+CALLBACK_S = 60.0  # reset's and reward's time limit: one stuck would hang the run without a word
+
+
+def _within(fn: Callable[[], Any], limit_s: float, name: str) -> dict[str, Any] | None:
+    """fn() in a thread of its own, waited for `limit_s`: {"value": ...} or {"error": the exception}, None when it
+    gave no answer in time (a thread cannot be killed: it is left to finish on its own, its answer unread)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - the user's function: its caller says what it means
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name=name)
+    worker.start()
+    worker.join(limit_s)
+    return None if worker.is_alive() else box
+
+
+def _callback(env: Environment, what: str, fn: Callable[[], Any], where: str = "") -> Any:
+    """reset or reward run within CALLBACK_S: an exception or no answer is the user's bug, said in one line."""
+    box = _within(fn, CALLBACK_S, f"environment-{what}")
+    if box is None:
+        raise TunebenchError(f"--environment {env.path}: {what} gave no answer within {CALLBACK_S:g} s{where}; it "
+                             "must return (a slow check belongs in a tool, which has --tool-timeout)")
+    if "error" in box:
+        e = box["error"]
+        raise TunebenchError(f"--environment {env.path}: {what} raised {type(e).__name__}: {e}{where}")
+    return box["value"]
+
+
 def opening(env: Environment, row: dict[str, Any]) -> list[dict[str, Any]]:
     """reset(row)'s opening messages, checked: a non-empty list of {role, content} with text content."""
-    try:
-        messages = env.reset(dict(row))
-    except Exception as e:  # noqa: BLE001 - the user's function on a data row
-        raise TunebenchError(f"--environment {env.path}: reset raised {type(e).__name__}: {e} on the row "
-                             f"{json.dumps(row, default=str)[:200]}") from None
+    messages = _callback(env, "reset", lambda: env.reset(dict(row)),
+                         f" on the row {json.dumps(row, default=str)[:200]}")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
             for m in messages):
@@ -228,21 +257,11 @@ def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
         return ToolAnswer(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)
     if not toolcalls.valid({"name": name, "arguments": arguments}, env.schemas):
         return ToolAnswer(f"error: the arguments {json.dumps(arguments)[:200]} do not fit {name}'s parameters", False)
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = env.tools[name](**arguments)
-        except Exception as e:  # noqa: BLE001 - the tool's error is the model's to read
-            box["error"] = f"{type(e).__name__}: {e}"
-
-    worker = threading.Thread(target=run, daemon=True, name=f"tool-{name}")
-    worker.start()
-    worker.join(env.timeout_s)
-    if worker.is_alive():  # a thread cannot be killed: it is left to finish on its own, its answer unread
+    box = _within(lambda: env.tools[name](**arguments), env.timeout_s, f"tool-{name}")
+    if box is None:
         return ToolAnswer(f"error: {name} gave no answer within {env.timeout_s:g} s", False)
-    if "error" in box:
-        return ToolAnswer(f"error: {box['error']}", False)
+    if "error" in box:  # the tool's error is the model's to read
+        return ToolAnswer(f"error: {type(box['error']).__name__}: {box['error']}", False)
     value = box.get("value")
     return ToolAnswer(value if isinstance(value, str) else json.dumps(value, default=str), True)
 
@@ -253,10 +272,7 @@ def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any],
     list, one float per turn of the model's (`turns` of them: per-turn rewards, credited to each turn's tokens).
     An exception, or a list of another length or holding anything but numbers, is the user's bug and stops the
     run, said in one line naming the episode (`episode`, its index in the step) and the turn."""
-    try:
-        value = env.reward([dict(m) for m in messages], dict(row))
-    except Exception as e:  # noqa: BLE001
-        raise TunebenchError(f"--environment {env.path}: reward raised {type(e).__name__}: {e}") from None
+    value = _callback(env, "reward", lambda: env.reward([dict(m) for m in messages], dict(row)))
     if isinstance(value, (list, tuple)):
         if len(value) != turns:
             raise TunebenchError(f"--environment {env.path}: reward returned {len(value)} per-turn rewards for "
