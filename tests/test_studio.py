@@ -388,6 +388,9 @@ def test_a_run_on_two_processes_is_checked_at_two_ranks_trains_on_both_and_resum
         studio.check(studio.Ask(pairs, "odd", "tiny", "dpo", effective_batch=3, processes=2), tmp_path / "runs")
     with pytest.raises(TunebenchError, match="processes 0 is out of this page's range"):
         studio.check(studio.Ask(pairs, "none", "tiny", "dpo", processes=0), tmp_path / "runs")
+    cores = len(os.sched_getaffinity(0))  # each rank a core at most: more would only thrash a shared server
+    with pytest.raises(TunebenchError, match=f"processes {cores + 1}: this server has {cores} core"):
+        studio.check(studio.Ask(pairs, "many", "tiny", "dpo", processes=cores + 1), tmp_path / "runs")
     ask = studio.Ask(pairs, "ranks", "tiny", "dpo", effective_batch=4, max_steps=2, processes=2)
     rows = {r[0]: r for r in studio.settings_rows(ask, studio.check(ask, tmp_path / "runs"))}
     assert rows["processes"][1] == "2" and "(the divisors of 2)" in rows["micro_batch_size"][2]

@@ -172,6 +172,10 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
         if value is not None and not low <= value <= high:
             raise TunebenchError(f"{key.replace('_', ' ')} {value:g} is out of this page's range ({low:g} to "
                                  f"{high:g}); run bigger jobs with `tunebench train` from a terminal")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ask.processes > cores:  # each rank loads the model and wants a core: more only thrash a shared server
+        raise TunebenchError(f"processes {ask.processes}: this server has {cores} core(s) for runs, so at most "
+                             f"{cores}; oversubscribe from a terminal (`tunebench launch`) if you mean to")
     if (runs_dir / ask.name).exists():
         raise TunebenchError(f"a run named {ask.name!r} already exists in {runs_dir}; pick another name, or resume "
                              "it from the Runs tab")
