@@ -539,3 +539,24 @@ def test_a_vote_store_whose_read_never_ends_is_stopped_at_the_time_limit(tmp_pat
     with pytest.raises(TunebenchError, match="took over 0.5 s and was stopped"):
         votes.votes(db, "model_a, model_b, vote")
     assert time.monotonic() - started < 10
+
+
+def test_an_export_past_its_time_limit_is_stopped_with_every_process_it_started(tmp_path):
+    """The studio's export is a child that starts its own (the converter, the quantizer): past the time limit the
+    whole group is killed, where subprocess.run's timeout killed the child alone and left its children running."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(60)\n")
+    assert views.run_whole([sys.executable, "-c", script], 8.0) is None
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:  # killed: reaped by init soon after
+        if Path(f"/proc/{grandchild}/stat").read_text().split(") ")[1].startswith("Z"):
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{grandchild}").exists() or \
+        Path(f"/proc/{grandchild}/stat").read_text().split(") ")[1].startswith("Z")
+    done = views.run_whole([sys.executable, "-c", "print('ok')"], 30.0)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"

@@ -5,7 +5,10 @@ A/B votes). The queue that starts and stops runs is studio.py's; no Gradio here 
 
 from __future__ import annotations
 
+import contextlib
 import html
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -138,18 +141,31 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     target = output_path(run, fmt, quant, None)
     if target.exists():  # exports never overwrite: the file already there is this run's, in this format
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
-    try:
-        done = subprocess.run([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant",
-                               quant], capture_output=True, text=True, stdin=subprocess.DEVNULL, env=child_env(),
-                              timeout=EXPORT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    done = run_whole([sys.executable, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
+                     EXPORT_TIMEOUT_S)
+    if done is None:
         raise TunebenchError(f"the export of {name} ran past {EXPORT_TIMEOUT_S // 60} minutes and was stopped; "
-                             f"export it from a terminal: tunebench export {run} --format {fmt} --quant {quant}"
-                             ) from None
+                             f"export it from a terminal: tunebench export {run} --format {fmt} --quant {quant}")
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise TunebenchError(lines[-1] if lines else f"export failed (exit {done.returncode})")
     return str(target)
+
+
+def run_whole(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
+    """`argv` run to its end with its output captured, in a process group of its own; past `timeout_s` the whole
+    group is killed (None): subprocess.run's timeout kills the child alone, and an export's converter or
+    quantizer, its own children, lived on with no one to wait for them."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            env=child_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def offer_export(registry, written: Path) -> str | None:
