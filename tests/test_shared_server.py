@@ -80,9 +80,42 @@ def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_pat
     stopper = studio.Studio(s.runs_dir) if restarted else s
     assert "stopping (SIGTERM)" in stopper.stop("r")
     time.sleep(1.2)  # past the terminal's one-second grace, where a second signal would have aborted
-    assert stopper.stop("r") == "r is already stopping; it saves its checkpoint, then ends"
+    assert stopper.stop("r").startswith("r is already stopping; it saves its checkpoint, then ends (Stop again after")
     assert s.wait("r", 30) == 130
     assert (s.runs_dir / "r" / "terms").read_text() == "1" and s.state("r") == "stopped (checkpoint kept)"
+
+
+DEAF = """
+import signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1]).parent
+(out / "config.yaml").write_text("model: {name: tiny}\\n")
+signal.signal(signal.SIGTERM, lambda *a: (out / "termed").write_text(""))  # stuck where it cannot stop
+(out / "ready").write_text("")
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["this-server", "an-earlier-server"])
+def test_a_stop_clicked_again_past_its_grace_kills_a_run_that_did_not_end(tmp_path, monkeypatch, restarted):
+    """A run that cannot act on its SIGTERM (stuck in C, a rank in a collective): the second Stop within
+    STOP_GRACE_S sends nothing; one after it kills the run's process group (SIGKILL)."""
+    fake = tmp_path / "tunebench_deaf_train.py"
+    fake.write_text(DEAF)
+    s = studio.Studio(tmp_path / "runs")
+    s.program = [sys.executable, str(fake)]
+    s.start(studio.Ask(str(_csv(tmp_path / "d.csv")), "r", "tiny"))
+    deadline = time.monotonic() + 30
+    while not (s.runs_dir / "r" / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopper = studio.Studio(s.runs_dir) if restarted else s
+    assert "stopping (SIGTERM)" in stopper.stop("r")
+    while not (s.runs_dir / "r" / "termed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "already stopping" in stopper.stop("r")  # within the grace: nothing sent
+    monkeypatch.setattr(studio, "STOP_GRACE_S", 0)  # the grace is over
+    assert "killed (SIGKILL)" in stopper.stop("r")
+    assert s.wait("r", 30) == -signal.SIGKILL
 
 
 def test_sigterm_never_aborts_the_save_and_a_second_ctrl_c_does(monkeypatch):

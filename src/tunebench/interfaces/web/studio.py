@@ -9,6 +9,7 @@ both their tokens/s would be wrong); a second start waits in a queue the page sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import html
@@ -46,6 +47,7 @@ MAX_QUEUED, MAX_QUEUED_PER_CLIENT = 8, 2
 BOUNDS = {"max_steps": (1, 1_000_000), "epochs": (0.01, 100), "effective_batch": (1, 4096), "max_length": (8, 32_768),
           "processes": (1, 64)}
 MAX_UPLOADS, MAX_UPLOAD_BYTES = 16, 2 * 2 ** 30  # files kept for runs, and their total size
+STOP_GRACE_S = 120  # after a run's Stop, how long a second Stop sends nothing (the checkpoint being written)
 UPLOAD_GRACE_S = 3600  # an upload no run uses yet is kept this long (the page between upload and Start)
 PARQUET_MAX_BYTES = 2 * 2 ** 30  # uncompressed, from the file's own metadata, before a row is read
 PREVIEW_ROWS = 2000  # the preview reads this many rows, not the whole file
@@ -272,6 +274,7 @@ class Job:
     processes: int = 1  # its ranks (tunebench launch)
     process: subprocess.Popen | None = None
     stopping: bool = False
+    stop_sent: float = 0.0  # time.time() of its Stop's SIGTERM
 
 
 class Studio:
@@ -341,8 +344,10 @@ class Studio:
 
     def stop(self, name: str, client: str = "local") -> str:
         """SIGTERM to a running run (it saves a checkpoint, which Resume continues from), once: a second click
-        says so and sends nothing (a second signal must not cost the checkpoint being written); a queued run
-        leaves the queue."""
+        says so and sends nothing (a second signal must not cost the checkpoint being written), until STOP_GRACE_S
+        have passed since the first; a click after that kills the run's process group (SIGKILL: a run stuck where
+        its handler cannot run, a rank waiting in a collective), and Resume continues from its last checkpoint. A
+        queued run leaves the queue."""
         run_name(name)
         said = f"{name}: stopping (SIGTERM); it saves a checkpoint first, and Resume continues from it"
         with self._lock:
@@ -353,19 +358,31 @@ class Studio:
             job = self.current
             if job is not None and job.name == name and job.process is not None:
                 if not job.stopping:
-                    job.stopping = True
+                    job.stopping, job.stop_sent = True, time.time()
                     job.process.send_signal(signal.SIGTERM)
                     return said
-                return f"{name} is already stopping; it saves its checkpoint, then ends"
+                return self._again(name, job.process.pid, job.stop_sent)
             held = self._pidfile(name)
             if not held or not runlock.alive(held.get("pid", 0), held.get("start")):
                 raise TunebenchError(f"run {name!r} is not running" + (
                     " here: it trains in another process; stop it from there" if self._elsewhere(name) else ""))
             if held.get("stopping"):
-                return f"{name} is already stopping; it saves its checkpoint, then ends"
+                return self._again(name, held["pid"], held.get("stop_sent", 0.0))
             os.kill(held["pid"], signal.SIGTERM)
-            self._write_pidfile(name, {**held, "stopping": True})
+            self._write_pidfile(name, {**held, "stopping": True, "stop_sent": time.time()})
         return said
+
+    def _again(self, name: str, pid: int, sent: float) -> str:
+        """A Stop clicked on a run already stopping: nothing sent within STOP_GRACE_S of the first, then SIGKILL to
+        its process group (the child leads one of its own: children.start)."""
+        waited = time.time() - sent
+        if waited < STOP_GRACE_S:
+            return (f"{name} is already stopping; it saves its checkpoint, then ends (Stop again after "
+                    f"{STOP_GRACE_S - waited:.0f} s more kills it)")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        return (f"{name} did not end within {waited:.0f} s of its Stop: killed (SIGKILL); Resume continues from its "
+                "last checkpoint")
 
     def _enqueue(self, job: Job) -> str:
         with self._lock:
