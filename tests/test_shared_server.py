@@ -393,6 +393,20 @@ def test_a_server_without_a_login_answers_only_its_own_host_names(open_server):
     assert _post(open_server, "/", None, {"Host": "rebound.example"})[0] == 403  # the page too
 
 
+def test_a_page_of_another_site_cannot_post_to_the_server_through_a_visitors_browser(open_server):
+    """Gradio's own routes (its upload above all) and the API refuse a state-changing request whose Origin is another
+    site's (a form POST from any page the visitor opens); the page's own origin and programs (no Origin) pass."""
+    files = b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"x.csv\"\r\n\r\na,b\r\n--b--\r\n"
+    form = {"Content-Type": "multipart/form-data; boundary=b"}
+    status, _, text = _post(open_server, "/gradio_api/upload", files, {**form, "Origin": "https://evil.example"})
+    assert status == 403 and "another site's page" in text
+    assert _post(open_server, "/v1/models", b"{}", {"Origin": "null"})[0] == 403  # a sandboxed or file: page
+    here = f"http://127.0.0.1:{open_server}"
+    assert _post(open_server, "/gradio_api/upload", files, {**form, "Origin": here})[0] == 200
+    assert _post(open_server, "/gradio_api/upload", files, form)[0] == 200  # a program: no Origin
+    assert _post(open_server, "/v1/models", None, {"Origin": "https://evil.example"})[0] == 200  # a GET changes nothing
+
+
 def test_with_a_login_the_api_is_closed_without_its_own_key_and_wrong_keys_are_slow(tmp_path):
     port = free_port()
     server = app.serve(app.Served(["tiny"], []), app.Door(port=port, auth="ann:s3cret"), ab_db=str(tmp_path / "ab.sqlite"), block=False)

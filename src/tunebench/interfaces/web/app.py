@@ -287,6 +287,37 @@ class HostAllowlist:
         await self.app(scope, receive, send)
 
 
+class SameOrigin:
+    """ASGI middleware: a browser's request that can change something (every method but GET, HEAD and OPTIONS, and
+    a websocket) from a page of another site gets 403. Browsers send Origin with every such request, and a plain
+    form POST needs no preflight, so without this any page the visitor opens could upload files to Gradio's routes
+    (up to their size limit each, until the disk is full) or press the studio's buttons through the visitor's
+    browser. Allowed: an Origin whose host and port are the request's own Host, or an --allowed-host name;
+    programs (the openai client, curl) send no Origin and pass (the API has its key, the page its login)."""
+
+    def __init__(self, app, allowed: set[str]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        changes = scope["type"] == "websocket" or (
+            scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"))
+        headers = dict(scope.get("headers") or []) if changes else {}
+        origin = headers.get(b"origin")
+        if origin is not None:
+            where = origin.decode("latin-1").lower().split("://", 1)[-1].rstrip("/")
+            name = where[1:where.find("]")] if where.startswith("[") else where.split(":")[0]
+            if where != headers.get(b"host", b"").decode("latin-1").lower() and name not in self.allowed:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = b"a request from another site's page is refused (serve --allowed-host adds a name)"
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def login_check(credentials: tuple[str, str]):
     """Gradio's login check: the one USER:PASSWORD; a wrong one answered after FAILED_LOGIN_DELAY_S, one at a time."""
     import asyncio
@@ -428,10 +459,11 @@ def serve(served: Served, door: Door = Door(), *, ab_db: str = "tunebench-ab.sql
           + f"; http://{host}:{port}"
           + (f" (login: {credentials[0]})" if credentials else " (no login: anyone who can reach the port)"),
           flush=True)
-    middleware = []
-    if credentials is None:  # a login is what keeps a DNS-rebinding page out; without one, the Host header
-        from starlette.middleware import Middleware
+    from starlette.middleware import Middleware
 
+    # another site's page, through the visitor's browser: refused with a login or without
+    middleware = [Middleware(SameOrigin, allowed={h.lower() for h in door.allowed_host})]
+    if credentials is None:  # a login is what keeps a DNS-rebinding page out; without one, the Host header
         middleware.append(Middleware(HostAllowlist, allowed=allowed_hosts(host, list(door.allowed_host))))
     # show_error=False: a traceback's text (server paths) stays in this console; gr.Error messages still reach
     # the visitor.
