@@ -371,13 +371,51 @@ def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatc
         assert torch.equal(theirs[key], ours[key]), key
 
 
-def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resumes_after_kill_9(tmp_path, capsys):
-    """Three steps of episodes (sampled from the tiny model), and the same run killed with SIGKILL in step 3's
-    episodes (its environment's reward kills its own process once step 2's checkpoint is on disk: no handler, no
-    flush, as kill -9 leaves it) and resumed: the same rewards, turns and losses; each step logs its episodes, the
-    summary the held-out ones."""
+# A policy that calls: each reply drawn with torch's generator (seeded by the step, as sampling is) from the context
+# alone, the call look(k="a") until its result is in the context, else (or 30% of the time) an answer; the random
+# tiny model itself almost never writes a whole call, so a resume would replay no tool turn. Loaded in the test's
+# process, and as the killed run's sitecustomize (PYTHONPATH) in its own.
+SCRIPTED_POLICY = """
+import os
+
+if os.environ.get("TUNEBENCH_TEST_POLICY"):
+    import torch
+
+    from tunebench.data import toolcalls
+    from tunebench.training import grpo
+
+    CALL = toolcalls.written("look", {"k": "a"})
+
+    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0, **_):
+        out = []
+        for ids in prompts:
+            called = CALL in tokenizer.decode(ids)
+            for _ in range(n):
+                text = "It is 1." if called or float(torch.rand(())) < 0.3 else CALL
+                out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        return out
+
+    grpo.complete = complete
+"""
+
+
+def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resumes_after_kill_9(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """Three steps of episodes (a scripted policy's, SCRIPTED_POLICY: most episodes call a tool), and the same run
+    killed with SIGKILL in step 3's episodes (its environment's reward kills its own process once step 2's
+    checkpoint is on disk: no handler, no flush, as kill -9 leaves it) and resumed: the same rewards, turns, calls
+    and losses; each step logs its episodes, the summary the held-out ones."""
+    import importlib.util
+
     one, killed = tmp_path / "one", tmp_path / "killed"
     env = _env(tmp_path, ENV.replace("def reward(messages, row):", KILLER))
+    policy = tmp_path / "policy" / "sitecustomize.py"
+    policy.parent.mkdir()
+    policy.write_text(SCRIPTED_POLICY)
+    monkeypatch.setenv("TUNEBENCH_TEST_POLICY", "1")
+    monkeypatch.setattr(grpo, "complete", grpo.complete)  # put back after the test
+    spec = importlib.util.spec_from_file_location("scripted_policy", policy)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # grpo.complete is the script's here
     assert main(_train(tmp_path, env, one, "--save-steps", "1")) == 0
     printed = capsys.readouterr().out
     assert "rewards: environment x 1; environment" in printed and "tools look" in printed
@@ -385,7 +423,8 @@ def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resu
     assert "held-out reward before training:" in printed and "succeeded" in printed
     command = [sys.executable, "-m", "tunebench", *_train(tmp_path, env, killed, "--save-steps", "1")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "KILL_AFTER": str(killed / "checkpoints" / "step-00000002")})
+                          env={**os.environ, "KILL_AFTER": str(killed / "checkpoints" / "step-00000002"),
+                               "PYTHONPATH": os.pathsep.join([str(policy.parent), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))][-1] == "step-00000002"
     capsys.readouterr()
@@ -396,14 +435,16 @@ def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resu
     theirs = {r["step"]: r for r in (json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines())
               if "loss" in r}
     assert sorted(theirs) == [1, 2, 3]
+    assert sum(r["episodes/calls"] for r in rows) > 0 and sum(theirs[s]["episodes/calls"] for s in (2, 3)) > 0
     for r in rows:
-        for key in ("reward", "episodes/turns", "completions/mean_length"):
+        for key in ("reward", "episodes/turns", "episodes/calls", "completions/mean_length"):
             assert theirs[r["step"]][key] == pytest.approx(r[key], abs=1e-6), (r["step"], key)
     assert run_losses(killed) == pytest.approx(run_losses(one), rel=1e-4, abs=1e-6)
     summary = json.loads((one / "summary.json").read_text())
     assert {"eval_episodes/success", "eval_episodes/success_before", "eval_episodes/turns"} <= set(summary)
     assert set(summary["sampling_split_s"]) == {"prefill", "decode", "tools", "scoring"}
-    assert 0 < summary["prefilled_tokens"] and summary["sampling_split_s"]["decode"] > 0
+    assert summary["sampling_split_s"]["tools"] > 0  # the script decodes nothing: its time is the tools' (the
+    # decode's and prefill's parts of a sampled rollout: test_grpo's CLI run, and the kept-cache rollout test here)
     assert main(["report", str(one)]) == 0  # the run's report draws the episodes' turns and calls
     assert "GRPO in an environment: turns and tool calls" in (one / "report" / "report.md").read_text()
     assert (one / "report" / "grpo_episodes.png").is_file()
