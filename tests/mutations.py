@@ -134,6 +134,23 @@ BUGS = (
     Bug("a per-turn reward credited to the whole episode", "src/tunebench/training/grpo.py",
         "    if groups.token_advantages is not None:  # per-turn", "    if False:  # per-turn",
         ("tests/test_episodes.py", "-k", "process_supervision")),
+    Bug("grouped attention reading the wrong key head for a query head", "src/tunebench/model/decoding.py",
+        "    stacked = query.reshape(b * kv, groups * q, d)",
+        "    stacked = query.view(b, groups, kv, q, d).transpose(1, 2).reshape(b * kv, groups * q, d)",
+        ("tests/test_decoding.py", "-k", "grouped_attention")),
+    Bug("a stop whose raise Python swallowed forgotten", "src/tunebench/training/stopping.py",
+        "    if Phase.signalled:\n        raise _stopped", "    if False:\n        raise _stopped",
+        ("tests/test_loop.py", "-k", "swallowed")),
+    Bug("the studio's export timeout killing its child alone", "src/tunebench/interfaces/web/studio_views.py",
+        "            os.killpg(proc.pid, signal.SIGKILL)\n        proc.communicate()",
+        "            proc.kill()\n        proc.wait()",
+        ("tests/test_shared_server.py", "-k", "past_its_time_limit")),
+    Bug("a second Stop never escalating", "src/tunebench/interfaces/web/studio.py",
+        "        if waited < STOP_GRACE_S:", "        if True:",
+        ("tests/test_shared_server.py", "-k", "past_its_grace")),
+    Bug("another site's page posting through a visitor's browser", "src/tunebench/interfaces/web/app.py",
+        "        origin = headers.get(b\"origin\")", "        origin = None",
+        ("tests/test_shared_server.py", "-k", "another_site")),
 )
 
 
