@@ -450,6 +450,29 @@ def test_runs_of_one_base_share_it_and_answer_as_if_loaded_alone(tuned, tmp_path
         assert one.bases_loaded() == 1
 
 
+def test_the_model_cap_holds_while_another_generation_runs(tuned, tmp_path, monkeypatch):
+    """At most MAX_LOADED models stay loaded, and the one a generation decodes on: a load made while another
+    request generates evicts the least recently used of the others. (Eviction used to wait for no generation to
+    run, so under steady traffic every model asked for stayed in memory.)"""
+    from tunebench.jobs import finetune
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"ask {i}", "response": f"reply {i}"}) + "\n" for i in range(12)))
+    full = tmp_path / "full"
+    finetune.run(tiny_run_config(data, full, **{"train.max_steps": 1, "adapter.method": "full"}))
+    monkeypatch.setattr(models, "MAX_LOADED", 1)
+    registry = models.Registry(models.entries(["tiny"], [tuned, str(full)]))
+    base, adapter, model = registry.labels  # three models of their own
+    with registry.generate_lock:  # a generation decodes on the base
+        registry.get(base, generating=True)
+        registry.get(adapter)  # the cap, and the model in use beside it
+        registry.get(model)  # the adapter's model goes, not the one in use
+        assert registry.bases_loaded() == 2 and set(registry._loaded) == {base, model}
+        registry.done_generating()
+    registry.get(adapter)
+    assert registry.bases_loaded() == 1 and set(registry._loaded) == {adapter}
+
+
 def test_an_ipv6_loopback_host_is_checked_as_ipv6():
     """`serve --host ::1` was refused as "port in use": the port was tried with an IPv4 socket."""
     import socket

@@ -400,7 +400,7 @@ def test_a_page_of_another_site_cannot_post_to_the_server_through_a_visitors_bro
     form = {"Content-Type": "multipart/form-data; boundary=b"}
     status, _, text = _post(open_server, "/gradio_api/upload", files, {**form, "Origin": "https://evil.example"})
     assert status == 403 and "another site's page" in text
-    assert _post(open_server, "/v1/models", b"{}", {"Origin": "null"})[0] == 403  # a sandboxed or file: page
+    assert _post(open_server, "/gradio_api/upload", files, {**form, "Origin": "null"})[0] == 403  # a file: page
     here = f"http://127.0.0.1:{open_server}"
     assert _post(open_server, "/gradio_api/upload", files, {**form, "Origin": here})[0] == 200
     assert _post(open_server, "/gradio_api/upload", files, form)[0] == 200  # a program: no Origin

@@ -82,6 +82,7 @@ class Registry:
         self._used: dict[int, float] = {}  # id(model) -> when a request last got it
         self._load_lock = threading.Lock()
         self.generate_lock = threading.Lock()
+        self.in_use: int | None = None  # id of the model the running generation decodes on: never evicted
 
     @property
     def labels(self) -> list[str]:
@@ -93,58 +94,65 @@ class Registry:
             self.choices.setdefault(entry.label, entry)
         return entry.label
 
-    def get(self, label: str) -> tuple[inference.Placed, str]:
-        """(the model, placed as it trained, and its prompt template)."""
-        from tunebench.jobs.generate import trained_template
-
+    def get(self, label: str, generating: bool = False) -> tuple[inference.Placed, str]:
+        """(the model, placed as it trained, and its prompt template). `generating`: the caller decodes on it now
+        (holding generate_lock), so no other load evicts it until `done_generating`."""
         if label not in self.choices:
             raise TunebenchError(f"no model named {label!r} is served; pick one of the list")
         with self._load_lock:
-            if label not in self._loaded:
-                self._evict(keep=MAX_LOADED - 1)
-                e = self.choices[label]
-                group = _group(e)
-                if e.gguf is not None:
-                    from tunebench.model import gguf_runtime
+            got = self._get(label)
+            if generating:
+                self.in_use = id(got[0].model)
+            return got
 
-                    placed = gguf_runtime.GgufPlaced.load(e.gguf)
-                    self._loaded[label] = (placed, trained_template(str(gguf_runtime.run_of(Path(e.gguf)))))
-                    self._used[id(placed.model)] = time.monotonic()
-                    return self._loaded[label]
-                if group in self._shared:  # its base is loaded: add the adapter to it, by name
-                    shared = self._shared[group]
-                    name = f"run_{next(self._names)}"
-                    shared.model.load_adapter(e.adapter, adapter_name=name)  # its weights in fp32, as trained
-                    tokenizer = models.load_tokenizer(e.adapter) if (Path(e.adapter) / "tokenizer_config.json"
-                                                                      ).is_file() else shared.tokenizer
-                    loaded = inference.place(models.Loaded(
-                        shared.model, tokenizer, f"{shared.source.split(' + adapter ')[0]} + adapter {e.adapter}",
-                        None), self.device, self.precision)
-                else:
-                    loaded = inference.load(e.model, e.adapter, None, self.allow_download, self.device,
-                                            self.precision)
-                    name = "default"
-                    if group is not None:
-                        self._shared[group] = loaded
+    def done_generating(self) -> None:
+        self.in_use = None
+
+    def _get(self, label: str) -> tuple[inference.Placed, str]:
+        """The model of `label`, loaded (under _load_lock) where it is not, evicting others first."""
+        from tunebench.jobs.generate import trained_template
+
+        if label not in self._loaded:
+            self._evict(keep=MAX_LOADED - 1)
+            e = self.choices[label]
+            group = _group(e)
+            if e.gguf is not None:
+                from tunebench.model import gguf_runtime
+
+                placed = gguf_runtime.GgufPlaced.load(e.gguf)
+                self._loaded[label] = (placed, trained_template(str(gguf_runtime.run_of(Path(e.gguf)))))
+                self._used[id(placed.model)] = time.monotonic()
+                return self._loaded[label]
+            if group in self._shared:  # its base is loaded: add the adapter to it, by name
+                shared = self._shared[group]
+                name = f"run_{next(self._names)}"
+                shared.model.load_adapter(e.adapter, adapter_name=name)  # its weights in fp32, as trained
+                tokenizer = models.load_tokenizer(e.adapter) if (Path(e.adapter) / "tokenizer_config.json"
+                                                                  ).is_file() else shared.tokenizer
+                loaded = inference.place(models.Loaded(
+                    shared.model, tokenizer, f"{shared.source.split(' + adapter ')[0]} + adapter {e.adapter}",
+                    None), self.device, self.precision)
+            else:
+                loaded = inference.load(e.model, e.adapter, None, self.allow_download, self.device,
+                                        self.precision)
+                name = "default"
                 if group is not None:
-                    self._adapter_name[label] = name
-                self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
-            self._used[id(self._loaded[label][0].model)] = time.monotonic()
-            return self._loaded[label]
+                    self._shared[group] = loaded
+            if group is not None:
+                self._adapter_name[label] = name
+            self._loaded[label] = (loaded, trained_template(e.adapter, e.model))
+        self._used[id(self._loaded[label][0].model)] = time.monotonic()
+        return self._loaded[label]
 
     def _evict(self, keep: int) -> None:
         """Drop the least recently used models until `keep` remain (with _load_lock held): every label on one,
-        and the base it shares. Never while a generation runs (it may be on one; the next load evicts)."""
-        if not self.generate_lock.acquire(blocking=False):
-            return
-        try:
-            self._evict_now(keep)
-        finally:
-            self.generate_lock.release()
-
-    def _evict_now(self, keep: int) -> None:
+        and the base it shares; never the model a generation decodes on now (in_use), which may leave one more
+        than `keep` while it runs. (Eviction used to wait for no generation to run, so under steady traffic every
+        model asked for stayed loaded.)"""
         while self.bases_loaded() > keep:
-            loaded = {id(p.model) for p, _ in self._loaded.values()}
+            loaded = {id(p.model) for p, _ in self._loaded.values()} - {self.in_use}
+            if not loaded:
+                return
             oldest = min(loaded, key=lambda m: self._used.get(m, 0.0))
             for label in [k for k, (p, _) in self._loaded.items() if id(p.model) == oldest]:
                 del self._loaded[label]
@@ -257,7 +265,8 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
                 if stop.is_set():  # the client left while this request waited
                     return
                 decoding.set()
-                now = registry.get(label)[0]  # the model as loaded now: evicted and loaded again since, maybe
+                # the model as loaded now (evicted and loaded again since, maybe), kept loaded while it decodes
+                now = registry.get(label, generating=True)[0]
                 registry.activate(label)
                 now.reseed(seed)
                 t0 = time.perf_counter()
@@ -266,6 +275,7 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
                     top_p if sampling else 1.0, each=each)
                 result["seconds"] = time.perf_counter() - t0
             finally:
+                registry.done_generating()
                 registry.generate_lock.release()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             result["error"] = e
