@@ -68,7 +68,7 @@ def test_tool_calls_are_scored_by_name_arguments_schema_and_when_to_call():
     assert set(quality.score(answers, 1.0)) >= set(quality.TOOL_SCORES)
 
 
-def test_a_tool_schema_is_judged_without_fetching_its_references_and_its_patterns_end(tmp_path):
+def test_a_tool_schema_is_judged_without_fetching_its_references_and_its_patterns_end(tmp_path, monkeypatch):
     """A dataset's schema is untrusted: a `$ref` outside it is refused in one line, never fetched (here a file://
     one that, fetched, would judge the call differently); one inside it resolves; a `pattern` whose nested
     repetition would run for hours under `re` on this answer ends (as not matched), and a plain one still
@@ -89,14 +89,24 @@ def test_a_tool_schema_is_judged_without_fetching_its_references_and_its_pattern
     inside = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "integer"}}}
     assert toolcalls.valid({"name": "f", "arguments": {"a": 1}}, tools(inside))
     assert not toolcalls.valid({"name": "f", "arguments": {"a": "1"}}, tools(inside))
-    nested = tools({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(x+x+)+y$"}}})
-    assert toolcalls.valid({"name": "f", "arguments": {"a": "xxy"}}, nested)
+    # a nested repetition the regex module cannot cut short (its optimiser decides ^(x+x+)+y$ at once, so that
+    # pattern never reached the time limit it stood for)
+    nested = tools({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a|aa)+$"}}})
+    assert toolcalls.valid({"name": "f", "arguments": {"a": "aaa"}}, nested)
     got = []
-    judge = threading.Thread(target=lambda: got.append(toolcalls.valid({"name": "f", "arguments": {"a": "x" * 64}},
+    judge = threading.Thread(target=lambda: got.append(toolcalls.valid({"name": "f", "arguments": {"a": "a" * 40 + "b"}},
                                                                         nested)), daemon=True)
     judge.start()
     judge.join(30)  # generous on a slow machine: the limit is PATTERN_TIMEOUT_S
     assert got == [False]
+    # many keys, each a slow match: the call's patterns share one limit (PATTERNS_TIMEOUT_S), not one each
+    import regex
+
+    limits, search = [], regex.search
+    monkeypatch.setattr(regex, "search", lambda *a, timeout: limits.append(timeout) or search(*a, timeout=timeout))
+    keys = tools({"type": "object", "patternProperties": {"^(a|aa)+$": {"type": "integer"}}})
+    assert toolcalls.valid({"name": "f", "arguments": {"a" * (40 + i) + "b": 1 for i in range(30)}}, keys)
+    assert len(limits) < 30 and sum(limits) <= toolcalls.PATTERNS_TIMEOUT_S + 1e-6  # was 30 x 0.2 s
 
 
 def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
@@ -224,6 +225,7 @@ def _refs(schema: Any) -> list[str]:
 
 
 PATTERN_TIMEOUT_S = 0.2  # a dataset's regex run on model output: past this it has not matched
+PATTERNS_TIMEOUT_S = 1.0  # all of one call's patterns together (a schema may hold many, or patternProperties many keys)
 
 
 def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
@@ -232,7 +234,8 @@ def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
     The schema is a dataset's, and the arguments are model output: a `$ref` is resolved only inside the schema
     (jsonschema's default registry would fetch http(s):// and file:// references, with no timeout), and a
     `pattern` runs with a time limit (the `regex` module's; `re` has none, and a nested repetition can take
-    hours on one answer); a pattern that cannot decide in PATTERN_TIMEOUT_S counts as not matched."""
+    hours on one answer); a pattern that cannot decide in PATTERN_TIMEOUT_S counts as not matched, and so does
+    every pattern once the call's have taken PATTERNS_TIMEOUT_S together."""
     import jsonschema
     from referencing import Registry
     from referencing.exceptions import Unresolvable
@@ -243,7 +246,7 @@ def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
         return False
     schema = schema or {"type": "object"}
     try:
-        checker = _validator(jsonschema.validators.validator_for(schema))
+        checker = _validator(jsonschema.validators.validator_for(schema), time.monotonic() + PATTERNS_TIMEOUT_S)
         checker.check_schema(schema)
         return checker(schema, registry=Registry()).is_valid(call["arguments"])  # empty: nothing is retrieved
     except jsonschema.SchemaError as e:
@@ -255,15 +258,18 @@ def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
             from None
 
 
-def _validator(cls):
+def _validator(cls, deadline: float):
     """`cls` (the schema's draft) with `pattern` and `patternProperties` run by the `regex` module under a time
-    limit."""
+    limit each, all of them before `deadline` (time.monotonic)."""
     import jsonschema
     import regex
 
     def search(pattern: str, text: str) -> bool:
+        left = min(PATTERN_TIMEOUT_S, deadline - time.monotonic())
+        if left <= 0:
+            return False
         try:
-            return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+            return regex.search(pattern, text, timeout=left) is not None
         except TimeoutError:
             return False
 
