@@ -67,16 +67,22 @@ def test_the_runs_tabs_errors_are_escaped(tmp_path):
     assert "<img" not in shown and "&lt;img" in shown
 
 
-@pytest.mark.parametrize("restarted", [False, True], ids=["this-server", "an-earlier-server"])
-def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_path, restarted):
+def _started(tmp_path, script: str) -> studio.Studio:
+    """A studio whose run "r" is `script` (a stand-in for the training child), once it has written its "ready"."""
     fake = tmp_path / "tunebench_fake_train.py"
-    fake.write_text(TERMS_COUNTED)
+    fake.write_text(script)
     s = studio.Studio(tmp_path / "runs")
     s.program = [sys.executable, str(fake)]
     s.start(studio.Ask(str(_csv(tmp_path / "d.csv")), "r", "tiny"))
     deadline = time.monotonic() + 30
     while not (s.runs_dir / "r" / "ready").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    return s
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["this-server", "an-earlier-server"])
+def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_path, restarted):
+    s = _started(tmp_path, TERMS_COUNTED)
     stopper = studio.Studio(s.runs_dir) if restarted else s
     assert "stopping (SIGTERM)" in stopper.stop("r")
     time.sleep(1.2)  # past the terminal's one-second grace, where a second signal would have aborted
@@ -100,16 +106,10 @@ time.sleep(120)
 def test_a_stop_clicked_again_past_its_grace_kills_a_run_that_did_not_end(tmp_path, monkeypatch, restarted):
     """A run that cannot act on its SIGTERM (stuck in C, a rank in a collective): the second Stop within
     STOP_GRACE_S sends nothing; one after it kills the run's process group (SIGKILL)."""
-    fake = tmp_path / "tunebench_deaf_train.py"
-    fake.write_text(DEAF)
-    s = studio.Studio(tmp_path / "runs")
-    s.program = [sys.executable, str(fake)]
-    s.start(studio.Ask(str(_csv(tmp_path / "d.csv")), "r", "tiny"))
-    deadline = time.monotonic() + 30
-    while not (s.runs_dir / "r" / "ready").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    s = _started(tmp_path, DEAF)
     stopper = studio.Studio(s.runs_dir) if restarted else s
     assert "stopping (SIGTERM)" in stopper.stop("r")
+    deadline = time.monotonic() + 30
     while not (s.runs_dir / "r" / "termed").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "already stopping" in stopper.stop("r")  # within the grace: nothing sent

@@ -276,15 +276,19 @@ class HostAllowlist:
             host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()
             name = host[1:host.find("]")] if host.startswith("[") else host.split(":")[0]
             if name not in self.allowed:
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                body = b"this server answers only its own host names (serve --allowed-host adds one)"
-                await send({"type": "http.response.start", "status": 403,
-                            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await refuse(scope, send, b"this server answers only its own host names (serve --allowed-host adds one)")
                 return
         await self.app(scope, receive, send)
+
+
+async def refuse(scope, send, body: bytes) -> None:
+    """A middleware's 403 (a websocket closed as a policy violation), `body` saying why."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await send({"type": "http.response.start", "status": 403,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class SameOrigin:
@@ -308,13 +312,8 @@ class SameOrigin:
             where = origin.decode("latin-1").lower().split("://", 1)[-1].rstrip("/")
             name = where[1:where.find("]")] if where.startswith("[") else where.split(":")[0]
             if where != headers.get(b"host", b"").decode("latin-1").lower() and name not in self.allowed:
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                body = b"a request from another site's page is refused (serve --allowed-host adds a name)"
-                await send({"type": "http.response.start", "status": 403,
-                            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await refuse(scope, send, b"a request from another site's page is refused (serve --allowed-host adds "
+                                          b"a name)")
                 return
         await self.app(scope, receive, send)
 
