@@ -97,7 +97,7 @@ def sft_row(q: dict, temps: dict[str, int], tools: list[dict]) -> dict:
 
 
 def write(out: Path, sft_rows: int, grpo_rows: int, held_out: int, seed: int = 0) -> dict[str, Path]:
-    from tunebench.training import environment
+    from tunebench.training.grpo import environment
 
     out.mkdir(parents=True, exist_ok=True)
     temps = temperatures(seed)
@@ -118,7 +118,7 @@ def episodes_of(model: str | None, adapter: str | None, files: dict[str, Path], 
     """Greedy episodes of every held-out question: success, exact calls, calls per episode, failed calls."""
     from tunebench.data.readers import read_records
     from tunebench.model import inference
-    from tunebench.training import environment, episodes
+    from tunebench.training.grpo import environment, episodes
 
     env = environment.load(str(files["env"]), 10)
     records = read_records(str(files["held"]))

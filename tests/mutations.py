@@ -115,7 +115,7 @@ BUGS = (
     Bug("an episode's cache fed at the wrong positions", "src/tunebench/model/decoding.py",
         "positions = torch.tensor(fed, device=device)[:, None] + (chunk_mask", "positions = (chunk_mask",
         ("tests/test_decoding.py", "-k", "turns_keep")),
-    Bug("a changed environment file run before its hash is checked", "src/tunebench/training/grpo_run.py",
+    Bug("a changed environment file run before its hash is checked", "src/tunebench/training/grpo/run.py",
         "    if code and cfg.output.resume:", "    environment.load(o.environment, 1.0) if o.environment else None\n"
         "    if code and cfg.output.resume:",
         ("tests/test_shared_server.py", "-k", "environment_file_changed")),
@@ -131,7 +131,7 @@ BUGS = (
         "json.dumps({**asdict(self), **extra}, sort_keys=True",
         "json.dumps({**{k: v for k, v in asdict(self).items() if k != \"precision\"}, **extra}, sort_keys=True",
         ("tests/test_plan.py", "tests/test_hardware.py")),
-    Bug("a per-turn reward credited to the whole episode", "src/tunebench/training/grpo.py",
+    Bug("a per-turn reward credited to the whole episode", "src/tunebench/training/grpo/__init__.py",
         "    if groups.token_advantages is not None:  # per-turn", "    if False:  # per-turn",
         ("tests/test_episodes.py", "-k", "process_supervision")),
     Bug("grouped attention reading the wrong key head for a query head", "src/tunebench/model/decoding.py",

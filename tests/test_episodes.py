@@ -1,4 +1,4 @@
-"""Multi-turn GRPO in an environment (training/environment.py, training/episodes.py): the file's checks, the
+"""Multi-turn GRPO in an environment (training/grpo/environment.py, training/grpo/episodes.py): the file's checks, the
 episodes' tokens and masks, the tools' failures as turns, and runs from the command line, resumed exactly."""
 
 import csv
@@ -19,7 +19,8 @@ from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
 from tunebench.interfaces.cli import main
 from tunebench.settings.objectives import GRPO
-from tunebench.training import environment, episodes, grpo
+from tunebench.training import grpo
+from tunebench.training.grpo import environment, episodes
 
 ENV = '''
 import time

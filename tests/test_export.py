@@ -508,7 +508,7 @@ def _play(client, model: str, env, question: str, max_turns: int) -> tuple[list,
     (the API's `tool_calls`, or the template's <tool_call> text where the server returns it as text, as
     llama-cpp-python's does) run in the environment and come back as tool messages, until a reply without a call."""
     from tunebench.data import toolcalls
-    from tunebench.training import environment
+    from tunebench.training.grpo import environment
 
     messages, calls = [{"role": "user", "content": question}], []
     for _ in range(max_turns):
@@ -543,7 +543,7 @@ def test_an_agent_trained_in_an_environment_plays_the_same_episode_once_exported
     openai = needs_module("openai", "the servers are read with the openai client (in the test extra)")
     needs_module("gradio", "serve needs gradio (the test extra)")
     from tunebench.interfaces.web import app
-    from tunebench.training import environment, episodes
+    from tunebench.training.grpo import environment, episodes
 
     (tmp_path / "env.py").write_text(AGENT)
     env = environment.load(str(tmp_path / "env.py"), 10)

@@ -15,7 +15,8 @@ from tunebench.interfaces.cli import main
 from tunebench.jobs import grpo as grpo_job
 from tunebench.settings.finetune import load_config
 from tunebench.settings.objectives import GRPO
-from tunebench.training import grpo, rewards
+from tunebench.training import grpo
+from tunebench.training.grpo import rewards
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "grpo.json").read_text())
 
@@ -270,7 +271,7 @@ def test_each_rank_draws_with_a_seed_of_its_own_and_rank_0_as_one_process():
     assert grpo.step_seed(42, 0, 3, 0) == int(np.random.SeedSequence([42, 0, 3]).generate_state(1)[0])
     assert len({grpo.step_seed(42, 0, 3, rank) for rank in range(4)}) == 4
     assert grpo.step_seed(42, 1, 3, 0) != grpo.step_seed(42, 0, 3, 0) != grpo.step_seed(42, 0, 4, 0)
-    job = Path(grpo.__file__).parents[1] / "jobs" / "grpo.py"
+    job = Path(grpo.__file__).parents[2] / "jobs" / "grpo.py"
     calls = [n for n in ast.walk(ast.parse(job.read_text())) if isinstance(n, ast.Call)
              and ast.unparse(n.func) == "grpo.step_seed"]
     assert [ast.unparse(c.args[-1]) for c in calls] == ["opened.world.rank"]

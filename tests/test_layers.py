@@ -254,15 +254,15 @@ def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five
     completion's draw samples (two) through complete (three) to the same decode. `collate` samples nothing."""
     training = PACKAGE / "training"
     assert {"draws.draw", "step_rows.groups_of", "grpo.step_seed"} <= _calls(PACKAGE / "jobs" / "grpo.py", "run")
-    assert "rollout" in _method_calls(training / "episodes.py", "Episodes", "draw")
-    assert "grpo.complete" in _calls(training / "episodes.py", "rollout")
-    assert "sample" in _method_calls(training / "grpo.py", "Completions", "draw")
-    assert "complete" in _calls(training / "grpo.py", "sample")
-    assert {"placed.decode", "placed.decode_turns"} <= _calls(training / "grpo.py", "complete")
+    assert "rollout" in _method_calls(training / "grpo" / "episodes.py", "Episodes", "draw")
+    assert "grpo.complete" in _calls(training / "grpo" / "episodes.py", "rollout")
+    assert "sample" in _method_calls(training / "grpo" / "__init__.py", "Completions", "draw")
+    assert "complete" in _calls(training / "grpo" / "__init__.py", "sample")
+    assert {"placed.decode", "placed.decode_turns"} <= _calls(training / "grpo" / "__init__.py", "complete")
     assert "decoding.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode")
     assert "turns.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode_turns")
-    assert _method_calls(training / "grpo.py", "StepRows", "collate") <= {"self.filler", "rows_of"}
-    assert _method_calls(training / "grpo.py", "StepRows", "filler") <= {"Groups", "len", "torch.zeros",
+    assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "collate") <= {"self.filler", "rows_of"}
+    assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "filler") <= {"Groups", "len", "torch.zeros",
                                                                          "self.draws.stat_names"}
 
 

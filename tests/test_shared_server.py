@@ -492,7 +492,8 @@ def test_tracking_prints_no_password_and_wandb_keeps_the_users_dir(tmp_path, mon
 
 
 def test_a_reward_file_changed_since_the_checkpoint_is_refused_before_it_runs(tmp_path):
-    from tunebench.training import checkpoint, rewards
+    from tunebench.training import checkpoint
+    from tunebench.training.grpo import rewards
 
     reward = tmp_path / "reward.py"
     reward.write_text("def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
@@ -517,7 +518,8 @@ def test_an_environment_file_changed_since_the_checkpoint_is_refused_before_any_
     import zipfile
 
     from tunebench.settings.finetune import load_config
-    from tunebench.training import checkpoint, grpo_run
+    from tunebench.training import checkpoint
+    from tunebench.training.grpo import run as grpo_run
 
     monkeypatch.chdir(tmp_path)
     env = tmp_path / "env.py"

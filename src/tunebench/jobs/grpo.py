@@ -1,5 +1,5 @@
-"""`tunebench train --objective grpo`: GRPO on prompts with rewards (training/grpo.py) or on episodes in an environment
-(--environment: training/episodes.py), one recipe over training.recipe; begin_step below is one step's data."""
+"""`tunebench train --objective grpo`: GRPO on prompts with rewards or on episodes in an environment (--environment),
+its slice in training/grpo/, one recipe over training.recipe; begin_step below is one step's data."""
 
 from typing import Any
 
@@ -10,13 +10,11 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import (
-    episodes,
     feed,
     finetune_data,
     finetune_model,
     finetune_report,
     grpo,
-    grpo_run,
     preference,
     recipe,
     runner,
@@ -24,6 +22,8 @@ from tunebench.training import (
     stopping,
 )
 from tunebench.training.autotune import compiler
+from tunebench.training.grpo import episodes
+from tunebench.training.grpo import run as grpo_run
 
 
 @stopping.job

@@ -147,7 +147,7 @@ class ObjectiveKeys:
     """ORPO's lambda, the weight of its odds-ratio term (TRL calls it beta)"""
     environment: str | None = None
     """GRPO with tools: a Python file defining TOOLS, reset(row) and reward(messages, row), or builtin:lookup; each
-    completion becomes an episode of turns in which the model's tool calls run (training/environment.py)"""
+    completion becomes an episode of turns in which the model's tool calls run (training/grpo/environment.py)"""
     max_turns: int | None = None
     """GRPO with --environment: the model's turns an episode may take (default 4)"""
     tool_timeout: float | None = None

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from tunebench.core.errors import TunebenchError
 
 PAPERS_DEFAULT = 0.1  # DPO's and KTO's beta and ORPO's lambda, as their papers (and TRL) set them
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo.py)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo/)
 SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's reward spread, or not
 EPISODE_DEFAULTS = {"max_turns": 4, "tool_timeout": 10.0}  # GRPO where --environment is given
 
@@ -164,7 +164,7 @@ class GRPO(ObjectiveBase):
         return 1 if self.beta else 0
 
     def check(self) -> None:
-        """The rewards themselves are built by the job (training.rewards: a file or function that is not there, a
+        """The rewards themselves are built by the job (training/grpo/rewards.py: a file or function that is not there, a
         regex that does not compile) before any model loads."""
         if self.num_generations < 2:
             raise TunebenchError(f"--num-generations must be 2 or more, got {self.num_generations}: GRPO's advantage "

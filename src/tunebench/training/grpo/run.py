@@ -1,4 +1,4 @@
-"""What the GRPO recipe (jobs/grpo.py) needs around the algorithm in training/grpo.py, as finetune_data and
+"""What the GRPO recipe (jobs/grpo.py) needs around the algorithm in training/grpo/__init__.py, as finetune_data and
 finetune_report are for SFT: its inputs checked (prompts, rewards, lengths), its rows in the settings table and
 its measurement key, and its figures (sampling against updating, the held-out reward before and after)."""
 
@@ -15,11 +15,11 @@ from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.objectives import GRPO
-from tunebench.training import checkpoint, environment, finetune_data
-from tunebench.training import rewards as rewards_
+from tunebench.training import checkpoint, finetune_data
 from tunebench.training.autotune import Trained
-from tunebench.training.environment import Environment
-from tunebench.training.grpo import Draws, Sampling
+from tunebench.training.grpo import Draws, Sampling, environment
+from tunebench.training.grpo import rewards as rewards_
+from tunebench.training.grpo.environment import Environment
 
 
 def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None]:
@@ -49,7 +49,7 @@ def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
     completion (max_completion_length); an episode's opening (its tools rendered), plus max_turns of them."""
     from tunebench.data.tokenize import render_prompt
-    from tunebench.training import episodes
+    from tunebench.training.grpo import episodes
 
     o = cfg.objective
 

@@ -1,4 +1,4 @@
-"""Multi-turn GRPO: episodes in an environment (training.environment) instead of single completions.
+"""Multi-turn GRPO: episodes in an environment (training/grpo/environment.py) instead of single completions.
 
 For each prompt of a step, a group of episodes starts from reset(row)'s opening messages, rendered with the
 environment's tools by the run's chat template. Each turn, every live episode of the step samples its next
@@ -32,9 +32,9 @@ from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
 from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
-from tunebench.training import environment as environment_
 from tunebench.training import grpo
-from tunebench.training import rewards as rewards_
+from tunebench.training.grpo import environment as environment_
+from tunebench.training.grpo import rewards as rewards_
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import Any
 from tunebench.core.errors import TunebenchError
 from tunebench.core.userfile import UserFile
 
-BUILT_IN = Path(__file__).resolve().parents[1] / "configs" / "environments"  # `builtin:NAME` -> NAME.py here
+BUILT_IN = Path(__file__).resolve().parents[2] / "configs" / "environments"  # `builtin:NAME` -> NAME.py here
 
 
 @dataclass(frozen=True)

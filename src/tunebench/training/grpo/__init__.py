@@ -3,7 +3,7 @@
 A unit is a prompt. For each optimizer step the policy samples `num_generations` completions of every prompt of
 the step at once (its own weights, no copy; model/decoding.py's loop with the KV cache; the run's precision and
 autocast), each completion is
-scored by the rewards (training.rewards), and each one's advantage is its weighted reward against its group's:
+scored by the rewards (training/grpo/rewards.py), and each one's advantage is its weighted reward against its group's:
 (r - mean) / (std + 1e-4) with TRL's scale_rewards="group" (std with Bessel's correction), r - mean with "none".
 The step's micro batches then train on (prompt + completion) rows, the loss on the completion tokens:
 
@@ -39,11 +39,11 @@ import torch
 from tunebench.data.prompts import PromptData, PromptRows
 from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
-from tunebench.training import rewards as rewards_
+from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
 
-# Why an episode (training.episodes) ends, the rules in the order its turn applies them: the model answered without
+# Why an episode (training/grpo/episodes.py) ends, the rules in the order its turn applies them: the model answered without
 # a call; its reply reached --max-completion-length without ending; it called on its last turn (--max-turns); the
 # context had no room for another whole reply, or for the tool results it asked for.
 EPISODE_STOPS = ("answered", "cut", "max_turns", "no_room")
