@@ -3,6 +3,7 @@ crashing trial, and writes a best YAML that reproduces its trial."""
 
 import csv
 import json
+import os
 import re
 import signal
 import subprocess
@@ -94,8 +95,9 @@ def test_a_search_resumes_after_an_interrupt_and_its_best_yaml_reproduces_the_tr
     while not (out / "trials" / "trial-001" / "log.txt").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # at once: the trial has just started, however fast this machine trains it
-    # Past children.stop's 120 s grace: beside the torchrun tests, a trial has been seen not to end on SIGTERM
-    # (2026-11-27, 2 of 5 runs; its SIGKILL comes after the grace), and the search must still end as asked.
+    # Past children.stop's 120 s grace, which a trial saving its checkpoint may take. The hang this wait once hid
+    # was the search's own: Optuna's heartbeat thread left beating by a SIGTERM inside its start
+    # (test_a_sigterm_as_the_heartbeat_starts_leaves_no_heartbeat_beating).
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stdout + stderr
     assert "rerun the same command to resume" in stderr
@@ -263,6 +265,46 @@ def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones_and_lets_a
     run, proc = running("better", 1.9, 2)
     seen, pruned = search._follow(proc, study.ask(), run)
     assert pruned is None and proc.returncode == 0
+
+
+def test_a_sigterm_as_the_heartbeat_starts_leaves_no_heartbeat_beating(tmp_path, monkeypatch):
+    """The moment a trial has started, Optuna's heartbeat thread starts, and it is not a daemon: a SIGTERM landing
+    inside its start left it beating with nothing to stop it, and the search printed its error and never exited
+    (the interrupted-search test timed out so in CI, 2026-11-28). The signal now waits for the start to finish,
+    and the thread is joined whatever happens; the trial's process is stopped."""
+    import threading
+
+    from optuna.storages import _heartbeat
+
+    from tunebench.jobs import children, compare
+
+    study = search.open_study(tmp_path, None, "beat", "random", "none", 0, "mark")
+    real = _heartbeat.HeartbeatThread.start
+
+    def start(self):
+        real(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # as the test's interrupt lands: right as the trial has started
+
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    stopped = []
+    monkeypatch.setattr(_heartbeat.HeartbeatThread, "start", start)
+    monkeypatch.setattr(compare, "start", lambda *a, **k: proc)
+    monkeypatch.setattr(children, "stop", lambda p: stopped.append(p) or p.kill())
+    previous = signal.signal(signal.SIGTERM, search._raise_interrupt)
+    search.STOP.clear()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            search.run_trial(study, study.ask(), "train", None, {}, [], tmp_path, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        search.STOP.clear()
+        proc.kill()
+        proc.wait()
+        beating = [t for t in threading.enumerate()
+                   if getattr(t, "_target", None) is _heartbeat.HeartbeatThread._record_heartbeat]
+        for t in beating:  # stopped here, or this worker could never exit
+            t._args[2].set()
+    assert not beating and stopped == [proc]
 
 
 def test_a_sigterm_python_swallowed_still_stops_the_trial(tmp_path):
