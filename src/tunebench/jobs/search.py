@@ -10,7 +10,6 @@ objective in this process, and a trial here is another process that reports its 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import hashlib
 import json
@@ -319,7 +318,6 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     """One trial: its process, its evals reported to the pruner as they appear; returns its results row
     (None: its choices duplicate an earlier trial's, so it did not run)."""
     import optuna
-    from optuna.storages._heartbeat import get_heartbeat_thread
 
     try:
         chosen = {p.key: p.suggest(trial) for p in params}
@@ -338,22 +336,15 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
     print(f"trial {trial.number}: {trial_settings(chosen)}", flush=True)
     t0 = time.perf_counter()
     seen, pruned_at, proc = 0, None, None
-    beat, beating = get_heartbeat_thread(trial._trial_id, study._storage), False  # Optuna's own, as optimize() keeps
+    beat = Heartbeat(study._storage, trial._trial_id)
     try:
         if hasattr(study._storage, "record_heartbeat"):  # alive before the thread's first beat
             study._storage.record_heartbeat(trial._trial_id)
         proc = compare.start(job, {**base, **compare.canonical(job, chosen)}, run_dir, device, config=config)  # forked before any thread
-        # Optuna's heartbeat thread is not a daemon: a SIGTERM raising inside its start (the moment the trial has
-        # started) left it beating with nothing to stop it, and the search printed its error and never exited
-        # (seen in CI, 2026-11-28). Started with the signals held, it is always joined below.
-        with _signals_held():
-            beat.start()
-            beating = True
+        beat.start()
         seen, pruned_at = _follow(proc, trial, run_dir, objective == "eval_loss")
     except BaseException as e:  # the trial's process never outlives the search, and the trial never stays RUNNING
-        if beating:
-            beat.join()
-            beating = False
+        beat.stop()
         if proc is not None:
             children.stop(proc)  # it stops with a checkpoint
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C or SIGTERM: not counted; its choices run next time
@@ -361,7 +352,7 @@ def run_trial(study, trial, job: str, config: str | None, base: dict[str, Any], 
             study.enqueue_trial(trial.params)
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         raise
-    beat.join()
+    beat.stop()
     finished = RunDir(run_dir).summary() if proc.returncode == 0 else None
     used = finished.device if finished else None
     row = compare.finish(proc, run_dir, used or device or "auto")
@@ -587,15 +578,35 @@ def run(s: Search) -> dict:
     return summary
 
 
-@contextlib.contextmanager
-def _signals_held():
-    """SIGINT and SIGTERM held back (pending, not lost) for the block: it cannot be cut in the middle."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+class Heartbeat:
+    """A running trial's heartbeat in the study's storage (Optuna's RDB heartbeat: record_heartbeat every interval,
+    which another search reads to tell a dead trial from a live one), as Optuna's optimize() keeps it. Written here
+    because Optuna's HeartbeatThread is not a daemon and is stopped only by its `with` block's exit: a SIGTERM
+    raising inside its start, the moment a trial has started, skipped that exit and left it beating, and the search
+    printed its error and never exited (the interrupted-search test timed out so in CI, 2026-11-28). This thread is
+    a daemon, and `stop` ends it whether or not its start was cut short."""
+
+    def __init__(self, storage, trial_id: int):
+        from optuna.storages._heartbeat import is_heartbeat_enabled
+
+        self.storage, self.trial_id, self.done = storage, trial_id, threading.Event()
+        self.interval = storage.get_heartbeat_interval() if is_heartbeat_enabled(storage) else None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.interval:
+            self.thread = threading.Thread(target=self._beat, daemon=True, name="tunebench-trial-heartbeat")
+            self.thread.start()
+
+    def _beat(self) -> None:
+        while not self.done.is_set():
+            self.storage.record_heartbeat(self.trial_id)
+            self.done.wait(self.interval)
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread is not None and self.thread.is_alive():
+            self.thread.join(30)
 
 
 STOP = threading.Event()  # SIGTERM seen: kept, as the raise below can land where Python swallows it
