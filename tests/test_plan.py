@@ -18,7 +18,7 @@ from tunebench.core import batch_rule
 from tunebench.core.errors import TunebenchError
 from tunebench.data import batching
 from tunebench.interfaces.cli import main
-from tunebench.jobs import compare, finetune, search
+from tunebench.jobs import compare, finetune, search, search_space
 from tunebench.settings import pretrain as pretrain_config
 from tunebench.settings.finetune import load_config
 from tunebench.settings.yamlfiles import write_config
@@ -365,7 +365,7 @@ def test_a_search_space_is_checked_before_any_trial(tmp_path, value, message):
     path = tmp_path / "s.yaml"
     path.write_text(f"train.lr: {value}\n")
     with pytest.raises(TunebenchError, match=message):
-        search.load_space(str(path))
+        search_space.load_space(str(path))
 
 
 # ---------------------------------------------------------------- processes and the shared study

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tunebench.core.errors import TunebenchError
-from tunebench.jobs import finetune, search
+from tunebench.jobs import finetune, search, search_space
 from tunebench.settings.finetune import load_config
 
 
@@ -24,7 +24,7 @@ def _space(tmp_path, text):
 
 
 def test_a_space_holds_choices_and_ranges(tmp_path):
-    params = {p.key: p for p in search.load_space(_space(tmp_path, """
+    params = {p.key: p for p in search_space.load_space(_space(tmp_path, """
 train.lr: {low: 1.0e-5, high: 1.0e-3, log: true}
 adapter.r: [4, 8, 16]
 train.warmup_ratio: {low: 0.0, high: 0.1}
@@ -34,8 +34,8 @@ train.effective_batch_size: {low: 4, high: 16, step: 4}
     assert params["adapter.r"].choices == (4, 8, 16)
     assert params["train.effective_batch_size"].integer and params["train.effective_batch_size"].step == 4
     assert not params["train.warmup_ratio"].integer
-    shipped = search.load_space("customer_support_lora")
-    search.check("train", None, {}, shipped)  # every choice of the shipped space is a valid run
+    shipped = search_space.load_space("customer_support_lora")
+    search_space.check("train", None, {}, shipped)  # every choice of the shipped space is a valid run
 
 
 @pytest.mark.parametrize("text, message", [
@@ -48,20 +48,20 @@ train.effective_batch_size: {low: 4, high: 16, step: 4}
 ])
 def test_a_bad_space_is_one_line_that_names_the_key(tmp_path, text, message):
     with pytest.raises(TunebenchError, match=message):
-        search.load_space(_space(tmp_path, text))
+        search_space.load_space(_space(tmp_path, text))
 
 
 def test_every_choice_is_checked_before_any_trial(tmp_path):
     with pytest.raises(TunebenchError, match=r"adapter.method='adalora' is not a valid run"):
-        search.check("train", None, {}, search.load_space(_space(tmp_path, "adapter.method: [lora, adalora]")))
+        search_space.check("train", None, {}, search_space.load_space(_space(tmp_path, "adapter.method: [lora, adalora]")))
     with pytest.raises(TunebenchError, match="unknown config key 'train.learning_rat'"):
-        search.check("train", None, {}, search.load_space(_space(tmp_path, "train.learning_rat: [0.1]")))
+        search_space.check("train", None, {}, search_space.load_space(_space(tmp_path, "train.learning_rat: [0.1]")))
     with pytest.raises(TunebenchError, match="both searched and set"):
-        search.check("train", None, {"train.lr": 1e-3}, search.load_space(_space(tmp_path, "train.lr: [0.1]")))
+        search_space.check("train", None, {"train.lr": 1e-3}, search_space.load_space(_space(tmp_path, "train.lr: [0.1]")))
     with pytest.raises(TunebenchError, match="eval_fraction is 0"):
-        search.check("train", None, {"data.eval_fraction": 0}, search.load_space(_space(tmp_path, "train.lr: [0.1]")))
+        search_space.check("train", None, {"data.eval_fraction": 0}, search_space.load_space(_space(tmp_path, "train.lr: [0.1]")))
     with pytest.raises(TunebenchError, match="not found"):
-        search.load_space("no_such_space")
+        search_space.load_space("no_such_space")
 
 
 def _base(dataset):
