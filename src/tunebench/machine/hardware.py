@@ -190,6 +190,11 @@ def _cgroup_cpu_quota() -> float | None:
     return min(found) if found else None
 
 
+def usable_cpus() -> int | None:
+    """The cores this process may run on (its affinity); None where the system does not say."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -237,7 +242,7 @@ def detect() -> Hardware:
         cuda_version=torch.version.cuda if gpus else None,
         driver_version=driver,
         versions=_versions(),
-        usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        usable_cpus=usable_cpus(),
         cpu_quota=_cgroup_cpu_quota(),
         cpu_mhz=_cpu_mhz(psutil),
     )

@@ -174,7 +174,9 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
         if value is not None and not low <= value <= high:
             raise TunebenchError(f"{key.replace('_', ' ')} {value:g} is out of this page's range ({low:g} to "
                                  f"{high:g}); run bigger jobs with `tunebench train` from a terminal")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from tunebench.machine.hardware import usable_cpus
+
+    cores = usable_cpus() or os.cpu_count() or 1
     if ask.processes > cores:  # each rank loads the model and wants a core: more only thrash a shared server
         raise TunebenchError(f"processes {ask.processes}: this server has {cores} core(s) for runs, so at most "
                              f"{cores}; oversubscribe from a terminal (`tunebench launch`) if you mean to")
