@@ -35,3 +35,34 @@ def test_a_benchmark_that_imports_a_name_tunebench_no_longer_has_fails_the_dry_r
                           env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
     assert proc.returncode != 0 and "no_such_name" in proc.stderr, proc.stderr[-2000:]
     assert dry_run("bogus", tmp_path=tmp_path).returncode == 2
+
+
+def test_the_agent_benchmarks_questions_are_answered_only_through_its_tools():
+    """benchmarks/agent_rl.py's environment: every kind's answer is what its perfect agent's calls compute through
+    the environment's own tools, scored 1 by its reward (a reply off by one scores 0); towns are drawn afresh per
+    question, so the held-out sets name no town a training row names and nothing repeats to be memorised."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import agent_rl
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from tunebench.training.grpo import environment
+
+    env = environment.load(str(agent_rl.ENV), 10)
+    assert [s["function"]["name"] for s in env.schemas] == ["population", "add", "subtract"]
+    for kind in (*agent_rl.TRAINED, *agent_rl.COMPOSED):
+        for q in agent_rl.questions(7, "t", 5, (kind,)):
+            row = agent_rl.sft_row(q, env)
+            assert environment.score(env, row["messages"], q) == 1.0, q
+            wrong = [*row["messages"][:-1], {"role": "assistant", "content": "Nowhere" if kind == "compare" else
+                                             str(int(q["answer"]) + 1)}]
+            assert environment.score(env, wrong, q) == 0.0, q
+            calls = [m for m in row["messages"] if m.get("tool_calls")]
+            assert len(calls) == {"one": 1, "plus": 2, "sum": 3, "difference": 3, "compare": 2, "three": 5}[kind]
+    sft, grpo = agent_rl.questions(0, "sft", 60, agent_rl.TRAINED), agent_rl.questions(0, "grpo", 200, agent_rl.TRAINED)
+    seen = agent_rl.towns_in(sft + grpo)
+    held = agent_rl.questions(0, "held", 200, agent_rl.TRAINED, seen)
+    composed = agent_rl.questions(0, "composed", 60, agent_rl.COMPOSED, seen)
+    assert not seen & agent_rl.towns_in(held + composed)
+    lookups = [call[1]["town"] for q in held for call in q["calls"] if call[0] == "population"]
+    assert len(set(lookups)) > 0.95 * len(lookups)  # a town asked twice is rare: fresh names, not a fixed list

@@ -305,11 +305,13 @@ class Episodes:
 
 
 def play(placed, env: environment_.Environment, records: list[dict[str, Any]], max_turns: int,
-         max_new_tokens: int = 64, max_length: int = 2048, batch_size: int = 8) -> list[Episode]:
+         max_new_tokens: int = 64, max_length: int = 2048, batch_size: int = 8, samples: int = 1,
+         temperature: float | None = None, seed: int = 0) -> list[Episode]:
     """Greedy episodes of `records` (one each, in order) by a placed model (model.inference.load: a run, an
     adapter, a merged model) in the run's way: the template episodes train in, the same calls and tool turns.
     What a benchmark or a check of an export plays; an opening with no room for a turn is left out (the
-    episodes' `key` is its record's index)."""
+    episodes' `key` is its record's index). With a `temperature`, `samples` sampled episodes of each record
+    instead (consecutive; torch's draws seeded by `seed`), `batch_size` episodes a decode."""
     from tunebench.data.prompts import PromptRows
 
     rows = PromptRows([environment_.opening(env, r) for r in records], [dict(r) for r in records], env.path)
@@ -318,10 +320,11 @@ def play(placed, env: environment_.Environment, records: list[dict[str, Any]], m
     settings = GRPO(num_generations=1, max_completion_length=max_new_tokens)
     on = grpo.Sampling(placed.model, placed.tokenizer, data, rows, [], settings, placed.device, placed.autocast_dtype)
     draws = Episodes(on, env, rows.prompts, max_turns, max_length)
-    played = []
-    with torch.no_grad():
-        for start in range(0, len(data), batch_size):
-            played += rollout(draws, list(range(start, min(start + batch_size, len(data)))), 1, None, 1.0)
+    played, each = [], max(1, batch_size // samples)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for start in range(0, len(data), each):
+            played += rollout(draws, list(range(start, min(start + each, len(data)))), samples, temperature, 1.0)
     for e in played:
         e.key = int(data.source(e.key))
     return played
