@@ -54,7 +54,9 @@ signal.signal(signal.SIGTERM, lambda *a: got.append(1))
 deadline = time.monotonic() + 30
 while not got and time.monotonic() < deadline:
     time.sleep(0.05)
-time.sleep(2.5)  # "writing the checkpoint": a second Stop lands here
+(out / "saving").write_text("")
+while not (out / "clicked").exists() and time.monotonic() < deadline:  # "writing the checkpoint": a second Stop
+    time.sleep(0.05)                                                     # lands here, and any SIGTERM is counted
 (out / "terms").write_text(str(len(got)))
 (out / "checkpoints" / "step-1").mkdir(parents=True)
 sys.exit(130)
@@ -85,8 +87,12 @@ def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_pat
     s = _started(tmp_path, TERMS_COUNTED)
     stopper = studio.Studio(s.runs_dir) if restarted else s
     assert "stopping (SIGTERM)" in stopper.stop("r")
-    time.sleep(1.2)  # past the terminal's one-second grace, where a second signal would have aborted
+    run = s.runs_dir / "r"
+    deadline = time.monotonic() + 30
+    while not (run / "saving").exists() and time.monotonic() < deadline:  # the first SIGTERM has landed
+        time.sleep(0.05)
     assert stopper.stop("r").startswith("r is already stopping; it saves its checkpoint, then ends (Stop again after")
+    (run / "clicked").write_text("")  # a SIGTERM the second click sent has been counted by now (kill() returned)
     assert s.wait("r", 30) == 130
     assert (s.runs_dir / "r" / "terms").read_text() == "1" and s.state("r") == "stopped (checkpoint kept)"
 
