@@ -240,7 +240,8 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
     r["grpo"] = scored(None, str(out / "grpo"), files, a)
     r["grpo_summary"] = json.loads((out / "grpo" / "summary.json").read_text())
     r["grpo_metrics"] = read(out / "grpo" / "metrics.jsonl")
-    r["rft_run"] = rft(start, files, out, r["grpo_s"], a, seed)
+    r["rft_run"] = rft(start, files, out, r["grpo_s"], a, seed) if not a.skip_rft else \
+        {"episodes": 0, "kept": 0, "trained": False, "wall_s": 0.0}
     r["rft"] = scored(None, str(out / "rft"), files, a) if r["rft_run"]["trained"] else None
     (out / "figures.json").write_text(json.dumps(r, indent=1))
     return r
@@ -285,6 +286,7 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None)
+    p.add_argument("--skip-rft", action="store_true", help="no rejection-sampling baseline (GRPO against the start only)")
     p.add_argument("--start-only", action="store_true", help="measure the start (greedy, pass@8) and stop: to size "
                    "--sft-rows")
     p.add_argument("--check-args", action="store_true", help="parse the arguments and imports, run nothing")
