@@ -81,7 +81,7 @@ def questions(seed: int, stream: str, count: int, kinds: tuple[str, ...], avoid:
     rng, rows = random.Random(f"{seed}/{stream}"), []
     while len(rows) < count:
         q = question(rng, kinds[len(rows) % len(kinds)])
-        if not avoid & set(q["question"].replace("?", "").replace(",", "").split()):
+        if not avoid & towns_in([q]):
             rows.append(q)
     return rows
 
@@ -121,15 +121,21 @@ def write(out: Path, seed: int, a) -> dict[str, Path]:
     return files
 
 
-def successes(placed, records: list[dict], max_turns: int, samples: int = 1, seed: int = 0) -> list[list[float]]:
-    """Each record's episodes' rewards: one greedy episode, or `samples` at temperature 1."""
+def played(placed, env, records: list[dict], max_turns: int, samples: int = 1, seed: int = 0) -> list[tuple]:
+    """(episode, reward) of each record's episodes: one greedy episode, or `samples` at temperature 1."""
     from tunebench.training.grpo import environment, episodes
 
-    env = environment.load(str(ENV), 10)
-    played = episodes.play(placed, env, records, max_turns, 48, 1024, 16, samples, 1.0 if samples > 1 else None, seed)
+    return [(e, environment.score(env, e.messages, records[e.key]) or 0.0) for e in episodes.play(
+        placed, env, records, max_turns, 48, 1024, 16, samples, 1.0 if samples > 1 else None, seed)]
+
+
+def successes(placed, records: list[dict], max_turns: int, samples: int = 1, seed: int = 0) -> list[list[float]]:
+    """Each record's episodes' rewards: one greedy episode, or `samples` at temperature 1."""
+    from tunebench.training.grpo import environment
+
     won: list[list[float]] = [[] for _ in records]
-    for e in played:
-        won[e.key].append(environment.score(env, e.messages, records[e.key]) or 0.0)
+    for e, reward in played(placed, environment.load(str(ENV), 10), records, max_turns, samples, seed):
+        won[e.key].append(reward)
     return won
 
 
@@ -150,18 +156,16 @@ def rft(start: str, files: dict[str, Path], out: Path, budget_s: float, a, seed:
     questions (as many chunks as fit), the successful episodes kept, then SFT on them for what is left."""
     from tunebench.interfaces import cli
     from tunebench.model import inference
-    from tunebench.training.grpo import environment, episodes
+    from tunebench.training.grpo import environment
 
     began, env = time.perf_counter(), environment.load(str(ENV), 10)
     placed, prompts, kept, tried = inference.load(start, None), read(files["grpo"]), [], 0
     for at in range(0, len(prompts), 4):
         if time.perf_counter() - began > budget_s / 2:
             break
-        chunk = prompts[at:at + 4]
-        played = episodes.play(placed, env, chunk, a.max_turns, 48, 1024, 16, a.num_generations, 1.0, seed + at)
-        tried += len(played)
-        kept += [{"messages": e.messages, "tools": env.schemas} for e in played
-                 if environment.score(env, e.messages, chunk[e.key])]
+        chunk = played(placed, env, prompts[at:at + 4], a.max_turns, a.num_generations, seed + at)
+        tried += len(chunk)
+        kept += [{"messages": e.messages, "tools": env.schemas} for e, reward in chunk if reward]
     del placed
     rows = out / "rft.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in kept))

@@ -69,6 +69,13 @@ def test_the_runs_tabs_errors_are_escaped(tmp_path):
     assert "<img" not in shown and "&lt;img" in shown
 
 
+def _appeared(path: Path) -> None:
+    """Waits (30 s at most) for the fake run to write `path`: its way of saying where it is."""
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _started(tmp_path, script: str) -> studio.Studio:
     """A studio whose run "r" is `script` (a stand-in for the training child), once it has written its "ready"."""
     fake = tmp_path / "tunebench_fake_train.py"
@@ -76,9 +83,7 @@ def _started(tmp_path, script: str) -> studio.Studio:
     s = studio.Studio(tmp_path / "runs")
     s.program = [sys.executable, str(fake)]
     s.start(studio.Ask(str(_csv(tmp_path / "d.csv")), "r", "tiny"))
-    deadline = time.monotonic() + 30
-    while not (s.runs_dir / "r" / "ready").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _appeared(s.runs_dir / "r" / "ready")
     return s
 
 
@@ -88,9 +93,7 @@ def test_stop_clicked_twice_sends_one_sigterm_and_the_checkpoint_is_kept(tmp_pat
     stopper = studio.Studio(s.runs_dir) if restarted else s
     assert "stopping (SIGTERM)" in stopper.stop("r")
     run = s.runs_dir / "r"
-    deadline = time.monotonic() + 30
-    while not (run / "saving").exists() and time.monotonic() < deadline:  # the first SIGTERM has landed
-        time.sleep(0.05)
+    _appeared(run / "saving")  # the first SIGTERM has landed
     assert stopper.stop("r").startswith("r is already stopping; it saves its checkpoint, then ends (Stop again after")
     (run / "clicked").write_text("")  # a SIGTERM the second click sent has been counted by now (kill() returned)
     assert s.wait("r", 30) == 130
@@ -115,9 +118,7 @@ def test_a_stop_clicked_again_past_its_grace_kills_a_run_that_did_not_end(tmp_pa
     s = _started(tmp_path, DEAF)
     stopper = studio.Studio(s.runs_dir) if restarted else s
     assert "stopping (SIGTERM)" in stopper.stop("r")
-    deadline = time.monotonic() + 30
-    while not (s.runs_dir / "r" / "termed").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _appeared(s.runs_dir / "r" / "termed")
     assert "already stopping" in stopper.stop("r")  # within the grace: nothing sent
     monkeypatch.setattr(studio, "STOP_GRACE_S", 0)  # the grace is over
     assert "killed (SIGKILL)" in stopper.stop("r")
