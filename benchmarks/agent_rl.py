@@ -237,8 +237,9 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
     if cli.main(["train", "--method", "grpo", "--model", start, "--environment", str(ENV), "--data", str(files["grpo"]),
                  "--num-generations", str(a.num_generations), "--max-completion-length", "48", "--max-turns",
                  str(a.max_turns), "--max-length", "1024", "--effective-batch-size", "4", "--eval-fraction", "0",
-                 "--lr", "2e-4", "--temperature", "1.0", "--no-progress", "--seed", str(seed),
-                 "--output-dir", str(out / "grpo"), "--max-steps", str(a.grpo_steps)]):
+                 "--lr", a.grpo_lr, "--temperature", "1.0", "--no-progress", "--seed", str(seed),
+                 "--output-dir", str(out / "grpo"), "--max-steps", str(a.grpo_steps),
+                 *(["--target-modules", a.grpo_target_modules] if a.grpo_target_modules else [])]):
         sys.exit(1)
     r["grpo_s"] = time.perf_counter() - began
     r["grpo"] = scored(None, str(out / "grpo"), files, a)
@@ -287,6 +288,9 @@ def main() -> None:
     p.add_argument("--grpo-steps", type=int, default=64, help="GRPO's steps (64: about 30 min at the ~28 s a step "
                    "measured on a 2-core EPYC, 2026-11-28)")
     p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--grpo-lr", default="2e-4", help="GRPO's learning rate (RFT keeps 2e-4)")
+    p.add_argument("--grpo-target-modules", default=None, help="GRPO's LoRA layers (default: PEFT's for the model; "
+                   "all-linear with --grpo-lr 5e-4 learned a shortcut faster: benchmarks/README.md)")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None)
