@@ -384,6 +384,20 @@ def test_the_default_models_tokenizer_keeps_its_digit_split_through_the_gguf_con
 
 
 
+def test_a_gguf_is_parsed_once_while_it_is_converted(runs, tmp_path, monkeypatch):
+    """transformers' loader parses a GGUF whole for the config, the tokenizer and the weights, and the pre-tokenizer
+    check a fourth time (17 s a parse for Gemma 3's 262,144-token vocabulary): converting parses it once."""
+    import gguf
+
+    parsed, made = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a, **k: parsed.append(str(path)) or made(path, *a, **k))
+    path = export.export(str(runs / "lora"), "gguf", "f32", str(tmp_path / "lora.gguf"))
+    parsed.clear()  # the export's own read-back
+    converted = models.convert_gguf(Path(path), tmp_path / "converted")
+    assert parsed == [str(path)] and (converted / "model.safetensors").is_file()
+
+
+
 def _tool_run(runs, root, tools=WEATHER, eos=None):
     """A tiny Llama (1,024 positions: the tools' JSON is in the prompt) on the runs' BPE tokenizer, fully
     fine-tuned until it answers 'Weather?' offered `tools` with get_weather(city=Oslo) in the tool template the

@@ -240,6 +240,27 @@ def test_a_gpt2_tokenizer_directory_loads_the_whole_vocabulary():
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.parametrize("context", [2048, None])
+def test_a_ggufs_context_length_is_read_from_its_header_past_the_arrays_before_it(tmp_path, context):
+    """The header read by hand (gguf's reader parses the whole vocabulary first) gives what gguf's reader gives:
+    past string, number and nested arrays written before the field, and None where the file has none."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"tok{i}" for i in range(300)])
+    writer.add_array("test.scores", [0.5] * 300)
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("test.name", "x")
+    if context:
+        writer.add_context_length(context)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    field = gguf.GGUFReader(str(path)).fields.get("llama.context_length")
+    assert models.gguf_context_length(path) == (int(field.contents()) if field else None) == context
+
+
 def test_a_gguf_replaced_at_the_same_path_is_converted_again(tmp_path):
     """The conversion cache was keyed by the path alone: a new file at the same path got the old weights."""
     import os
