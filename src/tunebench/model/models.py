@@ -243,8 +243,12 @@ def gguf_context_length(gguf: Path) -> int | None:
                 raise ValueError(f"{gguf}: an unknown GGUF value type {kind}")
             return read(scalar[kind])
 
-        if f.read(4) != b"GGUF" or read("I") not in (2, 3):
-            raise ValueError(f"{gguf} is not a little-endian GGUF of version 2 or 3")
+        if f.read(4) != b"GGUF" or read("I") not in (2, 3):  # big-endian, or another version: gguf's own reader
+            import gguf as gguf_py
+
+            fields = gguf_py.GGUFReader(str(gguf)).fields
+            field = fields.get(f"{fields['general.architecture'].contents()}.context_length")
+            return int(field.contents()) if field is not None else None
         read("Q")  # tensors
         arch = None
         for _ in range(read("Q")):
