@@ -386,13 +386,15 @@ def test_the_default_models_tokenizer_keeps_its_digit_split_through_the_gguf_con
 
 def test_a_gguf_is_parsed_once_while_it_is_converted(runs, tmp_path, monkeypatch):
     """transformers' loader parses a GGUF whole for the config, the tokenizer and the weights, and the pre-tokenizer
-    check a fourth time (17 s a parse for Gemma 3's 262,144-token vocabulary): converting parses it once."""
+    check a fourth time (17 s a parse for Gemma 3's 262,144-token vocabulary): converting parses it once, and so
+    does an export's read-back (the config and the weights)."""
     import gguf
 
     parsed, made = [], gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a, **k: parsed.append(str(path)) or made(path, *a, **k))
     path = export.export(str(runs / "lora"), "gguf", "f32", str(tmp_path / "lora.gguf"))
-    parsed.clear()  # the export's own read-back
+    assert len(parsed) == 1, parsed  # the export's read-back, of the file before it is moved into place
+    parsed.clear()
     converted = models.convert_gguf(Path(path), tmp_path / "converted")
     assert parsed == [str(path)] and (converted / "model.safetensors").is_file()
 

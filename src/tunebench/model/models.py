@@ -6,7 +6,6 @@ Nothing here reaches the Hugging Face hub unless the user passes `--allow-downlo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -133,8 +132,10 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
 
     if (dest / "config.json").exists():
         return dest
+    from tunebench.model.gguf_export import parsed_once
+
     print(f"converting {gguf.name} to a trainable checkpoint in {dest} (once)")
-    with _one_parse(gguf):
+    with parsed_once(gguf):
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         restore_pre_tokenizer(tok, gguf)
         src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -158,31 +159,6 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-@contextlib.contextmanager
-def _one_parse(gguf: Path):
-    """The GGUF parsed once while converting it. transformers' loader parses the whole file (every vocabulary
-    entry) for the config, again for the tokenizer and again for the weights, and the pre-tokenizer's check a
-    fourth time: 17 s a parse for Gemma 3's 262,144 tokens on 2 cores, 68 of the conversion's 100 s. The loader
-    imports `gguf.GGUFReader` when it runs, so one read-only reader of this file is handed to every caller here;
-    another file, or a loader that imports it otherwise, parses as before."""
-    import gguf as gguf_py
-
-    made, parsed = gguf_py.GGUFReader, {}
-
-    def reader(path, *args, **kwargs):
-        if Path(path).resolve() != gguf.resolve() or args or kwargs:
-            return made(path, *args, **kwargs)
-        if "reader" not in parsed:
-            parsed["reader"] = made(path)
-        return parsed["reader"]
-
-    gguf_py.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf_py.GGUFReader = made
 
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) whose split transformers' GGUF reader does not rebuild:
