@@ -285,3 +285,24 @@ def test_a_runs_metrics_monitor_and_results_refuse_a_planted_link_and_leave_its_
     with pytest.raises(TunebenchError, match="is a symbolic link"):
         repair_tail(run / "metrics.jsonl")
     assert victim.read_text() == "line one\nno newline at the end"
+
+
+def test_a_planted_link_for_the_checkpoints_folder_is_refused_before_anything_in_its_target_moves(tmp_path, capsys):
+    """Saving, rotating, cleaning up after a killed save and --overwrite all write or delete inside checkpoints/: a
+    link planted there would have them delete another folder's `.tmp-*` and `step-*` (or, for --overwrite, fail
+    with an OSError traceback). Every way into a run refuses it in one line, and the folder it points at is whole."""
+    from tunebench.training import checkpoint
+
+    victim = tmp_path / "victim"
+    (victim / "step-00000001").mkdir(parents=True)
+    (victim / ".tmp-keep").write_text("a half-written file of someone else's")
+    (victim / ".old-step-00000002").mkdir()
+    before = sorted(str(p.relative_to(victim)) for p in victim.rglob("*"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(victim, target_is_directory=True)
+    for resume, overwrite in (("auto", False), (None, True), (None, False)):
+        with pytest.raises(TunebenchError, match="checkpoints' is a symbolic link; .* remove the link"):
+            checkpoint.prepare_output_dir(run, resume, overwrite)
+    assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == before
+    assert (run / "checkpoints").is_symlink()

@@ -225,6 +225,10 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
         raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
     runlock.hold(path)  # before anything below deletes: a second process must not touch a live run's files
     run = RunDir(path)
+    if run.checkpoints.is_symlink():  # saves, rotation, clean-up and --overwrite delete inside it: never elsewhere
+        raise TunebenchError(f"'{run.checkpoints}' is a symbolic link; tunebench writes, rotates and deletes a run's "
+                             "checkpoints only in a folder of its own inside --output-dir: remove the link (to keep "
+                             "checkpoints on another disk, give an --output-dir there)")
     clean_stale(run.checkpoints)
     durable.clean_stale(path)  # a final save (durable.atomic_files) killed before its files moved into place
     earlier = [p for p in (run.checkpoints, run.metrics_file, run.summary_file) if p.exists()]
