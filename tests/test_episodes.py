@@ -3,6 +3,7 @@ episodes' tokens and masks, the tools' failures as turns, and runs from the comm
 
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -55,14 +56,12 @@ def reward(messages, row):
 
 
 # An environment with state, one instance an episode (ENVIRONMENT): a cart that `add` fills; the reward is whether it
-# holds the number of items the row wants. `add("slow")` finishes after a short tool timeout, in its thread.
+# holds the number of items the row wants. `add("slow")` runs past a short tool timeout.
 CART = '''
-import threading
+import time
 
 
 class Cart:
-    released = threading.Event()  # set by the test: a timed-out add("slow") goes on then
-
     def __init__(self):
         self.items = []
 
@@ -77,7 +76,7 @@ class Cart:
             item: the item
         """
         if item == "slow":
-            Cart.released.wait(10)
+            time.sleep(10)
         self.items.append(item)
         return f"{len(self.items)} item(s)"
 
@@ -94,11 +93,11 @@ ENVIRONMENT = Cart
 
 
 # The reward of the run that is killed: once the checkpoint KILL_AFTER names is on disk, the next episode scored
-# (one of the following step's) kills its process with SIGKILL.
+# (one of the following step's) kills the training process with SIGKILL (its parent: it runs in the environment's).
 KILLER = """def reward(messages, row):
     import os, signal
     if os.path.isdir(os.environ.get("KILL_AFTER", "/nonexistent")):
-        os.kill(os.getpid(), signal.SIGKILL)"""
+        os.kill(os.getppid(), signal.SIGKILL)  # the training process: the reward runs in the environment's own"""
 
 
 def _env(tmp_path, text=ENV, name="env.py"):
@@ -181,9 +180,48 @@ def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_
     assert not raised.ok and raised.text == "error: ValueError: no such key"
     slow = environment.call(env, "look", {"k": "slow"})
     assert not slow.ok and "no answer within 0.3 s" in slow.text
-    assert not Path(f"{path}.slow-ended").exists()  # answered before the tool itself ended, not after it
     assert not environment.call(env, "look", {"k": 3}).ok  # the schema says a string
     assert "no tool named 'find'" in environment.call(env, "find", {}).text
+    time.sleep(5.5)
+    assert not Path(f"{path}.slow-ended").exists()  # stopped at its limit: it never ran on to its end
+
+
+def test_a_tool_stuck_in_a_c_call_is_stopped_at_its_limit_and_the_next_call_answers(tmp_path):
+    """A tool in a C call that holds the GIL (a backtracking regular expression) kept a thread of the training process
+    from ever giving it back: the run hung past --tool-timeout, Ctrl-C and SIGTERM. The call runs in the environment's
+    own process, killed at the limit and started afresh; the next call answers from a new one."""
+    stuck = ENV.replace('    if k == "boom":', '    if k == "c":\n        import re\n        re.fullmatch(r"(a|aa)+b", '
+                                                '"a" * 90)\n    if k == "boom":')
+    env = environment.load(str(_env(tmp_path, stuck)), timeout_s=0.5)
+    before = env.host._state["proc"]
+    began = time.monotonic()
+    answer = environment.call(env, "look", {"k": "c"})
+    assert answer == environment.ToolAnswer("error: look gave no answer within 0.5 s", False)
+    assert time.monotonic() - began < 30  # the limit, then a new process started (the old code never returned)
+    assert before.poll() is not None and env.host._state["proc"].poll() is None  # killed; a new one is ready
+    assert environment.call(env, "look", {"k": "b"}) == environment.ToolAnswer("2", True)
+
+
+def test_the_environments_process_dies_with_the_training_process_even_by_kill_9(tmp_path):
+    """kill -9 of the process that asks leaves nothing behind: the child would otherwise wait for a request forever
+    (or, stuck in a call, never read its closed pipe)."""
+    script = ("import sys, time\nfrom tunebench.core.userprocess import Host\n"
+              "h = Host(b'import time\\nx = 1', sys.argv[1], 'env')\nprint(h._state['proc'].pid, flush=True)\n"
+              "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "env.py")], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # alive
+    parent.kill()
+    parent.wait()
+    for _ in range(500):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail(f"the environment's process {child} outlived its parent")
 
 
 def _scripted(tok, replies):
@@ -295,26 +333,28 @@ def test_an_episode_opens_with_its_own_rows_messages_when_an_opening_is_dropped(
 
 
 def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, tiny, monkeypatch):
-    """ENVIRONMENT's episodes each fill their own cart (reset sets it from the row; the reward reads it), and a call
-    that timed out and finishes later in its thread changes its own episode's cart, never the next one's."""
-    sampler = _sampler(tmp_path, tiny, timeout_s=0.2, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
+    """ENVIRONMENT's episodes each fill their own cart (reset sets it from the row; the reward reads it). A call past
+    its limit restarts the environment's process: the carts of the episodes still playing are lost with it, said
+    to the model in their next call and scored None (no opinion), never another episode's cart read instead."""
+    sampler = _sampler(tmp_path, tiny, timeout_s=0.3, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
     tok = tiny.tokenizer
-    add = [toolcalls.written("add", {"item": "slow"}), toolcalls.written("add", {"item": "pen"})]
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [add, ["Done.", "Done."]]))
-    slow, fast = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
-    assert "no answer within 0.2 s" in slow.messages[2]["content"] and fast.messages[2]["content"] == "1 item(s)"
-    cart = {e.stop: e.env.tools["add"].__self__ for e in (slow,)} | {"next": fast.env.tools["add"].__self__}
-    assert cart["answered"] is not cart["next"] and cart["next"].items == ["pen"]
+    pen = toolcalls.written("add", {"item": "pen"})
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[pen, pen], [pen, "Done."], ["Done."]]))
+    one, two = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    assert [m["content"] for m in one.messages if m["role"] == "tool"] == ["1 item(s)", "2 item(s)"]
+    assert [m["content"] for m in two.messages if m["role"] == "tool"] == ["1 item(s)"]  # its own cart
+    assert sampler.score_episodes([one, two])[0].flatten().tolist() == [0.0, 1.0]
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("add", {"item": "slow"}), pen],
+                                                          ["Done.", "Done."]]))
+    slow, lost = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    assert "no answer within 0.3 s" in slow.messages[2]["content"]
+    # the other episode's cart went with the restart (its call came after the slow one's): its call says so
+    assert [m["content"] for m in lost.messages if m["role"] == "tool"] == [f"error: {environment.LOST}"]
+    scores = sampler.score_episodes([slow, lost])[0].flatten().tolist()
+    assert all(math.isnan(v) for v in scores), scores
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("count", {})], ["Done."]]))
-    after, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)  # the next step's episode, while add("slow") still waits
-    type(cart["next"]).released.set()
-    for _ in range(1000):  # the timed-out call finishes in its thread, on its own episode's cart
-        if cart["answered"].items:
-            break
-        time.sleep(0.01)
-    assert cart["answered"].items == ["slow"] and cart["next"].items == ["pen"]
-    assert after.messages[2]["content"] == "0" and after.env.tools["add"].__self__.items == []
-    assert sampler.score_episodes([slow, fast, after])[0].flatten().tolist() == [1.0, 1.0, 0.0]
+    after, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)  # the next step's episode: a cart of the new process
+    assert after.messages[2]["content"] == "0" and sampler.score_episodes([after])[0].flatten().tolist() == [0.0]
 
 
 def _cart_train(tmp_path, out, n_rows, *extra):

@@ -5,11 +5,14 @@
     def reward(messages, row) -> float: ...  # the finished episode's score
 
 Each tool's JSON schema is made from its signature and docstring by transformers' get_json_schema (what
-apply_chat_template(tools=[fn]) does). A call runs in a worker thread under a time limit: a tool that raises, runs
-past it, is not offered, or gets arguments its schema refuses answers the model with an error text (the episode
-goes on; a reward may penalise it). Everything here is checked when the file is loaded, before any model loads.
-A tool whose answers are random is the user's to seed: tunebench seeds Python's `random` and numpy per step
-(episodes.rollout), which makes a tool drawing from those reproducible on resume.
+apply_chat_template(tools=[fn]) does). A call runs in the environment's own process (core/userprocess.py: the
+file's same bytes, run again there) under a time limit that holds even for a call stuck in C: a tool that raises,
+runs past it (its process is then killed and started afresh), is not offered, or gets arguments its schema refuses
+answers the model with an error text (the episode goes on; a reward may penalise it). Everything here is checked
+when the file is loaded, before any model loads.
+A tool whose answers are random is the user's to seed: tunebench seeds Python's `random`, numpy and torch in the
+environment's process per step (episodes.Episodes.draw), which makes a tool drawing from those reproducible on
+resume.
 
 An environment with state (a shopping cart, a file system, a game) gives a class instead, as TRL's
 `environment_factory` does: one instance an episode, its public methods the tools.
@@ -20,8 +23,9 @@ An environment with state (a shopping cart, a file system, a game) gives a class
         def reward(self, messages, row) -> float: ...  # reset and reward)
     ENVIRONMENT = Cart                                 # a class, or any function making a new instance
 
-The module-level functions are shared by every episode; an instance is its episode's alone, so a tool that
-times out and finishes later in its thread changes only its own, finished episode's state.
+The module-level functions are shared by every episode; an instance is its episode's alone. A tool that runs past
+its limit takes the environment's process with it: the instances of the episodes still playing go too (their later
+calls answer with an error text, their reward is None: no opinion).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ import dataclasses
 import inspect
 import json
 import math
-import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunebench.core import userprocess
 from tunebench.core.errors import TunebenchError
 from tunebench.core.userfile import UserFile
 
@@ -45,15 +50,17 @@ BUILT_IN = Path(__file__).resolve().parents[2] / "configs" / "environments"  # `
 @dataclass(frozen=True)
 class Environment:
     """What an episode talks to. From a file of module-level functions, one value every episode shares; from a file
-    with an ENVIRONMENT class, `session` gives each episode its own (tools, reset and reward of a new instance)."""
+    with an ENVIRONMENT class, `session` gives each episode its own (tools, reset and reward of a new instance).
+    Each function is the environment process's (host.Remote), called with a time limit."""
 
     path: str
-    tools: dict[str, Callable[..., Any]]  # by name
+    tools: dict[str, userprocess.Remote]  # by name
     schemas: list[dict[str, Any]]  # OpenAI's tool form, as chat templates take them
-    reset: Callable[[dict[str, Any]], list[dict[str, Any]]]
-    reward: Callable[[list[dict[str, Any]], dict[str, Any]], float]
+    reset: userprocess.Remote  # reset(row) -> the opening messages
+    reward: userprocess.Remote  # reward(messages, row) -> a float, a list of them, or None
     timeout_s: float
-    factory: Callable[[], Any] | None = None  # ENVIRONMENT: makes one episode's instance (None: module functions)
+    host: userprocess.Host
+    per_episode: bool = False  # ENVIRONMENT: one instance an episode (False: the module's functions, shared)
 
 
 @dataclass(frozen=True)
@@ -82,14 +89,17 @@ def resolve(spec: str) -> Path:
 def load(spec: str, timeout_s: float, file: UserFile | None = None) -> Environment:
     """The environment in `spec`'s file, every name checked: TOOLS a list of type-hinted, documented functions,
     reset(row) and reward(messages, row) callable with those arguments (or ENVIRONMENT's, on one instance). `file`:
-    the file's bytes as read (and hashed) before, run as they are; else read here."""
+    the file's bytes as read (and hashed) before, run as they are (here, to check them, and again in the
+    environment's process, which runs the calls); else read here."""
     path = resolve(spec)
+    file = file or UserFile.read(path)
+    name = f"tunebench_environment_{path.stem}"
     try:
-        module = (file or UserFile.read(path)).run(f"tunebench_environment_{path.stem}")
+        module = file.run(name)
     except Exception as e:  # noqa: BLE001 - the user's file: its error, said in one line
         raise TunebenchError(f"--environment {spec} fails on import: {type(e).__name__}: {e}") from None
     if hasattr(module, "ENVIRONMENT"):
-        return _of_class(spec, path, module, timeout_s)
+        return _of_class(spec, path, module, timeout_s, file)
     missing = [name for name in ("TOOLS", "reset", "reward") if not hasattr(module, name)]
     if missing:
         raise TunebenchError(f"--environment {spec} defines no {', '.join(missing)}; an environment gives TOOLS (a "
@@ -99,10 +109,19 @@ def load(spec: str, timeout_s: float, file: UserFile | None = None) -> Environme
     if not isinstance(tools, (list, tuple)) or not tools or not all(callable(t) for t in tools):
         raise TunebenchError(f"--environment {spec}: TOOLS must be a non-empty list of functions")
     _check_callbacks(spec, module)
-    return Environment(str(path), *_described(spec, tools), module.reset, module.reward, timeout_s)
+    tools, schemas = _described(spec, tools)
+    host = userprocess.Host(file.source, str(path), name)
+    return _remote(Environment(str(path), tools, schemas, None, None, timeout_s, host), userprocess.MODULE)
 
 
-def _of_class(spec: str, path: Path, module, timeout_s: float) -> Environment:
+def _remote(env: Environment, instance: int) -> Environment:
+    """`env` with its tools, reset and reward those of `instance` in its process."""
+    return dataclasses.replace(env, tools={n: userprocess.Remote(env.host, instance, n) for n in env.tools},
+                               reset=userprocess.Remote(env.host, instance, "reset"),
+                               reward=userprocess.Remote(env.host, instance, "reward"))
+
+
+def _of_class(spec: str, path: Path, module, timeout_s: float, file: UserFile) -> Environment:
     """ENVIRONMENT's environment, checked on one instance made here: reset(row), reward(messages, row) and at least
     one tool (its public methods but those two). Module-level TOOLS, reset or reward beside it are refused: which
     one trains would be a guess."""
@@ -125,7 +144,9 @@ def _of_class(spec: str, path: Path, module, timeout_s: float) -> Environment:
         raise TunebenchError(f"--environment {spec}: ENVIRONMENT has no tools; its public methods other than reset "
                              "and reward are the tools the model calls")
     tools, schemas = _described(spec, [getattr(instance, n) for n in names])
-    return Environment(str(path), tools, schemas, instance.reset, instance.reward, timeout_s, factory)
+    host = userprocess.Host(file.source, str(path), module.__name__)
+    env = Environment(str(path), tools, schemas, None, None, timeout_s, host, per_episode=True)
+    return _remote(env, _new(env))  # the instance whose reset opens the data's rows when they load
 
 
 def _instance(spec: str, factory: Callable[[], Any]) -> Any:
@@ -147,12 +168,25 @@ def _tool_names(instance: Any) -> list[str]:
 
 def session(env: Environment) -> Environment:
     """What one episode talks to: `env` itself for module functions (shared); for an ENVIRONMENT class, a new
-    instance's tools, reset and reward (its state its own)."""
-    if env.factory is None:
+    instance's tools, reset and reward in the environment's process (its state its own), freed there once the
+    episode is dropped."""
+    if not env.per_episode:
         return env
-    instance = _instance(env.path, env.factory)
-    return dataclasses.replace(env, tools={n: getattr(instance, n) for n in env.tools}, reset=instance.reset,
-                               reward=instance.reward)
+    own = _remote(env, _new(env))
+    weakref.finalize(own.reset, env.host.drop, own.reset.generation, own.reset.instance)
+    return own
+
+
+def _new(env: Environment) -> int:
+    """A new ENVIRONMENT instance in the environment's process, its id; refused in one line as _instance."""
+    answer = env.host.new(CALLBACK_S)
+    if answer is None:
+        raise TunebenchError(f"--environment {env.path}: ENVIRONMENT() gave no answer within {CALLBACK_S:g} s; it is "
+                             "called with no arguments, once an episode, and must return")
+    if answer[0] != "ok":
+        raise TunebenchError(f"--environment {env.path}: ENVIRONMENT() raised {answer[1]}: {answer[2]}; it is called "
+                             "with no arguments, once an episode")
+    return answer[1]
 
 
 def _check_callbacks(spec: str, owner: Any) -> None:
@@ -203,29 +237,19 @@ def rows(env: Environment, data) -> Any:
     return prompts.PromptRows([opening(env, r) for r in records], [dict(r) for r in records], data.path)
 
 
-CALLBACK_S = 60.0  # reset's and reward's time limit: one stuck would hang the run without a word
+LOST = ("this episode's environment instance was lost: the environment's process was restarted after a call ran "
+        "past its time limit")
+CALLBACK_S = 60.0  # reset's, reward's and ENVIRONMENT()'s time limit: one stuck would hang the run without a word
 
 
-def _within(fn: Callable[[], Any], limit_s: float, name: str) -> dict[str, Any] | None:
-    """fn() in a thread of its own, waited for `limit_s`: {"value": ...} or {"error": the exception}, None when it
-    gave no answer in time (a thread cannot be killed: it is left to finish on its own, its answer unread)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except Exception as e:  # noqa: BLE001 - the user's function: its caller says what it means
-            box["error"] = e
-
-    worker = threading.Thread(target=run, daemon=True, name=name)
-    worker.start()
-    worker.join(limit_s)
-    return None if worker.is_alive() else box
-
-
-def _callback(env: Environment, what: str, fn: Callable[[], Any], where: str = "") -> Any:
-    """reset or reward run within CALLBACK_S: an exception or no answer is the user's bug, said in one line."""
-    box = _within(fn, CALLBACK_S, f"environment-{what}")
+def _callback(env: Environment, what: str, args: tuple, where: str = "") -> Any:
+    """reset or reward run within CALLBACK_S: an exception or no answer is the user's bug, said in one line. The
+    reward of an episode whose instance was lost (see the module's docstring) is None: no opinion."""
+    box = getattr(env, what).within(CALLBACK_S, *args)
+    if box is not None and "lost" in box:
+        if what == "reset":
+            raise TunebenchError(f"--environment {env.path}: {LOST}{where}")
+        return None
     if box is None:
         raise TunebenchError(f"--environment {env.path}: {what} gave no answer within {CALLBACK_S:g} s{where}; it "
                              "must return (a slow check belongs in a tool, which has --tool-timeout)")
@@ -237,8 +261,7 @@ def _callback(env: Environment, what: str, fn: Callable[[], Any], where: str = "
 
 def opening(env: Environment, row: dict[str, Any]) -> list[dict[str, Any]]:
     """reset(row)'s opening messages, checked: a non-empty list of {role, content} with text content."""
-    messages = _callback(env, "reset", lambda: env.reset(dict(row)),
-                         f" on the row {json.dumps(row, default=str)[:200]}")
+    messages = _callback(env, "reset", (dict(row),), f" on the row {json.dumps(row, default=str)[:200]}")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
             for m in messages):
@@ -257,9 +280,11 @@ def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
         return ToolAnswer(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)
     if not toolcalls.valid({"name": name, "arguments": arguments}, env.schemas):
         return ToolAnswer(f"error: the arguments {json.dumps(arguments)[:200]} do not fit {name}'s parameters", False)
-    box = _within(lambda: env.tools[name](**arguments), env.timeout_s, f"tool-{name}")
+    box = env.tools[name].within(env.timeout_s, **arguments)
     if box is None:
         return ToolAnswer(f"error: {name} gave no answer within {env.timeout_s:g} s", False)
+    if "lost" in box:
+        return ToolAnswer(f"error: {LOST}", False)
     if "error" in box:  # the tool's error is the model's to read
         return ToolAnswer(f"error: {type(box['error']).__name__}: {box['error']}", False)
     value = box.get("value")
@@ -272,7 +297,7 @@ def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any],
     list, one float per turn of the model's (`turns` of them: per-turn rewards, credited to each turn's tokens).
     An exception, or a list of another length or holding anything but numbers, is the user's bug and stops the
     run, said in one line naming the episode (`episode`, its index in the step) and the turn."""
-    value = _callback(env, "reward", lambda: env.reward([dict(m) for m in messages], dict(row)))
+    value = _callback(env, "reward", ([dict(m) for m in messages], dict(row)))
     if isinstance(value, (list, tuple)):
         if len(value) != turns:
             raise TunebenchError(f"--environment {env.path}: reward returned {len(value)} per-turn rewards for "

@@ -12,8 +12,9 @@ environment's reward(messages, row), then any --reward on the final answer, weig
 group, as in single-turn GRPO (grpo.advantages), and an episode whose one turn has no call is exactly a
 single-turn completion (the same row, mask and advantage).
 
-The rollout of a step is seeded by (seed, epoch, step) as the single-turn sampling is, Python's `random` and
-numpy included (for tools that draw from them), so a resumed run replays the same episodes.
+The rollout of a step is seeded by (seed, epoch, step) as the single-turn sampling is, Python's `random`, numpy's
+and torch's in the environment's process included (for tools that draw from them), so a resumed run replays the
+same episodes.
 """
 
 from __future__ import annotations
@@ -248,6 +249,7 @@ class Episodes:
         try:
             random.seed(seed)
             np.random.seed(seed % 2**32)
+            self.env.host.seed(seed)  # where the tools draw: the environment's own process
             with torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 episodes = rollout(self, keys, on.s.num_generations, on.s.temperature, on.s.top_p)

@@ -1,0 +1,201 @@
+"""A user's Python file run in a process of its own, its functions called there under a time limit that holds.
+
+What a GRPO environment's tools, reset and reward run in (training/grpo/environment.py). A call in a thread of the
+training process (what this replaced) could not be stopped: a thread cannot be killed, and a function stuck in a C
+call that holds the GIL (a regular expression backtracking, a huge integer power) kept the whole training process
+from running, its time limit, Ctrl-C and SIGTERM included. Here each call is a message to a child process that ran
+the file's same bytes (core/userfile.py: those that were hashed); the caller waits for the answer under the limit,
+and past it kills the child (SIGKILL) and starts a new one from those bytes. The module's state starts afresh, and
+the instances the child held (`new`: ENVIRONMENT's, one an episode) are lost with it: a Remote of one of them then
+answers {"lost": True}.
+
+Written by hand rather than with multiprocessing or concurrent.futures: a spawned multiprocessing child imports the
+parent's __main__ (the CLI, torchrun's entry, pytest), a forked one copies a process with OpenMP threads running,
+and a ProcessPoolExecutor cannot kill one stuck call (the whole pool breaks). The child is a fresh interpreter that
+imports only this module and core/userfile.py (0.1 s; the user's file imports what it needs), linked to the parent
+by a socket pair that multiprocessing's Connection frames and pickles.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from tunebench.core.errors import TunebenchError
+
+START_S = 120.0  # the child's start: the interpreter, then the user's file and its imports (torch's alone: ~7 s)
+MODULE = 0  # the instance id of the module's own functions (an environment of TOOLS, reset and reward)
+
+
+class Host:
+    """The child process that runs one user file's bytes, and the requests it answers in order."""
+
+    def __init__(self, source: bytes, path: str, module_name: str):
+        self.source, self.path, self.module_name = source, path, module_name
+        self.generation = 0  # one more at each start: an instance made by an earlier child is lost
+        self.restarts = 0
+        self._dropped: list[int] = []
+        self._state: dict[str, Any] = {}  # the child and its connection, for the finalizer (which must not hold self)
+        self._start()
+        weakref.finalize(self, _stop, self._state)
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        package = str(Path(__file__).resolve().parents[2])  # the folder holding tunebench, for a source checkout
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tunebench.core.userprocess import serve; serve(*sys.argv[1:])",
+             str(theirs.fileno()), self.path, self.module_name, str(os.getpid())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send_bytes(self.source)
+        self._state.update(proc=proc, conn=conn)
+        self.generation += 1
+        self._dropped.clear()  # the new child holds no instance
+        # ready once the file has run there: its imports are no call's time, and a restart's never the next call's
+        ready = conn.recv() if conn.poll(START_S) else ("error", "TimeoutError", f"no answer within {START_S:g} s")
+        if ready[0] != "ok":
+            _stop(self._state)
+            raise TunebenchError(f"{self.path} ran in this process but not in a process of its own ({ready[1]}: "
+                                 f"{ready[2]}); its top level must run the same each time it is imported")
+
+    def restart(self) -> None:
+        _stop(self._state)
+        self.restarts += 1
+        self._start()
+
+    def ask(self, request: tuple, limit_s: float | None) -> tuple | None:
+        """The child's answer to `request`: ("ok", value) or ("error", type name, text); None when it gave none
+        within `limit_s` (the child is then killed and a new one started). A child that died answers an error."""
+        conn = self._state["conn"]
+        if self._dropped:
+            conn.send(("drop", tuple(self._dropped)))
+            self._dropped.clear()
+        try:
+            conn.send(request)
+            if not conn.poll(limit_s):
+                self.restart()
+                return None
+            return conn.recv()
+        except (EOFError, OSError):  # the file's own code ended its process (os._exit, a crash in C)
+            code = self._state["proc"].wait()
+            self.restart()
+            return ("error", "EnvironmentExited", f"the environment's process ended (exit code {code}) during the call")
+
+    def new(self, limit_s: float) -> tuple | None:
+        """A new ENVIRONMENT instance in the child: ("ok", its id) or an error, as ask."""
+        return self.ask(("new",), limit_s)
+
+    def drop(self, generation: int, instance: int) -> None:
+        """An episode's instance is no longer needed: freed with the next request (never sent from a finalizer,
+        which may run while another message is being written)."""
+        if generation == self.generation:
+            self._dropped.append(instance)
+
+    def seed(self, seed: int) -> None:
+        """The child's `random`, NumPy's and torch's draws seeded (what the training process does for a step)."""
+        self.ask(("seed", seed), None)
+
+
+def _stop(state: dict[str, Any]) -> None:
+    proc, conn = state.get("proc"), state.get("conn")
+    if conn is not None:
+        conn.close()
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+class Remote:
+    """One of the child's functions (a tool, reset or reward; of the module or of one instance), called by name."""
+
+    def __init__(self, host: Host, instance: int, name: str):
+        self.host, self.instance, self.name = host, instance, name
+        self.generation = host.generation
+
+    def within(self, limit_s: float, *args, **kwargs) -> dict[str, Any] | None:
+        """{"value": ...} or {"error": the exception} as the call ended, None when it gave no answer in time."""
+        if self.instance != MODULE and self.generation != self.host.generation:
+            return {"lost": True}
+        answer = self.host.ask(("call", self.instance, self.name, args, kwargs), limit_s)
+        if answer is None:
+            return None
+        if answer[0] == "ok":
+            return {"value": answer[1]}
+        return {"error": type(answer[1], (Exception,), {})(answer[2])}
+
+
+def serve(fd: str, path: str, module_name: str, parent: str) -> None:
+    """The child: run the file's bytes as a module, then answer the parent's requests until it closes the pipe."""
+    import json
+    import random
+
+    from tunebench.core.userfile import UserFile
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the parent stops us
+    _die_with(int(parent))
+    conn = Connection(int(fd))
+    try:
+        module = UserFile(Path(path), conn.recv_bytes()).run(module_name)
+    except Exception as e:  # noqa: BLE001 - the user's file: its error goes back to be said
+        conn.send(("error", type(e).__name__, str(e)))
+        return
+    conn.send(("ok", None))
+    owners: dict[int, Any] = {MODULE: module}
+    made = MODULE
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind = request[0]
+        if kind == "drop":
+            for instance in request[1]:
+                owners.pop(instance, None)
+            continue
+        try:
+            if kind == "seed":
+                random.seed(request[1])
+                if "numpy" in sys.modules:
+                    sys.modules["numpy"].random.seed(request[1] % 2**32)
+                if "torch" in sys.modules:
+                    sys.modules["torch"].manual_seed(request[1])
+                answer = ("ok", None)
+            elif kind == "new":
+                made += 1
+                owners[made] = module.ENVIRONMENT()
+                answer = ("ok", made)
+            else:
+                _, instance, name, args, kwargs = request
+                value = getattr(owners[instance], name)(*args, **kwargs)
+                if name not in ("reset", "reward") and not isinstance(value, str):  # a tool's answer: the model's text
+                    value = json.dumps(value, default=str)  # (GRPO's environments: reset and reward give values)
+                answer = ("ok", value)
+        except Exception as e:  # noqa: BLE001 - the user's code: its error goes back to be said or shown
+            answer = ("error", type(e).__name__, str(e))
+        try:
+            conn.send(answer)
+        except Exception as e:  # noqa: BLE001 - a value pickle cannot send (a generator, a lock, an open file)
+            conn.send(("error", type(e).__name__, f"its value ({type(answer[1]).__name__}) cannot be sent back to the "
+                                                  f"training process: {e}; return text, numbers, lists or dicts"))
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL when the training process dies, even by kill -9 (PR_SET_PDEATHSIG): a child stuck in a C call would
+    not notice its pipe close."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
