@@ -286,7 +286,7 @@ def test_a_browser_votes_in_the_ab_tab_and_the_vote_is_stored(tmp_path, tuned, c
 
         ActionChains(browser).double_click(button("A is better")).perform()  # two fast clicks, one vote
         wait.until(lambda d: "Vote #1 stored" in d.page_source)
-        time.sleep(2)  # the second click's handler has answered too
+        wait.until(lambda d: not served._queue.event_ids_to_events)  # every event the clicks sent has been answered
         browser.save_screenshot(str(tmp_path / "voted.png"))
         tab("A/B results")  # the stored vote's row: its win rate and its Wilson interval, as the store computes them
         (row,) = votes.table(db)[1]

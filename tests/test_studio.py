@@ -5,6 +5,7 @@ exported GGUF through the Train and Runs tabs."""
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -253,7 +254,23 @@ def bpe_model(tmp_path_factory) -> Path:
     return root / "model"
 
 
-STEPS = 1500  # long enough to be stopped mid-way from the page (about 100 tiny steps a second here)
+STEPS = 200  # the run is paused once it has logged a few steps (_paused_after), so Stop always lands mid-way
+
+
+def _paused_after(runs: Path, name: str, steps: int, limit_s: float = 240.0) -> int:
+    """The studio's run `name` paused (SIGSTOP to its process group) as soon as its metrics.jsonl holds `steps` train
+    losses, read every 10 ms: a Stop clicked from the page then reaches it mid-way whatever the machine's speed
+    (1,500 steps at ~100 a second used to race the page's clicks). Its pid, for the SIGCONT."""
+    pidfile, metrics = runs / ".studio" / f"{name}.pid", runs / name / "metrics.jsonl"
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if pidfile.is_file() and metrics.is_file():
+            if sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+                pid = json.loads(pidfile.read_text())["pid"]
+                os.killpg(pid, signal.SIGSTOP)
+                return pid
+        time.sleep(0.01)
+    pytest.fail(f"{name} logged no {steps} steps within {limit_s:g} s")
 
 
 def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tmp_path, bpe_model, chromium):
@@ -322,12 +339,15 @@ def test_a_browser_goes_from_a_csv_to_an_exported_gguf_and_a_blind_comparison(tm
         wait.until(lambda d: "measured at start" in body() and "asked on this page" in body())
         button("Start training").click()
         wait.until(lambda d: "support: starting" in body())
+        paused = _paused_after(runs, "support", 3)
         slow.until(lambda d: points() >= 3)  # redrawn every 2 s as metrics.jsonl grows
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#tb-loss img"))  # the loss chart, drawn
         seen = points()
         shot("train-settings", "tb-settings")
         shot("train-live", "tb-state")
         button("Stop (checkpoint kept)").click()
+        wait.until(lambda d: "support: stopping (SIGTERM)" in body())  # sent, and waiting on the paused run
+        os.killpg(paused, signal.SIGCONT)
         slow.until(lambda d: "support: stopped (checkpoint kept)" in body())
         stopped_at = points()
         assert seen <= stopped_at < STEPS
