@@ -151,6 +151,16 @@ BUGS = (
     Bug("another site's page posting through a visitor's browser", "src/tunebench/interfaces/web/app.py",
         "        origin = headers.get(b\"origin\")", "        origin = None",
         ("tests/test_shared_server.py", "-k", "another_site")),
+    Bug("a checkpoints folder planted as a link followed", "src/tunebench/training/checkpoint.py",
+        "    if run.checkpoints.is_symlink():", "    if False:",
+        ("tests/test_durable.py", "-k", "planted_link_for_the_checkpoints")),
+    Bug("a call past its limit left running in the environment's process", "src/tunebench/core/userprocess.py",
+        "            if not conn.poll(limit_s):\n                self.restart()\n                return None",
+        "            if not conn.poll(limit_s):\n                return None",
+        ("tests/test_episodes.py", "-k", "sleeps_past or c_call")),
+    Bug("the environment's process outliving a killed trainer", "src/tunebench/core/userprocess.py",
+        "    _die_with(int(parent))", "    pass",
+        ("tests/test_episodes.py", "-k", "dies_with")),
 )
 
 

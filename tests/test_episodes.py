@@ -204,11 +204,12 @@ def test_a_tool_stuck_in_a_c_call_is_stopped_at_its_limit_and_the_next_call_answ
 
 
 def test_the_environments_process_dies_with_the_training_process_even_by_kill_9(tmp_path):
-    """kill -9 of the process that asks leaves nothing behind: the child would otherwise wait for a request forever
-    (or, stuck in a call, never read its closed pipe)."""
+    """kill -9 of the process that asks leaves nothing behind, even while its environment's process is inside a call
+    that never returns (it would never read its closed pipe: Linux's parent-death signal ends it)."""
     script = ("import sys, time\nfrom tunebench.core.userprocess import Host\n"
-              "h = Host(b'import time\\nx = 1', sys.argv[1], 'env')\nprint(h._state['proc'].pid, flush=True)\n"
-              "time.sleep(60)\n")
+              "h = Host(b'def spin():\\n    while True:\\n        pass\\n', sys.argv[1], 'env')\n"
+              "h._state['conn'].send(('call', 0, 'spin', (), {}))\n"  # in the pipe before the pid is printed
+              "print(h._state['proc'].pid, flush=True)\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "env.py")], stdout=subprocess.PIPE,
                               text=True)
     child = int(parent.stdout.readline())
