@@ -173,8 +173,17 @@ ROWS = [
 
 @pytest.fixture(autouse=True, scope="session")
 def _cache(tmp_path_factory):
-    """Keep tests' converted models and tokenized data out of the user's cache."""
-    os.environ["TUNEBENCH_CACHE"] = str(tmp_path_factory.mktemp("tbcache"))
+    """Keep tests' converted models and tokenized data out of the user's cache. The converted models and the
+    compiler's kernels are shared by this run's workers (the default model's conversion took ~21 s on each of the
+    two; conversion holds a lock, and inductor's cache is made for concurrent processes); the rest (measurements,
+    tokenized data) stays each worker's."""
+    cache = tmp_path_factory.mktemp("tbcache")
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-cache"  # this run's alone
+    for name in ("models", "inductor"):
+        (shared / name).mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(shared / name, target_is_directory=True)
+    os.environ["TUNEBENCH_CACHE"] = str(cache)
     trackers = tmp_path_factory.mktemp("trackers")  # and the trackers' local stores and caches out of the user's
     os.environ["TRACKIO_DIR"] = str(trackers / "trackio")  # (read when trackio is imported: no test has yet)
     for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):

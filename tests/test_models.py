@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -202,7 +204,8 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
     from tunebench.core import startup
 
     if not startup.USER_INDUCTOR_CACHE:  # the compiler's cache sits beside ours, not in torch's /tmp default
-        assert any((models.cache_dir() / "inductor").iterdir())
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(models.cache_dir() / "inductor")
+        assert any((models.cache_dir() / "inductor").iterdir())  # (shared by this run's workers: conftest)
     for (l_e, g_e), (l_c, g_c) in zip(eager, compiled):
         torch.testing.assert_close(l_c, l_e, rtol=1e-4, atol=1e-5)
         for k in g_e:
@@ -287,3 +290,27 @@ def test_adapter_given_a_full_fine_tunes_run_loads_it_as_the_model(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TunebenchError, match="holds neither an adapter"):
         inference.load_for_inference(None, str(tmp_path / "empty"))
+
+
+def test_a_gguf_another_process_is_converting_is_waited_for_not_converted_twice(tmp_path, monkeypatch):
+    """Processes that start at once (compare's runs, tests on two workers sharing a cache) converted the same GGUF
+    each (~21 s for the default model): the second now waits on the first's lock and takes its conversion."""
+    import fcntl
+    import threading
+
+    dest = tmp_path / "models" / "m-c1"
+    dest.parent.mkdir()
+    monkeypatch.setattr(models, "_convert", lambda gguf, d: pytest.fail("converted a second time"))
+    fd = os.open(dest.parent / f".{dest.name}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process, converting
+    got = {}
+    waiting = threading.Thread(target=lambda: got.setdefault("dest", models.convert_gguf(tmp_path / "m.gguf", dest)))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive()  # held at the lock, not converting beside it
+    dest.mkdir()
+    (dest / "config.json").write_text("{}")  # the other process's conversion, in place
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    waiting.join(10)
+    assert got["dest"] == dest

@@ -6,6 +6,7 @@ Nothing here reaches the Hugging Face hub unless the user passes `--allow-downlo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,10 +129,32 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     transformers' GGUF loader leaves a quantizer on the model that refuses training and
     saving, so we rebuild a plain model from the config and load the state dict into it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if (dest / "config.json").exists():
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _one_at_a_time(dest.parent / f".{dest.name}.lock"):  # another process converting it: wait, then use its
+        if (dest / "config.json").exists():
+            return dest
+        return _convert(gguf, dest)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(lock: Path):
+    """An exclusive flock on `lock` (made without following a link) while the block runs: processes that start at
+    once (compare's runs, tests on two workers sharing a cache) convert the same GGUF once, not each for ~20 s."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _convert(gguf: Path, dest: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from tunebench.model.gguf_export import parsed_once
 
     print(f"converting {gguf.name} to a trainable checkpoint in {dest} (once)")
