@@ -223,6 +223,7 @@ def test_the_environments_process_dies_with_the_training_process_even_by_kill_9(
             break
         time.sleep(0.01)
     else:
+        os.kill(child, signal.SIGKILL)  # not left spinning beside the rest of the suite
         pytest.fail(f"the environment's process {child} outlived its parent")
 
 

@@ -77,8 +77,8 @@ class Host:
         within `limit_s` (the child is then killed and a new one started). A child that died answers an error."""
         conn = self._state["conn"]
         if self._dropped:
-            conn.send(("drop", tuple(self._dropped)))
-            self._dropped.clear()
+            dropped, self._dropped = self._dropped, []  # swapped: a finalizer may append while this sends
+            conn.send(("drop", tuple(dropped)))
         try:
             conn.send(request)
             if not conn.poll(limit_s):
