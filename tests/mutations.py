@@ -159,7 +159,7 @@ BUGS = (
         "            if not conn.poll(limit_s):\n                return None",
         ("tests/test_episodes.py", "-k", "sleeps_past or c_call")),
     Bug("the environment's process outliving a killed trainer", "src/tunebench/core/userprocess.py",
-        "    _die_with(int(parent))", "    pass",
+        "    startup.die_with_parent(int(parent), signal.SIGKILL)", "    pass",
         ("tests/test_episodes.py", "-k", "dies_with")),
 )
 

@@ -121,20 +121,22 @@ def libc_prctl():
         return None
 
 
-def die_with_parent(parent: int) -> bool:
-    """Ask Linux to send this process SIGTERM when its parent dies, even by kill -9 (a training process then
-    checkpoints and stops; nothing keeps training for no one), and do it now if `parent` is already gone.
-    Children of compare and tune call it before they run; torchrun's ranks, whose agent starts each in a
-    session of its own that no process-group kill reaches, call it as they join the group. False where the
-    system has no prctl (elsewhere than Linux: the parent's own `stop` still ends them)."""
+def die_with_parent(parent: int, signum: int | None = None) -> bool:
+    """Ask Linux to send this process `signum` (SIGTERM unless given) when its parent dies, even by kill -9 (a
+    training process then checkpoints and stops; nothing keeps training for no one), and do it now if `parent` is
+    already gone. Children of compare and tune call it before they run; torchrun's ranks, whose agent starts each
+    in a session of its own that no process-group kill reaches, call it as they join the group; a GRPO
+    environment's process (core/userprocess.py) asks for SIGKILL, which a call stuck in C cannot hold off. False
+    where the system has no prctl (elsewhere than Linux: the parent's own `stop` still ends them)."""
     import signal
 
+    signum = signal.SIGTERM if signum is None else signum
     prctl = libc_prctl()
     if prctl is None:
         return False
-    prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    prctl(1, signum)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
     return True
 
 

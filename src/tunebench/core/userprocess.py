@@ -138,10 +138,11 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
     import json
     import random
 
+    from tunebench.core import startup
     from tunebench.core.userfile import UserFile
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the parent stops us
-    _die_with(int(parent))
+    startup.die_with_parent(int(parent), signal.SIGKILL)  # even from inside a call stuck in C
     conn = Connection(int(fd))
     try:
         module = UserFile(Path(path), conn.recv_bytes()).run(module_name)
@@ -187,15 +188,3 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
             conn.send(("error", type(e).__name__, f"its value ({type(answer[1]).__name__}) cannot be sent back to the "
                                                   f"training process: {e}; return text, numbers, lists or dicts"))
 
-
-def _die_with(parent: int) -> None:
-    """SIGKILL when the training process dies, even by kill -9 (PR_SET_PDEATHSIG): a child stuck in a C call would
-    not notice its pipe close."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
