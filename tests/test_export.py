@@ -906,16 +906,20 @@ def test_serve_answers_through_llama_cpp_from_a_runs_exports(runs, tmp_path, lla
 def test_f32_is_judged_where_the_model_decides_not_at_its_near_ties():
     """An f32 read-back whose pick differs from the model's only at a near-tie (another summation order can do that to
     the same weights; here 2e-4 of logit) passes, saying its agreement near-ties included; one off by more than
-    F32_MAX_DIFF anywhere is still refused. Judged on every position, the first was refused."""
+    F32_MAX_DIFF anywhere is still refused. Judged on every position, the first was refused. Read back by llama.cpp
+    (its f16 GELU table, its own kernels: Gemma 3 270M's f32 file was refused at 0.054 logit off), f32 is held to
+    f16's every-position rule instead of F32_MAX_DIFF."""
     from types import SimpleNamespace
 
     loaded = models.resolve("tiny")
     tiny, tok = loaded.model.eval(), loaded.tokenizer
+    ties = 1
 
-    def sharp(ids):  # the tiny model's logits spread out, with a near-tie at the first position
+    def sharp(ids):  # the tiny model's logits spread out, with near-ties at the first `ties` positions
         logits = tiny(ids).logits * 8
-        top2 = logits[0, 0].topk(2)
-        logits[0, 0, top2.indices[1]] = top2.values[0] - 1e-4
+        for at in range(ties):
+            top2 = logits[0, at].topk(2)
+            logits[0, at, top2.indices[1]] = top2.values[0] - 1e-4
         return logits
 
     class Model(torch.nn.Module):
@@ -934,9 +938,10 @@ def test_f32_is_judged_where_the_model_decides_not_at_its_near_ties():
 
         def forward(self, ids):
             logits = sharp(ids)
-            runner_up = logits[0, 0].topk(2).indices[1]
-            logits[0, 0, runner_up] += self.at_tie  # the runner-up now leads, by 1e-4
-            logits[0, 1:] += self.elsewhere
+            for at in range(ties):
+                runner_up = logits[0, at].topk(2).indices[1]
+                logits[0, at, runner_up] += self.at_tie  # the runner-up now leads, by 1e-4
+            logits[0, ties:] += self.elsewhere
             return SimpleNamespace(logits=logits)
 
     with torch.no_grad():
@@ -945,3 +950,8 @@ def test_f32_is_judged_where_the_model_decides_not_at_its_near_ties():
         assert "near-ties included" in near.line("f32") and near.max_diff <= export.F32_MAX_DIFF
         with pytest.raises(export.Refused, match="does not reproduce the model"):
             export.compare(Model(), Back(2e-4, elsewhere=0.01), tok, None, "f32")  # off by more than f32 allows
+        by_llama_cpp = export.compare(Model(), Back(2e-4, elsewhere=0.05), tok, None, "f32", "llama.cpp")
+        assert by_llama_cpp.top1 == 1.0 and by_llama_cpp.everywhere >= export.MIN_AGREEMENT["f16"]
+        ties = 4  # 16 near-ties flipped of the ~75 positions: every decided one agrees, under f16's 97% at all
+        with pytest.raises(export.Refused, match="does not reproduce the model"):
+            export.compare(Model(), Back(2e-4), tok, None, "f32", "llama.cpp")
