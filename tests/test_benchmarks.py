@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,12 @@ def test_the_agent_benchmarks_questions_are_answered_only_through_its_tools():
     assert not seen & agent_rl.towns_in(held + composed)
     lookups = [call[1]["town"] for q in held for call in q["calls"] if call[0] == "population"]
     assert len(set(lookups)) > 0.95 * len(lookups)  # a town asked twice is rare: fresh names, not a fixed list
+    turns = environment.load(str(ROOT / "benchmarks" / "agent_env_turns.py"), 10)  # its per-turn reward
+    q = agent_rl.questions(7, "t", 1, ("sum",))[0]
+    row = agent_rl.sft_row(q, turns)
+    assert environment.score(turns, row["messages"], q, turns=4) == pytest.approx([1 / 6, 1 / 6, 1 / 6, 1.0])
+    early = [*row["messages"][:4], {"role": "assistant", "content": row["messages"][3]["content"]}]  # one lookup
+    swapped = [*row["messages"][:2], row["messages"][4], *row["messages"][3:4], row["messages"][2],
+               *row["messages"][5:]]  # the towns looked up in the other order: neither lookup is the needed one
+    assert environment.score(turns, early, q, turns=2) == pytest.approx([1 / 6, 0.0])
+    assert environment.score(turns, swapped, q, turns=4) == pytest.approx([0.0, 0.0, 1 / 6, 1.0])
