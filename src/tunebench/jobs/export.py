@@ -168,9 +168,12 @@ def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, 
                 llama_cpp_tools.convert(Path(tmp) / "hf", first, "f32" if from_f32 else quant)
             if from_f32:
                 warnings = llama_cpp_tools.quantize(first, path, quant)
+            elif first == f32:  # f32 asked for beside other types: the kept file stays for them
+                warnings = []
+                shutil.copyfile(first, path)
             else:
                 warnings = []
-                (shutil.copyfile if first == f32 else Path.replace)(first, path)
+                first.replace(path)
         fallback = next((w for w in warnings if "fallback" in w), None)
         written = gguf_export.Written(path, path.stat().st_size, [fallback] if fallback else [])
     try:

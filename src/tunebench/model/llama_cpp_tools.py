@@ -133,14 +133,15 @@ class Reader:
     """A GGUF file as llama.cpp runs it: `reader(ids).logits` is (1, T, vocab) like a transformers model's, so
     the export's check reads a file written by llama.cpp's own tools with llama.cpp itself (transformers' GGUF
     reader is off by whole logits on Gemma: its norms and soft-capping are not mapped as llama.cpp's are). Its KV
-    cache is f32 (type 0), not llama.cpp's default f16, so the file is judged and not the cache's rounding: with
+    cache is f32, not llama.cpp's default f16, so the file is judged and not the cache's rounding: with
     the f16 cache the tiny Mistral/Qwen/Phi-3 f32 files read 0.01 logit off, with the f32 one 1e-5."""
 
     def __init__(self, path: Path, context: int = 512):
         import llama_cpp
 
         self._llm = llama_cpp.Llama(str(path), n_ctx=context, logits_all=True, verbose=False,
-                                    n_threads=hardware.cpu_threads(), type_k=0, type_v=0)
+                                    n_threads=hardware.cpu_threads(), type_k=llama_cpp.GGML_TYPE_F32,
+                                    type_v=llama_cpp.GGML_TYPE_F32)
 
     def __call__(self, ids):
         import types
