@@ -948,10 +948,10 @@ def test_f32_is_judged_where_the_model_decides_not_at_its_near_ties():
         near = export.compare(Model(), Back(2e-4), tok, None, "f32")
         assert near.top1 == 1.0 and near.everywhere is not None and near.everywhere < 1.0
         assert "near-ties included" in near.line("f32") and near.max_diff <= export.F32_MAX_DIFF
-        with pytest.raises(export.Refused, match="does not reproduce the model"):
+        with pytest.raises(export.Refused, match=r"max logit difference 0.01 \(needed 0.001 or less\)"):
             export.compare(Model(), Back(2e-4, elsewhere=0.01), tok, None, "f32")  # off by more than f32 allows
         by_llama_cpp = export.compare(Model(), Back(2e-4, elsewhere=0.05), tok, None, "f32", "llama.cpp")
         assert by_llama_cpp.top1 == 1.0 and by_llama_cpp.everywhere >= export.MIN_AGREEMENT["f16"]
         ties = 4  # 16 near-ties flipped of the ~75 positions: every decided one agrees, under f16's 97% at all
-        with pytest.raises(export.Refused, match="does not reproduce the model"):
+        with pytest.raises(export.Refused, match=r"near-ties included \(needed 97%, as f16\)"):
             export.compare(Model(), Back(2e-4), tok, None, "f32", "llama.cpp")

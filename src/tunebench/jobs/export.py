@@ -421,7 +421,10 @@ class Agreement:
         return (f"checked: read back by {self.reader}, {where} give the merged model's next token {self.top1:.1%} of "
                 f"the time (needed {MIN_AGREEMENT[quant]:.0%} at {quant})"
                 + (f"; {self.everywhere:.1%} at all {self.all_positions}, near-ties included"
-                   if self.everywhere is not None else "") + f", max logit difference {self.max_diff:.3g}")
+                   + (f" (needed {MIN_AGREEMENT['f16']:.0%}, as f16)" if quant == "f32" and self.reader == "llama.cpp"
+                      else "") if self.everywhere is not None else "")
+                + f", max logit difference {self.max_diff:.3g}"
+                + (f" (needed {F32_MAX_DIFF:g} or less)" if quant == "f32" and self.reader != "llama.cpp" else ""))
 
 
 @torch.no_grad()
