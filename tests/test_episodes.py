@@ -187,6 +187,21 @@ def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_
     assert "no tool named 'find'" in environment.call(env, "find", {}).text
 
 
+def test_tools_listed_from_another_module_answer_as_they_would_there(tmp_path):
+    """TOOLS may list functions the file imports (benchmarks/agent_env_turns.py lists agent_env.py's): the schema is
+    the listed function's, and so is the call. The environment's process looked each tool up by name among the
+    file's own attributes, so every call of an imported tool answered AttributeError, and a GRPO run trained on
+    nothing but those errors without a word."""
+    (tmp_path / "shared_tools.py").write_text(ENV)
+    path = tmp_path / "listed.py"
+    path.write_text("import sys, pathlib\nsys.path.insert(0, str(pathlib.Path(__file__).parent))\n"
+                    "import shared_tools\n\nTOOLS = [shared_tools.look]\nreset, reward = shared_tools.reset, "
+                    "shared_tools.reward\n")
+    env = environment.load(str(path), timeout_s=10)
+    assert [s["function"]["name"] for s in env.schemas] == ["look"]
+    assert environment.call(env, "look", {"k": "b"}) == environment.ToolAnswer("2", True)
+
+
 def test_a_tool_stuck_in_a_c_call_is_stopped_at_its_limit_and_the_next_call_answers(tmp_path):
     """A tool in a C call that holds the GIL (a backtracking regular expression) kept a thread of the training process
     from ever giving it back: the run hung past --tool-timeout, Ctrl-C and SIGTERM. The call runs in the environment's

@@ -151,6 +151,10 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
         return
     conn.send(("ok", None))
     owners: dict[int, Any] = {MODULE: module}
+    # A module environment's tools are the functions its TOOLS lists, by their names (what the model was shown),
+    # not the module's attributes of those names: TOOLS may list functions imported or made elsewhere.
+    listed = {} if hasattr(module, "ENVIRONMENT") else \
+        {getattr(t, "__name__", None): t for t in getattr(module, "TOOLS", None) or () if callable(t)}
     made = MODULE
     while True:
         try:
@@ -176,7 +180,8 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
                 answer = ("ok", made)
             else:
                 _, instance, name, args, kwargs = request
-                value = getattr(owners[instance], name)(*args, **kwargs)
+                tool = listed.get(name) if instance == MODULE and name not in ("reset", "reward") else None
+                value = (tool or getattr(owners[instance], name))(*args, **kwargs)
                 if name not in ("reset", "reward") and not isinstance(value, str):  # a tool's answer: the model's text
                     value = json.dumps(value, default=str)  # (GRPO's environments: reset and reward give values)
                 answer = ("ok", value)
