@@ -71,9 +71,18 @@ def test_the_agent_benchmarks_questions_are_answered_only_through_its_tools():
     turns = environment.load(str(ROOT / "benchmarks" / "agent_env_turns.py"), 10)  # its per-turn reward
     q = agent_rl.questions(7, "t", 1, ("sum",))[0]
     row = agent_rl.sft_row(q, turns)
+    assert row == agent_rl.sft_row(q, env)  # its tools are agent_env.py's, answering as there (not an error)
     assert environment.score(turns, row["messages"], q, turns=4) == pytest.approx([1 / 6, 1 / 6, 1 / 6, 1.0])
     early = [*row["messages"][:4], {"role": "assistant", "content": row["messages"][3]["content"]}]  # one lookup
     swapped = [*row["messages"][:2], row["messages"][4], *row["messages"][3:4], row["messages"][2],
                *row["messages"][5:]]  # the towns looked up in the other order: neither lookup is the needed one
     assert environment.score(turns, early, q, turns=2) == pytest.approx([1 / 6, 0.0])
     assert environment.score(turns, swapped, q, turns=4) == pytest.approx([0.0, 0.0, 1 / 6, 1.0])
+    procedure = environment.load(str(ROOT / "benchmarks" / "agent_env_procedure.py"), 10)  # charges a wrong procedure
+    assert agent_rl.sft_row(q, procedure) == row
+    wrong = {"role": "assistant", "content": str(int(q["answer"]) + 1)}
+    assert environment.score(procedure, row["messages"], q) == 1.0
+    assert environment.score(procedure, [*row["messages"][:-1], wrong], q) == 0.0  # the calls it needs, then wrong
+    assert environment.score(procedure, [*early[:-1], wrong], q) == -0.5  # answered after one of its three calls
+    extra = [*row["messages"][:-1], row["messages"][2], row["messages"][3], wrong]  # a fourth call, then wrong
+    assert environment.score(procedure, extra, q) == -0.5
