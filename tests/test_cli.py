@@ -127,6 +127,25 @@ def test_bad_input_exits_with_one_line_no_traceback(tmp_path):
     assert "Traceback" in debug.stderr
 
 
+def test_a_refused_setting_is_said_before_the_libraries_load(tmp_path, dataset):
+    """train, pretrain and launch check every setting before a job loads torch, transformers and peft (7-9 s of a
+    2-core machine's start-up): a refused one is one line in about a second. Under launch it is checked at the
+    launched world size before torchrun starts a rank, so no rank loads them either (the launcher's own line)."""
+    probe = ("import sys\nfrom tunebench.interfaces import cli\ncode = cli.main(sys.argv[1:])\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\nsys.exit(code)\n")
+    data = ["--model", "tiny", "--data", str(dataset), "--output-dir", str(tmp_path / "out")]
+    for argv, said, loaded in (
+            (["train", *data, "--batch-size", "0"], "must be a positive number", "[]"),
+            (["pretrain", "cpu_small_model", "--max-steps", "0"], "must be a positive number", "[]"),
+            (["launch", "--nproc-per-node", "2", "--", "train", *data, "--batch-size", "2", "--effective-batch-size",
+              "6"], "is not a multiple of 2 rank(s) x --batch-size 2", "['torch']")):  # torchrun's own torch
+        done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 2 and said in done.stderr, (argv, done.stderr[-2000:])
+        assert done.stderr.strip().count("\n") == 0, done.stderr  # one line: no rank started to add its own
+        assert done.stdout.strip().splitlines()[-1] == loaded, (argv, done.stdout)  # nothing more was imported
+    assert not (tmp_path / "out").exists()
+
+
 def _bad_inputs(tmp_path, dataset):
     latin = tmp_path / "latin.csv"
     latin.write_bytes("instruction,response\ncaf\xe9,ok\n".encode("latin-1"))

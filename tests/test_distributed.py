@@ -294,6 +294,8 @@ def test_effective_batch_that_the_ranks_cannot_share_is_refused(tmp_path, rows):
     done = _tunebench(_train_args(rows, tmp_path / "o", 2, effective=6), nproc=2, check=False)
     assert done.returncode == 2
     assert "--effective-batch-size 6 is not a multiple of 2 rank(s) x --batch-size 2" in done.stderr
+    # said by the launcher, at the world size it was to start, before any rank (no "launch: rank 0 exit 2" line)
+    assert done.stderr.strip().count("\n") == 0 and "launch: rank" not in done.stderr, done.stderr[-3000:]
 
 
 def _shares(n_rows, micro, world_size, epoch=0):

@@ -14,14 +14,13 @@ from tunebench.interfaces.cli_parser import items as _items
 
 
 def _train(args: argparse.Namespace) -> int | None:
+    cfg = train_config(args)  # every setting checked before the jobs load torch, transformers and peft (see below)
     from tunebench.jobs import finetune, grpo
 
-    cfg = train_config(args)
     (grpo if cfg.objective.samples else finetune).run(cfg)
 
 
-def _pretrain(args: argparse.Namespace) -> int | None:
-    from tunebench.jobs import pretrain
+def _pretrain_config(args: argparse.Namespace, world_size: int | None = None):
     from tunebench.settings import pretrain as pretrain_config
 
     configs, overrides = _items(args)
@@ -30,7 +29,16 @@ def _pretrain(args: argparse.Namespace) -> int | None:
             raise TunebenchError(f"two configs given ({args.config_file} with --config, and {configs[0]}); give one")
         configs = [args.config_file]
     options = {k: v for k, v in vars(args).items() if "." in k}
-    pretrain.run(pretrain_config.load(configs[0] if configs else None, options, overrides))
+    return pretrain_config.load(configs[0] if configs else None, options, overrides, world_size=world_size)
+
+
+def _pretrain(args: argparse.Namespace) -> int | None:
+    # The settings are checked first: a refused one is said in about a second, where the libraries the job loads
+    # (torch, transformers, peft) take 7-9 s of a 2-core machine's start-up before a word of it.
+    cfg = _pretrain_config(args)
+    from tunebench.jobs import pretrain
+
+    pretrain.run(cfg)
 
 
 def _tune(args: argparse.Namespace) -> int | None:
@@ -80,7 +88,18 @@ def _launch(args: argparse.Namespace) -> int | None:
     from tunebench.jobs import launch
 
     return launch.run(args.job_args, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                      args.rdzv_id)
+                      args.rdzv_id, check=_check_launched)
+
+
+def _check_launched(job_args: list[str], world_size: int) -> None:
+    """The launched job's settings, checked here at the world size its ranks will have, before torchrun starts
+    one: a refused setting is one line from the launcher, not a line from rank 0 after every rank has loaded
+    its libraries (each rank checks again, as a job run by torchrun itself does)."""
+    job = parse(job_args)
+    if job.job == "train":
+        train_config(job, world_size)
+    else:
+        _pretrain_config(job, world_size)
 
 
 def _tokenizer(args: argparse.Namespace) -> int | None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 from tunebench.core.errors import TunebenchError
 from tunebench.machine import distributed, hardware
@@ -19,7 +20,10 @@ JOBS = ("train", "pretrain")
 
 
 def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
-        rdzv_endpoint: str | None = None, rdzv_id: str = "tunebench") -> int:
+        rdzv_endpoint: str | None = None, rdzv_id: str = "tunebench",
+        check: Callable[[list[str], int], None] | None = None) -> int:
+    """torchrun on `job_args`; `check(job_args, world_size)` (the command line's settings check) runs first, so
+    a refused setting stops the launch before any rank starts."""
     if job_args[:1] == ["--"]:
         job_args = job_args[1:]
     if not job_args or job_args[0] not in JOBS:
@@ -32,6 +36,8 @@ def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: in
                              "(the first node's), the same on every node")
     if not 0 <= node_rank < nnodes:
         raise TunebenchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+    if check is not None:
+        check(job_args, nproc_per_node * nnodes)
     if "OMP_NUM_THREADS" not in os.environ:  # the ranks split the cores themselves (see hardware.plan)
         threads = hardware.plan("cpu", "fp32", hardware.detect(), env={"RANK": "0",
                                 "LOCAL_WORLD_SIZE": str(nproc_per_node)}).threads
