@@ -613,24 +613,26 @@ def test_gemma3_270m_trains_and_every_gguf_type_ships_or_names_its_cause(tmp_pat
     position its q8_0 flipped was a near-tie in the model, so a quantized type is judged where the model decides.
     --quant auto writes each type it is given: each is offered with its check, or skipped with the cause named (f16
     from the same weights reproduces the model, so the loss is the type's own rounding); eval --gguf answers with the
-    pick. Five of the twelve types (--quant-types; all twelve took 364 s of this test on 2 cores): q8_0, which must
-    ship; q3_k_m, q4_0 and q4_1, which this model's check refused on an AVX512-BF16 EPYC (2026-11-28); q2_k, which
-    2 rows cannot score (the rule's "not scored")."""
+    pick. Four of the twelve types (--quant-types; all twelve took 364 s of this test on 2 cores): q8_0, which must
+    ship; q3_k_m and q4_0, which this model's check refused on an AVX512-BF16 EPYC (2026-11-28) and on an AMX Xeon
+    (2026-11-29) with a wide margin (40-42% of confident positions where 50-60% are needed); q2_k, which 2 rows
+    cannot score (the rule's "not scored"). q4_1 left: refused by a hair (59.6% of 60%), it proved nothing the two
+    do not and cost a quantization and a check."""
     run, out = tmp_path / "run", tmp_path / "auto"
     assert cli.main(["train", "--model", str(gemma3_gguf), "--max-samples", "40", "--max-steps", "1", "--no-progress",
                      "--precision", "fp32", "--output-dir", str(run)]) == 0
     assert json.loads((run / "plan.json").read_text())["decisions"]
     capsys.readouterr()
     assert cli.main(["export", str(run), "--quant", "auto", "-o", str(out), "--quant-rows", "2",
-                     "--quant-metric", "chrf", "--quant-types", "q2_k,q3_k_m,q4_0,q4_1,q8_0"]) == 0
+                     "--quant-metric", "chrf", "--quant-types", "q2_k,q3_k_m,q4_0,q8_0"]) == 0
     said = capsys.readouterr().out
     table = json.loads((out / "quant-auto.json").read_text())
     rows = {t["quant"]: t for t in table["types"]}
-    assert set(rows) == {"f16", "q2_k", "q3_k_m", "q4_0", "q4_1", "q8_0"}  # the types asked, and no other
+    assert set(rows) == {"f16", "q2_k", "q3_k_m", "q4_0", "q8_0"}  # the types asked, and no other
     assert rows["q8_0"]["outcome"] == "picked", rows["q8_0"]  # q8_0 ships
     assert rows["q2_k"]["outcome"] == "not scored: 2 rows cannot show it within (fewer than 20)", rows["q2_k"]
     refused = [row for row in rows.values() if row["outcome"].startswith("skipped")]
-    assert refused, rows  # at least one of the three this model's check refused
+    assert refused, rows  # at least one of the two this model's check refused
     for row in refused:  # refused: the cause named, not only the figure
         assert "f16 written from the same weights and read back the same way reproduces the model" in \
             row["outcome"] and "the loss is the type's own rounding of this model" in row["outcome"], row

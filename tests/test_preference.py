@@ -266,13 +266,15 @@ def _first_step(tmp_path, objective: str, precision: str, compile_: str) -> dict
                 if json.loads(line).get("step") == 1 and "loss" in json.loads(line))
 
 
-@pytest.mark.parametrize("objective, precision, compile_", [
-    *[(o, "bf16", c) for o in ("dpo", "kto", "grpo") for c in ("off", "on")], ("dpo", "fp32", "on")])
+@pytest.mark.parametrize("objective, precision, compile_", [(o, "bf16", c) for o in ("dpo", "kto", "grpo")
+                                                              for c in ("off", "on")])
 def test_the_first_step_is_the_closed_form_whether_or_not_compiled(tmp_path, objective, precision, compile_):
     """Policy = reference before any update, so DPO's first loss is ln 2, KTO's 0.5 and GRPO's KL 0, compiled or
     not: a speed decision never changes what the objective learns from. The reference pass ran another graph
     (the adapter off), which compiled kernels rounded differently in bf16 (DPO: 0.7126 on SmolLM2; all three
-    failed here in bf16). fp32 uncompiled is the golden tests' (against TRL); compiled fp32 is checked on DPO."""
+    failed here in bf16). fp32 uncompiled is the golden tests' (against TRL); compiled fp32 against eager is
+    test_models' compiled-blocks test (a compiled DPO case in fp32 here added 29 s of kernels for no claim the bf16
+    cases and that test do not already make)."""
     record = _first_step(tmp_path, objective, precision, compile_)
     if objective == "grpo":
         assert record["kl"] == 0.0, record
