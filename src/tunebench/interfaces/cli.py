@@ -14,7 +14,7 @@ from tunebench.interfaces.cli_parser import items as _items
 
 
 def _train(args: argparse.Namespace) -> int | None:
-    cfg = train_config(args)  # every setting checked before the jobs load torch, transformers and peft (see below)
+    cfg = train_config(args)  # checked before the jobs load torch, transformers and peft (7-9 s of start-up)
     from tunebench.jobs import finetune, grpo
 
     (grpo if cfg.objective.samples else finetune).run(cfg)
