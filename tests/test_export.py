@@ -616,8 +616,8 @@ def test_gemma3_270m_trains_and_every_gguf_type_ships_or_names_its_cause(tmp_pat
     pick. Four of the twelve types (--quant-types; all twelve took 364 s of this test on 2 cores): q8_0, which must
     ship; q3_k_m and q4_0, which this model's check refused on an AVX512-BF16 EPYC (2026-11-28) and on an AMX Xeon
     (2026-11-29) with a wide margin (40-42% of confident positions where 50-60% are needed); q2_k, which 2 rows
-    cannot score (the rule's "not scored"). q4_1 left: refused by a hair (59.6% of 60%), it proved nothing the two
-    do not and cost a quantization and a check."""
+    cannot score (the rule's "not scored"). q4_1 is no longer asked: refused by a hair (59.6% of 60%), it proved
+    nothing the two do not and cost a quantization and a check."""
     run, out = tmp_path / "run", tmp_path / "auto"
     assert cli.main(["train", "--model", str(gemma3_gguf), "--max-samples", "40", "--max-steps", "1", "--no-progress",
                      "--precision", "fp32", "--output-dir", str(run)]) == 0
