@@ -25,7 +25,7 @@ class Summary:
     steps: int
     samples: int
     tokens: int
-    duration_s: float  # the run's wall time, loading and measuring included
+    duration_s: float  # the training loop's wall time: its steps, the evaluations and checkpoints between them, the last save
     train_time_s: float  # the loop's
     tokens_per_s: float | None  # real (unpadded) tokens over the measured steps, all ranks
     samples_per_s: float | None

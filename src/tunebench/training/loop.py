@@ -74,7 +74,8 @@ class LoopSettings:
 @dataclass
 class Hooks:
     log: Callable[[dict[str, Any]], None] = lambda record: None
-    step_done: Callable[[int, float, int], None] = lambda step, seconds, positions: None  # each step, as it is read
+    # each step, as it is read: (step, seconds, this rank's computed positions, all ranks' real tokens)
+    step_done: Callable[[int, float, int, int], None] = lambda step, seconds, positions, tokens: None
     evaluate: Callable[[int], dict[str, float]] | None = None
     save: Callable[[LoopState], None] | None = None
     should_stop: Callable[[], bool] = lambda: False
@@ -596,5 +597,5 @@ def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Ho
                 "step": d.step, "epoch": d.epoch, "loss": loss_value, **metrics, "lr": d.lr, "grad_norm": grad_norm,
                 "tokens": d.tokens_total, "tokens_per_s": tokens_per_s, "elapsed_s": state.train_time_s,
             })
-        hooks.step_done(d.step, dt, d.positions)
+        hooks.step_done(d.step, dt, d.positions, d.tokens)
     bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{done[-1].lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)

@@ -28,7 +28,7 @@ from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_
 from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import RunBase
-from tunebench.training import checkpoint, feed, loop, measuring, optim, runner, runplan, stopping
+from tunebench.training import checkpoint, feed, loop, measuring, optim, plancheck, runner, runplan, stopping
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler, memory
 from tunebench.training.autotune.probe import memory_free_mb, probe_step
@@ -118,6 +118,8 @@ class Planned:
     optimization: runner.Optimization
     memory_plan: memory.MemoryPlan
     measure_s: float
+    forecast: plancheck.Forecast
+    measured: runplan.Measured
 
 
 def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
@@ -138,13 +140,14 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
         s.time_budget, steps, per_step, speed, measure_s, resumed_steps(opened) if s.time_budget else None),
         safe=(Decision,))
-    estimate = runplan.estimate_row(steps, per_step, speed, measure_s)
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     made = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in made.rows)
     memory_plan = memory.of_step(r.model, extra, micro * u.rows_each, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
+    forecast = forecast_of(r, made, world, measured, steps, speed, memory_plan.total)
+    estimate = runplan.estimate_row(forecast, measure_s)
 
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
@@ -161,7 +164,20 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     if world.main:
         print(r.header)
         summary_.print_plan(plan.decisions)
-    return Planned(plan, made, optimization, memory_plan, measure_s)
+    return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured)
+
+
+def forecast_of(r: Recipe, made: feed.Batches, world, measured: runplan.Measured, steps: int, speed: float | None,
+                peak_mb: float) -> plancheck.Forecast:
+    """What the plan predicts of the loop: the run's own batches counted (not GRPO's, which are sampled during the
+    step), at the speed the last run of this shape trained at or the probe's, with the first steps' extra."""
+    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
+    work = plancheck.Work(0.0, 0.0)
+    if speed and made.begin_step is None:
+        work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
+    learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
+    return plancheck.forecast(work, micro, speed, learned, micro in measured.timed, measured.first_steps,
+                              steps * accum, peak_mb, world.size)
 
 
 @dataclass
@@ -212,6 +228,7 @@ class TrainResult:
     outcome: runner.Outcome
     weights: dict | None
     ranks: list[Any] | None
+    times: list[tuple[float, int, int]] = field(default_factory=list)  # this process's steps: seconds, positions, tokens
 
 
 def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
@@ -250,8 +267,14 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     watch = runner.SlowdownWatch(plan.probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size,
                                  log, t.settings.warmup_steps_excluded) if world.main else \
         (lambda step, seconds, positions: None)
+    times: list[tuple[float, int, int]] = []  # each step's (seconds, positions, real tokens): the plan's check
+
+    def step_done(step: int, seconds: float, positions: int, tokens: int) -> None:
+        times.append((seconds, positions, tokens))
+        watch(step, seconds, positions)
+
     hooks = Hooks(log=log, evaluate=evaluate if has_eval else None, save=save,
-                  should_stop=lambda: stop.requested, step_done=watch)
+                  should_stop=lambda: stop.requested, step_done=step_done)
 
     before = evaluate(0) if has_eval and state.step == 0 else None
     if before:
@@ -283,10 +306,11 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     finally:
         if metrics:
             metrics.close()
-    outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks))
+    outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks),
+                             t.settings.warmup_steps_excluded)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-    return TrainResult(outcome, weights, ranks)
+    return TrainResult(outcome, weights, ranks, times)
 
 
 def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: TrainResult,
@@ -295,7 +319,19 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     summary, saved = r.finish(Finished(planned.plan, trained.outcome, trained.weights, planned.measure_s, trained.ranks))
     summary.update(tracking.costs())
     summary["memory_plan_mb"] = round(planned.memory_plan.total, 1)  # beside the measured peak_memory_mb
+    o, forecast = trained.outcome, planned.forecast
+    if trained.times and len(trained.times) < planned.plan.total_steps:  # resumed: the steps this process ran
+        share = len(trained.times) / planned.plan.total_steps
+        forecast = dataclasses.replace(forecast, work=plancheck.Work(forecast.work.positions * share,
+                                                                     forecast.work.tokens * share))
+    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb)
+    summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)
+    print("\n".join(plancheck.lines(check)))
+    m = planned.measured
+    if planned.forecast.positions_per_s:  # GRPO's steps also sample: its speed is not the probe's to correct
+        plancheck.learn(plancheck.trained_key(m.key) if m.key else None, m.micro_batch_size, check,
+                        m.micro_batch_size in m.timed)
     r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary

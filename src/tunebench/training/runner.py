@@ -251,6 +251,7 @@ class Outcome:
     monitor: dict[str, float]
     peak_memory_mb: float  # of the training loop, the largest of any rank
     peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
+    warmup_steps: int = 2  # the first steps left out of tokens_per_s (LoopSettings.warmup_steps_excluded)
 
 
 def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str,

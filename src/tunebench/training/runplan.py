@@ -57,16 +57,21 @@ def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_
                                                        if fit > steps else ""))
 
 
-def estimate_row(steps: int, tokens_per_step: float, tokens_per_s: float | None, measure_s: float) -> Decision | None:
-    """How long the training will take at the measured speed, and measuring's share of the whole."""
-    if not tokens_per_s:
+def estimate_row(forecast, measure_s: float) -> Decision | None:
+    """How long the training will take (plancheck.Forecast: the run's own batches' positions, padding included, at
+    the steady speed it predicts, plus the first steps' extra), and measuring's share of the whole."""
+    train_s = forecast.train_s
+    if train_s is None:
         return None
-    train_s = steps * tokens_per_step / tokens_per_s
     share = 100 * measure_s / (measure_s + train_s) if measure_s + train_s > 0 else 0.0
     clock = f"{train_s / 60:.0f} min" if train_s >= 90 else f"{train_s:.0f} s"
-    return Decision("time_estimate", f"about {clock}", f"{steps * tokens_per_step:,.0f} tokens at the measured "
-                    f"{tokens_per_s:,.0f} tokens/s (uncompiled; evaluations not included); measuring took "
-                    f"{measure_s:.0f} s, {share:.0f}% of measuring and training together")
+    w = forecast.work
+    first = f" + {forecast.first_steps_s:.1f} s for the first steps" if forecast.first_steps_s >= 0.05 else ""
+    return Decision("time_estimate", f"about {clock}", f"{w.positions:,.0f} positions ({w.tokens:,.0f} real tokens, "
+                    f"{100 * (1 - w.tokens / w.positions) if w.positions else 0:.0f}% padding) at "
+                    f"{forecast.positions_per_s:,.0f} a second, {forecast.speed_from}{first} (uncompiled; "
+                    f"evaluations and checkpoints not included); measuring took {measure_s:.0f} s, {share:.0f}% of "
+                    "measuring and training together")
 
 
 def resumed_batch(resume: Path | None, world_size: int, micro_asked: int | None,
@@ -137,6 +142,9 @@ class Measured:
     micro_batch_size: int
     grad_accum_steps: int
     tokens_per_s: float | None
+    key: str | None = None  # the batch measurement's cache key: what a run trained is kept beside it (plancheck)
+    timed: tuple[int, ...] = ()  # the micro batches a probe ran in this process: their first steps are behind them
+    first_steps: float | None = None  # a cold micro batch's first steps' extra, in micro batches (class record)
 
     @property
     def compiled(self) -> bool:
@@ -234,6 +242,7 @@ def measure(model, step, w: Workload) -> Measured:
     if w.checkpointing == "on":
         rows.append(Decision("gradient_checkpointing", True, "asked for"))
     timed = Timed(model, step)
+    step = timed  # every probe step is remembered, the batch sweep's too: the sizes run here are warm (plancheck)
     rows += attention.decide(model, w.attention_asked, lambda: timed(w.attention_rows)[0], w.shape, w.attention_rows,
                              w.widest, w.precision, w.device, w.checkpointing, budget, w.known)
     per_rank = w.effective // w.world_size
@@ -250,7 +259,9 @@ def measure(model, step, w: Workload) -> Measured:
     accum = w.resumed[1] if w.resumed else accumulation(w.effective, micro, w.world_size)
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
                               micro, speed, w.compile_mode, budget))
-    return Measured(tuple(rows), micro, accum, speed)
+    key = batch.measurement_key(w.shape, per_rank, w.n_train, w.local_ranks)
+    return Measured(tuple(rows), micro, accum, speed, key, tuple(sorted({size for _, size in timed.seen})),
+                    w.known.first_steps if w.known is not None else None)
 
 
 class Timed:

@@ -44,6 +44,8 @@ def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: h
         "device": plan.device, "precision": plan.precision, "world_size": world.size,
         "steps": s.step, "samples": s.samples, "tokens": s.tokens,
         "duration_s": round(outcome.wall_s, 3), "train_time_s": round(s.train_time_s, 3),
+        # tokens_per_s's clock: the steps after the first `warmup_steps` (their kernels and memory warmed)
+        "steady_time_s": round(measured, 3), "warmup_steps": outcome.warmup_steps if s.measured_time_s else 0,
         "samples_per_s": s.samples / s.train_time_s if s.train_time_s else None,
         "it_per_s": s.step / s.train_time_s if s.train_time_s else None,  # optimizer steps, as the study counts them
         "tokens_per_s": tokens_per_s,
@@ -79,5 +81,8 @@ def report(summary: dict[str, Any], out: Path) -> None:
         else f"MFU n/a ({summary['peak_tflops_source']})"
     # Memory beside speed: on a laptop the peak decides what fits as much as tokens/s decides how long it takes.
     memory = f"peak {'GPU memory' if summary['device'] == 'cuda' else 'RSS'} {summary['peak_memory_mb']:,.0f} MB"
-    print(f"{summary['steps']} steps in {summary['duration_s']:.1f}s, {summary['tokens_per_s'] or 0:,.0f} real "
-          f"tokens/s, {mfu_text}, {memory}; saved to {out}")
+    # One clock, said: the loop's wall time, the steps' share of it, and the steps tokens/s is over.
+    print(f"{summary['steps']} steps in {summary['duration_s']:.1f}s ({summary['train_time_s']:.1f}s of steps, the "
+          f"rest evaluations and checkpoints), {summary['tokens_per_s'] or 0:,.0f} real tokens/s over "
+          f"{summary.get('steady_time_s') or summary['train_time_s']:.1f}s of steps after the first "
+          f"{summary.get('warmup_steps', 0)}, {mfu_text}, {memory}; saved to {out}")

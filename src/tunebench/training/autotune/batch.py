@@ -139,7 +139,36 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
         if time_budget is not None:
             time_budget.saw(tps)
             stopped[direction] = _step_stop(measured, size, direction) or stopped[direction]
-    return _choose(tuple(rows[s] for s in sizes if s in rows), known)
+    probes = _charge_first_steps(tuple(rows[s] for s in sizes if s in rows), measured, known, time_budget)
+    return _choose(probes, known)
+
+
+def _charge_first_steps(probes: tuple[Probe, ...], measured: dict[int, tuple[float, float, float]],
+                        known: Known | None, time_budget: Budget | None) -> tuple[Probe, ...]:
+    """A predicted size is one no probe ran: on a class whose record says its first steps cost extra (AMX bf16:
+    ~4.6 micro batches of it, new shapes' kernels and first-touched memory), it is kept only when what it saves
+    over the run repays them; else its row says so and it is left out of the choice."""
+    k = known.first_steps if known is not None else None
+    best = _best(measured)
+    if not k or time_budget is None or best is None:
+        return probes
+    out = []
+    for p in probes:
+        if p.status != "predicted" or not p.tokens_per_s:
+            out.append(p)
+            continue
+        near = min(measured, key=lambda s: abs(s - p.micro_batch_size))
+        tps, _, seconds = measured[near]
+        one = seconds / 3 * p.micro_batch_size / near * tps / p.tokens_per_s  # a probe step is 3 micro batches
+        cost = k * one
+        saves = time_budget.run_tokens / best[1] * (1 - best[1] / p.tokens_per_s)
+        if saves > cost:
+            out.append(p)
+            continue
+        out.append(Probe(p.micro_batch_size, None, p.peak_memory_mb, "skipped: not measured",
+                         f"{p.note}; its first steps would cost ~{cost:.1f} s ({k:g} micro batches of it on record for "
+                         f"a size no probe ran) against ~{saves:.1f} s it could save"))
+    return tuple(out)
 
 
 def _best(measured: dict[int, tuple[float, float, float]]) -> tuple[int, float] | None:
@@ -226,7 +255,7 @@ def format_table(result: Result) -> str:
     return "\n".join(lines)
 
 
-def _key(shape: Shape, effective_batch_size: int, n_train: int, ranks_sharing: int) -> str:
+def measurement_key(shape: Shape, effective_batch_size: int, n_train: int, ranks_sharing: int = 1) -> str:
     return shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size),
                      **({"ranks_sharing": ranks_sharing} if ranks_sharing > 1 else {}))
 
@@ -234,7 +263,7 @@ def _key(shape: Shape, effective_batch_size: int, n_train: int, ranks_sharing: i
 def cached_speed(shape: Shape, effective_batch_size: int, n_train: int, micro: int, ranks_sharing: int = 1) \
         -> float | None:
     """Tokens/s an earlier probe of this shape measured for `micro`, if it measured that size (no cost)."""
-    hit = cached(_key(shape, effective_batch_size, n_train, ranks_sharing))
+    hit = cached(measurement_key(shape, effective_batch_size, n_train, ranks_sharing))
     if not hit or "result" not in hit:
         return None
     return next((p.tokens_per_s for p in Result.from_dict(hit["result"]).probes
@@ -249,7 +278,7 @@ def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: 
     `effective_batch_size` is one rank's share; `ranks_sharing` ranks split this machine's RAM; `known` the
     nearest machine class's record and `seen` the sizes the attention pick timed (see `probe`)."""
 
-    key = _key(shape, effective_batch_size, n_train, ranks_sharing)
+    key = measurement_key(shape, effective_batch_size, n_train, ranks_sharing)
     hit = cached(key)
     result = Result.from_dict(hit["result"]) if hit and "result" in hit else None
     source = "cached probe"

@@ -55,12 +55,16 @@ class Recorded:
     attention: dict[str, float]
     micro_batch: dict[int, float]
     compile: dict | None = None  # {"eager": tokens/s, "compiled": tokens/s, "micro_batch": n} where measured
+    # A micro batch no probe ran in the process: its first steps' extra time, in steady micro batches of it (AMX
+    # bf16: new shapes' kernels and first-touched memory), where measured; None: not measured on this class.
+    first_steps: float | None = None
 
     def to_dict(self) -> dict:
         return {"model": self.model, "params": self.params, "layers": self.layers, "method": self.method,
                 "max_length": self.max_length, "attention_rows": self.attention_rows, "attention": self.attention,
                 "micro_batch": {str(k): v for k, v in sorted(self.micro_batch.items())},
-                **({"compile": self.compile} if self.compile else {})}
+                **({"compile": self.compile} if self.compile else {}),
+                **({"first_steps": self.first_steps} if self.first_steps is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ def parse(raw: dict, where: str) -> Record:
             raise ValueError(f"unit {raw['unit']!r} is not one of {', '.join(UNITS)}")
         outcomes = tuple(Recorded(o["model"], int(o["params"]), int(o["layers"]), o["method"], int(o["max_length"]),
                                  o.get("attention_rows"), {k: float(v) for k, v in o.get("attention", {}).items()},
-                                 {int(k): float(v) for k, v in o.get("micro_batch", {}).items()}, o.get("compile"))
+                                 {int(k): float(v) for k, v in o.get("micro_batch", {}).items()}, o.get("compile"),
+                                 None if o.get("first_steps") is None else float(o["first_steps"]))
                          for o in raw["outcomes"])
         return Record(raw["class"], raw["unit"], raw["precision"], int(raw["cores"]), raw.get("cpu_model", ""),
                       raw.get("source", ""), outcomes)
@@ -124,6 +129,11 @@ class Known:
         said = f"{o.model} {o.method} at {o.max_length} tokens, {self.record.cores} cores"
         return f"{self.record.label} machines ({said}" + (f"; here: {', '.join(self.differs)})" if self.differs
                                                           else ")")
+
+    @property
+    def first_steps(self) -> float | None:
+        """A cold micro batch's first steps' extra time, in steady micro batches of it, on record (None: not)."""
+        return self.outcome.first_steps
 
     def kernel_ratio(self, kernel: str, against: str) -> float | None:
         a, b = self.outcome.attention.get(kernel), self.outcome.attention.get(against)

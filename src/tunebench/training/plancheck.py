@@ -1,0 +1,210 @@
+"""A run's plan held against what happened: the time to train, the steady speed, the first steps' extra time and
+the peak memory the plan predicted, beside what the run measured, and the difference in time split by cause.
+
+The plan predicts from the probe (forward and backward at the widest rows, timed after a warm-up repeat) or from
+what an earlier run of the same shape trained at (`learned`, below). What the run trains is its own batches: the
+plan counts their computed positions (padding included) by collating them (`planned_work`), so padding is in
+the prediction and not a surprise. The run's steady speed is the median positions/s of its later half; the steps
+before it that ran more than a quarter slower are the first steps, and their time beyond the steady speed is the
+first steps' extra (a micro batch no probe ran pays it on some CPUs: new kernels, memory first touched).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tunebench.training.autotune import cached, store
+
+SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
+MISSED = 0.15  # a prediction off by more than this is said to have missed
+SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions
+
+
+@dataclass(frozen=True)
+class Work:
+    """What this rank's micro batches hold over the run: computed positions (padding included) and real tokens,
+    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up)."""
+
+    positions: float
+    tokens: float
+
+
+def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
+    """The positions and real tokens of a run's `steps` optimizer steps of `accum` micro batches each, from
+    `next_micro_batch` (a fresh feed.micro_batches over the run's own batches, with no begin_step)."""
+    from tunebench.training.loop import LoopState
+
+    at = LoopState()
+    total = steps * accum
+    take = min(total, SAMPLE_MICRO_BATCHES)
+    positions = tokens = 0
+    for _ in range(take):
+        batch = next_micro_batch(at)
+        positions += batch["input_ids"].numel()
+        tokens += int(batch["attention_mask"].sum())
+    scale = total / take if take else 0.0
+    return Work(positions * scale, tokens * scale)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """What the plan predicts of the training loop (this rank's work; tokens/s over all ranks)."""
+
+    work: Work
+    positions_per_s: float | None  # the steady speed: the probe's, or the last run's of this shape
+    first_steps_s: float  # extra seconds the first steps take beyond the steady speed
+    peak_mb: float
+    world_size: int = 1
+    speed_from: str = "the probe"
+
+    @property
+    def train_s(self) -> float | None:
+        if not self.positions_per_s:
+            return None
+        return self.work.positions / self.positions_per_s + self.first_steps_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if not self.positions_per_s or not self.work.positions:
+            return None
+        return self.positions_per_s * self.work.tokens / self.work.positions * self.world_size
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What the run's steps measured: the first steps (those that ran slow before the speed settled) and their time
+    beyond the steady speed, and the steady speed itself over the steps after them (positions and real tokens a
+    second)."""
+
+    positions: float
+    first_steps: int
+    first_steps_s: float
+    steady_positions_per_s: float | None
+    steady_tokens_per_s: float | None
+
+
+def split_steps(times: list[tuple[float, int, int]]) -> Steps:
+    """Each step's (seconds, positions, real tokens) into the first steps (the leading steps up to the last one in
+    the first half that took SLOW times what the later half's median speed gives it) and the steady speed over the
+    steps after them."""
+    rates = [p / s for s, p, _ in times if s > 0]
+    later = rates[len(rates) // 2:]
+    median = statistics.median(later) if later else None
+    if not median:
+        return Steps(sum(p for _, p, _ in times), 0, 0.0, None, None)
+    slow = [i for i, (s, p, _) in enumerate(times) if i < max(1, len(times) // 2) and s > SLOW * p / median]
+    first = slow[-1] + 1 if slow else 0
+    rest = times[first:]
+    seconds = sum(s for s, _, _ in rest)
+    steady = sum(p for _, p, _ in rest) / seconds
+    first_s = sum(s - p / steady for s, p, _ in times[:first])
+    return Steps(sum(p for _, p, _ in times), first, first_s, steady, sum(t for _, _, t in rest) / seconds)
+
+
+def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float) -> dict:
+    """summary.json's `plan_check`: each figure predicted and measured, and the training time's difference by
+    cause (data: other positions than planned; steady speed; first steps). `times` are this process's steps'
+    (seconds, positions, all ranks' real tokens); `wall_s` the loop's (evaluations and checkpoints in it)."""
+    s = split_steps(times)
+    train_s = sum(t for t, _, _ in times)
+    out: dict = {
+        "train_time_s": _pair(f.train_s, train_s),
+        "steady_tokens_per_s": _pair(f.tokens_per_s, s.steady_tokens_per_s),
+        "steady_positions_per_s": _pair(f.positions_per_s, s.steady_positions_per_s),
+        "first_steps_s": _pair(f.first_steps_s if f.positions_per_s else None, s.first_steps_s),
+        "first_steps": s.first_steps,
+        "peak_memory_mb": _pair(f.peak_mb, peak_mb),
+        "evaluations_and_checkpoints_s": round(max(wall_s - train_s, 0.0), 2),
+        "speed_from": f.speed_from if f.positions_per_s else None,
+    }
+    if f.positions_per_s and s.steady_positions_per_s:
+        out["difference_s"] = {
+            "data": round((s.positions - f.work.positions) / f.positions_per_s, 2),
+            "steady speed": round(s.positions / s.steady_positions_per_s - s.positions / f.positions_per_s, 2),
+            "first steps": round(s.first_steps_s - f.first_steps_s, 2),
+        }
+    return out
+
+
+def _pair(predicted: float | None, measured: float | None) -> dict:
+    ratio = measured / predicted if predicted and measured is not None else None
+    return {"predicted": None if predicted is None else round(predicted, 2),
+            "measured": None if measured is None else round(measured, 2),
+            "ratio": None if ratio is None else round(ratio, 3)}
+
+
+def lines(c: dict) -> list[str]:
+    """The closing lines that hold the plan against the run."""
+    def fig(pair: dict, unit: str, fmt: str = "{:,.1f}") -> str:
+        p, m, r = pair["predicted"], pair["measured"], pair["ratio"]
+        text = f"predicted {fmt.format(p)}{unit}, measured {fmt.format(m)}{unit}" if p is not None else \
+            f"not predicted, measured {fmt.format(m)}{unit}" if m is not None else "neither predicted nor measured"
+        if r is not None:
+            text += f" ({r:.2f}x" + (", missed by more than 15%)" if abs(r - 1) > MISSED else ")")
+        return text
+
+    out = ["plan against the run (the steps' time: measuring, evaluations and checkpoints apart):",
+           f"  time to train      {fig(c['train_time_s'], ' s')}"]
+    if "difference_s" in c:
+        out[-1] += "; " + ", ".join(f"{k} {v:+.1f} s" for k, v in c["difference_s"].items())
+    after = f" (steps {c['first_steps'] + 1} on)" if c["first_steps"] else ""
+    out += [f"  steady tokens/s    {fig(c['steady_tokens_per_s'], '', '{:,.0f}')}{after}"
+            + (f"; predicted from {c['speed_from']}" if c["speed_from"] else ""),
+            f"  first steps' extra {fig(c['first_steps_s'], ' s')}"
+            + (f" over the first {c['first_steps']} step(s)" if c["first_steps"] else ""),
+            f"  peak memory        {fig(c['peak_memory_mb'], ' MB', '{:,.0f}')}",
+            f"  evaluations and checkpoints {c['evaluations_and_checkpoints_s']:,.1f} s beside the steps"]
+    return out
+
+
+# -- what a run teaches the next run of its shape
+
+
+def learned(key: str | None) -> dict:
+    """{micro batch: what the last run at it trained} for a measurement key (the batch probe's), from the cache."""
+    if key is None:
+        return {}
+    hit = cached(key) or {}
+    return {int(k): v for k, v in hit.get("micro", {}).items()}
+
+
+def learn(key: str | None, micro: int, c: dict, warm: bool) -> None:
+    """Record what this run trained at `micro` under `key`, so the next run of this shape predicts from it."""
+    speed = c["steady_positions_per_s"]["measured"]
+    if key is None or not speed:
+        return
+    hit = cached(key) or {}
+    by_micro = dict(hit.get("micro", {}))
+    by_micro[str(micro)] = {"positions_per_s": speed, "first_steps_s": c["first_steps_s"]["measured"],
+                            "predicted_positions_per_s": c["steady_positions_per_s"]["predicted"],
+                            "speed_from": c["speed_from"], "warm": warm}
+    store(key, {"micro": by_micro})
+
+
+def trained_key(batch_key: str) -> str:
+    """The key what runs trained is kept under: the batch probe's, as a kind of its own."""
+    return "trained|" + batch_key.partition("|")[2]
+
+
+def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, warm: bool,
+             first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int) -> Forecast:
+    """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last run at
+    that size trained at on this machine (`learned_`), else the probe's; its first steps' extra from the last run,
+    else none when a probe ran this size in this process (`warm`), else the class record's figure (in micro
+    batches of it) over `steps_micro` micro batches."""
+    last = learned_.get(micro)
+    speed, source = probe_speed, "the probe's forward and backward at the widest rows"
+    if last and last.get("positions_per_s"):
+        speed = last["positions_per_s"]
+        source = f"what the last run at micro {micro} trained at on this machine"
+        said = last.get("predicted_positions_per_s")
+        if said and abs(speed / said - 1) > MISSED:
+            source += f" (it was predicted {said:,.0f} a second, {speed / said:.2f}x off: corrected)"
+    first = 0.0
+    if last is not None and last.get("first_steps_s") is not None and bool(last.get("warm")) == warm:
+        first = last["first_steps_s"]
+    elif not warm and first_steps_on_record and speed and steps_micro:
+        first = first_steps_on_record * work.positions / steps_micro / speed
+    return Forecast(work, speed, first, peak_mb, world_size, source)
