@@ -573,7 +573,8 @@ def test_the_loop_reads_the_device_only_on_logging_steps(tiny, monkeypatch):
 def test_a_run_ends_with_its_peak_memory_beside_its_speed(tmp_path, dataset, capsys):
     summary = finetune.run(_cfg(dataset, tmp_path / "run"))
     closing = [line for line in capsys.readouterr().out.splitlines() if " steps in " in line][-1]
-    assert f"real tokens/s, MFU {100 * summary['mfu']:.1f}%, peak RSS {summary['peak_memory_mb']:,.0f} MB" in closing
+    assert f"real tokens/s over {summary['steady_time_s']:.1f}s of steps after the first 2, MFU {100 * summary['mfu']:.1f}%, " \
+           f"peak RSS {summary['peak_memory_mb']:,.0f} MB" in closing
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     (row,) = [d for d in plan["decisions"] if d["setting"] == "logging_steps"]
     assert row["value"] == 1 and "on a CPU, reading the loss costs nothing" in row["reason"]

@@ -497,7 +497,7 @@ def test_a_time_budget_sets_the_steps_from_the_measured_speed_and_the_table_says
         return {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
 
     free = plan_of(tmp_path / "free", 1)
-    assert free["time_estimate"]["value"].startswith("about ") and "tokens at the measured" in \
+    assert free["time_estimate"]["value"].startswith("about ") and "% padding) at " in \
         free["time_estimate"]["reason"] and "% of measuring and training together" in free["time_estimate"]["reason"]
     budget = plan_of(tmp_path / "budget", 100000, "--time-budget", "2s")
     row = budget["total_steps"]

@@ -58,6 +58,7 @@ class Result:
 # gained 0.2% after +43% and +23%, with 1.3x the memory).
 FLAT = 0.05
 FASTER = 1.05  # a size on record is chosen unmeasured only when predicted at least this much faster
+MEMORY_STOPS = ("over budget", "out of memory", "out of memory below it")  # a sweep past these sizes cannot fit
 
 
 def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
@@ -87,7 +88,6 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     order = [start, *[s for s in sizes if s > start], *[s for s in reversed(sizes) if s < start]] \
         if start is not None else sizes
     stopped = {"up": "", "down": ""}
-    memory_stop = ("over budget", "out of memory", "out of memory below it")
     for size in order:
         direction = "down" if start is not None and size < start else "up"
         if size in measured:
@@ -101,7 +101,7 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
                 rows[size] = Probe(size, None, round(predicted_mb, 1), "skipped: predicted over budget")
                 stopped[direction] = stopped[direction] or "over budget"
                 continue
-        if stopped[direction] in memory_stop:
+        if stopped[direction] in MEMORY_STOPS:
             rows[size] = Probe(size, None, None, "skipped: " + stopped[direction])
             continue
         if stopped[direction]:  # after a measured flat step no record overrules it: nothing larger is predicted

@@ -1,0 +1,105 @@
+"""Every run holds its plan against what happened (training/plancheck.py): the figures computed by hand on made-up
+steps, and one tiny run end to end at auto's micro batch, whose check is printed and kept, and whose steady speed
+the next run of its shape predicts from."""
+
+import json
+
+import pytest
+
+from tunebench.training import plancheck
+from tunebench.training.autotune import batch
+from tunebench.training.autotune.budget import Budget
+from tunebench.training.autotune.known import Known, Record, Recorded
+from tunebench.training.plancheck import Forecast, Work
+
+
+def test_the_first_slow_steps_are_split_from_the_steady_speed():
+    # 100 positions a step; steady 100/s in the later half; steps 1-2 took 2.5 s and 1.5 s (both > 1.25 x 1 s)
+    times = [(2.5, 100, 90), (1.5, 100, 90), (1.0, 100, 90), (1.1, 110, 100), (1.0, 100, 90), (1.0, 100, 90)]
+    s = plancheck.split_steps(times)
+    assert s.first_steps == 2
+    steady = 410 / 4.1  # the steps after the first two: 410 positions in 4.1 s
+    assert s.steady_positions_per_s == pytest.approx(steady)
+    assert s.steady_tokens_per_s == pytest.approx(370 / 4.1)
+    assert s.first_steps_s == pytest.approx(2.5 + 1.5 - 200 / steady)
+    # a slow step in the later half is not a first step; an even run has none
+    assert plancheck.split_steps([(1.0, 100, 1), (1.0, 100, 1), (3.0, 100, 1), (1.0, 100, 1)]).first_steps == 0
+
+
+def test_the_check_splits_the_training_times_difference_by_cause():
+    f = Forecast(Work(500.0, 450.0), positions_per_s=125.0, first_steps_s=0.5, peak_mb=1000.0)
+    assert f.train_s == pytest.approx(4.5) and f.tokens_per_s == pytest.approx(112.5)
+    times = [(2.5, 100, 90), (1.5, 100, 90), (1.0, 100, 90), (1.1, 110, 100), (1.0, 100, 90), (1.0, 100, 90)]
+    c = plancheck.check(f, times, wall_s=9.0, peak_mb=1500.0)
+    assert c["train_time_s"] == {"predicted": 4.5, "measured": 8.1, "ratio": pytest.approx(8.1 / 4.5, abs=1e-3)}
+    assert sum(c["difference_s"].values()) == pytest.approx(8.1 - 4.5, abs=0.03)  # the causes add up
+    assert c["difference_s"]["data"] == pytest.approx(110 / 125, abs=0.01)  # 610 positions ran, 500 planned
+    assert c["peak_memory_mb"]["ratio"] == 1.5 and c["evaluations_and_checkpoints_s"] == pytest.approx(0.9)
+    text = "\n".join(plancheck.lines(c))
+    assert "time to train      predicted 4.5 s, measured 8.1 s (1.80x, missed by more than 15%)" in text
+    assert "over the first 2 step(s)" in text and "peak memory        predicted 1,000 MB, measured 1,500 MB" in text
+
+
+def test_a_forecast_takes_the_last_runs_speed_and_says_when_it_corrects_a_miss():
+    work = Work(1000.0, 900.0)
+    probe = plancheck.forecast(work, 4, 200.0, {}, True, 4.6, 10, 1.0, 1)
+    assert probe.positions_per_s == 200.0 and probe.first_steps_s == 0.0  # a size the probe ran starts warm
+    cold = plancheck.forecast(work, 4, 200.0, {}, False, 4.6, 10, 1.0, 1)
+    assert cold.first_steps_s == pytest.approx(4.6 * 100 / 200)  # 4.6 micro batches of 100 positions at 200/s
+    last = {4: {"positions_per_s": 120.0, "predicted_positions_per_s": 200.0, "first_steps_s": 1.5, "warm": False}}
+    learned = plancheck.forecast(work, 4, 200.0, last, False, 4.6, 10, 1.0, 1)
+    assert learned.positions_per_s == 120.0 and learned.first_steps_s == 1.5
+    assert "last run at micro 4" in learned.speed_from and "0.60x off: corrected" in learned.speed_from
+
+
+def _known(first_steps):
+    outcome = Recorded("SmolLM2-135M", 134515008, 30, "lora", 128, 4, {}, {4: 892.0, 8: 981.0}, None, first_steps)
+    return Known(Record("amx-bf16", "amx", "bf16", 2, "", "", (outcome,)), outcome, ())
+
+
+@pytest.mark.parametrize("run_tokens, first_steps, chosen", [
+    (9000, 4.6, 4),  # a short run: micro 8's ~10% is ~1.2 s, its cold first steps ~5 s: the measured 4 wins
+    (900000, 4.6, 8),  # a long one repays measuring it
+    (9000, None, 8),  # a class with no first-steps figure on record chooses as before
+])
+def test_a_predicted_micro_batch_must_repay_its_first_steps(run_tokens, first_steps, chosen):
+    """AMX's compare: micro 4 measured at 666 tokens/s (3 micro batches of 512 tokens in 2.3 s), micro 8 predicted
+    1.10x from the record and never run."""
+    def step(size):
+        return {1: 300.0, 2: 500.0, 4: 666.0, 8: 733.0}[size], 1000.0 * size / 4
+
+    result = batch.probe(step, [1, 2, 4, 8], 1e9, 500.0, lambda e: False, Budget(run_tokens), _known(first_steps),
+                         {4: (666.0, 1000.0, 2.3)})
+    assert result.micro_batch_size == chosen
+    if chosen == 4 and first_steps:
+        assert "its first steps would cost ~" in result.reason and "4.6 micro batches of it on record" in result.reason
+
+
+def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_from_it(tmp_path, dataset, capsys,
+                                                                                        monkeypatch):
+    """At auto's micro batch: the check is printed and kept in summary.json, the positions the plan counted are
+    the ones the run trained (no data difference), the steady speed is what the next run of the shape predicts
+    from, and tokens_per_s is over the clock the closing line names."""
+    from conftest import tiny_run_config
+    from tunebench.jobs import finetune
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))  # an empty cache of its own
+    summary = finetune.run(tiny_run_config(dataset, tmp_path / "a", **{"batch.micro_batch_size": "auto"}))
+    out = capsys.readouterr().out
+    c = summary["plan_check"]
+    assert "plan against the run" in out and "  time to train      predicted " in out
+    assert c["difference_s"]["data"] == 0.0  # the plan collated the run's own batches
+    assert c["peak_memory_mb"]["predicted"] == pytest.approx(summary["memory_plan_mb"], abs=0.1)
+    assert c["train_time_s"]["measured"] == pytest.approx(summary["train_time_s"], abs=0.01)
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["plan_check"] == c
+    closing = [line for line in out.splitlines() if " steps in " in line][-1]
+    assert f"real tokens/s over {summary['steady_time_s']:.1f}s of steps after the first 2" in closing
+    logged = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    at_two = next(r["tokens"] for r in logged if r.get("step") == 2 and "loss" in r)
+    assert summary["tokens_per_s"] == pytest.approx((summary["tokens"] - at_two) / summary["steady_time_s"], rel=1e-2)  # ms-rounded clock
+
+    finetune.run(tiny_run_config(dataset, tmp_path / "b", **{"batch.micro_batch_size": "auto"}))
+    plan = {d["setting"]: d for d in json.loads((tmp_path / "b" / "plan.json").read_text())["decisions"]}
+    micro = plan["micro_batch_size"]["value"]
+    assert f"what the last run at micro {micro} trained at on this machine" in plan["time_estimate"]["reason"]
+    assert f"{c['steady_positions_per_s']['measured']:,.0f} a second" in plan["time_estimate"]["reason"]
