@@ -104,25 +104,28 @@ def test_bf16_frozen_base_matches_fp32_lora(tiny):
 
 
 def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
+    """Also: the quantized base is frozen with its embeddings and head kept in 16 bits and its norms in fp32
+    (methods.prepare_for_kbit; PEFT's prepare_model_for_kbit_training casts the embeddings and head to fp32)."""
     needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
-    from peft import prepare_model_for_kbit_training
-
     from tunebench.training.loop import loss_sum, prepare
 
     q = methods.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
-    q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
+    methods.prepare_for_kbit(q)
+    assert q.get_input_embeddings().weight.dtype == q.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert {p.dtype for n, p in q.named_parameters() if "norm" in n} == {torch.float32}
+    assert not any(p.requires_grad for p in q.parameters())
     peft = add_lora(q, 8, 16, 0.0, ["q_proj", "v_proj"])
     x = _ids()
     batch, n, _ = prepare({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}, torch.device("cpu"))
     peft.eval()
     with torch.no_grad():
-        loss_sum(peft, batch, None)  # an eval pass, as before training
+        loss_sum(peft, batch, torch.bfloat16)  # an eval pass, as before training
     peft.train()
     with torch.no_grad():  # make B non-zero so A receives gradient
         for name, p in peft.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    (loss_sum(peft, batch, None) / n).backward()
+    (loss_sum(peft, batch, torch.bfloat16) / n).backward()
     first = [p for name, p in peft.named_parameters() if "layers.0." in name and "lora_A" in name]
     assert first and all(p.grad is not None and p.grad.abs().sum() > 0 for p in first)
 

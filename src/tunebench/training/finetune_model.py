@@ -88,10 +88,8 @@ def build_model(cfg: RunConfig, loaded: models.Loaded, precision: str, device: t
                      (f"; {precision} autocast for matmuls" if precision != "fp32" else "")))
         return model, rows
     if a.method == "qlora":
-        from peft import prepare_model_for_kbit_training
-
         model = methods.load_quantized(loaded, cfg.model.name, a.quantization, compute, cfg.model.allow_download)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        methods.prepare_for_kbit(model)  # the embeddings and head stay 16-bit (PEFT's own casts them to fp32)
         rows.append(("base weights", a.quantization, f"bitsandbytes {'nf4 + double quant' if a.quantization == '4bit' else 'LLM.int8'}, compute in {precision}"))
     else:
         model.to(dtype=compute)

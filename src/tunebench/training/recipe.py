@@ -144,8 +144,11 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     made = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in made.rows)
-    memory_plan = memory.of_step(r.model, extra, micro * u.rows_each, u.widest if packed or u.longest is None else u.longest,
-                                 DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type)
+    # the rows a unit collates into (a preference pair: chosen and rejected; a GRPO group: its completions)
+    rows_each = int(u.probe_rows(1)["input_ids"].shape[0])
+    memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
+                                 DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type,
+                                 rows_each)
     forecast = forecast_of(r, made, world, measured, steps, speed, memory_plan.total)
     estimate = runplan.estimate_row(forecast, measure_s)
 

@@ -5,7 +5,7 @@ peak = runtime + weights + trainable state + activations, where
 - runtime is what the process holds before the model (Python, torch, the tokenizer, the data; on a GPU nothing:
   the figures there are torch's allocations, as the run's own peak is);
 - weights are the parameters as the method holds them: a frozen base in the compute dtype, a full fine-tune's fp32
-  master weights, QLoRA's 4-bit blocks (and the fp32 copies prepare_model_for_kbit_training makes of the rest);
+  master weights, QLoRA's 4-bit blocks (and the rest in 16 bits: methods.prepare_for_kbit);
 - trainable state is each trained parameter's gradient and AdamW's two moments (4 + 8 bytes);
 - activations are the tensors autograd keeps for the backward pass, per token and layer, plus one layer's worth
   again while the backward pass runs through it (and, with checkpointing, recomputes it), times TRANSIENT (by
@@ -20,6 +20,7 @@ families (GPT-2's LayerNorm and GELU) are planned with the same coefficients and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tunebench.core.decision import Decision
@@ -122,6 +123,7 @@ class MemoryPlan:
     tokens: int
     checkpointing: bool
     note: str = ""
+    rows_each: int = 1  # the rows a unit collates into: `micro` counts rows (a preference pair is 2)
 
     @property
     def total(self) -> float:
@@ -129,7 +131,9 @@ class MemoryPlan:
 
     def parts(self) -> str:
         gb = lambda mb: f"{mb / 1024:.1f} GB" if mb >= 1024 else f"{mb:.0f} MB"  # noqa: E731
-        acts = (f"activations {gb(self.activations)} (micro {self.micro} x {self.tokens} tokens, checkpointing "
+        rows = f"micro {self.micro}" if self.rows_each == 1 else \
+            f"{self.micro} rows: micro {self.micro // self.rows_each} x {self.rows_each}"
+        acts = (f"activations {gb(self.activations)} ({rows} x {self.tokens} tokens, checkpointing "
                 f"{'on' if self.checkpointing else 'off'})")
         runtime = f" + runtime {gb(self.runtime)}" if self.runtime else ""
         return f"weights {gb(self.weights)} + trainable state {gb(self.state)} + {acts}{runtime}{self.note}"
@@ -145,8 +149,8 @@ def predict(shape: ModelShape, method: str, value_bytes: int, trainable: int, mi
     if weight_bytes is None:
         if full:
             weight_bytes = 4.0 * shape.params
-        elif method == "qlora":  # the blocks quantized; the rest cast to fp32 by prepare_model_for_kbit_training
-            weight_bytes = QLORA_BYTES * shape.linear + 4.0 * shape.other + 4.0 * trainable
+        elif method == "qlora":  # the blocks quantized; the embeddings and head kept 16-bit (methods.prepare_for_kbit)
+            weight_bytes = QLORA_BYTES * shape.linear + 2.0 * shape.other + 4.0 * trainable
         else:
             weight_bytes = value_bytes * shape.params + 4.0 * trainable
     h, kv, f = (FULL if full else ADAPTER)[value_bytes]
@@ -174,9 +178,10 @@ def held_mb(model, extra=()) -> float:
 
 
 def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: str, runtime: float,
-            device_type: str) -> MemoryPlan:
+            device_type: str, rows_each: int = 1) -> MemoryPlan:
     """The plan of a built model's step: its parameters' bytes as held (and those of `extra`, such as a full
-    fine-tune's frozen reference copy), its trained parameters, the chosen micro batch, kernel and checkpointing.
+    fine-tune's frozen reference copy), its trained parameters, the chosen micro batch (of units, each `rows_each`
+    rows), kernel and checkpointing.
     A model that trains most of its parameters is planned as a full fine-tune (fp32 weights under autocast)."""
     from tunebench.training.autotune.probe import checkpointing_on
 
@@ -184,8 +189,9 @@ def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     full = trainable > sum(p.numel() for p in model.parameters()) / 2
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
-    return predict(shape_of(model), "full" if full else "lora", value_bytes, trainable, micro, tokens,
+    plan = predict(shape_of(model), "full" if full else "lora", value_bytes, trainable, micro * rows_each, tokens,
                    checkpointing_on(base), attention, runtime, held, device_type)
+    return dataclasses.replace(plan, rows_each=rows_each)
 
 
 def row(plan: MemoryPlan, free_mb: float | None, device_type: str) -> Decision:
