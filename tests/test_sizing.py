@@ -98,16 +98,16 @@ def test_measure_row_times_the_runs_own_model(dataset):
     assert seconds > 0 and 1 < tokens <= 64 and rows == len(ROWS)  # no bound on the seconds: a loaded machine is slow
 
 
-def _row(name, micro, accum, seconds, measured):
+def _row(name, micro, accum, seconds, measured, predicted=""):
     return {"experiment": name, "config": name, "device": "cpu", "device_name": "CPU", "batch_size": micro,
             "grad_accum": accum, "duration_seconds": seconds, "measure_seconds": measured, "status": "ok",
-            "tokens_per_s": 100, "repeat": 1}
+            "tokens_per_s": 100, "repeat": 1, "predicted_seconds": predicted}
 
 
 def test_the_auto_finding_compares_training_with_training(tmp_path):
     path = tmp_path / "r.csv"
-    rows = [_row("auto", 2, 4, 50, 30), _row("bs1_ga8", 1, 8, 80, 4), _row("bs2_ga4", 2, 4, 52, 1),
-            _row("bs4_ga2", 4, 2, 45, 1)]
+    rows = [_row("auto", 2, 4, 50, 30, 40), _row("bs1_ga8", 1, 8, 80, 4), _row("bs2_ga4", 2, 4, 52, 1),
+            _row("bs4_ga2", 4, 2, 45, 1, 45)]
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -117,3 +117,4 @@ def test_the_auto_finding_compares_training_with_training(tmp_path):
     assert "Against bs2_ga4, the hand-picked run with auto's micro batch (2 x 4): 52 s, 1.04x" in finding
     assert "auto spent 30 s measuring" in finding and "the hand-picked runs 1 to 4 s" in finding
     assert "Counting each run's measuring, auto took 80 s against bs4_ga2's 46 s: 0.57x." in finding
+    assert "Their plans said auto 40 s (took 1.25x that), bs4_ga2 45 s (took 1.00x that)." in finding

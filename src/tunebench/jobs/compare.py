@@ -45,7 +45,7 @@ SCHEMA = [
     "experiment", "config", "repeat", "device", "device_name", "cores", "processes", "threads", "batch_size",
     "grad_accum",
     "effective_batch", "method", "quantization", "precision", "max_length", "samples", "steps",
-    "duration_seconds", "measure_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
+    "duration_seconds", "measure_seconds", "predicted_seconds", "samples_per_s", "it_per_s", "tokens_per_s", "peak_memory_mb", "final_train_loss", "eval_loss", "mfu",
     *quality.TASK_SCORES,  # task quality (train.eval_generate > 0; the tool scores where rows offer tools)
     "objective", "reward_accuracy",  # sft, or dpo/orpo with the held-out pairs' reward accuracy
     *EPISODE_COLUMNS,  # grpo: the held-out reward before and after; in an environment, its episodes'
@@ -272,6 +272,7 @@ def _row_from_run(run_dir: Path, device: str) -> dict[str, Any]:
         "effective_batch": s.effective_batch_size, "method": s.method, "quantization": s.quantization,
         "precision": s.precision, "max_length": s.max_length, "samples": s.samples, "steps": s.steps,
         "duration_seconds": round(s.train_time_s, 3), "measure_seconds": s.measure_s,
+        "predicted_seconds": ((s.get("plan_check") or {}).get("train_time_s") or {}).get("predicted"),  # the plan's
         "samples_per_s": s.samples_per_s, "it_per_s": s.it_per_s,
         "tokens_per_s": s.tokens_per_s, "peak_memory_mb": s.peak_memory_mb,
         "final_train_loss": s.final_train_loss, "eval_loss": s.eval_loss, "mfu": s.mfu,

@@ -197,6 +197,10 @@ def _auto_finding(device: str, by_config: dict[str, Cell]) -> str | None:
     elif same:
         text += (f" Against {same[0]}, the hand-picked run with auto's micro batch ({micro}): {manual[same[0]]:,.0f} s, "
                  f"{manual[same[0]] / auto:.2f}x.")
+    said = [(c, p, t) for c in ("auto", best) if (p := by_config[c].median("predicted_seconds"))
+            and (t := by_config[c].median("duration_seconds"))]
+    if said:  # each plan held against its run: the time_estimate each printed before it trained
+        text += " Their plans said " + ", ".join(f"{c} {p:,.0f} s (took {t / p:.2f}x that)" for c, p, t in said) + "."
     measured = by_config["auto"].median("measure_seconds")
     others = [t for c in manual if (t := by_config[c].median("measure_seconds")) is not None]
     if measured is None or not others:
