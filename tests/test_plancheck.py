@@ -103,3 +103,26 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
     micro = plan["micro_batch_size"]["value"]
     assert f"what the last run at micro {micro} trained at on this machine" in plan["time_estimate"]["reason"]
     assert f"{c['steady_positions_per_s']['measured']:,.0f} a second" in plan["time_estimate"]["reason"]
+
+
+def test_runs_that_trained_two_micro_batches_choose_the_faster(tmp_path, monkeypatch):
+    """What whole runs of a shape trained beats the probe's pick, by 5% or more; a size no run trained, or one
+    that does not divide the effective batch, is not taken."""
+    from tunebench.core.decision import Decision
+    from tunebench.training import runplan
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
+    key = "batch|{\"model\": \"m\"}"
+    picked = [Decision("micro_batch_size", 4, "fastest measured"), Decision("gradient_checkpointing", False, "")]
+    assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {}) == (4, picked, 100.0)  # nothing learned yet
+    check = {"steady_positions_per_s": {"measured": 300.0, "predicted": 330.0}, "first_steps_s": {"measured": 0.0},
+             "speed_from": "the probe"}
+    plancheck.learn(plancheck.trained_key(key), 4, check, True)
+    plancheck.learn(plancheck.trained_key(key), 2, {**check, "steady_positions_per_s": {"measured": 360.0, "predicted": 250.0}}, True)
+    plancheck.learn(plancheck.trained_key(key), 3, {**check, "steady_positions_per_s": {"measured": 900.0, "predicted": 250.0}}, True)
+    micro, rows, speed = runplan.trained_faster(4, picked, 100.0, key, 8, 100, {2: (110.0, 1.0, 1.0)})
+    assert (micro, speed) == (2, 110.0) and rows[1] == picked[1]  # 3 does not divide 8; the probe's figure for 2
+    assert "360 positions/s at micro 2, 1.20x the 300 at micro 4, which the probe picked (fastest measured)" \
+        in rows[0].reason
+    plancheck.learn(plancheck.trained_key(key), 2, {**check, "steady_positions_per_s": {"measured": 310.0, "predicted": 250.0}}, True)
+    assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {})[0] == 4  # 3% is not enough

@@ -251,6 +251,10 @@ def measure(model, step, w: Workload) -> Measured:
         lambda: batch.micro_batch(step, w.shape, per_rank, w.n_train, w.max_length, w.device, w.local_ranks, budget,
                                   w.known, timed.of_kernel(model)),
         w.asked_reason, lambda micro: batch.cached_speed(w.shape, per_rank, w.n_train, micro, w.local_ranks))
+    key = batch.measurement_key(w.shape, per_rank, w.n_train, w.local_ranks)
+    if w.micro_asked is None and not w.resumed:
+        micro, batch_rows, speed = trained_faster(micro, batch_rows, speed, key, per_rank, w.n_train,
+                                                  timed.of_kernel(model))
     rows += batch_rows
     if speed is None and not w.resumed:  # a micro batch asked for: the attention pick may have timed that very step
         speed = timed.of_kernel(model).get(micro, (None,))[0]
@@ -259,9 +263,30 @@ def measure(model, step, w: Workload) -> Measured:
     accum = w.resumed[1] if w.resumed else accumulation(w.effective, micro, w.world_size)
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
                               micro, speed, w.compile_mode, budget))
-    key = batch.measurement_key(w.shape, per_rank, w.n_train, w.local_ranks)
     return Measured(tuple(rows), micro, accum, speed, key, tuple(sorted({size for _, size in timed.seen})),
                     w.known.first_steps if w.known is not None else None)
+
+
+def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: str, per_rank: int, n_train: int,
+                   seen: dict[int, tuple[float, float, float]]) -> tuple[int, list[Decision], float | None]:
+    """The micro batch chosen, unless earlier runs of this shape on this machine trained it and another size that
+    divides the effective batch, and the other trained at least 5% faster (what whole runs trained, optimizer step,
+    data and padding in it, beats a probe's forward and backward): then the other, its row saying so."""
+    from tunebench.core.batch_rule import micro_candidates
+    from tunebench.training import plancheck
+
+    learned = {m: v["positions_per_s"] for m, v in plancheck.learned(plancheck.trained_key(key)).items()
+               if v.get("positions_per_s") and m in micro_candidates(per_rank, 1, n_train)}
+    if micro not in learned:
+        return micro, rows, speed
+    faster = max(learned, key=learned.get)
+    ratio = learned[faster] / learned[micro]
+    if ratio < 1.05:
+        return micro, rows, speed
+    why = (f"trained fastest on this machine: {learned[faster]:,.0f} positions/s at micro {faster}, {ratio:.2f}x the "
+           f"{learned[micro]:,.0f} at micro {micro}, which the probe picked ({rows[0].reason})")
+    return faster, [Decision("micro_batch_size", faster, why), *rows[1:]], \
+        seen.get(faster, (speed * ratio if speed else None,))[0]
 
 
 class Timed:
