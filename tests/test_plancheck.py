@@ -126,3 +126,22 @@ def test_runs_that_trained_two_micro_batches_choose_the_faster(tmp_path, monkeyp
         in rows[0].reason
     plancheck.learn(plancheck.trained_key(key), 2, {**check, "steady_positions_per_s": {"measured": 310.0, "predicted": 250.0}}, True)
     assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {})[0] == 4  # 3% is not enough
+
+
+def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_shapes_probe(tmp_path, monkeypatch):
+    """A new shape of a method this machine has trained predicts from its probe times the median of the last
+    runs' ratios of trained to probed speed (a LoRA run here trained 1.14-1.22x what its probe measured);
+    another method or machine keeps the probe's figure."""
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
+    lora = "batch|" + json.dumps({"where": "CPU x2", "precision": "fp32", "torch": "2.13", "method": "lora", "model": "a"})
+    other_shape = lora.replace('"a"', '"b"')
+    full = lora.replace('"lora"', '"full"')
+    assert plancheck.machine_key(lora) == plancheck.machine_key(other_shape) != plancheck.machine_key(full)
+    assert plancheck.probe_ratio(plancheck.machine_key(lora)) is None
+    for measured in (116.0, 120.0, 130.0):
+        plancheck.learn_ratio(plancheck.machine_key(lora), {"steady_positions_per_s": {"measured": measured}}, 100.0)
+    ratio = plancheck.probe_ratio(plancheck.machine_key(other_shape))
+    assert ratio == (1.2, 3)
+    f = plancheck.forecast(Work(1000.0, 900.0), 4, 100.0, {}, True, None, 10, 1.0, 1, ratio)
+    assert f.positions_per_s == pytest.approx(120.0) and "x 1.20, what the last 3 run(s)" in f.speed_from
+    assert plancheck.probe_ratio(plancheck.machine_key(full)) is None

@@ -11,6 +11,7 @@ first steps' extra (a micro batch no probe ran pays it on some CPUs: new kernels
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from tunebench.training.autotune import cached, store
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
+RATIOS = 5  # the probe-to-run ratios a machine keeps: its last runs'
 SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions
 
 
@@ -183,19 +185,51 @@ def learn(key: str | None, micro: int, c: dict, warm: bool) -> None:
     store(key, {"micro": by_micro})
 
 
+def machine_key(batch_key: str) -> str:
+    """The key of what runs of this method on this machine (CPU or GPU, threads, precision, torch) trained against
+    their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe."""
+    fields = json.loads(batch_key.partition("|")[2] or "{}")
+    return "probe-to-run|" + json.dumps({k: fields.get(k) for k in ("where", "precision", "torch", "method")},
+                                        sort_keys=True)
+
+
+def probe_ratio(key: str | None) -> tuple[float, int] | None:
+    """(the median of what the last runs on this machine trained at over what their probes measured, how many),
+    or None before any run here was predicted from its probe."""
+    if key is None:
+        return None
+    ratios = (cached(key) or {}).get("ratios", [])
+    return (statistics.median(ratios), len(ratios)) if ratios else None
+
+
+def learn_ratio(key: str | None, c: dict, probe_speed: float | None) -> None:
+    """Keep what this run trained at over what its probe measured (the last RATIOS of this machine's runs)."""
+    measured = c["steady_positions_per_s"]["measured"]
+    if key is None or not measured or not probe_speed:
+        return
+    ratios = [*(cached(key) or {}).get("ratios", []), round(measured / probe_speed, 4)][-RATIOS:]
+    store(key, {"ratios": ratios})
+
+
 def trained_key(batch_key: str) -> str:
     """The key what runs trained is kept under: the batch probe's, as a kind of its own."""
     return "trained|" + batch_key.partition("|")[2]
 
 
 def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, warm: bool,
-             first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int) -> Forecast:
+             first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int,
+             ratio: tuple[float, int] | None = None) -> Forecast:
     """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last run at
-    that size trained at on this machine (`learned_`), else the probe's; its first steps' extra from the last run,
-    else none when a probe ran this size in this process (`warm`), else the class record's figure (in micro
-    batches of it) over `steps_micro` micro batches."""
+    that size trained at on this machine (`learned_`), else the probe's, times what runs on this machine trained at
+    against their probes (`ratio`: the median and how many runs) where any has; its first steps' extra from the
+    last run, else none when a probe ran this size in this process (`warm`), else the class record's figure (in
+    micro batches of it) over `steps_micro` micro batches."""
     last = learned_.get(micro)
     speed, source = probe_speed, "the probe's forward and backward at the widest rows"
+    if probe_speed and ratio is not None:
+        speed = probe_speed * ratio[0]
+        source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "
+                   "machine trained at against their probes")
     if last and last.get("positions_per_s"):
         speed = last["positions_per_s"]
         source = f"what the last run at micro {micro} trained at on this machine"

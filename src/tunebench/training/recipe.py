@@ -179,8 +179,9 @@ def forecast_of(r: Recipe, made: feed.Batches, world, measured: runplan.Measured
     if speed and made.begin_step is None:
         work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
     learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
+    ratio = plancheck.probe_ratio(plancheck.machine_key(measured.key)) if measured.key else None
     return plancheck.forecast(work, micro, speed, learned, micro in measured.timed, measured.first_steps,
-                              steps * accum, peak_mb, world.size)
+                              steps * accum, peak_mb, world.size, ratio)
 
 
 @dataclass
@@ -333,8 +334,8 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     summary_.report(summary, opened.out)
     print("\n".join(plancheck.lines(check)))
     m = planned.measured
-    if planned.forecast.positions_per_s:  # GRPO's steps also sample: its speed is not the probe's to correct
-        plancheck.learn(plancheck.trained_key(m.key) if m.key else None, m.micro_batch_size, check,
-                        m.micro_batch_size in m.timed)
+    if planned.forecast.positions_per_s and m.key:  # GRPO's steps also sample: its speed is not the probe's
+        plancheck.learn(plancheck.trained_key(m.key), m.micro_batch_size, check, m.micro_batch_size in m.timed)
+        plancheck.learn_ratio(plancheck.machine_key(m.key), check, m.tokens_per_s)
     r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary
