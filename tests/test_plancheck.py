@@ -98,6 +98,12 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
     at_two = next(r["tokens"] for r in logged if r.get("step") == 2 and "loss" in r)
     assert summary["tokens_per_s"] == pytest.approx((summary["tokens"] - at_two) / summary["steady_time_s"], rel=1e-2)  # ms-rounded clock
 
+    from tunebench.jobs import run_report
+
+    report = (run_report.write(tmp_path / "a").parent / "report.md").read_text()  # the run's report shows it too
+    assert "## Plan against the run" in report and f"| peak memory (MB) | {c['peak_memory_mb']['predicted']:,.4g} |" \
+        in report and "| difference by cause: data (s) |  | +0.0 |  |" in report
+
     finetune.run(tiny_run_config(dataset, tmp_path / "b", **{"batch.micro_batch_size": "auto"}))
     plan = {d["setting"]: d for d in json.loads((tmp_path / "b" / "plan.json").read_text())["decisions"]}
     micro = plan["micro_batch_size"]["value"]

@@ -167,6 +167,23 @@ def memory_report(summary: dict, plan: dict, monitor: list[dict]) -> list[list[s
     return rows
 
 
+def plan_check_rows(check: dict | None) -> list[list[str]]:
+    """summary.json's plan_check as rows: each figure the plan predicted beside what the run measured, then the
+    training time's difference by cause and the evaluations' and checkpoints' time."""
+    if not check:
+        return []
+    names = {"train_time_s": "time to train (s)", "steady_tokens_per_s": "steady tokens/s",
+             "first_steps_s": "first steps' extra (s)", "peak_memory_mb": "peak memory (MB)"}
+    rows = [[label, _value(check[k]["predicted"]), _value(check[k]["measured"]),
+             f"{check[k]['ratio']:.2f}x" if check[k]["ratio"] is not None else ""] for k, label in names.items()]
+    rows += [[f"difference by cause: {cause} (s)", "", f"{seconds:+.1f}", ""]
+             for cause, seconds in (check.get("difference_s") or {}).items()]
+    rows.append(["evaluations and checkpoints (s)", "", _value(check["evaluations_and_checkpoints_s"]), ""])
+    if check.get("speed_from"):
+        rows.append(["speed predicted from", check["speed_from"], "", ""])
+    return rows
+
+
 def _value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:,.4g}"
@@ -187,10 +204,12 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pngs = charts(metrics, monitor)
     sections = [
+        ("Plan against the run", ["figure", "predicted", "measured", "measured / predicted"],
+         plan_check_rows(summary.get("plan_check"))),
         ("Memory", ["", "current (end)", "peak", "total", "peak / total"], memory_report(summary, plan, monitor)),
         ("Settings, and why", ["setting", "value", "reason"],
          [[d["setting"], _value(d["value"]), d["reason"]] for d in plan.get("decisions", [])]),
-        ("Summary", ["figure", "value"], [[k, _value(v)] for k, v in summary.items()]),
+        ("Summary", ["figure", "value"], [[k, _value(v)] for k, v in summary.items() if k != "plan_check"]),
     ]
     state = "finished" if summary else "not finished (no summary.json yet): what it has logged so far"
     title = f"tunebench run: {run.resolve().name}"
