@@ -1,12 +1,14 @@
 """A run's plan held against what happened: the time to train, the steady speed, the first steps' extra time and
 the peak memory the plan predicted, beside what the run measured, and the difference in time split by cause.
 
-The plan predicts from the probe (forward and backward at the widest rows, timed after a warm-up repeat) or from
-what an earlier run of the same shape trained at (`learned`, below). What the run trains is its own batches: the
-plan counts their computed positions (padding included) by collating them (`planned_work`), so padding is in
-the prediction and not a surprise. The run's steady speed is the median positions/s of its later half; the steps
-before it that ran more than a quarter slower are the first steps, and their time beyond the steady speed is the
-first steps' extra (a micro batch no probe ran pays it on some CPUs: new kernels, memory first touched).
+The plan predicts from what an earlier run of the same shape trained at on this machine (`learned`, below), else
+from the probe (forward and backward at the widest rows, timed after a warm-up repeat) corrected by what this
+machine's runs of the method trained at against their probes (`probe_ratio`). What the run trains is its own
+batches: the plan counts their computed positions (padding included) by collating them (`planned_work`), so
+padding is in the prediction and not a surprise. The run's first steps are the leading ones (in its first half)
+that ran more than a quarter slower than its later half's median speed gives them; its steady speed is over the
+steps after them, and the first steps' time beyond that speed is their extra (a micro batch no probe ran pays it
+on some CPUs: new kernels, memory first touched).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tunebench.training.autotune import cached, store
+from tunebench.training.loop import LoopState
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
@@ -36,8 +39,6 @@ class Work:
 def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
     """The positions and real tokens of a run's `steps` optimizer steps of `accum` micro batches each, from
     `next_micro_batch` (a fresh feed.micro_batches over the run's own batches, with no begin_step)."""
-    from tunebench.training.loop import LoopState
-
     at = LoopState()
     total = steps * accum
     take = min(total, SAMPLE_MICRO_BATCHES)
@@ -55,7 +56,7 @@ class Forecast:
     """What the plan predicts of the training loop (this rank's work; tokens/s over all ranks)."""
 
     work: Work
-    positions_per_s: float | None  # the steady speed: the probe's, or the last run's of this shape
+    positions_per_s: float | None  # the steady speed: the last run's of this shape, or the probe's (corrected)
     first_steps_s: float  # extra seconds the first steps take beyond the steady speed
     peak_mb: float
     world_size: int = 1
