@@ -7,8 +7,8 @@ reads); `build` makes the objective's type from that section, refusing a key tha
 
 Each type also says, as class facts, what the code around the objective needs to know of it: the kind of data it
 learns from (`data`), what one unit of a step is (`unit`), whether it samples its own completions (`samples`); the
-loop and recipes read these, never the objective's name (the slices' registry, training/objectives.py, and this
-loader are the only places that name an objective).
+loop and recipes read these, never the objective's name (this loader, settings/finetune.py and
+training/preference.py's loss_for are the only places that name an objective; tests/test_layers.py holds it).
 """
 
 from __future__ import annotations

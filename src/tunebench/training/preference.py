@@ -6,9 +6,10 @@ rewards/rejected, rewards/accuracies, rewards/margins, logps/...); the loop divi
 of the whole optimizer step, so accumulation gives the loss and gradients of one large batch.
 
 - DPO (Rafailov et al., 2023): -log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))),
-  log-probabilities summed over each reply's tokens. With an adapter the reference is the same model
-  with the adapter switched off, so it costs a forward pass and no second copy of the weights; full
-  fine-tuning keeps a frozen copy.
+  log-probabilities summed over each reply's tokens. With an adapter the reference is the same model with the
+  adapter's starting values put back for its pass (StartingAdapter: for LoRA, DoRA and IA3, which start as the
+  identity, the base), so it costs a forward pass and no second copy of the weights; full fine-tuning keeps a
+  frozen copy.
 - ORPO (Hong et al., 2024): the NLL of the chosen rows (prompt and reply, TRL's and the paper's code)
   minus lambda * log sigmoid(log odds(c) - log odds(r)), on log-probabilities averaged over each reply's
   tokens. No reference model.

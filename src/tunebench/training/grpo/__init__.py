@@ -11,8 +11,8 @@ The step's micro batches then train on (prompt + completion) rows, the loss on t
     KL = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator), ratio = exp(logp - logp_old)
 
 with one update per generation (TRL's num_iterations=1), so logp_old is logp without its gradient and the ratio
-is 1 in value; log-probabilities are of the logits divided by the sampling temperature, as TRL scores them. The reference (only when beta > 0) is the base with the adapter off, or a frozen copy under full
-fine-tuning. TRL's loss normalisations: "dapo" (its default: the step's completion tokens), "grpo" (each
+is 1 in value; log-probabilities are of the logits divided by the sampling temperature, as TRL scores them. The reference (only when beta > 0) is the model with the adapter's starting values put back for its pass (as
+DPO's: preference.StartingAdapter), or a frozen copy under full fine-tuning. TRL's loss normalisations: "dapo" (its default: the step's completion tokens), "grpo" (each
 completion's mean over its tokens, then the mean over the step's completions), "dr_grpo" (the step's
 completions x max_completion_length). All three are sums over the step divided by a count of the whole step, so
 the micro batch never changes the math; and the sampling is seeded by (seed, epoch, step) and made for the whole
