@@ -74,7 +74,6 @@ class LoopSettings:
 @dataclass
 class Hooks:
     log: Callable[[dict[str, Any]], None] = lambda record: None
-    # each step, as it is read: (step, seconds, this rank's computed positions, all ranks' real tokens)
     step_done: Callable[[int, float, int, int], None] = lambda step, seconds, positions, tokens: None
     evaluate: Callable[[int], dict[str, float]] | None = None
     save: Callable[[LoopState], None] | None = None

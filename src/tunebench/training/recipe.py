@@ -271,7 +271,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     watch = runner.SlowdownWatch(plan.probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size,
                                  log, t.settings.warmup_steps_excluded) if world.main else \
         (lambda step, seconds, positions: None)
-    times: list[tuple[float, int, int]] = []  # each step's (seconds, positions, real tokens): the plan's check
+    times: list[tuple[float, int, int]] = []  # each step: seconds, this rank's positions, all ranks' real tokens
 
     def step_done(step: int, seconds: float, positions: int, tokens: int) -> None:
         times.append((seconds, positions, tokens))
