@@ -227,16 +227,16 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
     micro batches of it) over `steps_micro` micro batches."""
     last = learned_.get(micro)
     speed, source = probe_speed, "the probe's forward and backward at the widest rows"
-    if probe_speed and ratio is not None:
-        speed = probe_speed * ratio[0]
-        source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "
-                   "machine trained at against their probes")
     if last and last.get("positions_per_s"):
         speed = last["positions_per_s"]
         source = f"what the last run at micro {micro} trained at on this machine"
         said = last.get("predicted_positions_per_s")
         if said and abs(speed / said - 1) > MISSED:
             source += f" (it was predicted {said:,.0f} a second, {speed / said:.2f}x off: corrected)"
+    elif probe_speed and ratio is not None:
+        speed = probe_speed * ratio[0]
+        source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "
+                   "machine trained at against their probes")
     first = 0.0
     if last is not None and last.get("first_steps_s") is not None and bool(last.get("warm")) == warm:
         first = last["first_steps_s"]
