@@ -105,6 +105,9 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
     assert "## Plan against the run" in report and f"| peak memory (MB) | {c['peak_memory_mb']['predicted']:,.4g} |" \
         in report and "| difference by cause: data (s) |  | +0.0 |  |" in report
 
+    first_plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}
+    assert "the probe's forward and backward on the run's median micro batch" in first_plan["time_estimate"]["reason"]
+
     finetune.run(tiny_run_config(dataset, tmp_path / "b", **{"batch.micro_batch_size": "auto"}))
     plan = {d["setting"]: d for d in json.loads((tmp_path / "b" / "plan.json").read_text())["decisions"]}
     micro = plan["micro_batch_size"]["value"]
@@ -152,3 +155,35 @@ def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_s
     f = plancheck.forecast(Work(1000.0, 900.0), 4, 100.0, {}, True, None, 10, 1.0, 1, ratio)
     assert f.positions_per_s == pytest.approx(120.0) and "x 1.20, what the last 3 run(s)" in f.speed_from
     assert plancheck.probe_ratio(plancheck.machine_key(full)) is None
+
+
+def test_the_plan_times_the_runs_median_batch_and_adds_the_optimizer_step(monkeypatch):
+    """planned_work keeps the median of the run's first micro batches by positions; step_speed gives positions a
+    second over a step of that batch's forward and backward plus one optimizer step (timed, scaled by count)."""
+    import torch
+
+    widths = [9, 3, 7, 5, 11]
+    batches = iter({"input_ids": torch.zeros(2, w, dtype=torch.long), "attention_mask": torch.ones(2, w)} for w in widths)
+    work = plancheck.planned_work(lambda _state: next(batches), steps=5, accum=1)
+    assert work.positions == 2 * sum(widths) and work.typical["input_ids"].shape == (2, 7)  # median of 6,14,18,10,22
+
+    timed = []
+
+    def fake_probe(model, rows, device, autocast, objective, repeats):
+        b = rows(0)
+        timed.append((b["input_ids"].shape, repeats))
+        return b["attention_mask"].sum().item() / 0.5, 0.0  # 14 real tokens in 0.5 s
+    monkeypatch.setattr(plancheck, "probe_step", lambda *a, **k: lambda size: fake_probe(*a, **k))
+    monkeypatch.setattr(plancheck, "optimizer_step_s", lambda n, device: 0.25)
+    speed, what = plancheck.step_speed(None, work, 5, torch.device("cpu"), None, None, 1000)
+    per_step = work.positions / 5  # 20 positions a step: 20/14 micro batches of 0.5 s, and 0.25 s of optimizer
+    assert speed == pytest.approx(per_step / (per_step / 14 * 0.5 + 0.25))
+    assert timed == [((2, 7), 2)] and "median micro batch (14 positions, 0.50 s) and an optimizer step (250 ms)" in what
+
+
+def test_the_optimizer_step_is_timed_on_a_sample_and_scaled_to_the_trainable_count(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(plancheck, "OPTIMIZER_SAMPLE", 1000)
+    small = plancheck.optimizer_step_s(1000, torch.device("cpu"))
+    assert 0 < small < 1 and plancheck.optimizer_step_s(10**9, torch.device("cpu")) > 100 * small

@@ -2,8 +2,9 @@
 the peak memory the plan predicted, beside what the run measured, and the difference in time split by cause.
 
 The plan predicts from what an earlier run of the same shape trained at on this machine (`learned`, below), else
-from the probe (forward and backward at the widest rows, timed after a warm-up repeat) corrected by what this
-machine's runs of the method trained at against their probes (`probe_ratio`). What the run trains is its own
+from a probe of the run's own median micro batch (forward and backward after a warm-up, plus an optimizer step:
+`step_speed`) corrected by what this machine's runs of the method trained at against that probe (`probe_ratio`);
+compiled runs keep the batch probe's widest rows (a new shape would trace again). What the run trains is its own
 batches: the plan counts their computed positions (padding included) by collating them (`planned_work`), so
 padding is in the prediction and not a surprise. The run's first steps are the leading ones (in its first half)
 that ran more than a quarter slower than its later half's median speed gives them; its steady speed is over the
@@ -15,25 +16,35 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+
+from tunebench.training import optim
 from tunebench.training.autotune import cached, store
+from tunebench.training.autotune.probe import probe_step
 from tunebench.training.loop import LoopState
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
 RATIOS = 5  # the probe-to-run ratios a machine keeps: its last runs'
 SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions
+TYPICAL_FROM = 64  # the run's median micro batch, the one its speed is timed on, is taken from its first this many
+OPTIMIZER_SAMPLE = 1 << 24  # elements the optimizer step is timed on (64 MB in fp32), scaled to the trainable count
 
 
 @dataclass(frozen=True)
 class Work:
     """What this rank's micro batches hold over the run: computed positions (padding included) and real tokens,
-    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up)."""
+    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up), and the
+    median one by positions among the first TYPICAL_FROM (the batch the plan times the run's speed on)."""
 
     positions: float
     tokens: float
+    typical: Any = field(default=None, compare=False, repr=False)
 
 
 def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
@@ -43,12 +54,54 @@ def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
     total = steps * accum
     take = min(total, SAMPLE_MICRO_BATCHES)
     positions = tokens = 0
-    for _ in range(take):
+    first = []
+    for i in range(take):
         batch = next_micro_batch(at)
         positions += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum())
+        if i < TYPICAL_FROM:
+            first.append(batch)
     scale = total / take if take else 0.0
-    return Work(positions * scale, tokens * scale)
+    typical = sorted(first, key=lambda b: b["input_ids"].numel())[len(first) // 2] if first else None
+    return Work(positions * scale, tokens * scale, typical)
+
+
+def step_speed(model, work: Work, steps: int, device, autocast, objective, trainable: int) -> tuple[float | None, str]:
+    """The positions a second the run's steps should train at, measured, and what measured it: the probe's
+    forward and backward (once after a warm-up) on the run's median batch (`work.typical`, not the widest rows:
+    attention's cost grows with a row's length, so the widest rows under-read a run of shorter ones: Bitext at
+    320 tokens, its rows ~90, trained 1.16x the widest rows' speed on AVX2), plus one optimizer step over
+    `trainable` parameters per optimizer step (`optimizer_step_s`)."""
+    batch = work.typical
+    if batch is None or not steps or not int(batch["attention_mask"].sum()):
+        return None, ""
+    real_per_s, _ = probe_step(model, lambda _: batch, device, autocast, objective, repeats=2)(0)  # warm-up, timed
+    positions = batch["input_ids"].numel()
+    forward_backward = positions / (real_per_s * positions / int(batch["attention_mask"].sum()))
+    optimizer = optimizer_step_s(trainable, device)
+    per_step = work.positions / steps  # this rank's positions an optimizer step
+    micro_batches = per_step / positions
+    speed = per_step / (micro_batches * forward_backward + optimizer)
+    return speed, (f"the probe's forward and backward on the run's median micro batch ({positions:,} positions, "
+                   f"{forward_backward:.2f} s) and an optimizer step ({1000 * optimizer:,.0f} ms)")
+
+
+def optimizer_step_s(trainable: int, device) -> float:
+    """Seconds of the run's optimizer step (torch's AdamW, as optim.adamw builds it) over `trainable` fp32
+    parameters: timed on stand-in tensors of at most OPTIMIZER_SAMPLE elements, scaled by count (the step reads
+    and writes each element a fixed number of times, so its time is linear in them once past the caches)."""
+    n = max(1, min(trainable, OPTIMIZER_SAMPLE))
+    p = torch.zeros(n, device=device, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p], fused=optim.fused_adamw(device) or None)
+    times = []
+    for _ in range(3):  # the first allocates the moments
+        start = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * trainable / n
 
 
 @dataclass(frozen=True)
@@ -61,6 +114,7 @@ class Forecast:
     peak_mb: float
     world_size: int = 1
     speed_from: str = "the probe"
+    probe_positions_per_s: float | None = None  # what the probe measured, before any machine correction
 
     @property
     def train_s(self) -> float | None:
@@ -190,7 +244,7 @@ def machine_key(batch_key: str) -> str:
     """The key of what runs of this method on this machine (CPU or GPU, threads, precision, torch) trained against
     their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe."""
     fields = json.loads(batch_key.partition("|")[2] or "{}")
-    return "probe-to-run|" + json.dumps({k: fields.get(k) for k in ("where", "precision", "torch", "method")},
+    return "probe-to-run/median-batch|" + json.dumps({k: fields.get(k) for k in ("where", "precision", "torch", "method")},
                                         sort_keys=True)
 
 
@@ -219,14 +273,15 @@ def trained_key(batch_key: str) -> str:
 
 def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, warm: bool,
              first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int,
-             ratio: tuple[float, int] | None = None) -> Forecast:
+             ratio: tuple[float, int] | None = None,
+             probe_from: str = "the probe's forward and backward at the widest rows") -> Forecast:
     """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last run at
     that size trained at on this machine (`learned_`), else the probe's, times what runs on this machine trained at
     against their probes (`ratio`: the median and how many runs) where any has; its first steps' extra from the
     last run, else none when a probe ran this size in this process (`warm`), else the class record's figure (in
     micro batches of it) over `steps_micro` micro batches."""
     last = learned_.get(micro)
-    speed, source = probe_speed, "the probe's forward and backward at the widest rows"
+    speed, source = probe_speed, probe_from
     if last and last.get("positions_per_s"):
         speed = last["positions_per_s"]
         source = f"what the last run at micro {micro} trained at on this machine"

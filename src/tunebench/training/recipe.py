@@ -149,7 +149,9 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type,
                                  rows_each)
-    forecast = forecast_of(r, made, world, measured, steps, speed, memory_plan.total)
+    started = time.perf_counter()
+    forecast = forecast_of(r, made, opened, measured, steps, speed, memory_plan.total)
+    measure_s += time.perf_counter() - started  # timing the run's median batch is measuring too
     estimate = runplan.estimate_row(forecast, measure_s)
 
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
@@ -170,18 +172,29 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured)
 
 
-def forecast_of(r: Recipe, made: feed.Batches, world, measured: runplan.Measured, steps: int, speed: float | None,
-                peak_mb: float) -> plancheck.Forecast:
+def forecast_of(r: Recipe, made: feed.Batches, opened: runner.Opened, measured: runplan.Measured, steps: int,
+                speed: float | None, peak_mb: float) -> plancheck.Forecast:
     """What the plan predicts of the loop: the run's own batches counted (not GRPO's, which are sampled during the
-    step), at the speed the last run of this shape trained at or the probe's, with the first steps' extra."""
+    step), at the speed the last run of this shape trained at, else at what rank 0 times on the run's median batch
+    (with the optimizer step; the widest rows' speed where compiled: a new shape would trace again), with the
+    first steps' extra."""
+    world = opened.world
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     work = plancheck.Work(0.0, 0.0)
     if speed and made.begin_step is None:
         work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
     learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
     ratio = plancheck.probe_ratio(plancheck.machine_key(measured.key)) if measured.key else None
-    return plancheck.forecast(work, micro, speed, learned, micro in measured.timed, measured.first_steps,
-                              steps * accum, peak_mb, world.size, ratio)
+    timed, probe_from = None, "the probe's forward and backward at the widest rows"
+    if work.typical is not None and micro not in learned and world.main and not measured.compiled:
+        trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
+        timed, what = plancheck.step_speed(r.model, work, steps, opened.device, opened.autocast, r.loss, trainable)
+        if timed:
+            speed, probe_from = timed, what
+    # the machine's correction is of what the median batch's probe leaves out: not applied to the widest rows'
+    f = plancheck.forecast(work, micro, speed, learned, micro in measured.timed, measured.first_steps,
+                           steps * accum, peak_mb, world.size, ratio if timed else None, probe_from)
+    return dataclasses.replace(f, probe_positions_per_s=timed)
 
 
 @dataclass
@@ -336,6 +349,6 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     m = planned.measured
     if planned.forecast.positions_per_s and m.key:  # GRPO's steps also sample: its speed is not the probe's
         plancheck.learn(plancheck.trained_key(m.key), m.micro_batch_size, check, m.micro_batch_size in m.timed)
-        plancheck.learn_ratio(plancheck.machine_key(m.key), check, m.tokens_per_s)
+        plancheck.learn_ratio(plancheck.machine_key(m.key), check, planned.forecast.probe_positions_per_s)
     r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary
