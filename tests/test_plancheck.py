@@ -106,7 +106,8 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
         in report and "| difference by cause: data (s) |  | +0.0 |  |" in report
 
     first_plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}
-    assert "the probe's forward and backward on the run's median micro batch" in first_plan["time_estimate"]["reason"]
+    assert "at the widest rows" in first_plan["time_estimate"]["reason"] and "and an optimizer step (" \
+        in first_plan["time_estimate"]["reason"]
 
     finetune.run(tiny_run_config(dataset, tmp_path / "b", **{"batch.micro_batch_size": "auto"}))
     plan = {d["setting"]: d for d in json.loads((tmp_path / "b" / "plan.json").read_text())["decisions"]}
@@ -157,28 +158,11 @@ def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_s
     assert plancheck.probe_ratio(plancheck.machine_key(full)) is None
 
 
-def test_the_plan_times_the_runs_median_batch_and_adds_the_optimizer_step(monkeypatch):
-    """planned_work keeps the median of the run's first micro batches by positions; step_speed gives positions a
-    second over a step of that batch's forward and backward plus one optimizer step (timed, scaled by count)."""
-    import torch
-
-    widths = [9, 3, 7, 5, 11]
-    batches = iter({"input_ids": torch.zeros(2, w, dtype=torch.long), "attention_mask": torch.ones(2, w)} for w in widths)
-    work = plancheck.planned_work(lambda _state: next(batches), steps=5, accum=1)
-    assert work.positions == 2 * sum(widths) and work.typical["input_ids"].shape == (2, 7)  # median of 6,14,18,10,22
-
-    timed = []
-
-    def fake_probe(model, rows, device, autocast, objective, repeats):
-        b = rows(0)
-        timed.append((b["input_ids"].shape, repeats))
-        return b["attention_mask"].sum().item() / 0.5, 0.0  # 14 real tokens in 0.5 s
-    monkeypatch.setattr(plancheck, "probe_step", lambda *a, **k: lambda size: fake_probe(*a, **k))
-    monkeypatch.setattr(plancheck, "optimizer_step_s", lambda n, device: 0.25)
-    speed, what = plancheck.step_speed(None, work, 5, torch.device("cpu"), None, None, 1000)
-    per_step = work.positions / 5  # 20 positions a step: 20/14 micro batches of 0.5 s, and 0.25 s of optimizer
-    assert speed == pytest.approx(per_step / (per_step / 14 * 0.5 + 0.25))
-    assert timed == [((2, 7), 2)] and "median micro batch (14 positions, 0.50 s) and an optimizer step (250 ms)" in what
+def test_the_plans_speed_adds_an_optimizer_step_to_the_probes_forward_and_backward():
+    """The probe times no optimizer step: the plan adds one, timed, per optimizer step of the run's positions."""
+    speed, what = plancheck.with_optimizer(100.0, Work(1000.0, 900.0), steps=5, optimizer_s=0.5)
+    assert speed == pytest.approx(200 / (200 / 100 + 0.5))  # 200 positions a step: 2 s of them, 0.5 s of optimizer
+    assert what == "the probe's forward and backward at the widest rows (100 a second) and an optimizer step (500 ms)"
 
 
 def test_the_optimizer_step_is_timed_on_a_sample_and_scaled_to_the_trainable_count(monkeypatch):

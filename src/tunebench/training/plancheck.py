@@ -2,9 +2,9 @@
 the peak memory the plan predicted, beside what the run measured, and the difference in time split by cause.
 
 The plan predicts from what an earlier run of the same shape trained at on this machine (`learned`, below), else
-from a probe of the run's own median micro batch (forward and backward after a warm-up, plus an optimizer step:
-`step_speed`) corrected by what this machine's runs of the method trained at against that probe (`probe_ratio`);
-compiled runs keep the batch probe's widest rows (a new shape would trace again). What the run trains is its own
+from the probe (forward and backward at the widest rows, timed after a warm-up repeat) with a timed optimizer step
+added (`with_optimizer`), corrected by what this machine's runs of the method trained at against that figure
+(`probe_ratio`). What the run trains is its own
 batches: the plan counts their computed positions (padding included) by collating them (`planned_work`), so
 padding is in the prediction and not a surprise. The run's first steps are the leading ones (in its first half)
 that ran more than a quarter slower than its later half's median speed gives them; its steady speed is over the
@@ -18,33 +18,28 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from tunebench.training import optim
 from tunebench.training.autotune import cached, store
-from tunebench.training.autotune.probe import probe_step
 from tunebench.training.loop import LoopState
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
 RATIOS = 5  # the probe-to-run ratios a machine keeps: its last runs'
 SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions
-TYPICAL_FROM = 64  # the run's median micro batch, the one its speed is timed on, is taken from its first this many
 OPTIMIZER_SAMPLE = 1 << 24  # elements the optimizer step is timed on (64 MB in fp32), scaled to the trainable count
 
 
 @dataclass(frozen=True)
 class Work:
     """What this rank's micro batches hold over the run: computed positions (padding included) and real tokens,
-    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up), and the
-    median one by positions among the first TYPICAL_FROM (the batch the plan times the run's speed on)."""
+    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up)."""
 
     positions: float
     tokens: float
-    typical: Any = field(default=None, compare=False, repr=False)
 
 
 def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
@@ -54,36 +49,23 @@ def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
     total = steps * accum
     take = min(total, SAMPLE_MICRO_BATCHES)
     positions = tokens = 0
-    first = []
-    for i in range(take):
+    for _ in range(take):
         batch = next_micro_batch(at)
         positions += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum())
-        if i < TYPICAL_FROM:
-            first.append(batch)
     scale = total / take if take else 0.0
-    typical = sorted(first, key=lambda b: b["input_ids"].numel())[len(first) // 2] if first else None
-    return Work(positions * scale, tokens * scale, typical)
+    return Work(positions * scale, tokens * scale)
 
 
-def step_speed(model, work: Work, steps: int, device, autocast, objective, trainable: int) -> tuple[float | None, str]:
-    """The positions a second the run's steps should train at, measured, and what measured it: the probe's
-    forward and backward (once after a warm-up) on the run's median batch (`work.typical`, not the widest rows:
-    attention's cost grows with a row's length, so the widest rows under-read a run of shorter ones: Bitext at
-    320 tokens, its rows ~90, trained 1.16x the widest rows' speed on AVX2), plus one optimizer step over
-    `trainable` parameters per optimizer step (`optimizer_step_s`)."""
-    batch = work.typical
-    if batch is None or not steps or not int(batch["attention_mask"].sum()):
-        return None, ""
-    real_per_s, _ = probe_step(model, lambda _: batch, device, autocast, objective, repeats=2)(0)  # warm-up, timed
-    positions = batch["input_ids"].numel()
-    forward_backward = positions / (real_per_s * positions / int(batch["attention_mask"].sum()))
-    optimizer = optimizer_step_s(trainable, device)
+def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: float) -> tuple[float, str]:
+    """The positions a second the run's steps should train at: the probe's forward and backward (at the widest
+    rows) and one optimizer step (`optimizer_s`, timed by `optimizer_step_s`) per optimizer step, with the text
+    that says so. The probe times no optimizer step: a full fine-tune of SmolLM2-135M spends 0.25 s a step in
+    it on a 2-core EPYC, about 3% of a step; LoRA's is nothing."""
     per_step = work.positions / steps  # this rank's positions an optimizer step
-    micro_batches = per_step / positions
-    speed = per_step / (micro_batches * forward_backward + optimizer)
-    return speed, (f"the probe's forward and backward on the run's median micro batch ({positions:,} positions, "
-                   f"{forward_backward:.2f} s) and an optimizer step ({1000 * optimizer:,.0f} ms)")
+    speed = per_step / (per_step / probe_speed + optimizer_s)
+    return speed, (f"the probe's forward and backward at the widest rows ({probe_speed:,.0f} a second) and an "
+                   f"optimizer step ({1000 * optimizer_s:,.0f} ms)")
 
 
 def optimizer_step_s(trainable: int, device) -> float:
@@ -244,7 +226,7 @@ def machine_key(batch_key: str) -> str:
     """The key of what runs of this method on this machine (CPU or GPU, threads, precision, torch) trained against
     their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe."""
     fields = json.loads(batch_key.partition("|")[2] or "{}")
-    return "probe-to-run/median-batch|" + json.dumps({k: fields.get(k) for k in ("where", "precision", "torch", "method")},
+    return "probe+optimizer-to-run|" + json.dumps({k: fields.get(k) for k in ("where", "precision", "torch", "method")},
                                         sort_keys=True)
 
 

@@ -151,7 +151,7 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
                                  rows_each)
     started = time.perf_counter()
     forecast = forecast_of(r, made, opened, measured, steps, speed, memory_plan.total)
-    measure_s += time.perf_counter() - started  # timing the run's median batch is measuring too
+    measure_s += time.perf_counter() - started  # timing the optimizer step is measuring too
     estimate = runplan.estimate_row(forecast, measure_s)
 
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
@@ -175,9 +175,8 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
 def forecast_of(r: Recipe, made: feed.Batches, opened: runner.Opened, measured: runplan.Measured, steps: int,
                 speed: float | None, peak_mb: float) -> plancheck.Forecast:
     """What the plan predicts of the loop: the run's own batches counted (not GRPO's, which are sampled during the
-    step), at the speed the last run of this shape trained at, else at what rank 0 times on the run's median batch
-    (with the optimizer step; the widest rows' speed where compiled: a new shape would trace again), with the
-    first steps' extra."""
+    step), at the speed the last run of this shape trained at, else the probe's with an optimizer step timed on
+    rank 0 (corrected by the machine's record of such figures against runs), with the first steps' extra."""
     world = opened.world
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     work = plancheck.Work(0.0, 0.0)
@@ -185,16 +184,14 @@ def forecast_of(r: Recipe, made: feed.Batches, opened: runner.Opened, measured: 
         work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
     learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
     ratio = plancheck.probe_ratio(plancheck.machine_key(measured.key)) if measured.key else None
-    timed, probe_from = None, "the probe's forward and backward at the widest rows"
-    if work.typical is not None and micro not in learned and world.main and not measured.compiled:
+    probe_from, probe = "the probe's forward and backward at the widest rows", None
+    if speed and work.positions and steps and micro not in learned and world.main:
         trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
-        timed, what = plancheck.step_speed(r.model, work, steps, opened.device, opened.autocast, r.loss, trainable)
-        if timed:
-            speed, probe_from = timed, what
-    # the machine's correction is of what the median batch's probe leaves out: not applied to the widest rows'
-    f = plancheck.forecast(work, micro, speed, learned, micro in measured.timed, measured.first_steps,
-                           steps * accum, peak_mb, world.size, ratio if timed else None, probe_from)
-    return dataclasses.replace(f, probe_positions_per_s=timed)
+        probe, probe_from = plancheck.with_optimizer(speed, work, steps, plancheck.optimizer_step_s(trainable,
+                                                                                                      opened.device))
+    f = plancheck.forecast(work, micro, probe or speed, learned, micro in measured.timed, measured.first_steps,
+                           steps * accum, peak_mb, world.size, ratio if probe else None, probe_from)
+    return dataclasses.replace(f, probe_positions_per_s=probe)
 
 
 @dataclass

@@ -20,10 +20,10 @@ StepFn = Callable[[int], tuple[float, float]]  # micro batch -> (tokens/s, peak 
 
 
 def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autocast,
-               objective: torch.nn.Module | None = None, repeats: int = 3) -> StepFn:
+               objective: torch.nn.Module | None = None) -> StepFn:
     """A step function for the measurements: `rows(size)` gives the collated batch to time, through
     `objective` (default: the next-token loss), so a preference run's probe times pairs with their
-    reference passes; the best of `repeats` after the first (a warm-up) is the step's time."""
+    reference passes."""
 
     def step(size: int) -> tuple[float, float]:
         batch = rows(size)
@@ -33,7 +33,7 @@ def probe_step(model, rows: Callable[[int], Batch], device: torch.device, autoca
         reset_peak_memory(device)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                for _ in range(repeats):
+                for _ in range(3):
                     t0 = time.perf_counter()
                     b, n_loss, n_real = prepare(batch, device)
                     loss = loss_sum(model, b, autocast) if objective is None else split_output(objective(b))[0]
