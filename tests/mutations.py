@@ -161,6 +161,19 @@ BUGS = (
     Bug("the environment's process outliving a killed trainer", "src/tunebench/core/userprocess.py",
         "    startup.die_with_parent(int(parent), signal.SIGKILL)", "    pass",
         ("tests/test_episodes.py", "-k", "dies_with")),
+    Bug("the output folder's write test written through a link", "src/tunebench/training/checkpoint.py",
+        '        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")\n        os.close(fd)',
+        '        probe = path / ".write-test"\n        probe.write_text("ok")',
+        ("tests/test_durable.py", "-k", "write_test_and_the_runs_report")),
+    Bug("a run's linked report folder followed", "src/tunebench/jobs/run_report.py",
+        "    if not out_dir and out.is_symlink():", "    if False:",
+        ("tests/test_durable.py", "-k", "write_test_and_the_runs_report")),
+    Bug("a tool call naming limit_s reaches within()'s own parameter", "src/tunebench/core/userprocess.py",
+        "    def within(self, limit_s: float, /, *args, **kwargs)", "    def within(self, limit_s: float, *args, **kwargs)",
+        ("tests/test_episodes.py", "-k", "tool_that_raises_sleeps")),
+    Bug("a child run imports Python from the server's folder first", "src/tunebench/jobs/children.py",
+        '[sys.executable, "-P", "-m", "tunebench", *launch, job]', '[sys.executable, "-m", "tunebench", *launch, job]',
+        ("tests/test_robustness.py", "-k", "planted_tunebench")),
 )
 
 

@@ -287,6 +287,29 @@ def test_a_runs_metrics_monitor_and_results_refuse_a_planted_link_and_leave_its_
     assert victim.read_text() == "line one\nno newline at the end"
 
 
+def test_the_write_test_and_the_runs_report_never_write_through_a_planted_link(tmp_path):
+    """Issue 98 N9: `ln -s ~/.bashrc RUN/.write-test`, then a train into RUN truncated the target; a linked
+    RUN/report folder took the report's files. The write test is a new file of its own name; a linked report
+    folder is refused in one line."""
+    from tunebench.jobs import run_report
+    from tunebench.training import checkpoint
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".write-test").symlink_to(victim)
+    checkpoint.prepare_output_dir(run, None, False)
+    assert victim.read_text() == "keep me" and (run / ".write-test").is_symlink()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "report").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(TunebenchError, match="report' is a symbolic link; .* remove the link"):
+        run_report.write(run)
+    assert not any(elsewhere.iterdir())
+
+
 def test_a_planted_link_for_the_checkpoints_folder_is_refused_before_anything_in_its_target_moves(tmp_path, capsys):
     """Saving, rotating, cleaning up after a killed save and --overwrite all write or delete inside checkpoints/: a
     link planted there would have them delete another folder's `.tmp-*` and `step-*` (or, for --overwrite, fail

@@ -185,6 +185,9 @@ def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_
     assert ran.poll() is not None and not Path(f"{path}.slow-ended").exists()
     assert not environment.call(env, "look", {"k": 3}).ok  # the schema says a string
     assert "no tool named 'find'" in environment.call(env, "find", {}).text
+    for extra in ("limit_s", "self"):  # issue 98 N2: names of within()'s own parameters are the tool's to refuse
+        named = environment.call(env, "look", {"k": "a", extra: 1})
+        assert not named.ok and named.text.startswith("error: TypeError") and f"'{extra}'" in named.text
 
 
 def test_tools_listed_from_another_module_answer_as_they_would_there(tmp_path):

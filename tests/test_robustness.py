@@ -324,3 +324,20 @@ def test_a_child_is_started_without_a_process_of_its_own_between_fork_and_exec(t
     finally:
         startup.libc_prctl.cache_clear()
     assert calls.read_text().split() == [str(os.getpid())]  # once, in this process
+
+
+def test_a_child_run_never_imports_a_planted_tunebench_from_the_folder_the_server_started_in(tmp_path, monkeypatch):
+    """Issue 98 N1: `python -m tunebench` puts the current folder first on sys.path; a tunebench/__init__.py
+    planted in the folder the studio (or compare) was started from ran as its user on every Start."""
+    from conftest import tiny_run_config
+
+    from tunebench.jobs import children
+
+    planted = tmp_path / "cwd" / "tunebench"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "planted-ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    proc = children.start("no-such-job", tiny_run_config(tmp_path / "d.jsonl", tmp_path / "run"), tmp_path / "run",
+                          log=tmp_path / "log.txt")
+    assert proc.wait(120) == 2 and not marker.exists()  # the real tunebench refused the job, the planted file never ran

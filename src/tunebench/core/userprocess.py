@@ -121,8 +121,9 @@ class Remote:
         self.host, self.instance, self.name = host, instance, name
         self.generation = host.generation
 
-    def within(self, limit_s: float, *args, **kwargs) -> dict[str, Any] | None:
-        """{"value": ...} or {"error": the exception} as the call ended, None when it gave no answer in time."""
+    def within(self, limit_s: float, /, *args, **kwargs) -> dict[str, Any] | None:
+        """{"value": ...} or {"error": the exception} as the call ended, None when it gave no answer in time.
+        Positional-only: a model's tool call may name any argument, `limit_s` and `self` included."""
         if self.instance != MODULE and self.generation != self.host.generation:
             return {"lost": True}
         answer = self.host.ask(("call", self.instance, self.name, args, kwargs), limit_s)

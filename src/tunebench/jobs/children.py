@@ -29,7 +29,9 @@ def start(job: str, cfg: RunBase, run_dir: Path, *, log: Path, err: Path | None 
     asked = run_dir / "asked.yaml"
     write_config(cfg, asked)
     launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
-    argv = [*(program or [sys.executable, "-m", "tunebench", *launch, job]), str(asked)]
+    # -P (safe path): `python -m` would put the current folder first on sys.path, so a planted tunebench/ or
+    # json.py in the folder the server was started from would run as the server's user
+    argv = [*(program or [sys.executable, "-P", "-m", "tunebench", *launch, job]), str(asked)]
     parent = os.getpid()
     libc_prctl()  # looked up here, not in the forked child (see libc_prctl)
     with open_no_follow(log, "a") as out, (open_no_follow(err) if err else contextlib.nullcontext()) as errors:

@@ -201,6 +201,9 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     finished, plan = RunDir(run).summary(), read_json(run / "plan.json")
     summary = finished.to_dict() if finished else {}
     out = Path(out_dir) if out_dir else run / "report"
+    if not out_dir and out.is_symlink():  # a run directory is shared: a planted link must not aim our writes
+        raise TunebenchError(f"'{out}' is a symbolic link; tunebench writes a run's report only to a folder of its "
+                             "own inside the run: remove the link, or give --output-dir for the report elsewhere")
     out.mkdir(parents=True, exist_ok=True)
     pngs = charts(metrics, monitor)
     sections = [

@@ -10,9 +10,11 @@ only a rank's RNG stream (dropout masks) is new where the world size changed.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -218,9 +220,10 @@ def prepare_output_dir(path: Path, resume: str | None, overwrite: bool) -> None:
               f"new run there from step 0 (check the path if you meant to continue a run)")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
+        # a new file of a unique name (O_EXCL): a link planted in the directory is never written through
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise TunebenchError(f"cannot write to --output-dir '{path}' ({e.strerror}); pick a writable directory") from e
     runlock.hold(path)  # before anything below deletes: a second process must not touch a live run's files
