@@ -485,22 +485,35 @@ def test_ranks_stuck_in_a_collective_die_with_their_launcher(tmp_path):
 
 def test_a_one_machine_launch_listens_on_loopback_alone(tmp_path, rows):
     """torchrun's stores (its rendezvous's and the one the ranks share) listened on every interface, unauthenticated,
-    while a 2-rank run trained on one machine (seen with ss: the launcher on *:PORT); they are served on 127.0.0.1."""
+    while a 2-rank run trained on one machine (seen with ss: the launcher on *:PORT); they are served on 127.0.0.1.
+    Each rank's gloo listener bound the address the host name resolves to (issue 98 N7): every rank is read too."""
     import psutil
+
+    from tunebench.jobs import launch
 
     out = tmp_path / "run"
     args = _train_args(rows, out, 2, effective=4) + ["--max-steps", "40"]
     launcher = subprocess.Popen([sys.executable, "-m", "tunebench", "launch", "--nproc-per-node", "2", "--", *args],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
-    seen = set()
+    seen, ranks, interfaces = set(), 0, set()
     try:
         while launcher.poll() is None:
             with contextlib.suppress(psutil.Error):
-                seen |= {c.laddr.ip for c in psutil.Process(launcher.pid).net_connections(kind="tcp")
-                         if c.status == psutil.CONN_LISTEN}
+                parent = psutil.Process(launcher.pid)
+                for proc in (parent, *parent.children(recursive=True)):
+                    with contextlib.suppress(psutil.Error):
+                        listening = {c.laddr.ip for c in proc.net_connections(kind="tcp")
+                                     if c.status == psutil.CONN_LISTEN}
+                        seen |= listening
+                        if proc.pid != launcher.pid and listening:  # a rank: where its gloo listener was told to bind
+                            ranks += 1
+                            interfaces.add(proc.environ().get("GLOO_SOCKET_IFNAME"))
             time.sleep(0.05)
     finally:
         launcher.kill()
         launcher.wait()
     assert launcher.returncode == 0
     assert seen and seen <= {"127.0.0.1"}, seen
+    assert ranks, "no rank was seen listening: the ranks' own sockets went unread"
+    # where the host name resolves to loopback (as here) the sockets alone cannot tell: the ranks' setting does
+    assert interfaces == {launch.loopback_interface()}, interfaces

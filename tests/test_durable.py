@@ -329,3 +329,25 @@ def test_a_planted_link_for_the_checkpoints_folder_is_refused_before_anything_in
             checkpoint.prepare_output_dir(run, resume, overwrite)
     assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == before
     assert (run / "checkpoints").is_symlink()
+
+
+def test_a_resume_brings_the_files_its_first_start_recorded_checkpoint_or_not(tmp_path, monkeypatch):
+    """Issue 98 N6: `--resume auto` finding no checkpoint compared nothing, so a GRPO run stopped before its first
+    save ran whatever env.py sat in the folder it was resumed from. The first start records each file's resolved
+    path and hash; every resume is held to them."""
+    from tunebench.training import checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    checkpoint.record_user_code(run, None, {"env.py": "1111"})
+    checkpoint.check_user_code(run, "auto", {"env.py": "1111"})  # the same file: resumed
+    with pytest.raises(TunebenchError, match="env.py is not the file this run started with"):
+        checkpoint.check_user_code(run, "auto", {"env.py": "2222"})  # changed since
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(TunebenchError, match="b/env.py is not the file this run started with"):
+        checkpoint.check_user_code(run, "auto", {"env.py": "1111"})  # the same name from another folder
+    checkpoint.record_user_code(run, "auto", {"env.py": "3333"})  # a resume keeps the first start's record
+    assert json.loads((run / checkpoint.USER_CODE).read_text()) == {str(tmp_path / "a" / "env.py"): "1111"}

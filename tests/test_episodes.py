@@ -205,6 +205,7 @@ def test_tools_listed_from_another_module_answer_as_they_would_there(tmp_path):
     assert environment.call(env, "look", {"k": "b"}) == environment.ToolAnswer("2", True)
 
 
+@pytest.mark.timeout(120, method="thread")  # a revert hangs in C, where the signal method cannot reach
 def test_a_tool_stuck_in_a_c_call_is_stopped_at_its_limit_and_the_next_call_answers(tmp_path):
     """A tool in a C call that holds the GIL (a backtracking regular expression) kept a thread of the training process
     from ever giving it back: the run hung past --tool-timeout, Ctrl-C and SIGTERM. The call runs in the environment's
@@ -219,6 +220,61 @@ def test_a_tool_stuck_in_a_c_call_is_stopped_at_its_limit_and_the_next_call_answ
     assert time.monotonic() - began < 30  # the limit, then a new process started (the old code never returned)
     assert before.poll() is not None and env.host._state["proc"].poll() is None  # killed; a new one is ready
     assert environment.call(env, "look", {"k": "b"}) == environment.ToolAnswer("2", True)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs: a zombie (ended, not yet reaped: PID 1 in a container may never reap it) is not."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_what_a_tool_starts_ends_with_its_process_and_does_not_inherit_an_ignored_ctrl_c(tmp_path):
+    """Issue 98 N3: only the environment's own process was killed at a timeout (a `sleep` a tool started lived on),
+    and SIG_IGN for SIGINT passed to every program a tool started."""
+    from tunebench.core.userprocess import MODULE, Host
+
+    pids = tmp_path / "pids"
+    source = ("import subprocess, time\n"
+              "def spawn(wait):\n"
+              "    p = subprocess.Popen(['sleep', '300'])\n"
+              f"    open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n')\n"
+              "    time.sleep(wait)\n"
+              "    return 'started'\n").encode()
+    host = Host(source, str(tmp_path / "env.py"), "env")
+    assert host.ask(("call", MODULE, "spawn", (0,), {}), 30.0) == ("ok", "started")
+    first = int(pids.read_text().split()[0])
+    ignored = int(re.search(r"SigIgn:\s*([0-9a-f]+)", Path(f"/proc/{first}/status").read_text()).group(1), 16)
+    assert not ignored & (1 << (signal.SIGINT - 1))  # Ctrl-C not ignored in what a tool starts
+    assert host.ask(("call", MODULE, "spawn", (60,), {}), 3.0) is None  # past its limit: killed and started afresh
+    started = [int(pid) for pid in pids.read_text().split()]
+    for _ in range(200):
+        if not any(_alive(pid) for pid in started):
+            break
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in started)  # both sleeps ended with the process that started them
+
+
+def test_a_tools_long_answer_is_cut_in_its_process_and_a_seed_has_a_limit(tmp_path, monkeypatch):
+    """Issue 98 N5: an answer was unpickled and tokenized whole, and `seed` waited for ever; N1: the environment's
+    process imported Python from the current folder first."""
+    from tunebench.core.userprocess import MAX_ANSWER, MODULE, Host
+
+    planted = tmp_path / "cwd" / "tunebench"  # N1: a tunebench/ in the folder the run started from never runs
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text(f"open({str(tmp_path / 'planted-ran')!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    host = Host(b"import time\ndef long():\n    return 'x' * 100_000\n", str(tmp_path / "env.py"), "env")
+    assert not (tmp_path / "planted-ran").exists()
+    kind, value = host.ask(("call", MODULE, "long", (), {}), 30.0)
+    assert kind == "ok" and value.startswith("x" * MAX_ANSWER) and len(value) < MAX_ANSWER + 100
+    assert value.endswith(f"[the answer was cut at {MAX_ANSWER:,} of its 100,000 characters]")
+    host.seed(7, 30.0)  # taken
+    busy = Host(b"import time\ndef nap():\n    time.sleep(60)\n", str(tmp_path / "nap.py"), "nap")
+    busy._state["conn"].send(("call", MODULE, "nap", (), {}))  # the child is inside a call: the seed waits behind it
+    with pytest.raises(TunebenchError, match="took no seed within 0.5 s"):
+        busy.seed(7, 0.5)
 
 
 def test_the_environments_process_dies_with_the_training_process_even_by_kill_9(tmp_path):

@@ -135,7 +135,10 @@ def test_bad_requests_get_openais_errors_before_anything_runs(served):
         client.chat.completions.create(model="tiny", messages=[])
     deep = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "[" * 50_000 + "]" * 50_000}}]}, *hi]
+    many = [{"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+        "name": "f", "arguments": "{}"}} for i in range(257)]}, *hi]  # issue 98 N10: calls were never counted
     for kwargs, message in (({"messages": deep}, "a tool call's arguments must be a JSON object"),
+                            ({"messages": many}, "'messages' hold 257 tool calls; serve takes up to 256"),
                             ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(65)]},
                              "'tools' offers 65 functions"),
                             ({"tools": [{"type": "function", "function": {"name": ["f"]}}]}, "name must be a string")):

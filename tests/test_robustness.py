@@ -330,7 +330,6 @@ def test_a_child_run_never_imports_a_planted_tunebench_from_the_folder_the_serve
     """Issue 98 N1: `python -m tunebench` puts the current folder first on sys.path; a tunebench/__init__.py
     planted in the folder the studio (or compare) was started from ran as its user on every Start."""
     from conftest import tiny_run_config
-
     from tunebench.jobs import children
 
     planted = tmp_path / "cwd" / "tunebench"

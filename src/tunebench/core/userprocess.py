@@ -31,6 +31,7 @@ from typing import Any
 from tunebench.core.errors import TunebenchError
 
 START_S = 120.0  # the child's start: the interpreter, then the user's file and its imports (torch's alone: ~7 s)
+MAX_ANSWER = 64 * 1024  # characters of a tool's answer the model is given; the rest is cut in the child
 MODULE = 0  # the instance id of the module's own functions (an environment of TOOLS, reset and reward)
 
 
@@ -51,9 +52,11 @@ class Host:
         package = str(Path(__file__).resolve().parents[2])  # the folder holding tunebench, for a source checkout
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from tunebench.core.userprocess import serve; serve(*sys.argv[1:])",
+            # -P: `python -c` would put the current folder first on sys.path, ahead of tunebench itself
+            [sys.executable, "-P", "-c", "import sys; from tunebench.core.userprocess import serve; serve(*sys.argv[1:])",
              str(theirs.fileno()), self.path, self.module_name, str(os.getpid())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True)  # a process group of its own: _stop ends what its tools started with it
         theirs.close()
         conn = Connection(ours.detach())
         conn.send_bytes(self.source)
@@ -100,9 +103,12 @@ class Host:
         if generation == self.generation:
             self._dropped.append(instance)
 
-    def seed(self, seed: int) -> None:
-        """The child's `random`, NumPy's and torch's draws seeded (what the training process does for a step)."""
-        self.ask(("seed", seed), None)
+    def seed(self, seed: int, limit_s: float = 60.0) -> None:
+        """The child's `random`, NumPy's and torch's draws seeded (what the training process does for a step), within
+        `limit_s` (a child that takes no message would hang the run without a word)."""
+        if self.ask(("seed", seed), limit_s) is None:
+            raise TunebenchError(f"{self.path}: the environment's process took no seed within {limit_s:g} s (it was "
+                                 "restarted); a file whose imports start threads that hold the interpreter can cause it")
 
 
 def _stop(state: dict[str, Any]) -> None:
@@ -110,7 +116,10 @@ def _stop(state: dict[str, Any]) -> None:
     if conn is not None:
         conn.close()
     if proc is not None and proc.poll() is None:
-        proc.kill()
+        try:  # the whole group: a tool's own subprocesses (a shell, a server it started) end with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
 
 
@@ -142,9 +151,12 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
     from tunebench.core import startup
     from tunebench.core.userfile import UserFile
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the parent stops us
+    # Ctrl-C is the parent's to act on (it stops us): a Python no-op, not SIG_IGN, which every program a tool
+    # starts would inherit
+    signal.signal(signal.SIGINT, lambda *_: None)
     startup.die_with_parent(int(parent), signal.SIGKILL)  # even from inside a call stuck in C
     conn = Connection(int(fd))
+    sys.path.append(str(Path(path).resolve().parent))  # the file's own folder, last: its sibling modules import
     try:
         module = UserFile(Path(path), conn.recv_bytes()).run(module_name)
     except Exception as e:  # noqa: BLE001 - the user's file: its error goes back to be said
@@ -185,6 +197,8 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
                 value = (tool or getattr(owners[instance], name))(*args, **kwargs)
                 if name not in ("reset", "reward") and not isinstance(value, str):  # a tool's answer: the model's text
                     value = json.dumps(value, default=str)  # (GRPO's environments: reset and reward give values)
+                if name not in ("reset", "reward") and len(value) > MAX_ANSWER:  # cut here: never sent or read whole
+                    value = value[:MAX_ANSWER] + f"\n[the answer was cut at {MAX_ANSWER:,} of its {len(value):,} characters]"
                 answer = ("ok", value)
         except Exception as e:  # noqa: BLE001 - the user's code: its error goes back to be said or shown
             answer = ("error", type(e).__name__, str(e))

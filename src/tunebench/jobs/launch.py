@@ -48,8 +48,11 @@ def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: in
         args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
                  "--rdzv-id", rdzv_id]
     else:
-        # one machine: a rendezvous on a free local port, the ranks told to reach it at the loopback address
+        # one machine: a rendezvous on a free local port, the ranks told to reach it at the loopback address,
+        # and each rank's gloo listener on loopback too (gloo binds what the host name resolves to, a LAN address
+        # on most hosts, unless told an interface)
         args += ["--standalone", "--local-addr", "127.0.0.1"]
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     args += ["-m", "tunebench", *job_args]
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -67,6 +70,16 @@ def run(job_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: in
         print(f"tunebench: launch: {codes}", file=sys.stderr)
         return first if isinstance(first, int) and first > 0 else 1
     return 0
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 ("lo" on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
 
 
 @contextlib.contextmanager

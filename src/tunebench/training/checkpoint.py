@@ -183,6 +183,31 @@ def check_before_resume(out: str | Path, resume: str, identity: dict[str, Any]) 
         check_identity(found, identity)
 
 
+USER_CODE = "user_code.json"  # the user's files a run executes (rewards, environment): resolved path -> sha256
+
+
+def check_user_code(out: str | Path, resume: str | None, code: dict[str, str]) -> None:
+    """A resume (with a checkpoint found or not) brings the files its run's first start recorded, unchanged and
+    from the same place: before any runs. `code` is {path: sha256}; paths are compared resolved, so a relative
+    `env.py` given from another folder (a studio started elsewhere) is another file."""
+    record = Path(out) / USER_CODE
+    if not resume or not record.is_file():
+        return
+    now = {str(Path(p).resolve()): h for p, h in code.items()}
+    then = json.loads(record.read_text())
+    if now != then:
+        changed = next((p for p, h in now.items() if then.get(p) != h), None) or sorted(set(then) - set(now))[0]
+        raise TunebenchError(f"--resume: {changed} is not the file this run started with (its path or its bytes "
+                             f"differ from {record}); give the same files, or start a new --output-dir")
+
+
+def record_user_code(out: Path, resume: str | None, code: dict[str, str]) -> None:
+    """Write USER_CODE at a run's first start (a resume keeps the record it was checked against)."""
+    if code and not (resume and (out / USER_CODE).is_file()):
+        with durable.atomic_file(out / USER_CODE) as tmp:
+            tmp.write_text(json.dumps({str(Path(p).resolve()): h for p, h in code.items()}, indent=1))
+
+
 def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None,
          world: World = World()) -> LoopState:
     """Restore a checkpoint into a freshly built run, on every rank. The schedule is the new run's (its

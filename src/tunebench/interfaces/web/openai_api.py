@@ -24,6 +24,7 @@ from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Busy, Full, Registry
 MAX_BODY = 2 ** 20  # bytes: a request within the message limits is a few hundred kilobytes at most
 MAX_TOOLS = 64  # functions one request may offer (OpenAI's own limit is 128); each is rendered into the prompt
 MAX_TOOLS_BYTES = 64 * 2 ** 10  # their schemas, as JSON: a prompt's worth
+MAX_TOOL_CALLS = 256  # calls the assistant messages of one request may hold: each is parsed and rendered
 FAILED_KEY_DELAY_S = 1.0  # a wrong key is answered after this, one at a time: guessing is slow
 
 
@@ -99,6 +100,10 @@ def _messages(given: Any) -> list:
     if not ok:
         raise ApiError(400, "'messages' must be a non-empty list of {role: system|user|assistant|tool, content: text} "
                        "(an assistant's content may be null beside its tool_calls)", param="messages")
+    calls = sum(len(c) if isinstance(c := m.get("tool_calls"), list) else 1 for m in given if "tool_calls" in m)
+    if calls > MAX_TOOL_CALLS:  # counted before any is parsed: 15,000 in one message cost seconds of CPU
+        raise ApiError(400, f"'messages' hold {calls:,} tool calls; serve takes up to {MAX_TOOL_CALLS} in one request",
+                       param="messages")
     try:
         return [formats.message(m, n) for n, m in enumerate(given, 1)]
     except TunebenchError as e:

@@ -141,7 +141,8 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     target = output_path(run, fmt, quant, None)
     if target.exists():  # exports never overwrite: the file already there is this run's, in this format
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
-    done = run_whole([sys.executable, "-P", "-m", "tunebench", "export",  # -P: not the server folder's modules str(run), "--format", fmt, "--quant", quant],
+    # -P (safe path): not the modules of the folder the server was started from
+    done = run_whole([sys.executable, "-P", "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
                      EXPORT_TIMEOUT_S)
     if done is None:
         raise TunebenchError(f"the export of {name} ran past {EXPORT_TIMEOUT_S // 60} minutes and was stopped; "

@@ -249,7 +249,7 @@ class Episodes:
         try:
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            self.env.host.seed(seed)  # where the tools draw: the environment's own process
+            self.env.host.seed(seed, environment_.CALLBACK_S)  # where the tools draw: the environment's own process
             with torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 episodes = rollout(self, keys, on.s.num_generations, on.s.temperature, on.s.top_p)

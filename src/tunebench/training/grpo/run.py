@@ -32,6 +32,7 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     env_file = UserFile.read(environment.resolve(o.environment)) if o.environment else None
     code = {p: f.sha256 for p, f in read.items()} | ({str(env_file.path): env_file.sha256} if env_file else {})
     if code and cfg.output.resume:
+        checkpoint.check_user_code(cfg.output.output_dir, cfg.output.resume, code)  # even with no checkpoint yet
         checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
     env = environment.load(o.environment, o.tool_timeout, env_file) if o.environment else None
     rows = prompts.load(cfg.data) if env is None else environment.rows(env, cfg.data)
