@@ -161,12 +161,12 @@ def test_a_reset_or_reward_that_never_answers_stops_the_run_in_one_line(tmp_path
     stuck = stuck.replace("def reward(messages, row):\n", "def reward(messages, row):\n    if row.get('q') == "
                                                              "'late':\n        time.sleep(30)\n")
     assert stuck.count("time.sleep(30)") == 2
-    env = environment.load(str(_env(tmp_path, stuck)), timeout_s=0.3)
-    monkeypatch.setattr(environment, "CALLBACK_S", 0.3)
+    env = environment.load(str(_env(tmp_path, stuck)), timeout_s=2.0)  # limits a slow machine still answers within
+    monkeypatch.setattr(environment, "CALLBACK_S", 2.0)
     assert environment.opening(env, {"q": "k a?"})[0]["content"] == "k a?"
-    with pytest.raises(TunebenchError, match=r"reset gave no answer within 0.3 s on the row \{\"q\": \"stuck\"\}"):
+    with pytest.raises(TunebenchError, match=r"reset gave no answer within 2 s on the row \{\"q\": \"stuck\"\}"):
         environment.opening(env, {"q": "stuck"})
-    with pytest.raises(TunebenchError, match="reward gave no answer within 0.3 s; it must return"):
+    with pytest.raises(TunebenchError, match="reward gave no answer within 2 s; it must return"):
         environment.score(env, [{"role": "assistant", "content": "1"}], {"q": "late", "a": "1"})
     with pytest.raises(TunebenchError, match="reward raised KeyError"):  # as before: its error, in one line
         environment.score(env, [{"role": "assistant", "content": "1"}], {"q": "no answer column"})
@@ -174,13 +174,13 @@ def test_a_reset_or_reward_that_never_answers_stops_the_run_in_one_line(tmp_path
 
 def test_a_tool_that_raises_sleeps_past_its_limit_or_gets_bad_arguments_answers_with_an_error(tmp_path):
     path = _env(tmp_path)
-    env = environment.load(str(path), timeout_s=0.3)
+    env = environment.load(str(path), timeout_s=2.0)  # the slow call sleeps 5 s; the others answer in milliseconds
     assert environment.call(env, "look", {"k": "a"}) == environment.ToolAnswer("1", True)
     raised = environment.call(env, "look", {"k": "boom"})
     assert not raised.ok and raised.text == "error: ValueError: no such key"
     ran = env.host._state["proc"]
     slow = environment.call(env, "look", {"k": "slow"})
-    assert not slow.ok and "no answer within 0.3 s" in slow.text
+    assert not slow.ok and "no answer within 2 s" in slow.text
     # stopped at its limit, never run on to its end: the process it ran in is gone, and wrote nothing
     assert ran.poll() is not None and not Path(f"{path}.slow-ended").exists()
     assert not environment.call(env, "look", {"k": 3}).ok  # the schema says a string
@@ -212,11 +212,11 @@ def test_a_tool_stuck_in_a_c_call_is_stopped_at_its_limit_and_the_next_call_answ
     own process, killed at the limit and started afresh; the next call answers from a new one."""
     stuck = ENV.replace('    if k == "boom":', '    if k == "c":\n        import re\n        re.fullmatch(r"(a|aa)+b", '
                                                 '"a" * 90)\n    if k == "boom":')
-    env = environment.load(str(_env(tmp_path, stuck)), timeout_s=0.5)
+    env = environment.load(str(_env(tmp_path, stuck)), timeout_s=2.0)
     before = env.host._state["proc"]
     began = time.monotonic()
     answer = environment.call(env, "look", {"k": "c"})
-    assert answer == environment.ToolAnswer("error: look gave no answer within 0.5 s", False)
+    assert answer == environment.ToolAnswer("error: look gave no answer within 2 s", False)
     assert time.monotonic() - began < 30  # the limit, then a new process started (the old code never returned)
     assert before.poll() is not None and env.host._state["proc"].poll() is None  # killed; a new one is ready
     assert environment.call(env, "look", {"k": "b"}) == environment.ToolAnswer("2", True)
@@ -349,7 +349,7 @@ def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_d
 
 
 def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkeypatch):
-    sampler = _sampler(tmp_path, tiny, timeout_s=0.2)
+    sampler = _sampler(tmp_path, tiny, timeout_s=5.0)  # no call here may time out
     tok = tiny.tokenizer
     calls = [toolcalls.written("look", {"k": "boom"}), toolcalls.written("look", {"k": 7}),
              toolcalls.written("nope", {})]
@@ -413,7 +413,7 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     """ENVIRONMENT's episodes each fill their own cart (reset sets it from the row; the reward reads it). A call past
     its limit restarts the environment's process: the carts of the episodes still playing are lost with it, said
     to the model in their next call and scored None (no opinion), never another episode's cart read instead."""
-    sampler = _sampler(tmp_path, tiny, timeout_s=0.3, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
+    sampler = _sampler(tmp_path, tiny, timeout_s=2.0, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
     tok = tiny.tokenizer
     pen = toolcalls.written("add", {"item": "pen"})
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [[pen, pen], [pen, "Done."], ["Done."]]))
@@ -424,7 +424,7 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("add", {"item": "slow"}), pen],
                                                           ["Done.", "Done."]]))
     slow, lost = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
-    assert "no answer within 0.3 s" in slow.messages[2]["content"]
+    assert "no answer within 2 s" in slow.messages[2]["content"]
     # the other episode's cart went with the restart (its call came after the slow one's): its call says so
     assert [m["content"] for m in lost.messages if m["role"] == "tool"] == [f"error: {environment.LOST}"]
     scores = sampler.score_episodes([slow, lost])[0].flatten().tolist()
