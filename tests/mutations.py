@@ -1,6 +1,6 @@
 """A suite that proves it can fail: plant one bug at a time (a one-line patch of the product), run the tests that
 guard that line, and expect them to fail. Not part of `./run test` (it runs parts of the suite once per bug);
-run it by hand:
+run it by hand (docs/development.md: before a trust change lands; it exits 1 when a row is not caught):
 
     .venv/bin/python tests/mutations.py            # every planted bug, a table at the end
     .venv/bin/python tests/mutations.py --list     # what is planted, and which tests are run against it
@@ -13,6 +13,8 @@ plants its own operator swaps everywhere, and these are the bugs the trust issue
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ class Bug:
     old: str  # found exactly once in the file
     new: str
     tests: tuple[str, ...]  # pytest arguments: files, -k selections
+    deadline_s: float = 600.0  # past it the tests are stopped and the row reads HUNG: a revert must fail, not hang
 
 
 BUGS = (
@@ -201,11 +204,18 @@ BUGS = (
 )
 
 
-def run(tests: tuple[str, ...]) -> tuple[int, float]:
+def run(tests: tuple[str, ...], deadline_s: float) -> tuple[int | None, float]:
+    """(pytest's exit code, or None when it ran past `deadline_s` and was killed with all it started; seconds)."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    return done.returncode, time.monotonic() - started
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        code = proc.wait(deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = None
+    return code, time.monotonic() - started
 
 
 def main(argv: list[str]) -> int:
@@ -223,16 +233,17 @@ def main(argv: list[str]) -> int:
             rows.append((b.name, "not planted: the line is not in the file once", 0.0))
             continue
         if b.tests not in baseline:
-            baseline[b.tests] = run(b.tests)[0]
+            baseline[b.tests] = run(b.tests, b.deadline_s)[0]
         if baseline[b.tests] != 0:
             rows.append((b.name, f"tests fail unpatched (exit {baseline[b.tests]})", 0.0))
             continue
         try:
             path.write_text(text.replace(b.old, b.new), encoding="utf-8")
-            code, seconds = run(b.tests)
+            code, seconds = run(b.tests, b.deadline_s)
         finally:
             path.write_text(text, encoding="utf-8")
-        rows.append((b.name, "caught" if code == 1 else f"MISSED (exit {code})", seconds))
+        rows.append((b.name, "caught" if code == 1 else f"HUNG (stopped at {b.deadline_s:.0f} s)" if code is None
+                     else f"MISSED (exit {code})", seconds))
         print(f"{rows[-1][1]:>10}  {b.name} ({seconds:.0f} s)", flush=True)
     width = max(len(r[0]) for r in rows)
     print(f"\n{'planted bug'.ljust(width)}  result  seconds")
