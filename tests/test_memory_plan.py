@@ -84,6 +84,10 @@ def test_a_preference_pair_is_planned_as_the_two_rows_it_collates_into():
     pairs = memory.of_step(model, [], 2, 64, 2, "sdpa", 0.0, "cpu", rows_each=2)
     assert pairs.activations == rows.activations and pairs.total == rows.total
     assert "(4 rows: micro 2 x 2 x 64 tokens" in pairs.parts() and "(micro 4 x 64 tokens" in rows.parts()
+    # DPO's log-probabilities over the vocabulary: three fp32 (loss positions, vocabulary) tensors at the peak
+    held = memory.with_logits(pairs, 200, memory.vocab_of(model))
+    assert held.total - pairs.total == pytest.approx(3 * 4 * 200 * model.config.vocab_size / 2**20)
+    assert "+ log-probabilities " in held.parts() and "(200 loss positions x the vocabulary)" in held.parts()
 
 
 def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path, dataset, capsys, monkeypatch):

@@ -36,10 +36,12 @@ OPTIMIZER_SAMPLE = 1 << 24  # elements the optimizer step is timed on (64 MB in 
 @dataclass(frozen=True)
 class Work:
     """What this rank's micro batches hold over the run: computed positions (padding included) and real tokens,
-    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up)."""
+    counted from the run's own collated batches (a prefix of at most SAMPLE_MICRO_BATCHES, scaled up), and the most
+    loss positions one of them holds."""
 
     positions: float
     tokens: float
+    most_loss_positions: int = 0  # the most loss positions one micro batch holds (memory.with_logits)
 
 
 def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
@@ -48,13 +50,15 @@ def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
     at = LoopState()
     total = steps * accum
     take = min(total, SAMPLE_MICRO_BATCHES)
-    positions = tokens = 0
+    positions = tokens = most = 0
     for _ in range(take):
         batch = next_micro_batch(at)
         positions += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum())
+        if "labels" in batch:
+            most = max(most, int((batch["labels"][:, 1:] != -100).sum()))
     scale = total / take if take else 0.0
-    return Work(positions * scale, tokens * scale)
+    return Work(positions * scale, tokens * scale, most)
 
 
 def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: float) -> tuple[float, str]:

@@ -149,8 +149,13 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type,
                                  rows_each)
+    work = plancheck.Work(0.0, 0.0)
+    if made.begin_step is None:  # not GRPO's, which are sampled during the step
+        work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
+    if r.loss is not None and work.most_loss_positions:  # an objective of its own: log-probabilities held whole
+        memory_plan = memory.with_logits(memory_plan, work.most_loss_positions, memory.vocab_of(r.model))
     started = time.perf_counter()
-    forecast = forecast_of(r, made, opened, measured, steps, speed, memory_plan.total)
+    forecast = forecast_of(r, work, opened, measured, steps, speed, memory_plan.total)
     measure_s += time.perf_counter() - started  # timing the optimizer step is measuring too
     estimate = runplan.estimate_row(forecast, measure_s)
 
@@ -172,16 +177,15 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured)
 
 
-def forecast_of(r: Recipe, made: feed.Batches, opened: runner.Opened, measured: runplan.Measured, steps: int,
+def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured: runplan.Measured, steps: int,
                 speed: float | None, peak_mb: float) -> plancheck.Forecast:
     """What the plan predicts of the loop: the run's own batches counted (not GRPO's, which are sampled during the
     step), at the speed the last run of this shape trained at, else the probe's with an optimizer step timed on
     rank 0 (corrected by the machine's record of such figures against runs), with the first steps' extra."""
     world = opened.world
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    work = plancheck.Work(0.0, 0.0)
-    if speed and made.begin_step is None:
-        work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
+    if not speed:
+        work = plancheck.Work(0.0, 0.0)
     learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
     ratio = plancheck.probe_ratio(plancheck.machine_key(measured.key)) if measured.key else None
     probe_from, probe = "the probe's forward and backward at the widest rows", None
