@@ -182,10 +182,13 @@ def test_the_sampled_completions_depend_on_seed_and_step_not_the_micro_batch_and
     assert math.isfinite(summary["eval_reward_before"]) and math.isfinite(summary["eval_reward"])
 
 
-def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(tmp_path, capsys):
+def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))  # an empty cache: the first run of its shape
     out = tmp_path / "run"
     assert main(_sampled(tmp_path, out, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04})) == 0
     printed = capsys.readouterr().out
+    assert re.search(r"time_estimate +not yet +GRPO's steps sample", printed)  # no probe times the sampling
+    assert re.search(r"seconds a step +not predicted, measured [\d.]+ s", printed) is None  # said only when predicted
     assert "rewards: gsm8k x 1, format x 0.5" in printed
     assert re.search(r"objective +grpo +3 completions a prompt of up to 8 tokens at temperature 1 .*beta 0.04; "
                      r"reference: the base: the adapter at its starting values", printed)
@@ -201,6 +204,15 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
     assert main(["report", str(out)]) == 0  # the run's report draws the rewards and the KL
     assert {"grpo_rewards.png", "grpo_kl.png"} <= {f.name for f in (out / "report").iterdir()}
     assert "GRPO: the mean reward of each step's completions" in (out / "report" / "report.md").read_text()
+    # the next run of the shape predicts its time from what this one took a step
+    step_s = json.loads((out / "summary.json").read_text())["plan_check"]["seconds_a_step"]["measured"]
+    again = tmp_path / "again"
+    assert main(_sampled(tmp_path, again, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04,
+                                             "--max-steps": 2})) == 0
+    estimate = {d["setting"]: d for d in json.loads((again / "plan.json").read_text())["decisions"]}["time_estimate"]
+    assert estimate["reason"].startswith(f"2 steps at {step_s:.1f} s a step, what the last run at micro ")
+    check = json.loads((again / "summary.json").read_text())["plan_check"]
+    assert check["seconds_a_step"]["predicted"] == step_s and check["train_time_s"]["predicted"] == round(2 * step_s, 2)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -173,9 +173,11 @@ def plan_check_rows(check: dict | None) -> list[list[str]]:
     if not check:
         return []
     names = {"train_time_s": "time to train (s)", "steady_tokens_per_s": "steady tokens/s",
-             "first_steps_s": "first steps' extra (s)", "peak_memory_mb": "peak memory (MB)"}
+             "first_steps_s": "first steps' extra (s)", "seconds_a_step": "seconds a step (median, later half)",
+             "peak_memory_mb": "peak memory (MB)"}
     rows = [[label, _value(check[k]["predicted"]), _value(check[k]["measured"]),
-             f"{check[k]['ratio']:.2f}x" if check[k]["ratio"] is not None else ""] for k, label in names.items()]
+             f"{check[k]['ratio']:.2f}x" if check[k]["ratio"] is not None else ""] for k, label in names.items()
+            if k in check]
     rows += [[f"difference by cause: {cause} (s)", "", f"{seconds:+.1f}", ""]
              for cause, seconds in (check.get("difference_s") or {}).items()]
     rows.append(["evaluations and checkpoints (s)", "", _value(check["evaluations_and_checkpoints_s"]), ""])

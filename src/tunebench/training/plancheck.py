@@ -101,12 +101,14 @@ class Forecast:
     world_size: int = 1
     speed_from: str = "the probe"
     probe_positions_per_s: float | None = None  # what the probe measured, before any machine correction
+    step_s: float | None = None  # where steps sample (GRPO): what the last run of this shape took a step
+    steps: int = 0
 
     @property
     def train_s(self) -> float | None:
-        if not self.positions_per_s:
-            return None
-        return self.work.positions / self.positions_per_s + self.first_steps_s
+        if self.positions_per_s:
+            return self.work.positions / self.positions_per_s + self.first_steps_s
+        return self.steps * self.step_s if self.step_s and self.steps else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -160,7 +162,8 @@ def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_
         "first_steps": s.first_steps,
         "peak_memory_mb": _pair(f.peak_mb, peak_mb),
         "evaluations_and_checkpoints_s": round(max(wall_s - train_s, 0.0), 2),
-        "speed_from": f.speed_from if f.positions_per_s else None,
+        "speed_from": f.speed_from if f.positions_per_s or f.step_s else None,
+        "seconds_a_step": _pair(f.step_s, steady_step_s(times)),
     }
     if f.positions_per_s and s.steady_positions_per_s:
         out["difference_s"] = {
@@ -197,9 +200,17 @@ def lines(c: dict) -> list[str]:
             + (f"; predicted from {c['speed_from']}" if c["speed_from"] else ""),
             f"  first steps' extra {fig(c['first_steps_s'], ' s')}"
             + (f" over the first {c['first_steps']} step(s)" if c["first_steps"] else ""),
+            *([f"  seconds a step     {fig(c['seconds_a_step'], ' s', '{:,.2f}')} (the later half's median)"]
+              if c.get("seconds_a_step", {}).get("predicted") is not None else []),
             f"  peak memory        {fig(c['peak_memory_mb'], ' MB', '{:,.0f}')}",
             f"  evaluations and checkpoints {c['evaluations_and_checkpoints_s']:,.1f} s beside the steps"]
     return out
+
+
+def steady_step_s(times: list[tuple[float, int, int]]) -> float | None:
+    """The median seconds of the later half's steps: a step that samples (GRPO) varies with what it drew."""
+    later = [t for t, _, _ in times[len(times) // 2:]]
+    return statistics.median(later) if later else None
 
 
 # -- what a run teaches the next run of its shape
@@ -250,6 +261,34 @@ def learn_ratio(key: str | None, c: dict, probe_speed: float | None) -> None:
         return
     ratios = [*(cached(key) or {}).get("ratios", []), round(measured / probe_speed, 4)][-RATIOS:]
     store(key, {"ratios": ratios})
+
+
+def step_key(batch_key: str) -> str:
+    """The key what runs whose steps sample (GRPO) took a step is kept under: the batch probe's, as a kind of its own."""
+    return "steps|" + batch_key.partition("|")[2]
+
+
+def learn_steps(key: str | None, micro: int, c: dict) -> None:
+    """Record what this run (its steps sample) took a step at `micro`, so the next run of its shape predicts from it."""
+    step_s = c["seconds_a_step"]["measured"]
+    if key is None or not step_s:
+        return
+    by_micro = dict((cached(key) or {}).get("micro", {}))
+    by_micro[str(micro)] = {"step_s": step_s, "predicted_step_s": c["seconds_a_step"]["predicted"]}
+    store(key, {"micro": by_micro})
+
+
+def step_forecast(work: Work, micro: int, learned_: dict, steps: int, peak_mb: float, world_size: int) -> Forecast:
+    """A run whose steps sample (no probe times that): its time from what the last run of this shape at `micro`
+    took a step on this machine, or no time at all before one ran."""
+    last = learned_.get(micro) or {}
+    if not last.get("step_s"):
+        return Forecast(work, None, 0.0, peak_mb, world_size, "nothing yet")
+    source = f"what the last run at micro {micro} took a step on this machine, its sampling in it"
+    said = last.get("predicted_step_s")
+    if said and abs(last["step_s"] / said - 1) > MISSED:
+        source += f" (it was predicted {said:,.1f} s, {last['step_s'] / said:.2f}x off: corrected)"
+    return Forecast(work, None, 0.0, peak_mb, world_size, source, step_s=last["step_s"], steps=steps)
 
 
 def trained_key(batch_key: str) -> str:

@@ -158,6 +158,9 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     forecast = forecast_of(r, work, opened, measured, steps, speed, memory_plan.total)
     measure_s += time.perf_counter() - started  # timing the optimizer step is measuring too
     estimate = runplan.estimate_row(forecast, measure_s)
+    if estimate is None and not r.watch_speed:
+        estimate = Decision("time_estimate", "not yet", "GRPO's steps sample, which no probe times: the next run of "
+                            "this shape on this machine predicts from what this one takes a step")
 
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
@@ -184,6 +187,9 @@ def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured
     rank 0 (corrected by the machine's record of such figures against runs), with the first steps' extra."""
     world = opened.world
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
+    if not r.watch_speed:  # GRPO's steps sample: what the last run of the shape took a step, or nothing
+        learned = plancheck.learned(plancheck.step_key(measured.key)) if measured.key else {}
+        return plancheck.step_forecast(work, micro, learned, steps, peak_mb, world.size)
     if not speed:
         work = plancheck.Work(0.0, 0.0)
     learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
@@ -341,14 +347,17 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     if trained.times and len(trained.times) < planned.plan.total_steps:  # resumed: the steps this process ran
         share = len(trained.times) / planned.plan.total_steps
         forecast = dataclasses.replace(forecast, work=plancheck.Work(forecast.work.positions * share,
-                                                                     forecast.work.tokens * share))
+                                                                     forecast.work.tokens * share),
+                                       steps=len(trained.times))
     check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)
     print("\n".join(plancheck.lines(check)))
     m = planned.measured
-    if planned.forecast.positions_per_s and m.key:  # GRPO's steps also sample: its speed is not the probe's
+    if not r.watch_speed:  # GRPO's steps also sample: what a step took, not a speed, teaches the next run
+        plancheck.learn_steps(plancheck.step_key(m.key) if m.key else None, m.micro_batch_size, check)
+    elif planned.forecast.positions_per_s and m.key:
         plancheck.learn(plancheck.trained_key(m.key), m.micro_batch_size, check, m.micro_batch_size in m.timed)
         plancheck.learn_ratio(plancheck.machine_key(m.key), check, planned.forecast.probe_positions_per_s)
     r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])

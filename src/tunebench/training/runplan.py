@@ -65,6 +65,10 @@ def estimate_row(forecast, measure_s: float) -> Decision | None:
         return None
     share = 100 * measure_s / (measure_s + train_s) if measure_s + train_s > 0 else 0.0
     clock = f"{train_s / 60:.0f} min" if train_s >= 90 else f"{train_s:.0f} s"
+    if not forecast.positions_per_s:  # steps that sample (GRPO): counted in steps
+        return Decision("time_estimate", f"about {clock}", f"{forecast.steps:,} steps at {forecast.step_s:.1f} s a "
+                        f"step, {forecast.speed_from} (evaluations and checkpoints not included); measuring took "
+                        f"{measure_s:.0f} s, {share:.0f}% of measuring and training together")
     w = forecast.work
     first = f" + {forecast.first_steps_s:.1f} s for the first steps" if forecast.first_steps_s >= 0.05 else ""
     return Decision("time_estimate", f"about {clock}", f"{w.positions:,.0f} positions ({w.tokens:,.0f} real tokens, "
