@@ -5,8 +5,9 @@ Each case is `tunebench train` in a process of its own, from an empty measuremen
 shape, as a new user meets it), then, with --twice, again with the cache the first left (the second run of a
 shape predicts from what the first trained at). The cases are the shapes the README's compare never runs:
 another dataset at a longer max length, a full fine-tune, a preference objective, and 0.42B / 1.07B Llama shapes
-(benchmarks/scale.py's, random weights); `--cases` picks some. GRPO's speed is not predicted (its steps sample
-as well as train): its plan has no time estimate, and the case is not here.
+(benchmarks/scale.py's, random weights); `--cases` picks some. GRPO's steps sample as well as train, which no
+probe times: its first run's plan has no time estimate ("not yet"), the second predicts from what the first took
+a step (run the `grpo` case with --twice).
 
     python benchmarks/plan_vs_run.py                          # every case, one first run each
     python benchmarks/plan_vs_run.py --cases bitext,dpo --twice
@@ -33,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent.parent / "shared" / "data"
 BITEXT = SHARED / "bitext-early-official-4514rows" / "Bitext_Sample_Customer_Support_Training_Dataset.csv"
 ALPACA = SHARED / "llamafactory-demo-data" / "alpaca_en_demo.json"
+GSM8K = SHARED / "gsm8k" / "train.jsonl"
 
 
 def pairs_file(out: Path, n: int = 400) -> Path:
@@ -70,11 +72,16 @@ def cases(out: Path) -> dict[str, Callable[[], list[str]]]:
         "alpaca-256": lambda: ["--data", str(ALPACA), "--max-length", "256", "--max-samples", "160", "--max-steps", "6"],
         "full": lambda: ["--data", data, "--method", "full", "--max-samples", "160", "--max-steps", "6"],
         "dpo": lambda: ["--data", str(pairs_file(out)), "--objective", "dpo", "--max-length", "256", "--max-steps", "4"],
+        "grpo": lambda: ["--data", str(GSM8K), "--method", "grpo", "--reward", "gsm8k", "--num-generations", "4",
+                         "--max-completion-length", "64", "--effective-batch-size", "4", "--max-samples", "64",
+                         "--max-steps", "6"],
         "llama-0.42b": lambda: llama("0.42b"),
         "llama-1.07b": lambda: llama("1.07b"),
     }
     if not ALPACA.is_file():
         found.pop("alpaca-256")
+    if not GSM8K.is_file():
+        found.pop("grpo")
     return found
 
 
@@ -112,7 +119,7 @@ def row(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", help="comma-separated: bitext, alpaca-256, full, dpo, llama-0.42b, llama-1.07b")
+    ap.add_argument("--cases", help="comma-separated: bitext, alpaca-256, full, dpo, grpo, llama-0.42b, llama-1.07b")
     ap.add_argument("--twice", action="store_true", help="run each case again on the cache its first run left")
     ap.add_argument("--precision", help="force a precision on every run (fp32: the AVX2 stand-in)")
     ap.add_argument("--out", help="where the runs, their logs and results.json go")
