@@ -64,8 +64,8 @@ def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
 def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: float) -> tuple[float, str]:
     """The positions a second the run's steps should train at: the probe's forward and backward (at the widest
     rows) and one optimizer step (`optimizer_s`, timed by `optimizer_step_s`) per optimizer step, with the text
-    that says so. The probe times no optimizer step: a full fine-tune of SmolLM2-135M spends 0.25 s a step in
-    it on a 2-core EPYC, about 3% of a step; LoRA's is nothing."""
+    that says so. The probe times no optimizer step: a full fine-tune of SmolLM2-135M spent 0.14-0.25 s a step in
+    it on a 2-core AVX2 EPYC (timed here), about 1% of its ~23 s steps; LoRA's is about a millisecond."""
     per_step = work.positions / steps  # this rank's positions an optimizer step
     speed = per_step / (per_step / probe_speed + optimizer_s)
     return speed, (f"the probe's forward and backward at the widest rows ({probe_speed:,.0f} a second) and an "
