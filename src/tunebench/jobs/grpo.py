@@ -10,7 +10,6 @@ from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import (
-    checkpoint,
     feed,
     finetune_data,
     finetune_model,
@@ -34,8 +33,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg, env))  # max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
-    if opened.world.main:
-        checkpoint.record_user_code(opened.out, cfg.output.resume, code)
     finetune_model.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
         tok = (loaded := finetune_model.load(cfg, opened)).tokenizer

@@ -276,7 +276,9 @@ def open_run(world: World, out: Path, resume: str | None, overwrite: bool, ident
     files); every rank gets the checkpoint to resume from, or the same refusal."""
     def check() -> Path | None:
         prepare_output_dir(out, resume, overwrite)
-        return resume_point(resume, out, identity, overwrite)
+        found = resume_point(resume, out, identity, overwrite)
+        record_user_code(out, resume, identity.get("reward_files") or {})  # a GRPO run's files, at its first start
+        return found
 
     return distributed.agree(world, check)
 
