@@ -175,8 +175,8 @@ BUGS = (
         "    def within(self, limit_s: float, /, *args, **kwargs)", "    def within(self, limit_s: float, *args, **kwargs)",
         ("tests/test_episodes.py", "-k", "tool_that_raises_sleeps")),
     Bug("a child run imports Python from the server's folder first", "src/tunebench/jobs/children.py",
-        '[sys.executable, "-P", "-m", "tunebench", *launch, job]', '[sys.executable, "-m", "tunebench", *launch, job]',
-        ("tests/test_robustness.py", "-k", "planted_tunebench")),
+        '[sys.executable, *SAFE_PATH, "-m", "tunebench", *launch, job]',
+        '[sys.executable, "-m", "tunebench", *launch, job]', ("tests/test_robustness.py", "-k", "planted_tunebench")),
     Bug("what a tool started outlives the environment's process", "src/tunebench/core/userprocess.py",
         "            os.killpg(proc.pid, signal.SIGKILL)", "            proc.kill()",
         ("tests/test_episodes.py", "-k", "what_a_tool_starts")),
@@ -199,7 +199,7 @@ BUGS = (
         "    if not resume or not record.is_file():", "    if True:",
         ("tests/test_durable.py", "-k", "first_start_recorded")),
     Bug("the environment's process imports Python from the current folder first", "src/tunebench/core/userprocess.py",
-        '[sys.executable, "-P", "-c",', '[sys.executable, "-c",',
+        '[sys.executable, *SAFE_PATH, "-c",', '[sys.executable, "-c",',
         ("tests/test_episodes.py", "-k", "long_answer_is_cut")),
 )
 

@@ -12,7 +12,7 @@ answers {"lost": True}.
 Written by hand rather than with multiprocessing or concurrent.futures: a spawned multiprocessing child imports the
 parent's __main__ (the CLI, torchrun's entry, pytest), a forked one copies a process with OpenMP threads running,
 and a ProcessPoolExecutor cannot kill one stuck call (the whole pool breaks). The child is a fresh interpreter that
-imports only this module and core/userfile.py (0.1 s; the user's file imports what it needs), linked to the parent
+imports only this module, core/childenv.py and core/userfile.py (0.1 s; the user's file imports what it needs), linked to the parent
 by a socket pair that multiprocessing's Connection frames and pickles.
 """
 
@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from tunebench.core.childenv import SAFE_PATH
 from tunebench.core.errors import TunebenchError
 
 START_S = 120.0  # the child's start: the interpreter, then the user's file and its imports (torch's alone: ~7 s)
@@ -52,8 +53,8 @@ class Host:
         package = str(Path(__file__).resolve().parents[2])  # the folder holding tunebench, for a source checkout
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen(
-            # -P: `python -c` would put the current folder first on sys.path, ahead of tunebench itself
-            [sys.executable, "-P", "-c", "import sys; from tunebench.core.userprocess import serve; serve(*sys.argv[1:])",
+            # safe path: `python -c` would put the current folder first on sys.path, ahead of tunebench itself
+            [sys.executable, *SAFE_PATH, "-c", "import sys; from tunebench.core.userprocess import serve; serve(*sys.argv[1:])",
              str(theirs.fileno()), self.path, self.module_name, str(os.getpid())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)  # a process group of its own: _stop ends what its tools started with it

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tunebench.core.childenv import child_env
+from tunebench.core.childenv import SAFE_PATH, child_env
 from tunebench.core.durable import open_no_follow
 from tunebench.core.startup import die_with_parent, libc_prctl
 from tunebench.settings.schema import RunBase
@@ -29,9 +29,9 @@ def start(job: str, cfg: RunBase, run_dir: Path, *, log: Path, err: Path | None 
     asked = run_dir / "asked.yaml"
     write_config(cfg, asked)
     launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
-    # -P (safe path): `python -m` would put the current folder first on sys.path, so a planted tunebench/ or
-    # json.py in the folder the server was started from would run as the server's user
-    argv = [*(program or [sys.executable, "-P", "-m", "tunebench", *launch, job]), str(asked)]
+    # safe path: `python -m` would put the current folder first on sys.path, so a planted tunebench/ or json.py
+    # in the folder the server was started from would run as the server's user
+    argv = [*(program or [sys.executable, *SAFE_PATH, "-m", "tunebench", *launch, job]), str(asked)]
     parent = os.getpid()
     libc_prctl()  # looked up here, not in the forked child (see libc_prctl)
     with open_no_follow(log, "a") as out, (open_no_follow(err) if err else contextlib.nullcontext()) as errors:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunebench.core.childenv import child_env
+from tunebench.core.childenv import SAFE_PATH, child_env
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import records
 from tunebench.interfaces.web.studio import Ask, Studio
@@ -141,9 +141,9 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     target = output_path(run, fmt, quant, None)
     if target.exists():  # exports never overwrite: the file already there is this run's, in this format
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
-    # -P (safe path): not the modules of the folder the server was started from
-    done = run_whole([sys.executable, "-P", "-m", "tunebench", "export", str(run), "--format", fmt, "--quant", quant],
-                     EXPORT_TIMEOUT_S)
+    # safe path: not the modules of the folder the server was started from
+    done = run_whole([sys.executable, *SAFE_PATH, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant",
+                      quant], EXPORT_TIMEOUT_S)
     if done is None:
         raise TunebenchError(f"the export of {name} ran past {EXPORT_TIMEOUT_S // 60} minutes and was stopped; "
                              f"export it from a terminal: tunebench export {run} --format {fmt} --quant {quant}")
