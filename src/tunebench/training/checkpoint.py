@@ -24,6 +24,7 @@ import torch
 
 from tunebench.core import durable, runlock
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import write_json
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.settings.rundir import RunDir
@@ -193,7 +194,7 @@ def check_user_code(out: str | Path, resume: str | None, code: dict[str, str]) -
     record = Path(out) / USER_CODE
     if not resume or not record.is_file():
         return
-    now = {str(Path(p).resolve()): h for p, h in code.items()}
+    now = _resolved(code)
     then = json.loads(record.read_text())
     if now != then:
         changed = next((p for p, h in now.items() if then.get(p) != h), None) or sorted(set(then) - set(now))[0]
@@ -204,8 +205,11 @@ def check_user_code(out: str | Path, resume: str | None, code: dict[str, str]) -
 def record_user_code(out: Path, resume: str | None, code: dict[str, str]) -> None:
     """Write USER_CODE at a run's first start (a resume keeps the record it was checked against)."""
     if code and not (resume and (out / USER_CODE).is_file()):
-        with durable.atomic_file(out / USER_CODE) as tmp:
-            tmp.write_text(json.dumps({str(Path(p).resolve()): h for p, h in code.items()}, indent=1))
+        write_json(out / USER_CODE, _resolved(code))
+
+
+def _resolved(code: dict[str, str]) -> dict[str, str]:
+    return {str(Path(p).resolve()): h for p, h in code.items()}
 
 
 def load(path: Path, model, optimizer, scheduler, identity: dict[str, Any], scaler=None,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tunebench.data.batching import IGNORE
 from tunebench.training import optim
 from tunebench.training.autotune import cached, store
 from tunebench.training.loop import LoopState
@@ -56,7 +57,7 @@ def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
         positions += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum())
         if "labels" in batch:
-            most = max(most, int((batch["labels"][:, 1:] != -100).sum()))
+            most = max(most, int((batch["labels"][:, 1:] != IGNORE).sum()))
     scale = total / take if take else 0.0
     return Work(positions * scale, tokens * scale, most)
 
