@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tunebench.training import plancheck
-from tunebench.training.autotune import batch
+from tunebench.training.autotune import batch, memory
 from tunebench.training.autotune.budget import Budget
 from tunebench.training.autotune.known import Known, Record, Recorded
 from tunebench.training.plancheck import Forecast, Work
@@ -38,6 +38,42 @@ def test_the_check_splits_the_training_times_difference_by_cause():
     text = "\n".join(plancheck.lines(c))
     assert "time to train      predicted 4.5 s, measured 8.1 s (1.80x, missed by more than 15%)" in text
     assert "over the first 2 step(s)" in text and "peak memory        predicted 1,000 MB, measured 1,500 MB" in text
+
+
+def test_a_plan_for_longer_rows_than_were_fed_is_a_bound_and_the_peak_is_held_to_the_plan_at_what_was_fed():
+    # GRPO at beta 0 plans every group teaching at the longest completion and feeds only the groups that teach
+    plan = memory.MemoryPlan(runtime=500.0, weights=500.0, state=10.0, activations=6000.0, micro=16, tokens=220,
+                             checkpointing=False)
+    assert plan.as_fed(16 * 220) == pytest.approx(plan.total)
+    assert plan.as_fed(2 * 110) == pytest.approx(1010.0 + 6000.0 / 16)  # 2 rows of 110: a sixteenth of the positions
+    f = Forecast(Work(500.0, 450.0), positions_per_s=None, first_steps_s=0.0, peak_mb=plan.total)
+    c = plancheck.check(f, [(1.0, 100, 90)] * 4, wall_s=4.0, peak_mb=1600.0, fed=(2, 110, plan.as_fed(220)))
+    assert c["largest_micro_batch_fed"] == [2, 110] and c["peak_memory_as_fed_mb"]["ratio"] == pytest.approx(
+        1600 / 1385, abs=1e-3)
+    text = "\n".join(plancheck.lines(c))
+    assert ("peak memory        the plan's 7,010 MB is a bound (every row fed at its longest); at the largest micro "
+            "batch fed (2 rows x 110) predicted 1,385 MB, measured 1,600 MB (1.16x, missed by more than 15%)") in text
+
+
+def test_what_runs_held_beyond_their_memory_plans_is_added_to_the_next_plans_never_taken_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
+    key = plancheck.memory_key("batch|" + json.dumps({"where": "CPU x2", "precision": "bf16", "method": "lora"}))
+    plan = memory.MemoryPlan(runtime=400.0, weights=250.0, state=5.0, activations=400.0, micro=4, tokens=98,
+                             checkpointing=False)
+    assert plancheck.memory_beyond(key) is None and memory.with_learned(plan, None) == plan
+    for peak in (1334.0, 1289.0, 1348.0):  # three runs of plans of 1,055 MB
+        plancheck.learn_memory(key, {"peak_memory_mb": {"predicted": plan.total, "measured": peak}}, 0.0)
+    assert plancheck.memory_beyond(key) == (pytest.approx(1334.0 - 1055.0), 3)
+    learned = memory.with_learned(plan, plancheck.memory_beyond(key))
+    assert learned.total == pytest.approx(1334.0) and "+ 279 MB that the last 3 run(s) of this machine held" in \
+        learned.parts()
+    # a run planned with it teaches what it held beyond the plan without it; a GRPO bound teaches nothing
+    plancheck.learn_memory(key, {"peak_memory_mb": {"predicted": learned.total, "measured": 1400.0}}, learned.learned)
+    plancheck.learn_memory(key, {"peak_memory_mb": {"predicted": 7000.0, "measured": 1400.0},
+                                 "peak_memory_as_fed_mb": {}}, 0.0)
+    assert plancheck.memory_beyond(key) == (pytest.approx((1334.0 - 1055.0 + 1348.0 - 1055.0) / 2), 4)
+    # runs that held less than their plans leave the plan a bound
+    assert memory.with_learned(plan, (-120.0, 3)) == plan
 
 
 def test_a_forecast_takes_the_last_runs_speed_and_says_when_it_corrects_a_miss():
@@ -152,10 +188,16 @@ def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_s
     for measured in (116.0, 120.0, 130.0):
         plancheck.learn_ratio(plancheck.machine_key(lora), {"steady_positions_per_s": {"measured": measured}}, 100.0)
     ratio = plancheck.probe_ratio(plancheck.machine_key(other_shape))
-    assert ratio == (1.2, 3)
+    assert ratio == (1.2, 3, 1.16, 1.3)
     f = plancheck.forecast(Work(1000.0, 900.0), 4, 100.0, {}, True, None, 10, 1.0, 1, ratio)
     assert f.positions_per_s == pytest.approx(120.0) and "x 1.20, what the last 3 run(s)" in f.speed_from
     assert plancheck.probe_ratio(plancheck.machine_key(full)) is None
+    # one run corrects nothing, nor runs that disagree (a cold first probe read 1.70x, the next runs 0.72x, 1.32x)
+    for measured in (170.0, 72.0, 132.0):
+        plancheck.learn_ratio(plancheck.machine_key(full), {"steady_positions_per_s": {"measured": measured}}, 100.0)
+        ratio = plancheck.probe_ratio(plancheck.machine_key(full))
+        f = plancheck.forecast(Work(1000.0, 900.0), 4, 100.0, {}, True, None, 10, 1.0, 1, ratio)
+        assert ratio[0] is None and f.positions_per_s == 100.0 and "not corrected: the last" in f.speed_from
 
 
 def test_the_plans_speed_adds_an_optimizer_step_to_the_probes_forward_and_backward():

@@ -149,10 +149,14 @@ def split_steps(times: list[tuple[float, int, int]]) -> Steps:
     return Steps(sum(p for _, p, _ in times), first, first_s, steady, sum(t for _, _, t in rest) / seconds)
 
 
-def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float) -> dict:
+def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float,
+          fed: tuple[int, int, float] | None = None) -> dict:
     """summary.json's `plan_check`: each figure predicted and measured, and the training time's difference by
     cause (data: other positions than planned; steady speed; first steps). `times` are this process's steps'
-    (seconds, positions, all ranks' real tokens); `wall_s` the loop's (evaluations and checkpoints in it)."""
+    (seconds, positions, all ranks' real tokens); `wall_s` the loop's (evaluations and checkpoints in it).
+    `fed`: the largest micro batch the loop fed (rows, width) and the memory plan's peak at it, when it held a
+    tenth or more fewer positions than the plan's (GRPO leaves out groups that teach nothing): the plan is then
+    a bound, and the peak is also held to the plan at what was fed."""
     s = split_steps(times)
     train_s = sum(t for t, _, _ in times)
     out: dict = {
@@ -166,6 +170,9 @@ def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_
         "speed_from": f.speed_from if f.positions_per_s or f.step_s else None,
         "seconds_a_step": _pair(f.step_s, steady_step_s(times)),
     }
+    if fed is not None:
+        out["peak_memory_as_fed_mb"] = _pair(fed[2], peak_mb)
+        out["largest_micro_batch_fed"] = [fed[0], fed[1]]
     if f.positions_per_s and s.steady_positions_per_s:
         out["difference_s"] = {
             "data": round((s.positions - f.work.positions) / f.positions_per_s, 2),
@@ -203,9 +210,17 @@ def lines(c: dict) -> list[str]:
             + (f" over the first {c['first_steps']} step(s)" if c["first_steps"] else ""),
             *([f"  seconds a step     {fig(c['seconds_a_step'], ' s', '{:,.2f}')} (the later half's median)"]
               if c.get("seconds_a_step", {}).get("predicted") is not None else []),
-            f"  peak memory        {fig(c['peak_memory_mb'], ' MB', '{:,.0f}')}",
+            f"  peak memory        {_memory(c, fig)}",
             f"  evaluations and checkpoints {c['evaluations_and_checkpoints_s']:,.1f} s beside the steps"]
     return out
+
+
+def _memory(c: dict, fig: Callable) -> str:
+    if "peak_memory_as_fed_mb" not in c:
+        return fig(c["peak_memory_mb"], " MB", "{:,.0f}")
+    (rows, width), bound = c["largest_micro_batch_fed"], c["peak_memory_mb"]
+    return (f"the plan's {bound['predicted']:,.0f} MB is a bound (every row fed at its longest); at the largest "
+            f"micro batch fed ({rows} rows x {width}) {fig(c['peak_memory_as_fed_mb'], ' MB', '{:,.0f}')}")
 
 
 def steady_step_s(times: list[tuple[float, int, int]]) -> float | None:
@@ -246,13 +261,21 @@ def machine_key(batch_key: str) -> str:
                                         sort_keys=True)
 
 
-def probe_ratio(key: str | None) -> tuple[float, int] | None:
-    """(the median of what the last runs on this machine trained at over what their probes measured, how many),
-    or None before any run here was predicted from its probe."""
+def probe_ratio(key: str | None) -> tuple[float | None, int, float, float] | None:
+    """What the last runs on this machine trained at over what their probes measured: (the median of those within
+    MISSED of the median of all, or None where fewer than two agree so, how many agree, the lowest, the highest);
+    None before any run here was predicted from its probe. One run's ratio corrects nothing: a first process's probe
+    on a new AVX512-BF16 VM measured 388 positions/s where the run trained at 660 and later probes of the same shape
+    645 (2026-12-02), and a ratio of 1.70 from it sent the next shapes' plans 1.5-2.4x short."""
     if key is None:
         return None
     ratios = (cached(key) or {}).get("ratios", [])
-    return (statistics.median(ratios), len(ratios)) if ratios else None
+    if not ratios:
+        return None
+    middle = statistics.median(ratios)
+    agree = [r for r in ratios if abs(r / middle - 1) <= MISSED]
+    factor = statistics.median(agree) if len(agree) >= 2 and 2 * len(agree) > len(ratios) else None
+    return factor, len(agree) if factor else len(ratios), min(ratios), max(ratios)
 
 
 def learn_ratio(key: str | None, c: dict, probe_speed: float | None) -> None:
@@ -262,6 +285,28 @@ def learn_ratio(key: str | None, c: dict, probe_speed: float | None) -> None:
         return
     ratios = [*(cached(key) or {}).get("ratios", []), round(measured / probe_speed, 4)][-RATIOS:]
     store(key, {"ratios": ratios})
+
+
+def memory_key(batch_key: str) -> str:
+    """The key of what runs on this machine (CPU or GPU, precision, torch, method) held beyond their memory plans."""
+    return "memory-to-run|" + machine_key(batch_key).partition("|")[2]
+
+
+def memory_beyond(key: str | None) -> tuple[float, int] | None:
+    """(the median MB the last runs on this machine peaked above their plans, how many), or None before any."""
+    beyond = (cached(key) or {}).get("beyond_mb", []) if key else []
+    return (statistics.median(beyond), len(beyond)) if beyond else None
+
+
+def learn_memory(key: str | None, c: dict, learned_mb: float) -> None:
+    """Keep what this run peaked above its plan without `learned_mb` (what it added from earlier runs), the last
+    RATIOS runs'; not a run whose plan was a bound for more than it fed (GRPO's untaught groups: plan_check's
+    peak_memory_as_fed_mb)."""
+    pair = c["peak_memory_mb"]
+    if key is None or "peak_memory_as_fed_mb" in c or pair["predicted"] is None or not pair["measured"]:
+        return
+    beyond = [*(cached(key) or {}).get("beyond_mb", []), round(pair["measured"] - pair["predicted"] + learned_mb, 1)]
+    store(key, {"beyond_mb": beyond[-RATIOS:]})
 
 
 def step_key(batch_key: str) -> str:
@@ -299,11 +344,11 @@ def trained_key(batch_key: str) -> str:
 
 def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, warm: bool,
              first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int,
-             ratio: tuple[float, int] | None = None,
+             ratio: tuple[float | None, int, float, float] | None = None,
              probe_from: str = "the probe's forward and backward at the widest rows") -> Forecast:
     """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last run at
     that size trained at on this machine (`learned_`), else the probe's, times what runs on this machine trained at
-    against their probes (`ratio`: the median and how many runs) where any has; its first steps' extra from the
+    against their probes (`ratio`, probe_ratio's: the median of those that agree, and how many) where two agree; its first steps' extra from the
     last run, else none when a probe ran this size in this process (`warm`), else the class record's figure (in
     micro batches of it) over `steps_micro` micro batches."""
     last = learned_.get(micro)
@@ -314,10 +359,13 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
         said = last.get("predicted_positions_per_s")
         if said and abs(speed / said - 1) > MISSED:
             source += f" (it was predicted {said:,.0f} a second, {speed / said:.2f}x off: corrected)"
-    elif probe_speed and ratio is not None:
+    elif probe_speed and ratio is not None and ratio[0] is not None:
         speed = probe_speed * ratio[0]
         source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "
                    "machine trained at against their probes")
+    elif probe_speed and ratio is not None:
+        source += (f", not corrected: the last {ratio[1]} run(s) on this machine trained at {ratio[2]:.2f}-"
+                   f"{ratio[3]:.2f}x their probes, too few or too far apart to correct by")
     first = 0.0
     if last is not None and last.get("first_steps_s") is not None and bool(last.get("warm")) == warm:
         first = last["first_steps_s"]

@@ -154,6 +154,8 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
         work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
     if r.loss is not None and work.most_loss_positions:  # an objective of its own: log-probabilities held whole
         memory_plan = memory.with_logits(memory_plan, work.most_loss_positions, memory.vocab_of(r.model))
+    if measured.key:  # what this machine's runs held beyond their plans
+        memory_plan = memory.with_learned(memory_plan, plancheck.memory_beyond(plancheck.memory_key(measured.key)))
     started = time.perf_counter()
     forecast = forecast_of(r, work, opened, measured, steps, speed, memory_plan.total)
     measure_s += time.perf_counter() - started  # timing the optimizer step is measuring too
@@ -253,6 +255,7 @@ class TrainResult:
     weights: dict | None
     ranks: list[Any] | None
     times: list[tuple[float, int, int]] = field(default_factory=list)  # this process's steps: seconds, positions, tokens
+    largest_fed: tuple[int, int] = (0, 0)  # the micro batch of most positions the loop fed: rows, width
 
 
 def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
@@ -305,7 +308,16 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         log({"step": 0, **before})
         runner.say(world, f"eval before training: {describe_eval(before)}")
     made = planned.batches
-    next_micro_batch = feed.micro_batches(made.steps, made.collate, world, plan.micro_batch_size,
+    largest = [0, 0]  # rows, width: what the memory plan is held to (GRPO feeds only the groups that teach)
+
+    def collate(*args):
+        batch = made.collate(*args)
+        rows, width = batch["input_ids"].shape
+        if rows * width > largest[0] * largest[1]:
+            largest[:] = [rows, width]
+        return batch
+
+    next_micro_batch = feed.micro_batches(made.steps, collate, world, plan.micro_batch_size,
                                             plan.grad_accum_steps, made.begin_step)
     stopping.raise_if_signalled()  # the last look before the loop takes the signals over
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -334,7 +346,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
                              t.settings.warmup_steps_excluded)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-    return TrainResult(outcome, weights, ranks, times)
+    return TrainResult(outcome, weights, ranks, times, (largest[0], largest[1]))
 
 
 def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: TrainResult,
@@ -349,12 +361,17 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
         forecast = dataclasses.replace(forecast, work=plancheck.Work(forecast.work.positions * share,
                                                                      forecast.work.tokens * share),
                                        steps=len(trained.times))
-    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb)
+    rows, width = trained.largest_fed
+    plan_ = planned.memory_plan
+    fed = (rows, width, plan_.as_fed(rows * width)) if 0 < rows * width < 0.9 * plan_.micro * plan_.tokens else None
+    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)
     print("\n".join(plancheck.lines(check)))
     m = planned.measured
+    if m.key:
+        plancheck.learn_memory(plancheck.memory_key(m.key), check, plan_.learned)
     if not r.watch_speed:  # GRPO's steps also sample: what a step took, not a speed, teaches the next run
         plancheck.learn_steps(plancheck.step_key(m.key) if m.key else None, m.micro_batch_size, check)
     elif planned.forecast.positions_per_s and m.key:
