@@ -139,7 +139,8 @@ def test_losses_rewards_and_kl_match_trls_grpo_trainer_on_the_same_completions(t
 
 def _gsm8k_prompts(tmp_path) -> Path:
     path = tmp_path / "q.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
+    path.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}",
+                                        "kind": "small" if a + b <= 4 else "large"}) + "\n"
                             for a in range(1, 5) for b in range(1, 4)))
     return path
 
@@ -185,7 +186,8 @@ def test_the_sampled_completions_depend_on_seed_and_step_not_the_micro_batch_and
 def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))  # an empty cache: the first run of its shape
     out = tmp_path / "run"
-    assert main(_sampled(tmp_path, out, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04})) == 0
+    assert main(_sampled(tmp_path, out, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04,
+                                           "--kind-column": "kind"})) == 0
     printed = capsys.readouterr().out
     assert re.search(r"time_estimate +not yet +GRPO's steps sample", printed)  # no probe times the sampling
     assert re.search(r"seconds a step +not predicted, measured [\d.]+ s", printed) is None  # said only when predicted
@@ -201,8 +203,13 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
     first = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line)
     assert {"reward", "reward_std", "kl", "frac_reward_zero_std", "completions/mean_length", "rewards/gsm8k/mean",
             "rewards/format/mean"} <= set(first)
-    assert main(["report", str(out)]) == 0  # the run's report draws the rewards and the KL
-    assert {"grpo_rewards.png", "grpo_kl.png"} <= {f.name for f in (out / "report").iterdir()}
+    # the collapse watch: the sampling's entropy (nats: above 0, at most the vocabulary's log) and each kind's figures
+    assert 0 < first["entropy/first_token"] <= math.log(512) and 0 < first["entropy"] <= math.log(512)
+    kinds = {k for k in first if k.startswith("kinds/")}
+    assert kinds and kinds <= {f"kinds/{k}/{v}" for k in ("small", "large") for v in ("reward", "informative", "count")}
+    assert main(["report", str(out)]) == 0  # the run's report draws the rewards, the KL, the entropy and the kinds
+    assert {"grpo_rewards.png", "grpo_kl.png", "grpo_entropy.png", "grpo_kinds.png"} <= {
+        f.name for f in (out / "report").iterdir()}
     assert "GRPO: the mean reward of each step's completions" in (out / "report" / "report.md").read_text()
     # the next run of the shape predicts its time from what this one took a step
     step_s = json.loads((out / "summary.json").read_text())["plan_check"]["seconds_a_step"]["measured"]

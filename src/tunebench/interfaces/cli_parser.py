@@ -52,6 +52,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--environment",), "objective.environment"),
     (("--max-turns", "--max_turns"), "objective.max_turns"),
     (("--tool-timeout", "--tool_timeout"), "objective.tool_timeout"),
+    (("--kind-column", "--kind_column"), "objective.kind_column"),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha"),
     (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout"),

@@ -22,14 +22,14 @@ from tunebench.training import (
     stopping,
 )
 from tunebench.training.autotune import compiler
-from tunebench.training.grpo import episodes
+from tunebench.training.grpo import episodes, watch
 from tunebench.training.grpo import run as grpo_run
 
 
 @stopping.job
 def run(cfg: RunConfig) -> dict[str, Any]:
     a, o, s = cfg.adapter, cfg.objective, cfg.schedule
-    rows, code, scoring, env = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
+    rows, code, scoring, env, kinds = grpo_run.check_inputs(cfg)  # every input checked before anything expensive
     cfg, length_row = finetune_data.settle_length(cfg, grpo_run.prompt_lengths(rows, cfg, env))  # max_length a number
     identity = finetune_model.identity(cfg, **({"reward_files": code} if code else {}))
     opened = runner.open_run(cfg, identity)
@@ -48,7 +48,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     on = grpo.Sampling(model, tok, data, rows, scoring, o, opened.device, opened.autocast,
                        eagerly=lambda: compiler.eagerly(compiled[0]))
     draws = episodes.Episodes(on, env, rows.prompts, o.max_turns, cfg.data.max_length) if env else grpo.Completions(on)
-    step_rows = grpo.StepRows(draws)  # the step's groups, cut into the micro batches' rows
+    step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda line: None))
     held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 
     def begin_step(epoch: int, step: int, keys: list[int]) -> None:
@@ -73,7 +73,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
-        loss=grpo.GRPOLoss(model, o, draws.reward_names(), opened.autocast, reference, draws.episodes),
+        loss=grpo.GRPOLoss(model, o, draws.reward_names(), opened.autocast, reference, draws.episodes, kinds),
         method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),

@@ -32,6 +32,7 @@ def _line_chart(series: list[tuple[str, list[float], list[float], dict]], title:
     for label, xs, ys, style in series:
         if xs:
             ax.plot(xs, ys, label=label, **style)
+    ax.ticklabel_format(axis="y", useOffset=False)  # 5.5443 reads as itself, not as +5.544 and 0.0003
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -95,36 +96,8 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
                                    "Rewards", "optimizer step", "accuracy",
                                    twin=[("margin", [r["step"] for r in rewarded], [r["rewards/margins"] for r in rewarded],
                                           {"color": "tab:red"})], twin_label="margin")))
-    sampled = [r for r in steps if "frac_reward_zero_std" in r]
-    if sampled:  # a GRPO run
-        names = sorted({k for r in sampled for k in r if k.startswith("rewards/") and k.endswith("/mean")})
-        x = [r["step"] for r in sampled]
-        out.insert(1, ("grpo_rewards", "GRPO: the mean reward of each step's completions (weighted sum) and each "
-                                       "reward function's, with the share of groups whose rewards do not differ "
-                                       "(they teach nothing)",
-                       _line_chart([("reward", x, [r["reward"] for r in sampled], {}),
-                                    *[(n[len("rewards/"):-len("/mean")], [r["step"] for r in sampled if n in r],
-                                       [r[n] for r in sampled if n in r], {"linestyle": "--"}) for n in names]],
-                                   "Rewards", "optimizer step", "reward",
-                                   twin=[("zero-spread groups", x, [r["frac_reward_zero_std"] for r in sampled],
-                                          {"color": "tab:gray", "linestyle": ":"})], twin_label="share")))
-        out.insert(2, ("grpo_kl", "GRPO: the completions' mean length in tokens, and the KL from the reference "
-                                  "(0 when beta is 0)",
-                       _line_chart([("completion tokens", x, [r["completions/mean_length"] for r in sampled], {})],
-                                   "Completions", "optimizer step", "tokens",
-                                   twin=[("KL", x, [r["kl"] for r in sampled], {"color": "tab:red"})],
-                                   twin_label="KL")))
-    played = [r for r in sampled if "episodes/turns" in r]
-    if played:  # GRPO in an environment
-        x = [r["step"] for r in played]
-        ran = [(r["step"], r["episodes/calls_ok"]) for r in played if r.get("episodes/calls_ok") is not None]
-        out.insert(3, ("grpo_episodes", "GRPO in an environment: turns and tool calls per episode, step by step, "
-                                        "and the share of calls that ran without error",
-                       _line_chart([("turns", x, [r["episodes/turns"] for r in played], {}),
-                                    ("calls", x, [r["episodes/calls"] for r in played], {"linestyle": "--"})],
-                                   "Episodes", "optimizer step", "per episode",
-                                   twin=[("calls that ran", [s for s, _ in ran], [v for _, v in ran],
-                                          {"color": "tab:green", "linestyle": ":"})], twin_label="share")))
+    for i, chart in enumerate(grpo_charts([r for r in steps if "frac_reward_zero_std" in r])):
+        out.insert(1 + i, chart)
     judged = [r for r in steps if "desirable" in r]
     if judged:  # a KTO run
         out.insert(1, ("kto", "KTO: the mean implied reward of the desirable and the undesirable completions, and the "
@@ -141,6 +114,64 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
             twin=[("memory MB", at, [r.get(f"{g}_memory_mb", 0) for r in monitor], {"color": "tab:red"})],
             twin_label="MB")))
     return [(name, caption, png) for name, caption, png in out if png]
+
+
+def grpo_charts(sampled: list[dict]) -> list[tuple[str, str, bytes | None]]:
+    """A GRPO run's charts from its steps' records: rewards, completions and KL, episodes, and what shows a collapse
+    as it happens (training/grpo/watch.py): the sampling's entropy, and each kind's reward and informative groups."""
+    if not sampled:
+        return []
+    names = sorted({k for r in sampled for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    x = [r["step"] for r in sampled]
+    out = [("grpo_rewards", "GRPO: the mean reward of each step's completions (weighted sum) and each reward "
+                            "function's, with the share of groups whose rewards do not differ (they teach nothing)",
+            _line_chart([("reward", x, [r["reward"] for r in sampled], {}),
+                         *[(n[len("rewards/"):-len("/mean")], [r["step"] for r in sampled if n in r],
+                            [r[n] for r in sampled if n in r], {"linestyle": "--"}) for n in names]],
+                        "Rewards", "optimizer step", "reward",
+                        twin=[("zero-spread groups", x, [r["frac_reward_zero_std"] for r in sampled],
+                               {"color": "tab:gray", "linestyle": ":"})], twin_label="share")),
+           ("grpo_kl", "GRPO: the completions' mean length in tokens, and the KL from the reference (0 when beta "
+                       "is 0)",
+            _line_chart([("completion tokens", x, [r["completions/mean_length"] for r in sampled], {})],
+                        "Completions", "optimizer step", "tokens",
+                        twin=[("KL", x, [r["kl"] for r in sampled], {"color": "tab:red"})], twin_label="KL"))]
+    played = [r for r in sampled if "episodes/turns" in r]
+    if played:  # GRPO in an environment
+        ran = [(r["step"], r["episodes/calls_ok"]) for r in played if r.get("episodes/calls_ok") is not None]
+        out.append(("grpo_episodes", "GRPO in an environment: turns and tool calls per episode, step by step, and "
+                                     "the share of calls that ran without error",
+                    _line_chart([("turns", [r["step"] for r in played], [r["episodes/turns"] for r in played], {}),
+                                 ("calls", [r["step"] for r in played], [r["episodes/calls"] for r in played],
+                                  {"linestyle": "--"})],
+                                "Episodes", "optimizer step", "per episode",
+                                twin=[("calls that ran", [s for s, _ in ran], [v for _, v in ran],
+                                       {"color": "tab:green", "linestyle": ":"})], twin_label="share")))
+    return out + _collapse_charts(sampled)
+
+
+def _collapse_charts(sampled: list[dict]) -> list[tuple[str, str, bytes | None]]:
+    """The sampling's entropy step by step, and each kind's training reward with the share of its groups that
+    taught anything (--kind-column): a kind whose groups stop teaching, or an entropy that falls, is a collapse."""
+    series = lambda key: ([r["step"] for r in sampled if r.get(key) is not None],  # noqa: E731
+                          [r[key] for r in sampled if r.get(key) is not None])
+    out = [("grpo_entropy", "GRPO: the entropy of the policy's sampling distribution at the tokens it sampled "
+                            "(nats, a completion's mean), and at each turn's first token, where a way of answering "
+                            "is chosen",
+            _line_chart([("entropy a token", *series("entropy"), {}),
+                         ("first token of a turn", *series("entropy/first_token"), {"linestyle": "--"})],
+                        "Entropy", "optimizer step", "nats"))]
+    kinds = sorted({k[len("kinds/"):-len("/reward")] for r in sampled for k in r
+                    if k.startswith("kinds/") and k.endswith("/reward")})
+    if kinds:
+        out.append(("grpo_kinds", "GRPO by kind (--kind-column): each kind's mean training reward (solid) and the "
+                                  "share of its groups that taught anything (dotted, right axis); a kind whose "
+                                  "groups stop teaching at a low reward has collapsed",
+                    _line_chart([(k, *series(f"kinds/{k}/reward"), {}) for k in kinds], "Reward by kind",
+                                "optimizer step", "reward",
+                                twin=[(f"{k} informative", *series(f"kinds/{k}/informative"), {"linestyle": ":"})
+                                      for k in kinds], twin_label="share of groups")))
+    return out
 
 
 def memory_report(summary: dict, plan: dict, monitor: list[dict]) -> list[list[str]]:

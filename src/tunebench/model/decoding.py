@@ -49,6 +49,29 @@ GRAPH_MIN_TOKENS = 16  # shorter decodes stay eager: a capture costs about one e
 # Seconds this process spent on prefills (each decode's or turn's first forward, up to its first logits), summed:
 # a caller reads its change around a decode to split prefill from decode (GRPO's step time).
 PREFILL_S = [0.0]
+# Where a caller asked for them (`entropies`), each sampled decode's per-row entropies: read where the logits
+# already are, so watching a policy's entropy (GRPO's collapse watch) costs no forward pass of its own.
+_ENTROPIES: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+
+
+@contextlib.contextmanager
+def entropies():
+    """Within it, every sampled decode (a temperature given; greedy ones record nothing) appends, each a (rows,)
+    tensor for its rows in order: the entropy of softmax(logits / temperature) over the whole vocabulary (before
+    top_p and top_k, as TRL's `entropy`), in nats, summed over each row's sampled tokens; the tokens counted (up to
+    and including its EOS); the first token's entropy."""
+    recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    _ENTROPIES.append(recorded)
+    try:
+        yield recorded
+    finally:
+        _ENTROPIES.pop()
+
+
+def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B,) the entropy in nats of softmax(logits / temperature) over the last dimension."""
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def sample_from(logits: torch.Tensor, temperature: float | None, top_p: float, top_k: int = 0,
@@ -229,7 +252,17 @@ def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, to
     done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     live = torch.arange(rows, device=logits.device)  # the rows `logits` holds, in order
     out = []
+    recorded = _ENTROPIES[-1] if _ENTROPIES and temperature is not None else None
+    if recorded is not None:
+        summed, counted, first = (torch.zeros(rows, device=logits.device) for _ in range(3))
     for i in range(max_new_tokens):
+        if recorded is not None:  # the rows still decoding: a finished row's token is padding
+            on = (~done[live]).float()
+            h = entropy(logits, temperature)
+            summed[live] += h * on
+            counted[live] += on
+            if i == 0:
+                first[live] = h
         drawn = sample_from(logits, temperature, top_p, top_k, live, rows)  # (len(live), 1)
         token = torch.full((rows, 1), pad, dtype=drawn.dtype, device=drawn.device)
         token[live] = torch.where(done[live, None], torch.full_like(drawn, pad), drawn)
@@ -245,6 +278,8 @@ def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, to
             live = live[keep]
         logits = steps.send((token[live], keep))
     steps.close()
+    if recorded is not None:
+        recorded.append((summed, counted, first))
     return torch.cat(out, 1)
 
 

@@ -153,6 +153,10 @@ class ObjectiveKeys:
     tool_timeout: float | None = None
     """GRPO with --environment: seconds a tool call may take before the model is told it gave no answer (default
     10)"""
+    kind_column: str | None = None
+    """GRPO: the prompts' column naming each one's kind (a task type, a difficulty): each kind's training reward and
+    share of groups that taught anything are logged a step, drawn in the report, and a kind whose groups stay
+    alike below the run's best is warned of"""
 
 
 

@@ -144,6 +144,7 @@ class GRPO(ObjectiveBase):
     environment: str | None = None
     max_turns: int | None = None  # None: EPISODE_DEFAULTS where there is an environment
     tool_timeout: float | None = None
+    kind_column: str | None = None  # the prompts' column naming each one's kind: per-kind stats (grpo/watch.py)
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True

@@ -40,6 +40,7 @@ from tunebench.data.prompts import PromptData, PromptRows
 from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
 from tunebench.training.grpo import rewards as rewards_
+from tunebench.training.grpo import watch as watch_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
 
@@ -134,6 +135,9 @@ class Drawn:
     # turn each of its completion tokens belongs to; None where every reward is the episode's
     turn_rewards: list[dict[int, float]] | None = None
     turn_of: list[list[int]] | None = None
+    # (completions, 2) each one's mean entropy a sampled token and its turns' first tokens' (watch.py), None where
+    # the sampling recorded none
+    entropy: torch.Tensor | None = None
 
 
 @dataclass
@@ -240,7 +244,7 @@ class Completions:
         """num_generations completions of each prompt of `keys` sampled (seeded by `seed` alone), and scored."""
         on = self.on
         started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
-        with on.eagerly():
+        with on.eagerly(), decoding.entropies() as recorded:
             completions = sample(on.model, on.tokenizer, on.device, on.autocast, [on.data.ids[k] for k in keys],
                                  on.s, seed)
         on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
@@ -250,9 +254,13 @@ class Completions:
         started = time.perf_counter()
         scores = self.score(keys, completions, on.s.num_generations)
         on.times["scoring"] += time.perf_counter() - started
+        entropy = None
+        if recorded:  # one decode: (summed, counted, first) over the completions in order
+            summed, counted, first = recorded[0]
+            entropy = torch.stack([summed / counted.clamp(min=1), first], 1).cpu()
         return Drawn(completions, scores,
                      torch.tensor([len(c) for c in completions], dtype=torch.float32),
-                     torch.tensor([float(not c or c[-1] != eos) for c in completions]))
+                     torch.tensor([float(not c or c[-1] != eos) for c in completions]), entropy=entropy)
 
     def held_out_scores(self, chunks: list[list[int]]) -> list[list[float]]:
         """Each held-out prompt's row of reward scores (NaN where a reward had no opinion) for one greedy completion,
@@ -282,9 +290,13 @@ class StepRows:
     begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by the rank
     as well (step_seed), so a resume at the same world size samples again what the run did."""
 
-    def __init__(self, draws: Draws):
-        self.draws, self.s = draws, draws.on.s
+    def __init__(self, draws: Draws, kinds: watch_.Kinds | None = None, watch: watch_.Watch | None = None):
+        self.draws, self.s, self.kinds, self.watch = draws, draws.on.s, kinds, watch
         self.groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
+
+    def stat_names(self) -> tuple[str, ...]:
+        """Every step stat but frac_groups_skipped, kl first: the draws', then watch.py's."""
+        return self.draws.stat_names() + watch_.stat_names(self.kinds)
 
     def groups_of(self, keys: list[int], drawn: Drawn) -> Groups:
         """`keys`' groups of what was drawn: each completion's advantage within its group, and the step's stats
@@ -301,13 +313,20 @@ class StepRows:
         if drawn.turn_rewards is not None:
             per_turn = turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
             tokens = [[a[t] if t < len(a) else 0.0 for t in turns] for a, turns in zip(per_turn, drawn.turn_of)]
-        return Groups(keys, drawn.completions, adv, stats, drawn.masks, tokens)
+        groups = Groups(keys, drawn.completions, adv, stats, drawn.masks, tokens)
+        g = self.s.num_generations
+        taught = torch.tensor([float(not groups.silent(i, g)) for i in range(len(adv))])
+        kind = [self.kinds.of_row[self.draws.on.data.source(k)] for k in keys for _ in range(g)] if self.kinds else []
+        if self.watch is not None:
+            self.watch.see(kind, total, taught, drawn.entropy, g)
+        groups.row_stats = torch.cat([stats, watch_.columns(drawn.entropy, self.kinds, kind, total, taught)], 1)
+        return groups
 
     def filler(self, keys: list[int], length: int) -> Groups:
         """Groups of `keys` whose completions are `length` EOS tokens each, advantages and stats 0: nothing drawn."""
         g, eos = self.s.num_generations, self.draws.on.tokenizer.eos_token_id
         return Groups(keys, [[eos] * length] * (len(keys) * g), torch.zeros(len(keys) * g),
-                      torch.zeros(len(keys) * g, len(self.draws.stat_names()) - 1))
+                      torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
 
     def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
         """The rows of `keys`' groups, cut from the step's (the job's begin_step made them; the global micro-step's keys,
@@ -391,12 +410,13 @@ class GRPOLoss(torch.nn.Module):
     unit = "completions"
 
     def __init__(self, model, settings: GRPO, rewards: list[rewards_.Reward], autocast_dtype=None,
-                 reference=None, episodes: bool = False):
+                 reference=None, episodes: bool = False, kinds: watch_.Kinds | None = None):
         super().__init__()
         self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype
-        self.stat_names = stat_names(rewards) + (EPISODE_STATS if episodes else ()) + ("frac_groups_skipped",)
+        self.stat_names = (stat_names(rewards) + (EPISODE_STATS if episodes else ()) + watch_.stat_names(kinds)
+                           + ("frac_groups_skipped",))  # StepRows.stat_names' order, then the skipped groups
         self.stat_per = {f"rewards/{r.name}/mean": f"count/{r.name}" for r in rewards} | (
-            EPISODE_STAT_PER if episodes else {})
+            EPISODE_STAT_PER if episodes else {}) | watch_.stat_per(kinds)
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
 
     def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:

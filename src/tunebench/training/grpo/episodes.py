@@ -51,6 +51,9 @@ class Episode:
     calls_ok: int = 0
     stop: str | None = None  # why it ended (one of grpo.EPISODE_STOPS); None while it plays
     tool_turns: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of each tool turn's tokens
+    # the sampling's entropies (watch.py): summed over its tokens, its tokens, summed over its turns' first
+    # tokens, its turns recorded
+    entropy: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
 
     def answer(self) -> str:
         last = self.messages[-1]
@@ -122,10 +125,13 @@ def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None,
         playing = [i for i, e in enumerate(episodes) if e.stop is None]
         if not playing:
             break
-        with on.eagerly():
+        with on.eagerly(), decoding.entropies() as recorded:
             replies = grpo.complete(on.model, on.tokenizer, on.device, on.autocast,
                                     [episodes[i].ids for i in playing], 1, on.s.max_completion_length,
                                     temperature, top_p, turns=turns if draws.keep_cache else None, rows=playing)
+        for summed, counted, first in recorded:  # this turn's decode: its rows are `playing`, in order
+            for i, h, n, f in zip(playing, summed.tolist(), counted.tolist(), first.tolist()):
+                episodes[i].entropy = [a + b for a, b in zip(episodes[i].entropy, (h, n, f, 1.0))]
         draws.rollout_prefilled += turns.prefilled if draws.keep_cache else sum(len(episodes[i].ids) for i in playing)
         turns.prefilled = 0
         playing = [episodes[i] for i in playing]
@@ -265,11 +271,13 @@ class Episodes:
         scores, per_turn = self.score_episodes(episodes)
         on.times["scoring"] += time.perf_counter() - started
         turns = None if all(t is None for t in per_turn) else self.turn_rewards(episodes, scores, per_turn)
+        entropy = torch.tensor([[h / max(n, 1), f / max(t, 1)] for h, n, f, t in (e.entropy for e in episodes)]) \
+            if any(e.entropy[3] for e in episodes) else None
         return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], scores,
                           torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32),
                           torch.tensor([float(e.stop == "cut") for e in episodes]),
                           [e.mask[e.prompt_len:] for e in episodes], figures, turns,
-                          turns and [turn_of(e) for e in episodes])
+                          turns and [turn_of(e) for e in episodes], entropy)
 
     def probe_length(self, keys: list[int]) -> int:
         """A whole context (max_length) less the shortest opening of `keys`: the most a step's row holds."""

@@ -20,12 +20,14 @@ from tunebench.training.autotune import Trained
 from tunebench.training.grpo import Draws, Sampling, environment
 from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo.environment import Environment
+from tunebench.training.grpo.watch import Kinds
 
 
-def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None]:
-    """(the prompts, the reward and environment files' hashes, the rewards, the environment) read and checked: the
-    environment's names, the columns the rewards read, a resume's files unchanged, enough prompts for a step, a
-    model that can be found. With an environment, each row's prompt is reset(row)'s opening messages."""
+def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None, Kinds | None]:
+    """(the prompts, the reward and environment files' hashes, the rewards, the environment, the prompts' kinds)
+    read and checked: the environment's names, the columns the rewards read, the kind column, a resume's files
+    unchanged, enough prompts for a step, a model that can be found. With an environment, each row's prompt is
+    reset(row)'s opening messages."""
     o = cfg.objective
     # the user's files read and hashed before any of them runs: a resume runs them again, the same bytes or refused
     read = rewards_.files(o.reward)
@@ -38,12 +40,13 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     rows = prompts.load(cfg.data) if env is None else environment.rows(env, cfg.data)
     scoring = rewards_.parse(cfg.objective.reward, cfg.objective.reward_weights, read)
     rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
+    kinds = Kinds.of(o.kind_column, rows.columns)
     print(f"data: {len(rows)} prompt(s) from {cfg.data.path}; rewards: "
           + ", ".join([*(["environment x 1"] if env else []), *(f"{r.name} x {r.weight:g}" for r in scoring)])
           + (f"; environment {o.environment}: tools {', '.join(env.tools)}" if env else ""))
     finetune_data.check_rows(len(rows), cfg, 0, "")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
-    return rows, code, scoring, env
+    return rows, code, scoring, env, kinds
 
 
 def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
