@@ -70,7 +70,7 @@ def test_groups_that_teach_nothing_leave_the_update_with_the_same_loss_and_gradi
     objective = grpo.GRPOLoss(model, settings, [rewards.Reward("r", 1.0, lambda p, c, cols: [])])
 
     def step(keys, skip):
-        batch, _, _ = prepare(grpo.rows_of(groups, keys, data, 2, tok.pad_token_id, skip_alike=skip),
+        batch, _, _ = prepare(grpo.rows_of(groups, keys, data, 2, tok.pad_token_id, "groups" if skip else ""),
                               torch.device("cpu"))
         model.zero_grad(set_to_none=True)
         loss, stats = objective(batch)
@@ -236,7 +236,7 @@ def test_grpo_settings_are_checked_at_load(options, message):
 
 
 def test_grpo_settings_belong_to_grpo_and_default_to_trls():
-    with pytest.raises(TunebenchError, match="--num-generations is GRPO's, and this run's objective is sft"):
+    with pytest.raises(TunebenchError, match="--num-generations is GRPO's and RFT's, and this run's objective is sft"):
         load_config(options={"adapter.num_generations": 4})
     o = load_config(options={"adapter.method": "grpo", "objective.reward": "gsm8k"}).objective
     assert (o.beta, o.num_generations, o.temperature, o.epsilon, o.epsilon_high, o.loss_type, o.scale_rewards,

@@ -263,15 +263,15 @@ def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five
     assert "turns.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode_turns")
     assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "collate") <= {"self.filler", "rows_of"}
     assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "filler") <= {"Groups", "len", "torch.zeros",
-                                                                         "self.draws.stat_names"}
+                                                                                      "self.stat_names"}
 
 
 def test_only_the_settings_loader_and_the_preference_slice_test_an_objectives_name():
     """The code around an objective reads its typed settings' facts (data, unit, samples, preference, report,
-    reference_forwards), never its name: a string test of 'sft', 'dpo', 'orpo', 'kto' or 'grpo' is the settings
+    reference_forwards), never its name: a string test of 'sft', 'dpo', 'orpo', 'kto', 'grpo' or 'rft' is the settings
     loader's (settings/finetune.py, settings/objectives.py) or the preference slice's, which builds DPO's, ORPO's
     or KTO's loss (training/preference.py). Before the typed settings, 11 files did."""
-    names = {"sft", "dpo", "orpo", "kto", "grpo"}
+    names = {"sft", "dpo", "orpo", "kto", "grpo", "rft"}
     testing = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -60,7 +60,9 @@ def test_each_objective_holds_only_its_own_settings_with_their_defaults():
 
     own = {name: objectives.own_keys(kind) for name, kind in objectives.BY_NAME.items()}
     assert own["sft"] == () and own["dpo"] == ("beta",) and own["orpo"] == ("orpo_lambda",)
-    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 14
+    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 15
+    assert set(own["rft"]) == set(own["grpo"]) - {"beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards"} | {
+        "min_reward"}
     dpo = load_config(options={"train.objective": "dpo"}).objective
     assert type(dpo) is objectives.DPO and dpo.beta == 0.1 and not hasattr(dpo, "num_generations")
     assert dataclasses.asdict(dpo) == {"name": "dpo", "beta": 0.1}  # what config.yaml saves of it
@@ -68,7 +70,7 @@ def test_each_objective_holds_only_its_own_settings_with_their_defaults():
     assert (grpo.objective.epsilon_high, grpo.objective.max_turns, grpo.objective.samples) == (0.3, None, True)
     env = load_config(options={"train.objective": "grpo", "objective.environment": "builtin:lookup"}).objective
     assert (env.max_turns, env.tool_timeout) == (4, 10.0)
-    with pytest.raises(TunebenchError, match="--num-generations is GRPO's, and this run's objective is kto"):
+    with pytest.raises(TunebenchError, match="--num-generations is GRPO's and RFT's, and this run's objective is kto"):
         load_config(options={"train.objective": "kto", "objective.num_generations": 4})
     with pytest.raises(TunebenchError, match="objective.name 'ppo' is not one of sft, dpo, orpo, kto, grpo"):
         load_config(options={"train.objective": "ppo"})

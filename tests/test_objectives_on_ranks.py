@@ -136,11 +136,11 @@ def test_each_objective_trains_on_two_ranks_at_the_defaults(tmp_path):
     rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     _grpo_args(tmp_path, tmp_path / "unused", 2)  # writes q.jsonl
     data = {"sft": rows, "dpo": pairs_file(tmp_path), "orpo": pairs_file(tmp_path),
-            "kto": _preference_data(tmp_path, "kto"), "grpo": tmp_path / "q.jsonl"}
+            "kto": _preference_data(tmp_path, "kto"), "grpo": tmp_path / "q.jsonl", "rft": tmp_path / "q.jsonl"}
     for objective, path in data.items():
         out = tmp_path / objective
         extra = ["--reward", "format:\\d", "--num-generations", "2", "--max-completion-length", "8"] \
-            if objective == "grpo" else []
+            if objective in ("grpo", "rft") else []
         _tunebench(["train", "--model", "tiny", "--objective", objective, "--data", str(path), "--max-steps", "2",
                     "--effective-batch-size", "4", "--output-dir", str(out), "--no-progress", *extra], nproc=2, timeout=180)
         plan = {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}

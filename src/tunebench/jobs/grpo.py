@@ -1,5 +1,6 @@
-"""`tunebench train --objective grpo`: GRPO on prompts with rewards or on episodes in an environment (--environment),
-its slice in training/grpo/, one recipe over training.recipe; begin_step below is one step's data."""
+"""`tunebench train --objective grpo` (or rft): GRPO (or rejection-sampling fine-tuning) on prompts with rewards or
+on episodes in an environment, its slice in training/grpo/, one recipe over training.recipe; begin_step below is
+one step's data."""
 
 from typing import Any
 
@@ -42,13 +43,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [])
     model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
-    reference, words = preference.reference_for(model, a.method == "full") if o.beta else \
+    reference, words = preference.reference_for(model, a.method == "full") if o.reference_forwards else \
         (None, "none (beta 0: no KL term)")
+    loss_class, credit = grpo_run.slice_of(o)  # GRPO's loss and advantages, or RFT's and its kept ones
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     on = grpo.Sampling(model, tok, data, rows, scoring, o, opened.device, opened.autocast,
                        eagerly=lambda: compiler.eagerly(compiled[0]))
     draws = episodes.Episodes(on, env, rows.prompts, o.max_turns, cfg.data.max_length) if env else grpo.Completions(on)
-    step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda line: None))
+    step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None), credit)
     held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 
     def begin_step(epoch: int, step: int, keys: list[int]) -> None:
@@ -73,20 +75,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
-        loss=grpo.GRPOLoss(model, o, draws.reward_names(), opened.autocast, reference, draws.episodes, kinds),
+        loss=loss_class(model, o, draws.reward_names(), opened.autocast, reference, draws.episodes, kinds),
         method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
         units=runplan.Units(
-            n=len(train_idx),
-            name="prompts",
+            n=len(train_idx), name="prompts",
             tokens_each=float(o.num_generations * (lengths[train_idx].mean() + o.max_completion_length)),  # a turn
             what=grpo_run.measured_as(cfg),
             probe_rows=lambda size: step_rows.probe_rows(longest[:size]),
             widest=cfg.data.max_length if env else int(lengths[train_idx].max()) + o.max_completion_length,
-            max_length=cfg.data.max_length,
-            quantized=a.method == "qlora",
+            max_length=cfg.data.max_length, quantized=a.method == "qlora",
             rows_each=o.num_generations),
         batches=lambda micro: feed.Batches(epoch_steps, step_rows.collate, begin_step=begin_step),
         eval_sets=lambda micro: [],

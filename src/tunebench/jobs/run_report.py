@@ -135,7 +135,8 @@ def grpo_charts(sampled: list[dict]) -> list[tuple[str, str, bytes | None]]:
                        "is 0)",
             _line_chart([("completion tokens", x, [r["completions/mean_length"] for r in sampled], {})],
                         "Completions", "optimizer step", "tokens",
-                        twin=[("KL", x, [r["kl"] for r in sampled], {"color": "tab:red"})], twin_label="KL"))]
+                        twin=[("KL", [r["step"] for r in sampled if "kl" in r], [r["kl"] for r in sampled if "kl" in r],
+                               {"color": "tab:red"})], twin_label="KL"))]  # RFT has no reference: no KL
     played = [r for r in sampled if "episodes/turns" in r]
     if played:  # GRPO in an environment
         ran = [(r["step"], r["episodes/calls_ok"]) for r in played if r.get("episodes/calls_ok") is not None]

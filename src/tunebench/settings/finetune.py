@@ -113,7 +113,7 @@ class ObjectiveKeys:
     name: str = "sft"
     """sft (the loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B store
     of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store) |
-    grpo (prompts, and --reward)"""
+    grpo (prompts, and --reward) | rft (prompts and --reward: rejection-sampling fine-tuning)"""
     beta: float | None = None
     """DPO's and KTO's beta, how far the model may move from its reference; GRPO's KL weight (0: no reference
     pass)"""
@@ -123,18 +123,18 @@ class ObjectiveKeys:
     """KTO: the weight of an undesirable completion's loss"""
     # GRPO, with TRL's names (settings.objectives.GRPO holds the defaults)
     reward: tuple[str, ...] = ()
-    """GRPO: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
+    """GRPO and RFT: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
     path/to/file.py:function (TRL's signature: prompts, completions, **columns)"""
     reward_weights: tuple[float, ...] = ()
-    """GRPO: one weight per --reward (default 1 each)"""
+    """GRPO and RFT: one weight per --reward (default 1 each)"""
     num_generations: int | None = None
-    """GRPO: completions per prompt, the group"""
+    """GRPO and RFT: completions sampled per prompt (GRPO's group)"""
     max_completion_length: int | None = None
-    """GRPO: new tokens per completion"""
+    """GRPO and RFT: new tokens per completion"""
     temperature: float | None = None
-    """GRPO: the sampling temperature"""
+    """GRPO and RFT: the sampling temperature"""
     top_p: float | None = None
-    """GRPO: nucleus sampling (1.0: off)"""
+    """GRPO and RFT: nucleus sampling (1.0: off)"""
     epsilon: float | None = None
     """GRPO: the clipping epsilon"""
     epsilon_high: float | None = None
@@ -146,17 +146,20 @@ class ObjectiveKeys:
     orpo_lambda: float | None = None
     """ORPO's lambda, the weight of its odds-ratio term (TRL calls it beta)"""
     environment: str | None = None
-    """GRPO with tools: a Python file defining TOOLS, reset(row) and reward(messages, row), or builtin:lookup; each
-    completion becomes an episode of turns in which the model's tool calls run (training/grpo/environment.py)"""
+    """GRPO and RFT with tools: a Python file defining TOOLS, reset(row) and reward(messages, row), or
+    builtin:lookup; each completion becomes an episode of turns in which the model's tool calls run
+    (training/grpo/environment.py)"""
     max_turns: int | None = None
-    """GRPO with --environment: the model's turns an episode may take (default 4)"""
+    """GRPO and RFT with --environment: the model's turns an episode may take (default 4)"""
     tool_timeout: float | None = None
-    """GRPO with --environment: seconds a tool call may take before the model is told it gave no answer (default
-    10)"""
+    """GRPO and RFT with --environment: seconds a tool call may take before the model is told it gave no answer
+    (default 10)"""
     kind_column: str | None = None
-    """GRPO: the prompts' column naming each one's kind (a task type, a difficulty): each kind's training reward and
-    share of groups that taught anything are logged a step, drawn in the report, and a kind whose groups stay
-    alike below the run's best is warned of"""
+    """GRPO and RFT: the prompts' column naming each one's kind (a task type, a difficulty): each kind's training
+    reward and share of groups that taught anything are logged a step, drawn in the report, and a kind whose groups
+    stay alike below the run's best is warned of; RFT balances its kept completions by kind"""
+    min_reward: float | None = None
+    """RFT: a sampled completion is trained on when its weighted reward is at least this (default: above 0)"""
 
 
 

@@ -170,30 +170,81 @@ class GRPO(ObjectiveBase):
         if self.num_generations < 2:
             raise TunebenchError(f"--num-generations must be 2 or more, got {self.num_generations}: GRPO's advantage "
                                  "is a completion's reward against its group's; TRL's default is 8")
-        if self.max_completion_length < 1:
-            raise TunebenchError(f"--max-completion-length must be 1 or more, got {self.max_completion_length}")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise TunebenchError(f"--temperature must be above 0 and --top-p in (0, 1], got {self.temperature} and "
-                                 f"{self.top_p}")
         if self.beta < 0 or self.epsilon < 0 or self.epsilon_high < 0:
             raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {self.beta}, "
                                  f"{self.epsilon} and {self.epsilon_high}")
-        if self.environment is None and (self.max_turns is not None or self.tool_timeout is not None):
-            raise TunebenchError("--max-turns and --tool-timeout set episodes in an environment; give --environment "
-                                 "FILE.py (or builtin:lookup), or drop them")
-        if self.environment is not None and not (self.max_turns >= 1 and self.tool_timeout > 0):
-            raise TunebenchError(f"--max-turns must be 1 or more and --tool-timeout above 0, got {self.max_turns} "
-                                 f"and {self.tool_timeout}")
-        if not self.reward and self.environment is None:
-            raise TunebenchError("--method grpo needs at least one --reward: gsm8k, format:REGEX, exact, contains or "
-                                 "path/to/file.py:function (or --environment, whose reward scores each episode)")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward):
-            raise TunebenchError(f"--reward-weights gives {len(self.reward_weights)} weight(s) for "
-                                 f"{len(self.reward)} reward(s); give one weight per --reward, in the same order")
+        _check_sampling(self)
 
 
-Objective = SFT | DPO | ORPO | KTO | GRPO
-KINDS: tuple[type, ...] = (SFT, DPO, ORPO, KTO, GRPO)
+def _check_sampling(self: GRPO | RFT) -> None:
+    """What both objectives that sample their own completions must hold."""
+    if self.max_completion_length < 1:
+        raise TunebenchError(f"--max-completion-length must be 1 or more, got {self.max_completion_length}")
+    if not self.temperature > 0 or not 0 < self.top_p <= 1:
+        raise TunebenchError(f"--temperature must be above 0 and --top-p in (0, 1], got {self.temperature} and "
+                             f"{self.top_p}")
+    if self.environment is None and (self.max_turns is not None or self.tool_timeout is not None):
+        raise TunebenchError("--max-turns and --tool-timeout set episodes in an environment; give --environment "
+                             "FILE.py (or builtin:lookup), or drop them")
+    if self.environment is not None and not (self.max_turns >= 1 and self.tool_timeout > 0):
+        raise TunebenchError(f"--max-turns must be 1 or more and --tool-timeout above 0, got {self.max_turns} "
+                             f"and {self.tool_timeout}")
+    if not self.reward and self.environment is None:
+        raise TunebenchError(f"--objective {self.name} needs at least one --reward: gsm8k, format:REGEX, exact, "
+                             "contains or path/to/file.py:function (or --environment, whose reward scores each "
+                             "episode)")
+    if self.reward_weights and len(self.reward_weights) != len(self.reward):
+        raise TunebenchError(f"--reward-weights gives {len(self.reward_weights)} weight(s) for "
+                             f"{len(self.reward)} reward(s); give one weight per --reward, in the same order")
+
+
+@dataclass(frozen=True)
+class RFT(ObjectiveBase):
+    """Rejection-sampling fine-tuning, as expert iteration (Anthony et al., 2017; Havrilla et al., 2024) and RAFT
+    online (Dong et al., 2023; RAFT++, Xiong et al., 2025): each step samples num_generations completions (or
+    episodes) of its prompts from the policy as it trains, with GRPO's environments and rewards, keeps those whose
+    weighted reward passes --min-reward, and trains on them with the next-token loss (balanced by kind where
+    --kind-column names one). No reference, no advantage: on a small model that cannot yet tell its questions'
+    kinds apart, it learns only from what worked."""
+
+    name: str = field(default="rft", init=False)
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_reward: float | None = None  # None: above 0, tunebench's success (an episode's held-out success too)
+    reward: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
+    environment: str | None = None
+    max_turns: int | None = None
+    tool_timeout: float | None = None
+    kind_column: str | None = None
+    data: ClassVar[str] = "prompts"
+    unit: ClassVar[str] = "prompts"
+    samples: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.environment:
+            for key, value in EPISODE_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    object.__setattr__(self, key, value)
+
+    def report(self) -> dict[str, Any]:
+        return {"objective": self.name, "min_reward": self.min_reward}
+
+    def kept(self, reward: float) -> bool:
+        """Whether a completion of this weighted reward is trained on."""
+        return reward > 0 if self.min_reward is None else reward >= self.min_reward
+
+    def check(self) -> None:
+        if self.num_generations < 1:
+            raise TunebenchError(f"--num-generations must be 1 or more, got {self.num_generations}: the completions "
+                                 "sampled a prompt, of which those passing --min-reward are trained on")
+        _check_sampling(self)
+
+
+Objective = SFT | DPO | ORPO | KTO | GRPO | RFT
+KINDS: tuple[type, ...] = (SFT, DPO, ORPO, KTO, GRPO, RFT)
 BY_NAME: dict[str, type] = {kind().name: kind for kind in KINDS}  # every field but the name has a default
 NAMES = tuple(BY_NAME)
 

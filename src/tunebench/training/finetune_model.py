@@ -28,13 +28,13 @@ def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     d = cfg.data
     plain = cfg.to_dict()
     # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it:
-    # every objective key, None where not this objective's (as before its settings were typed); the episodes' keys
-    # (added since) only where set, so that such a checkpoint still matches
+    # every objective key, None where not this objective's (as before its settings were typed); the keys added
+    # since (the episodes', the kind column, RFT's) only where set, so that such a checkpoint still matches
     keys = tuple(f.name for f in dataclasses.fields(ObjectiveKeys) if f.name != "name")
-    episode_keys = {"environment", *objectives.EPISODE_DEFAULTS}
+    later_keys = {"environment", *objectives.EPISODE_DEFAULTS, "kind_column", "min_reward"}
     every = schema.plain(objectives.every_key(cfg.objective, keys))
     adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in every.items()
-                                      if k not in episode_keys or v is not None}}
+                                      if k not in later_keys or v is not None}}
     return {"model": cfg.model.name, "adapter": adapter, "seed": cfg.schedule.seed,
             "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
 

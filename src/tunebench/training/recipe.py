@@ -258,6 +258,21 @@ class TrainResult:
     largest_fed: tuple[int, int] = (0, 0)  # the micro batch of most positions the loop fed: rows, width
 
 
+class Largest:
+    """A collate that keeps the micro batch of most positions it made (rows, width): what the memory plan is held
+    to at the end (GRPO plans every group teaching, and feeds only the groups that teach)."""
+
+    def __init__(self, collate: Callable):
+        self.collate, self.rows, self.width = collate, 0, 0
+
+    def __call__(self, *args):
+        batch = self.collate(*args)
+        rows, width = batch["input_ids"].shape
+        if rows * width > self.rows * self.width:
+            self.rows, self.width = rows, width
+        return batch
+
+
 def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
           tracking: trackers.Tracking) -> TrainResult:
     """The records (rank 0: config.yaml and plan.json, the trackers' parameters), the resume point, the evaluation
@@ -308,17 +323,8 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         log({"step": 0, **before})
         runner.say(world, f"eval before training: {describe_eval(before)}")
     made = planned.batches
-    largest = [0, 0]  # rows, width: what the memory plan is held to (GRPO feeds only the groups that teach)
-
-    def collate(*args):
-        batch = made.collate(*args)
-        rows, width = batch["input_ids"].shape
-        if rows * width > largest[0] * largest[1]:
-            largest[:] = [rows, width]
-        return batch
-
-    next_micro_batch = feed.micro_batches(made.steps, collate, world, plan.micro_batch_size,
-                                            plan.grad_accum_steps, made.begin_step)
+    next_micro_batch = feed.micro_batches(made.steps, largest := Largest(made.collate), world,
+                                          plan.micro_batch_size, plan.grad_accum_steps, made.begin_step)
     stopping.raise_if_signalled()  # the last look before the loop takes the signals over
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping.Phase.loop_started = True
@@ -346,7 +352,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
                              t.settings.warmup_steps_excluded)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-    return TrainResult(outcome, weights, ranks, times, (largest[0], largest[1]))
+    return TrainResult(outcome, weights, ranks, times, (largest.rows, largest.width))
 
 
 def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: TrainResult,

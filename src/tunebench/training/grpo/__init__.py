@@ -281,6 +281,39 @@ class Completions:
                 **{f"eval_rewards/{r.name}/mean": float(torch.nanmean(scores[:, j])) for j, r in enumerate(rewards)}}
 
 
+class Credit(Protocol):
+    """What each completion of a step carries into the loss: GRPO's advantage (Advantages) or RFT's weight where
+    kept (rft.Kept); `skip` names what rows_of leaves out of the forward ("groups", "rows" or "")."""
+
+    skip: str
+
+    def of(self, drawn: Drawn, weights: torch.Tensor, kind: list[int]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def per_token(self, drawn: Drawn) -> list[list[float]] | None: ...
+    def masks(self, drawn: Drawn, credit: torch.Tensor) -> list[list[int]] | None: ...
+
+
+class Advantages:
+    """GRPO's credit: each completion's advantage within its group (`advantages`), each token's where an episode's
+    rewards come per turn (`turn_advantages`); at beta 0 a group that teaches nothing leaves the forward."""
+
+    def __init__(self, s: GRPO):
+        self.s, self.skip = s, "groups" if s.beta == 0 else ""
+
+    def of(self, drawn: Drawn, weights: torch.Tensor, kind: list[int]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return advantages(drawn.scores, weights, self.s.num_generations, self.s.scale_rewards)
+
+    def per_token(self, drawn: Drawn) -> list[list[float]] | None:
+        if drawn.turn_rewards is None:
+            return None
+        per_turn = turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
+        return [[a[t] if t < len(a) else 0.0 for t in turns] for a, turns in zip(per_turn, drawn.turn_of)]
+
+    def masks(self, drawn: Drawn, credit: torch.Tensor) -> list[list[int]] | None:
+        return drawn.masks  # every completion's tokens count in the step's normalisers, taught or not
+
+
 class StepRows:
     """A step's groups and their micro batches, whatever drew them: the job's begin_step draws the step's prompts
     (`draws.draw`) and sets `groups` to `groups_of` them before the step's first micro batch, and `collate` then
@@ -290,8 +323,10 @@ class StepRows:
     begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by the rank
     as well (step_seed), so a resume at the same world size samples again what the run did."""
 
-    def __init__(self, draws: Draws, kinds: watch_.Kinds | None = None, watch: watch_.Watch | None = None):
+    def __init__(self, draws: Draws, kinds: watch_.Kinds | None = None, watch: watch_.Watch | None = None,
+                 credit: Credit | None = None):
         self.draws, self.s, self.kinds, self.watch = draws, draws.on.s, kinds, watch
+        self.credit = credit or Advantages(draws.on.s)
         self.groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
 
     def stat_names(self) -> tuple[str, ...]:
@@ -299,24 +334,20 @@ class StepRows:
         return self.draws.stat_names() + watch_.stat_names(self.kinds)
 
     def groups_of(self, keys: list[int], drawn: Drawn) -> Groups:
-        """`keys`' groups of what was drawn: each completion's advantage within its group, and the step's stats
-        per completion (stat_names' order, kl aside)."""
-        scores = drawn.scores
-        adv, total, zero = advantages(scores, self.draws.weights, self.s.num_generations, self.s.scale_rewards)
+        """`keys`' groups of what was drawn: each completion's credit (`credit`: GRPO's advantage within its group,
+        or RFT's weight where kept), and the step's stats per completion (stat_names' order, kl aside)."""
+        scores, g = drawn.scores, self.s.num_generations
+        kind = [self.kinds.of_row[self.draws.on.data.source(k)] for k in keys for _ in range(g)] if self.kinds else []
+        adv, total, zero = self.credit.of(drawn, self.draws.weights, kind)
         per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
                                                            (~torch.isnan(scores[:, j])).float())]
         stats = torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), drawn.lengths,
                              drawn.clipped, *per], 1)
         if drawn.figures is not None:
             stats = torch.cat([stats, drawn.figures], 1)
-        tokens = None
-        if drawn.turn_rewards is not None:
-            per_turn = turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
-            tokens = [[a[t] if t < len(a) else 0.0 for t in turns] for a, turns in zip(per_turn, drawn.turn_of)]
-        groups = Groups(keys, drawn.completions, adv, stats, drawn.masks, tokens)
-        g = self.s.num_generations
+        credit = self.credit
+        groups = Groups(keys, drawn.completions, adv, stats, credit.masks(drawn, adv), credit.per_token(drawn))
         taught = torch.tensor([float(not groups.silent(i, g)) for i in range(len(adv))])
-        kind = [self.kinds.of_row[self.draws.on.data.source(k)] for k in keys for _ in range(g)] if self.kinds else []
         if self.watch is not None:
             self.watch.see(kind, total, taught, drawn.entropy, g)
         groups.row_stats = torch.cat([stats, watch_.columns(drawn.entropy, self.kinds, kind, total, taught)], 1)
@@ -337,7 +368,7 @@ class StepRows:
             # are zeroed there): one EOS a completion, nothing sampled
             groups = self.filler(keys, 1)
         return rows_of(groups, keys, self.draws.on.data, self.s.num_generations,
-                       self.draws.on.tokenizer.pad_token_id, skip_alike=self.s.beta == 0)
+                       self.draws.on.tokenizer.pad_token_id, self.credit.skip)
 
     def probe_rows(self, keys: list[int]) -> Batch:
         """A micro batch as large as `keys` can make (every completion as long as the draws' can be, zero
@@ -366,26 +397,26 @@ def turn_advantages(rewards: list[dict[int, float]], group: int, scale: str) -> 
     return out
 
 
-def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip_alike: bool = False
-            ) -> Batch:
+def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip: str = "") -> Batch:
     """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens (on an
     episode's, the policy's tokens of it: groups.masks).
     Besides the usual tensors: `advantages` (rows,), `row_stats` (completions, stats: every completion's, rows or
     not), `counts` (completions, completion tokens: the units this micro batch adds to its optimizer step's
     normalisers, loop.prepare) and `skipped` (completions left out).
 
-    `skip_alike` (beta 0): a group whose advantages are all 0 teaches nothing (its loss and gradient are 0 without a
-    KL term), so its rows are left out of the forward and backward; it still counts in the normalisers and the
-    stats, so the step's loss and gradients are the same. A micro batch of such groups alone keeps its first row
-    (an advantage of 0 again): every rank runs its forward and backward for the gradient sync."""
+    `skip` "groups" (GRPO at beta 0): a group whose advantages are all 0 teaches nothing (its loss and gradient are
+    0 without a KL term), so its rows are left out of the forward and backward; it still counts in the normalisers
+    and the stats, so the step's loss and gradients are the same. "rows" (RFT): every row of weight 0 (not kept) is
+    left out. A micro batch of such rows alone keeps its first row (a weight of 0 again): every rank runs its
+    forward and backward for the gradient sync."""
     from tunebench.data.batching import pad_examples
 
     where = {key: i for i, key in enumerate(groups.keys)}
     picked = [where[key] * g + j for key in keys for j in range(g)]
     masks = groups.masks or [[1] * len(c) for c in groups.completions]
     owners = [key for key in keys for _ in range(g)]
-    # a completion of a group that teaches nothing: all its group's advantages are 0
-    alike = [skip_alike and groups.silent(i, g) for i in picked]
+    # a completion of a group that teaches nothing (all its group's advantages are 0), or one of weight 0
+    alike = [skip == "groups" and groups.silent(i, g) or skip == "rows" and not groups.advantages[i] for i in picked]
     rows = [(key, i) for key, i, out in zip(owners, picked, alike) if not out] or [(owners[0], picked[0])]
     examples = [(np.asarray(data.ids[key] + groups.completions[i]),
                  np.asarray([0] * len(data.ids[key]) + masks[i])) for key, i in rows]

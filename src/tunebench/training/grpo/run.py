@@ -14,10 +14,10 @@ from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.settings.objectives import GRPO
+from tunebench.settings.objectives import GRPO, RFT
 from tunebench.training import checkpoint, finetune_data
 from tunebench.training.autotune import Trained
-from tunebench.training.grpo import Draws, Sampling, environment
+from tunebench.training.grpo import Advantages, Credit, Draws, GRPOLoss, Sampling, environment, rft
 from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo.environment import Environment
 from tunebench.training.grpo.watch import Kinds
@@ -68,8 +68,26 @@ def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     return lengths
 
 
+def slice_of(o: GRPO | RFT) -> tuple[type, Credit]:
+    """A sampling objective's loss class and the step's credit, by its settings' type: GRPO's (advantages within
+    each group) or RFT's (the kept completions' weights)."""
+    if isinstance(o, RFT):
+        return rft.RFTLoss, rft.Kept(o)
+    return GRPOLoss, Advantages(o)
+
+
 def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
     o = cfg.objective
+    if isinstance(o, RFT):
+        where = (f"{o.num_generations} episodes a prompt in {o.environment}, up to {o.max_turns} turns of up to "
+                 f"{o.max_completion_length} tokens, tool calls limited to {o.tool_timeout:g} s" if o.environment
+                 else f"{o.num_generations} completions a prompt of up to {o.max_completion_length} tokens")
+        keep = "above 0" if o.min_reward is None else f"at least {o.min_reward:g}"
+        return Decision("objective", o.name, f"{where} sampled each step at temperature {o.temperature:g} (top_p "
+                        f"{o.top_p:g}); those whose reward is {keep} kept (one of identical ones in a prompt's), "
+                        "trained on with the next-token loss over the step's kept tokens"
+                        + (f", each kind of {o.kind_column} an equal share" if o.kind_column else "")
+                        + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
     if o.environment:
         return Decision("objective", o.name, f"{o.num_generations} episodes a prompt in {o.environment}, up to "
                         f"{o.max_turns} turns of up to {o.max_completion_length} tokens (the loss on the model's own "
@@ -97,7 +115,7 @@ def measured_as(cfg: RunConfig) -> Trained:
     completions, never sampled."""
     a, o = cfg.adapter, cfg.objective
     episodes = f"+episodes{o.max_turns}" if o.environment else ""  # whole contexts: not a single turn's probe
-    return Trained(cfg.model.name, f"{a.method}+grpo{o.num_generations}x{o.max_completion_length}{episodes}",
+    return Trained(cfg.model.name, f"{a.method}+{o.name}{o.num_generations}x{o.max_completion_length}{episodes}",
                    a.quantization, a.r, a.target_modules)
 
 
