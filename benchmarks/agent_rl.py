@@ -233,6 +233,8 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
           f"{share(r['start']['composed'])} %", flush=True)
     if a.start_only:
         return r
+    if a.online_rft_steps:
+        return online_rft(r, start, files, out, a, seed)
     began = time.perf_counter()
     if cli.main(["train", "--method", "grpo", "--model", start, "--environment", str(ENV), "--data", str(files["grpo"]),
                  "--num-generations", str(a.num_generations), "--max-completion-length", "48", "--max-turns",
@@ -250,6 +252,45 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
     r["rft"] = scored(None, str(out / "rft"), files, a) if r["rft_run"]["trained"] else None
     (out / "figures.json").write_text(json.dumps(r, indent=1))
     return r
+
+
+def online_rft(r: dict, start: str, files: dict[str, Path], out: Path, a, seed: int) -> dict:
+    """The arm of `--objective rft` (training/grpo/rft.py) from the start, with GRPO's sampling settings: each step's
+    successful episodes kept (each kind an equal share of the loss, --kind-column kind) and trained on."""
+    from tunebench.interfaces import cli
+
+    began = time.perf_counter()
+    if cli.main(["train", "--objective", "rft", "--model", start, "--environment", str(ENV), "--data",
+                 str(files["grpo"]), "--kind-column", "kind", "--num-generations", str(a.num_generations),
+                 "--max-completion-length", "48", "--max-turns", str(a.max_turns), "--max-length", "1024",
+                 "--effective-batch-size", "4", "--eval-fraction", "0", "--lr", "2e-4", "--temperature", "1.0",
+                 "--no-progress", "--seed", str(seed), "--output-dir", str(out / "online-rft"),
+                 "--max-steps", str(a.online_rft_steps)]):
+        sys.exit(1)
+    r["online_rft_s"] = time.perf_counter() - began
+    r["online_rft"] = scored(None, str(out / "online-rft"), files, a)
+    r["online_rft_metrics"] = read(out / "online-rft" / "metrics.jsonl")
+    r["kinds"] = {k: [q["kind"] for q in read(files[k])] for k in ("held", "composed")}
+    (out / "figures.json").write_text(json.dumps(r, indent=1))
+    return r
+
+
+def report_online_rft(runs: list[dict], a) -> None:
+    """Each seed's start against the online RFT arm: every held-out set, and each kind of the held-out questions."""
+    print("\n| seed | set | start % | RFT objective % | gain |\n|---|---|---|---|---|")
+    for seed, r in enumerate(runs):
+        for k, label in (("held", f"held-out ({a.held_out})"), ("composed", f"compositional ({a.compositional})")):
+            print(f"| {seed} | {label} | {share(r['start'][k])} | {share(r['online_rft'][k])} | "
+                  f"{gain(r['online_rft'][k], r['start'][k])} |")
+        kinds = r["kinds"]["held"]
+        for kind in dict.fromkeys(kinds):
+            pick = [i for i, x in enumerate(kinds) if x == kind]
+            before, after = [r["start"]["held"][i] for i in pick], [r["online_rft"]["held"][i] for i in pick]
+            print(f"| {seed} | held-out, {kind} ({len(pick)}) | {share(before)} | {share(after)} | "
+                  f"{gain(after, before)} |")
+        m = [x for x in r["online_rft_metrics"] if "frac_kept" in x]
+        print(f"seed {seed}: {len(m)} steps in {r['online_rft_s']:.0f} s; kept {statistics.fmean(x['frac_kept'] for x in m):.0%} "
+              f"of episodes; entropy {m[0].get('entropy', 0):.3f} -> {m[-1].get('entropy', 0):.3f} nats a token")
 
 
 def report(runs: list[dict], a) -> None:
@@ -297,6 +338,8 @@ def main() -> None:
     p.add_argument("--skip-rft", action="store_true", help="no rejection-sampling baseline (GRPO against the start only)")
     p.add_argument("--start-only", action="store_true", help="measure the start (greedy, pass@8) and stop: to size "
                    "--sft-rows")
+    p.add_argument("--online-rft-steps", type=int, default=0, help="instead of GRPO and the two-pass RFT: "
+                   "`--objective rft` from the start for this many steps, with GRPO's sampling settings")
     p.add_argument("--check-args", action="store_true", help="parse the arguments and imports, run nothing")
     a = p.parse_args()
     if a.check_args:
@@ -307,7 +350,9 @@ def main() -> None:
 
     out = Path(a.out or tempfile.mkdtemp(prefix="agent-rl-"))
     runs = [one_seed(seed, out / f"seed{seed}", a, a.model or models.SMOLLM2) for seed in range(a.seeds)]
-    if not a.start_only:
+    if a.online_rft_steps:
+        report_online_rft(runs, a)
+    elif not a.start_only:
         report(runs, a)
     print(f"runs and data: {out}")
 

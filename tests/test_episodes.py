@@ -361,6 +361,22 @@ def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkey
     assert all(e.turns == 2 and e.calls == 1 and e.calls_ok == 0 and e.answer() for e in done)
 
 
+def test_a_turn_runs_at_most_max_calls_and_a_step_of_restarts_stops_the_run_in_one_line(tmp_path, tiny, monkeypatch):
+    """N5: the calls of one reply past MAX_CALLS are answered "not run" (15,000 in one reply cost seconds), and an
+    environment restarted more than MAX_RESTARTS times in a step (each a call past its limit) stops the run."""
+    tok = tiny.tokenizer
+    monkeypatch.setattr(episodes, "MAX_CALLS", 2)
+    many = "".join(toolcalls.written("look", {"k": k}) for k in "abab")
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[many], ["done"]]))
+    e, = episodes.rollout(_sampler(tmp_path, tiny, timeout_s=5.0), [0], 1, 1.0, 1.0)
+    assert [m["content"] for m in e.messages if m["role"] == "tool"] == [
+        "1", "2", *["error: not run: a turn may make at most 2 calls"] * 2] and (e.calls, e.calls_ok) == (4, 2)
+    monkeypatch.setattr(episodes, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("look", {"k": "slow"})] * 2]))
+    with pytest.raises(TunebenchError, match="its process was restarted 2 times in one step"):
+        episodes.rollout(_sampler(tmp_path, tiny, timeout_s=0.5), [0], 2, 1.0, 1.0)
+
+
 def test_results_that_do_not_fit_the_context_end_the_episode_unread(tmp_path, tiny, monkeypatch):
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer

@@ -41,6 +41,30 @@ def test_a_reward_that_cannot_be_built_is_refused_with_the_fix(specs, weights, m
         rewards.parse(specs, weights)
 
 
+@pytest.mark.timeout(120, method="thread")  # a revert runs the pattern in `re` with the GIL held: ended, not hung
+def test_a_reward_file_runs_in_a_process_of_its_own_under_a_limit_and_a_format_pattern_ends(tmp_path, monkeypatch):
+    """N8: a --reward function that never returns ends the run in one line (it ran in the trainer, and hung it),
+    and a format: pattern that cannot decide in time does not match."""
+    import os
+    import threading
+
+    path = tmp_path / "mine.py"
+    path.write_text("import os, time\n"
+                    "def slow(completions, **kwargs):\n    time.sleep(60)\n    return [1.0] * len(completions)\n"
+                    "def where(completions, **kwargs):\n    return [float(os.getpid())] * len(completions)\n")
+    monkeypatch.setattr(rewards, "CALL_S", 1.0)
+    slow, where = rewards.parse([f"{path}:slow", f"{path}:where"], None)
+    assert where.score(["p"], ["c"], {}) != [float(os.getpid())]  # another process
+    with pytest.raises(TunebenchError, match=r"reward slow \(.*mine.py\) gave no answer within 1 s on 1 completions"):
+        slow.score(["p"], ["c"], {})
+    fmt = rewards.parse(["format:^(a|aa)+$"], None)[0]
+    got = []
+    judge = threading.Thread(target=lambda: got.append(fmt.score([""] * 2, ["a" * 50 + "b", "aaa"], {})), daemon=True)
+    judge.start()
+    judge.join(60)  # the limit is PATTERN_S
+    assert got == [[0.0, 1.0]]
+
+
 def test_advantages_are_each_rewards_distance_from_its_groups_mean_in_group_stds():
     scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0],  # group 1
                            [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])  # group 2: no spread
@@ -189,7 +213,7 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
     assert main(_sampled(tmp_path, out, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04,
                                            "--kind-column": "kind"})) == 0
     printed = capsys.readouterr().out
-    assert re.search(r"time_estimate +not yet +GRPO's steps sample", printed)  # no probe times the sampling
+    assert re.search(r"time_estimate +not yet +its steps sample \(GRPO, RFT\)", printed)  # no probe times the sampling
     assert re.search(r"seconds a step +not predicted, measured [\d.]+ s", printed) is None  # said only when predicted
     assert "rewards: gsm8k x 1, format x 0.5" in printed
     assert re.search(r"objective +grpo +3 completions a prompt of up to 8 tokens at temperature 1 .*beta 0.04; "

@@ -107,6 +107,26 @@ def test_a_tool_schema_is_judged_without_fetching_its_references_and_its_pattern
     keys = tools({"type": "object", "patternProperties": {"^(a|aa)+$": {"type": "integer"}}})
     assert toolcalls.valid({"name": "f", "arguments": {"a" * (40 + i) + "b": 1 for i in range(30)}}, keys)
     assert len(limits) < 30 and sum(limits) <= toolcalls.PATTERNS_TIMEOUT_S + 1e-6  # was 30 x 0.2 s
+    # additionalProperties matches patternProperties' keys too (jsonschema's own with `re`: 36.7 s on 31 characters,
+    # N4): under the same limit now; unevaluatedProperties beside them is refused
+    import types
+
+    from jsonschema import _utils
+
+    def unbounded(*args):
+        raise AssertionError("a schema's pattern ran through re, with no time limit")
+
+    monkeypatch.setattr(_utils, "re", types.SimpleNamespace(search=unbounded))
+    limits.clear()
+    closed = tools({"type": "object", "patternProperties": {"^(a|aa)+$": {"type": "integer"}},
+                    "additionalProperties": False})
+    assert not toolcalls.valid({"name": "f", "arguments": {"a" * 31 + "b": 1}}, closed)
+    assert limits and sum(limits) <= toolcalls.PATTERNS_TIMEOUT_S + 1e-6  # every key's match went through the limit
+    assert toolcalls.valid({"name": "f", "arguments": {"aa": 1}}, closed)
+    assert not toolcalls.valid({"name": "f", "arguments": {"b": 1}}, closed)
+    with pytest.raises(TunebenchError, match="pair patternProperties with unevaluatedProperties"):
+        toolcalls.valid({"name": "f", "arguments": {"aa": 1}}, tools(
+            {"type": "object", "patternProperties": {"^a+$": {}}, "unevaluatedProperties": False}))
 
 
 def test_a_capped_answer_counts_as_not_stopped(tiny, monkeypatch):

@@ -103,6 +103,16 @@ def test_rft_from_the_command_line_trains_on_what_it_kept_and_resumes_exactly(tm
     steps = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert len(steps) == 4 and all("kl" not in r and 0 <= r["frac_kept"] <= 1 for r in steps)
     assert any(r["frac_kept"] > 0 for r in steps) and {"kinds/small/reward", "entropy"} <= set(steps[0])
+    # judged the way it was trained: its held-out prompts answered greedily, scored by its rewards, per kind
+    assert main(["eval", "--adapter", str(whole), "--base", "--output-dir", str(tmp_path / "judged")]) == 0
+    scores = json.loads((tmp_path / "judged" / "scores.json").read_text())
+    assert scores["rows"] == f"the held-out prompts of {whole}" and set(scores) == {"rows", "base", "whole"}
+    for label in ("base", "whole"):
+        got = scores[label]
+        assert got["prompts"] == 3 and 0 <= got["reward"] <= 1 and "rewards/format/mean" in got
+        assert sum(got.get(f"kinds/{k}/prompts", 0) for k in ("small", "large")) == 3
+    with pytest.raises(TunebenchError, match="learned from rewards .rft.: eval answers its held-out prompts"):
+        main(["eval", "--adapter", str(whole), "--generate", "2", "--debug"])
     with sigterm_after_step(2):
         assert main(_rft(tmp_path, stopped)) == 130
     assert main(_rft(tmp_path, stopped, "--resume", "auto")) == 0

@@ -1,6 +1,7 @@
 """A user's Python file run in a process of its own, its functions called there under a time limit that holds.
 
-What a GRPO environment's tools, reset and reward run in (training/grpo/environment.py). A call in a thread of the
+What a GRPO environment's tools, reset and reward run in (training/grpo/environment.py), and a --reward file's
+function (training/grpo/rewards.py). A call in a thread of the
 training process (what this replaced) could not be stopped: a thread cannot be killed, and a function stuck in a C
 call that holds the GIL (a regular expression backtracking, a huge integer power) kept the whole training process
 from running, its time limit, Ctrl-C and SIGTERM included. Here each call is a message to a child process that ran
@@ -68,8 +69,8 @@ class Host:
         ready = conn.recv() if conn.poll(START_S) else ("error", "TimeoutError", f"no answer within {START_S:g} s")
         if ready[0] != "ok":
             _stop(self._state)
-            raise TunebenchError(f"{self.path} ran in this process but not in a process of its own ({ready[1]}: "
-                                 f"{ready[2]}); its top level must run the same each time it is imported")
+            raise TunebenchError(f"{self.path} did not run in a process of its own ({ready[1]}: {ready[2]}); its top "
+                                 "level must run the same each time it is imported")
 
     def restart(self) -> None:
         _stop(self._state)
@@ -127,8 +128,8 @@ def _stop(state: dict[str, Any]) -> None:
 class Remote:
     """One of the child's functions (a tool, reset or reward; of the module or of one instance), called by name."""
 
-    def __init__(self, host: Host, instance: int, name: str):
-        self.host, self.instance, self.name = host, instance, name
+    def __init__(self, host: Host, instance: int, name: str, raw: bool = False):
+        self.host, self.instance, self.name, self.raw = host, instance, name, raw
         self.generation = host.generation
 
     def within(self, limit_s: float, /, *args, **kwargs) -> dict[str, Any] | None:
@@ -136,7 +137,7 @@ class Remote:
         Positional-only: a model's tool call may name any argument, `limit_s` and `self` included."""
         if self.instance != MODULE and self.generation != self.host.generation:
             return {"lost": True}
-        answer = self.host.ask(("call", self.instance, self.name, args, kwargs), limit_s)
+        answer = self.host.ask(("value" if self.raw else "call", self.instance, self.name, args, kwargs), limit_s)
         if answer is None:
             return None
         if answer[0] == "ok":
@@ -192,6 +193,11 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
                 made += 1
                 owners[made] = module.ENVIRONMENT()
                 answer = ("ok", made)
+            elif kind == "has":  # a function of that name in the module (a --reward file's)
+                answer = ("ok", callable(getattr(module, request[1], None)))
+            elif kind == "value":  # a function's value as it is (a --reward function's scores)
+                _, instance, name, args, kwargs = request
+                answer = ("ok", getattr(owners[instance], name)(*args, **kwargs))
             else:
                 _, instance, name, args, kwargs = request
                 tool = listed.get(name) if instance == MODULE and name not in ("reset", "reward") else None

@@ -234,8 +234,10 @@ def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
     The schema is a dataset's, and the arguments are model output: a `$ref` is resolved only inside the schema
     (jsonschema's default registry would fetch http(s):// and file:// references, with no timeout), and a
     `pattern` runs with a time limit (the `regex` module's; `re` has none, and a nested repetition can take
-    hours on one answer); a pattern that cannot decide in PATTERN_TIMEOUT_S counts as not matched, and so does
-    every pattern once the call's have taken PATTERNS_TIMEOUT_S together."""
+    hours on one answer; additionalProperties' matching of patternProperties' keys too); a pattern that cannot
+    decide in PATTERN_TIMEOUT_S counts as not matched, and so does every pattern once the call's have taken
+    PATTERNS_TIMEOUT_S together. A schema pairing patternProperties with unevaluatedProperties (matched by `re`
+    inside jsonschema) is refused."""
     import jsonschema
     from referencing import Registry
     from referencing.exceptions import Unresolvable
@@ -245,6 +247,10 @@ def valid(call: dict[str, Any], tools: list[dict] | None) -> bool:
     if schema is False:
         return False
     schema = schema or {"type": "object"}
+    if _unbounded_patterns(schema):
+        raise TunebenchError(f"tool {call['name']}'s parameters pair patternProperties with unevaluatedProperties, "
+                             "whose patterns jsonschema runs with no time limit on model output; use "
+                             "additionalProperties there instead")
     try:
         checker = _validator(jsonschema.validators.validator_for(schema), time.monotonic() + PATTERNS_TIMEOUT_S)
         checker.check_schema(schema)
@@ -285,4 +291,28 @@ def _validator(cls, deadline: float):
                 if search(patrn, k):
                     yield from validator.descend(v, subschema, path=k, schema_path=patrn)
 
-    return jsonschema.validators.extend(cls, {"pattern": pattern, "patternProperties": pattern_properties})
+    def additional_properties(validator, extra_schema, instance, schema):
+        # jsonschema's own runs patternProperties' keys through `re`, with no time limit (a 31-character key took
+        # 36.7 s against a nested repetition): the same rule, each key through `search`
+        if not validator.is_type(instance, "object"):
+            return
+        named, patterns = schema.get("properties", {}), list(schema.get("patternProperties", {}))
+        extras = sorted(k for k in instance if k not in named and not any(search(p, k) for p in patterns))
+        if validator.is_type(extra_schema, "object"):
+            for k in extras:
+                yield from validator.descend(instance[k], extra_schema, path=k)
+        elif not extra_schema and extras:
+            yield jsonschema.ValidationError(f"additional properties are not allowed ({', '.join(map(repr, extras))})")
+
+    return jsonschema.validators.extend(cls, {"pattern": pattern, "patternProperties": pattern_properties,
+                                              "additionalProperties": additional_properties})
+
+
+def _unbounded_patterns(schema: Any) -> bool:
+    """Whether a schema (anywhere in it) pairs patternProperties with unevaluatedProperties, whose keys jsonschema
+    matches with `re`, out of reach of any time limit."""
+    if isinstance(schema, dict):
+        if "patternProperties" in schema and "unevaluatedProperties" in schema:
+            return True
+        return any(_unbounded_patterns(v) for v in schema.values())
+    return isinstance(schema, list) and any(_unbounded_patterns(v) for v in schema)

@@ -151,8 +151,17 @@ def _export(args: argparse.Namespace) -> int | None:
 
 
 def _eval(args: argparse.Namespace) -> int | None:
-    from tunebench.jobs import evaluate
+    from tunebench.jobs import eval_rewarded, evaluate
 
+    run_dir = (args.adapter or [None])[0] or args.model
+    rewarded = None if args.lm_eval else eval_rewarded.rewarded_run(run_dir)
+    if rewarded is not None:  # a GRPO or RFT run: judged by its own rewards on its held-out prompts
+        if args.generate or args.gguf or len(args.adapter or []) > 1:
+            raise TunebenchError(f"'{run_dir}' learned from rewards ({rewarded.objective.name}): eval answers its "
+                                 "held-out prompts and scores them with its own rewards; drop --generate, --gguf and "
+                                 "other --adapter runs (eval them apart)")
+        return eval_rewarded.table(run_dir, rewarded, args.base, args.data, args.device, args.precision,
+                                   args.output_dir)
     evaluate.table(args.model, args.adapter or [None], args.base,
                    _data_config(args.data, args.max_length, args.max_samples), args.output_dir,
                    batch_size=args.batch_size,

@@ -150,14 +150,17 @@ def split_steps(times: list[tuple[float, int, int]]) -> Steps:
 
 
 def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float,
-          fed: tuple[int, int, float] | None = None) -> dict:
+          fed: tuple[int, int, float] | None = None, sampled: bool = False) -> dict:
     """summary.json's `plan_check`: each figure predicted and measured, and the training time's difference by
     cause (data: other positions than planned; steady speed; first steps). `times` are this process's steps'
     (seconds, positions, all ranks' real tokens); `wall_s` the loop's (evaluations and checkpoints in it).
     `fed`: the largest micro batch the loop fed (rows, width) and the memory plan's peak at it, when it held a
     tenth or more fewer positions than the plan's (GRPO leaves out groups that teach nothing): the plan is then
-    a bound, and the peak is also held to the plan at what was fed."""
-    s = split_steps(times)
+    a bound, and the peak is also held to the plan at what was fed. `sampled`: the steps also sample (GRPO, RFT),
+    so a step's time follows what it drew, not its positions: no first steps are told apart from the rest, and
+    the steady speed is the later half's."""
+    s = Steps(sum(p for _, p, _ in times), 0, 0.0, *_speeds(times[len(times) // 2:])) if sampled else \
+        split_steps(times)
     train_s = sum(t for t, _, _ in times)
     out: dict = {
         "train_time_s": _pair(f.train_s, train_s),
@@ -180,6 +183,14 @@ def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_
             "first steps": round(s.first_steps_s - f.first_steps_s, 2),
         }
     return out
+
+
+def _speeds(times: list[tuple[float, int, int]]) -> tuple[float | None, float | None]:
+    """(positions, real tokens) a second over `times`."""
+    seconds = sum(t for t, _, _ in times)
+    if not seconds:
+        return None, None
+    return sum(p for _, p, _ in times) / seconds, sum(n for _, _, n in times) / seconds
 
 
 def _pair(predicted: float | None, measured: float | None) -> dict:

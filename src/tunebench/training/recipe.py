@@ -161,8 +161,8 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     measure_s += time.perf_counter() - started  # timing the optimizer step is measuring too
     estimate = runplan.estimate_row(forecast, measure_s)
     if estimate is None and not r.watch_speed:
-        estimate = Decision("time_estimate", "not yet", "GRPO's steps sample, which no probe times: the next run of "
-                            "this shape on this machine predicts from what this one takes a step")
+        estimate = Decision("time_estimate", "not yet", "its steps sample (GRPO, RFT), which no probe times: the "
+                            "next run of this shape on this machine predicts from what this one takes a step")
 
     plan = runplan.make(opened.hw_plan, world, r.parallel, measured, effective, accum, steps, [
         *runner.host_rows(cfg, opened.hw_plan), *r.rows, Decision("world", world.size, world.describe()), r.parallel,
@@ -370,7 +370,7 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     rows, width = trained.largest_fed
     plan_ = planned.memory_plan
     fed = (rows, width, plan_.as_fed(rows * width)) if 0 < rows * width < 0.9 * plan_.micro * plan_.tokens else None
-    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed)
+    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=not r.watch_speed)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)

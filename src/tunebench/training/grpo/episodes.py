@@ -108,6 +108,10 @@ def _tool_turn_ids(tokenizer, env: environment_.Environment, before: list[dict],
     return tokenizer(a[a.rindex(eos) + len(eos):] + b[len(a):], add_special_tokens=False)["input_ids"]
 
 
+MAX_CALLS = 16  # the calls of one turn that run; more are answered "not run" (a reply of 15,000 calls cost seconds)
+MAX_RESTARTS = 32  # the environment's restarts (calls past the limit) in one step before the run stops in one line
+
+
 def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None, top_p: float,
             ) -> list[Episode]:
     """`n` episodes of each prompt of `keys` (consecutive), played to their end: each turn, every episode still
@@ -118,6 +122,7 @@ def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None,
     turns = decoding.Turns()  # each episode's KV cache, kept across its turns
     draws.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
     draws.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
+    draws.restarts_before = draws.env.host.restarts  # the environment's process restarted in this rollout: counted
     for _ in range(draws.max_turns):
         for e in episodes:
             if e.stop is None and len(e.ids) + on.s.max_completion_length > draws.max_length:
@@ -176,10 +181,16 @@ def take_turn(draws: Episodes, e: Episode, reply: list[int]) -> str | None:
     if e.turns == draws.max_turns:  # its calls are not run: the model would never read their results
         return "max_turns"
     started = time.perf_counter()
-    for c in calls:
-        result = environment_.call(e.env, c["name"], c["arguments"])
+    for i, c in enumerate(calls):
+        result = environment_.call(e.env, c["name"], c["arguments"]) if i < MAX_CALLS else environment_.ToolAnswer(
+            f"error: not run: a turn may make at most {MAX_CALLS} calls", False)
         e.calls, e.calls_ok = e.calls + 1, e.calls_ok + result.ok
         e.messages.append({"role": "tool", "name": c["name"], "content": result.text})
+        restarts = draws.env.host.restarts - draws.restarts_before
+        if restarts > MAX_RESTARTS:
+            raise TunebenchError(f"--environment {draws.env.path}: its process was restarted {restarts} times in one "
+                                 f"step (each a call past --tool-timeout {draws.env.timeout_s:g} s, or its process "
+                                 "ending): a tool that cannot answer stops the run; fix the tool or raise the limit")
     turn = _tool_turn_ids(tok, e.env, before, e.messages)
     draws.rollout_tools_s += time.perf_counter() - started
     if len(e.ids) + len(turn) > draws.max_length:  # the results do not fit: the model never reads them
@@ -213,6 +224,7 @@ class Episodes:
         self.weights = torch.tensor([1.0, *(r.weight for r in on.rewards)], dtype=torch.float32)
         self.rollout_prefilled = 0  # the last rollout's context tokens fed to the model (its turns' prefills)
         self.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
+        self.restarts_before = 0  # the environment's restarts when this rollout began (rollout: MAX_RESTARTS)
 
     def score_episodes(self, episodes: list[Episode]) -> tuple[torch.Tensor, list[list[float] | None]]:
         """((episodes, 1 + rewards): the environment's reward, then each --reward on the final answer; each

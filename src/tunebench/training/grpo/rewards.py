@@ -4,12 +4,14 @@ A reward is named by a spec, given once per `--reward` (TRL's reward_funcs), eac
 (`--reward-weights`, TRL's reward_weights, default 1 each):
 - `gsm8k[:COLUMN]`: 1 when the completion's final number equals the reference's (the row's COLUMN, default
   `answer`), as the task metric reads both (quality.final_answer: what follows `####`, else the last number);
-- `format:REGEX`: 1 when the completion matches REGEX (re.search, DOTALL: anchor it with ^ and $ to match the
-  whole completion);
+- `format:REGEX`: 1 when the completion matches REGEX (a search, DOTALL: anchor it with ^ and $ to match the
+  whole completion), by the `regex` module under a time limit (PATTERN_S: past it, 0; `re` has none, and a
+  nested repetition on one completion can run for hours);
 - `exact[:COLUMN]`, `contains[:COLUMN]`: 1 when the stripped completion equals the reference, or holds it;
 - `path/to/file.py:function`: the function, called as TRL calls one, `fn(prompts=..., completions=..., **columns)`
   (the row's other columns as lists, one item a completion), returning a float (or None: no opinion) for each
-  completion.
+  completion. It runs in a process of its own under a time limit, as an environment's reward does
+  (core/userprocess.py; CALL_S): one that hangs ends the run in one line instead of hanging it.
 Each is checked before any model loads: a column the data lacks, a regex that does not compile, a file or
 function that is not there.
 """
@@ -17,7 +19,6 @@ function that is not there.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from tunebench.core.errors import TunebenchError
 from tunebench.core.userfile import UserFile
 
 BUILT_IN = ("gsm8k", "format", "exact", "contains")
+PATTERN_S = 1.0  # a format: regex's search on one completion
+CALL_S = 60.0  # a --reward function's call on one step's completions (an environment's reward has the same)
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,13 @@ def one(spec: str, weight: float, read: dict[str, UserFile]) -> Reward:
     if kind == "format":
         if not arg:
             raise TunebenchError("--reward format needs its regex: format:REGEX, e.g. 'format:^<think>.*</think>'")
+        import regex
+
         try:
-            pattern = re.compile(arg, re.DOTALL)
-        except re.error as e:
+            pattern = regex.compile(arg, regex.DOTALL)
+        except regex.error as e:
             raise TunebenchError(f"--reward {spec}: the regex does not compile ({e}); fix the pattern") from None
-        return Reward("format", weight, lambda p, c, cols: [float(pattern.search(x) is not None) for x in c])
+        return Reward("format", weight, lambda p, c, cols: [float(_matches(pattern, x)) for x in c])
     if kind in ("exact", "contains"):
         column = arg or "answer"
         test = (lambda x, ref: x.strip() == ref.strip()) if kind == "exact" else (lambda x, ref: ref.strip() in x)
@@ -96,17 +101,28 @@ def user_function(spec: str, weight: float, file: UserFile | None = None) -> Rew
                              "name a built-in reward or a Python file and the function in it")
     if file is None and not Path(path).is_file():
         raise TunebenchError(f"--reward {spec}: no file {path}; give the path of the Python file that defines {name}")
-    try:
-        module = (file or UserFile.read(path)).run(f"tunebench_reward_{Path(path).stem}")
-    except Exception as e:  # the user's code: any error it raises is theirs to see, in one line
-        raise TunebenchError(f"--reward {spec}: importing {path} failed ({type(e).__name__}: {e}); fix the file") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
+    from tunebench.core.userprocess import MODULE, Host, Remote
+
+    file = file or UserFile.read(path)
+    try:  # the file runs in a process of its own (the user's code: its errors are theirs to see, in one line)
+        host = Host(file.source, str(file.path.resolve()), f"tunebench_reward_{Path(path).stem}")
+    except TunebenchError as e:
+        raise TunebenchError(f"--reward {spec}: {e}") from None
+    has = host.ask(("has", name), CALL_S)
+    if has != ("ok", True):
         raise TunebenchError(f"--reward {spec}: {path} has no function {name}; define def {name}(prompts, "
                              "completions, **kwargs) returning one float per completion")
+    fn = Remote(host, MODULE, name, raw=True)
 
     def score(prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> list[float | None]:
-        values = fn(prompts=prompts, completions=completions, **columns)
+        box = fn.within(CALL_S, prompts=prompts, completions=completions, **columns)
+        if box is None:
+            raise TunebenchError(f"reward {name} ({path}) gave no answer within {CALL_S:g} s on "
+                                 f"{len(completions)} completions (its process was stopped); it must return")
+        if "error" in box:
+            e = box["error"]
+            raise TunebenchError(f"reward {name} ({path}) raised {type(e).__name__}: {e}")
+        values = box["value"]
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             raise TunebenchError(f"reward {name} returned {type(values).__name__} of "
                                  f"{len(values) if hasattr(values, '__len__') else '?'} item(s) for "
@@ -114,6 +130,14 @@ def user_function(spec: str, weight: float, file: UserFile | None = None) -> Rew
         return [None if v is None else float(v) for v in values]
 
     return Reward(name, weight, score)
+
+
+def _matches(pattern, text: str) -> bool:
+    """Whether `pattern` finds a match in `text` within PATTERN_S; one that cannot decide in time does not."""
+    try:
+        return pattern.search(text, timeout=PATTERN_S) is not None
+    except TimeoutError:
+        return False
 
 
 def check_columns(rewards: list[Reward], columns: set[str], source: str) -> None:

@@ -37,7 +37,7 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
         checkpoint.check_user_code(cfg.output.output_dir, cfg.output.resume, code)  # even with no checkpoint yet
         checkpoint.check_before_resume(cfg.output.output_dir, cfg.output.resume, {"reward_files": code})
     env = environment.load(o.environment, o.tool_timeout, env_file) if o.environment else None
-    rows = prompts.load(cfg.data) if env is None else environment.rows(env, cfg.data)
+    rows = prompts_of(cfg.data, env)
     scoring = rewards_.parse(cfg.objective.reward, cfg.objective.reward_weights, read)
     rewards_.check_columns(scoring, rows.column_names(), cfg.data.path)
     kinds = Kinds.of(o.kind_column, rows.columns)
@@ -47,6 +47,11 @@ def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward
     finetune_data.check_rows(len(rows), cfg, 0, "")
     models.check_spec(cfg.model.name, cfg.model.allow_download)
     return rows, code, scoring, env, kinds
+
+
+def prompts_of(data, env: Environment | None) -> PromptRows:
+    """The data's rows as prompts: read as prompt rows, or, with an environment, each row's opening from reset(row)."""
+    return prompts.load(data) if env is None else environment.rows(env, data)
 
 
 def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
