@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-download", action="store_true", help="let the base model come from the hub")
     _add_debug(p)
 
-    p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, ...)")
+    p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, "
+                       "...); a GRPO or RFT run: its held-out prompts scored by its own rewards")
     _adapters_options(p, "give several to compare them on the same rows")
     p.add_argument("--base", action="store_true", help="also evaluate the adapters' base model, for a base vs tuned table")
     p.add_argument("--generate", type=int, default=0,

@@ -152,10 +152,7 @@ class GRPO(ObjectiveBase):
     def __post_init__(self) -> None:
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon)
-        if self.environment:
-            for key, value in EPISODE_DEFAULTS.items():
-                if getattr(self, key) is None:
-                    object.__setattr__(self, key, value)
+        _episode_defaults(self)
 
     def report(self) -> dict[str, Any]:
         return {"objective": self.name, "beta": self.beta}
@@ -174,6 +171,14 @@ class GRPO(ObjectiveBase):
             raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {self.beta}, "
                                  f"{self.epsilon} and {self.epsilon_high}")
         _check_sampling(self)
+
+
+def _episode_defaults(self: GRPO | RFT) -> None:
+    """EPISODE_DEFAULTS where an environment is given and the setting is not."""
+    if self.environment:
+        for key, value in EPISODE_DEFAULTS.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
 
 
 def _check_sampling(self: GRPO | RFT) -> None:
@@ -224,10 +229,7 @@ class RFT(ObjectiveBase):
     samples: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.environment:
-            for key, value in EPISODE_DEFAULTS.items():
-                if getattr(self, key) is None:
-                    object.__setattr__(self, key, value)
+        _episode_defaults(self)
 
     def report(self) -> dict[str, Any]:
         return {"objective": self.name, "min_reward": self.min_reward}

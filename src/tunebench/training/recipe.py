@@ -369,7 +369,10 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
                                        steps=len(trained.times))
     rows, width = trained.largest_fed
     plan_ = planned.memory_plan
-    fed = (rows, width, plan_.as_fed(rows * width)) if 0 < rows * width < 0.9 * plan_.micro * plan_.tokens else None
+    # the plan a bound where steps sample (GRPO leaves out the groups that teach nothing, RFT the unkept rows): held
+    # also to the largest micro batch fed; a supervised run's plan is at its longest rows, which it feeds in an epoch
+    bound = not r.watch_speed and 0 < rows * width < 0.9 * plan_.micro * plan_.tokens
+    fed = (rows, width, plan_.as_fed(rows * width)) if bound else None
     check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=not r.watch_speed)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
