@@ -356,7 +356,7 @@ def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_tab
     from tunebench.settings.objectives import default_text
 
     assert default_text("beta") == "0.1 for DPO and KTO, 0.0 for GRPO"
-    assert default_text("num_generations") == "8 for GRPO" and default_text("orpo_lambda") == "0.1 for ORPO"
+    assert default_text("num_generations") == "8 for GRPO and RFT" and default_text("orpo_lambda") == "0.1 for ORPO"
     for key in (f.name for f in dataclasses.fields(ObjectiveKeys)):
         text = default_text(key)
         if text:

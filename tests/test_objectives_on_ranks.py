@@ -229,13 +229,14 @@ def test_grpo_on_two_ranks_matches_one_process_on_the_same_completions(tmp_path,
 
 # A reward that writes the prompts of each training step it scores (a group: the prompt num_generations times) to the
 # file SCORED names, and kills rank 0 with SIGKILL once the checkpoint KILL_AFTER names is on disk (a real kill: no
-# handler runs, the step in flight is lost).
+# handler runs, the step in flight is lost). A --reward file runs in a process of its own, the rank's child: the
+# rank is its parent.
 RECORDER = """import json, os, signal
 
 def seen(prompts, completions, **kwargs):
     rank = os.environ.get("RANK", "0")
     if rank == "0" and os.path.isdir(os.environ.get("KILL_AFTER", "/nonexistent")):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getppid(), signal.SIGKILL)
     if len(prompts) % 3 == 0 and prompts[0] == prompts[1]:
         with open(os.environ["SCORED"], "a") as f:
             f.write(json.dumps({"rank": rank, "prompts": prompts[::3]}) + "\\n")
