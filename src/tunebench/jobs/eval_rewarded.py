@@ -24,7 +24,7 @@ from tunebench.model import inference
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.rundir import RunDir
 from tunebench.training import finetune_data, grpo, runner
-from tunebench.training.grpo import environment, episodes, watch
+from tunebench.training.grpo import environment, watch
 from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo import run as grpo_run
 
@@ -72,13 +72,7 @@ def judged(placed, cfg: RunConfig, rows, env, scoring: list, kinds: watch.Kinds 
     """One model's greedy answers to the rows (the run's held-out ones where `own`), scored as the run scored them."""
     o = cfg.objective
     tok = placed.tokenizer
-    if env is not None:
-        episodes.template_for(tok, env.schemas, rows.prompts[0])
-        data = episodes.tokenize(rows, tok, env, cfg.data.max_length, o.max_completion_length)
-    else:
-        from tunebench.data import prompts
-
-        data = prompts.tokenize(rows, tok, cfg.data, o.max_completion_length)
+    data, _ = grpo_run.tokenized(rows, tok, env, cfg)
     keys = list(range(len(data)))
     if own:  # the run's split: its seed and eval fraction over the same rows
         _, _, parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [])
@@ -87,8 +81,7 @@ def judged(placed, cfg: RunConfig, rows, env, scoring: list, kinds: watch.Kinds 
             raise TunebenchError("the run held no prompts out: its answers would be to its training prompts; pass "
                                  "--data with other rows")
     on = grpo.Sampling(placed.model, tok, data, rows, scoring, o, placed.device, placed.autocast_dtype)
-    draws = episodes.Episodes(on, env, rows.prompts, o.max_turns, cfg.data.max_length) if env else \
-        grpo.Completions(on)
+    draws = grpo_run.draws_of(on, env, rows, cfg)
     held = grpo_run.HeldOutReward(draws, keys, World())
     with torch.no_grad():
         scores = held.mine()

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.data import batching, prompts
+from tunebench.data import batching
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
@@ -23,8 +23,8 @@ from tunebench.training import (
     stopping,
 )
 from tunebench.training.autotune import compiler
-from tunebench.training.grpo import episodes, watch
 from tunebench.training.grpo import run as grpo_run
+from tunebench.training.grpo import watch
 
 
 @stopping.job
@@ -37,9 +37,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     finetune_model.check_memory(cfg, opened)  # before a weight loads
     with distributed.local_rank0_first(opened.world):
         tok = (loaded := finetune_model.load(cfg, opened)).tokenizer
-        template_row = env and episodes.template_for(tok, env.schemas, rows.prompts[0])  # before a prompt renders
-        data = episodes.tokenize(rows, tok, env, cfg.data.max_length, o.max_completion_length) if env else \
-            prompts.tokenize(rows, tok, cfg.data, o.max_completion_length)
+        data, template_row = grpo_run.tokenized(rows, tok, env, cfg)
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, [np.arange(len(data))], [])
     model, _, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     dropped = preference.disable_dropout(model)  # before the reference is copied, as for DPO
@@ -49,7 +47,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     compiled = []  # the plan's compile decision, once made: sampling runs without the compiled blocks
     on = grpo.Sampling(model, tok, data, rows, scoring, o, opened.device, opened.autocast,
                        eagerly=lambda: compiler.eagerly(compiled[0]))
-    draws = episodes.Episodes(on, env, rows.prompts, o.max_turns, cfg.data.max_length) if env else grpo.Completions(on)
+    draws = grpo_run.draws_of(on, env, rows, cfg)
     step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None), credit)
     held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 

@@ -142,11 +142,9 @@ def split_steps(times: list[tuple[float, int, int]]) -> Steps:
         return Steps(sum(p for _, p, _ in times), 0, 0.0, None, None)
     slow = [i for i, (s, p, _) in enumerate(times) if i < max(1, len(times) // 2) and s > SLOW * p / median]
     first = slow[-1] + 1 if slow else 0
-    rest = times[first:]
-    seconds = sum(s for s, _, _ in rest)
-    steady = sum(p for _, p, _ in rest) / seconds
+    steady, steady_tokens = _speeds(times[first:])
     first_s = sum(s - p / steady for s, p, _ in times[:first])
-    return Steps(sum(p for _, p, _ in times), first, first_s, steady, sum(t for _, _, t in rest) / seconds)
+    return Steps(sum(p for _, p, _ in times), first, first_s, steady, steady_tokens)
 
 
 def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float,
@@ -359,9 +357,9 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
              probe_from: str = "the probe's forward and backward at the widest rows") -> Forecast:
     """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last run at
     that size trained at on this machine (`learned_`), else the probe's, times what runs on this machine trained at
-    against their probes (`ratio`, probe_ratio's: the median of those that agree, and how many) where two agree; its first steps' extra from the
-    last run, else none when a probe ran this size in this process (`warm`), else the class record's figure (in
-    micro batches of it) over `steps_micro` micro batches."""
+    against their probes (`ratio`, probe_ratio's: the median of those that agree, and how many) where two agree;
+    its first steps' extra from the last run, else none when a probe ran this size in this process (`warm`), else
+    the class record's figure (in micro batches of it) over `steps_micro` micro batches."""
     last = learned_.get(micro)
     speed, source = probe_speed, probe_from
     if last and last.get("positions_per_s"):

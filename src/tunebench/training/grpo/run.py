@@ -54,6 +54,26 @@ def prompts_of(data, env: Environment | None) -> PromptRows:
     return prompts.load(data) if env is None else environment.rows(env, data)
 
 
+def tokenized(rows: PromptRows, tok, env: Environment | None, cfg: RunConfig) -> tuple[PromptData, Decision | None]:
+    """The prompts tokenized as the run renders them (an episode's opening with its tools), and the settings row of
+    the chat template episodes take, set before a prompt renders (None without an environment)."""
+    from tunebench.training.grpo import episodes
+
+    o = cfg.objective
+    if env is None:
+        return prompts.tokenize(rows, tok, cfg.data, o.max_completion_length), None
+    template_row = episodes.template_for(tok, env.schemas, rows.prompts[0])
+    return episodes.tokenize(rows, tok, env, cfg.data.max_length, o.max_completion_length), template_row
+
+
+def draws_of(on: Sampling, env: Environment | None, rows: PromptRows, cfg: RunConfig) -> Draws:
+    """Where a step's completions come from: episodes in the environment, or single replies."""
+    from tunebench.training.grpo import Completions, episodes
+
+    return episodes.Episodes(on, env, rows.prompts, cfg.objective.max_turns, cfg.data.max_length) if env else \
+        Completions(on)
+
+
 def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
     completion (max_completion_length); an episode's opening (its tools rendered), plus max_turns of them."""
