@@ -153,8 +153,9 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
 
 
 def test_runs_that_trained_two_micro_batches_choose_the_faster(tmp_path, monkeypatch):
-    """What whole runs of a shape trained beats the probe's pick, by 5% or more; a size no run trained, or one
-    that does not divide the effective batch, is not taken."""
+    """What whole runs of a shape trained beats the probe's pick, by 5% or more and beyond the runs' noise (two runs
+    a size, the faster's slowest above the other's fastest); a size no run trained, or one that does not divide the
+    effective batch, is not taken."""
     from tunebench.core.decision import Decision
     from tunebench.training import runplan
 
@@ -162,17 +163,33 @@ def test_runs_that_trained_two_micro_batches_choose_the_faster(tmp_path, monkeyp
     key = "batch|{\"model\": \"m\"}"
     picked = [Decision("micro_batch_size", 4, "fastest measured"), Decision("gradient_checkpointing", False, "")]
     assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {}) == (4, picked, 100.0)  # nothing learned yet
-    check = {"steady_positions_per_s": {"measured": 300.0, "predicted": 330.0}, "first_steps_s": {"measured": 0.0},
-             "speed_from": "the probe"}
-    plancheck.learn(plancheck.trained_key(key), 4, check, True)
-    plancheck.learn(plancheck.trained_key(key), 2, {**check, "steady_positions_per_s": {"measured": 360.0, "predicted": 250.0}}, True)
-    plancheck.learn(plancheck.trained_key(key), 3, {**check, "steady_positions_per_s": {"measured": 900.0, "predicted": 250.0}}, True)
+
+    def trained(micro, speed):
+        plancheck.learn(plancheck.trained_key(key), micro, {
+            "steady_positions_per_s": {"measured": speed, "predicted": 250.0}, "first_steps_s": {"measured": 0.0},
+            "speed_from": "the probe"}, True)
+
+    trained(4, 300.0), trained(2, 360.0), trained(3, 900.0)
     micro, rows, speed = runplan.trained_faster(4, picked, 100.0, key, 8, 100, {2: (110.0, 1.0, 1.0)})
-    assert (micro, speed) == (2, 110.0) and rows[1] == picked[1]  # 3 does not divide 8; the probe's figure for 2
-    assert "360 positions/s at micro 2, 1.20x the 300 at micro 4, which the probe picked (fastest measured)" \
-        in rows[0].reason
-    plancheck.learn(plancheck.trained_key(key), 2, {**check, "steady_positions_per_s": {"measured": 310.0, "predicted": 250.0}}, True)
-    assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {})[0] == 4  # 3% is not enough
+    assert (micro, speed, rows[1]) == (4, 100.0, picked[1])  # one run a size: within a run's noise
+    assert rows[0].reason == ("fastest measured; kept over micro 2, which trained 1.20x it on this machine (360 "
+                              "against 300 positions/s): one run is within a run's noise")
+    trained(4, 340.0), trained(2, 330.0)
+    assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {})[0] == 4  # medians 345 and 320: 4 is faster
+    trained(2, 420.0)
+    micro, rows, _ = runplan.trained_faster(4, picked, 100.0, key, 8, 100, {})
+    assert micro == 4 and "their runs overlap" in rows[0].reason  # 2's median 360 is 1.13x, but its 330 < 4's 340
+    trained(2, 400.0), trained(2, 390.0)  # micro 2 keeps its last five: 360, 330, 420, 400, 390 (3 is not a divisor)
+    micro, rows, speed = runplan.trained_faster(4, picked, 100.0, key, 8, 100, {2: (110.0, 1.0, 1.0)})
+    assert micro == 4  # 330 is still among 2's runs
+    trained(2, 410.0)  # now 330, 420, 400, 390, 410: the oldest (360) dropped
+    micro, rows, speed = runplan.trained_faster(4, picked, 100.0, key, 8, 100, {2: (110.0, 1.0, 1.0)})
+    assert micro == 4  # 330 <= 340
+    trained(2, 405.0)  # 420, 400, 390, 410, 405: slowest 390 > 340
+    micro, rows, speed = runplan.trained_faster(4, picked, 100.0, key, 8, 100, {2: (110.0, 1.0, 1.0)})
+    assert (micro, speed) == (2, 110.0) and rows[1] == picked[1]  # the probe's figure for 2
+    assert ("trained fastest on this machine: 405 positions/s at micro 2 (390-420 in 5 runs), 1.27x the 320 at "
+            "micro 4 (300-340), which the probe picked (fastest measured)") in rows[0].reason
 
 
 def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_shapes_probe(tmp_path, monkeypatch):

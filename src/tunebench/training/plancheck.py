@@ -29,7 +29,7 @@ from tunebench.training.loop import LoopState
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
-RATIOS = 5  # the probe-to-run ratios a machine keeps: its last runs'
+RATIOS = 5  # the probe-to-run ratios a machine keeps, and the speeds a shape keeps per micro batch: its last runs'
 SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions
 OPTIMIZER_SAMPLE = 1 << 24  # elements the optimizer step is timed on (64 MB in fp32), scaled to the trainable count
 
@@ -256,7 +256,9 @@ def learn(key: str | None, micro: int, c: dict, warm: bool) -> None:
         return
     hit = cached(key) or {}
     by_micro = dict(hit.get("micro", {}))
-    by_micro[str(micro)] = {"positions_per_s": speed, "first_steps_s": c["first_steps_s"]["measured"],
+    before = by_micro.get(str(micro), {})
+    runs = [*before.get("runs", [before["positions_per_s"]] if before.get("positions_per_s") else []), speed]
+    by_micro[str(micro)] = {"positions_per_s": speed, "runs": runs[-RATIOS:], "first_steps_s": c["first_steps_s"]["measured"],
                             "predicted_positions_per_s": c["steady_positions_per_s"]["predicted"],
                             "speed_from": c["speed_from"], "warm": warm}
     store(key, {"micro": by_micro})

@@ -9,6 +9,7 @@ changes them (see data.batching.epoch_steps).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,23 +275,38 @@ def measure(model, step, w: Workload) -> Measured:
 def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: str, per_rank: int, n_train: int,
                    seen: dict[int, tuple[float, float, float]]) -> tuple[int, list[Decision], float | None]:
     """The micro batch chosen, unless earlier runs of this shape on this machine trained it and another size that
-    divides the effective batch, and the other trained at least 5% faster (what whole runs trained, optimizer step,
-    data and padding in it, beats a probe's forward and backward): then the other, its row saying so."""
+    divides the effective batch, and the other trained faster beyond their noise: at least two runs at each size,
+    the other's median 5% or more above, and its slowest run above the chosen size's fastest (what whole runs
+    trained, optimizer step, data and padding in it, beats a probe's forward and backward). Then the other, its row
+    saying so. One run a size is not enough: on a 2-core AVX512-BF16 VM one compare's runs at micro 2 trained 1.11x
+    micro 4's, and the next compare, switched to micro 2 by it, trained 0.72x the hand-picked micro 4 (2026-12-02)."""
     from tunebench.core.batch_rule import micro_candidates
     from tunebench.training import plancheck
 
-    learned = {m: v["positions_per_s"] for m, v in plancheck.learned(plancheck.trained_key(key)).items()
-               if v.get("positions_per_s") and m in micro_candidates(per_rank, 1, n_train)}
-    if micro not in learned:
+    runs = {m: v.get("runs") or [v["positions_per_s"]] for m, v in plancheck.learned(plancheck.trained_key(key)).items()
+            if v.get("positions_per_s") and m in micro_candidates(per_rank, 1, n_train)}
+    if micro not in runs:
         return micro, rows, speed
-    faster = max(learned, key=learned.get)
-    ratio = learned[faster] / learned[micro]
+    median = {m: statistics.median(r) for m, r in runs.items()}
+    faster = max(median, key=median.get)
+    ratio = median[faster] / median[micro]
     if ratio < 1.05:
         return micro, rows, speed
-    why = (f"trained fastest on this machine: {learned[faster]:,.0f} positions/s at micro {faster}, {ratio:.2f}x the "
-           f"{learned[micro]:,.0f} at micro {micro}, which the probe picked ({rows[0].reason})")
+    if min(len(runs[faster]), len(runs[micro])) < 2 or min(runs[faster]) <= max(runs[micro]):
+        why = (f"{rows[0].reason}; kept over micro {faster}, which trained {ratio:.2f}x it on this machine "
+               f"({_spread(runs[faster])} against {_spread(runs[micro])} positions/s): "
+               + ("one run is within a run's noise" if min(len(runs[faster]), len(runs[micro])) < 2
+                  else "their runs overlap"))
+        return micro, [Decision("micro_batch_size", micro, why), *rows[1:]], speed
+    why = (f"trained fastest on this machine: {median[faster]:,.0f} positions/s at micro {faster} "
+           f"({_spread(runs[faster])} in {len(runs[faster])} runs), {ratio:.2f}x the {median[micro]:,.0f} at micro "
+           f"{micro} ({_spread(runs[micro])}), which the probe picked ({rows[0].reason})")
     return faster, [Decision("micro_batch_size", faster, why), *rows[1:]], \
         seen.get(faster, (speed * ratio if speed else None,))[0]
+
+
+def _spread(speeds: list[float]) -> str:
+    return f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else f"{speeds[0]:,.0f}"
 
 
 class Timed:
