@@ -241,7 +241,8 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
                  str(a.max_turns), "--max-length", "1024", "--effective-batch-size", "4", "--eval-fraction", "0",
                  "--lr", a.grpo_lr, "--temperature", "1.0", "--no-progress", "--seed", str(seed),
                  "--output-dir", str(out / "grpo"), "--max-steps", str(a.grpo_steps),
-                 *(["--target-modules", a.grpo_target_modules] if a.grpo_target_modules else [])]):
+                 *(["--target-modules", a.grpo_target_modules] if a.grpo_target_modules else []),
+                 "--turn-credit", a.turn_credit]):
         sys.exit(1)
     r["grpo_s"] = time.perf_counter() - began
     r["grpo"] = scored(None, str(out / "grpo"), files, a)
@@ -333,6 +334,8 @@ def main() -> None:
     p.add_argument("--grpo-target-modules", default=None, help="GRPO's LoRA layers (default: PEFT's for the model; "
                    "all-linear with --grpo-lr 5e-4 learned a shortcut faster: benchmarks/README.md)")
     p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--turn-credit", default="pooled", choices=("pooled", "state"),
+                   help="GRPO's per-turn credit: pooled over the group's turns, or per shared state (GiGPO)")
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None)
     p.add_argument("--skip-rft", action="store_true", help="no rejection-sampling baseline (GRPO against the start only)")

@@ -151,6 +151,12 @@ def test_max_turns_is_one_or_more_and_belongs_to_an_environment(tmp_path, capsys
     assert main(["train", "--model", "tiny", "--method", "grpo", "--reward", "exact", "--max-turns", "2", "--data",
                  str(_rows(tmp_path))]) == 2
     assert "--max-turns and --tool-timeout set episodes in an environment" in capsys.readouterr().err
+    assert main(["train", "--model", "tiny", "--method", "grpo", "--reward", "exact", "--turn-credit", "state",
+                 "--data", str(_rows(tmp_path))]) == 2
+    assert "--turn-credit state compares the turns of episodes" in capsys.readouterr().err
+    assert main(["train", "--model", "tiny", "--method", "grpo", "--reward", "exact", "--turn-credit", "states",
+                 "--data", str(_rows(tmp_path))]) == 2
+    assert "pooled" in capsys.readouterr().err
 
 
 def test_a_reset_or_reward_that_never_answers_stops_the_run_in_one_line(tmp_path, monkeypatch):
@@ -671,6 +677,54 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     rows = torch.tensor([[1.0], [0.0], [0.25], [1.0]])
     assert [a[-1] for a in grpo.turn_advantages(scalar, 4, "group")] == pytest.approx(
         grpo.advantages(rows, torch.ones(1), 4, "group")[0].tolist(), abs=1e-5)
+
+
+def test_turn_credit_by_state_sets_each_turn_against_the_episodes_that_reached_the_same_context():
+    """GiGPO's anchor states, hand-computed: a 'town plus a number' group (lookup, add, answer; each right call pays
+    0.25, the right answer 1). All four look the town up alike; at turn 1 one answers wrong at once (e1), one
+    tries `add` and slips (e2), two add right (e0 answers right, e3 wrong). Pooled, the slip is charged its extra
+    turn (e2's turn 1 below e1's); by state, the two wrong actions taken from one context score alike, and at
+    turn 2 e0 and e3 (same context) are set against each other alone, e2 (a context of its own) against nobody."""
+    rewards = [{0: 0.25, 1: 0.25, 2: 1.0}, {0: 0.25, 1: 0.0}, {0: 0.25, 1: 0.0, 2: 0.0}, {0: 0.25, 1: 0.25, 2: 0.0}]
+    states = [[b"open", b"town", b"added"], [b"open", b"town"], [b"open", b"town", b"slipped"],
+              [b"open", b"town", b"added"]]
+    # sums 1.5, 0.25, 0.25, 0.5 (mean 0.625): episode terms 0.875, -0.375, -0.375, -0.125, and the same again at
+    # turns 0 and 1 (every episode there; returns 1.5/0.25/0.25/0.5, then 1.25/0/0/0.25, mean 0.375); turn 2:
+    # e0's 1.0 against e3's 0.0 (mean 0.5): +0.5 and -0.5, e2's alone: 0
+    got = grpo.state_advantages(rewards, states, 4, "none")
+    expected = [[1.75, 1.75, 1.375], [-0.75, -0.75], [-0.75, -0.75, -0.375], [-0.25, -0.25, -0.625]]
+    assert [len(a) for a in got] == [3, 2, 3, 3] and sum(got, []) == pytest.approx(sum(expected, []))
+    pooled = grpo.turn_advantages(rewards, 4, "none")
+    assert pooled[2][1] < pooled[1][1] and got[2][1] == got[1][1]
+    scaled = grpo.state_advantages(rewards, states, 4, "group")
+    sums = torch.tensor([1.5, 0.25, 0.25, 0.5], dtype=torch.float64)
+    episode = ((sums - sums.mean()) / (sums.std() + 1e-4)).tolist()
+    pair = (0.5 / (torch.tensor([1.0, 0.0]).std() + 1e-4)).item()
+    assert scaled[0][2] == pytest.approx(episode[0] + pair) and scaled[2][2] == pytest.approx(episode[2])
+    assert grpo.state_advantages([{1: 1.0}, {}], [[b"a", b"b"], [b"a", b"c"]], 2, "group") == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_a_step_drawn_with_turn_credit_by_state_carries_each_turns_state_into_its_tokens(tmp_path, tiny,
+                                                                                        monkeypatch):
+    """Episodes drawn under --turn-credit state: every turn's state is a digest of its context (the opening shared
+    by a group, the second turn's told apart by the call made), the episode's one reward is credited per turn
+    (GiGPO: the opening's turn carries the episode's advantage twice, a state reached alone once)."""
+    import dataclasses
+
+    sampler = _sampler(tmp_path, tiny)
+    sampler.on.s = dataclasses.replace(sampler.on.s, turn_credit="state")
+    tok = tiny.tokenizer
+    calls = [toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "b"})]
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [calls, ["It is 1.", "no"]]))
+    drawn = sampler.draw([0], seed=1)
+    (open0, second0), (open1, second1) = drawn.turn_states
+    assert open0 == open1 and second0 != second1 and drawn.turn_rewards == [{1: 1.0}, {1: 0.0}]
+    a = 0.5 / (torch.tensor([1.0, 0.0]).std().item() + 1e-4)
+    groups = grpo.StepRows(sampler).groups_of([0], drawn)
+    turns = [sorted(set(t)) for t in drawn.turn_of]
+    assert turns == [[0, 1], [0, 1]]
+    per_turn = [{t: v for t, v in zip(of, adv)} for of, adv in zip(drawn.turn_of, groups.token_advantages)]
+    assert per_turn[0] == pytest.approx({0: 2 * a, 1: a}) and per_turn[1] == pytest.approx({0: -2 * a, 1: -a})
 
 
 @pytest.mark.parametrize("returned, message", [

@@ -143,6 +143,10 @@ class ObjectiveKeys:
     """GRPO: dapo (TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
     scale_rewards: str | None = None
     """GRPO: group (advantages divided by the group's std) | none (Dr. GRPO)"""
+    turn_credit: str | None = None
+    """GRPO with --environment: each turn's credit against one baseline pooled over the group's turns (pooled, the
+    GRPO paper's process supervision) | against the episodes that reached the same context (state: GiGPO's anchor
+    states; a turn's advantage is its episode's plus its return's against theirs)"""
     orpo_lambda: float | None = None
     """ORPO's lambda, the weight of its odds-ratio term (TRL calls it beta)"""
     environment: str | None = None
@@ -275,7 +279,7 @@ SCHEMA = schema.Schema(
         "data.format": FORMATS, "data.train_on": TRAIN_ON, "data.on_unrenderable": ON_UNRENDERABLE,
         "data.packing": schema.ON_OFF, "adapter.method": METHODS, "objective.name": OBJECTIVES,
         "adapter.quantization": QUANTIZATIONS, "objective.loss_type": objectives.LOSS_TYPES,
-        "objective.scale_rewards": objectives.SCALE_REWARDS},
+        "objective.scale_rewards": objectives.SCALE_REWARDS, "objective.turn_credit": objectives.TURN_CREDITS},
     builders={"objective": objectives.build},
     converters={"data.sources": _sources, "data.packing": lambda value: (
         "on" if value else "off") if isinstance(value, bool) else schema.coerce_value("data.packing", value, str),

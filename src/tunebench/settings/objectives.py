@@ -22,6 +22,8 @@ from tunebench.core.errors import TunebenchError
 PAPERS_DEFAULT = 0.1  # DPO's and KTO's beta and ORPO's lambda, as their papers (and TRL) set them
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo/)
 SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's reward spread, or not
+# an episode's per-turn credit: against one baseline pooled over a group's turns, or per shared state (GiGPO)
+TURN_CREDITS = ("pooled", "state")
 EPISODE_DEFAULTS = {"max_turns": 4, "tool_timeout": 10.0}  # GRPO where --environment is given
 
 
@@ -145,6 +147,7 @@ class GRPO(ObjectiveBase):
     max_turns: int | None = None  # None: EPISODE_DEFAULTS where there is an environment
     tool_timeout: float | None = None
     kind_column: str | None = None  # the prompts' column naming each one's kind: per-kind stats (grpo/watch.py)
+    turn_credit: str = "pooled"  # TURN_CREDITS: an episode's turns' baseline (grpo.turn_advantages, state_advantages)
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True
@@ -170,6 +173,9 @@ class GRPO(ObjectiveBase):
         if self.beta < 0 or self.epsilon < 0 or self.epsilon_high < 0:
             raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {self.beta}, "
                                  f"{self.epsilon} and {self.epsilon_high}")
+        if self.turn_credit == "state" and self.environment is None:
+            raise TunebenchError("--turn-credit state compares the turns of episodes that reached the same context; "
+                                 "give --environment FILE.py (or builtin:lookup), or drop it")
         _check_sampling(self)
 
 

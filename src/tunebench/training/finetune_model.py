@@ -29,12 +29,14 @@ def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     plain = cfg.to_dict()
     # the adapter and the objective as one, as a checkpoint from before the objective had its own section saved it:
     # every objective key, None where not this objective's (as before its settings were typed); the keys added
-    # since (the episodes', the kind column, RFT's) only where set, so that such a checkpoint still matches
+    # since (the episodes', the kind column, RFT's, the turn credit) only where set away from what the runs before
+    # them did, so that such a checkpoint still matches
     keys = tuple(f.name for f in dataclasses.fields(ObjectiveKeys) if f.name != "name")
-    later_keys = {"environment", *objectives.EPISODE_DEFAULTS, "kind_column", "min_reward"}
+    later = {"environment": None, **dict.fromkeys(objectives.EPISODE_DEFAULTS), "kind_column": None,
+             "min_reward": None, "turn_credit": "pooled"}
     every = schema.plain(objectives.every_key(cfg.objective, keys))
     adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in every.items()
-                                      if k not in later_keys or v is not None}}
+                                      if k not in later or v not in (None, later[k])}}
     return {"model": cfg.model.name, "adapter": adapter, "seed": cfg.schedule.seed,
             "data": d.path if not d.sources else [list(s) for s in d.sources], **extra}
 

@@ -1,7 +1,7 @@
 """A built-in environment (`--environment builtin:lookup`): questions about the temperatures of made-up towns,
 which no model knows, so the only way to the answer is the `temperature` tool; questions about two towns need
-two calls and the `add` tool. Rows: {"question": ..., "answer": ...} (tunebench writes some with
-`--data builtin:lookup`, or see docs/tutorials/agents.md).
+two calls and the `add` tool. Rows: {"question": ..., "answer": ...} (`rows()` below writes
+some; docs/tutorials/agents.md shows how).
 
 The reward is 1 when the last message is the model's answer (no call) and holds the right number, else 0.
 """

@@ -138,6 +138,8 @@ class Drawn:
     # (completions, 2) each one's mean entropy a sampled token and its turns' first tokens' (watch.py), None where
     # the sampling recorded none
     entropy: torch.Tensor | None = None
+    # --turn-credit state: each episode's state at the start of each of its turns (a digest of its context then)
+    turn_states: list[list[bytes]] | None = None
 
 
 @dataclass
@@ -307,7 +309,9 @@ class Advantages:
     def per_token(self, drawn: Drawn) -> list[list[float]] | None:
         if drawn.turn_rewards is None:
             return None
-        per_turn = turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
+        per_turn = state_advantages(drawn.turn_rewards, drawn.turn_states, self.s.num_generations,
+                                    self.s.scale_rewards) if drawn.turn_states is not None else \
+            turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
         return [[a[t] if t < len(a) else 0.0 for t in turns] for a, turns in zip(per_turn, drawn.turn_of)]
 
     def masks(self, drawn: Drawn, credit: torch.Tensor) -> list[list[int]] | None:
@@ -395,6 +399,41 @@ def turn_advantages(rewards: list[dict[int, float]], group: int, scale: str) -> 
                     for t, r in e.items()}
             out.append([sum(v for j, v in norm.items() if j >= t) for t in range(max(e, default=-1) + 1)])
     return out
+
+
+def state_advantages(rewards: list[dict[int, float]], states: list[list[bytes]], group: int, scale: str
+                     ) -> list[list[float]]:
+    """Each episode's advantage at each of its turns against the episodes of its group that reached the same
+    state (GiGPO, Feng et al., 2025, with its weight of 1 on the step term): its episode's advantage (the sum of its
+    rewards against the group's sums) plus its return from that turn (the sum of that turn's reward and the later
+    ones') against the returns of the group's turns whose contexts were token-identical at their start (`states`);
+    both normalized as `advantages` ((x - mean) / (std + 1e-4) with scale "group", x - mean with "none"), a state
+    no other episode reached adding 0. Where `turn_advantages` charges every turn the pooled mean of a group's
+    turn rewards (an episode that tries one more call and slips scores below one that answers at once, wrong),
+    two actions taken from the same context are told apart by what followed from each alone. An episode no reward
+    scored ({}) has 0 at every turn and is left out of every baseline."""
+    out: list[list[float]] = []
+    for start in range(0, len(rewards), group):
+        episodes, at = rewards[start:start + group], states[start:start + group]
+        scored = [i for i, e in enumerate(episodes) if e]
+        total = _normalized({i: sum(episodes[i].values()) for i in scored}, scale)
+        returns: dict[bytes, dict[tuple[int, int], float]] = {}
+        for i in scored:
+            for t, state in enumerate(at[i]):
+                returns.setdefault(state, {})[i, t] = sum(r for j, r in episodes[i].items() if j >= t)
+        step = {it: a for same in returns.values() if len(same) > 1 for it, a in _normalized(same, scale).items()}
+        out += [[total[i] + step.get((i, t), 0.0) for t in range(len(at[i]))] if i in total else [0.0] * len(at[i])
+                for i in range(len(episodes))]
+    return out
+
+
+def _normalized(values: dict, scale: str) -> dict:
+    """`values` against their mean, divided by their std (Bessel's) + 1e-4 with scale "group"; 0 for one alone."""
+    x = torch.tensor(list(values.values()), dtype=torch.float64)
+    if len(x) < 2:
+        return dict.fromkeys(values, 0.0)
+    norm = (x - x.mean()) / (x.std() + 1e-4) if scale == "group" else x - x.mean()
+    return dict(zip(values, norm.tolist()))
 
 
 def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip: str = "") -> Batch:

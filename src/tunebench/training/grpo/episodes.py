@@ -19,6 +19,7 @@ same episodes.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -209,6 +210,14 @@ def turn_of(e: Episode) -> list[int]:
     return [sum(end <= p for end in ends) for p in range(e.prompt_len, len(e.ids))]
 
 
+def states_of(e: Episode) -> list[bytes]:
+    """The episode's state at the start of each of its turns: a digest of its whole context then (the opening, or
+    everything up to the end of the tool turn before), so turns of a group's episodes share a state exactly when
+    their contexts are token-identical (GiGPO's anchor states; grpo.state_advantages)."""
+    starts = [e.prompt_len, *(end for _, end in e.tool_turns)]
+    return [hashlib.blake2b(np.asarray(e.ids[:s], dtype=np.int64).tobytes(), digest_size=16).digest() for s in starts]
+
+
 class Episodes:
     """Multi-turn draws (a grpo.Draws): each completion an episode played in the environment (rollout), scored by
     its reward and any --reward on its final answer; its own figures (turns, calls, calls that ran, why it stopped)
@@ -282,14 +291,17 @@ class Episodes:
         started = time.perf_counter()
         scores, per_turn = self.score_episodes(episodes)
         on.times["scoring"] += time.perf_counter() - started
-        turns = None if all(t is None for t in per_turn) else self.turn_rewards(episodes, scores, per_turn)
+        by_state = getattr(on.s, "turn_credit", "pooled") == "state"  # GiGPO: credit needs every episode's turns
+        turns = None if all(t is None for t in per_turn) and not by_state else \
+            self.turn_rewards(episodes, scores, per_turn)
         entropy = torch.tensor([[h / max(n, 1), f / max(t, 1)] for h, n, f, t in (e.entropy for e in episodes)]) \
             if any(e.entropy[3] for e in episodes) else None
         return grpo.Drawn([e.ids[e.prompt_len:] for e in episodes], scores,
                           torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32),
                           torch.tensor([float(e.stop == "cut") for e in episodes]),
                           [e.mask[e.prompt_len:] for e in episodes], figures, turns,
-                          turns and [turn_of(e) for e in episodes], entropy)
+                          turns and [turn_of(e) for e in episodes], entropy,
+                          [states_of(e) for e in episodes] if by_state else None)
 
     def probe_length(self, keys: list[int]) -> int:
         """A whole context (max_length) less the shortest opening of `keys`: the most a step's row holds."""

@@ -118,7 +118,9 @@ def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
                         f"{o.max_turns} turns of up to {o.max_completion_length} tokens (the loss on the model's own "
                         f"tokens; tool turns are context), tool calls limited to {o.tool_timeout:g} s; temperature "
                         f"{o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages scaled by "
-                        f"{o.scale_rewards}, beta {o.beta:g}; reference: {reference}"
+                        f"{o.scale_rewards}, each turn's "
+                        + ("against the turns that reached the same context (GiGPO)" if o.turn_credit == "state"
+                           else "against its group's turns pooled") + f", beta {o.beta:g}; reference: {reference}"
                         + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
     return Decision("objective", o.name, f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
                     f"tokens at temperature {o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages "
