@@ -280,3 +280,33 @@ def test_the_first_step_is_the_closed_form_whether_or_not_compiled(tmp_path, obj
         assert record["kl"] == 0.0, record
     else:
         assert record["loss"] == pytest.approx(math.log(2) if objective == "dpo" else 0.5, abs=1e-7), record
+
+
+def test_eval_of_a_dpo_run_scores_its_held_out_pairs_as_the_run_did(tmp_path, capsys):
+    """`tunebench eval --adapter RUN --base` of a DPO run: its own objective over its held-out pairs (the run's
+    split), the same figures as the run's last evaluation; the start beside it (policy = reference: margin 0);
+    another file of pairs with --data; a file that holds no pairs refused in one line before a model loads."""
+    run = tmp_path / "dpo"
+    finetune.run(_golden_config(tmp_path, "dpo", **{"data.eval_fraction": 0.34, "train.max_steps": 3,
+                                                    "train.lr": 5e-3, "train.effective_batch_size": 2}))
+    last = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r][-1]
+    assert main(["eval", "--adapter", str(run), "--base", "--precision", "fp32", "--output-dir",
+                 str(tmp_path / "scores")]) == 0
+    scores = json.loads((tmp_path / "scores" / "scores.json").read_text())
+    assert scores["rows"] == f"the held-out pairs of {run}"
+    tuned, start = scores["dpo"], scores["base"]
+    assert tuned["pairs"] == last["eval_pairs"] == 2
+    for name in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert tuned[name] == pytest.approx(last[f"eval_{name}"], rel=1e-4, abs=1e-5), name
+    assert tuned["rewards/margins"] != 0 and start["rewards/margins"] == 0
+    assert start["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    other = pairs_file(tmp_path).rename(tmp_path / "other.jsonl")
+    assert main(["eval", "--adapter", str(run), "--data", str(other), "--precision", "fp32",
+                 "--output-dir", str(tmp_path / "all")]) == 0
+    assert json.loads((tmp_path / "all" / "scores.json").read_text())["dpo"]["pairs"] == 6
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"instruction": "a", "output": "b"}\n')
+    capsys.readouterr()
+    assert main(["eval", "--adapter", str(run), "--data", str(sft), "--output-dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chosen" in err[0], err

@@ -151,7 +151,7 @@ def _export(args: argparse.Namespace) -> int | None:
 
 
 def _eval(args: argparse.Namespace) -> int | None:
-    from tunebench.jobs import eval_rewarded, evaluate
+    from tunebench.jobs import eval_preference, eval_rewarded, evaluate
 
     run_dir = (args.adapter or [None])[0] or args.model
     rewarded = None if args.lm_eval else eval_rewarded.rewarded_run(run_dir)
@@ -162,6 +162,13 @@ def _eval(args: argparse.Namespace) -> int | None:
                                  "other --adapter runs (eval them apart)")
         return eval_rewarded.table(run_dir, rewarded, args.base, args.data, args.device, args.precision,
                                    args.output_dir)
+    preferred = None if args.lm_eval or args.generate or args.gguf else eval_preference.preference_run(run_dir)
+    if preferred is not None:  # a DPO, ORPO or KTO run: its own objective over its held-out pairs
+        if len(args.adapter or []) > 1:
+            raise TunebenchError(f"'{run_dir}' learned from preferences ({preferred.objective.name}): eval scores "
+                                 "its held-out pairs with its own objective; eval other --adapter runs apart")
+        return eval_preference.table(run_dir, preferred, args.base, args.data, args.device, args.precision,
+                                     args.output_dir)
     evaluate.table(args.model, args.adapter or [None], args.base,
                    _data_config(args.data, args.max_length, args.max_samples), args.output_dir,
                    batch_size=args.batch_size,

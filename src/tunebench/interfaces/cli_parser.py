@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(p)
 
     p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, "
-                       "...); a GRPO or RFT run: its held-out prompts scored by its own rewards")
+                       "...); a GRPO or RFT run: its held-out prompts scored by its own rewards; a DPO, ORPO or KTO run: "
+                       "its held-out pairs by its own objective (reward accuracy and margin)")
     _adapters_options(p, "give several to compare them on the same rows")
     p.add_argument("--base", action="store_true", help="also evaluate the adapters' base model, for a base vs tuned table")
     p.add_argument("--generate", type=int, default=0,

@@ -259,6 +259,15 @@ def loss_for(model, o: Objective, full: bool, autocast_dtype) -> tuple[Preferenc
             Decision("objective", "dpo", f"beta {o.beta:g}; reference: {words}{dropout}"))
 
 
+def scoring_loss(model, o: Objective, autocast_dtype, reference) -> PreferenceLoss:
+    """The DPO, ORPO or KTO objective `o` over `model` against a reference given (`reference_logps`' kinds): how
+    `tunebench eval` scores a finished run's held-out pairs (jobs/eval_preference.py)."""
+    if o.name == "orpo":
+        return PreferenceLoss(model, "orpo", o.orpo_lambda, autocast_dtype)
+    weights = (o.desirable_weight, o.undesirable_weight) if o.name == "kto" else (1.0, 1.0)
+    return PreferenceLoss(model, o.name, o.beta, autocast_dtype, reference, weights)
+
+
 def reference_for(model, full: bool):
     """(the reference, its description) of an objective that compares the policy with its start (DPO, KTO, GRPO
     with beta): under full fine-tuning a frozen copy made here, before any step, so the probe counts its memory;
