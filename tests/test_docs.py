@@ -272,10 +272,11 @@ def _votes(tmp: Path) -> None:
 
 
 def _environment(tmp: Path) -> None:
-    """The agents tutorial's env.py and cart.py, the page's own Python blocks as written, and rows for each."""
+    """The agents tutorial's env.py (with its stop rule's block added) and cart.py, the page's own Python blocks as
+    written, and rows for each."""
     page = (ROOT / "docs" / "tutorials" / "agents.md").read_text(encoding="utf-8")
-    env, cart = re.findall(r"```python\n(.*?)```", page, re.S)
-    (tmp / "env.py").write_text(env)
+    env, cart, stop = re.findall(r"```python\n(.*?)```", page, re.S)
+    (tmp / "env.py").write_text(env + "\n\n" + stop)
     (tmp / "cart.py").write_text(cart)
     rows = [{"question": f"What is under {k}?", "answer": v} for k, v in (("a", "1"), ("b", "2"), ("c", "3"))] * 3
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -456,11 +456,16 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     assert after.messages[2]["content"] == "0" and sampler.score_episodes([after])[0].flatten().tolist() == [0.0]
 
 
-def _cart_train(tmp_path, out, n_rows, *extra):
+def _cart_train(tmp_path, out, n_rows, *extra, stops=False):
     """A 2-step GRPO command in CART with its count tool left out (the tiny model's 512 positions hold one tool's
-    schema and 3 turns, not two), on `n_rows` rows wanting 1 or 2 items."""
+    schema and 3 turns, not two), on `n_rows` rows wanting 1 or 2 items; with `stops`, a stop rule of its own
+    (`full`: the cart holds what the row wants)."""
     one_tool = CART.replace('    def count(self) -> int:\n        """Count."""\n        return len(self.items)\n', "")
     assert one_tool != CART
+    if stops:
+        one_tool = one_tool.replace("    def reward(self, messages, row):", "    STOPS = ['full']\n\n"
+                                    "    def full(self, messages, row):\n        return len(self.items) >= row['want']\n\n"
+                                    "    def reward(self, messages, row):")
     rows = tmp_path / "carts.jsonl"
     rows.write_text("".join(json.dumps({"q": f"Add {n}.", "want": n}) + "\n" for n in (1, 2) * (n_rows // 2)))
     args = _train(tmp_path, _env(tmp_path, one_tool), out, "--max-steps", "2", *extra)
@@ -468,15 +473,44 @@ def _cart_train(tmp_path, out, n_rows, *extra):
     return args
 
 
+def test_an_environments_own_stop_rule_ends_an_episode_by_name(tmp_path, tiny, monkeypatch):
+    """Issue 97: each stop rule a named method (episodes.Stops: the built-in ones, in the stats' names), and an
+    environment adds its own (STOPS, run in its process once a turn's results are in); the one that ended each
+    episode is recorded by name and counted in the step's stats. A rule that is no function of (messages, row) in
+    the file, or that takes a built-in rule's or a tool's name, is refused when the file loads."""
+    assert set(episodes.Stops.BEFORE_CALLS + episodes.Stops.AFTER_CALLS) == set(grpo.EPISODE_STOPS)
+    assert all(callable(getattr(episodes.Stops, name)) for name in grpo.EPISODE_STOPS)
+    solved = ENV + ('\ndef solved(messages, row):\n'
+                    '    return messages[-1]["role"] == "tool" and messages[-1]["content"] == row["a"]\n\n'
+                    'STOPS = [solved]\n')
+    sampler = _sampler(tmp_path, tiny, text=solved)
+    tok = tiny.tokenizer
+    calls = [toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "b"})]
+    monkeypatch.setattr(grpo, "complete", _scripted(tok, [calls, ["It is 1."]]))
+    drawn = sampler.draw([0], seed=1)  # row 0 wants "1": look(a) answers it, look(b) does not
+    names = sampler.stat_names()
+    assert names[-5:] == tuple(f"episodes/stop/{why}" for why in (*grpo.EPISODE_STOPS, "solved"))
+    stops = drawn.figures[:, -5:].tolist()
+    assert stops == [[0, 0, 0, 0, 1], [1, 0, 0, 0, 0]]  # the first ended by `solved` after one turn, the other answered
+    assert drawn.figures[:, 0].tolist() == [1.0, 2.0]
+    for text, message in (("def answered(messages, row):\n    return True\nSTOPS = [answered]\n", "already used"),
+                          ("STOPS = [look]\n", "already used"),
+                          ("STOPS = 'solved'\n", "must be a list"),
+                          ("STOPS = [len]\n", "not a function defined in the file"),
+                          ("def one(messages):\n    return True\nSTOPS = [one]\n", r"must take \(messages, row\)")):
+        with pytest.raises(TunebenchError, match=message):
+            environment.load(str(_env(tmp_path, ENV + "\n" + text)), 1.0)
+
+
 def test_a_stateful_environment_trains_from_the_command_line(tmp_path):
     """Two GRPO steps on the tiny model in ENVIRONMENT's carts (add only); the step logs why its episodes stopped."""
     out = tmp_path / "out"
-    args = _cart_train(tmp_path, out, 6)
+    args = _cart_train(tmp_path, out, 6, stops=True)
     assert main(args) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in steps] == [1, 2]
-    for r in steps:
-        stops = [r[f"episodes/stop/{why}"] for why in grpo.EPISODE_STOPS]
+    for r in steps:  # the environment's own stop rule among the step's stops
+        stops = [r[f"episodes/stop/{why}"] for why in (*grpo.EPISODE_STOPS, "full")]
         assert sum(stops) == pytest.approx(1.0) and "rewards/environment/mean" in r
 
 
@@ -668,7 +702,7 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     from tunebench.training.loop import prepare
 
     ready, _, _ = prepare(batch, torch.device("cpu"))  # the loss reads the tokens' own advantages
-    loss = grpo.GRPOLoss(tiny.model, sampler.on.s, sampler.reward_names(), episodes=True)
+    loss = grpo.GRPOLoss(tiny.model, sampler.on.s, sampler.reward_names(), episode_stats=sampler.episode_stats)
     doubled = dict(ready, token_advantages=2 * ready["token_advantages"])
     with torch.no_grad():
         assert abs(float(loss(ready)[0])) > 1e-3

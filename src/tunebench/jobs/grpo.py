@@ -73,7 +73,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
-        loss=loss_class(model, o, draws.reward_names(), opened.autocast, reference, draws.episodes, kinds),
+        loss=loss_class(model, o, draws.reward_names(), opened.autocast, reference, draws.episode_stats, kinds),
         method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),

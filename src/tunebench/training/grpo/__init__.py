@@ -44,14 +44,16 @@ from tunebench.training.grpo import watch as watch_
 from tunebench.training.loop import Batch
 from tunebench.training.preference import reference_logps, token_logps
 
-# Why an episode (training/grpo/episodes.py) ends, the rules in the order its turn applies them: the model answered without
-# a call; its reply reached --max-completion-length without ending; it called on its last turn (--max-turns); the
-# context had no room for another whole reply, or for the tool results it asked for.
+# Why an episode ends: the built-in stop rules (training/grpo/episodes.py's Stops, a method each), in the order the
+# step's stats list them; an environment's own rules (its STOPS) follow.
 EPISODE_STOPS = ("answered", "cut", "max_turns", "no_room")
-# An episode's own figures, after the rewards': turns and calls a mean per episode, the calls that ran without error
-# a share of the calls, then the share of episodes that ended by each of EPISODE_STOPS.
-EPISODE_STATS = ("episodes/turns", "episodes/calls", "episodes/calls_ok",
-                 *(f"episodes/stop/{why}" for why in EPISODE_STOPS))
+
+
+def episode_stats(stops: tuple[str, ...] = EPISODE_STOPS) -> tuple[str, ...]:
+    """An episode's own figures, after the rewards': turns and calls a mean per episode, the calls that ran without
+    error a share of the calls, then the share of episodes that ended by each stop rule of `stops`."""
+    return ("episodes/turns", "episodes/calls", "episodes/calls_ok", *(f"episodes/stop/{why}" for why in stops))
+
 EPISODE_STAT_PER = {"episodes/calls_ok": "episodes/calls"}
 # A step's sampling time by part: the prompts' and contexts' prefills, the decoding of new tokens, an episode's
 # tools (its calls and the tool turns rendered), the rewards' scoring (summary.json's sampling_split_s).
@@ -192,7 +194,7 @@ class Draws(Protocol):
     (one sampled reply a completion) or episodes.Episodes (an episode of turns in an environment a completion)."""
 
     on: Sampling
-    episodes: bool  # a completion is an episode of turns: its figures (EPISODE_STATS) follow the rewards'
+    episode_stats: tuple[str, ...]  # an episode's figures (episode_stats), which follow the rewards'; () for replies
     weights: torch.Tensor  # (rewards,) each scores column's weight in the reward
 
     def draw(self, keys: list[int], seed: int) -> Drawn: ...
@@ -207,7 +209,7 @@ class Completions:
     """Single-turn draws: num_generations completions of each prompt sampled in one batched decode (`sample`), each
     scored by the --reward functions on its text."""
 
-    episodes = False
+    episode_stats: tuple[str, ...] = ()
 
     def __init__(self, on: Sampling):
         self.on = on
@@ -480,13 +482,13 @@ class GRPOLoss(torch.nn.Module):
     unit = "completions"
 
     def __init__(self, model, settings: GRPO, rewards: list[rewards_.Reward], autocast_dtype=None,
-                 reference=None, episodes: bool = False, kinds: watch_.Kinds | None = None):
+                 reference=None, episode_stats: tuple[str, ...] = (), kinds: watch_.Kinds | None = None):
         super().__init__()
         self.model, self.s, self.autocast_dtype = model, settings, autocast_dtype
-        self.stat_names = (stat_names(rewards) + (EPISODE_STATS if episodes else ()) + watch_.stat_names(kinds)
+        self.stat_names = (stat_names(rewards) + tuple(episode_stats) + watch_.stat_names(kinds)
                            + ("frac_groups_skipped",))  # StepRows.stat_names' order, then the skipped groups
         self.stat_per = {f"rewards/{r.name}/mean": f"count/{r.name}" for r in rewards} | (
-            EPISODE_STAT_PER if episodes else {}) | watch_.stat_per(kinds)
+            EPISODE_STAT_PER if episode_stats else {}) | watch_.stat_per(kinds)
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
 
     def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:

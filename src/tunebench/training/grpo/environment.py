@@ -23,6 +23,14 @@ An environment with state (a shopping cart, a file system, a game) gives a class
         def reward(self, messages, row) -> float: ...  # reset and reward)
     ENVIRONMENT = Cart                                 # a class, or any function making a new instance
 
+An episode ends by the first stop rule that fires (episodes.Stops: the model answered, its reply was cut, its last
+turn called, no room for the results); an environment adds its own as STOPS, each a function of (messages, row)
+(a method of (self, messages, row) on ENVIRONMENT, its name listed) that returns True to end the episode once a
+turn's tool results are in; the step's stats give the share each rule ended (episodes/stop/NAME).
+
+    def solved(messages, row) -> bool: ...         # e.g. the last tool result says the task is done
+    STOPS = [solved]                               # (a class: STOPS = ["solved"], a method of its own)
+
 The module-level functions are shared by every episode; an instance is its episode's alone. A tool that runs past
 its limit takes the environment's process with it: the instances of the episodes still playing go too (their later
 calls answer with an error text, their reward is None: no opinion).
@@ -61,6 +69,7 @@ class Environment:
     timeout_s: float
     host: userprocess.Host
     per_episode: bool = False  # ENVIRONMENT: one instance an episode (False: the module's functions, shared)
+    stops: dict[str, userprocess.Remote] = dataclasses.field(default_factory=dict)  # its own stop rules, by name
 
 
 @dataclass(frozen=True)
@@ -110,15 +119,18 @@ def load(spec: str, timeout_s: float, file: UserFile | None = None) -> Environme
         raise TunebenchError(f"--environment {spec}: TOOLS must be a non-empty list of functions")
     _check_callbacks(spec, module)
     tools, schemas = _described(spec, tools)
+    stops = _stop_rules(spec, module, set(tools))
     host = userprocess.Host(file.source, str(path), name)
-    return _remote(Environment(str(path), tools, schemas, None, None, timeout_s, host), userprocess.MODULE)
+    return _remote(Environment(str(path), tools, schemas, None, None, timeout_s, host, stops=dict.fromkeys(stops)),
+                   userprocess.MODULE)
 
 
 def _remote(env: Environment, instance: int) -> Environment:
     """`env` with its tools, reset and reward those of `instance` in its process."""
     return dataclasses.replace(env, tools={n: userprocess.Remote(env.host, instance, n) for n in env.tools},
                                reset=userprocess.Remote(env.host, instance, "reset"),
-                               reward=userprocess.Remote(env.host, instance, "reward"))
+                               reward=userprocess.Remote(env.host, instance, "reward"),
+                               stops={n: userprocess.Remote(env.host, instance, n, raw=True) for n in env.stops})
 
 
 def _of_class(spec: str, path: Path, module, timeout_s: float, file: UserFile) -> Environment:
@@ -139,14 +151,45 @@ def _of_class(spec: str, path: Path, module, timeout_s: float, file: UserFile) -
         raise TunebenchError(f"--environment {spec}: ENVIRONMENT's instances have no {' or '.join(missing)} method; "
                              "give reset(self, row) and reward(self, messages, row)")
     _check_callbacks(spec, instance)
-    names = _tool_names(instance)
+    stops = _stop_rules(spec, instance, set())
+    names = [n for n in _tool_names(instance) if n not in stops]
     if not names:
         raise TunebenchError(f"--environment {spec}: ENVIRONMENT has no tools; its public methods other than reset "
                              "and reward are the tools the model calls")
     tools, schemas = _described(spec, [getattr(instance, n) for n in names])
     host = userprocess.Host(file.source, str(path), module.__name__)
-    env = Environment(str(path), tools, schemas, None, None, timeout_s, host, per_episode=True)
+    env = Environment(str(path), tools, schemas, None, None, timeout_s, host, per_episode=True,
+                      stops=dict.fromkeys(stops))
     return _remote(env, _new(env))  # the instance whose reset opens the data's rows when they load
+
+
+def _stop_rules(spec: str, owner: Any, tools: set[str]) -> list[str]:
+    """The names of `owner`'s STOPS (the module's functions, or the instance's methods, each listed or named),
+    checked: each callable with (messages, row), named once, no tool's name and no built-in rule's."""
+    from tunebench.training import grpo
+
+    listed = getattr(owner, "STOPS", ())
+    if isinstance(listed, str) or not isinstance(listed, (list, tuple)):
+        raise TunebenchError(f"--environment {spec}: STOPS must be a list of stop rules (functions of messages and "
+                             f"row returning True to end the episode), not {type(listed).__name__}")
+    names = []
+    for rule in listed:
+        name = rule if isinstance(rule, str) else getattr(rule, "__name__", "")
+        fn = getattr(owner, name, None) if name else None
+        if fn is None or not callable(fn) or not isinstance(rule, str) and getattr(fn, "__func__", fn) is not \
+                getattr(rule, "__func__", rule):
+            raise TunebenchError(f"--environment {spec}: STOPS lists {str(rule)[:60]!r}, which is not a function "
+                                 "defined in the file under its own name (a method of ENVIRONMENT for a class)")
+        if name in names or name in tools or name in grpo.EPISODE_STOPS:
+            raise TunebenchError(f"--environment {spec}: stop rule {name!r} takes a name already used (by another "
+                                 f"rule, a tool, or a built-in rule: {', '.join(grpo.EPISODE_STOPS)}); rename it")
+        try:
+            inspect.signature(fn).bind("messages", "row")
+        except (TypeError, ValueError):
+            raise TunebenchError(f"--environment {spec}: stop rule {name} must take (messages, row); it is "
+                                 f"{name}{_signature(fn)}") from None
+        names.append(name)
+    return names
 
 
 def _instance(spec: str, factory: Callable[[], Any]) -> Any:
@@ -245,7 +288,13 @@ CALLBACK_S = 60.0  # reset's, reward's and ENVIRONMENT()'s time limit: one stuck
 def _callback(env: Environment, what: str, args: tuple, where: str = "") -> Any:
     """reset or reward run within CALLBACK_S: an exception or no answer is the user's bug, said in one line. The
     reward of an episode whose instance was lost (see the module's docstring) is None: no opinion."""
-    box = getattr(env, what).within(CALLBACK_S, *args)
+    return _callback_of(env, getattr(env, what), what, args, where)
+
+
+def _callback_of(env: Environment, remote: userprocess.Remote, what: str, args: tuple, where: str = "") -> Any:
+    """`remote` (reset, reward or a stop rule) run within CALLBACK_S (see _callback); a lost instance's reset is
+    refused, its reward or stop rule None."""
+    box = remote.within(CALLBACK_S, *args)
     if box is not None and "lost" in box:
         if what == "reset":
             raise TunebenchError(f"--environment {env.path}: {LOST}{where}")
@@ -289,6 +338,20 @@ def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
         return ToolAnswer(f"error: {type(box['error']).__name__}: {box['error']}", False)
     value = box.get("value")
     return ToolAnswer(value if isinstance(value, str) else json.dumps(value, default=str), True)
+
+
+def stopped(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any]) -> str | None:
+    """The name of the first of the environment's own stop rules that returns True for the episode so far, or None.
+    Each runs under CALLBACK_S; an exception, no answer or an answer that is not a bool stops the run in one line
+    (None, a lost instance's, goes on)."""
+    for name in env.stops:
+        value = _callback_of(env, env.stops[name], f"stop rule {name}", ([dict(m) for m in messages], dict(row)))
+        if value is not None and not isinstance(value, bool):
+            raise TunebenchError(f"--environment {env.path}: stop rule {name} returned {str(value)[:60]!r}; return "
+                                 "True to end the episode, False to go on")
+        if value:
+            return name
+    return None
 
 
 def score(env: Environment, messages: list[dict[str, Any]], row: dict[str, Any], turns: int = 1,

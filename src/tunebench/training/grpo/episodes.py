@@ -50,7 +50,7 @@ class Episode:
     turns: int = 0
     calls: int = 0
     calls_ok: int = 0
-    stop: str | None = None  # why it ended (one of grpo.EPISODE_STOPS); None while it plays
+    stop: str | None = None  # the stop rule that ended it, by name (Stops, or the environment's); None while it plays
     tool_turns: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of each tool turn's tokens
     # the sampling's entropies (watch.py): summed over its tokens, its tokens, summed over its turns' first
     # tokens, its turns recorded
@@ -117,7 +117,7 @@ def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None,
             ) -> list[Episode]:
     """`n` episodes of each prompt of `keys` (consecutive), played to their end: each turn, every episode still
     playing with room for a whole reply samples it in one batched decode, then `take_turn` runs its calls. Each
-    ends by one of grpo.EPISODE_STOPS, recorded in `stop`."""
+    ends by the first of its stop rules (Stops) that fires, recorded by name in `stop`."""
     on = draws.on
     episodes = [begin(draws, k) for k in keys for _ in range(n)]
     turns = decoding.Turns()  # each episode's KV cache, kept across its turns
@@ -126,7 +126,7 @@ def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None,
     draws.restarts_before = draws.env.host.restarts  # the environment's process restarted in this rollout: counted
     for _ in range(draws.max_turns):
         for e in episodes:
-            if e.stop is None and len(e.ids) + on.s.max_completion_length > draws.max_length:
+            if e.stop is None and draws.stops.no_room(e, None):
                 e.stop = "no_room"
         playing = [i for i, e in enumerate(episodes) if e.stop is None]
         if not playing:
@@ -161,9 +161,61 @@ def begin(draws: Episodes, key: int) -> Episode:
     return Episode(key, [dict(m) for m in opening], ids, [0] * len(ids), len(ids), env)
 
 
+@dataclass(frozen=True)
+class Turn:
+    """What a stop rule reads of the turn an episode just took: whether the reply ended (its EOS), the calls it
+    made, and once they ran whether their results fit the context (None before)."""
+
+    ended: bool
+    calls: list[dict]
+    fits: bool | None = None
+
+
+class Stops:
+    """An episode's stop rules, each a method named as the step's stats record it (episodes/stop/NAME), returning
+    True to end the episode: BEFORE_CALLS once the reply is in (its calls then never run), AFTER_CALLS once their
+    results are, then the environment's own (its STOPS: environment.stopped). `no_room` is also asked before each
+    turn, with no turn: a context with no room left for a whole reply."""
+
+    BEFORE_CALLS = ("cut", "answered", "max_turns")
+    AFTER_CALLS = ("no_room",)
+
+    def __init__(self, draws: Episodes):
+        self.draws = draws
+
+    def cut(self, e: Episode, turn: Turn) -> bool:
+        """The reply reached --max-completion-length without ending."""
+        return not turn.ended
+
+    def answered(self, e: Episode, turn: Turn) -> bool:
+        """The model answered without a call."""
+        return not turn.calls
+
+    def max_turns(self, e: Episode, turn: Turn) -> bool:
+        """It called on its last turn (--max-turns): the calls are not run, the model would never read them."""
+        return e.turns == self.draws.max_turns
+
+    def no_room(self, e: Episode, turn: Turn | None) -> bool:
+        """The context has no room for the results its calls gave (they are left out), or, before a turn, for a
+        whole reply."""
+        if turn is None:
+            return len(e.ids) + self.draws.on.s.max_completion_length > self.draws.max_length
+        return not turn.fits
+
+    def first(self, names: tuple[str, ...], e: Episode, turn: Turn) -> str | None:
+        return next((name for name in names if getattr(self, name)(e, turn)), None)
+
+    def own(self, e: Episode) -> str | None:
+        """The environment's own rule that ends the episode now, by name (None without one, or where none fires)."""
+        if not e.env.stops:
+            return None
+        return environment_.stopped(e.env, e.messages, self.draws.on.rows.columns[self.draws.on.data.source(e.key)])
+
+
 def take_turn(draws: Episodes, e: Episode, reply: list[int]) -> str | None:
     """`reply` appended to `e` (the policy's tokens), its calls run in the episode's environment and their results
-    appended as one tool turn (context only); why the episode ends with it (one of grpo.EPISODE_STOPS), or None."""
+    appended as one tool turn (context only); the name of the stop rule that ends the episode with it (Stops), or
+    None."""
     tok = draws.on.tokenizer
     e.ids += reply
     e.mask += [1] * len(reply)
@@ -175,12 +227,9 @@ def take_turn(draws: Episodes, e: Episode, reply: list[int]) -> str | None:
         message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
     before = [*e.messages, message]  # the conversation through this reply, as _tool_turn_ids renders it
     e.messages = list(before)
-    if not ended:
-        return "cut"
-    if not calls:
-        return "answered"
-    if e.turns == draws.max_turns:  # its calls are not run: the model would never read their results
-        return "max_turns"
+    why = draws.stops.first(Stops.BEFORE_CALLS, e, Turn(ended, calls))
+    if why:
+        return why
     started = time.perf_counter()
     for i, c in enumerate(calls):
         result = environment_.call(e.env, c["name"], c["arguments"]) if i < MAX_CALLS else environment_.ToolAnswer(
@@ -194,13 +243,14 @@ def take_turn(draws: Episodes, e: Episode, reply: list[int]) -> str | None:
                                  "ending): a tool that cannot answer stops the run; fix the tool or raise the limit")
     turn = _tool_turn_ids(tok, e.env, before, e.messages)
     draws.rollout_tools_s += time.perf_counter() - started
-    if len(e.ids) + len(turn) > draws.max_length:  # the results do not fit: the model never reads them
-        e.messages = list(before)
-        return "no_room"
+    why = draws.stops.first(Stops.AFTER_CALLS, e, Turn(ended, calls, len(e.ids) + len(turn) <= draws.max_length))
+    if why:
+        e.messages = list(before)  # the results the model never reads are not the episode's
+        return why
     e.tool_turns.append((len(e.ids), len(e.ids) + len(turn)))
     e.ids += turn
     e.mask += [0] * len(turn)
-    return None
+    return draws.stops.own(e)
 
 
 def turn_of(e: Episode) -> list[int]:
@@ -224,7 +274,6 @@ class Episodes:
     follow the rewards' among the step's stats. The same seeding and rows as single-turn completions, the policy's
     tokens masked in."""
 
-    episodes = True
     keep_cache = True  # False: each turn decodes the episodes' whole contexts afresh (the path before Turns)
 
     def __init__(self, on: grpo.Sampling, env: environment_.Environment, openings: list[list[dict]], max_turns: int,
@@ -234,6 +283,9 @@ class Episodes:
         self.rollout_prefilled = 0  # the last rollout's context tokens fed to the model (its turns' prefills)
         self.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
         self.restarts_before = 0  # the environment's restarts when this rollout began (rollout: MAX_RESTARTS)
+        self.stops = Stops(self)
+        self.stop_names = (*grpo.EPISODE_STOPS, *env.stops)  # the built-in rules', then the environment's own
+        self.episode_stats = grpo.episode_stats(self.stop_names)
 
     def score_episodes(self, episodes: list[Episode]) -> tuple[torch.Tensor, list[list[float] | None]]:
         """((episodes, 1 + rewards): the environment's reward, then each --reward on the final answer; each
@@ -286,7 +338,7 @@ class Episodes:
         on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill, self.rollout_tools_s)
         on.generated_tokens += sum(sum(e.mask) for e in episodes)
         on.prefilled += self.rollout_prefilled
-        figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in grpo.EPISODE_STOPS)]
+        figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in self.stop_names)]
                                 for e in episodes], dtype=torch.float32)
         started = time.perf_counter()
         scores, per_turn = self.score_episodes(episodes)
@@ -308,7 +360,7 @@ class Episodes:
         return max(self.max_length - len(self.on.data.ids[k]) for k in keys)
 
     def stat_names(self) -> tuple[str, ...]:
-        return (*grpo.stat_names(self.reward_names()), *grpo.EPISODE_STATS)
+        return (*grpo.stat_names(self.reward_names()), *self.episode_stats)
 
     def reward_names(self) -> list[rewards_.Reward]:
         return [rewards_.Reward("environment", 1.0, lambda p, c, cols: []), *self.on.rewards]
