@@ -38,17 +38,12 @@ from tunebench.core.decision import Decision
 from tunebench.core.precision import autocast
 from tunebench.machine import distributed
 from tunebench.model import methods
+from tunebench.settings import objectives
 from tunebench.settings.objectives import Objective
 from tunebench.training.loop import Batch, body_and_head
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-STATS = {"dpo": REWARDS, "orpo": REWARDS + ("nll_loss", "log_odds_ratio", "log_odds_chosen"),
-         "kto": ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "desirable",
-                 "undesirable")}
-# KTO's means over one kind of row (TRL's): divided by that kind's count, not by all rows
-PER = {"kto": {"rewards/chosen": "desirable", "logps/chosen": "desirable", "rewards/rejected": "undesirable",
-               "logps/rejected": "undesirable"}}
 
 
 def reference_copy(model):
@@ -147,15 +142,16 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 class PreferenceLoss(torch.nn.Module):
-    """DPO's, ORPO's or KTO's loss over `model` (module docstring), a loop.Objective: (loss sum, stat sums)."""
+    """What DPO's, ORPO's and KTO's losses share, each a class of its own below (module docstring), a
+    loop.Objective: (loss sum, stat sums). `strength` is DPO's and KTO's beta, ORPO's lambda."""
 
-    def __init__(self, model, method: str, beta: float, autocast_dtype: torch.dtype | None = None,
-                 reference=None, weights: tuple[float, float] = (1.0, 1.0)):
+    stat_names: tuple[str, ...] = REWARDS
+    stat_per: dict[str, str] = {}
+    unit = "pairs"
+
+    def __init__(self, model, strength: float, autocast_dtype: torch.dtype | None = None, reference=None):
         super().__init__()
-        self.model, self.method, self.beta, self.autocast_dtype = model, method, beta, autocast_dtype
-        self.stat_names, self.stat_per = STATS[method], PER.get(method, {})
-        self.unit = "examples" if method == "kto" else "pairs"
-        self.weights = weights  # KTO's (desirable_weight, undesirable_weight)
+        self.model, self.beta, self.autocast_dtype = model, strength, autocast_dtype
         self._reference = [reference]  # a list: not a submodule, so neither trained nor wrapped by DDP
 
     def reference_logps(self, batch: Batch, index: torch.Tensor) -> torch.Tensor:
@@ -164,44 +160,76 @@ class PreferenceLoss(torch.nn.Module):
     def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:
         return means  # every figure is a mean (loop.Objective)
 
+    @staticmethod
+    def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, logps: torch.Tensor, pairs: int,
+                   extra: list[torch.Tensor]) -> torch.Tensor:
+        """TRL's pair figures, summed over the micro batch's pairs (REWARDS' order), then the loss's own."""
+        chosen, rejected = chosen.detach(), rejected.detach()
+        return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(),
+                            (chosen - rejected).sum(), logps[:pairs].sum(), logps[pairs:].sum(), *extra])
+
+
+class DPOLoss(PreferenceLoss):
+    """-log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))), log-probabilities summed over
+    each reply's tokens."""
+
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, stat sums) of the micro batch (a filler's, `live` 0, the loop multiplies by 0)."""
         rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
         pairs = rows // 2
-        if self.method == "kto":
-            return self.kto(batch, pairs, width)
-        if self.method == "dpo":
-            index = batch["loss_index"]
-            row = index // width
-            reference = torch.zeros(rows, device=index.device).index_add(0, row, self.reference_logps(batch, index))
-            policy = torch.zeros(rows, device=index.device).index_add(
-                0, row, token_logps(self.model, batch, index, self.autocast_dtype))
-            ratios = policy - reference  # log pi - log ref, each reply
-            chosen, rejected = self.beta * ratios[:pairs], self.beta * ratios[pairs:]
-            loss = -F.logsigmoid(chosen - rejected).sum()
-            logps = policy.detach()
-            extra: list[torch.Tensor] = []
-        else:
-            index, is_reply = batch["target_index"], batch["is_response"]
-            row = index // width
-            logp = token_logps(self.model, batch, index, self.autocast_dtype)
-            reply = is_reply.to(logp.dtype)
-            mean = torch.zeros(rows, device=index.device).index_add(0, row, logp * reply) / torch.zeros(
-                rows, device=index.device).index_add(0, row, reply)  # each reply's mean log-probability
-            # The NLL over every real token of the chosen rows, as a mean over the step's such tokens:
-            # totals = (pairs, chosen tokens) of the whole step, and the loop divides by its pairs.
-            totals = batch["totals"]
-            nll = -(logp * (row < pairs).to(logp.dtype)).sum() * (totals[0] / totals[1]).to(logp.dtype)
-            log_odds = (mean[:pairs] - mean[pairs:]) - (log1mexp(mean[:pairs]) - log1mexp(mean[pairs:]))
-            ratio = F.logsigmoid(log_odds)
-            loss = nll - self.beta * ratio.sum()
-            chosen, rejected = self.beta * mean[:pairs], self.beta * mean[pairs:]
-            logps = mean.detach()
-            extra = [nll.detach(), ratio.detach().sum(), log_odds.detach().sum()]
-        chosen, rejected = chosen.detach(), rejected.detach()
-        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(),
-                             (chosen - rejected).sum(), logps[:pairs].sum(), logps[pairs:].sum(), *extra])
-        return loss, stats
+        index = batch["loss_index"]
+        row = index // width
+        reference = torch.zeros(rows, device=index.device).index_add(0, row, self.reference_logps(batch, index))
+        policy = torch.zeros(rows, device=index.device).index_add(
+            0, row, token_logps(self.model, batch, index, self.autocast_dtype))
+        ratios = policy - reference  # log pi - log ref, each reply
+        chosen, rejected = self.beta * ratios[:pairs], self.beta * ratios[pairs:]
+        loss = -F.logsigmoid(chosen - rejected).sum()
+        return loss, self.pair_stats(chosen, rejected, policy.detach(), pairs, [])
+
+
+class ORPOLoss(PreferenceLoss):
+    """The NLL of the chosen rows minus lambda * log sigmoid(log odds(c) - log odds(r)), on each reply's mean
+    log-probability; no reference."""
+
+    stat_names = REWARDS + ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
+        pairs = rows // 2
+        index, is_reply = batch["target_index"], batch["is_response"]
+        row = index // width
+        logp = token_logps(self.model, batch, index, self.autocast_dtype)
+        reply = is_reply.to(logp.dtype)
+        mean = torch.zeros(rows, device=index.device).index_add(0, row, logp * reply) / torch.zeros(
+            rows, device=index.device).index_add(0, row, reply)  # each reply's mean log-probability
+        # The NLL over every real token of the chosen rows, as a mean over the step's such tokens:
+        # totals = (pairs, chosen tokens) of the whole step, and the loop divides by its pairs.
+        totals = batch["totals"]
+        nll = -(logp * (row < pairs).to(logp.dtype)).sum() * (totals[0] / totals[1]).to(logp.dtype)
+        log_odds = (mean[:pairs] - mean[pairs:]) - (log1mexp(mean[:pairs]) - log1mexp(mean[pairs:]))
+        ratio = F.logsigmoid(log_odds)
+        loss = nll - self.beta * ratio.sum()
+        chosen, rejected = self.beta * mean[:pairs], self.beta * mean[pairs:]
+        return loss, self.pair_stats(chosen, rejected, mean.detach(), pairs,
+                                     [nll.detach(), ratio.detach().sum(), log_odds.detach().sum()])
+
+
+class KTOLoss(PreferenceLoss):
+    """Single judged completions against the KL reference point z (module docstring); a micro batch of N judged
+    rows is 2N rows, the N judged ones and N mismatched ones for z."""
+
+    stat_names = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "desirable",
+                  "undesirable")
+    # its means over one kind of row (TRL's): divided by that kind's count, not by all rows
+    stat_per = {"rewards/chosen": "desirable", "logps/chosen": "desirable", "rewards/rejected": "undesirable",
+                "logps/rejected": "undesirable"}
+    unit = "examples"
+
+    def __init__(self, model, beta: float, autocast_dtype: torch.dtype | None = None, reference=None,
+                 weights: tuple[float, float] = (1.0, 1.0)):
+        super().__init__(model, beta, autocast_dtype, reference)
+        self.weights = weights  # (desirable_weight, undesirable_weight)
 
     def reference_point(self, kl_terms: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """KTO's z: max(0, the mean of log pi - log ref over the mismatched rows), TRL's estimate over a micro
@@ -215,8 +243,9 @@ class PreferenceLoss(torch.nn.Module):
             distributed.sum_in_step(sums)
         return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
 
-    def kto(self, batch: Batch, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..n-1 judged (labels in batch["label"]), rows n..2n-1 their mismatched KL rows."""
+        n, width = batch["input_ids"].shape[0] // 2, batch["input_ids"].shape[1] - 1
         index = batch["loss_index"]
         judged = index < n * width  # flat positions are row-major: the judged rows' come first
         ids = batch["input_ids"]
@@ -246,26 +275,27 @@ def loss_for(model, o: Objective, full: bool, autocast_dtype) -> tuple[Preferenc
     """The DPO, ORPO or KTO objective `o` over `model`, and its settings row (see reference_for)."""
     dropped = disable_dropout(model)
     dropout = f"; base dropout off in {dropped} module(s) (TRL's default)" if dropped else ""
-    if o.name == "orpo":
-        return (PreferenceLoss(model, "orpo", o.orpo_lambda, autocast_dtype),
-                Decision("objective", "orpo", f"lambda {o.orpo_lambda:g}; no reference model{dropout}"))
+    if isinstance(o, objectives.ORPO):
+        return (ORPOLoss(model, o.orpo_lambda, autocast_dtype),
+                Decision("objective", o.name, f"lambda {o.orpo_lambda:g}; no reference model{dropout}"))
     reference, words = reference_for(model, full)
-    if o.name == "kto":
+    if isinstance(o, objectives.KTO):
         weights = (o.desirable_weight, o.undesirable_weight)
-        return (PreferenceLoss(model, "kto", o.beta, autocast_dtype, reference, weights),
-                Decision("objective", "kto", f"beta {o.beta:g}, desirable/undesirable weights {weights[0]:g}/"
+        return (KTOLoss(model, o.beta, autocast_dtype, reference, weights),
+                Decision("objective", o.name, f"beta {o.beta:g}, desirable/undesirable weights {weights[0]:g}/"
                          f"{weights[1]:g}; reference: {words}{dropout}"))
-    return (PreferenceLoss(model, "dpo", o.beta, autocast_dtype, reference),
-            Decision("objective", "dpo", f"beta {o.beta:g}; reference: {words}{dropout}"))
+    return (DPOLoss(model, o.beta, autocast_dtype, reference),
+            Decision("objective", o.name, f"beta {o.beta:g}; reference: {words}{dropout}"))
 
 
 def scoring_loss(model, o: Objective, autocast_dtype, reference) -> PreferenceLoss:
     """The DPO, ORPO or KTO objective `o` over `model` against a reference given (`reference_logps`' kinds): how
     `tunebench eval` scores a finished run's held-out pairs (jobs/eval_preference.py)."""
-    if o.name == "orpo":
-        return PreferenceLoss(model, "orpo", o.orpo_lambda, autocast_dtype)
-    weights = (o.desirable_weight, o.undesirable_weight) if o.name == "kto" else (1.0, 1.0)
-    return PreferenceLoss(model, o.name, o.beta, autocast_dtype, reference, weights)
+    if isinstance(o, objectives.ORPO):
+        return ORPOLoss(model, o.orpo_lambda, autocast_dtype)
+    if isinstance(o, objectives.KTO):
+        return KTOLoss(model, o.beta, autocast_dtype, reference, (o.desirable_weight, o.undesirable_weight))
+    return DPOLoss(model, o.beta, autocast_dtype, reference)
 
 
 def reference_for(model, full: bool):
