@@ -178,13 +178,15 @@ def _sampled(tmp_path, out, **extra):
 
 def test_the_sampled_completions_depend_on_seed_and_step_not_the_micro_batch_and_a_resume_is_exact(tmp_path):
     """The same run as 1 x (2 prompts) and as 2 x (1 prompt), and stopped by SIGTERM at step 2 and resumed: the
-    same rewards, losses and adapter (sampling is seeded by (seed, epoch, step) and made for the whole step)."""
+    same rewards, losses and adapter (sampling is seeded by (seed, epoch, step) and made for the whole step), with
+    the groups that scored alike drawn again (--resample-alike, seeded by the step and the round)."""
     one, two, stopped = tmp_path / "one", tmp_path / "two", tmp_path / "stopped"
-    assert main(_sampled(tmp_path, one, **{"--batch-size": 2, "--eval-fraction": 0.25})) == 0
-    assert main(_sampled(tmp_path, two, **{"--batch-size": 1, "--eval-fraction": 0.25})) == 0
+    common = {"--eval-fraction": 0.25, "--resample-alike": 2}
+    assert main(_sampled(tmp_path, one, **{"--batch-size": 2, **common})) == 0
+    assert main(_sampled(tmp_path, two, **{"--batch-size": 1, **common})) == 0
     with sigterm_after_step(2):
-        assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, "--eval-fraction": 0.25})) == 130
-    assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, "--eval-fraction": 0.25, "--resume": "auto"})) == 0
+        assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, **common})) == 130
+    assert main(_sampled(tmp_path, stopped, **{"--batch-size": 2, **common, "--resume": "auto"})) == 0
     assert_resumed(stopped, 2)
 
     def rows(out):
@@ -203,6 +205,7 @@ def test_the_sampled_completions_depend_on_seed_and_step_not_the_micro_batch_and
     assert all(torch.equal(a[k], b[k]) for k in a)
     summary = json.loads((one / "summary.json").read_text())
     assert summary["objective"] == "grpo" and summary["generated_tokens"] > 0
+    assert summary["groups_redrawn"] >= summary["groups_refilled"] >= 0 and summary["groups_redrawn"] > 0
     assert summary["generation_tokens_per_s"] > 0 and summary["update_tokens_per_s"] > 0
     assert math.isfinite(summary["eval_reward_before"]) and math.isfinite(summary["eval_reward"])
 
@@ -248,6 +251,7 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
 
 @pytest.mark.parametrize("options, message", [
     ({"adapter.num_generations": 1}, "--num-generations must be 2 or more"),
+    ({"objective.resample_alike": -1}, "--resample-alike must be 0 .off. or more"),
     ({"adapter.loss_type": "bnpo"}, "objective.loss_type .bnpo. is not one of dapo, grpo, dr_grpo"),
     ({"adapter.temperature": 0.0}, "--temperature must be above 0"),
     ({"evaluation.eval_generate": 4}, "GRPO's prompts have none"),
@@ -301,6 +305,38 @@ def test_prompts_come_as_text_chat_messages_gsm8k_questions_or_instruction_rows(
     assert read({"messages": chat})[0] == [chat[:1]]
     with pytest.raises(TunebenchError, match="has no prompt column .it has text."):
         read({"text": "plain"})
+
+
+def test_a_group_that_scored_alike_is_drawn_again_until_it_teaches_up_to_the_rounds_asked():
+    """DAPO's dynamic sampling for the step's own prompts, hand-worked: prompt 0's group scores alike at the step's
+    seed and differs at round 1's, prompt 1's differs at once, prompt 2's never does. Round 1 draws 0 and 2 again
+    and 0's fresh group takes its place; round 2 draws 2 alone; 1's completions are never touched."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    class Fake:
+        def __init__(self, rounds):
+            self.on = SimpleNamespace(s=SimpleNamespace(num_generations=2, resample_alike=rounds), refills=[0, 0])
+            self.weights, self.calls = torch.ones(1), []
+
+        def draw(self, keys, seed):
+            self.calls.append((list(keys), seed))
+            differs = [k == 1 or (k == 0 and seed != 7) for k in keys]
+            scores = torch.tensor([[v] for d in differs for v in ((1.0, 0.0) if d else (0.0, 0.0))])
+            return grpo.Drawn([[k, seed, j] for k in keys for j in range(2)], scores, torch.ones(len(scores)),
+                              torch.zeros(len(scores)))
+
+    def seed(r):
+        return int(np.random.SeedSequence([7, r]).generate_state(1)[0])
+
+    fake = Fake(2)
+    drawn = grpo.draw_step(fake, [0, 1, 2], 7)
+    assert fake.calls == [([0, 1, 2], 7), ([0, 2], seed(1)), ([2], seed(2))]
+    assert drawn.completions == [[0, seed(1), 0], [0, seed(1), 1], [1, 7, 0], [1, 7, 1], [2, 7, 0], [2, 7, 1]]
+    assert drawn.scores.flatten().tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0] and fake.on.refills == [3, 1]
+    off = Fake(0)
+    assert grpo.draw_step(off, [0, 1, 2], 7).completions[0] == [0, 7, 0] and len(off.calls) == 1
 
 
 def test_each_rank_draws_with_a_seed_of_its_own_and_rank_0_as_one_process():

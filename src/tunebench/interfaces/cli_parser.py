@@ -47,6 +47,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--loss-type", "--loss_type"), "objective.loss_type"),
     (("--scale-rewards", "--scale_rewards"), "objective.scale_rewards"),
     (("--turn-credit", "--turn_credit"), "objective.turn_credit"),
+    (("--resample-alike", "--resample_alike"), "objective.resample_alike"),
     (("--desirable-weight", "--desirable_weight"), "objective.desirable_weight"),
     (("--undesirable-weight", "--undesirable_weight"), "objective.undesirable_weight"),
     (("--orpo-lambda",), "objective.orpo_lambda"),

@@ -143,6 +143,9 @@ class ObjectiveKeys:
     """GRPO: dapo (TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
     scale_rewards: str | None = None
     """GRPO: group (advantages divided by the group's std) | none (Dr. GRPO)"""
+    resample_alike: int | None = None
+    """GRPO: rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the
+    first fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
     turn_credit: str | None = None
     """GRPO with --environment: each turn's credit against one baseline pooled over the group's turns (pooled, the
     GRPO paper's process supervision) | against the episodes that reached the same context (state: GiGPO's anchor

@@ -148,6 +148,7 @@ class GRPO(ObjectiveBase):
     tool_timeout: float | None = None
     kind_column: str | None = None  # the prompts' column naming each one's kind: per-kind stats (grpo/watch.py)
     turn_credit: str = "pooled"  # TURN_CREDITS: an episode's turns' baseline (grpo.turn_advantages, state_advantages)
+    resample_alike: int = 0  # rounds of fresh draws for a group that scored alike (grpo.refill; DAPO); 0: none
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True
@@ -173,6 +174,8 @@ class GRPO(ObjectiveBase):
         if self.beta < 0 or self.epsilon < 0 or self.epsilon_high < 0:
             raise TunebenchError(f"--beta, --epsilon and --epsilon-high must be 0 or more, got {self.beta}, "
                                  f"{self.epsilon} and {self.epsilon_high}")
+        if self.resample_alike < 0:
+            raise TunebenchError(f"--resample-alike must be 0 (off) or more rounds, got {self.resample_alike}")
         if self.turn_credit == "state" and self.environment is None:
             raise TunebenchError("--turn-credit state compares the turns of episodes that reached the same context; "
                                  "give --environment FILE.py (or builtin:lookup), or drop it")

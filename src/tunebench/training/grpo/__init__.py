@@ -28,6 +28,7 @@ generation; tests/golden/make_grpo_golden.py checks losses, advantages, rewards 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,6 +181,7 @@ class Sampling:
     generated_tokens: int = 0
     generation_s: float = 0.0
     prefilled: int = 0  # context tokens fed to the model while sampling (a group's prompt once)
+    refills: list[int] = field(default_factory=lambda: [0, 0])  # groups drawn again (refill), of them turned informative
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPLIT, 0.0))  # seconds by part (SPLIT)
 
     def took(self, seconds: float, prefill: float, tools: float = 0.0) -> None:
@@ -187,6 +189,51 @@ class Sampling:
         self.generation_s += seconds
         for part, s in (("prefill", prefill), ("tools", tools), ("decode", seconds - prefill - tools)):
             self.times[part] += s
+
+
+def draw_step(draws: Draws, keys: list[int], seed: int) -> Drawn:
+    """A step's draws for its prompts `keys`, its alike groups drawn again up to --resample-alike rounds (refill)."""
+    drawn = draws.draw(keys, seed)
+    rounds = getattr(draws.on.s, "resample_alike", 0)
+    return refill(draws, drawn, keys, seed, rounds) if rounds else drawn
+
+
+def refill(draws: Draws, drawn: Drawn, keys: list[int], seed: int, rounds: int) -> Drawn:
+    """DAPO's dynamic sampling (Yu et al., 2025), for a step's own prompts: a group whose completions all scored
+    alike (the same weighted reward, or none scored) teaches nothing at beta 0, so its prompt is drawn again, up to
+    `rounds` times (each round's seed the step's and the round's: a resume draws the same), and the first fresh
+    group that is not alike takes its place. The step keeps its prompts (so their kinds), and gets more groups that
+    teach; each round costs a draw of the alike prompts only. Counted in draws.on.refills (drawn again, replaced)."""
+    g = draws.on.s.num_generations
+    for round_ in range(1, rounds + 1):
+        alike = [i for i in range(len(keys)) if _alike(drawn.scores[i * g:(i + 1) * g], draws.weights)]
+        if not alike:
+            break
+        fresh = draws.draw([keys[i] for i in alike], int(np.random.SeedSequence([seed, round_]).generate_state(1)[0]))
+        draws.on.refills[0] += len(alike)
+        for j, i in enumerate(alike):
+            if not _alike(fresh.scores[j * g:(j + 1) * g], draws.weights) and \
+                    _splice(drawn, range(i * g, (i + 1) * g), fresh, range(j * g, (j + 1) * g)):
+                draws.on.refills[1] += 1
+    return drawn
+
+
+def _alike(scores: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether a group's completions (their scores rows) all have the same weighted reward, or none was scored."""
+    total = (scores * weights).nansum(1)[~torch.isnan(scores).all(1)]
+    return len(total) < 2 or bool(torch.isclose(total, total[0]).all())
+
+
+def _splice(drawn: Drawn, at: range, fresh: Drawn, of: range) -> bool:
+    """`fresh`'s completions `of` put in `drawn`'s places `at`, every per-completion field of Drawn; False (nothing
+    put) where the two draws do not carry the same fields (one with per-turn rewards, the other without)."""
+    fields = [f.name for f in dataclasses.fields(Drawn)]
+    if any((getattr(drawn, n) is None) != (getattr(fresh, n) is None) for n in fields):
+        return False
+    for n in fields:
+        if getattr(drawn, n) is not None:
+            getattr(drawn, n)[at.start:at.stop] = getattr(fresh, n)[of.start:of.stop]
+    return True
 
 
 class Draws(Protocol):

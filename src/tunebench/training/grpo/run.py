@@ -121,11 +121,17 @@ def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
                         f"{o.scale_rewards}, each turn's "
                         + ("against the turns that reached the same context (GiGPO)" if o.turn_credit == "state"
                            else "against its group's turns pooled") + f", beta {o.beta:g}; reference: {reference}"
+                        + _resampled(o)
                         + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
     return Decision("objective", o.name, f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
                     f"tokens at temperature {o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages "
                     f"scaled by {o.scale_rewards}, epsilon {o.epsilon:g}/{o.epsilon_high:g}, beta {o.beta:g}; reference: "
-                    f"{reference}" + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
+                    f"{reference}" + _resampled(o) + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
+
+
+def _resampled(o: GRPO) -> str:
+    return (f"; a group that scored alike drawn again up to {o.resample_alike} time(s) (dynamic sampling)"
+            if o.resample_alike else "")
 
 
 def header(source: str, cfg: RunConfig, data: PromptData, n_train: int, n_held_out: int, trainable: int,
@@ -156,6 +162,8 @@ def generation(ranks: list[dict[str, Any]], outcome, s: GRPO) -> dict[str, Any]:
     update_s = max(state.train_time_s - seconds, 1e-9)
     return {"objective": s.name, "num_generations": s.num_generations, "generated_tokens": tokens,
             "prefilled_tokens": sum(r["prefilled_tokens"] for r in ranks),
+            # --resample-alike: groups drawn again for scoring alike, and those the fresh draw made informative
+            "groups_redrawn": sum(r["refills"][0] for r in ranks), "groups_refilled": sum(r["refills"][1] for r in ranks),
             # the slowest rank's seconds in each part of its sampling (grpo.SPLIT)
             "sampling_split_s": {k: round(max(r["times"][k] for r in ranks), 3) for k in ranks[0]["times"]},
             "generation_s": round(seconds, 3), "generation_tokens_per_s": tokens / seconds if seconds else None,
@@ -167,7 +175,7 @@ def rank_figures(on: Sampling, held_out: HeldOutReward) -> dict[str, Any]:
     gathered for rank 0: its sampling's tokens and seconds (for `generation`), its held-out rows (for
     HeldOutReward.after)."""
     return {"generated_tokens": on.generated_tokens, "generation_s": on.generation_s,
-            "prefilled_tokens": on.prefilled, "times": on.times, "held_out": held_out.mine()}
+            "prefilled_tokens": on.prefilled, "times": on.times, "refills": on.refills, "held_out": held_out.mine()}
 
 
 class HeldOutReward:
