@@ -6,6 +6,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,6 +306,23 @@ def test_prompts_come_as_text_chat_messages_gsm8k_questions_or_instruction_rows(
     assert read({"messages": chat})[0] == [chat[:1]]
     with pytest.raises(TunebenchError, match="has no prompt column .it has text."):
         read({"text": "plain"})
+
+
+def test_balanced_steps_take_each_kind_in_turn_and_every_prompt_once():
+    """--balance-kinds: kinds a (5 prompts), b (3), c (1) in steps of 3: while each kind has prompts every step
+    holds all three, then the rest interleave; each prompt once an epoch; the same for the same seed and epoch."""
+    from tunebench.data import batching
+
+    kind_of = {i: k for i, k in enumerate("aaaaabbbc")}
+    steps = batching.balanced_steps(np.arange(9), {i: "abc".index(k) for i, k in kind_of.items()}, 3, 5, 0)
+    assert sorted(sum(steps, [])) == list(range(9)) and [len(s) for s in steps] == [3, 3, 3]
+    assert sorted(kind_of[i] for i in steps[0]) == ["a", "b", "c"]  # the first round: one of each
+    assert sorted(kind_of[i] for i in steps[1]) == ["a", "a", "b"] or sorted(kind_of[i] for i in steps[1]) == [
+        "a", "b", "b"]  # c is spent: a and b in turn
+    assert steps == batching.balanced_steps(np.arange(9), {i: "abc".index(k) for i, k in kind_of.items()}, 3, 5, 0)
+    assert steps != batching.balanced_steps(np.arange(9), {i: "abc".index(k) for i, k in kind_of.items()}, 3, 5, 1)
+    with pytest.raises(TunebenchError, match="--balance-kinds interleaves"):
+        load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.balance_kinds": True})
 
 
 def test_a_group_that_scored_alike_is_drawn_again_until_it_teaches_up_to_the_rounds_asked():

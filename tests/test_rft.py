@@ -91,7 +91,7 @@ def _rft(tmp_path, out, *extra):
     return ["train", "--model", "tiny", "--objective", "rft", "--reward", "format:\\d", "--data",
             str(_prompts(tmp_path)), "--num-generations", "4", "--max-completion-length", "8",
             "--effective-batch-size", "2", "--max-steps", "4", "--precision", "fp32", "--kind-column", "kind",
-            "--eval-fraction", "0.25", "--no-progress", "--output-dir", str(out), *extra]
+            "--balance-kinds", "on", "--eval-fraction", "0.25", "--no-progress", "--output-dir", str(out), *extra]
 
 
 def test_rft_from_the_command_line_trains_on_what_it_kept_and_resumes_exactly(tmp_path, capsys):
@@ -99,7 +99,10 @@ def test_rft_from_the_command_line_trains_on_what_it_kept_and_resumes_exactly(tm
     assert main(_rft(tmp_path, whole)) == 0
     printed = capsys.readouterr().out
     assert re.search(r"objective +rft +4 completions a prompt of up to 8 tokens sampled each step at temperature 1 "
-                     r".*those whose reward is above 0 kept .*each kind of kind an equal share", printed)
+                     r".*those whose reward is above 0 kept .*each kind of kind an equal share; each step's prompts one of each "
+                     r"kind of kind in turn", printed)
+    first = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines() if '"loss"' in line][0]
+    assert first["kinds/small/count"] == first["kinds/large/count"] == 0.5  # one prompt of each kind a step
     steps = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert len(steps) == 4 and all("kl" not in r and 0 <= r["frac_kept"] <= 1 for r in steps)
     assert any(r["frac_kept"] > 0 for r in steps) and {"kinds/small/reward", "entropy"} <= set(steps[0])

@@ -27,6 +27,22 @@ def epoch_steps(indices: np.ndarray, effective_batch_size: int, seed: int, epoch
     return steps
 
 
+def balanced_steps(indices: np.ndarray, kind_of, effective_batch_size: int, seed: int,
+                   epoch: int) -> list[list[int]]:
+    """The optimizer steps of one epoch with the kinds interleaved (`kind_of[i]`: example i's kind): each kind's
+    examples shuffled (by seed and epoch, as epoch_steps), then taken one of each kind in turn, the kinds in an
+    order drawn per epoch, and cut into steps. A step of at least as many rows as there are kinds holds every kind
+    while each has examples left; once a kind runs out, the rest interleave without it (an epoch still takes each
+    example once). A pure function of (seed, epoch, effective batch), as epoch_steps."""
+    rng = np.random.default_rng([seed, epoch])
+    idx = np.asarray(indices)
+    kinds = sorted({kind_of[i] for i in idx.tolist()})
+    queues = [[i for i in idx[rng.permutation(len(idx))].tolist() if kind_of[i] == k] for k in kinds]
+    order = rng.permutation(len(kinds)).tolist()
+    mixed = [queues[k][r] for r in range(max(map(len, queues), default=0)) for k in order if r < len(queues[k])]
+    return [mixed[i:i + effective_batch_size] for i in range(0, len(mixed), effective_batch_size)]
+
+
 def micro_steps(step: list[int], rows_per_micro_step: int, grad_accum_steps: int) -> list[list[int]]:
     """One optimizer step's rows cut into its `grad_accum_steps` global micro-steps (micro batch x world
     size rows each, in order); a short last step of an epoch leaves the later ones empty."""

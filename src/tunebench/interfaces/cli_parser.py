@@ -55,6 +55,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--max-turns", "--max_turns"), "objective.max_turns"),
     (("--tool-timeout", "--tool_timeout"), "objective.tool_timeout"),
     (("--kind-column", "--kind_column"), "objective.kind_column"),
+    (("--balance-kinds", "--balance_kinds"), "objective.balance_kinds"),
     (("--min-reward", "--min_reward"), "objective.min_reward"),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha"),

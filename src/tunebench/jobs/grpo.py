@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 
-from tunebench.data import batching
 from tunebench.jobs import run_report
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
@@ -70,7 +69,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     lengths = data.lengths()
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
-    epoch_steps = lambda epoch: batching.epoch_steps(train_idx, opened.effective, s.seed, epoch)  # noqa: E731
+    epoch_steps = grpo_run.epoch_steps(o, train_idx, opened.effective, s.seed, kinds, data)
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
         loss=loss_class(model, o, draws.reward_names(), opened.autocast, reference, draws.episode_stats, kinds),

@@ -143,6 +143,9 @@ class ObjectiveKeys:
     """GRPO: dapo (TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
     scale_rewards: str | None = None
     """GRPO: group (advantages divided by the group's std) | none (Dr. GRPO)"""
+    balance_kinds: bool | None = None
+    """GRPO and RFT with --kind-column: each step's prompts taken one of each kind in turn (so a step of at least
+    as many prompts as kinds holds every kind while each has prompts left), not shuffled together"""
     resample_alike: int | None = None
     """GRPO: rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the
     first fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""

@@ -147,6 +147,7 @@ class GRPO(ObjectiveBase):
     max_turns: int | None = None  # None: EPISODE_DEFAULTS where there is an environment
     tool_timeout: float | None = None
     kind_column: str | None = None  # the prompts' column naming each one's kind: per-kind stats (grpo/watch.py)
+    balance_kinds: bool = False  # each step's prompts interleaved by kind (batching.balanced_steps)
     turn_credit: str = "pooled"  # TURN_CREDITS: an episode's turns' baseline (grpo.turn_advantages, state_advantages)
     resample_alike: int = 0  # rounds of fresh draws for a group that scored alike (grpo.refill; DAPO); 0: none
     data: ClassVar[str] = "prompts"
@@ -207,6 +208,9 @@ def _check_sampling(self: GRPO | RFT) -> None:
         raise TunebenchError(f"--objective {self.name} needs at least one --reward: gsm8k, format:REGEX, exact, "
                              "contains or path/to/file.py:function (or --environment, whose reward scores each "
                              "episode)")
+    if self.balance_kinds and not self.kind_column:
+        raise TunebenchError("--balance-kinds interleaves each step's prompts by their kind; give --kind-column "
+                             "COLUMN (the rows' kind), or drop it")
     if self.reward_weights and len(self.reward_weights) != len(self.reward):
         raise TunebenchError(f"--reward-weights gives {len(self.reward_weights)} weight(s) for "
                              f"{len(self.reward)} reward(s); give one weight per --reward, in the same order")
@@ -233,6 +237,7 @@ class RFT(ObjectiveBase):
     max_turns: int | None = None
     tool_timeout: float | None = None
     kind_column: str | None = None
+    balance_kinds: bool = False
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True

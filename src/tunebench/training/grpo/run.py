@@ -4,6 +4,7 @@ its measurement key, and its figures (sampling against updating, the held-out re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tunebench.core.decision import Decision
@@ -93,6 +94,18 @@ def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     return lengths
 
 
+def epoch_steps(o: GRPO | RFT, train_idx, effective: int, seed: int, kinds, data: PromptData
+                ) -> Callable[[int], list[list[int]]]:
+    """epoch -> its optimizer steps' prompts: shuffled (batching.epoch_steps), or with --balance-kinds each kind in
+    turn (batching.balanced_steps; `kinds` the watch.Kinds of --kind-column, which --balance-kinds needs)."""
+    from tunebench.data import batching
+
+    if not o.balance_kinds:
+        return lambda epoch: batching.epoch_steps(train_idx, effective, seed, epoch)
+    kind_of = {int(k): kinds.of_row[data.source(int(k))] for k in train_idx}
+    return lambda epoch: batching.balanced_steps(train_idx, kind_of, effective, seed, epoch)
+
+
 def slice_of(o: GRPO | RFT) -> tuple[type, Credit]:
     """A sampling objective's loss class and the step's credit, by its settings' type: GRPO's (advantages within
     each group) or RFT's (the kept completions' weights)."""
@@ -111,7 +124,7 @@ def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
         return Decision("objective", o.name, f"{where} sampled each step at temperature {o.temperature:g} (top_p "
                         f"{o.top_p:g}); those whose reward is {keep} kept (one of identical ones in a prompt's), "
                         "trained on with the next-token loss over the step's kept tokens"
-                        + (f", each kind of {o.kind_column} an equal share" if o.kind_column else "")
+                        + (f", each kind of {o.kind_column} an equal share" if o.kind_column else "") + _extras(o)
                         + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
     if o.environment:
         return Decision("objective", o.name, f"{o.num_generations} episodes a prompt in {o.environment}, up to "
@@ -121,17 +134,19 @@ def objective_row(cfg: RunConfig, reference: str, dropped: int) -> Decision:
                         f"{o.scale_rewards}, each turn's "
                         + ("against the turns that reached the same context (GiGPO)" if o.turn_credit == "state"
                            else "against its group's turns pooled") + f", beta {o.beta:g}; reference: {reference}"
-                        + _resampled(o)
+                        + _extras(o)
                         + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
     return Decision("objective", o.name, f"{o.num_generations} completions a prompt of up to {o.max_completion_length} "
                     f"tokens at temperature {o.temperature:g} (top_p {o.top_p:g}); loss {o.loss_type}, advantages "
                     f"scaled by {o.scale_rewards}, epsilon {o.epsilon:g}/{o.epsilon_high:g}, beta {o.beta:g}; reference: "
-                    f"{reference}" + _resampled(o) + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
+                    f"{reference}" + _extras(o) + (f"; base dropout off in {dropped} module(s)" if dropped else ""))
 
 
-def _resampled(o: GRPO) -> str:
-    return (f"; a group that scored alike drawn again up to {o.resample_alike} time(s) (dynamic sampling)"
-            if o.resample_alike else "")
+def _extras(o: GRPO | RFT) -> str:
+    """What the objective's row adds for the settings that change which completions a step learns from."""
+    return ((f"; a group that scored alike drawn again up to {o.resample_alike} time(s) (dynamic sampling)"
+             if getattr(o, "resample_alike", 0) else "")
+            + (f"; each step's prompts one of each kind of {o.kind_column} in turn" if o.balance_kinds else ""))
 
 
 def header(source: str, cfg: RunConfig, data: PromptData, n_train: int, n_held_out: int, trainable: int,
