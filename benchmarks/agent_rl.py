@@ -242,7 +242,8 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
                  "--lr", a.grpo_lr, "--temperature", "1.0", "--no-progress", "--seed", str(seed),
                  "--output-dir", str(out / "grpo"), "--max-steps", str(a.grpo_steps),
                  *(["--target-modules", a.grpo_target_modules] if a.grpo_target_modules else []),
-                 "--turn-credit", a.turn_credit]):
+                 "--turn-credit", a.turn_credit, "--resample-alike", str(a.resample_alike), "--kind-column", "kind",
+                 *(["--balance-kinds", "on"] if a.balance_kinds else [])]):
         sys.exit(1)
     r["grpo_s"] = time.perf_counter() - began
     r["grpo"] = scored(None, str(out / "grpo"), files, a)
@@ -336,6 +337,8 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--turn-credit", default="pooled", choices=("pooled", "state"),
                    help="GRPO's per-turn credit: pooled over the group's turns, or per shared state (GiGPO)")
+    p.add_argument("--resample-alike", type=int, default=0, help="GRPO's rounds of fresh draws for an alike group")
+    p.add_argument("--balance-kinds", action="store_true", help="GRPO's steps: one prompt of each kind in turn")
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None)
     p.add_argument("--skip-rft", action="store_true", help="no rejection-sampling baseline (GRPO against the start only)")
