@@ -179,7 +179,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tunebench {VERSION}")
     _add_debug(parser)
     sub = parser.add_subparsers(dest="job", parser_class=_Parser, metavar="JOB")
+    _add_train(sub)
+    _add_pretrain(sub)
+    _add_tune(sub)
+    _add_serve(sub)
+    _add_ab_report(sub)
+    _add_launch(sub)
+    _add_tokenizer(sub)
+    _add_generate(sub)
+    _add_merge(sub)
+    _add_prepare(sub)
+    _add_export(sub)
+    _add_eval(sub)
+    _add_compare(sub)
+    _add_report(sub)
+    _add_bench_data(sub)
+    _add_hw(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
+    """train: fine-tuning, its options the settings' (TRAIN_OPTIONS and SHARED_OPTIONS) and the guides' aliases."""
     train = _training_job(sub, "train", "LoRA, QLoRA or full fine-tuning", "Fine-tune a causal LM. Positional "
                           "items: an optional CONFIG.yaml and dotted overrides such as optimizer.lr=1e-4 (or "
                           "train.lr=1e-4).", TRAIN_OPTIONS)
@@ -193,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=argparse.SUPPRESS, help="let transformers fetch a hub model that is not cached")
     _add_debug(train)
 
+
+def _add_pretrain(sub) -> None:
+    """pretrain: a model from scratch, its options the settings' (PRETRAIN_OPTIONS and SHARED_OPTIONS)."""
     pre = _training_job(sub, "pretrain", "train a causal LM from scratch (its own tokenizer, a config's "
                         "architecture)", "Pretrain a model from a YAML config (sections device, model, training, "
                         "data, in the CPU training guide's key names). Positional items: an optional CONFIG.yaml "
@@ -202,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the config (as the CPU training guide's scripts/train.py --config); same as the positional")
     _add_debug(pre)
 
+
+def _add_tune(sub) -> None:
+    """tune: an Optuna study over train or pretrain runs."""
     tu = sub.add_parser("tune", help="hyperparameter search (Optuna) over train or pretrain runs",
                         description="Search the options a space file names, one tunebench train|pretrain process "
                                     "per trial, judged by eval loss at an equal token budget. Positional items: an "
@@ -239,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--seed", type=int, default=42, help="the sampler's seed (default 42)")
     _add_debug(tu)
 
+
+def _add_serve(sub) -> None:
+    """serve: the web app (chat, blind A/B, the studio's Train and Runs tabs) and its OpenAI-compatible API."""
     sv = sub.add_parser("serve", help="web app: chat with models and runs, compare two blind (A/B), train new runs",
                         description="A Gradio app (the web extra): a chat tab, a blind A/B tab whose votes go to an "
                                     "SQLite file, the A/B results, and the studio's Train and Runs tabs (runs in "
@@ -278,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     _placement_options(sv)
     _add_debug(sv)
 
+
+def _add_ab_report(sub) -> None:
+    """ab-report: the A/B votes' win rates."""
     ab = sub.add_parser("ab-report", help="win rates of the A/B votes that tunebench serve stored")
     ab.add_argument("path", nargs="?", default="tunebench-ab.sqlite", help="the --ab-db of tunebench serve")
     ab.add_argument("--export-pairs", metavar="FILE.jsonl", default=None,
@@ -285,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "both-bad skipped) for DPO/ORPO in tunebench or other tools")
     _add_debug(ab)
 
+
+def _add_launch(sub) -> None:
+    """launch: torchrun over train or pretrain."""
     la = sub.add_parser("launch", help="run train or pretrain on several processes / machines (torchrun)",
                         description="A thin wrapper over torchrun (torch.distributed.run): tunebench launch "
                                     "--nproc-per-node 2 -- train [options]. Each rank gets the usable cores divided "
@@ -302,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("job_args", nargs=argparse.REMAINDER, metavar="-- train|pretrain ...")
     _add_debug(la)
 
+
+def _add_tokenizer(sub) -> None:
+    """tokenizer train."""
     tk = sub.add_parser("tokenizer", help="train a tokenizer on your corpus (Hugging Face tokenizers)")
     tk_sub = tk.add_subparsers(dest="action", parser_class=_Parser, metavar="ACTION", required=True)
     tt = tk_sub.add_parser("train", help="train and save a tokenizer directory (AutoTokenizer loads it)")
@@ -314,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--overwrite", action="store_true", help="replace what --output-dir already holds")
     _add_debug(tt)
 
+
+def _add_generate(sub) -> None:
+    """generate and chat."""
     for name, help_text in (("generate", "complete one prompt"), ("chat", "talk to a model in the terminal")):
         p = sub.add_parser(name, help=help_text)
         _model_options(p)
@@ -327,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         _placement_options(p)
         _add_debug(p)
 
+
+def _add_merge(sub) -> None:
+    """merge: an adapter into its base, or several adapters into one."""
     p = sub.add_parser("merge", help="merge an adapter into its base model, or combine several LoRA adapters into one")
     _adapters_options(p, "give several to combine them into one adapter")
     p.add_argument("--output-dir", required=True,
@@ -342,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rows", type=int, default=16, help="rows of each --eval-data answered (default 16)")
     _add_debug(p)
 
+
+def _add_prepare(sub) -> None:
+    """prepare: a dataset split into seeded train and held-out files."""
     p = sub.add_parser("prepare", help="a dataset -> seeded train/held-out JSONL files, with a summary (the study's "
                                        "prepare_custom_dataset.py)")
     p.add_argument("--data", default=None, help="a local CSV, JSON, JSONL, Parquet or saved datasets directory")
@@ -358,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default=None, help="the prompt format training will use (for the token counts)")
     _add_debug(p)
 
+
+def _add_export(sub) -> None:
+    """export: GGUF, Ollama or a merged HF directory, and --quant auto."""
     p = sub.add_parser("export", help="a run's model, adapter merged, as GGUF (llama.cpp), Ollama or a HF directory")
     p.add_argument("run_dir", help="a training or pretraining run's --output-dir")
     p.add_argument("--format", default="gguf", help="gguf (default) | ollama (GGUF + Modelfile) | hf (merged directory)")
@@ -382,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-download", action="store_true", help="let the base model come from the hub")
     _add_debug(p)
 
+
+def _add_eval(sub) -> None:
+    """eval: loss, generated answers, lm-eval tasks, a rewarded or preference run judged as it trained."""
     p = sub.add_parser("eval", help="loss and perplexity on a dataset; --generate N: answers scored (ROUGE-L, chrF, "
                        "...); a GRPO or RFT run: its held-out prompts scored by its own rewards; a DPO, ORPO or KTO run: "
                        "its held-out pairs by its own objective (reward accuracy and margin)")
@@ -410,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default: what training would pick on this device) | fp32 | bf16 | fp16")
     _add_debug(p)
 
+
+def _add_compare(sub) -> None:
+    """compare: a matrix of runs, a CSV and a report."""
     p = sub.add_parser("compare", help="run a matrix of experiments on the devices present; results CSV + report",
                        description="Runs each experiment as its own `tunebench train` process, appends one CSV "
                                    "row per run, resumes by skipping rows already written, then writes the report.")
@@ -435,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every experiment on each of these numbers of processes (tunebench launch), e.g. 1,2")
     _add_debug(p)
 
+
+def _add_report(sub) -> None:
+    """report: results CSVs into one report."""
     p = sub.add_parser("report", help="combine results CSVs into report.html and report.md")
     p.add_argument("results", nargs="*", help="results CSVs (from any machines)")
     p.add_argument("--results_csv", "--results-csv", dest="results_csv", action="append", default=[],
@@ -445,6 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-config", default=None, help="configuration speedups are measured against (default: first)")
     _add_debug(p)
 
+
+def _add_bench_data(sub) -> None:
+    """bench-data: the input pipeline alone."""
     p = sub.add_parser("bench-data", help="measure the input pipeline alone (tokenize, cache, batches/s)")
     p.add_argument("--model", default=None, help="whose tokenizer (default SmolLM2)")
     p.add_argument("--data", default=None, help="dataset (default: the built-in sample)")
@@ -452,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     _add_debug(p)
 
+
+def _add_hw(sub) -> None:
+    """hw: the hardware and the settings tunebench would pick."""
     p = sub.add_parser("hw", help="this machine's hardware and the settings tunebench would pick")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--text", nargs="?", const="system_info.txt", default=None, metavar="FILE",
@@ -469,7 +534,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="the precision --record writes (default: what training would pick here)")
     _add_debug(p)
-    return parser
 
 
 def _placement_options(p: argparse.ArgumentParser) -> None:
