@@ -373,11 +373,13 @@ def test_every_planted_bug_of_the_mutation_table_is_still_planted_once():
     assert not missing, missing
 
 
-def test_no_function_in_training_runs_past_eighty_lines():
-    """The run's machinery reads as named parts (recipe.run's stages, optimizer_steps' _feed/_update/_after_step,
-    the batch probe's _gain/_best/_step_stop/_choose): a function in training/ past 80 lines is one to split."""
+def test_no_function_in_the_package_runs_past_eighty_lines():
+    """The package reads as named parts (recipe.run's stages, optimizer_steps' _feed/_update/_after_step, the batch
+    probe's _gain/_best/_step_stop/_choose, a parser function per job, a function per web tab and its events): a
+    function anywhere in src/ past 80 lines is one to split (issue 97: training/ alone held to it, build_parser had
+    grown to 294 lines and the studio's add_tabs to 224)."""
     long = []
-    for path in sorted((PACKAGE / "training").rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1})")

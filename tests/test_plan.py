@@ -371,11 +371,18 @@ def test_a_search_space_is_checked_before_any_trial(tmp_path, value, message):
 # ---------------------------------------------------------------- processes and the shared study
 
 def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    """Whether any process of the group still runs: one that ended but was not reaped (a zombie: PID 1 in a
+    container may never reap an orphan) has stopped, though os.killpg(pgid, 0) still finds it (issue 98's blind
+    spot: the test counted such a child alive)."""
+    import psutil
+
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return False
 
 
 def _wait_for(predicate, seconds=120.0):

@@ -415,9 +415,15 @@ def test_a_page_of_another_site_cannot_post_to_the_server_through_a_visitors_bro
 
 
 def test_with_a_login_the_api_is_closed_without_its_own_key_and_wrong_keys_are_slow(tmp_path):
+    """Also (issue 98's blind spot): another site's page is refused with a login as without one; the same-origin
+    check tried only on a server without a login let it move under 'no credentials' unseen."""
     port = free_port()
     server = app.serve(app.Served(["tiny"], []), app.Door(port=port, auth="ann:s3cret"), ab_db=str(tmp_path / "ab.sqlite"), block=False)
     try:
+        files = b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"x.csv\"\r\n\r\na,b\r\n--b--\r\n"
+        status, _, text = _post(port, "/gradio_api/upload", files, {"Content-Type": "multipart/form-data; boundary=b",
+                                                                   "Origin": "https://evil.example"})
+        assert status == 403 and "another site's page" in text
         status, _, text = _post(port, "/v1/models", None, {"Authorization": "Bearer s3cret"})
         assert status == 401 and "--api-key" in text
         t0 = time.perf_counter()

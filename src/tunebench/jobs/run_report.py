@@ -84,36 +84,46 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
                       ("system RAM used MB", at, [r.get("ram_used_mb", 0) for r in monitor], {})],
                      "Memory", "seconds", "MB")),
     ]
-    rewarded = [r for r in steps if "rewards/accuracies" in r]
-    if rewarded:  # a DPO or ORPO run
-        held = [r for r in evals if "eval_rewards/accuracies" in r]
-        out.insert(1, ("rewards", "Preference runs: the share of pairs whose chosen reply gets the higher reward, "
-                                  "per step and on the held-out pairs, and the mean reward margin per step",
-                       _line_chart([("train reward accuracy", [r["step"] for r in rewarded],
-                                     [r["rewards/accuracies"] for r in rewarded], {}),
-                                    ("eval reward accuracy", [r["step"] for r in held],
-                                     [r["eval_rewards/accuracies"] for r in held], {"marker": "o", "linestyle": "--"})],
-                                   "Rewards", "optimizer step", "accuracy",
-                                   twin=[("margin", [r["step"] for r in rewarded], [r["rewards/margins"] for r in rewarded],
-                                          {"color": "tab:red"})], twin_label="margin")))
-    for i, chart in enumerate(grpo_charts([r for r in steps if "frac_reward_zero_std" in r])):
-        out.insert(1 + i, chart)
-    judged = [r for r in steps if "desirable" in r]
-    if judged:  # a KTO run
-        out.insert(1, ("kto", "KTO: the mean implied reward of the desirable and the undesirable completions, and the "
-                              "KL reference point",
-                       _line_chart([(label, [r["step"] for r in judged if key in r], [r[key] for r in judged if key in r],
-                                     {}) for label, key in (("desirable", "rewards/chosen"),
-                                                            ("undesirable", "rewards/rejected"))],
-                                   "Rewards", "optimizer step", "reward",
-                                   twin=[("KL", [r["step"] for r in judged], [r["kl"] for r in judged],
-                                          {"color": "tab:red"})], twin_label="KL")))
+    # each objective's own charts after the loss, in the order they were always drawn
+    out[1:1] = [*_kto_charts(steps), *grpo_charts([r for r in steps if "frac_reward_zero_std" in r]),
+                *_preference_charts(steps, evals)]
     for g in gpus:
         out.append((f"{g}", f"{g.upper()}: utilisation and memory over the run", _line_chart(
             [("utilisation %", at, [r.get(f"{g}_util_percent", 0) for r in monitor], {})], g.upper(), "seconds", "%",
             twin=[("memory MB", at, [r.get(f"{g}_memory_mb", 0) for r in monitor], {"color": "tab:red"})],
             twin_label="MB")))
     return [(name, caption, png) for name, caption, png in out if png]
+
+
+def _preference_charts(steps: list[dict], evals: list[dict]) -> list[tuple[str, str, bytes | None]]:
+    """A DPO or ORPO run's reward accuracy (per step and held out) and margin."""
+    rewarded = [r for r in steps if "rewards/accuracies" in r]
+    if not rewarded:
+        return []
+    held = [r for r in evals if "eval_rewards/accuracies" in r]
+    return [("rewards", "Preference runs: the share of pairs whose chosen reply gets the higher reward, per step and on "
+                        "the held-out pairs, and the mean reward margin per step",
+             _line_chart([("train reward accuracy", [r["step"] for r in rewarded],
+                           [r["rewards/accuracies"] for r in rewarded], {}),
+                          ("eval reward accuracy", [r["step"] for r in held],
+                           [r["eval_rewards/accuracies"] for r in held], {"marker": "o", "linestyle": "--"})],
+                         "Rewards", "optimizer step", "accuracy",
+                         twin=[("margin", [r["step"] for r in rewarded], [r["rewards/margins"] for r in rewarded],
+                                {"color": "tab:red"})], twin_label="margin"))]
+
+
+def _kto_charts(steps: list[dict]) -> list[tuple[str, str, bytes | None]]:
+    """A KTO run's implied rewards of each kind of completion, and its KL reference point."""
+    judged = [r for r in steps if "desirable" in r]
+    if not judged:
+        return []
+    return [("kto", "KTO: the mean implied reward of the desirable and the undesirable completions, and the KL "
+                    "reference point",
+             _line_chart([(label, [r["step"] for r in judged if key in r], [r[key] for r in judged if key in r], {})
+                          for label, key in (("desirable", "rewards/chosen"), ("undesirable", "rewards/rejected"))],
+                         "Rewards", "optimizer step", "reward",
+                         twin=[("KL", [r["step"] for r in judged], [r["kl"] for r in judged], {"color": "tab:red"})],
+                         twin_label="KL"))]
 
 
 def grpo_charts(sampled: list[dict]) -> list[tuple[str, str, bytes | None]]:

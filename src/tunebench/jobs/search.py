@@ -378,9 +378,24 @@ class Search:
 
 
 def run(s: Search) -> dict:
-    job, config, overrides, space, trials, out_dir = s.job, s.config, s.overrides, s.space, s.trials, s.out_dir
-    sampler, pruner, budget_tokens, max_steps, storage = s.sampler, s.pruner, s.budget_tokens, s.max_steps, s.storage
-    study_name, device, seed, objective = s.study_name, s.device, s.seed, s.objective
+    """`tunebench tune`: the study opened (or resumed), its trials run to `s.trials`, the best written."""
+    pruner = _pruner(s)
+    base = _trial_base(s, pruner)
+    params = load_space(s.space)
+    check(s.job, s.config, base, params)
+    out = Path(s.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    study = open_study(out, s.storage, s.study_name, s.sampler, pruner, s.seed,
+                       fingerprint(s.job, s.config, base, s.space, s.objective), OBJECTIVES[s.objective])
+    study.set_user_attr("objective", s.objective)
+    base = compare.tracked(s.job, s.config, base, s.study_name)  # after the fingerprint: an older study still resumes
+    _run_trials(study, s, base, params, out)
+    return _finish(study, s, out)
+
+
+def _pruner(s: Search) -> str:
+    """The pruner the study runs with, after every setting of `s` that cannot hold is refused."""
+    job, objective, pruner = s.job, s.objective, s.pruner
     if objective not in OBJECTIVES:
         raise TunebenchError(f"--objective '{objective}' is not one of {', '.join(OBJECTIVES)}")
     if pruner == "auto":  # the median pruner compares eval losses mid-run; a task metric exists only at the end
@@ -388,24 +403,30 @@ def run(s: Search) -> dict:
     elif pruner == "median" and objective != "eval_loss":
         raise TunebenchError(f"--pruner median stops trials by their eval loss while they run, and {objective} is "
                              "known only at a trial's end; use --pruner none (the default for a task objective)")
-    if trials < 1:
-        raise TunebenchError(f"--trials must be 1 or more, got {trials}")
-    if budget_tokens is not None and budget_tokens < 1:
-        raise TunebenchError(f"--budget-tokens must be 1 or more, got {budget_tokens}")
+    if s.trials < 1:
+        raise TunebenchError(f"--trials must be 1 or more, got {s.trials}")
+    if s.budget_tokens is not None and s.budget_tokens < 1:
+        raise TunebenchError(f"--budget-tokens must be 1 or more, got {s.budget_tokens}")
     if objective == "reward_accuracy" and job != "train":
         raise TunebenchError("--objective reward_accuracy judges DPO/ORPO runs by their held-out pairs; "
                              "`tune --job pretrain` runs have none")
     if objective not in ("eval_loss", "reward_accuracy") and job != "train":
         raise TunebenchError(f"--objective {objective} scores answers to prompts, which `tune --job pretrain` "
                              "runs do not have; use --objective eval_loss")
-    keys = KEYS
-    base = compare.canonical(job, dict(overrides))
-    if budget_tokens is not None and max_steps is not None:
+    if s.budget_tokens is not None and s.max_steps is not None:
         raise TunebenchError("--budget-tokens and --max-steps both set a trial's length; give one of them")
-    if budget_tokens is not None:
-        base |= {keys["budget"]: budget_tokens, keys["steps"]: None}
-    elif max_steps is not None:
-        base |= {keys["steps"]: max_steps, keys["budget"]: None}
+    return pruner
+
+
+def _trial_base(s: Search, pruner: str) -> dict[str, Any]:
+    """Every trial's settings before the space's: the overrides, the trial's length, its evaluations, the rows a
+    task objective scores (said, with the pruner)."""
+    keys, objective = KEYS, s.objective
+    base = compare.canonical(s.job, dict(s.overrides))
+    if s.budget_tokens is not None:
+        base |= {keys["budget"]: s.budget_tokens, keys["steps"]: None}
+    elif s.max_steps is not None:
+        base |= {keys["steps"]: s.max_steps, keys["budget"]: None}
     base[keys["eval"]] = 1 / EVALS
     if objective == "reward_accuracy":
         print(f"objective: reward accuracy on each trial's held-out preference pairs (maximized); pruner {pruner}")
@@ -416,22 +437,20 @@ def run(s: Search) -> dict:
         base.setdefault("evaluation.eval_generate", TASK_ROWS)
         print(f"objective: {objective} of each trial's answers to {base['evaluation.eval_generate']} held-out rows "
               f"(maximized); pruner {pruner}")
-    params = load_space(space)
-    check(job, config, base, params)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    study = open_study(out, storage, study_name, sampler, pruner, seed,
-                       fingerprint(job, config, base, space, objective), OBJECTIVES[objective])
-    study.set_user_attr("objective", objective)
-    base = compare.tracked(job, config, base, study_name)  # after the fingerprint: an older study still resumes
+    return base
+
+
+def _run_trials(study, s: Search, base: dict[str, Any], params: list[Param], out: Path) -> None:
+    """Trials asked of the study and run, one at a time, until it holds `s.trials` finished ones (this search's
+    and any other's on the same storage); Ctrl-C or SIGTERM leaves the running trial to be run again."""
+    trials = s.trials
 
     def finished() -> int:
         return sum(counted(t) for t in study.get_trials(deepcopy=False))
 
     done = finished()
-    print(f"study '{study_name}' ({hide_password(storage) if storage else out / 'study.sqlite'}): {done} of {trials} "
-          "trials already done"
-          + (", resuming" if done else ""), flush=True)
+    print(f"study '{s.study_name}' ({hide_password(s.storage) if s.storage else out / 'study.sqlite'}): {done} of "
+          f"{trials} trials already done" + (", resuming" if done else ""), flush=True)
     STOP.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     failures: list[str] = []  # this process's trials' failures, while none has succeeded
@@ -445,7 +464,7 @@ def run(s: Search) -> dict:
             with warnings.catch_warnings():  # we keep the heartbeat ourselves, as optimize() would
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
                 trial = study.ask()
-            row = run_trial(study, trial, job, config, base, params, out, device, objective)
+            row = run_trial(study, trial, s.job, s.config, base, params, out, s.device, s.objective)
             if row is None:
                 if any(t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)):
                     time.sleep(2.0)  # what is left may be running elsewhere: its end may finish the study
@@ -468,9 +487,15 @@ def run(s: Search) -> dict:
                              "command to resume the search", 130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _finish(study, s: Search, out: Path) -> dict:
+    """The results, best.yaml and the report written; the summary `run` returns."""
+    objective = s.objective
     write_results(study, out / "results.csv")
-    best_path = write_best(study, job, out)
-    summary: dict[str, Any] = {"trials": finished(), "results": str(out / "results.csv"), "best_yaml": None}
+    best_path = write_best(study, s.job, out)
+    summary: dict[str, Any] = {"trials": sum(counted(t) for t in study.get_trials(deepcopy=False)),
+                               "results": str(out / "results.csv"), "best_yaml": None}
     if best_path is None:
         print(f"no trial finished with {objective}; see the trials' log.txt under " + str(out / "trials"))
         return summary
@@ -481,7 +506,7 @@ def run(s: Search) -> dict:
     summary |= {"best_trial": best.number, f"best_{objective}": best.value, "best_params": best.params,
                 "best_yaml": str(best_path), "report": str(html), "objective": objective}
     print(f"best: trial {best.number}, {objective.replace('_', ' ')} {best.value:.4f} ({trial_settings(best.params)})")
-    print(f"best configuration: {best_path}  (tunebench {job} {best_path})")
+    print(f"best configuration: {best_path}  (tunebench {s.job} {best_path})")
     print(f"results: {out / 'results.csv'}; report: {html.resolve()}")
     return summary
 

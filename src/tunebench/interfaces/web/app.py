@@ -66,145 +66,169 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
     """The page: Chat, A/B and its results, and (with a `studio`, interfaces/web/studio.py) Train and Runs."""
     import gradio as gr
 
-    labels = registry.labels
-    blinded, limit = Blinded(), limit or ClientLimit(PER_CLIENT)
-
-    @contextlib.contextmanager
-    def said():
-        """chat_ab's one-line problems (too long, an unknown model, a pair voted on) shown to the visitor as
-        Gradio's errors; anything else stays in the server's console."""
-        try:
-            yield
-        except TunebenchError as e:
-            raise gr.Error(str(e)) from None
-
-    def limited(request, handler, *args):
-        """`handler`'s answers, within the client's share of the workers; over it, "busy" at once."""
-        try:
-            with said(), limit.hold(client_of(request)):
-                yield from handler(*args)
-        except Busy as e:
-            raise gr.Error(str(e)) from None
-
+    page = _Page(gr, registry, db, limit or ClientLimit(PER_CLIENT))
     results_head = votes.table(db)[0] if db.is_file() else []
     # delete_cache: the live view's charts and the uploads' copies go after an hour, not at the server's end
     with gr.Blocks(title="tunebench", analytics_enabled=False, delete_cache=(600, 3600)) as app:
         gr.Markdown("# tunebench\nTalk to base models and fine-tuned runs, compare them blind"
                     + (", and train new ones." if studio else "."))
         with gr.Tabs() as tabs:
-            with gr.Tab("Chat", id="chat"):
-                with gr.Row():
-                    chat_model = gr.Dropdown(labels, value=labels[-1], label="Model", scale=3)
-                    chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
-                    chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
-                    chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
-                # Plain text, not Markdown: a reply cannot make the browser fetch a remote image (offline; no tracking).
-                chatbot = gr.Chatbot(label="Conversation", height=380,
-                                     buttons=["copy", "copy_all"],  # no share: offline
-                                     render_markdown=False, sanitize_html=True)
-                chat_history = gr.State([])
-                with gr.Row():
-                    chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5,
-                                          max_length=MAX_PROMPT_CHARS)
-                    chat_send = gr.Button("Send", variant="primary", scale=1)
-                    chat_clear = gr.Button("Clear", scale=1)
-                chat_status = gr.Markdown("")
-
-                def on_chat(label, message, history, temp, top_p, max_new, request: gr.Request):
-                    for shown, status in limited(request, chat_turn, registry, label, message, history, temp, top_p,
-                                                 max_new, blinded):
-                        yield shown, shown, "", status
-
-                chat_inputs = [chat_model, chat_box, chat_history, chat_temp, chat_top_p, chat_max]
-                chat_outputs = [chatbot, chat_history, chat_box, chat_status]
-                chat_send.click(on_chat, chat_inputs, chat_outputs)
-                chat_box.submit(on_chat, chat_inputs, chat_outputs)
-                chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
-                chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
-                chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
-
-                def on_like(label, history, temp, top_p, max_new, data: gr.LikeData):
-                    index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
-                    with said():
-                        return chat_feedback(db, label, history, int(index), bool(data.liked), temp, top_p, max_new)
-
-                chatbot.like(on_like, [chat_model, chat_history, chat_temp, chat_top_p, chat_max], [chat_status])
-
-            with gr.Tab("A/B", id="ab"):
-                gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
-                            "order. Vote, and the models are revealed.")
-                with gr.Row():
-                    first = gr.Dropdown(labels, value=labels[0], label="Model 1")
-                    second = gr.Dropdown(labels, value=labels[-1], label="Model 2")
-                with gr.Row():
-                    ab_temp = gr.Slider(AB_MIN_TEMPERATURE, 1.5, value=0.7, step=0.05, label="Temperature")
-                    ab_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
-                    ab_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens")
-                prompt_set = gr.State(list(prompts or []))
-                prompt_index = gr.State(-1)
-                with gr.Accordion("Prompt set: step through a fixed list of prompts", open=bool(prompts)):
-                    with gr.Row():
-                        prompt_file = gr.File(label="Prompt set (JSONL or CSV)", file_types=[".jsonl", ".csv"], scale=2,
-                                              height=110)
-                        with gr.Column(scale=1):
-                            next_prompt = gr.Button("Next prompt from the set")
-                            set_status = gr.Markdown(f"{len(prompts)} prompts loaded" if prompts
-                                                     else "No prompt set loaded")
-                ab_prompt = gr.Textbox(label="Prompt", lines=2,
-                                       placeholder="Type a prompt, or take the next from the set",
-                                       max_length=MAX_PROMPT_CHARS)
-                ab_go = gr.Button("Get answers", variant="primary")
-                with gr.Row():
-                    answer_a = gr.Textbox(label="A", lines=8, interactive=False)
-                    answer_b = gr.Textbox(label="B", lines=8, interactive=False)
-                ab_state = gr.State(None)
-                with gr.Row():
-                    vote_buttons = {v: gr.Button(text) for v, text in VOTE_LABELS.items()}
-                ab_status = gr.Markdown("")
-
-                def on_file(file):
-                    if file is None:
-                        return gr.update(), -1, gr.update()
-                    with said():
-                        loaded = read_upload(file)
-                    return loaded, -1, f"{len(loaded)} prompts loaded"
-
-                def on_next(items, index):
-                    if not items:
-                        raise gr.Error("Load a prompt set first (JSONL or CSV).")
-                    index = (index + 1) % len(items)
-                    return items[index], index, f"prompt {index + 1} of {len(items)}"
-
-                def on_answers(m1, m2, prompt, temp, top_p, max_new, request: gr.Request):
-                    yield from limited(request, ab_answers, registry, m1, m2, prompt, temp, top_p, max_new, None,
-                                       blinded)
-
-                prompt_file.change(on_file, prompt_file, [prompt_set, prompt_index, set_status])
-                next_prompt.click(on_next, [prompt_set, prompt_index], [ab_prompt, prompt_index, set_status])
-                ab_go.click(on_answers, [first, second, ab_prompt, ab_temp, ab_top_p, ab_max],
-                            [answer_a, answer_b, ab_status, ab_state])
-                def on_vote(vote, state):
-                    with said():
-                        return ab_vote(db, vote, state, blinded)
-
-                for v, button in vote_buttons.items():
-                    button.click(lambda state, v=v: on_vote(v, state), ab_state, [ab_status, ab_state])
-
-            with gr.Tab("A/B results", id="results") as results_tab:
-                gr.Markdown(f"Votes in `{db}`: the first model's win rate against the second, a tie counting half, "
-                            "with its Wilson 95% interval.")
-                results = gr.Dataframe(headers=results_head or None, value=results_rows(db), interactive=False,
-                                       wrap=True)
-                base = next((e.model for e in registry.choices.values() if e.model), None)
-                train = gr.Markdown(train_on_votes(db, base))
-                refresh = gr.Button("Refresh")
-                refresh.click(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
-                results_tab.select(lambda: (results_rows(db), train_on_votes(db, base)), None, [results, train])
+            chat_model = _chat_tab(page)
+            first, second = _ab_tab(page, prompts)
+            _results_tab(page, results_head)
             if studio is not None:
                 from tunebench.interfaces.web import studio_tabs
 
                 studio_tabs.add_tabs(gr, studio, registry, tabs, chat_model, first, second, db)
     return app
+
+
+class _Page:
+    """What the tabs' handlers share: Gradio, the models, the votes' database, the blinding of A/B pairs and each
+    client's share of the workers."""
+
+    def __init__(self, gr, registry: Registry, db: Path, limit: ClientLimit):
+        self.gr, self.registry, self.db, self.limit, self.blinded = gr, registry, db, limit, Blinded()
+
+    @contextlib.contextmanager
+    def said(self):
+        """chat_ab's one-line problems (too long, an unknown model, a pair voted on) shown to the visitor as
+        Gradio's errors; anything else stays in the server's console."""
+        try:
+            yield
+        except TunebenchError as e:
+            raise self.gr.Error(str(e)) from None
+
+    def limited(self, request, handler, *args):
+        """`handler`'s answers, within the client's share of the workers; over it, "busy" at once."""
+        try:
+            with self.said(), self.limit.hold(client_of(request)):
+                yield from handler(*args)
+        except Busy as e:
+            raise self.gr.Error(str(e)) from None
+
+
+def _chat_tab(page: _Page):
+    """The Chat tab: one model, a conversation, thumbs up or down on an answer (a KTO judgement); its model picker."""
+    gr = page.gr
+    with gr.Tab("Chat", id="chat"):
+        with gr.Row():
+            chat_model = gr.Dropdown(page.registry.labels, value=page.registry.labels[-1], label="Model", scale=3)
+            chat_temp = gr.Slider(0, 1.5, value=0.7, step=0.05, label="Temperature", scale=1)
+            chat_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", scale=1)
+            chat_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens", scale=1)
+        # Plain text, not Markdown: a reply cannot make the browser fetch a remote image (offline; no tracking).
+        chatbot = gr.Chatbot(label="Conversation", height=380,
+                             buttons=["copy", "copy_all"],  # no share: offline
+                             render_markdown=False, sanitize_html=True)
+        chat_history = gr.State([])
+        with gr.Row():
+            chat_box = gr.Textbox(placeholder="Ask something, then Enter", show_label=False, scale=5,
+                                  max_length=MAX_PROMPT_CHARS)
+            chat_send = gr.Button("Send", variant="primary", scale=1)
+            chat_clear = gr.Button("Clear", scale=1)
+        chat_status = gr.Markdown("")
+
+        def on_chat(label, message, history, temp, top_p, max_new, request: gr.Request):
+            for shown, status in page.limited(request, chat_turn, page.registry, label, message, history, temp,
+                                              top_p, max_new, page.blinded):
+                yield shown, shown, "", status
+
+        chat_inputs = [chat_model, chat_box, chat_history, chat_temp, chat_top_p, chat_max]
+        chat_outputs = [chatbot, chat_history, chat_box, chat_status]
+        chat_send.click(on_chat, chat_inputs, chat_outputs)
+        chat_box.submit(on_chat, chat_inputs, chat_outputs)
+        chat_clear.click(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+        chat_model.change(lambda: ([], [], ""), None, [chatbot, chat_history, chat_status])
+        chatbot.clear(lambda: ([], ""), None, [chat_history, chat_status])  # its own trash button
+
+        def on_like(label, history, temp, top_p, max_new, data: gr.LikeData):
+            index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+            with page.said():
+                return chat_feedback(page.db, label, history, int(index), bool(data.liked), temp, top_p, max_new)
+
+        chatbot.like(on_like, [chat_model, chat_history, chat_temp, chat_top_p, chat_max], [chat_status])
+    return chat_model
+
+
+def _ab_tab(page: _Page, prompts: list[str] | None):
+    """The A/B tab: one prompt to two models, their answers blind, a vote; its two model pickers."""
+    gr = page.gr
+    with gr.Tab("A/B", id="ab"):
+        gr.Markdown("The same prompt goes to both models; their answers appear as **A** and **B** in random "
+                    "order. Vote, and the models are revealed.")
+        with gr.Row():
+            first = gr.Dropdown(page.registry.labels, value=page.registry.labels[0], label="Model 1")
+            second = gr.Dropdown(page.registry.labels, value=page.registry.labels[-1], label="Model 2")
+        with gr.Row():
+            ab_temp = gr.Slider(AB_MIN_TEMPERATURE, 1.5, value=0.7, step=0.05, label="Temperature")
+            ab_top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
+            ab_max = gr.Slider(8, 512, value=128, step=8, label="Max new tokens")
+        prompt_set = gr.State(list(prompts or []))
+        prompt_index = gr.State(-1)
+        with gr.Accordion("Prompt set: step through a fixed list of prompts", open=bool(prompts)):
+            with gr.Row():
+                prompt_file = gr.File(label="Prompt set (JSONL or CSV)", file_types=[".jsonl", ".csv"], scale=2,
+                                      height=110)
+                with gr.Column(scale=1):
+                    next_prompt = gr.Button("Next prompt from the set")
+                    set_status = gr.Markdown(f"{len(prompts)} prompts loaded" if prompts
+                                             else "No prompt set loaded")
+        ab_prompt = gr.Textbox(label="Prompt", lines=2,
+                               placeholder="Type a prompt, or take the next from the set",
+                               max_length=MAX_PROMPT_CHARS)
+        ab_go = gr.Button("Get answers", variant="primary")
+        with gr.Row():
+            answer_a = gr.Textbox(label="A", lines=8, interactive=False)
+            answer_b = gr.Textbox(label="B", lines=8, interactive=False)
+        ab_state = gr.State(None)
+        with gr.Row():
+            vote_buttons = {v: gr.Button(text) for v, text in VOTE_LABELS.items()}
+        ab_status = gr.Markdown("")
+
+        def on_file(file):
+            if file is None:
+                return gr.update(), -1, gr.update()
+            with page.said():
+                loaded = read_upload(file)
+            return loaded, -1, f"{len(loaded)} prompts loaded"
+
+        def on_next(items, index):
+            if not items:
+                raise gr.Error("Load a prompt set first (JSONL or CSV).")
+            index = (index + 1) % len(items)
+            return items[index], index, f"prompt {index + 1} of {len(items)}"
+
+        def on_answers(m1, m2, prompt, temp, top_p, max_new, request: gr.Request):
+            yield from page.limited(request, ab_answers, page.registry, m1, m2, prompt, temp, top_p, max_new, None,
+                                    page.blinded)
+
+        prompt_file.change(on_file, prompt_file, [prompt_set, prompt_index, set_status])
+        next_prompt.click(on_next, [prompt_set, prompt_index], [ab_prompt, prompt_index, set_status])
+        ab_go.click(on_answers, [first, second, ab_prompt, ab_temp, ab_top_p, ab_max],
+                    [answer_a, answer_b, ab_status, ab_state])
+        def on_vote(vote, state):
+            with page.said():
+                return ab_vote(page.db, vote, state, page.blinded)
+
+        for v, button in vote_buttons.items():
+            button.click(lambda state, v=v: on_vote(v, state), ab_state, [ab_status, ab_state])
+    return first, second
+
+
+def _results_tab(page: _Page, results_head: list[str]) -> None:
+    """The A/B results tab: the votes' win rates, and the command that trains on them."""
+    gr = page.gr
+    with gr.Tab("A/B results", id="results") as results_tab:
+        gr.Markdown(f"Votes in `{page.db}`: the first model's win rate against the second, a tie counting half, "
+                    "with its Wilson 95% interval.")
+        results = gr.Dataframe(headers=results_head or None, value=results_rows(page.db), interactive=False,
+                               wrap=True)
+        base = next((e.model for e in page.registry.choices.values() if e.model), None)
+        train = gr.Markdown(train_on_votes(page.db, base))
+        refresh = gr.Button("Refresh")
+        refresh.click(lambda: (results_rows(page.db), train_on_votes(page.db, base)), None, [results, train])
+        results_tab.select(lambda: (results_rows(page.db), train_on_votes(page.db, base)), None, [results, train])
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
