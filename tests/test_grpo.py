@@ -349,12 +349,12 @@ def test_a_group_that_scored_alike_is_drawn_again_until_it_teaches_up_to_the_rou
         return int(np.random.SeedSequence([7, r]).generate_state(1)[0])
 
     fake = Fake(2)
-    drawn = grpo.draw_step(fake, [0, 1, 2], 7)
+    drawn = grpo.refill(fake, fake.draw([0, 1, 2], 7), [0, 1, 2], 7)
     assert fake.calls == [([0, 1, 2], 7), ([0, 2], seed(1)), ([2], seed(2))]
     assert drawn.completions == [[0, seed(1), 0], [0, seed(1), 1], [1, 7, 0], [1, 7, 1], [2, 7, 0], [2, 7, 1]]
     assert drawn.scores.flatten().tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0] and fake.on.refills == [3, 1]
     off = Fake(0)
-    assert grpo.draw_step(off, [0, 1, 2], 7).completions[0] == [0, 7, 0] and len(off.calls) == 1
+    assert grpo.refill(off, off.draw([0, 1, 2], 7), [0, 1, 2], 7).completions[0] == [0, 7, 0] and len(off.calls) == 1
 
 
 def test_each_rank_draws_with_a_seed_of_its_own_and_rank_0_as_one_process():

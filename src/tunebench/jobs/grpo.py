@@ -53,7 +53,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     def begin_step(epoch: int, step: int, keys: list[int]) -> None:
         """One step's data before its micro batches: this rank's prompts drawn (sampled, or episodes played:
         episodes.rollout; seeded by seed, epoch, step, rank) and scored, then their groups' advantages."""
-        drawn = grpo.draw_step(draws, keys, grpo.step_seed(s.seed, epoch, step, opened.world.rank)) if keys else None
+        seed = grpo.step_seed(s.seed, epoch, step, opened.world.rank)
+        drawn = grpo.refill(draws, draws.draw(keys, seed), keys, seed) if keys else None
         step_rows.groups = drawn and step_rows.groups_of(keys, drawn)
 
     def start(plan):

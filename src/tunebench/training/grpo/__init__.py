@@ -191,20 +191,14 @@ class Sampling:
             self.times[part] += s
 
 
-def draw_step(draws: Draws, keys: list[int], seed: int) -> Drawn:
-    """A step's draws for its prompts `keys`, its alike groups drawn again up to --resample-alike rounds (refill)."""
-    drawn = draws.draw(keys, seed)
-    rounds = getattr(draws.on.s, "resample_alike", 0)
-    return refill(draws, drawn, keys, seed, rounds) if rounds else drawn
-
-
-def refill(draws: Draws, drawn: Drawn, keys: list[int], seed: int, rounds: int) -> Drawn:
+def refill(draws: Draws, drawn: Drawn, keys: list[int], seed: int) -> Drawn:
     """DAPO's dynamic sampling (Yu et al., 2025), for a step's own prompts: a group whose completions all scored
     alike (the same weighted reward, or none scored) teaches nothing at beta 0, so its prompt is drawn again, up to
     `rounds` times (each round's seed the step's and the round's: a resume draws the same), and the first fresh
     group that is not alike takes its place. The step keeps its prompts (so their kinds), and gets more groups that
-    teach; each round costs a draw of the alike prompts only. Counted in draws.on.refills (drawn again, replaced)."""
-    g = draws.on.s.num_generations
+    teach; each round costs a draw of the alike prompts only. Counted in draws.on.refills (drawn again, replaced).
+    `rounds` is --resample-alike (GRPO's; 0, the default, and RFT: `drawn` as it is)."""
+    g, rounds = draws.on.s.num_generations, getattr(draws.on.s, "resample_alike", 0)
     for round_ in range(1, rounds + 1):
         alike = [i for i in range(len(keys)) if _alike(drawn.scores[i * g:(i + 1) * g], draws.weights)]
         if not alike:
