@@ -35,11 +35,8 @@ FALLBACK_MICRO = 4  # units a batch where the run's plan.json is gone (KTO's ref
 
 def preference_run(path: str | None) -> RunConfig | None:
     """The run's settings where `path` is a training run that learned from preferences, else None."""
-    run = RunDir(path) if path else None
-    if run is None or not run.config_file.is_file() or run.kind() == "pretrain":
-        return None
-    cfg = run.train_config()
-    return cfg if cfg.objective.preference else None
+    cfg = RunDir.fine_tuned(path)
+    return cfg if cfg is not None and cfg.objective.preference else None
 
 
 def table(run_dir: str, cfg: RunConfig, base: bool, data_path: str | None, device: str, precision: str,

@@ -31,11 +31,8 @@ from tunebench.training.grpo import run as grpo_run
 
 def rewarded_run(path: str | None) -> RunConfig | None:
     """The run's settings where `path` is a training run that learned from rewards, else None."""
-    run = RunDir(path) if path else None
-    if run is None or not run.config_file.is_file() or run.kind() == "pretrain":
-        return None
-    cfg = run.train_config()
-    return cfg if cfg.objective.samples else None
+    cfg = RunDir.fine_tuned(path)
+    return cfg if cfg is not None and cfg.objective.samples else None
 
 
 def table(run_dir: str, cfg: RunConfig, base: bool, data_path: str | None, device: str, precision: str,

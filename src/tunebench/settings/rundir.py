@@ -179,3 +179,12 @@ class RunDir:
         from tunebench.settings.finetune import load_config
 
         return load_config(self.config_file)
+
+    @staticmethod
+    def fine_tuned(path: str | None):
+        """The configuration of the fine-tuning run at `path` (train_config), or None where `path` is none, holds no
+        config.yaml or is a pretraining run (what `tunebench eval` asks before judging a run as it trained)."""
+        run = RunDir(path) if path else None
+        if run is None or not run.config_file.is_file() or run.kind() == "pretrain":
+            return None
+        return run.train_config()
