@@ -86,6 +86,12 @@ def test_a_forecast_takes_the_last_runs_speed_and_says_when_it_corrects_a_miss()
     learned = plancheck.forecast(work, 4, 200.0, last, False, 4.6, 10, 1.0, 1)
     assert learned.positions_per_s == 120.0 and learned.first_steps_s == 1.5
     assert "last run at micro 4" in learned.speed_from and "0.60x off: corrected" in learned.speed_from
+    # several runs of the size: their median (a VM's runs drift by up to a quarter), the last one's miss said
+    runs = {4: {**last[4], "runs": [300.0, 420.0, 120.0]}}
+    median = plancheck.forecast(work, 4, 200.0, runs, False, 4.6, 10, 1.0, 1)
+    assert median.positions_per_s == 300.0
+    assert median.speed_from == ("the median of what the last 3 runs at micro 4 trained at on this machine (120-420 a "
+                                 "second) (the last was predicted 200 a second and trained 0.60x that)")
 
 
 def _known(first_steps):

@@ -357,19 +357,24 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
              first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int,
              ratio: tuple[float | None, int, float, float] | None = None,
              probe_from: str = "the probe's forward and backward at the widest rows") -> Forecast:
-    """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last run at
-    that size trained at on this machine (`learned_`), else the probe's, times what runs on this machine trained at
+    """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last runs at
+    that size trained at on this machine (`learned_`: the median of the last five, one run's speed moving with a
+    VM's drift by up to a quarter), else the probe's, times what runs on this machine trained at
     against their probes (`ratio`, probe_ratio's: the median of those that agree, and how many) where two agree;
     its first steps' extra from the last run, else none when a probe ran this size in this process (`warm`), else
     the class record's figure (in micro batches of it) over `steps_micro` micro batches."""
     last = learned_.get(micro)
     speed, source = probe_speed, probe_from
     if last and last.get("positions_per_s"):
-        speed = last["positions_per_s"]
-        source = f"what the last run at micro {micro} trained at on this machine"
-        said = last.get("predicted_positions_per_s")
-        if said and abs(speed / said - 1) > MISSED:
-            source += f" (it was predicted {said:,.0f} a second, {speed / said:.2f}x off: corrected)"
+        runs = last.get("runs") or [last["positions_per_s"]]
+        speed = statistics.median(runs)
+        source = (f"what the last run at micro {micro} trained at on this machine" if len(runs) == 1 else
+                  f"the median of what the last {len(runs)} runs at micro {micro} trained at on this machine "
+                  f"({min(runs):,.0f}-{max(runs):,.0f} a second)")
+        said, trained = last.get("predicted_positions_per_s"), last["positions_per_s"]
+        if said and abs(trained / said - 1) > MISSED:
+            source += (f" (it was predicted {said:,.0f} a second, {trained / said:.2f}x off: corrected)" if len(runs) == 1
+                       else f" (the last was predicted {said:,.0f} a second and trained {trained / said:.2f}x that)")
     elif probe_speed and ratio is not None and ratio[0] is not None:
         speed = probe_speed * ratio[0]
         source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "
