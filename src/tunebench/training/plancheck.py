@@ -249,6 +249,17 @@ def learned(key: str | None) -> dict:
     return {int(k): v for k, v in hit.get("micro", {}).items()}
 
 
+def runs_of(record: dict) -> list[float]:
+    """The steady positions/s a learned record (learned's, one micro batch's) holds: its last runs', or its one
+    speed where a cache written before runs were kept holds only that; [] for none."""
+    return record.get("runs") or ([record["positions_per_s"]] if record.get("positions_per_s") else [])
+
+
+def spread(speeds: list[float]) -> str:
+    """Speeds as a reason says them: one alone, or their range."""
+    return f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else f"{speeds[0]:,.0f}"
+
+
 def learn(key: str | None, micro: int, c: dict, warm: bool) -> None:
     """Record what this run trained at `micro` under `key`, so the next run of this shape predicts from it."""
     speed = c["steady_positions_per_s"]["measured"]
@@ -256,9 +267,9 @@ def learn(key: str | None, micro: int, c: dict, warm: bool) -> None:
         return
     hit = cached(key) or {}
     by_micro = dict(hit.get("micro", {}))
-    before = by_micro.get(str(micro), {})
-    runs = [*before.get("runs", [before["positions_per_s"]] if before.get("positions_per_s") else []), speed]
-    by_micro[str(micro)] = {"positions_per_s": speed, "runs": runs[-RATIOS:], "first_steps_s": c["first_steps_s"]["measured"],
+    runs = [*runs_of(by_micro.get(str(micro), {})), speed]
+    by_micro[str(micro)] = {"positions_per_s": speed, "runs": runs[-RATIOS:],
+                            "first_steps_s": c["first_steps_s"]["measured"],
                             "predicted_positions_per_s": c["steady_positions_per_s"]["predicted"],
                             "speed_from": c["speed_from"], "warm": warm}
     store(key, {"micro": by_micro})
@@ -366,15 +377,16 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
     last = learned_.get(micro)
     speed, source = probe_speed, probe_from
     if last and last.get("positions_per_s"):
-        runs = last.get("runs") or [last["positions_per_s"]]
+        runs = runs_of(last)
         speed = statistics.median(runs)
         source = (f"what the last run at micro {micro} trained at on this machine" if len(runs) == 1 else
                   f"the median of what the last {len(runs)} runs at micro {micro} trained at on this machine "
-                  f"({min(runs):,.0f}-{max(runs):,.0f} a second)")
+                  f"({spread(runs)} a second)")
         said, trained = last.get("predicted_positions_per_s"), last["positions_per_s"]
         if said and abs(trained / said - 1) > MISSED:
-            source += (f" (it was predicted {said:,.0f} a second, {trained / said:.2f}x off: corrected)" if len(runs) == 1
-                       else f" (the last was predicted {said:,.0f} a second and trained {trained / said:.2f}x that)")
+            source += (f" (it was predicted {said:,.0f} a second, {trained / said:.2f}x off: corrected)"
+                       if len(runs) == 1 else
+                       f" (the last was predicted {said:,.0f} a second and trained {trained / said:.2f}x that)")
     elif probe_speed and ratio is not None and ratio[0] is not None:
         speed = probe_speed * ratio[0]
         source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "

@@ -283,8 +283,8 @@ def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: s
     from tunebench.core.batch_rule import micro_candidates
     from tunebench.training import plancheck
 
-    runs = {m: v.get("runs") or [v["positions_per_s"]] for m, v in plancheck.learned(plancheck.trained_key(key)).items()
-            if v.get("positions_per_s") and m in micro_candidates(per_rank, 1, n_train)}
+    runs = {m: r for m, v in plancheck.learned(plancheck.trained_key(key)).items()
+            if (r := plancheck.runs_of(v)) and m in micro_candidates(per_rank, 1, n_train)}
     if micro not in runs:
         return micro, rows, speed
     median = {m: statistics.median(r) for m, r in runs.items()}
@@ -294,19 +294,15 @@ def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: s
         return micro, rows, speed
     if min(len(runs[faster]), len(runs[micro])) < 2 or min(runs[faster]) <= max(runs[micro]):
         why = (f"{rows[0].reason}; kept over micro {faster}, which trained {ratio:.2f}x it on this machine "
-               f"({_spread(runs[faster])} against {_spread(runs[micro])} positions/s): "
+               f"({plancheck.spread(runs[faster])} against {plancheck.spread(runs[micro])} positions/s): "
                + ("one run is within a run's noise" if min(len(runs[faster]), len(runs[micro])) < 2
                   else "their runs overlap"))
         return micro, [Decision("micro_batch_size", micro, why), *rows[1:]], speed
     why = (f"trained fastest on this machine: {median[faster]:,.0f} positions/s at micro {faster} "
-           f"({_spread(runs[faster])} in {len(runs[faster])} runs), {ratio:.2f}x the {median[micro]:,.0f} at micro "
-           f"{micro} ({_spread(runs[micro])}), which the probe picked ({rows[0].reason})")
+           f"({plancheck.spread(runs[faster])} in {len(runs[faster])} runs), {ratio:.2f}x the {median[micro]:,.0f} "
+           f"at micro {micro} ({plancheck.spread(runs[micro])}), which the probe picked ({rows[0].reason})")
     return faster, [Decision("micro_batch_size", faster, why), *rows[1:]], \
         seen.get(faster, (speed * ratio if speed else None,))[0]
-
-
-def _spread(speeds: list[float]) -> str:
-    return f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else f"{speeds[0]:,.0f}"
 
 
 class Timed:
