@@ -101,7 +101,7 @@ BUGS = (
         "        _set_rng_state(rngs[world.rank])", "        pass",
         ("tests/test_loop.py", "-k", "resume_after_sigterm and lora")),
     Bug("the world size dropped from the loss scale", "src/tunebench/training/loop.py",
-        "            scale = world.size / max(step_loss_tokens, 1)", "            scale = 1 / max(step_loss_tokens, 1)",
+        "    scale = world.size / max(step_loss_tokens, 1)", "    scale = 1 / max(step_loss_tokens, 1)",
         ("tests/test_distributed.py", "-k", "two_lora_ranks_match")),
     Bug("each micro batch normalised by its own units", "src/tunebench/training/loop.py",
         "                    b[\"totals\"] = totals  # the whole step's", "                    pass  # the whole step's",

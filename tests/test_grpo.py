@@ -243,8 +243,12 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
     step_s = json.loads((out / "summary.json").read_text())["plan_check"]["seconds_a_step"]["measured"]
     again = tmp_path / "again"
     assert main(_sampled(tmp_path, again, **{"--eval-fraction": 0.25, "--precision": "bf16", "--beta": 0.04,
-                                             "--max-steps": 2})) == 0
-    estimate = {d["setting"]: d for d in json.loads((again / "plan.json").read_text())["decisions"]}["time_estimate"]
+                                             "--max-steps": 2, "--time-budget": "30m"})) == 0
+    rows = {d["setting"]: d for d in json.loads((again / "plan.json").read_text())["decisions"]}
+    # a time budget is a deadline for steps that sample (no probe gives their time): the steps asked stay the most
+    assert re.match(r"at most 2: --time-budget 30m ends the run after the step that finishes past \d+ s of training",
+                    rows["total_steps"]["reason"]) and rows["total_steps"]["value"] == 2
+    estimate = rows["time_estimate"]
     assert estimate["reason"].startswith(f"2 steps at {step_s:.1f} s a step, what the last run at micro ")
     check = json.loads((again / "summary.json").read_text())["plan_check"]
     assert check["seconds_a_step"]["predicted"] == step_s and check["train_time_s"]["predicted"] == round(2 * step_s, 2)

@@ -511,7 +511,7 @@ def test_the_gpu_probe_budget_counts_only_free_memory_as_room(monkeypatch):
     assert budget == pytest.approx(77 * 1024 + 0.92 * 4 * 1024)
 
 
-def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
+def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None, time_limit_s=None):
     """A few AdamW steps of the tiny model on 4 rows, 2 micro-batches of 1 a step, epochs wrapping."""
     import numpy as np
 
@@ -525,7 +525,7 @@ def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None):
         lambda epoch: batching.epoch_steps(np.arange(len(data)), 2, 0, epoch),
         lambda rows, _: batching.collate(data, rows, tok.pad_token_id), World(), 1, 2)
     settings = LoopSettings(total_steps=steps, grad_accum_steps=2, max_grad_norm=1.0, device=torch.device("cpu"),
-                            progress=False, logging_steps=logging_steps, prefetch=prefetch)
+                            progress=False, logging_steps=logging_steps, prefetch=prefetch, time_limit_s=time_limit_s)
     logs = []
     state = optimizer_steps(CausalLMLoss(model), opt, sched, next_micro, LoopState(), settings, Hooks(log=logs.append))
     return state, logs, model
@@ -545,6 +545,15 @@ def test_prefetched_batches_train_exactly_as_inline_ones(tiny):
 
     with pytest.raises(ValueError, match="a bad row"):  # the background thread's error reaches the loop
         _loop_run(tiny, prefetch=True, next_micro=broken)
+
+
+def test_a_time_limit_ends_the_loop_after_the_step_that_passes_it_and_logs_that_step(tiny):
+    """--time-budget of a run whose steps sample: a deadline, not a step count. Past it after the first step, the
+    loop ends there with that step read and logged (it logs every third); far off, every step runs."""
+    ended, logs, _ = _loop_run(tiny, prefetch=False, steps=6, logging_steps=3, time_limit_s=0.0)
+    assert ended.step == 1 and len(ended.losses) == 1 and [r["step"] for r in logs] == [1]
+    whole, _, _ = _loop_run(tiny, prefetch=False, steps=6, time_limit_s=3600.0)
+    assert whole.step == 6 and whole.losses[0] == ended.losses[0]
 
 
 def test_the_loop_reads_the_device_only_on_logging_steps(tiny, monkeypatch):

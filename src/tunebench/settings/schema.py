@@ -134,7 +134,8 @@ class Schedule:
     """seed for initialisation, the split and the data order"""
     time_budget: str | None = None
     """train for about this long (90s, 30m, 2h): the steps are set from the measured speed, after measuring,
-    never more than the epochs or max steps give"""
+    never more than the epochs or max steps give; where steps sample (GRPO, RFT) the run ends after the step that
+    passes it"""
 
 
 def budget_seconds(text: str) -> float:

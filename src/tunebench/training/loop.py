@@ -69,6 +69,9 @@ class LoopSettings:
     pin_memory: bool = False  # page-locked host batches, so copies to an accelerator overlap compute
     world: World = World()
     prefetch: bool | None = None  # next steps' batches made on a background thread; None: on CUDA
+    # --time-budget of a run whose steps sample: the loop ends after the step that finishes past this many seconds
+    # (its wall time, counted on from the training time a resumed checkpoint holds)
+    time_limit_s: float | None = None
 
 
 @dataclass
@@ -459,6 +462,7 @@ def optimizer_steps(
     feed = _feed(next_micro_batch, state, settings)
     timer = StepTimer(device)
     done: list[_Done] = []
+    deadline = None if settings.time_limit_s is None else time.monotonic() + settings.time_limit_s - state.train_time_s
     try:
         while state.step < settings.total_steps:
             mark = timer.start()
@@ -466,16 +470,8 @@ def optimizer_steps(
             item = feed.next()
             if item is None:
                 break
-            # One collective before the step: the loss is normalised by the loss units (tokens, or an
-            # objective's own counts) of all ranks.
-            step_loss_tokens, step_tokens, step_samples, step_sq, *step_counts = distributed.all_sum(
-                [sum(n for _, n, _ in item.prepared), sum(n for _, _, n in item.prepared), item.samples,
-                 item.token_sq, *item.counts], world)
+            step_loss_tokens, step_tokens, step_samples, step_sq, scale, totals = _step_totals(item, settings)
             state.data_time_s += time.perf_counter() - waited
-            # DDP and FSDP average gradients over ranks; the world-size factor turns that into the sum.
-            scale = world.size / max(step_loss_tokens, 1)
-            totals = torch.tensor(step_counts, dtype=torch.float64).to(device, non_blocking=True) \
-                if step_counts else None
             loss_acc = torch.zeros((), device=device)
             stats_acc = None
             for i, (b, n_loss, _) in enumerate(item.prepared):
@@ -498,12 +494,34 @@ def optimizer_steps(
                               int(step_tokens), state.tokens, timer.stop(mark), item.positions))
             bar.update(1)
             done = _after_step(done, state, settings, hooks, timer, bar, objective)
-        if done:  # the data ran out before total_steps
-            _read(done, state, settings, hooks, timer, bar, objective)
+            if deadline is not None and _past(deadline, world):
+                break
+        if done:  # the data ran out (or the time budget) before total_steps: its last step logged too
+            _read(done, state, settings, hooks, timer, bar, objective, last=True)
     finally:
         feed.close()
         bar.close()
     return state
+
+
+def _step_totals(item: _Step, settings: LoopSettings) -> tuple[float, float, float, float, float, torch.Tensor | None]:
+    """The step's one collective before its forwards, over every rank: (loss units, real tokens, samples, the
+    squares of the rows' tokens, the loss's scale, an objective's own counts on the device or None). The loss is
+    normalised by the loss units (tokens, or an objective's own counts) of all ranks; DDP and FSDP average
+    gradients over ranks, and the world-size factor in the scale turns that into the sum."""
+    world = settings.world
+    step_loss_tokens, step_tokens, step_samples, step_sq, *step_counts = distributed.all_sum(
+        [sum(n for _, n, _ in item.prepared), sum(n for _, _, n in item.prepared), item.samples,
+         item.token_sq, *item.counts], world)
+    scale = world.size / max(step_loss_tokens, 1)
+    totals = torch.tensor(step_counts, dtype=torch.float64).to(settings.device, non_blocking=True) \
+        if step_counts else None
+    return step_loss_tokens, step_tokens, step_samples, step_sq, scale, totals
+
+
+def _past(deadline: float, world: World) -> bool:
+    """Whether any rank's clock has passed `deadline` (time.monotonic): every rank ends at the same step."""
+    return distributed.all_sum([float(time.monotonic() >= deadline)], world)[0] > 0
 
 
 def _feed(next_micro_batch: Callable[[LoopState], Batch | None], state: LoopState, settings: LoopSettings
@@ -568,8 +586,9 @@ def _after_step(done: list[_Done], state: LoopState, settings: LoopSettings, hoo
 
 
 def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Hooks, timer: StepTimer, bar,
-          objective: torch.nn.Module) -> None:
-    """Read the steps' device figures in one sync, check them, and log the logging steps among them."""
+          objective: torch.nn.Module, last: bool = False) -> None:
+    """Read the steps' device figures in one sync, check them, and log the logging steps among them (and the
+    last of them where the loop ends there: `last`)."""
     world = settings.world
     names = unwrap(objective).stat_names if done[0].stats is not None else ()
     width = 2 + len(names)
@@ -590,7 +609,7 @@ def _read(done: list[_Done], state: LoopState, settings: LoopSettings, hooks: Ho
             )
         state.losses.append(loss_value)
         tokens_per_s = state.measured_tokens / state.measured_time_s if state.measured_time_s else d.tokens / dt
-        if d.step % settings.logging_steps == 0 or d.step == settings.total_steps:
+        if d.step % settings.logging_steps == 0 or d.step == settings.total_steps or last and d is done[-1]:
             metrics = stat_means(objective, sums[n * len(names):(n + 1) * len(names)], d.units) if names else {}
             hooks.log({
                 "step": d.step, "epoch": d.epoch, "loss": loss_value, **metrics, "lr": d.lr, "grad_norm": grad_norm,

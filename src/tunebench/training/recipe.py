@@ -120,6 +120,7 @@ class Planned:
     measure_s: float
     forecast: plancheck.Forecast
     measured: runplan.Measured
+    time_limit_s: float | None = None  # --time-budget of a run whose steps sample: the loop's deadline
 
 
 def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
@@ -137,9 +138,15 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     measured, measure_s = measuring.measure(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
     per_step = effective * u.tokens_each / world.size  # the tokens one rank computes in a step
     speed = measured.tokens_per_s if r.watch_speed else None  # GRPO's steps also sample: not the probe's speed
-    steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
-        s.time_budget, steps, per_step, speed, measure_s, resumed_steps(opened) if s.time_budget else None),
-        safe=(Decision,))
+    time_limit_s = None
+    if r.watch_speed:
+        steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
+            s.time_budget, steps, per_step, speed, measure_s, resumed_steps(opened) if s.time_budget else None),
+            safe=(Decision,))
+    else:  # its steps sample: the budget a deadline the loop keeps
+        steps = (resumed_steps(opened) if s.time_budget else None) or steps
+        time_limit_s, budget_row = distributed.agree(world, lambda: runplan.sampling_budget(
+            s.time_budget, steps, measure_s), safe=(Decision,))
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     made = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
@@ -179,7 +186,7 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     if world.main:
         print(r.header)
         summary_.print_plan(plan.decisions)
-    return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured)
+    return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured, time_limit_s)
 
 
 def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured: runplan.Measured, steps: int,
@@ -241,7 +248,8 @@ def build_trainer(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Plann
         total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
         device=device, logging_steps=int(plan.value("logging_steps")),
         eval_steps=runner.every(cfg.evaluation.eval_steps, plan.total_steps), save_steps=o.save_steps,
-        progress=lg.progress, pin_memory=bool(plan.value("pin_memory")), world=world, prefetch=r.prefetch)
+        progress=lg.progress, pin_memory=bool(plan.value("pin_memory")), world=world, prefetch=r.prefetch,
+        time_limit_s=planned.time_limit_s)
     return Trainer(objective, eval_objective, split_eval, optimizer, scheduler, scaler, identity, settings,
                    r.eval_sets(plan.micro_batch_size))
 
@@ -362,7 +370,11 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     summary.update(tracking.costs())
     summary["memory_plan_mb"] = round(planned.memory_plan.total, 1)  # beside the measured peak_memory_mb
     o, forecast = trained.outcome, planned.forecast
-    if trained.times and len(trained.times) < planned.plan.total_steps:  # resumed: the steps this process ran
+    if planned.time_limit_s is not None and o.state.step < planned.plan.total_steps:
+        print(f"--time-budget {cfg.schedule.time_budget}: the run ended after step {o.state.step} of at most "
+              f"{planned.plan.total_steps}, the first to finish past {planned.time_limit_s:.0f} s of training")
+    # resumed, or ended by its time budget: the prediction for the steps this process ran
+    if trained.times and len(trained.times) < planned.plan.total_steps:
         share = len(trained.times) / planned.plan.total_steps
         forecast = dataclasses.replace(forecast, work=plancheck.Work(forecast.work.positions * share,
                                                                      forecast.work.tokens * share),

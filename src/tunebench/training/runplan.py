@@ -58,6 +58,24 @@ def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_
                                                        if fit > steps else ""))
 
 
+def sampling_budget(budget: str | None, steps: int, measure_s: float) -> tuple[float | None, Decision | None]:
+    """(the seconds of training the loop may take, the steps' row) under --time-budget for a run whose steps sample
+    (GRPO, RFT): their time follows what they draw, which no probe measures, so the budget is a deadline the loop
+    keeps (loop.LoopSettings.time_limit_s), not a step count worked out ahead; `steps` stays the most it runs."""
+    from tunebench.settings.schema import budget_seconds
+
+    if budget is None:
+        return None, None
+    left = budget_seconds(budget) - measure_s
+    if left <= 0:
+        raise TunebenchError(f"--time-budget {budget} leaves no time to train: measuring took {measure_s:.0f} s; "
+                             "raise it")
+    return left, Decision("total_steps", steps, f"at most {steps}: --time-budget {budget} ends the run after the "
+                          f"step that finishes past {left:.0f} s of training ({measure_s:.1f} s went to measuring); its "
+                          "steps sample, which no probe times, so their number is not known ahead; the learning-rate "
+                          f"schedule spans the {steps}")
+
+
 def estimate_row(forecast, measure_s: float) -> Decision | None:
     """How long the training will take (plancheck.Forecast: the run's own batches' positions, padding included, at
     the steady speed it predicts, plus the first steps' extra), and measuring's share of the whole."""
