@@ -208,6 +208,20 @@ def over_seeds(values: list[float]) -> str:
     return f"{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]"
 
 
+def make_start(out: Path, model: str, sft: Path, seed: int) -> str:
+    """The seed's start (out/start): `model` taught the call form by tool-call SFT on the rows of `sft`, merged;
+    made once (an earlier run's is kept)."""
+    from tunebench.interfaces import cli
+
+    if not (out / "start" / "config.json").is_file():
+        if cli.main(["train", "--model", model, "--data", str(sft), "--output-dir", str(out / "sft"),
+                     "--epochs", "2", "--max-length", "1024", "--eval-fraction", "0", "--no-progress", "--lr", "1e-3",
+                     "--lora-r", "16", "--lora-alpha", "32", "--target-modules", "all-linear", "--seed", str(seed)]) \
+                or cli.main(["merge", "--adapter", str(out / "sft"), "--output-dir", str(out / "start")]):
+            sys.exit(1)
+    return str(out / "start")
+
+
 def one_seed(seed: int, out: Path, a, model: str) -> dict:
     from tunebench.interfaces import cli
     from tunebench.model import inference
@@ -216,13 +230,7 @@ def one_seed(seed: int, out: Path, a, model: str) -> dict:
         print(f"reusing seed {seed}'s figures in {out}")
         return json.loads((out / "figures.json").read_text())
     files = write(out / "data", seed, a)
-    if not (out / "start" / "config.json").is_file():
-        if cli.main(["train", "--model", model, "--data", str(files["sft"]), "--output-dir", str(out / "sft"),
-                     "--epochs", "2", "--max-length", "1024", "--eval-fraction", "0", "--no-progress", "--lr", "1e-3",
-                     "--lora-r", "16", "--lora-alpha", "32", "--target-modules", "all-linear", "--seed", str(seed)]) \
-                or cli.main(["merge", "--adapter", str(out / "sft"), "--output-dir", str(out / "start")]):
-            sys.exit(1)
-    start = str(out / "start")
+    start = make_start(out, model, files["sft"], seed)
     r = {"start": scored(start, None, files, a)}
     began = time.perf_counter()
     sampled = successes(inference.load(start, None), read(files["held"])[:a.pass_questions], a.max_turns, 8, seed)

@@ -86,3 +86,29 @@ def test_the_agent_benchmarks_questions_are_answered_only_through_its_tools():
     assert environment.score(procedure, [*early[:-1], wrong], q) == -0.5  # answered after one of its three calls
     extra = [*row["messages"][:-1], row["messages"][2], row["messages"][3], wrong]  # a fourth call, then wrong
     assert environment.score(procedure, extra, q) == -0.5
+
+
+def test_the_redesigned_agent_benchmark_scores_each_kind_alike_pairs_each_question_and_guards_every_kind():
+    """benchmarks/agent_rl_arms.py's primary score, by hand: the mean over kinds of greedy success (a kind of 2
+    questions counts as much as one of 4), its gain paired per question, and the rule that a gain counts only when
+    no kind falls more than 5 points. When every question of a kind moves alike, a bootstrap that keeps a question's
+    two answers together and resamples within kinds has nowhere to go: its interval is the point."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import agent_rl_arms as arms
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = [{"kind": k} for k in ("one", "one", "plus", "plus", "plus", "plus")]
+    start = arms.by_kind({"by_row": [[0, 1.0], [1, 0.0], [2, 0.0], [3, 0.0], [4, 0.0], [5, 0.0]]}, rows)
+    after = arms.by_kind({"by_row": [[5, 1.0], [4, 1.0], [3, 1.0], [2, 1.0], [1, 0.0], [0, 1.0]]}, rows)
+    assert start == {"one": [1.0, 0.0], "plus": [0.0, 0.0, 0.0, 0.0]} and after["plus"] == [1.0] * 4
+    assert arms.macro(start) == 25.0 and arms.macro(after) == 75.0  # (50 + 0) / 2 and (50 + 100) / 2; micro: 1/6, 5/6
+    assert arms.paired_gain(after, start) == (50.0, 50.0, 50.0)  # "one" unchanged question by question, "plus" all +1
+    assert arms.kind_changes(after, start) == {"one": 0.0, "plus": 100.0}
+    assert arms.verdict((50.0, 50.0, 50.0), {"one": 0.0, "plus": 100.0}) == "yes"
+    assert arms.verdict((20.0, 5.0, 35.0), {"one": -6.0, "plus": 46.0}) == "no: one -6.0"  # a kind left behind
+    assert arms.verdict((3.0, -1.0, 7.0), {"one": 0.0, "plus": 6.0}) == "no: the interval reaches 0"
+    mixed = {"one": [1.0, 0.0], "plus": [1.0, 1.0, 0.0, 0.0]}
+    gain, low, high = arms.paired_gain(mixed, start)
+    assert gain == 25.0 and low < gain < high  # questions that moved apart: an interval around the point
+    assert arms.arm_specs(["g=grpo --turn-credit state"]) == {"g": ("grpo", ["--turn-credit", "state"])}

@@ -113,6 +113,8 @@ def test_rft_from_the_command_line_trains_on_what_it_kept_and_resumes_exactly(tm
     for label in ("base", "whole"):
         got = scores[label]
         assert got["prompts"] == 3 and 0 <= got["reward"] <= 1 and "rewards/format/mean" in got
+        assert len({row for row, _ in got["by_row"]}) == 3  # each row's reward, for a paired comparison
+        assert sum(r for _, r in got["by_row"]) / 3 == pytest.approx(got["reward"])
         assert sum(got.get(f"kinds/{k}/prompts", 0) for k in ("small", "large")) == 3
     with pytest.raises(TunebenchError, match="learned from rewards .rft.: eval answers its held-out prompts"):
         main(["eval", "--adapter", str(whole), "--generate", "2", "--debug"])

@@ -2,8 +2,9 @@
 prompts (or every row of another --data file) are answered greedily, in its environment where it had one, and
 scored by its own rewards, exactly as the run's held-out reward was (training/grpo's held_out_scores and
 held_out_figures); with the run's --kind-column, each kind's success and reward beside the whole; with --base, the
-model it started from on the same rows. A next-token loss says nothing of such a run: it was never trained on
-reference answers.
+model it started from on the same rows; scores.json also keeps each row's reward (`by_row`: its index in the
+rows, its reward), for a comparison paired per question. A next-token loss says nothing of such a run: it was
+never trained on reference answers.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def table(run_dir: str, cfg: RunConfig, base: bool, data_path: str | None, devic
         placed = inference.load(spec, adapter, None, plan=plan)
         results[label] = judged(placed, cfg, rows, env, scoring, kinds, own)
     where = f"the held-out prompts of {run_dir}" if own else f"the rows of {data.path}"
-    for label, figures in results.items():
-        print(json.dumps({"label": label, "rows": where, **figures}, indent=2))
+    for label, figures in results.items():  # each row's reward in scores.json only: a paired comparison's input
+        print(json.dumps({"label": label, "rows": where, **{k: v for k, v in figures.items() if k != "by_row"}},
+                         indent=2))
     write_json(Path(output_dir) / "scores.json", {"rows": where, **results})
 
 
@@ -84,9 +86,10 @@ def judged(placed, cfg: RunConfig, rows, env, scoring: list, kinds: watch.Kinds 
         scores = held.mine()
     figures = {k.removeprefix("eval_"): v for k, v in draws.held_out_figures(scores).items()}
     figures["prompts"] = len(keys)
+    reward_columns = len(draws.reward_names())
+    total = [float(np.nansum(np.asarray(r[:reward_columns]) * draws.weights.numpy())) for r in scores]
+    figures["by_row"] = [[int(data.source(k)), t] for k, t in zip(keys, total)]  # (the row's index in --data, reward)
     if kinds is not None:
-        reward_columns = len(draws.reward_names())
-        total = [float(np.nansum(np.asarray(r[:reward_columns]) * draws.weights.numpy())) for r in scores]
         of = [kinds.of_row[data.source(k)] for k in keys]
         for i, name in enumerate(kinds.names):
             mine = [t for t, k in zip(total, of) if k == i]
