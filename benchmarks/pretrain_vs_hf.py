@@ -44,8 +44,8 @@ def _cfg(args, out: str):
 def _data(cfg):
     """Tokenizer, (train, validation) blocks and the first epoch's batch order, exactly as pretrain makes them."""
     from tunebench.data import batching, blocks
+    from tunebench.jobs.parts import pretraining
     from tunebench.model import models
-    from tunebench.training import pretraining
 
     tok, _ = pretraining.load_or_train_tokenizer(cfg)
     tokens = blocks.token_file(cfg.data_files, tok, models.cache_dir())

@@ -118,7 +118,7 @@ BUGS = (
     Bug("an episode's cache fed at the wrong positions", "src/tunebench/model/decoding.py",
         "positions = torch.tensor(fed, device=device)[:, None] + (chunk_mask", "positions = (chunk_mask",
         ("tests/test_decoding.py", "-k", "turns_keep")),
-    Bug("a changed environment file run before its hash is checked", "src/tunebench/training/grpo/run.py",
+    Bug("a changed environment file run before its hash is checked", "src/tunebench/jobs/parts/grpo_run.py",
         "    if code and cfg.output.resume:", "    environment.load(o.environment, 1.0) if o.environment else None\n"
         "    if code and cfg.output.resume:",
         ("tests/test_shared_server.py", "-k", "environment_file_changed")),

@@ -188,8 +188,8 @@ def test_the_objective_keys_are_read_as_every_earlier_config_spelled_them(tmp_pa
     """The objective has its own section; adapter.objective and adapter.beta (dotted, nested in YAML, a run's old
     config.yaml), train.objective and a top-level `objective: dpo` still set it, and a run's resume identity keeps
     the shape its checkpoints saved before the split (the adapter's keys and the objective's, in one mapping)."""
+    from tunebench.jobs.parts.finetune_model import identity
     from tunebench.settings.finetune import ObjectiveKeys
-    from tunebench.training.finetune_model import identity
 
     dotted = load_config(options={"adapter.objective": "dpo", "adapter.beta": 0.3})
     (tmp_path / "old.yaml").write_text("adapter:\n  method: lora\n  objective: kto\n  beta: 0.2\n"

@@ -135,7 +135,7 @@ def _train(tmp_path, env, out, *extra):
 ])
 def test_a_bad_environment_is_refused_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, text,
                                                                           message):
-    from tunebench.training import finetune_model
+    from tunebench.jobs.parts import finetune_model
 
     monkeypatch.setattr(finetune_model, "load", lambda *a: pytest.fail("the model loaded"))
     env = _env(tmp_path, text) if text is not None else tmp_path / "missing.py"

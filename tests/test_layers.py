@@ -177,16 +177,30 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 
 # The training jobs are recipes over training.recipe: none builds on another or on any other job (what they share
-# lives below the jobs, in training's finetune_model, finetune_data, finetune_report and pretraining; the run report
-# is only handed to the runner as the run's end), and each reads in order, one argument a line.
+# lives in jobs/parts: finetune_model, finetune_data, finetune_report, pretraining and grpo_run, which import no job;
+# the run report is only handed to the runner as the run's end), and each reads in order, one argument a line.
 RECIPES = ("tunebench.jobs.finetune", "tunebench.jobs.grpo", "tunebench.jobs.pretrain")
+PARTS = "tunebench.jobs.parts"
 
 
 def test_no_training_recipe_imports_another_job():
     graph = import_graph()
     found = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
                    if (d in RECIPES and m.startswith("tunebench.jobs."))
-                   or (m in RECIPES and d.startswith("tunebench.jobs.") and d != "tunebench.jobs.run_report"))
+                   or (m in RECIPES and d.startswith("tunebench.jobs.") and d != "tunebench.jobs.run_report"
+                       and not d.startswith(PARTS))
+                   or (m.startswith(PARTS) and d.startswith("tunebench.jobs.") and not d.startswith(PARTS)))
+    assert not found, found
+
+
+def test_training_takes_the_parts_of_a_run_it_reads_never_a_jobs_whole_configuration():
+    """Issue 97: the per-job glue that reads a run's whole configuration (finetune's model, data and report,
+    pretraining's, GRPO's) lives in jobs/parts; no module under training/ imports a job's configuration type
+    (settings.finetune's RunConfig, settings.pretrain's PretrainRun)."""
+    graph = import_graph()
+    found = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                   if m.startswith("tunebench.training") and d in ("tunebench.settings.finetune",
+                                                                   "tunebench.settings.pretrain"))
     assert not found, found
 
 

@@ -94,7 +94,7 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path, dataset, ca
     """A 70B Llama's config alone (no weights to load): a bf16 LoRA of it needs ~130 GB at micro batch 1 with
     checkpointing, on a machine with 64 GB free; the run stops with the plan and the fix before any weight is
     looked for."""
-    from tunebench.training import finetune_model
+    from tunebench.jobs.parts import finetune_model
 
     monkeypatch.setattr(finetune_model, "memory_free_mb", lambda device, ranks=1: 64 * 1024.0)
     model = tmp_path / "llama-70b"

@@ -10,9 +10,9 @@ import torch
 from conftest import tiny_run_config
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
+from tunebench.jobs.parts import finetune_model
 from tunebench.model import inference, models
 from tunebench.settings.finetune import load_config
-from tunebench.training import finetune_model
 
 METHODS = ["dora", "ia3", "loha", "lokr", "prefix", "prompt"]
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 64, 12]])

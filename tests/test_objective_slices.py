@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tunebench.interfaces.cli import main
+from tunebench.jobs.parts import finetune_model
 from tunebench.settings.finetune import load_config
-from tunebench.training import finetune_model
 
 BEFORE = Path(__file__).parent / "fixtures" / "before_slices"
 IDENTITIES = json.loads((BEFORE / "identities.json").read_text())

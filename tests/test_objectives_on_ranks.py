@@ -30,8 +30,8 @@ def test_what_cannot_run_sharded_is_refused_when_fsdp_is_picked(options, why):
     from types import SimpleNamespace
 
     from tunebench.core.errors import TunebenchError
+    from tunebench.jobs.parts import finetune_model
     from tunebench.settings.finetune import load_config
-    from tunebench.training import finetune_model
 
     if "distributed.parallel" in options:  # asked for: refused at load, before any output
         with pytest.raises(TunebenchError, match=why):

@@ -12,9 +12,9 @@ import torch
 from conftest import ROWS, pairs_file, tiny_run_config
 from tunebench.interfaces.web import models as served
 from tunebench.jobs import evaluate, export, finetune, generate, merge, pretrain
+from tunebench.jobs.parts import finetune_model
 from tunebench.model import inference
 from tunebench.settings.finetune import DataConfig
-from tunebench.training import finetune_model
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -292,7 +292,7 @@ def test_a_dataset_whose_tool_schema_refers_outside_itself_is_refused_before_the
     import json
 
     from tunebench.interfaces.cli import main
-    from tunebench.training import finetune_model
+    from tunebench.jobs.parts import finetune_model
 
     def rows(ref):
         tools = [{"type": "function", "function": {"name": "f", "description": "F.", "parameters": {

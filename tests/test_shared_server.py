@@ -530,9 +530,9 @@ def test_an_environment_file_changed_since_the_checkpoint_is_refused_before_any_
     resumes): refused on its hash before the file is imported; the bytes hashed are the bytes that run."""
     import zipfile
 
+    from tunebench.jobs.parts import grpo_run
     from tunebench.settings.finetune import load_config
     from tunebench.training import checkpoint
-    from tunebench.training.grpo import run as grpo_run
 
     monkeypatch.chdir(tmp_path)
     env = tmp_path / "env.py"

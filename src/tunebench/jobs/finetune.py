@@ -9,10 +9,11 @@ import numpy as np
 
 from tunebench.data import batching, mixture
 from tunebench.jobs import run_report
+from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import finetune_data, finetune_model, finetune_report, recipe, runner, runplan, stopping
+from tunebench.training import recipe, runner, runplan, stopping
 
 
 @stopping.job

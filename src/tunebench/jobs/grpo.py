@@ -7,22 +7,11 @@ from typing import Any
 import numpy as np
 
 from tunebench.jobs import run_report
+from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report, grpo_run
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import (
-    feed,
-    finetune_data,
-    finetune_model,
-    finetune_report,
-    grpo,
-    preference,
-    recipe,
-    runner,
-    runplan,
-    stopping,
-)
+from tunebench.training import feed, grpo, preference, recipe, runner, runplan, stopping
 from tunebench.training.autotune import compiler
-from tunebench.training.grpo import run as grpo_run
 from tunebench.training.grpo import watch
 
 

@@ -85,12 +85,12 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
 
     from tunebench.core import precision as precision_
     from tunebench.data import batching, mixture
+    from tunebench.jobs.parts.finetune_model import build_model
     from tunebench.machine import hardware
     from tunebench.model import models
     from tunebench.settings.finetune import load_config
     from tunebench.training import runner
     from tunebench.training.autotune.probe import probe_step
-    from tunebench.training.finetune_model import build_model
 
     cfg = load_config(options={**settings, "hardware.device": device})
     parts = mixture.parts(cfg.data)

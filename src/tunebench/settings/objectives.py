@@ -296,7 +296,7 @@ def build(given: dict[str, Any]) -> Objective:
 
 def every_key(o: Objective, keys: tuple[str, ...]) -> dict[str, Any]:
     """The objective as the flat section saved it before it was typed: each of `keys`, None (or an empty list)
-    where not its own; a resume compares this with its checkpoint's (training.finetune_model.identity)."""
+    where not its own; a resume compares this with its checkpoint's (jobs.parts.finetune_model.identity)."""
     return {"name": o.name, **{k: getattr(o, k, [] if k in ("reward", "reward_weights") else None) for k in keys}}
 
 

@@ -194,7 +194,7 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
                              ) from None
     cfg = train_config(args, ask.processes)  # checked at the number of ranks it will run on
     from tunebench.data import pairs
-    from tunebench.training import finetune_data
+    from tunebench.jobs.parts import finetune_data
 
     if cfg.data.sources or cfg.objective.preference and pairs.is_store(cfg.data.path):
         finetune_data.check_inputs(cfg)  # a mixture, or the server's own vote store (read within votes.READ_LIMIT_S)
@@ -213,8 +213,8 @@ def check_sample(cfg: RunConfig) -> None:
     rows kept), the model and its length. The training child reads the whole file and refuses a bad row past the
     sample in its log, with the same one-line error."""
     from tunebench.data import formats, readers
+    from tunebench.jobs.parts import finetune_data
     from tunebench.model import inference, models
-    from tunebench.training import finetune_data
 
     d = cfg.data
     records = readers.read_records(d.path, limit=CHECK_ROWS)

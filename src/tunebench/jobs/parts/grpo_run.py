@@ -11,12 +11,13 @@ from tunebench.core.decision import Decision
 from tunebench.core.userfile import UserFile
 from tunebench.data import prompts
 from tunebench.data.prompts import PromptData, PromptRows
+from tunebench.jobs.parts import finetune_data
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.objectives import GRPO, RFT
-from tunebench.training import checkpoint, finetune_data
+from tunebench.training import checkpoint
 from tunebench.training.autotune import Trained
 from tunebench.training.grpo import Advantages, Credit, Draws, GRPOLoss, Sampling, environment, rft
 from tunebench.training.grpo import rewards as rewards_

@@ -1,5 +1,5 @@
 """A causal LM trained from scratch, as the pretraining recipe (jobs/pretrain.py) checks, tokenizes, builds,
-samples, saves and summarizes it: its parts below the job, as training/finetune_model.py, finetune_data.py and
+samples, saves and summarizes it: its parts beside finetune_model.py, finetune_data.py and
 finetune_report.py hold fine-tuning's."""
 
 from __future__ import annotations

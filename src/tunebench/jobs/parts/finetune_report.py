@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from tunebench.jobs.parts import finetune_data
 from tunebench.machine import metrics
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import inference, models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import finetune_data, runner
+from tunebench.training import runner
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler
 
