@@ -351,3 +351,21 @@ def test_a_resume_brings_the_files_its_first_start_recorded_checkpoint_or_not(tm
         checkpoint.check_user_code(run, "auto", {"env.py": "1111"})  # the same name from another folder
     checkpoint.record_user_code(run, "auto", {"env.py": "3333"})  # a resume keeps the first start's record
     assert json.loads((run / checkpoint.USER_CODE).read_text()) == {str(tmp_path / "a" / "env.py"): "1111"}
+
+
+def test_a_user_file_runs_the_bytes_that_were_hashed_not_what_lies_on_disk_by_then(tmp_path):
+    """Round five's M3: a resume hashes a reward or environment file and compares it before it runs; running the
+    path again (importlib's loader reads the file itself) would run whatever had replaced it since. Both homes of
+    a user's file, the trainer's module and the environment's process, run the bytes that were read and hashed."""
+    from tunebench.core.userfile import UserFile
+    from tunebench.training.grpo import environment
+
+    path = tmp_path / "env.py"
+    path.write_text("WHO = 'hashed'\n\n\ndef who() -> str:\n    \"\"\"Who wrote this file.\"\"\"\n    return WHO\n\n\n"
+                    "TOOLS = [who]\n\n\ndef reset(row):\n    return [{'role': 'user', 'content': 'who?'}]\n\n\n"
+                    "def reward(messages, row):\n    return 0.0\n")
+    read = UserFile.read(path)
+    path.write_text(path.read_text().replace("'hashed'", "'swapped'"))
+    assert read.run("user_env").WHO == "hashed"
+    env = environment.load(str(path), 10, file=read)
+    assert environment.call(env, "who", {}).text == "hashed"
