@@ -173,9 +173,15 @@ def test_an_upload_while_a_run_is_queued_is_kept_and_the_queued_runs_upload_surv
     old = time.time() - studio.UPLOAD_GRACE_S - 60
     for kept in (queued, stale):
         os.utime(kept, (old, old))
-    fresh = s.keep_upload(str(_csv(tmp_path / "fresh.csv", rows=42)))
+    mask = os.umask(0o022)  # a common umask: files 0644 unless made otherwise
+    try:
+        fresh = s.keep_upload(str(_csv(tmp_path / "fresh.csv", rows=42)))
+    finally:
+        os.umask(mask)
     assert Path(fresh).is_file() and Path(queued).is_file()
     assert not Path(stale).exists()  # unused and past its grace time
+    # a visitor's data readable by the server's user alone, whatever the umask (round five)
+    assert (os.stat(fresh).st_mode & 0o777, os.stat(s.uploads).st_mode & 0o777) == (0o600, 0o700)
 
 
 def test_a_start_that_raises_is_recorded_as_failed_and_the_queue_goes_on(tmp_path, monkeypatch):
