@@ -61,7 +61,7 @@ def _data(cfg):
 def _val_loss(model, val, micro: int, precision: str) -> float:
     import torch
 
-    from tunebench.training.loop import CausalLMLoss, evaluate
+    from tunebench.training.objective import CausalLMLoss, evaluate
 
     batches = [val.collate(range(i, min(i + 2 * micro, len(val)))) for i in range(0, len(val), 2 * micro)]
     return evaluate(CausalLMLoss(model, torch.bfloat16 if precision == "bf16" else None), batches, torch.device("cpu"))["eval_loss"]

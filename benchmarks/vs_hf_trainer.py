@@ -63,7 +63,7 @@ def _eval_loss(model, data, eval_idx, pad_id, device):
     import torch
 
     from tunebench.data import batching
-    from tunebench.training.loop import CausalLMLoss, evaluate
+    from tunebench.training.objective import CausalLMLoss, evaluate
 
     return evaluate(CausalLMLoss(model), batching.eval_batches(data, eval_idx, 8, pad_id),
                     torch.device(device))["eval_loss"]
@@ -174,7 +174,7 @@ def worker_sweep(args) -> dict:
 
     from tunebench.model import methods, models
     from tunebench.settings.finetune import AdapterConfig
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     device = torch.device(_device(args))
     threads = len(os.sched_getaffinity(0))

@@ -699,7 +699,7 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     reply = len(tok(call, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS: turn one
     assert first[0] == pytest.approx([expected[0][0]] * reply + [expected[0][1]] * (len(first[0]) - reply))
     assert first[1] == pytest.approx([expected[1][0]] * len(first[1]))
-    from tunebench.training.loop import prepare
+    from tunebench.training.objective import prepare
 
     ready, _, _ = prepare(batch, torch.device("cpu"))  # the loss reads the tokens' own advantages
     loss = grpo.GRPOLoss(tiny.model, sampler.on.s, sampler.reward_names(), episode_stats=sampler.episode_stats)

@@ -84,7 +84,7 @@ def test_groups_that_teach_nothing_leave_the_update_with_the_same_loss_and_gradi
     the forward and backward (counted in frac_groups_skipped), and the step's loss, gradients and every other stat
     are the ones all rows give; a micro batch of such groups alone still runs one row, to no effect."""
     from tunebench.data.prompts import PromptData
-    from tunebench.training.loop import prepare
+    from tunebench.training.objective import prepare
 
     model, tok = tiny.model, tiny.tokenizer
     data = PromptData([[5, 6, 7], [8, 9], [10, 11, 12, 13]], torch.arange(3).numpy(), 0)

@@ -22,7 +22,8 @@ from tunebench.model import inference
 from tunebench.model.models import byte_tokenizer
 from tunebench.settings.finetune import DataConfig
 from tunebench.training import checkpoint, feed
-from tunebench.training.loop import CausalLMLoss, Hooks, LoopSettings, LoopState, optimizer_steps
+from tunebench.training.loop import Hooks, LoopSettings, LoopState, optimizer_steps
+from tunebench.training.objective import CausalLMLoss
 
 
 def _data():
@@ -117,7 +118,7 @@ def test_resume_with_another_micro_batch_is_refused_not_replaced(tmp_path, datas
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, monkeypatch):
     import tunebench.training.loop as loop
 
-    real, real_train = loop.CausalLMLoss.forward, loop.optimizer_steps
+    real, real_train = CausalLMLoss.forward, loop.optimizer_steps
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -126,7 +127,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, dataset, mo
         return value * float("nan") if calls["n"] > 4 else value  # steps 1-2 (2 micro-batches each) fine, then NaN
 
     def train_poisoned(*args, **kwargs):  # from the first training step on: probes and eval run clean
-        monkeypatch.setattr(loop.CausalLMLoss, "forward", poisoned)
+        monkeypatch.setattr(CausalLMLoss, "forward", poisoned)
         return real_train(*args, **kwargs)
 
     monkeypatch.setattr(loop, "optimizer_steps", train_poisoned)
@@ -209,7 +210,7 @@ def test_loss_sum_equals_the_models_own_loss_and_gradients(tied):
     """Full fine-tuning through the fused head (tied: the head's gradient lands on the embedding
     too) against transformers' own loss on the same rows."""
     from tunebench.model import models
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     model, _ = models.tiny()
     if tied:
@@ -232,7 +233,7 @@ def test_linear_cross_entropy_keeps_no_logits_between_forward_and_backward(tiny,
     """The point of the fused head: nothing of the vocabulary's width waits for the backward, and
     no gradient is made when none is wanted (evaluation)."""
     from tunebench.model import kernels
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     vocab = tiny.model.config.vocab_size
     tok, data = _data()
@@ -256,7 +257,7 @@ def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
     """No attention mask is passed for right-padded rows: the loss and gradients must equal those of
     each row run alone without padding, for every attention kernel (tiny has grouped-query heads)."""
     from tunebench.model import kernels
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     tok, data = _data()
     kernels.register()
@@ -289,7 +290,7 @@ def test_padded_rows_give_each_row_its_own_loss_and_gradient(tiny, attention):
 def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
     """In train mode (dropout 0 in the tiny model), so the gradients a packed step applies are checked too."""
     from tunebench.model import kernels
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
     tok, data = _data()
     kernels.register()
     model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
@@ -323,7 +324,7 @@ def test_packed_and_unpacked_losses_and_gradients_match(tiny, attention):
 
 def test_gradient_checkpointing_gives_the_same_losses_and_gradients(tiny):
     from tunebench.training.autotune.probe import enable_checkpointing
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     tok, data = _data()
     model = add_lora(tiny.model, 4, 8, 0.0, ["q_proj", "v_proj"])
@@ -395,7 +396,7 @@ def test_methods_and_precisions_train_and_save(tmp_path, dataset, method, precis
     from tunebench.core.precision import DTYPES
     from tunebench.data.tokenize import load_tokenized, split
     from tunebench.model import models
-    from tunebench.training.loop import CausalLMLoss, evaluate
+    from tunebench.training.objective import CausalLMLoss, evaluate
 
     out = tmp_path / f"{method}-{precision}"
     cfg = _cfg(dataset, out, **{"adapter.method": method, "train.precision": precision,

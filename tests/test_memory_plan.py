@@ -9,7 +9,7 @@ import torch
 from tunebench.interfaces import cli
 from tunebench.model import methods
 from tunebench.training.autotune import memory
-from tunebench.training.loop import loss_sum
+from tunebench.training.objective import loss_sum
 
 
 def _saved_bytes(model, tokens: int, autocast) -> int:

@@ -77,7 +77,7 @@ def test_unknown_model_offline_names_the_id():
 
 
 def test_bf16_frozen_base_matches_fp32_lora(tiny):
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     torch.manual_seed(1)
     peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
@@ -107,7 +107,7 @@ def test_qlora_4bit_gradients_reach_the_first_layer_after_eval(tiny):
     """Also: the quantized base is frozen with its embeddings and head kept in 16 bits and its norms in fp32
     (methods.prepare_for_kbit; PEFT's prepare_model_for_kbit_training casts the embeddings and head to fp32)."""
     needs_module("bitsandbytes", "QLoRA needs bitsandbytes (a core dependency)")
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     q = methods.load_quantized(tiny, "tiny", "4bit", torch.bfloat16, False)
     methods.prepare_for_kbit(q)
@@ -178,7 +178,7 @@ def test_tunebench_attention_drops_probabilities_at_the_asked_rate():
 
 def test_compiled_blocks_give_the_eager_loss_and_gradients(tiny):
     """Regional compilation (a real torch.compile of the decoder layers) changes speed, not results."""
-    from tunebench.training.loop import loss_sum, prepare
+    from tunebench.training.objective import loss_sum, prepare
 
     peft = add_lora(tiny.model, 8, 16, 0.0, ["q_proj", "v_proj"])
     with torch.no_grad():

@@ -18,7 +18,7 @@ from tunebench.settings import objectives
 from tunebench.settings.finetune import load_config
 from tunebench.training import grpo
 from tunebench.training.grpo import rewards, rft
-from tunebench.training.loop import prepare
+from tunebench.training.objective import prepare
 
 
 def _drawn(rewards_, completions):

@@ -17,7 +17,7 @@ from tunebench.jobs.generate import trained_template
 from tunebench.machine import hardware, metrics, monitor
 from tunebench.model import models
 from tunebench.settings.finetune import DataConfig
-from tunebench.training import loop, runner
+from tunebench.training import loop, objective, runner
 
 
 def _cfg(data, out, **extra):
@@ -273,7 +273,7 @@ def test_eval_runs_on_the_planned_device_and_precision(tmp_path, dataset, capsys
 
     tokenized = load_tokenized(data, tok, None)
     batches = batching.eval_batches(tokenized, np.arange(len(tokenized)), 4, tok.pad_token_id)
-    direct = loop.evaluate(loop.CausalLMLoss(models.resolve("tiny").model), batches, torch.device("cpu"))
+    direct = objective.evaluate(objective.CausalLMLoss(models.resolve("tiny").model), batches, torch.device("cpu"))
     assert result["eval_loss"] == pytest.approx(direct["eval_loss"], rel=1e-6)
     assert main(["eval", "--model", "tiny", "--data", str(dataset), "--device", "cuda"]) == 2
     assert "--device cuda was asked for, but no CUDA GPU is visible" in capsys.readouterr().err

@@ -218,7 +218,7 @@ def rendered(prompt: formats.Messages, reply: str, tokenizer, cfg: DataConfig) -
 def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     """P pairs as 2P padded rows, chosen first. Besides the usual tensors:
     - `counts`: (pairs, real target tokens of the chosen rows), the units this micro-batch adds to its
-      optimizer step's normalisers (see loop.prepare);
+      optimizer step's normalisers (see objective.prepare);
     - `target_index`, `is_response`: the flat next-token positions ORPO reads (every real token of a
       chosen row, for its NLL term, and each reply's tokens) and which of them are reply tokens."""
     rows = [2 * k for k in pairs] + [2 * k + 1 for k in pairs]

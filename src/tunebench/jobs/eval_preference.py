@@ -1,6 +1,6 @@
 """`tunebench eval` of a run that learned from preferences (DPO, ORPO, KTO): judged the way it was trained. Its
 held-out pairs (or judged completions; every row of another --data file instead) are scored by the run's own
-objective, as its held-out evaluation scored them (training/loop.evaluate over preference.PreferenceLoss): the
+objective, as its held-out evaluation scored them (training/objective.evaluate over preference.PreferenceLoss): the
 loss, reward accuracy (the share of pairs whose chosen reply the model rewards above the rejected one) and margin,
 and the log-probabilities of each side; with --base, the model it started from on the same rows. A next-token
 loss or generated answers say nothing of what such a run learned: it was trained to prefer one reply to another.
@@ -29,7 +29,8 @@ from tunebench.machine.distributed import World
 from tunebench.model import inference
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.rundir import RunDir
-from tunebench.training import loop, preference, runner
+from tunebench.training import preference, runner
+from tunebench.training.objective import evaluate
 
 FALLBACK_MICRO = 4  # units a batch where the run's plan.json is gone (KTO's reference point is per batch)
 
@@ -85,7 +86,7 @@ def judged(placed, cfg: RunConfig, reference, data, keys, micro: int) -> dict[st
     batches = batching.eval_batches(data, keys, micro * 2, placed.tokenizer.pad_token_id,
                                     finetune_data.JUDGEMENTS[o.data].collate)
     with torch.no_grad():
-        figures = loop.evaluate(objective, batches, placed.device, World())
+        figures = evaluate(objective, batches, placed.device, World())
     return {k.removeprefix("eval_"): v for k, v in figures.items()}
 
 

@@ -18,7 +18,7 @@ from tunebench.model import inference, models, quality
 from tunebench.settings.finetune import DataConfig
 from tunebench.settings.rundir import RunDir
 from tunebench.training import runner
-from tunebench.training.loop import CausalLMLoss, evaluate
+from tunebench.training.objective import CausalLMLoss, evaluate
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ same loss for logits that a model has already made.
 
 `causal_attention` is registered with transformers as the attention implementation "tunebench"
 and competes with "eager" and "sdpa" in the per-run measurement (`finetune.pick_attention`).
-For the causal, unmasked case that training on right-padded rows is (see `loop.loss_sum`), it
+For the causal, unmasked case that training on right-padded rows is (see `objective.loss_sum`), it
 runs grouped-query attention without copying keys and values per query head: the query heads
 that share a key head are stacked into one matrix, so each product is one batched matmul, the
 causal mask and the scale ride inside `baddbmm`, and the backward has no head-sum. Anything else

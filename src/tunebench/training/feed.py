@@ -13,7 +13,8 @@ from tunebench.core.decision import Decision
 from tunebench.data import batching
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
-from tunebench.training.loop import Batch, LoopState
+from tunebench.training.loop import LoopState
+from tunebench.training.objective import Batch
 
 
 @dataclass(frozen=True)

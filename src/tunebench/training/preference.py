@@ -40,7 +40,7 @@ from tunebench.machine import distributed
 from tunebench.model import methods
 from tunebench.settings import objectives
 from tunebench.settings.objectives import Objective
-from tunebench.training.loop import Batch, body_and_head
+from tunebench.training.objective import Batch, body_and_head
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -143,7 +143,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 class PreferenceLoss(torch.nn.Module):
     """What DPO's, ORPO's and KTO's losses share, each a class of its own below (module docstring), a
-    loop.Objective: (loss sum, stat sums). `strength` is DPO's and KTO's beta, ORPO's lambda."""
+    objective.Objective: (loss sum, stat sums). `strength` is DPO's and KTO's beta, ORPO's lambda."""
 
     stat_names: tuple[str, ...] = REWARDS
     stat_per: dict[str, str] = {}
@@ -158,7 +158,7 @@ class PreferenceLoss(torch.nn.Module):
         return reference_logps(self.model, self._reference[0], batch, index, self.autocast_dtype)
 
     def stat_finish(self, means: dict[str, float], units: float) -> dict[str, float]:
-        return means  # every figure is a mean (loop.Objective)
+        return means  # every figure is a mean (objective.Objective)
 
     @staticmethod
     def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, logps: torch.Tensor, pairs: int,

@@ -29,10 +29,12 @@ from tunebench.machine.monitor import Monitor, other_load
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, feed, loop, measuring, optim, plancheck, runner, runplan, stopping
+from tunebench.training import objective as objective_
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler, memory
 from tunebench.training.autotune.probe import memory_free_mb, probe_step
-from tunebench.training.loop import Batch, Hooks, LoopSettings, LoopState
+from tunebench.training.loop import Hooks, LoopSettings, LoopState
+from tunebench.training.objective import Batch
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
 
     def evaluate(step: int) -> dict[str, Any]:  # each of eval_sets (several: combined by runner.per_source)
         with compiler.eagerly(plan.compile):
-            record = runner.per_source([(name, loop.evaluate(t.eval_objective, batches, device, world, t.split_eval))
+            record = runner.per_source([(name, objective_.evaluate(t.eval_objective, batches, device, world, t.split_eval))
                                         for name, batches in eval_sets])
         return record | (r.after_eval(plan, step) if r.after_eval else {})
 

@@ -32,7 +32,8 @@ from tunebench.settings import yamlfiles
 from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
-from tunebench.training.loop import CausalLMLoss, LoopState
+from tunebench.training.loop import LoopState
+from tunebench.training.objective import CausalLMLoss
 
 
 @dataclass(frozen=True)

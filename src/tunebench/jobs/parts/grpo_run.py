@@ -197,7 +197,7 @@ def rank_figures(on: Sampling, held_out: HeldOutReward) -> dict[str, Any]:
 class HeldOutReward:
     """The held-out prompts' reward (greedy completions) before training and after, printed by rank 0 as each is
     taken; nothing where no prompt is held out. The prompts are decoded in batches of `batch_size`, as one process
-    makes them, each rank every world-size-th batch (as loop.evaluate shares held-out batches), and rank 0 reads
+    makes them, each rank every world-size-th batch (as objective.evaluate shares held-out batches), and rank 0 reads
     every rank's rows: the figures are one process's, in a share of its time."""
 
     def __init__(self, draws: Draws, keys: list[int], world: World, batch_size: int = 8):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from tunebench.machine.metrics import peak_memory_mb, reset_peak_memory
-from tunebench.training.loop import Batch, loss_sum, prepare, split_output
+from tunebench.training.objective import Batch, loss_sum, prepare, split_output
 
 StepFn = Callable[[int], tuple[float, float]]  # micro batch -> (tokens/s, peak memory MB)
 

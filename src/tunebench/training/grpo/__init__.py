@@ -42,7 +42,7 @@ from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
 from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo import watch as watch_
-from tunebench.training.loop import Batch
+from tunebench.training.objective import Batch
 from tunebench.training.preference import reference_logps, token_logps
 
 # Why an episode ends: the built-in stop rules (training/grpo/episodes.py's Stops, a method each), in the order the
@@ -484,7 +484,7 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
     episode's, the policy's tokens of it: groups.masks).
     Besides the usual tensors: `advantages` (rows,), `row_stats` (completions, stats: every completion's, rows or
     not), `counts` (completions, completion tokens: the units this micro batch adds to its optimizer step's
-    normalisers, loop.prepare) and `skipped` (completions left out).
+    normalisers, objective.prepare) and `skipped` (completions left out).
 
     `skip` "groups" (GRPO at beta 0): a group whose advantages are all 0 teaches nothing (its loss and gradient are
     0 without a KL term), so its rows are left out of the forward and backward; it still counts in the normalisers
@@ -509,7 +509,7 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
         for r, (key, i) in enumerate(rows):
             start = len(data.ids[key])
             grid[r, start:start + len(groups.completions[i])] = torch.tensor(groups.token_advantages[i])
-        batch["token_advantages"] = grid[:, 1:].contiguous()  # aligned with the shifted targets (loop.prepare)
+        batch["token_advantages"] = grid[:, 1:].contiguous()  # aligned with the shifted targets (objective.prepare)
     batch["row_stats"] = groups.row_stats[torch.tensor(picked)]
     batch["counts"] = torch.tensor([len(picked), sum(sum(masks[i]) for i in picked)])
     batch["skipped"] = torch.tensor(float(sum(alike)))
@@ -517,7 +517,7 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
 
 
 class GRPOLoss(torch.nn.Module):
-    """The GRPO objective over `model` (module docstring), a loop.Objective: (loss sum, stat sums over
+    """The GRPO objective over `model` (module docstring), a objective.Objective: (loss sum, stat sums over
     completions)."""
 
     unit = "completions"

@@ -75,7 +75,7 @@ def balanced(kept: list[bool], kind: list[int]) -> torch.Tensor:
 
 
 class RFTLoss(GRPOLoss):
-    """The next-token loss of the kept completions (a loop.Objective): each token's -log p (the logits as they are,
+    """The next-token loss of the kept completions (a objective.Objective): each token's -log p (the logits as they are,
     not divided by the sampling temperature: this is supervised learning) times its completion's weight, summed,
     over the step's kept tokens (times its completions, which the loop divides by). Its stats are GRPO's (the rewards of every sampled completion, the watch's), with
     frac_kept for the share of completions trained on."""
