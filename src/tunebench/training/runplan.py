@@ -52,7 +52,8 @@ def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_
         raise TunebenchError(f"--time-budget {budget} leaves no time to train: measuring took {measure_s:.0f} s and "
                              f"one step takes about {tokens_per_step / tokens_per_s:.1f} s; raise it")
     took = min(fit, steps)
-    why = (f"--time-budget {budget}: {left:.1f} s left after {measure_s:.1f} s of measuring, at the measured "
+    # two decimals under 10 s, so the row's own figures give back its step count (a tenth of a second is 5% of 2 s)
+    why = (f"--time-budget {budget}: {left:.{2 if left < 10 else 1}f} s left after {measure_s:.1f} s of measuring, at the measured "
            f"{tokens_per_s:,.0f} tokens/s a step of {tokens_per_step:,.0f} tokens")
     return took, Decision("total_steps", took, why + (f"; capped at the {steps} the epochs or max steps give"
                                                        if fit > steps else ""))
