@@ -208,16 +208,17 @@ def over_seeds(values: list[float]) -> str:
     return f"{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]"
 
 
-def make_start(out: Path, model: str, sft: Path, seed: int) -> str:
+def make_start(out: Path, model: str, sft: Path, seed: int, run=None) -> str:
     """The seed's start (out/start): `model` taught the call form by tool-call SFT on the rows of `sft`, merged;
-    made once (an earlier run's is kept)."""
+    made once (an earlier run's is kept). `run(args) -> exit code` runs each command (default: in this process)."""
     from tunebench.interfaces import cli
 
+    run = run or cli.main
     if not (out / "start" / "config.json").is_file():
-        if cli.main(["train", "--model", model, "--data", str(sft), "--output-dir", str(out / "sft"),
+        if run(["train", "--model", model, "--data", str(sft), "--output-dir", str(out / "sft"),
                      "--epochs", "2", "--max-length", "1024", "--eval-fraction", "0", "--no-progress", "--lr", "1e-3",
                      "--lora-r", "16", "--lora-alpha", "32", "--target-modules", "all-linear", "--seed", str(seed)]) \
-                or cli.main(["merge", "--adapter", str(out / "sft"), "--output-dir", str(out / "start")]):
+                or run(["merge", "--adapter", str(out / "sft"), "--output-dir", str(out / "start")]):
             sys.exit(1)
     return str(out / "start")
 

@@ -85,8 +85,11 @@ def arm_specs(given: list[str]) -> dict[str, tuple[str, list[str]]]:
 
 def tunebench(*args: str) -> None:
     """`tunebench ARGS` in a process of its own (each arm's memory and threads its own); its failure stops here."""
-    if subprocess.run([sys.executable, "-m", "tunebench", *args]).returncode:
-        sys.exit(f"agent_rl_arms: tunebench {' '.join(args[:3])} ... failed")
+    code = subprocess.run([sys.executable, "-m", "tunebench", *args]).returncode
+    if code:
+        why = f"killed by signal {-code}" + (" (on Linux most often the kernel's out-of-memory killer: see dmesg)"
+                                             if code == -9 else "") if code < 0 else f"exit {code}"
+        sys.exit(f"agent_rl_arms: tunebench {' '.join(args[:3])} ... failed: {why}")
 
 
 def train(run: Path, start: str, files: dict[str, Path], objective: str, flags: list[str], seed: int, a) -> float:
@@ -181,7 +184,10 @@ def one_seed(seed: int, out: Path, a, specs: dict) -> list[dict]:
     from tunebench.model import models
 
     files = write(out / "data", seed, a)
-    start = agent_rl.make_start(out, a.model or models.SMOLLM2, files["sft"], seed)
+    # in processes of their own: an SFT at 1,024 tokens left this one holding ~10 GB, and the GRPO arm beside it
+    # (13.7 GB while it measured) was killed by the kernel for memory (2026-12-02, 23 GB)
+    start = agent_rl.make_start(out, a.model or models.SMOLLM2, files["sft"], seed,
+                                lambda args: subprocess.run([sys.executable, "-m", "tunebench", *args]).returncode)
     sets = ["val", *(["held", "composed"] if a.final else [])]
     table = []
     for name, (objective, flags) in specs.items():
