@@ -217,13 +217,13 @@ def test_a_stop_while_measuring_says_nothing_was_trained_and_leaves_the_director
     exit 130 as a stopped run, no checkpoint, and the run directory's lock let go."""
     from tunebench.core import runlock
 
-    real = measuring.measure
+    real = measuring.decide
 
     def measure(*args, **kwargs):
         os.kill(os.getpid(), signum)  # delivered between bytecodes, inside the measuring
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(measuring, "measure", measure)
+    monkeypatch.setattr(measuring, "decide", measure)
     before = signal.getsignal(signal.SIGTERM)  # what the process had (another test may have left torch's own)
     out = tmp_path / "run"
     with pytest.raises(TunebenchError) as stopped:

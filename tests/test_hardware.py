@@ -382,6 +382,12 @@ def test_measuring_stops_where_it_would_cost_more_than_a_tenth_of_the_training_i
     clock.now, model.tried = 0.0, []
     assert attention.pick(model, "auto", measure, _shape("budget2"), budget=Budget(100, clock=clock))[1] == "sdpa"
     assert model.tried == ["sdpa"]
+    # --time-budget 4m: the run trains 240 s at most, whatever its tokens would take (500 s here), so measuring may
+    # take a tenth of that, with the floor: 24 s, the attention half of it 12 s: eager (10 s more) is not measured
+    clock.now, model.tried = 0.0, []
+    row = attention.pick(model, "auto", measure, _shape("budget3"), budget=Budget(50_000, clock=clock, cap_s=240.0))
+    assert model.tried == ["sdpa"] and "past 50% of the 24 s, 10% of the run's --time-budget 240 s of training" \
+        in row[2]
 
     # The batch probe with no record: 1 is measured, 2 on the clock (no gain seen yet); 4 would cost ~40 s and,
     # at half the +9% that 1 -> 2 gained, save ~22 s of the run's 500 s: not measured, and said so.

@@ -225,6 +225,8 @@ def plan_check_rows(check: dict | None) -> list[list[str]]:
     rows.append(["evaluations and checkpoints (s)", "", _value(check["evaluations_and_checkpoints_s"]), ""])
     if check.get("speed_from"):
         rows.append(["speed predicted from", check["speed_from"], "", ""])
+    if check.get("cores_shared") is not None:  # others' share of the cores the steps needed (monitor.CoreShare)
+        rows.append(["cores' time others took", "", f"{100 * check['cores_shared']:.0f}%", ""])
     return rows
 
 

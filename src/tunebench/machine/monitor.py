@@ -130,3 +130,58 @@ def other_load(own_threads: int, interval_s: float = 0.5) -> tuple[float | None,
     name = f"{busiest[1]} at {busiest[0] / 100:.1f} CPUs" if busiest and busiest[0] >= 10 else None
     return max(0.0, load - own_threads), name
 
+
+
+class CoreShare:
+    """How much of the cores this run's threads needed went to someone else while it ran: other processes, or the
+    host (a VM's steal time), from the kernel's per-CPU counters of the CPUs this process may run on.
+
+    The CPU time each process got cannot say whether it waited (OpenMP threads spin while they wait and read as
+    busy), but the counters are conserved: over `wall` seconds the run's threads could have had what stayed idle
+    plus what the run itself used. needed = threads x wall; shared = 1 - (idle + own) / needed, at least 0. On 2
+    cores with one other busy process that is about half; on a 64-core host whose other 30 busy cores leave 32
+    idle, nothing. Ranks on one machine count as alike (`ranks` of this one's own time). Linux (psutil's per-CPU
+    times); None elsewhere."""
+
+    def __init__(self, threads: int, ranks: int = 1):
+        import os
+
+        import psutil
+
+        self._psutil, self.threads, self.ranks = psutil, threads, ranks
+        try:
+            self._cpus = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # macOS, Windows: no affinity
+            self._cpus = None
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        """(monotonic seconds, idle CPU seconds on our CPUs, this process tree's CPU seconds)."""
+        psutil = self._psutil
+        if self._cpus is None:
+            return None
+        try:
+            per_cpu = psutil.cpu_times(percpu=True)
+            idle = sum(t.idle + getattr(t, "iowait", 0.0) for i, t in enumerate(per_cpu) if i in self._cpus)
+            me = psutil.Process()
+            own = sum(me.cpu_times()[:4])  # user, system, and the children waited for
+            for child in me.children(recursive=True):
+                try:
+                    own += sum(child.cpu_times()[:2])
+                except psutil.Error:
+                    pass
+        except (psutil.Error, OSError):
+            return None
+        return time.monotonic(), idle, own
+
+    def shared(self) -> float | None:
+        """The share of the needed core time that went elsewhere since this was made (0..1), or None."""
+        end = self._read()
+        if self._start is None or end is None:
+            return None
+        wall = end[0] - self._start[0]
+        needed = min(self.threads * self.ranks, len(self._cpus)) * wall
+        if needed <= 0:
+            return None
+        available = (end[1] - self._start[1]) + self.ranks * (end[2] - self._start[2])
+        return round(max(0.0, 1.0 - available / needed), 3)

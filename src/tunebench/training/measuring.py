@@ -10,12 +10,12 @@ from collections.abc import Callable
 from tunebench.core.decision import Decision
 from tunebench.machine import distributed, hardware
 from tunebench.machine.distributed import World
-from tunebench.settings.schema import RunBase
+from tunebench.settings.schema import RunBase, budget_seconds
 from tunebench.training import runplan
 from tunebench.training.runner import Opened
 
 
-def measure(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_tokens: float,
+def decide(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_tokens: float,
             parallel: Decision) -> tuple[runplan.Measured, float]:
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
     checkpointing, compile) for what `units` describe on this machine, and the seconds they took. `step` is an
@@ -37,6 +37,7 @@ def measure(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run
             resumed=opened.resumed, micro_asked=u.micro or opened.ask.micro, asked_reason=u.asked_reason,
             checkpointing=h.gradient_checkpointing, compile_asked=compile_decision(hw_plan, parallel.value),
             compile_mode=h.compile_mode, quantized=u.quantized, run_tokens=run_tokens, measure_mode=h.measure,
+            time_cap_s=budget_seconds(cfg.schedule.time_budget) if cfg.schedule.time_budget else None,
             known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, u.max_length,
                                 shape.method)))
 

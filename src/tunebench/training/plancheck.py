@@ -29,6 +29,10 @@ from tunebench.training.loop import LoopState
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
+SHARED = 0.2  # a run whose cores others took more than this share of (monitor.CoreShare) teaches no record: a
+# towns-benchmark start trained beside a test suite at 22 positions/s, its record kept, and the next run of the
+# shape, alone, was planned at 22 for the ~200 it trained at (47 min predicted, 2026-12-02, a 2-core AVX2 EPYC)
+SHARED_SAID = 0.05  # the share of them the closing lines mention
 RATIOS = 5  # the probe-to-run ratios a machine keeps, and the speeds a shape keeps per micro batch: its last runs'
 SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions
 OPTIMIZER_SAMPLE = 1 << 24  # elements the optimizer step is timed on (64 MB in fp32), scaled to the trainable count
@@ -148,7 +152,7 @@ def split_steps(times: list[tuple[float, int, int]]) -> Steps:
 
 
 def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float,
-          fed: tuple[int, int, float] | None = None, sampled: bool = False) -> dict:
+          fed: tuple[int, int, float] | None = None, sampled: bool = False, cores_shared: float | None = None) -> dict:
     """summary.json's `plan_check`: each figure predicted and measured, and the training time's difference by
     cause (data: other positions than planned; steady speed; first steps). `times` are this process's steps'
     (seconds, positions, all ranks' real tokens); `wall_s` the loop's (evaluations and checkpoints in it).
@@ -156,7 +160,8 @@ def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_
     tenth or more fewer positions than the plan's (GRPO leaves out groups that teach nothing): the plan is then
     a bound, and the peak is also held to the plan at what was fed. `sampled`: the steps also sample (GRPO, RFT),
     so a step's time follows what it drew, not its positions: no first steps are told apart from the rest, and
-    the steady speed is the later half's."""
+    the steady speed is the later half's. `cores_shared`: the share of the core time the loop needed that other
+    processes or the host took (monitor.CoreShare; None off a CPU)."""
     s = Steps(sum(p for _, p, _ in times), 0, 0.0, *_speeds(times[len(times) // 2:])) if sampled else \
         split_steps(times)
     train_s = sum(t for t, _, _ in times)
@@ -170,6 +175,7 @@ def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_
         "evaluations_and_checkpoints_s": round(max(wall_s - train_s, 0.0), 2),
         "speed_from": f.speed_from if f.positions_per_s or f.step_s else None,
         "seconds_a_step": _pair(f.step_s, steady_step_s(times)),
+        "cores_shared": cores_shared,
     }
     if fed is not None:
         out["peak_memory_as_fed_mb"] = _pair(fed[2], peak_mb)
@@ -221,7 +227,17 @@ def lines(c: dict) -> list[str]:
               if c.get("seconds_a_step", {}).get("predicted") is not None else []),
             f"  peak memory        {_memory(c, fig)}",
             f"  evaluations and checkpoints {c['evaluations_and_checkpoints_s']:,.1f} s beside the steps"]
+    shared = c.get("cores_shared")
+    if shared is not None and shared > SHARED_SAID:
+        out.append(f"  cores shared       {100 * shared:.0f}% of the core time the steps needed went to other processes "
+                   "or the host: " + (f"its speed is not kept as this shape's record (over {100 * SHARED:.0f}%)"
+                                      if shared_too_much(c) else f"its speed is kept ({100 * SHARED:.0f}% or less)"))
     return out
+
+
+def shared_too_much(c: dict) -> bool:
+    """Whether others took so much of the run's cores (plan_check's `cores_shared`) that its speed teaches nothing."""
+    return (c.get("cores_shared") or 0.0) > SHARED
 
 
 def _memory(c: dict, fig: Callable) -> str:
@@ -260,15 +276,18 @@ def spread(speeds: list[float]) -> str:
     return f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else f"{speeds[0]:,.0f}"
 
 
-def learn(key: str | None, micro: int, c: dict, warm: bool) -> None:
-    """Record what this run trained at `micro` under `key`, so the next run of this shape predicts from it."""
+def learn(key: str | None, micro: int, c: dict, warm: bool, probe: float | None = None) -> None:
+    """Record what this run trained at `micro` under `key`, so the next run of this shape predicts from it, with
+    what its process's probe measured at `micro` (None where it did not run that size), the machine's speed then."""
     speed = c["steady_positions_per_s"]["measured"]
     if key is None or not speed:
         return
     hit = cached(key) or {}
     by_micro = dict(hit.get("micro", {}))
-    runs = [*runs_of(by_micro.get(str(micro), {})), speed]
-    by_micro[str(micro)] = {"positions_per_s": speed, "runs": runs[-RATIOS:],
+    before = by_micro.get(str(micro), {})
+    runs = [*runs_of(before), speed]
+    probes = [*before.get("probes", []), probe][-len(runs):]  # one a run, None where that run's process ran none
+    by_micro[str(micro)] = {"positions_per_s": speed, "runs": runs[-RATIOS:], "probes": probes[-RATIOS:],
                             "first_steps_s": c["first_steps_s"]["measured"],
                             "predicted_positions_per_s": c["steady_positions_per_s"]["predicted"],
                             "speed_from": c["speed_from"], "warm": warm}
@@ -359,6 +378,21 @@ def step_forecast(work: Work, micro: int, learned_: dict, steps: int, peak_mb: f
     return Forecast(work, None, 0.0, peak_mb, world_size, source, step_s=last["step_s"], steps=steps)
 
 
+def _drifted(speed: float, source: str, last: dict, probe_now: float | None) -> tuple[float, str]:
+    """The runs' speed scaled by how much faster or slower the machine measures now than when they trained: this
+    process's probe at the size against those runs' processes' probes (their median), where the two differ by more
+    than MISSED (a probe's own noise stays under it). A VM measured ~1.4x faster in the evening than its morning
+    runs, and every plan that predicted from those runs said 0.63-0.84x of what its run took (2026-12-02, AVX2)."""
+    then = [p for p in last.get("probes", []) if p]
+    if not probe_now or not then:
+        return speed, source
+    drift = probe_now / statistics.median(then)
+    if abs(drift - 1) <= MISSED:
+        return speed, source
+    return speed * drift, (f"{source} x {drift:.2f}: the probe measured {probe_now:,.0f} a second at this size now "
+                           f"against {statistics.median(then):,.0f} when they trained")
+
+
 def trained_key(batch_key: str) -> str:
     """The key what runs trained is kept under: the batch probe's, as a kind of its own."""
     return "trained|" + batch_key.partition("|")[2]
@@ -382,6 +416,7 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
         source = (f"what the last run at micro {micro} trained at on this machine" if len(runs) == 1 else
                   f"the median of what the last {len(runs)} runs at micro {micro} trained at on this machine "
                   f"({spread(runs)} a second)")
+        speed, source = _drifted(speed, source, last, probe_speed if warm else None)
         said, trained = last.get("predicted_positions_per_s"), last["positions_per_s"]
         if said and abs(trained / said - 1) > MISSED:
             source += (f" (it was predicted {said:,.0f} a second, {trained / said:.2f}x off: corrected)"

@@ -25,7 +25,7 @@ from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
 from tunebench.machine import distributed, trackers
 from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
-from tunebench.machine.monitor import Monitor, other_load
+from tunebench.machine.monitor import CoreShare, Monitor, other_load
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, feed, loop, measuring, optim, plancheck, runner, runplan, stopping
@@ -126,7 +126,7 @@ class Planned:
 
 
 def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
-    """The steps, the measured settings (measuring.measure), the batches for the micro batch chosen, the memory of a
+    """The steps, the measured settings (measuring.decide), the batches for the micro batch chosen, the memory of a
     step, and the plan with its table, printed on rank 0."""
     world, device, effective, s = opened.world, opened.device, opened.effective, cfg.schedule
     extra = list(r.loss.parameters()) if r.loss is not None else []  # a full fine-tune's reference copy, say
@@ -137,7 +137,7 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     u = r.units
     steps = runplan.total_steps(u.n, effective, s.epochs, s.max_steps, s.max_tokens, u.tokens_each)
     probe = probe_step(r.model, u.probe_rows, device, opened.autocast, r.loss)
-    measured, measure_s = measuring.measure(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
+    measured, measure_s = measuring.decide(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
     per_step = effective * u.tokens_each / world.size  # the tokens one rank computes in a step
     speed = measured.tokens_per_s if r.watch_speed else None  # GRPO's steps also sample: not the probe's speed
     time_limit_s = None
@@ -339,6 +339,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping.Phase.loop_started = True
     wall = time.perf_counter()
+    cores = CoreShare(torch.get_num_threads(), world.local_size) if device.type == "cpu" else None
     try:
         try:
             reset_peak_memory(device)  # the summary's peak is the loop's, not a probe's or the loading's
@@ -351,6 +352,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
             for sig, handler in old.items():
                 signal.signal(sig, handler)
         wall = time.perf_counter() - wall
+        shared = cores.shared() if cores else None
         peaks = distributed.gather(world, peak_memory_mb(device)) or [0.0]
         after = evaluate(state.step) if has_eval else {}
         if after:
@@ -359,7 +361,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         if metrics:
             metrics.close()
     outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks),
-                             t.settings.warmup_steps_excluded)
+                             t.settings.warmup_steps_excluded, shared)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
     return TrainResult(outcome, weights, ranks, times, (largest.rows, largest.width))
@@ -387,7 +389,8 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     # also to the largest micro batch fed; a supervised run's plan is at its longest rows, which it feeds in an epoch
     bound = not r.watch_speed and 0 < rows * width < 0.9 * plan_.micro * plan_.tokens
     fed = (rows, width, plan_.as_fed(rows * width)) if bound else None
-    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=not r.watch_speed)
+    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=not r.watch_speed,
+                            cores_shared=o.cores_shared)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
     summary_.report(summary, opened.out)
@@ -395,10 +398,13 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     m = planned.measured
     if m.key:
         plancheck.learn_memory(plancheck.memory_key(m.key), check, plan_.learned)
-    if not r.watch_speed:  # GRPO's steps also sample: what a step took, not a speed, teaches the next run
-        plancheck.learn_steps(plancheck.step_key(m.key) if m.key else None, m.micro_batch_size, check)
-    elif planned.forecast.positions_per_s and m.key:
-        plancheck.learn(plancheck.trained_key(m.key), m.micro_batch_size, check, m.micro_batch_size in m.timed)
-        plancheck.learn_ratio(plancheck.machine_key(m.key), check, planned.forecast.probe_positions_per_s)
+    if m.key and not plancheck.shared_too_much(check):  # a loaded machine's speed is not the shape's
+        if not r.watch_speed:  # GRPO's steps also sample: what a step took, not a speed, teaches the next run
+            plancheck.learn_steps(plancheck.step_key(m.key), m.micro_batch_size, check)
+        elif planned.forecast.positions_per_s:
+            warm = m.micro_batch_size in m.timed
+            plancheck.learn(plancheck.trained_key(m.key), m.micro_batch_size, check, warm,
+                            m.tokens_per_s if warm else None)
+            plancheck.learn_ratio(plancheck.machine_key(m.key), check, planned.forecast.probe_positions_per_s)
     r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary

@@ -253,6 +253,7 @@ class Outcome:
     peak_memory_mb: float  # of the training loop, the largest of any rank
     peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
     warmup_steps: int = 2  # the first steps left out of tokens_per_s (LoopSettings.warmup_steps_excluded)
+    cores_shared: float | None = None  # the share of the loop's needed core time others took (monitor.CoreShare)
 
 
 def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str,

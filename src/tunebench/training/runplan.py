@@ -205,7 +205,7 @@ def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str
 @dataclass(frozen=True)
 class Units:
     """What one objective trains, as the measurement and the plan count it, built by the job and passed whole (to
-    measuring.measure, which adds the machine to make a Workload). A unit is one row of the effective batch: a row, a
+    measuring.decide, which adds the machine to make a Workload). A unit is one row of the effective batch: a row, a
     preference pair, a judged completion, a GRPO prompt and its group, a block of tokens."""
 
     n: int  # training units
@@ -225,7 +225,7 @@ class Units:
 
 @dataclass(frozen=True)
 class Workload:
-    """What the measured decisions are made for, built once by measuring.measure and handed whole to `measure`: what is
+    """What the measured decisions are made for, built once by measuring.decide and handed whole to `measure`: what is
     trained and where (`shape`, the measurement cache's key), its ranks, device and precision, the kernels and
     batch asked for, its lengths and rows, what the whole run will compute, how much measuring may take, and the
     nearest machine class's record (autotune.known) to start from."""
@@ -249,6 +249,7 @@ class Workload:
     compile_mode: str
     quantized: bool
     run_tokens: float  # the tokens the whole run will compute: compile pays off over those
+    time_cap_s: float | None = None  # --time-budget: the run trains no longer, whatever its tokens
     measure_mode: str = "bounded"  # bounded: a tenth of the training time (autotune.budget); full: everything
     known: Any = None
 
@@ -261,7 +262,7 @@ def measure(model, step, w: Workload) -> Measured:
     from tunebench.training.autotune import attention, batch, compiler
     from tunebench.training.autotune.budget import Budget
 
-    budget = Budget(w.run_tokens) if w.measure_mode == "bounded" else None
+    budget = Budget(w.run_tokens, cap_s=w.time_cap_s) if w.measure_mode == "bounded" else None
     rows: list[Decision] = []
     if w.checkpointing == "on":
         rows.append(Decision("gradient_checkpointing", True, "asked for"))
@@ -286,7 +287,7 @@ def measure(model, step, w: Workload) -> Measured:
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = w.resumed[1] if w.resumed else accumulation(w.effective, micro, w.world_size)
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
-                              micro, speed, w.compile_mode, budget))
+                              micro, speed, w.compile_mode, budget, w.time_cap_s))
     return Measured(tuple(rows), micro, accum, speed, key, tuple(sorted({size for _, size in timed.seen})),
                     w.known.first_steps if w.known is not None else None)
 

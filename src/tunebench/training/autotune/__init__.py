@@ -41,7 +41,7 @@ class Shape:
 @dataclass(frozen=True)
 class Trained:
     """What is trained, as the measurement cache keys it: the first five fields of a Shape, which the job knows
-    (runplan.Units.what); measuring.measure adds the machine's and the kernels' with `shape`."""
+    (runplan.Units.what); measuring.decide adds the machine's and the kernels' with `shape`."""
 
     model: str
     method: str  # with the objective where a step differs: "lora+dpo", "lora+grpo8x256+episodes4"

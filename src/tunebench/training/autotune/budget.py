@@ -4,7 +4,8 @@ Measuring a setting costs probe steps on the run's own model, and a probe step o
 seconds: on 2 cores, choosing the attention kernel and the micro batch of a 1.07B Llama took 196 s before 96 s
 of training. Each measurement is worth at most what it can win, and a choice between two kernels or two micro
 batches wins a fraction of the run's training time, so the measurements share a budget of 10% of that time,
-predicted from the fastest speed measured so far and the tokens the run will compute, with a floor of 20 s
+predicted from the fastest speed measured so far and the tokens the run will compute (never more than its
+`--time-budget`, which ends it by then), with a floor of 20 s
 (the whole measurement of a small model takes a few seconds, and is cached for the next run). The first
 candidate of each decision is always measured: it is the speed the prediction needs. The attention kernel,
 measured first, may use half of the budget. Compile, measured last, is measured only when what measuring it
@@ -31,8 +32,11 @@ class Budget:
     """The seconds one run's measurements may still take, from the tokens it will train and the speeds seen."""
 
     def __init__(self, run_tokens: float, share: float = SHARE, floor_s: float = FLOOR_S,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, cap_s: float | None = None):
         self.run_tokens, self.share, self.floor_s, self.clock = run_tokens, share, floor_s, clock
+        # --time-budget: the run trains no longer than this. A GRPO arm of the towns benchmark (--time-budget 45m,
+        # --max-steps 400) measured for 1,089 s of its 2,700 against a tenth of 400 steps' tokens (2026-12-02)
+        self.cap_s = cap_s
         self.started = clock()
         self.fastest: float | None = None  # tokens/s, the fastest measured so far
 
@@ -41,10 +45,14 @@ class Budget:
             self.fastest = max(self.fastest or 0.0, tokens_per_s)
 
     def training_s(self) -> float | None:
-        """The run's training time at the fastest speed measured so far."""
-        return self.run_tokens / self.fastest if self.fastest else None
+        """The run's training time at the fastest speed measured so far, at most its time budget."""
+        if not self.fastest:
+            return None
+        return min(self.run_tokens / self.fastest, self.cap_s or float("inf"))
 
     def allowed_s(self) -> float:
+        """A tenth of the training (counted as at most the time budget), never under the floor: a budget of
+        seconds still measures what a small model's speed needs."""
         training = self.training_s()
         return float("inf") if training is None else max(self.floor_s, self.share * training)
 
@@ -60,5 +68,7 @@ class Budget:
 
     def why_not(self, cost_s: float, part: float = 1.0) -> str:
         limit = f"{part:.0%} of the {self.allowed_s():.0f} s" if part < 1 else f"{self.allowed_s():.0f} s"
+        capped = self.cap_s is not None and self.training_s() == self.cap_s
         return (f"not measured: ~{cost_s:.0f} s more would take measuring past {limit}, {self.share:.0%} of the "
-                f"run's predicted {self.training_s():.0f} s of training; --measure full measures it")
+                f"run's {'--time-budget' if capped else 'predicted'} {self.training_s():.0f} s of training; --measure "
+                "full measures it")

@@ -77,14 +77,16 @@ def _undo(model, e: Exception) -> str:
 
 
 def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
-         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default", budget=None) -> Decision:
+         micro_batch_size: int, eager_speed: float | None = None, mode: str = "default", budget=None,
+         cap_s: float | None = None) -> Decision:
     """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
 
     The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
     and caches them; later runs compile only if the time saved over the run beats the warm-up
     with the compiler's disk cache warm. `eager_speed`, when the batch probe already timed this
     micro batch, spares a probe for the run-length estimate. `budget` (tune.budget.Budget): measuring is
-    skipped when its expected cost would take the run's measuring past its share of the training time.
+    skipped when its expected cost would take the run's measuring past its share of the training time. `cap_s`:
+    the run's --time-budget, the longest it trains whatever its tokens.
     """
     if asked.value != "auto":
         if asked.value:
@@ -98,7 +100,7 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
     key = shape.key("compile", micro_batch_size=micro_batch_size, **({"mode": mode} if mode != "default" else {}))
     hit = cached(key)
     if hit is None:
-        run_s = run_tokens / (eager_speed or measure())
+        run_s = min(run_tokens / (eager_speed or measure()), cap_s or float("inf"))
         if run_s < COMPILE_MEASURE_MIN_S:
             return Decision("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
@@ -126,7 +128,7 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
         uncompile_blocks(model)
         return Decision("compile", False, measured + ": no gain")
     eager, compiled, warm = hit["eager"], hit["compiled"], hit["warmup_s"]
-    run_s = run_tokens / eager
+    run_s = min(run_tokens / eager, cap_s or float("inf"))
     saved = run_s * (1 - eager / compiled)
     measured = f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager"
     if compiled <= 1.03 * eager:
