@@ -338,8 +338,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     stopping.raise_if_signalled()  # the last look before the loop takes the signals over
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping.Phase.loop_started = True
-    wall = time.perf_counter()
-    cores = CoreShare(torch.get_num_threads(), world.local_size) if device.type == "cpu" else None
+    wall, cores = time.perf_counter(), CoreShare(torch.get_num_threads(), world.local_size) if device.type == "cpu" else None
     try:
         try:
             reset_peak_memory(device)  # the summary's peak is the loop's, not a probe's or the loading's
@@ -351,8 +350,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-        wall = time.perf_counter() - wall
-        shared = cores.shared() if cores else None
+        wall, shared = time.perf_counter() - wall, cores.shared() if cores else None  # others' share of the cores
         peaks = distributed.gather(world, peak_memory_mb(device)) or [0.0]
         after = evaluate(state.step) if has_eval else {}
         if after:
