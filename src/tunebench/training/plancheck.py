@@ -30,8 +30,8 @@ from tunebench.training.loop import LoopState
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
 MISSED = 0.15  # a prediction off by more than this is said to have missed
 SHARED = 0.2  # a run whose cores others took more than this share of (monitor.CoreShare) teaches no record: a
-# towns-benchmark start trained beside a test suite at 22 positions/s, its record kept, and the next run of the
-# shape, alone, was planned at 22 for the ~200 it trained at (47 min predicted, 2026-12-02, a 2-core AVX2 EPYC)
+# towns-benchmark start trained beside the mutation table at 22 positions/s, its record kept, and the next run of
+# the shape, alone, was planned at 22 for the ~180 it trained at (47 min for 5.5; 2026-12-02, a 2-core AVX2 EPYC)
 SHARED_SAID = 0.05  # the share of them the closing lines mention
 RATIOS = 5  # the probe-to-run ratios a machine keeps, and the speeds a shape keeps per micro batch: its last runs'
 SAMPLE_MICRO_BATCHES = 512  # the plan collates at most this many of the run's micro batches to count its positions

@@ -218,8 +218,8 @@ def adapter_inputs(model, value_bytes: int, layers: int) -> float:
     """Bytes a token keeps in a layer (the mean over layers) for the LoRA modules the coefficients above leave out:
     every one but q_proj and v_proj. Each keeps its dropped-out input for its A's gradient and the dropout's mask,
     both in the compute dtype (as autograd's saved-tensor hooks count them), or with no dropout nothing beyond the
-    shared input, and the r-wide input of its B. LoRA on every linear layer of SmolLM2-135M in fp32 at micro 4 x 551 tokens peaked at
-    10.9 GB against a plan of 5.0 that counted q and v's alone (2026-12-02, a 2-core AVX2 EPYC)."""
+    shared input, and the r-wide input of its B. LoRA on every linear layer of SmolLM2-135M in fp32 at micro 4 x 551
+    tokens (our attention kernel) peaked at 10.9 GB against a plan of 5.0 that counted neither (2026-12-02, AVX2)."""
     kept = 0.0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("q_proj", "v_proj") or not hasattr(module, "lora_A"):
