@@ -28,6 +28,11 @@ ATTENTION_PART = 0.5
 T = TypeVar("T")
 
 
+def run_seconds(run_tokens: float, tokens_per_s: float, cap_s: float | None) -> float:
+    """The run's training time at `tokens_per_s`, at most its --time-budget (`cap_s`), which ends it by then."""
+    return min(run_tokens / tokens_per_s, cap_s or float("inf"))
+
+
 class Budget:
     """The seconds one run's measurements may still take, from the tokens it will train and the speeds seen."""
 
@@ -48,7 +53,7 @@ class Budget:
         """The run's training time at the fastest speed measured so far, at most its time budget."""
         if not self.fastest:
             return None
-        return min(self.run_tokens / self.fastest, self.cap_s or float("inf"))
+        return run_seconds(self.run_tokens, self.fastest, self.cap_s)
 
     def allowed_s(self) -> float:
         """A tenth of the training (counted as at most the time budget), never under the floor: a budget of

@@ -12,6 +12,7 @@ import torch
 from tunebench.core.decision import Decision
 from tunebench.core.paths import cache_dir
 from tunebench.training.autotune import Shape, cached, store
+from tunebench.training.autotune.budget import run_seconds
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
 # What measuring compile costs (a first compile, a second from the compiler's disk cache, the alternating probes)
@@ -100,7 +101,7 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
     key = shape.key("compile", micro_batch_size=micro_batch_size, **({"mode": mode} if mode != "default" else {}))
     hit = cached(key)
     if hit is None:
-        run_s = min(run_tokens / (eager_speed or measure()), cap_s or float("inf"))
+        run_s = run_seconds(run_tokens, eager_speed or measure(), cap_s)
         if run_s < COMPILE_MEASURE_MIN_S:
             return Decision("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
@@ -128,7 +129,7 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
         uncompile_blocks(model)
         return Decision("compile", False, measured + ": no gain")
     eager, compiled, warm = hit["eager"], hit["compiled"], hit["warmup_s"]
-    run_s = min(run_tokens / eager, cap_s or float("inf"))
+    run_s = run_seconds(run_tokens, eager, cap_s)
     saved = run_s * (1 - eager / compiled)
     measured = f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager"
     if compiled <= 1.03 * eager:
