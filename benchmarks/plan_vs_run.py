@@ -1,13 +1,13 @@
 """What tunebench predicts against what happens: each case's plan (time to train, steady tokens/s, first steps'
 extra, peak memory) beside what its run measured, from the run's own `plan_check` (summary.json).
 
-Each case is `tunebench train` in a process of its own, from an empty measurement cache (a first run of its
-shape, as a new user meets it), then, with --twice, again with the cache the first left (the second run of a
-shape predicts from what the first trained at). The cases are the shapes the README's compare never runs:
-another dataset at a longer max length, a full fine-tune, a preference objective, and 0.42B / 1.07B Llama shapes
-(benchmarks/scale.py's, random weights); `--cases` picks some. GRPO's steps sample as well as train, which no
-probe times: its first run's plan has no time estimate ("not yet"), the second predicts from what the first took
-a step (run the `grpo` case with --twice).
+Each case is `tunebench train` in a process of its own, from an empty measurement cache (a first run of its shape,
+as a new user meets it), then, with --twice, again with the cache the first left (the second run of a shape predicts
+from what the first trained at). The cases are the shapes the README's compare never runs: another dataset at a
+longer max length, a full fine-tune, compiled layers, a preference objective, and 0.42B / 1.07B Llama shapes
+(benchmarks/scale.py's, random weights); `--cases` picks some. GRPO's steps sample as well as train, which no probe
+times: its first run's plan has no time estimate ("not yet"), the second predicts from what the first took a step
+(run the `grpo` case with --twice).
 
     python benchmarks/plan_vs_run.py                          # every case, one first run each
     python benchmarks/plan_vs_run.py --cases bitext,dpo --twice
@@ -71,6 +71,8 @@ def cases(out: Path) -> dict[str, Callable[[], list[str]]]:
         "bitext": lambda: ["--data", data, "--max-samples", "160", "--max-steps", "8"],
         "alpaca-256": lambda: ["--data", str(ALPACA), "--max-length", "256", "--max-samples", "160", "--max-steps", "6"],
         "full": lambda: ["--data", data, "--method", "full", "--max-samples", "160", "--max-steps", "6"],
+        "compiled": lambda: ["--data", data, "--compile", "on", "--max-length", "256", "--max-samples", "160",
+                             "--max-steps", "8"],
         "dpo": lambda: ["--data", str(pairs_file(out)), "--objective", "dpo", "--max-length", "256", "--max-steps", "4"],
         "grpo": lambda: ["--data", str(GSM8K), "--method", "grpo", "--reward", "gsm8k", "--num-generations", "4",
                          "--max-completion-length", "64", "--effective-batch-size", "4", "--max-samples", "64",

@@ -167,6 +167,33 @@ def test_a_real_runs_measured_peak_is_what_its_plan_predicted(tmp_path):
     assert planned > 300 and 0.45 <= measured / planned <= 0.95, got
 
 
+def test_a_compiled_run_is_planned_at_what_its_compiled_layers_hold(tmp_path, dataset, monkeypatch):
+    """Inductor's compiled layers hold ~0.6x of eager's activations on a CPU (memory.COMPILED): a towns GRPO run,
+    compiled, peaked at 3,868 MB where its plan at the largest micro batch fed said 6,176 (0.63x); the same run eager
+    peaked at 5,844 (0.95x). A run with --compile on is planned at the factor and its row says so; the same run eager
+    is planned at eager's; a GPU's plan keeps eager's (not measured there). The compiler is a no-op here: what is
+    checked is that the run's plan follows its compile decision, not inductor's own saving."""
+    from tunebench.training.autotune import compiler
+
+    monkeypatch.setattr(compiler, "compile_blocks", lambda model, mode="default": 0)
+    plans = {}
+    for asked in ("off", "on"):
+        out = tmp_path / asked
+        assert cli.main(["train", "--model", "tiny", "--data", str(dataset), "--output-dir", str(out), "--max-steps",
+                         "1", "--compile", asked, "--precision", "fp32", "--batch-size", "2", "--no-progress"]) == 0
+        rows = {d["setting"]: d for d in json.loads((out / "plan.json").read_text())["decisions"]}
+        plans[asked] = rows["compile"]["value"], rows["memory_plan"]["reason"]
+    assert plans["off"][0] is False and plans["on"][0] is True
+    assert ", compiled: x 0.6 of eager's)" in plans["on"][1] and "compiled" not in plans["off"][1]
+    shape = memory.on_meta(__import__("transformers").LlamaConfig(vocab_size=1000, hidden_size=256,
+                                                                   intermediate_size=768, num_hidden_layers=2))
+    eager, compiled = (memory.predict(shape, "lora", 4, 0, 4, 128, False, compiled=c) for c in (False, True))
+    assert compiled.activations == pytest.approx(memory.COMPILED["cpu"] * eager.activations)
+    assert compiled.total - compiled.activations == pytest.approx(eager.total - eager.activations)
+    gpu = [memory.predict(shape, "lora", 2, 0, 4, 128, False, device_type="cuda", compiled=c) for c in (False, True)]
+    assert gpu[0].total == gpu[1].total
+
+
 @pytest.mark.parametrize("method,measured_mb", [("lora", 21799.4), ("full", 56528.4)])
 def test_a_gpu_plan_is_an_upper_bound_within_10_percent_of_the_h100s_measured_peak(method, measured_mb):
     """The GPU class's golden row: SmolLM2-1.7B's shape, 2,048 tokens, micro batch 4, bf16, sdpa, on an H100

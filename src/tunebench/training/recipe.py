@@ -157,7 +157,7 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     rows_each = int(u.probe_rows(1)["input_ids"].shape[0])
     memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type,
-                                 rows_each)
+                                 rows_each, measured.compiled)
     work = plancheck.Work(0.0, 0.0)
     if made.begin_step is None:  # not GRPO's, which are sampled during the step
         work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
