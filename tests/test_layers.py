@@ -101,6 +101,77 @@ def test_the_package_has_no_import_circle():
         " <-> ".join(g) for g in found)
 
 
+# What a function may import for itself: the libraries whose import costs seconds or may be absent (torch and what
+# builds on it, the web, tracking, quantization and evaluation stacks), and the package's modules that import one at
+# their top, where the importing module does not already; then a command pays for them only when it uses them. Every
+# other import sits at its file's top, where a reader sees what the file depends on. Two files are lazy by design:
+# the package's root (its API loads when named) and the command line's dispatch (each job's module loads when the
+# job is chosen, so `tunebench --help` and a refused flag never load the others).
+HEAVY = ("torch", "transformers", "peft", "datasets", "accelerate", "bitsandbytes", "optuna", "matplotlib", "mlflow",
+         "gradio", "llama_cpp", "lm_eval", "gguf", "sacrebleu", "rouge_score", "pyarrow", "sqlalchemy", "safetensors",
+         "tokenizers", "trl", "liger_kernel", "fastapi", "uvicorn", "starlette", "psycopg", "tensorboard", "wandb",
+         "aim", "pynvml", "nvidia_smi", "pandas", "numpy", "openai", "playwright", "huggingface_hub")
+LAZY_BY_DESIGN = ("tunebench", "tunebench.interfaces.cli")
+
+
+def _top_imports() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, list[tuple[str, int, bool]]]]:
+    """Per module: the package's modules and the HEAVY libraries it imports at its top, and each import inside one
+    of its functions (the module or library, the line, whether it is the package's)."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    top: dict[str, set[str]] = {n: set() for n in files}
+    libraries: dict[str, set[str]] = {n: set() for n in files}
+    inner: dict[str, list[tuple[str, int, bool]]] = {n: [] for n in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        hidden = _type_checking_nodes(tree)
+        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       for n in ast.walk(f)}
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in hidden or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for target in targets:
+                ours = target.split(".")[0] == "tunebench"
+                while ours and target not in files:
+                    target = target.rpartition(".")[0]
+                if id(node) in in_function:
+                    inner[name].append((target, node.lineno, ours))
+                elif ours:
+                    top[name].add(target)
+                elif target.split(".")[0] in HEAVY:
+                    libraries[name].add(target.split(".")[0])
+    return top, libraries, inner
+
+
+def test_imports_sit_at_a_files_top_unless_they_load_a_heavy_library():
+    top, libraries, inner = _top_imports()
+    loads: dict[str, set[str]] = {}
+
+    def heavy(module: str, seen: frozenset = frozenset()) -> set[str]:
+        if module not in loads:
+            found = set(libraries[module])
+            for other in top[module] - seen - {module}:
+                found |= heavy(other, seen | {module})
+            if not seen:
+                loads[module] = found
+            return found
+        return loads[module]
+
+    wrong = [f"{module}:{line} imports {target} inside a function" for module, found in inner.items()
+             if module not in LAZY_BY_DESIGN for target, line, ours in found
+             if not ((heavy(target) - heavy(module)) if ours else target.split(".")[0] in HEAVY
+                     or target.split(".")[0] not in sys.stdlib_module_names)]
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.parametrize("module", ["tunebench.jobs.report", "tunebench.interfaces.cli_parser", "tunebench.model.quality"])
 def test_modules_that_need_no_torch_load_without_it(module):
     """The report renders a CSV written anywhere; the parser refuses bad options before torch loads; the task

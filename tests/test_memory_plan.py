@@ -187,11 +187,12 @@ def test_a_compiled_run_is_planned_at_what_its_compiled_layers_hold(tmp_path, da
     assert ", compiled: x 0.6 of eager's)" in plans["on"][1] and "compiled" not in plans["off"][1]
     shape = memory.on_meta(__import__("transformers").LlamaConfig(vocab_size=1000, hidden_size=256,
                                                                    intermediate_size=768, num_hidden_layers=2))
-    eager, compiled = (memory.predict(shape, "lora", 4, 0, 4, 128, False, compiled=c) for c in (False, True))
+    eager = memory.predict(shape, "lora", 4, 0, 4, 128, False)
+    compiled = memory.when_compiled(eager, "cpu")
     assert compiled.activations == pytest.approx(memory.COMPILED["cpu"] * eager.activations)
     assert compiled.total - compiled.activations == pytest.approx(eager.total - eager.activations)
-    gpu = [memory.predict(shape, "lora", 2, 0, 4, 128, False, device_type="cuda", compiled=c) for c in (False, True)]
-    assert gpu[0].total == gpu[1].total
+    gpu = memory.predict(shape, "lora", 2, 0, 4, 128, False, device_type="cuda")
+    assert memory.when_compiled(gpu, "cuda").total == gpu.total
 
 
 @pytest.mark.parametrize("method,measured_mb", [("lora", 21799.4), ("full", 56528.4)])

@@ -12,12 +12,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from tunebench.core.errors import TunebenchError
+
 
 def open_no_follow(path: str | Path, mode: str = "w", encoding: str | None = "utf-8", newline: str | None = None):
     """open(path, mode) for "w", "wb", "a" or "ab", refusing a symbolic link where the file goes: a run
     directory is shared (the studio's runs, a team's disk), and a link planted there must not turn a write of
     ours into a write of some other file of the user's. Raises TunebenchError naming the link."""
-    from tunebench.core.errors import TunebenchError
 
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     try:
@@ -145,7 +146,6 @@ def repair_tail(path: str | Path) -> bool:
     starts a row of its own instead of gluing onto half a row. True when something was cut."""
     p = Path(path)
     if p.is_symlink():  # a planted link: cutting "its" tail would cut the file it points at
-        from tunebench.core.errors import TunebenchError
 
         raise TunebenchError(f"'{path}' is a symbolic link; tunebench writes there only to a plain file: remove the "
                              "link")

@@ -19,7 +19,9 @@ by a socket pair that multiprocessing's Connection frames and pickles.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,8 +31,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from tunebench.core import startup
 from tunebench.core.childenv import SAFE_PATH
 from tunebench.core.errors import TunebenchError
+from tunebench.core.userfile import UserFile
 
 START_S = 120.0  # the child's start: the interpreter, then the user's file and its imports (torch's alone: ~7 s)
 MAX_ANSWER = 64 * 1024  # characters of a tool's answer the model is given; the rest is cut in the child
@@ -147,11 +151,7 @@ class Remote:
 
 def serve(fd: str, path: str, module_name: str, parent: str) -> None:
     """The child: run the file's bytes as a module, then answer the parent's requests until it closes the pipe."""
-    import json
-    import random
 
-    from tunebench.core import startup
-    from tunebench.core.userfile import UserFile
 
     # Ctrl-C is the parent's to act on (it stops us): a Python no-op, not SIG_IGN, which every program a tool
     # starts would inherit

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
-from tunebench.data import batching, formats, readers
+from tunebench.data import batching, formats, readers, votes
 from tunebench.data.tokenize import Tokenized, segments
 from tunebench.settings.finetune import DataConfig
 
@@ -66,7 +67,6 @@ def is_store(path: str) -> bool:
 
 def from_store(path: str) -> PairExamples:
     """A vote for A makes (A's answer chosen, B's rejected), a vote for B the other way round."""
-    from tunebench.data import votes
 
     out = PairExamples([], [], [], path)
     for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
@@ -236,7 +236,6 @@ def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Te
 
 def export(pairs: PairExamples, path: str | Path) -> int:
     """Write the pairs as JSON lines (prompt, chosen, rejected) for other tools; returns how many."""
-    from tunebench.core.durable import atomic_file
 
     records = pairs.records()
     with atomic_file(path) as tmp:

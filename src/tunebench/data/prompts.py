@@ -12,6 +12,7 @@ import numpy as np
 
 from tunebench.core.errors import TunebenchError
 from tunebench.data import formats, pairs, readers
+from tunebench.data.tokenize import render_prompt
 from tunebench.settings.finetune import DataConfig
 
 PROMPT_COLUMNS = ("prompt", "question")  # TRL's prompt-only format; GSM8K's
@@ -88,7 +89,6 @@ class PromptData:
 def tokenize(rows: PromptRows, tokenizer, cfg: DataConfig, max_completion_length: int) -> PromptData:
     """Each prompt rendered as generation sees it; one whose tokens and a full completion would pass
     max_length is dropped (counted), since its completions would be cut."""
-    from tunebench.data.tokenize import render_prompt
 
     ids, kept, dropped = [], [], 0
     for k, messages in enumerate(rows.prompts):

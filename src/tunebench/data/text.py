@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,7 +144,6 @@ def pieces(spec: str, column: str = "text", dataset_config: str | None = None,
 
 def _cached_dataset(name: str, config: str | None):
     """A dataset that is already in the local Hugging Face cache; tunebench never downloads one."""
-    import os
 
     import datasets
 

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.data.formats import carries_tools, tools_of
 
 NAME = "hermes-tools"  # how a run's settings name this template
 # Written for this project in the Hermes form (Qwen2.5's template is the reference): every piece an expression
@@ -127,7 +128,6 @@ def choose(rows: list, tokenizer) -> str | None:
     """Where rows carry tools or reasoning and the tokenizer's own chat template does not render the first such
     row whole, the tokenizer is given TEMPLATE (and keeps it: the run saves it, exports carry it). Returns why, to
     be said and recorded; None where nothing changed."""
-    from tunebench.data.formats import carries_tools, tools_of
 
     first = next((r for r in rows if carries_tools(r)), None)
     if first is None:
@@ -173,7 +173,6 @@ def parse(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 def check_prompt_format(rows: list, template: str) -> None:
     """A prompt format (--template '### Q: {instruction}...') has no place for tools: refused for such rows."""
-    from tunebench.data.formats import carries_tools
 
     if template not in ("auto", "chat") and any(carries_tools(r) for r in rows):
         raise TunebenchError("the data carries tool calls or reasoning, which a prompt format (--template) cannot "
@@ -189,7 +188,6 @@ def check_schemas(rows: list) -> None:
     from referencing.exceptions import Unresolvable
     from referencing.jsonschema import specification_with
 
-    from tunebench.data.formats import tools_of
 
     seen: set[str] = set()
     for row in rows:

@@ -10,9 +10,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from tunebench.data import tokenizer_training as tokenizer
+from tunebench.settings import pretrain as pretrain_config
+from tunebench.settings.finetune import load_config
 from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, PretrainRun, TrainingConfig
 
 
@@ -27,7 +31,6 @@ def pretrain(model: ModelConfig | None = None, training: TrainingConfig | None =
 def load_pretrain_config(path: str | Path, **overrides: Any) -> PretrainRun:
     """A pretraining YAML (or a shipped config's name) with dotted overrides: `training__max_steps=10`
     or {"training.max_steps": 10} style keys."""
-    from tunebench.settings import pretrain as pretrain_config
     return pretrain_config.load(path, {k.replace("__", "."): v for k, v in overrides.items()})
 
 
@@ -36,7 +39,6 @@ def finetune(config: str | Path | None = None, **options: Any) -> dict[str, Any]
     are dotted config keys with `__` for the dot (`train__max_steps=10`, `adapter__method="full"`,
     `train__objective="dpo"`, `model__name="tiny"`)."""
     from tunebench.jobs import finetune, grpo
-    from tunebench.settings.finetune import load_config
 
     cfg = load_config(config, {k.replace("__", "."): v for k, v in options.items()})
     return (grpo if cfg.objective.samples else finetune).run(cfg)
@@ -46,7 +48,6 @@ def train_tokenizer(files: list[str], vocab_size: int, type: str = "bpe", output
                     text_column: str = "text", overwrite: bool = False) -> dict[str, Any]:
     """Train and save a tokenizer (`tunebench tokenizer train`); returns the vocabulary reached and bytes/token.
     An output directory that holds files is refused unless `overwrite`."""
-    from tunebench.data import tokenizer_training as tokenizer
 
     return tokenizer.train(list(files), vocab_size, type, output_dir, text_column, overwrite=overwrite)
 
@@ -63,7 +64,6 @@ def generate(model: str, prompt: str, max_new_tokens: int = 64, temperature: flo
 
 
 def _has_chat_template(model: str) -> bool:
-    import json
 
     cfg = Path(model) / "tokenizer_config.json"
     return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template")) or \

@@ -12,8 +12,10 @@ from typing import Any
 from tunebench.core import VERSION
 from tunebench.core.errors import TunebenchError
 from tunebench.interfaces import cli_jobs
-from tunebench.settings.finetune import METHODS, OBJECTIVES
+from tunebench.settings import schema  # torch-free: the sections and their documentation
+from tunebench.settings.finetune import METHODS, OBJECTIVES, SECTIONS, load_config, parse_source
 from tunebench.settings.objectives import default_text
+from tunebench.settings.rundir import RunDir
 
 # (flags, config key): the help is the field's documentation in settings/finetune.py, with its default.
 # The reference study's underscore spellings are aliases.
@@ -107,7 +109,6 @@ def _training_job(sub, name: str, help_text: str, description: str, own: list) -
 
 
 def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], str, str]]) -> None:
-    from tunebench.settings import schema  # torch-free: the sections and their documentation
 
     for option in own:
         flags, key = option[0], option[1]
@@ -127,9 +128,6 @@ def _add_options(p: argparse.ArgumentParser, own: list[tuple[tuple[str, ...], st
 def train_help(key: str) -> str:
     """A fine-tuning option's help: its field's documentation (settings/finetune.py), the method list where the
     key is the method, and the field's default where it has one and the words do not give it."""
-    from tunebench.settings import schema
-    from tunebench.settings.finetune import SECTIONS
-
     section, name = key.split(".")
     words = schema.help_for(key, SECTIONS)
     if key == "adapter.method":
@@ -199,11 +197,9 @@ def _add_pretrain(sub) -> None:
 def train_config(args: argparse.Namespace, world_size: int | None = None):
     """`tunebench train`'s parsed arguments as its run configuration (every value checked there, at `world_size`
     ranks: by default the launched run's)."""
-    from tunebench.settings.finetune import load_config
 
     options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
     if isinstance(options.get("data.path"), list):
-        from tunebench.settings.finetune import parse_source
 
         given = options.pop("data.path")
         if len(given) == 1 and parse_source(given[0])[1] is None:
@@ -227,7 +223,6 @@ def train_config(args: argparse.Namespace, world_size: int | None = None):
 def check_resumed_where_saved(config: Path, out: Path) -> None:
     """`train RUN/config.yaml --resume` continues RUN: a config saved in a run's directory whose output_dir names
     another place (the run was renamed or moved since) is refused, rather than resumed into that other place."""
-    from tunebench.settings.rundir import RunDir
 
     home = RunDir(config.resolve().parent)
     if home.config_file != config.resolve() or not (home.checkpoints.is_dir() or home.metrics_file.is_file()):

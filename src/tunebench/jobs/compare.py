@@ -26,8 +26,10 @@ from typing import Any
 
 from tunebench.core.durable import atomic_file, open_no_follow, repair_tail
 from tunebench.core.errors import TunebenchError
-from tunebench.jobs import children, sizing
+from tunebench.jobs import children, report, run_report, sizing
 from tunebench.model import quality
+from tunebench.settings import finetune as finetune_config
+from tunebench.settings import pretrain as pretrain_config
 from tunebench.settings.finetune import load_config, read_yaml, shipped_yaml
 from tunebench.settings.rundir import RunDir
 
@@ -296,7 +298,6 @@ def main(matrix: str, output: str, runs_dir: str | None, repeats: int, extra: di
          devices: list[str] | None, retry_failed: bool, nproc: str | None, report_dir: str | None) -> None:
     """`tunebench compare`: the matrix run (its results beside `output`, runs under runs_dir, default the
     output's folder/runs), then the report (default the output's folder/report)."""
-    from tunebench.jobs import report
 
     if repeats < 1:
         raise TunebenchError(f"--repeats must be 1 or more, got {repeats}")
@@ -381,11 +382,7 @@ RUN_KEYS = {"device": "hardware.device", "output_dir": "output.output_dir", "pro
 
 def canonical(job: str, settings: dict[str, Any]) -> dict[str, Any]:
     """`settings` with each key in its one spelling, so a later mapping merged over it wins (schema.Schema)."""
-    if job == "train":
-        from tunebench.settings.finetune import SCHEMA
-    else:
-        from tunebench.settings.pretrain import SCHEMA
-    return SCHEMA.canonical(settings)
+    return (finetune_config.SCHEMA if job == "train" else pretrain_config.SCHEMA).canonical(settings)
 
 
 def tracked(job: str, config: str | None, settings: dict[str, Any], name: str) -> dict[str, Any]:
@@ -404,7 +401,6 @@ def load_job_config(job: str, config: str | None, settings: dict[str, Any], npro
     checked at the number of processes it will run in."""
     if job == "train":
         return load_config(config, settings, world_size=nproc)
-    from tunebench.settings import pretrain as pretrain_config
     return pretrain_config.load(config, settings, world_size=nproc)
 
 
@@ -444,7 +440,7 @@ def finish(proc: subprocess.Popen, run_dir: Path, device: str) -> dict[str, Any]
 def keep_record(run_dir: Path) -> None:
     """Beside each run: the study's system_info.txt, and the run's own report (its loss, throughput, CPU
     and memory over time), which compare's report links to. A run that logged nothing gets neither."""
-    from tunebench.jobs import hw, run_report
+    from tunebench.jobs import hw
 
     if not run_report.is_run(run_dir):
         return

@@ -5,16 +5,22 @@ same rows. Runs on the device and in the precision a training run would pick (or
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import write_json
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
+from tunebench.jobs.generate import trained_template
 from tunebench.machine import hardware
-from tunebench.model import inference, models, quality
+from tunebench.model import inference, llama_cpp_tools, models, quality
+from tunebench.model.inference import trained_on
 from tunebench.settings.finetune import DataConfig
 from tunebench.settings.rundir import RunDir
 from tunebench.training import runner
@@ -48,8 +54,6 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
     `lm_eval_ask`, lm-evaluation-harness's tasks instead (its local tasks read its `data`). Each of `ggufs`
     (a run's export) answers the same rows in llama.cpp, a row of the same table."""
-    from tunebench.core.jsonfile import write_json
-    from tunebench.model.inference import trained_on
 
     if base and adapters == [None]:
         raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
@@ -101,7 +105,6 @@ def run(model: str | None, adapter: str | None, data: DataConfig, batch_size: in
     result = evaluate(CausalLMLoss(placed.model, placed.autocast_dtype), batches, placed.device)
     out = {"model": placed.source, "rows": len(idx), "device": plan.device, "precision": plan.precision, **result}
     if generate:
-        from tunebench.jobs.generate import trained_template
 
         rows, where = held_out(examples, tokenized, data, split_of or adapter or model)
         template = template or trained_template(adapter, split_of, model)
@@ -115,7 +118,6 @@ def check_ggufs(ggufs, generate: int, run_dir: str | None) -> None:
     """--gguf is refused before anything loads without answers to score, a run to prompt it as, or the file."""
     if not ggufs:
         return
-    from tunebench.model import llama_cpp_tools
 
     if not generate:
         raise TunebenchError("--gguf scores the file's answers: give --generate N (the held-out rows to answer)")
@@ -146,7 +148,6 @@ class HeldOut:
 
     @classmethod
     def of(cls, run_dir: str, data: DataConfig) -> HeldOut:
-        from tunebench.jobs.generate import trained_template
 
         tok = models.load_tokenizer(run_dir)
         examples = formats.load_examples(data)
@@ -209,8 +210,6 @@ def lm_eval(model: str | None, adapter: str | None, ask: LmEvalAsk, batch_size: 
     """EleutherAI's lm-evaluation-harness on the merged model: its tasks, prompts, filters and metrics.
     tunebench's local tasks (gsm8k_local) read `data` instead of downloading a dataset; `include` adds a
     directory of your own task YAMLs."""
-    import importlib.util
-    import tempfile
 
     tasks, data, limit, include = ask.tasks, ask.data, ask.limit, ask.include
     if importlib.util.find_spec("lm_eval") is None:
@@ -250,8 +249,6 @@ def lm_eval(model: str | None, adapter: str | None, ask: LmEvalAsk, batch_size: 
     scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.startswith("alias")}
               for task, metrics in result["results"].items()}
     if output is not None:  # the scores, and every sample's target and answer, for a person to read
-        from tunebench.core.durable import atomic_file
-        from tunebench.core.jsonfile import write_json
 
         write_json(output / "lm_eval.json", {"model": placed.source, "results": scores})
         with atomic_file(output / "lm_eval_samples.jsonl") as tmp:

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import signal
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import torch
 from tunebench.core.durable import atomic_dir, atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
+from tunebench.data.tokenize import DEFAULT_PROMPT
 from tunebench.jobs import quant_auto
+from tunebench.jobs.generate import trained_template
 from tunebench.model import gguf_export, inference, llama_cpp_tools, models
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import EXPORT_FORMATS
@@ -148,7 +151,6 @@ def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, 
     is made from it by the quantizer, so the model is saved and converted once (each conversion of Gemma 3 270M
     took ~13 s; the quantizer's f16 and q8_0 from f32 round as the converter's do); `memo`: what one export has
     learned of the model (its f16 check, for the cause of a refusal)."""
-    import tempfile
 
     direct = gguf_export.QUANTS if writer == "tunebench" else llama_cpp_tools.OUTTYPES
     if quant in direct and writer == "tunebench":
@@ -200,7 +202,6 @@ def _cause(model, tokenizer, template: str | None, quant: str, name: str, writer
            beside: Path, memo: dict) -> str:
     """Why a quantized type fell short, from f16 written from the same weights and read back the same way: f16
     reproducing the model puts the loss on the type's rounding of this model, not on the file's layout."""
-    import tempfile
 
     if "f16" not in memo:
         with tempfile.TemporaryDirectory(dir=beside.parent, prefix=".export-f16-") as tmp:
@@ -370,7 +371,6 @@ def trained_on_text(run_dir: Path) -> bool:
 
 
 def _trained_template(run_dir: Path) -> str:
-    from tunebench.jobs.generate import trained_template
 
     return trained_template(str(run_dir))
 
@@ -379,8 +379,6 @@ def chat_template(tokenizer, template: str) -> str:
     """The Jinja chat template that makes a runtime prompt the model as `tunebench generate` does
     (tokenize.render_prompt): the tokenizer's own when the run used it, else the run's --template (or the
     default instruction format) turned into one."""
-    from tunebench.data.tokenize import DEFAULT_PROMPT
-
     if template in ("auto", "chat") and getattr(tokenizer, "chat_template", None):
         return tokenizer.chat_template
     return gguf_export.instruction_template(DEFAULT_PROMPT if template in ("auto", "chat") else template)

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
+import platform
 from pathlib import Path
 
 from tunebench.core.batch_rule import micro_candidates
 from tunebench.core.decision import Decision
+from tunebench.core.durable import atomic_file
+from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import read_json
 from tunebench.core.precision import DTYPES
 from tunebench.machine import hardware
+from tunebench.model import models
 from tunebench.model.models import cache_dir
 from tunebench.settings.finetune import load_config
-from tunebench.training import runplan, summary
+from tunebench.training import autotune, runplan, summary
+from tunebench.training.autotune import known, memory
 
 
 def profile_for(hw) -> tuple[str, str]:
@@ -27,8 +34,6 @@ def profile_for(hw) -> tuple[str, str]:
 
 def system_info(hw, record: dict) -> str:
     """The study's system_info.txt: date, CPU, GPU, CUDA and package versions, one fact a line."""
-    import datetime
-    import platform
 
     lines = [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
              f"host: {platform.node()}", f"os: {hw.os}", f"python: {platform.python_version()}",
@@ -74,7 +79,6 @@ STUDY = (134_515_008, 128, "lora")
 def starts_from(hw: hardware.Hardware, plan: hardware.Plan, sizes: list[int], effective: int) -> list[Decision]:
     """The attention and micro batch rows of the study's shape on `hw`: what `auto` measures first and predicts
     from, by the nearest machine class's record of the run's precision (autotune.known), or plain measuring."""
-    from tunebench.training.autotune import known
 
     candidates = ", ".join(map(str, sizes))
     k = known.nearest(known.shipped(), known.unit(hw.cpu_flags), plan.precision, plan.threads, *STUDY) \
@@ -114,9 +118,6 @@ def memory_row(hw: hardware.Hardware, plan: hardware.Plan, model: str, method: s
                runtime_mb: float) -> Decision:
     """What training `model` with `method` would take on `hw` at its smallest (micro batch 1, checkpointing on),
     from the model's config alone: the memory plan, or the refusal a run would meet before loading."""
-    from tunebench.core.errors import TunebenchError
-    from tunebench.model import models
-    from tunebench.training.autotune import memory
 
     config = models.config_of(model)
     if config is None:
@@ -155,7 +156,6 @@ RECORDED_RUNTIME_MB = 500.0  # Python, torch, transformers, a tokenizer and data
 
 def load_record(path: str) -> hardware.Hardware:
     """A machine record (`tunebench hw --json` on that machine), read and checked."""
-    from tunebench.core.errors import TunebenchError
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -175,13 +175,7 @@ def load_record(path: str) -> hardware.Hardware:
 def write_record(path: str, precision: str = "auto") -> dict:
     """`tunebench hw --record FILE`: this machine's measured outcomes (the measurement cache's complete probes at
     `precision`) in the shipped records' format (autotune.known), for a user to contribute a machine class."""
-    import datetime
 
-    from tunebench.core.durable import atomic_file
-    from tunebench.core.errors import TunebenchError
-    from tunebench.core.jsonfile import read_json
-    from tunebench.training import autotune
-    from tunebench.training.autotune import known
 
     hw, plan, _ = machine()
     precision = plan.precision if precision == "auto" else precision
@@ -220,7 +214,6 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
         print(json.dumps(record, indent=2))
         return record
     if text is not None:
-        from tunebench.core.durable import atomic_file
 
         with atomic_file(text) as tmp:
             tmp.write_text(system_info(hw, record))
@@ -240,7 +233,6 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
     print(f"peak      {f'{peak:.2f} TFLOP/s' if peak else 'n/a'} ({source}); MFU is reported against it")
     rows, command = recommend(hw, plan)
     if model:
-        from tunebench.training.autotune import memory
 
         rows.append(memory_row(hw, plan, model, method, max_length, memory.runtime_mb(plan.device)))
     summary.print_plan([r for r in rows if r.setting not in ("peak_tflops", "profile")], "recommended:")

@@ -12,7 +12,10 @@ import yaml
 
 from tunebench.core.durable import atomic_dir
 from tunebench.core.errors import TunebenchError
-from tunebench.model import inference
+from tunebench.data import formats
+from tunebench.jobs.generate import trained_template
+from tunebench.model import inference, quality
+from tunebench.settings.finetune import load_config
 from tunebench.settings.rundir import RunDir
 
 COMBINATIONS = ("linear", "cat", "ties", "dare_ties", "magnitude_prune")
@@ -40,8 +43,6 @@ def run(adapters: list[str], output_dir: str, model: str | None = None, allow_do
 
 
 def _examples(path: str):
-    from tunebench.data import formats
-    from tunebench.settings.finetune import load_config
 
     return formats.load_examples(load_config(options={"data.path": path}).data)
 
@@ -66,7 +67,6 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
 def combine(adapters: list[str], output_dir: str, weights: list[float] | None = None, combination: str = "linear",
             density: float | None = None, model: str | None = None, allow_download: bool = False) -> Path:
     """Several LoRA adapters of one base as one new adapter directory."""
-    from tunebench.jobs.generate import trained_template
 
     out = Path(output_dir)
     weights = weights or [1.0 / len(adapters)] * len(adapters)
@@ -107,8 +107,6 @@ def before_and_after(adapters: list[str], combined: Path, eval_data: list[str], 
                      max_new_tokens: int = 64) -> str:
     """Each task's metric (exact match on GSM8K-style data, else ROUGE-L) from its own adapter and from the
     combined one, on the same rows: what combining cost or gained each task."""
-    from tunebench.jobs.generate import trained_template
-    from tunebench.model import quality
 
     template = trained_template(str(combined))
     together = inference.load(None, str(combined))  # once, for every task

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,6 @@ def records_of(data: str | None, dataset_name: str | None, split: str = "train")
                              "Face cache)")
     if data is not None:
         return readers.read_records(data), data
-    import os
 
     import datasets
 

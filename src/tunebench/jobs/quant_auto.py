@@ -26,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from tunebench.core.errors import TunebenchError
-from tunebench.model import quality
+from tunebench.core.jsonfile import write_json
+from tunebench.data import readers
+from tunebench.model import llama_cpp_tools, quality
+from tunebench.settings.rundir import RunDir
 
 # Every type llama.cpp's quantizer (or tunebench's writer) makes below f16, in order of nominal bits per weight
 CANDIDATES = ("q2_k", "q3_k_m", "q4_0", "q4_k_s", "q4_k_m", "q4_1", "q5_0", "q5_k_s", "q5_k_m", "q5_1", "q6_k",
@@ -75,10 +78,7 @@ class Settings:
 
 def held_out(run_dir: Path, settings: Settings):
     """The run's held-out rows, refused before any weight loads when there are none to score."""
-    from tunebench.data import readers
     from tunebench.jobs.evaluate import HeldOut
-    from tunebench.model import llama_cpp_tools
-    from tunebench.settings.rundir import RunDir
 
     settings.check()
     llama_cpp_tools.check_available(converter_needed=False)  # llama.cpp answers the rows
@@ -207,7 +207,6 @@ def reason(chosen: str, tried: list[Tried], settings: Settings) -> str:
 
 def record(directory: Path, chosen: str, tried: list[Tried], settings: Settings, held, work: Path) -> None:
     """quant-auto.json (the settings, the pick, every row) and each scored type's answers, into `directory`."""
-    from tunebench.core.jsonfile import write_json
 
     write_json(directory / "quant-auto.json", {"picked": chosen, "reason": reason(chosen, tried, settings),
                                                "settings": asdict(settings), "rows_from": held.where,

@@ -26,9 +26,11 @@ import yaml
 
 from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
-from tunebench.jobs import children, compare
+from tunebench.jobs import children, compare, report
+from tunebench.jobs.report import png
 from tunebench.jobs.search_space import Param, check, load_space, space_path
 from tunebench.model import quality
+from tunebench.settings import pretrain as pretrain_config
 from tunebench.settings.rundir import RunDir
 
 MAX_DUPLICATES = 30  # proposals in a row that repeat earlier trials: the space is exhausted
@@ -45,7 +47,6 @@ KEYS = {"budget": "schedule.max_tokens", "steps": "schedule.max_steps", "eval": 
 def fingerprint(job: str, config: str | None, base: dict[str, Any], space: str, objective: str = "eval_loss") -> str:
     """What makes a study the same search: a rerun with another space, config or budget is refused."""
     if config and job == "pretrain":
-        from tunebench.settings import pretrain as pretrain_config
         config = str(pretrain_config.config_path(config))
     text = json.dumps({"job": job, "config": Path(config).read_text() if config else None,
                        "base": {k: str(v) for k, v in sorted(base.items())},
@@ -336,7 +337,6 @@ def charts(study) -> list[tuple[str, bytes]]:
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as ov
 
-    from tunebench.jobs.report import png
 
     out = []
     with warnings.catch_warnings():
@@ -499,7 +499,6 @@ def _finish(study, s: Search, out: Path) -> dict:
     if best_path is None:
         print(f"no trial finished with {objective}; see the trials' log.txt under " + str(out / "trials"))
         return summary
-    from tunebench.jobs import report
 
     html = report.write([str(out / "results.csv")], str(out / "report"), extra_charts=charts(study))
     best = study.best_trial

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.machine import hardware
+from tunebench.settings.finetune import load_config
 
 MIN_STEPS = 4  # fewer optimizer steps than this measure start-up, not training
 
@@ -48,7 +51,6 @@ def size(settings: dict[str, Any], budget_s: float, runs: int, device: str, reco
         kept = json.loads(record.read_text())
         return Sizing(int(kept["max_samples"]), kept["reason"] + " (as when these results began)")
     seconds_per_row, mean_tokens, available = measure_row(settings, device)
-    from tunebench.settings.finetune import load_config
 
     cfg = load_config(options=settings)
     effective = cfg.effective_batch_size
@@ -68,7 +70,6 @@ def size(settings: dict[str, Any], budget_s: float, runs: int, device: str, reco
         why += f"; raised to {MIN_STEPS} optimizer steps a run, the fewest that measure training"
     why += why_all
     sizing = Sizing(max_samples, why)
-    from tunebench.core.durable import atomic_file
 
     record.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(record) as tmp:
@@ -86,9 +87,7 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
     from tunebench.core import precision as precision_
     from tunebench.data import batching, mixture
     from tunebench.jobs.parts.finetune_model import build_model
-    from tunebench.machine import hardware
     from tunebench.model import models
-    from tunebench.settings.finetune import load_config
     from tunebench.training import runner
     from tunebench.training.autotune.probe import probe_step
 

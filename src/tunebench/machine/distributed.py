@@ -8,6 +8,7 @@ and talks to the user; the others receive its answers (`agree`), never race it f
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import pathlib
@@ -84,7 +85,6 @@ def shutdown(world: World) -> None:
     released at interpreter exit (a DDP reducer still holding it) can abort the process there
     ("terminate called without an active exception"), so callers drop their DDP module first."""
     if world.backend is not None and dist.is_initialized():
-        import gc
 
         dist.barrier()
         dist.destroy_process_group()

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata
+from pathlib import Path
 
 from tunebench.core import startup
 from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import read_json, update_json
 
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16", "amx_int8", "amx_tile")
@@ -167,7 +171,6 @@ def parse_cpu_quota(cpu_max: str | None = None, cfs_quota: str | None = None, cf
 
 def _cgroup_cpu_quota() -> float | None:
     """The tightest CPU quota over this process's cgroup and its container root (Linux only)."""
-    from pathlib import Path
 
     root = Path("/sys/fs/cgroup")
     try:
@@ -196,7 +199,6 @@ def usable_cpus() -> int | None:
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata
 
     out = {}
     for pkg in ("torch", "transformers", "peft", "bitsandbytes"):
@@ -428,7 +430,6 @@ def measure_cpu_peak_tflops(dtype: str, threads: int, seconds: float = 1.0) -> f
     its fastest matmul, as the probes count their fastest step: a busy or cold machine only slows one down.
     Averaged, and stopped at the first size that did not rise, a fresh process on 2 AMX cores measured 1.28
     TFLOP/s where the next three measured 1.92-2.37, and a 1.07B model's MFU read 61.8% against it."""
-    import time
 
     import torch
 
@@ -476,7 +477,6 @@ def fma_limit_tflops(dtype: str, hw: Hardware, threads: int) -> tuple[float | No
 
 def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float:
     """The measured CPU peak, cached per (CPU, flags, threads, torch, dtype): measured once, a few seconds."""
-    from tunebench.core.jsonfile import read_json, update_json
 
     key = _cpu_peak_key(dtype, hw, threads)
     peak = read_json(cache_file).get(key)
@@ -506,7 +506,6 @@ def reached(device: str, precision: str, hw: Hardware, threads: int, cache_file,
     said so, and is recorded for the next run of this CPU: MFU never exceeds 100%."""
     if device != "cpu" or peak is None or not achieved or achieved <= peak:
         return peak, source
-    from tunebench.core.jsonfile import update_json
 
     update_json(cache_file, _cpu_peak_key(cpu_math_dtype(precision, hw), hw, threads), achieved)
     return achieved, (f"this run's own {achieved:.3f} TFLOP/s, above the {peak:.3f} of the peak it was measured "

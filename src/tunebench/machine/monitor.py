@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -104,7 +105,6 @@ def other_load(own_threads: int, interval_s: float = 0.5) -> tuple[float | None,
     spin while they wait and still show as busy. The load average counts threads that want a CPU, so
     what exceeds this run's threads is the others' demand. Linux and macOS; (None, None) elsewhere.
     """
-    import os
 
     import psutil
 
@@ -144,7 +144,6 @@ class CoreShare:
     times); None elsewhere."""
 
     def __init__(self, threads: int, ranks: int = 1):
-        import os
 
         import psutil
 

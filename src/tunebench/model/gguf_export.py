@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import string
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +217,6 @@ def write(model, tokenizer, path: Path, quant: str, chat_template: str | None, n
 
 
 def _add_vocab(w, tokenizer, n_vocab: int, pre: str, chat_template: str | None) -> None:
-    import tempfile
 
 
     # The token list as llama.cpp's converter builds it: ids the tokenizer lacks are unused padding rows,

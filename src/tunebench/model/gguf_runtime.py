@@ -14,6 +14,7 @@ import torch
 
 from tunebench.core.errors import TunebenchError
 from tunebench.machine import hardware
+from tunebench.model import llama_cpp_tools
 from tunebench.settings.rundir import RunDir
 
 MAX_CONTEXT = 8192  # llama.cpp's KV cache is allocated whole at load: the trained context, up to this
@@ -32,7 +33,6 @@ def run_of(path: Path) -> Path:
 
 def check(path: str) -> Path:
     """Refused before anything loads: not a .gguf file, not under its run, or llama.cpp missing."""
-    from tunebench.model import llama_cpp_tools
 
     p = Path(path)
     if not p.is_file() or p.suffix != ".gguf":

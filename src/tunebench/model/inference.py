@@ -14,12 +14,13 @@ import torch
 
 from tunebench.core import precision as precision_
 from tunebench.core.errors import TunebenchError
+from tunebench.machine import hardware
 from tunebench.model import methods, models
+from tunebench.settings.rundir import RunDir
 
 
 def trained_on(adapter_dir: str) -> str:
     """The base model an adapter (or a tunebench run directory) was trained on."""
-    from tunebench.settings.rundir import RunDir
 
     return RunDir(adapter_dir).base_model()
 
@@ -32,7 +33,6 @@ def load_for_inference(spec: str | None, adapter: str | None, tokenizer: str | N
     if adapter is not None and not Path(adapter).is_dir():
         raise TunebenchError(f"--adapter '{adapter}' is not a directory; point it at a training --output-dir")
     if adapter is not None:
-        from tunebench.settings.rundir import RunDir
 
         kind = RunDir(adapter).kind()
         if kind in ("model", "pretrain") and spec is None:  # a full fine-tune's run: the model itself
@@ -128,7 +128,6 @@ def load(spec: str | None, adapter: str | None, tokenizer: str | None = None, al
     """A model (and adapter) ready to generate or score on the device and in the precision a training run
     would pick here, or those asked for: an impossible request is refused before any weight loads. `plan`:
     a hardware plan already made (eval applies its threads too)."""
-    from tunebench.machine import hardware
     plan = plan or hardware.plan(device, precision, hardware.detect(), "off")
     loaded = load_for_inference(spec, adapter, tokenizer, allow_download, precision_.DTYPES[plan.precision])
     return place(loaded, plan.device, plan.precision)
@@ -137,7 +136,6 @@ def load(spec: str | None, adapter: str | None, tokenizer: str | None = None, al
 def placement(device: str = "auto", precision: str = "auto", hw=None) -> tuple[str, str, str]:
     """(device, precision, reason) a model is served on: what a training run would pick on this machine
     (a GPU when present, bf16 where the hardware has it), or what was asked (refused when impossible)."""
-    from tunebench.machine import hardware
     plan = hardware.plan(device, precision, hw or hardware.detect(), "off")
     return plan.device, plan.precision, f"{plan.decision('device').reason}; {plan.decision('precision').reason}"
 

@@ -9,6 +9,7 @@ installed (pip download, served from pip's cache once llama-cpp-python was built
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import types
 from pathlib import Path
 
 from tunebench.core.childenv import child_env
@@ -99,7 +101,6 @@ def convert(hf_dir: Path, out: Path, outtype: str) -> None:
 def quantize(src: Path, dst: Path, quant: str, threads: int | None = None) -> list[str]:
     """llama.cpp's quantizer (llama_model_quantize) from an f16/f32 GGUF to `quant`; returns its warnings (such
     as tensors whose rows are not whole K-quant blocks, quantized with a fallback type)."""
-    import ctypes
 
     import llama_cpp
 
@@ -144,7 +145,6 @@ class Reader:
                                     type_v=llama_cpp.GGML_TYPE_F32)
 
     def __call__(self, ids):
-        import types
 
         import numpy as np
         import torch

@@ -12,7 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
+from tunebench.data import formats, toolcalls
+from tunebench.data.tokenize import render_prompt
+from tunebench.model import llama_cpp_tools
 
 if TYPE_CHECKING:  # torch, the model and the data load only when answers are generated: the names below are
     from tunebench.data import formats
@@ -55,7 +59,6 @@ class Answer:
 def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, str] | None:
     """The turns before the last reply (with the row's tools), and the reply a model's answer is scored against
     (a tool call written as the tool template writes it); None for plain text."""
-    from tunebench.data import formats, toolcalls
 
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None or last == 0:
@@ -79,7 +82,6 @@ def answerable(rows: list[formats.Messages]) -> list[tuple[formats.Messages, for
 
 def reference_calls(messages: formats.Messages) -> list | None:
     """The last reply's tool calls as {"name", "arguments"}, where the row offers tools or makes calls; else None."""
-    from tunebench.data import formats
 
     last = [m for m in messages if m["role"] == "assistant"][-1]
     if not (formats.tools_of(messages) or last.get("tool_calls")):
@@ -92,8 +94,6 @@ def generate_answers(placed: inference.Placed, rows: list[formats.Messages], tem
     """Greedy answers for `rows` (batched, left-padded), and the seconds generation took."""
     import torch
 
-    from tunebench.data import formats
-    from tunebench.data.tokenize import render_prompt
     from tunebench.model import inference
 
     pairs = answerable(rows)
@@ -130,9 +130,6 @@ def generate_answers_gguf(path: Path, tok, rows: list[formats.Messages], templat
     cap: what a deployment of that file answers. The seconds are llama.cpp's, prompt processing included."""
     import torch
 
-    from tunebench.data import formats
-    from tunebench.data.tokenize import render_prompt
-    from tunebench.model import llama_cpp_tools
     from tunebench.model.gguf_runtime import GgufPlaced
 
     llama_cpp_tools.check_available(converter_needed=False)
@@ -209,7 +206,6 @@ def row_scores(answers: list[Answer], metric: str) -> list[float]:
 def tool_scores(answers: list[Answer]) -> dict[str, float]:
     """TOOL_SCORES over the rows that offer tools (none where no row does): the first call of each answer
     (read back by data.toolcalls.parse) against the reference's first call."""
-    from tunebench.data import toolcalls
 
     judged = [a for a in answers if a.calls is not None]
     if not judged:
@@ -231,7 +227,6 @@ def tool_scores(answers: list[Answer]) -> dict[str, float]:
 
 def write_answers(path: Path, answers: list[Answer], scores: dict) -> None:
     """Each row's prompt, reference and answer (JSONL, for a person to read), the scores on the first line."""
-    from tunebench.core.durable import atomic_file
 
     with atomic_file(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:

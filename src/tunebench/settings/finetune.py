@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -412,7 +413,6 @@ def check_template(template: str) -> None:
     `{instruction:>999999999}` would allocate a gigabyte for every prompt rendered)."""
     if template in ("auto", "chat"):
         return
-    import string
 
     try:
         fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]

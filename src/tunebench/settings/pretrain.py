@@ -14,6 +14,7 @@ from typing import Any
 
 from tunebench.core.batch_rule import launched_world_size
 from tunebench.core.errors import TunebenchError
+from tunebench.machine import hardware
 from tunebench.settings import schema
 from tunebench.settings.yamlfiles import parse_override, read_yaml
 
@@ -162,7 +163,6 @@ class TrainingConfig:
 
     def resolve_device(self) -> tuple[str, str]:
         """(device, reason) that `device` resolves to on this machine, as a run would pick it."""
-        from tunebench.machine import hardware
         d = hardware.plan(self.device, "auto", hardware.detect()).decision("device")
         return str(d.value), d.reason
 

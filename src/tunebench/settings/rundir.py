@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.settings.finetune import load_config, read_yaml
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,6 @@ class RunDir:
 
     def raw_config(self) -> dict[str, Any]:
         """config.yaml as the safe loader reads it; {} when the directory has none (a plain HF directory)."""
-        from tunebench.settings.finetune import read_yaml
 
         return read_yaml(self.config_file) if self.config_file.is_file() else {}
 
@@ -176,7 +176,6 @@ class RunDir:
 
     def train_config(self):
         """The fine-tuning run's configuration (config.RunConfig), loaded and validated as at its start."""
-        from tunebench.settings.finetune import load_config
 
         return load_config(self.config_file)
 

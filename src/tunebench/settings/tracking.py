@@ -4,9 +4,13 @@ torch loads) and, for W&B, somewhere to write."""
 
 from __future__ import annotations
 
+import configparser
+import importlib.util
+import netrc
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from tunebench.core.errors import TunebenchError
 
@@ -45,7 +49,6 @@ TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "w
 def check(report: str) -> None:
     """Each tracker asked for is installed (and W&B can write somewhere), refused here with the fix, before
     any model loads: found without importing them (find_spec)."""
-    import importlib.util
 
     for name in names(report):
         if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
@@ -58,9 +61,6 @@ def check(report: str) -> None:
 def wandb_can_write() -> bool:
     """Whether wandb.init would start without asking for a key: offline or disabled mode (the environment, or
     `wandb offline`'s settings file), an API key in the environment, or one `wandb login` stored in ~/.netrc."""
-    import configparser
-    import netrc
-    from urllib.parse import urlparse
 
     mode = os.environ.get("WANDB_MODE", "")
     for path in (Path("wandb/settings"), Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config/wandb"))

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 
 
@@ -66,7 +67,6 @@ def write_config(cfg: Any, path: str | Path) -> None:
 
 
 def dump_yaml(tree: dict[str, Any], path: str | Path) -> None:
-    from tunebench.core.durable import atomic_file
 
     with atomic_file(path) as tmp:
         tmp.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -138,8 +140,6 @@ class Prefetcher(_Inline):
 
     def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings, depth: int = 2):
         super().__init__(next_micro_batch, state, settings)
-        import queue
-        import threading
 
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stopped = threading.Event()
@@ -163,7 +163,6 @@ class Prefetcher(_Inline):
             self._put(e)
 
     def _put(self, item) -> None:
-        import queue
 
         while not self.stopped.is_set():
             try:

@@ -11,7 +11,8 @@ from tunebench.core.decision import Decision
 from tunebench.machine import distributed, hardware
 from tunebench.machine.distributed import World
 from tunebench.settings.schema import RunBase, budget_seconds
-from tunebench.training import runplan
+from tunebench.training import autotune, runplan
+from tunebench.training.autotune import known
 from tunebench.training.runner import Opened
 
 
@@ -20,8 +21,6 @@ def decide(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
     checkpointing, compile) for what `units` describe on this machine, and the seconds they took. `step` is an
     autotune.probe step; a micro batch the job's math fixes (`units.micro`) is taken like one the user asked for."""
-    from tunebench.training import autotune
-    from tunebench.training.autotune import known
     hw, hw_plan, world, h, u = opened.hw, opened.hw_plan, opened.world, cfg.hardware, units
 
     def measure_() -> runplan.Measured:

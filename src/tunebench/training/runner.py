@@ -26,10 +26,12 @@ from tunebench.core import runlock
 from tunebench.core.batch_rule import BatchAsk
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import write_json
 from tunebench.machine import distributed, hardware, trackers
 from tunebench.machine.distributed import World
 from tunebench.settings import yamlfiles
 from tunebench.settings.schema import RunBase
+from tunebench.settings.tracking import names
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
 from tunebench.training.loop import LoopState
@@ -135,7 +137,6 @@ def records(opened: Opened, cfg: RunBase, plan: runplan.RunPlan, **extra: Any
     both as written, for the trackers' parameters."""
     import yaml
 
-    from tunebench.core.jsonfile import write_json
 
     def write() -> tuple[dict[str, Any], dict[str, Any]]:
         yamlfiles.write_config(cfg, opened.out / "config.yaml")
@@ -152,7 +153,6 @@ def tracking(opened: Opened, logging) -> Iterator[trackers.Tracking]:
     """The run's experiment trackers (logging.report_to) on rank 0, named by logging.project, run_name and
     group; none elsewhere. A resumed run reopens its own tracker runs. Closing it ends the run: the trackers
     get its outcome, and the run directory's lock (core.runlock, taken when the run opened) is let go."""
-    from tunebench.settings.tracking import names
 
     if not opened.world.main or logging.report_to == "none":
         found = trackers.Tracking()

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunebench.core.batch_rule import BatchAsk, accumulation
+from tunebench.core.batch_rule import BatchAsk, accumulation, micro_candidates
 from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
+from tunebench.settings.schema import budget_seconds
+from tunebench.training.autotune.budget import Budget
 
 
 def total_steps(rows: int, effective: int, epochs: float, max_steps: int | None, max_tokens: int | None = None,
@@ -36,7 +39,6 @@ def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_
              measure_s: float, resumed_steps: int | None = None) -> tuple[int, Decision | None]:
     """(steps, their row) under --time-budget: as many steps as the budget left after measuring trains at the
     measured speed, never more than `steps`; an interrupted run resumes with the steps it was given."""
-    from tunebench.settings.schema import budget_seconds
 
     if budget is None:
         return steps, None
@@ -63,7 +65,6 @@ def sampling_budget(budget: str | None, steps: int, measure_s: float) -> tuple[f
     """(the seconds of training the loop may take, the steps' row) under --time-budget for a run whose steps sample
     (GRPO, RFT): their time follows what they draw, which no probe measures, so the budget is a deadline the loop
     keeps (loop.LoopSettings.time_limit_s), not a step count worked out ahead; `steps` stays the most it runs."""
-    from tunebench.settings.schema import budget_seconds
 
     if budget is None:
         return None, None
@@ -260,7 +261,6 @@ def measure(model, step, w: Workload) -> Measured:
     attention kernel, the micro batch and compile share a measuring budget of a tenth of their training time,
     unless `w.measure_mode` is full; `w.known` orders the candidates and predicts those left unmeasured."""
     from tunebench.training.autotune import attention, batch, compiler
-    from tunebench.training.autotune.budget import Budget
 
     budget = Budget(w.run_tokens, cap_s=w.time_cap_s) if w.measure_mode == "bounded" else None
     rows: list[Decision] = []
@@ -300,7 +300,6 @@ def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: s
     trained, optimizer step, data and padding in it, beats a probe's forward and backward). Then the other, its row
     saying so. One run a size is not enough: on a 2-core AVX512-BF16 VM one compare's runs at micro 2 trained 1.11x
     micro 4's, and the next compare, switched to micro 2 by it, trained 0.72x the hand-picked micro 4 (2026-12-02)."""
-    from tunebench.core.batch_rule import micro_candidates
     from tunebench.training import plancheck
 
     runs = {m: r for m, v in plancheck.learned(plancheck.trained_key(key)).items()
@@ -335,7 +334,6 @@ class Timed:
         self.seen: dict[tuple[str, int], tuple[float, float, float]] = {}  # -> best tokens/s, its peak MB, seconds
 
     def __call__(self, size: int) -> tuple[float, float]:
-        import time
         start = time.perf_counter()
         tokens_per_s, peak = self.step(size)
         key = (self.kernel(self.model), size)

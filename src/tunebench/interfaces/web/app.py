@@ -9,15 +9,22 @@ parameter is annotated gr.Request, and finds that by evaluating the annotation, 
 module imported inside build() would defeat.
 """
 
+import asyncio
+import atexit
 import contextlib
+import importlib.util
 import os
+import secrets
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
+from tunebench.core.jsonfile import read_json, write_json
 from tunebench.data import votes
-from tunebench.interfaces.web import openai_api
+from tunebench.interfaces.web import openai_api, studio_tabs
 from tunebench.interfaces.web.chat_ab import (
     AB_MIN_TEMPERATURE,
     VOTE_LABELS,
@@ -41,6 +48,8 @@ from tunebench.interfaces.web.models import (
     entries,
     load_prompts,
 )
+from tunebench.interfaces.web.studio import Studio
+from tunebench.settings.rundir import RunDir
 
 
 def check_port(host: str, port: int) -> None:
@@ -77,7 +86,6 @@ def build(registry: Registry, db: Path, prompts: list[str] | None = None, limit:
             first, second = _ab_tab(page, prompts)
             _results_tab(page, results_head)
             if studio is not None:
-                from tunebench.interfaces.web import studio_tabs
 
                 studio_tabs.add_tabs(gr, studio, registry, tabs, chat_model, first, second, db)
     return app
@@ -344,8 +352,6 @@ class SameOrigin:
 
 def login_check(credentials: tuple[str, str]):
     """Gradio's login check: the one USER:PASSWORD; a wrong one answered after FAILED_LOGIN_DELAY_S, one at a time."""
-    import asyncio
-    import secrets
 
     failures = asyncio.Lock()
 
@@ -362,9 +368,6 @@ def private_uploads() -> Path:
     """Gradio's upload folder (GRADIO_TEMP_DIR) as a directory of this process's own, readable by this user
     alone, unless the operator set one: its default, /tmp/gradio, is shared by every user and server on the
     machine, so an upload (a team's data) would sit there readable, and another server's files beside it."""
-    import atexit
-    import shutil
-    import tempfile
 
     if not os.environ.get("GRADIO_TEMP_DIR"):
         folder = tempfile.mkdtemp(prefix="tunebench-gradio-")  # mode 0700
@@ -379,9 +382,7 @@ def f16_export(run_dir: str, allow_download: bool = False) -> Path:
     (RunDir.weights_stamp) is kept beside it, and a run trained again since (`train --overwrite`) is exported
     again in its place. A file with no stamp (exported by hand) counts as the run's when it is newer than every
     weight file."""
-    from tunebench.core.jsonfile import read_json, write_json
     from tunebench.jobs import export
-    from tunebench.settings.rundir import RunDir
 
     path = Path(run_dir) / "export" / f"{export.model_name(Path(run_dir))}-f16.gguf"
     stamp_file = path.with_name(f".{path.name}.source.json")
@@ -439,7 +440,6 @@ def serve(served: Served, door: Door = Door(), *, ab_db: str = "tunebench-ab.sql
     host, port, auth, no_auth, api_key = door.host, door.port, door.auth, door.no_auth, door.api_key
     model_specs, run_dirs, ggufs, runtime = served.models, served.runs, served.ggufs, served.runtime
     allow_download = served.allow_download
-    import importlib.util
 
     credentials = parse_auth(auth)
     check_exposure(host, credentials, no_auth)
@@ -470,7 +470,6 @@ def serve(served: Served, door: Door = Door(), *, ab_db: str = "tunebench-ab.sql
     limit = ClientLimit(PER_CLIENT)
     studio = None
     if runs_dir is not None:
-        from tunebench.interfaces.web.studio import Studio
 
         studio = Studio(runs_dir, [*model_specs, *offered])
     app = build(registry, db, prompt_list, limit, studio)

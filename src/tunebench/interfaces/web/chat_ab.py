@@ -13,8 +13,9 @@ import uuid
 from pathlib import Path
 
 from tunebench.core.errors import TunebenchError
-from tunebench.data import votes
+from tunebench.data import pairs, votes
 from tunebench.interfaces.web.models import Registry, load_prompts, stream
+from tunebench.settings.finetune import DEFAULT_MODEL
 
 VOTE_LABELS = {"a": "A is better", "b": "B is better", "tie": "Tie", "both_bad": "Both are bad"}
 PROMPT_SET_BYTES = 2 ** 20
@@ -158,9 +159,6 @@ def results_rows(db: Path) -> list[list[str]]:
 def train_on_votes(db: Path, base: str | None = None) -> str:
     """The results view's next step: the command that trains on the votes, as text to copy (training
     never runs inside the web server). `base`, the model to start from where it is not the default."""
-    from tunebench.data import pairs
-    from tunebench.settings.finetune import DEFAULT_MODEL
-
     if not db.is_file():
         return "No votes yet: vote A or B on the blind A/B tab, and the votes become DPO training pairs."
     found = pairs.from_store(str(db))

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from tunebench.core.errors import TunebenchError
-from tunebench.model import inference, models
+from tunebench.data.tokenize import render_prompt
+from tunebench.jobs.generate import trained_template
+from tunebench.model import gguf_runtime, inference, models
 from tunebench.settings.rundir import RunDir
 
 
@@ -34,7 +36,6 @@ def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = 
             ggufs: list[str] = ()) -> list[Entry]:
     """The choices, checked before anything loads: every run directory must hold a model or an adapter, every
     GGUF must be an export inside its run."""
-    from tunebench.model import gguf_runtime
 
     out: list[Entry] = []
     for spec in model_specs:
@@ -110,14 +111,12 @@ class Registry:
 
     def _get(self, label: str) -> tuple[inference.Placed, str]:
         """The model of `label`, loaded (under _load_lock) where it is not, evicting others first."""
-        from tunebench.jobs.generate import trained_template
 
         if label not in self._loaded:
             self._evict(keep=MAX_LOADED - 1)
             e = self.choices[label]
             group = _group(e)
             if e.gguf is not None:
-                from tunebench.model import gguf_runtime
 
                 placed = gguf_runtime.GgufPlaced.load(e.gguf)
                 self._loaded[label] = (placed, trained_template(str(gguf_runtime.run_of(Path(e.gguf)))))
@@ -229,7 +228,6 @@ def stream(registry: Registry, label: str, messages: list[dict[str, str]], max_n
     generation, and one that only stops reading holds nothing: the generation lock is the decoding's alone."""
     from transformers import TextIteratorStreamer
 
-    from tunebench.data.tokenize import render_prompt
 
     check_request(messages)
     max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))

@@ -11,14 +11,17 @@ provides its server side. No `from __future__ import annotations`: FastAPI reads
 annotation as the class itself to hand it the request, and Request is imported inside add_routes.
 """
 
+import asyncio
 import json
 import secrets
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.data import formats, toolcalls
 from tunebench.interfaces.web.models import MAX_NEW_TOKENS, Busy, Full, Registry, TooLong, stream
 
 MAX_BODY = 2 ** 20  # bytes: a request within the message limits is a few hundred kilobytes at most
@@ -57,7 +60,6 @@ UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "respon
 def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
     """(tools, tool_choice) as OpenAI takes them: choice 'auto' (the default), 'none' (no tools offered),
     'required' (a call), or {"type": "function", "function": {"name": N}} (a call to N)."""
-    from tunebench.data import formats
 
     given = body.get("tools")
     size = len(json.dumps(given)) if isinstance(given, list) else 0
@@ -91,7 +93,6 @@ def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
 def _messages(given: Any) -> list:
     """The chat's messages in the form training renders: system, user, assistant (its content, or its
     tool_calls), and tool (a call's result)."""
-    from tunebench.data import formats
 
     ok = isinstance(given, list) and given and all(
         isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
@@ -184,7 +185,6 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
 def _tool_prompt(request: dict[str, Any]):
     """With tools: the prompt in a template that renders them (data.toolcalls.serving_template), then the start
     of the call where one is forced; the answer's text includes that start."""
-    from tunebench.data import toolcalls
 
     messages, tools, choice = request["messages"], request["tools"], request["tool_choice"]
     # a forced call's reply starts as the tool template begins one: any function, or the one named
@@ -233,7 +233,6 @@ def _usage(end: dict) -> dict[str, int]:
 def calls_of(text: str, request: dict[str, Any]) -> tuple[str | None, list[dict]]:
     """An answer to a request with tools: its text (None when it is only calls) and its calls in OpenAI's form
     (arguments a JSON string); no calls where the request offers no tools."""
-    from tunebench.data import toolcalls
 
     if not request.get("tools"):
         return text, []
@@ -342,7 +341,6 @@ def check_origin(headers) -> None:
     """A POST from a page on another site is refused: its Origin must be this server's (browsers send it on every
     cross-site POST; clients such as `openai` send none), and its body must be declared JSON, which a page elsewhere
     cannot send without the browser asking this server first (and the server never says yes)."""
-    import urllib.parse
 
     origin, host = headers.get("origin"), headers.get("host")
     if origin is not None and urllib.parse.urlsplit(origin).netloc != host:
@@ -373,7 +371,6 @@ def add_routes(fastapi_app, registry: Registry, key: str | None, locked: bool, l
     """Put the API's routes on the FastAPI app the web app runs on. `key`, `locked`: see check_key. `limit` is the
     API's own ClientLimit (one client's share), `pending` its Pending (everyone's generations waiting or running);
     `client_of` names a request's client."""
-    import asyncio
 
     from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse

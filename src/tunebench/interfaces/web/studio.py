@@ -27,14 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunebench.core import runlock
+from tunebench.core.batch_rule import micro_candidates
 from tunebench.core.childenv import child_env
 from tunebench.core.durable import open_no_follow
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
+from tunebench.data import formats, readers
+from tunebench.data.tokenize import segments, tokenize_messages, use_template
+from tunebench.interfaces.cli_parser import build_parser, train_config
 from tunebench.jobs import children
+from tunebench.machine import hardware
+from tunebench.machine.hardware import usable_cpus
 from tunebench.settings import finetune as finetune_settings
 from tunebench.settings import objectives
-from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL, DataConfig, RunConfig
+from tunebench.settings.finetune import BUILTIN_DATA, DEFAULT_MODEL, DataConfig, RunConfig, load_config
 from tunebench.settings.rundir import RunDir
 
 SAMPLE = BUILTIN_DATA  # the built-in Bitext-style sample, what `./run compare` trains on
@@ -100,10 +106,7 @@ def preview(path: str, model: str, max_length: int = 128, template: str = "auto"
     """`path`'s first `rows` rows (None: all) read, mapped and rendered as training would (the same readers,
     format detection, prompt format and loss mask); bad data raises the CLI's one-line error. The web server
     reads a sample, never a whole upload."""
-    from tunebench.data import formats, readers
-    from tunebench.data.tokenize import segments, tokenize_messages, use_template
     from tunebench.model import models
-    from tunebench.settings.finetune import load_config
 
     cfg = load_config(options={"data.path": path, "data.max_length": max_length, "data.template": template}).data
     records = readers.read_records(path, limit=rows)
@@ -164,7 +167,6 @@ class Ask:
 def check(ask: Ask, runs_dir: Path) -> RunConfig:
     """The run's configuration, through the CLI's own parser and checks (the same one-line errors), before
     anything starts; a name already taken under the runs directory is refused."""
-    from tunebench.interfaces.cli_parser import build_parser, train_config
 
     if not NAME.match(ask.name):
         raise TunebenchError(f"run name {ask.name[:80]!r}: use letters, digits, '.', '_' or '-' (up to 64), starting "
@@ -174,7 +176,6 @@ def check(ask: Ask, runs_dir: Path) -> RunConfig:
         if value is not None and not low <= value <= high:
             raise TunebenchError(f"{key.replace('_', ' ')} {value:g} is out of this page's range ({low:g} to "
                                  f"{high:g}); run bigger jobs with `tunebench train` from a terminal")
-    from tunebench.machine.hardware import usable_cpus
 
     cores = usable_cpus() or os.cpu_count() or 1
     if ask.processes > cores:  # each rank loads the model and wants a core: more only thrash a shared server
@@ -212,7 +213,6 @@ def check_sample(cfg: RunConfig) -> None:
     judgements' reader), the row count from a stream (no
     rows kept), the model and its length. The training child reads the whole file and refuses a bad row past the
     sample in its log, with the same one-line error."""
-    from tunebench.data import formats, readers
     from tunebench.jobs.parts import finetune_data
     from tunebench.model import inference, models
 
@@ -242,8 +242,6 @@ def check_sample(cfg: RunConfig) -> None:
 def settings_rows(ask: Ask, cfg: RunConfig) -> list[list[str]]:
     """[setting, value, reason]: what was asked on the page, then what tunebench picks on this machine (`tunebench
     hw`'s rows), the measured ones marked as measured when the run starts, as the run's plan will record them."""
-    from tunebench.core.batch_rule import micro_candidates
-    from tunebench.machine import hardware
 
     effective = cfg.batch_ask().check(ask.processes)
     rows = [["model", ask.model, "asked on this page"], ["method", ask.method, "asked on this page"],
@@ -337,7 +335,6 @@ class Studio:
         queued = read_json(self.logs / f"{name}.json")
         # the run's own resolved config.yaml, as `tunebench train RUN/config.yaml --resume auto` from a terminal,
         # written where the run is (its config's output_dir may name where it was before a rename)
-        from tunebench.settings.finetune import load_config
 
         processes = queued.get("processes", 1)  # on as many ranks as it started on
         cfg = load_config(RunDir(run).config_file, options={"output.resume": "auto", "output.output_dir": str(run),
@@ -539,7 +536,7 @@ class Studio:
         """An uploaded data file kept under the runs directory (Gradio's temporary copy is deleted here): by its
         content, once; a Parquet file whose rows would unpack past PARQUET_MAX_BYTES refused from its metadata;
         uploads no run uses are dropped after UPLOAD_GRACE_S, and the rest are bounded in count and bytes."""
-        from tunebench.data import pairs, readers
+        from tunebench.data import pairs
 
         src = Path(file)
         try:

@@ -7,6 +7,7 @@ Every value the page sends is checked by the studio's own checks (a run name, a 
 a dropdown's list is only advice to a browser.
 """
 
+import io
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +23,6 @@ BASE = "its base"  # the Runs tab's A/B: the picked run against the model it was
 
 
 def _image(png: bytes | None):
-    import io
 
     from PIL import Image
 

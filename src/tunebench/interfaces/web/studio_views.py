@@ -20,6 +20,7 @@ from tunebench.core.childenv import SAFE_PATH, child_env
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import records
 from tunebench.interfaces.web.studio import Ask, Studio
+from tunebench.jobs import run_report
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import EXPORT_FORMATS
 
@@ -42,7 +43,6 @@ METHOD_CHARTS = ("rewards", "grpo_rewards", "kto")  # a preference, GRPO or KTO 
 def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
     """(caption, PNG) of the loss, tokens/s and memory charts and the method's own, as the run's report draws
     them (jobs/run_report.py: one drawing of a run, live or finished), from what it has logged so far."""
-    from tunebench.jobs import run_report
 
     run = RunDir(run_dir)
     drawn = {name: (caption, png) for name, caption, png in
@@ -114,7 +114,6 @@ def report_or_error(studio: Studio, name: str) -> str:
 def report_html(studio: Studio, name: str) -> str:
     """The run's report (`tunebench report RUN`: its charts, memory, settings and why, summary), written now
     from what the run has logged so far, as the body of its self-contained report.html."""
-    from tunebench.jobs import run_report
 
     run = studio.run_path(name)
     if not RunDir(run).metrics_file.is_file():

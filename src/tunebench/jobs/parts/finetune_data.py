@@ -4,12 +4,14 @@ refusal when too few rows are left. jobs/finetune.py and jobs/grpo.py share it."
 
 
 
+import dataclasses
+
 import numpy as np
 
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.data import batching, judged, mixture, pairs, toolcalls
-from tunebench.data.tokenize import split
+from tunebench.data.tokenize import split, tokenize_messages, use_template
 from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import feed, runner
@@ -21,7 +23,6 @@ JUDGEMENTS = {"pairs": pairs, "judged": judged}  # by Objective.data: each reade
 
 def template_rows(tok) -> list[Decision]:
     """The chat template's row where the run put tunebench's tool template on the tokenizer (data.toolcalls)."""
-    from tunebench.data import toolcalls
 
     if getattr(tok, "chat_template", None) != toolcalls.TEMPLATE:
         return []
@@ -64,7 +65,6 @@ def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
     keeps the rows whole: the 99th percentile of their tokens as training renders them (`lengths_of(tokenizer,
     sample)`, the tokenizer alone, no weights), rounded up to 64, capped at the positions the model learned.
     Rows longer than it are cut, and counted where they are today."""
-    import dataclasses
 
     d = cfg.data
     if d.max_length is not None:
@@ -92,9 +92,7 @@ def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
 def row_lengths(cfg: RunConfig, examples, parts):
     """`settle_length`'s measure for the fine-tuning recipes: tokens per row (a pair's longer row, a judged
     completion with its prompt) as training renders them, uncut."""
-    import dataclasses
 
-    from tunebench.data.tokenize import tokenize_messages, use_template
 
     def lengths(tok, sample) -> list[int]:
         if cfg.objective.preference:

@@ -11,7 +11,7 @@ import torch
 from tunebench.jobs.parts import finetune_data
 from tunebench.machine import metrics
 from tunebench.machine.metrics import training_flops_per_token
-from tunebench.model import inference, models
+from tunebench.model import inference, models, quality
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import runner
 from tunebench.training import summary as summary_
@@ -75,7 +75,6 @@ def task_scores(model, tok, groups: list[tuple[str, list]], cfg: RunConfig, out:
     rate) in the run's own prompt format: overall, and per dataset (rougeL/<name>, ...) when there are
     several. The answers go to eval_answers.jsonl. The model generates as it trained (inference.Placed): its
     weights as they are, under the run's autocast."""
-    from tunebench.model import quality
     compiler.uncompile_blocks(model)
     model.config.use_cache = True
     rows = [r for _, group in groups for r in group]

@@ -9,8 +9,9 @@ from typing import Any
 
 from tunebench.core.decision import Decision
 from tunebench.core.userfile import UserFile
-from tunebench.data import prompts
+from tunebench.data import batching, prompts
 from tunebench.data.prompts import PromptData, PromptRows
+from tunebench.data.tokenize import render_prompt
 from tunebench.jobs.parts import finetune_data
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
@@ -19,7 +20,17 @@ from tunebench.settings.finetune import RunConfig
 from tunebench.settings.objectives import GRPO, RFT
 from tunebench.training import checkpoint
 from tunebench.training.autotune import Trained
-from tunebench.training.grpo import Advantages, Credit, Draws, GRPOLoss, Sampling, environment, rft
+from tunebench.training.grpo import (
+    Advantages,
+    Completions,
+    Credit,
+    Draws,
+    GRPOLoss,
+    Sampling,
+    environment,
+    episodes,
+    rft,
+)
 from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo.environment import Environment
 from tunebench.training.grpo.watch import Kinds
@@ -59,7 +70,6 @@ def prompts_of(data, env: Environment | None) -> PromptRows:
 def tokenized(rows: PromptRows, tok, env: Environment | None, cfg: RunConfig) -> tuple[PromptData, Decision | None]:
     """The prompts tokenized as the run renders them (an episode's opening with its tools), and the settings row of
     the chat template episodes take, set before a prompt renders (None without an environment)."""
-    from tunebench.training.grpo import episodes
 
     o = cfg.objective
     if env is None:
@@ -70,7 +80,6 @@ def tokenized(rows: PromptRows, tok, env: Environment | None, cfg: RunConfig) ->
 
 def draws_of(on: Sampling, env: Environment | None, rows: PromptRows, cfg: RunConfig) -> Draws:
     """Where a step's completions come from: episodes in the environment, or single replies."""
-    from tunebench.training.grpo import Completions, episodes
 
     return episodes.Episodes(on, env, rows.prompts, cfg.objective.max_turns, cfg.data.max_length) if env else \
         Completions(on)
@@ -79,8 +88,6 @@ def draws_of(on: Sampling, env: Environment | None, rows: PromptRows, cfg: RunCo
 def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
     completion (max_completion_length); an episode's opening (its tools rendered), plus max_turns of them."""
-    from tunebench.data.tokenize import render_prompt
-    from tunebench.training.grpo import episodes
 
     o = cfg.objective
 
@@ -99,7 +106,6 @@ def epoch_steps(o: GRPO | RFT, train_idx, effective: int, seed: int, kinds, data
                 ) -> Callable[[int], list[list[int]]]:
     """epoch -> its optimizer steps' prompts: shuffled (batching.epoch_steps), or with --balance-kinds each kind in
     turn (batching.balanced_steps; `kinds` the watch.Kinds of --kind-column, which --balance-kinds needs)."""
-    from tunebench.data import batching
 
     if not o.balance_kinds:
         return lambda epoch: batching.epoch_steps(train_idx, effective, seed, epoch)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.paths import cache_dir
 from tunebench.training.autotune import Shape, cached, store
@@ -154,7 +155,6 @@ def compile_blocks(model, mode: str = "default") -> int:
     model, and parameter names, hence checkpoints, are unchanged. Shapes are dynamic, so
     length-grouped batches of any width reuse the graph.
     """
-    from tunebench.core import startup
 
     # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
     # run's warm-up is the short, cached one that pick has on record.

@@ -191,11 +191,10 @@ def with_learned(plan: MemoryPlan, beyond: tuple[float, int] | None) -> MemoryPl
 
 def predict(shape: ModelShape, method: str, value_bytes: int, trainable: int, micro: int, tokens: int,
             checkpointing: bool, attention: str = "sdpa", runtime_mb: float = 0.0,
-            weight_bytes: float | None = None, device_type: str = "cpu", adapter_bytes: float = 0.0,
-            compiled: bool = False) -> MemoryPlan:
+            weight_bytes: float | None = None, device_type: str = "cpu", adapter_bytes: float = 0.0) -> MemoryPlan:
     """The plan for one training step. `value_bytes`: 2 under a 16-bit precision, 4 in fp32. `weight_bytes`: the
     weights as they are held, when known (a loaded model); else from the method. `adapter_bytes`: what LoRA
-    modules beyond q/v keep a token in a layer (adapter_inputs). `compiled`: the layers run compiled (COMPILED)."""
+    modules beyond q/v keep a token in a layer (adapter_inputs)."""
     transient = TRANSIENT.get(device_type, TRANSIENT["cpu"])
     full = method == "full"
     if weight_bytes is None:
@@ -219,12 +218,16 @@ def predict(shape: ModelShape, method: str, value_bytes: int, trainable: int, mi
         kept = transient * per_token_layer * n * (shape.layers + 1)  # + the layer the backward pass is in
     if full and value_bytes == 2:  # autocast's 16-bit copies of the fp32 weights, kept for the backward pass
         kept += 2.0 * shape.linear / (shape.layers if checkpointing else 1)  # (one layer's while it is recomputed)
-    factor = COMPILED.get(device_type, 1.0) if compiled else 1.0
     state = STATE_BYTES * trainable
     note = "" if shape.family in ("llama", "mistral", "qwen2", "qwen3", "smollm3") else \
         f"; activations as a Llama of this width ({shape.family} counted alike)"
-    return MemoryPlan(runtime_mb, weight_bytes / MB, state / MB, kept * factor / MB, micro, tokens, checkpointing, note,
-                      compiled=factor)
+    return MemoryPlan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note)
+
+
+def when_compiled(plan: MemoryPlan, device_type: str) -> MemoryPlan:
+    """`plan` with its layers compiled: the activations at COMPILED's factor for the device type."""
+    factor = COMPILED.get(device_type, 1.0)
+    return dataclasses.replace(plan, activations=plan.activations * factor, compiled=factor)
 
 
 def adapter_inputs(model, value_bytes: int, layers: int) -> float:
@@ -266,7 +269,8 @@ def of_step(model, extra, micro: int, tokens: int, value_bytes: int, attention: 
     shape = shape_of(model)
     plan = predict(shape, "full" if full else "lora", value_bytes, trainable, micro * rows_each, tokens,
                    checkpointing_on(base), attention, runtime, held, device_type,
-                   adapter_inputs(model, value_bytes, shape.layers) if not full else 0.0, compiled)
+                   adapter_inputs(model, value_bytes, shape.layers) if not full else 0.0)
+    plan = when_compiled(plan, device_type) if compiled else plan
     return dataclasses.replace(plan, rows_each=rows_each)
 
 

@@ -51,6 +51,7 @@ from typing import Any
 from tunebench.core import userprocess
 from tunebench.core.errors import TunebenchError
 from tunebench.core.userfile import UserFile
+from tunebench.data import readers, toolcalls
 
 BUILT_IN = Path(__file__).resolve().parents[2] / "configs" / "environments"  # `builtin:NAME` -> NAME.py here
 
@@ -270,7 +271,7 @@ def _signature(fn) -> str:
 def rows(env: Environment, data) -> Any:
     """The data's rows as GRPO's prompts (data.prompts.PromptRows): each row's opening messages from reset(row),
     every column kept for reward(messages, row) and the --reward functions."""
-    from tunebench.data import prompts, readers
+    from tunebench.data import prompts
 
     if data.sources:
         raise TunebenchError("GRPO takes one dataset; give --data once (a file of rows for the environment)")
@@ -323,7 +324,6 @@ def opening(env: Environment, row: dict[str, Any]) -> list[dict[str, Any]]:
 def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
     """One call, answered: the tool's return value as text, or an error text the model reads (a tool not offered,
     arguments its schema refuses, an exception, no answer within the time limit)."""
-    from tunebench.data import toolcalls
 
     if name not in env.tools:
         return ToolAnswer(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)

@@ -26,6 +26,8 @@ from typing import Any
 
 from tunebench.core.errors import TunebenchError
 from tunebench.core.userfile import UserFile
+from tunebench.core.userprocess import MODULE, Host, Remote
+from tunebench.model.quality import final_answer
 
 BUILT_IN = ("gsm8k", "format", "exact", "contains")
 PATTERN_S = 1.0  # a format: regex's search on one completion
@@ -58,7 +60,6 @@ def one(spec: str, weight: float, read: dict[str, UserFile]) -> Reward:
     if not math.isfinite(weight):
         raise TunebenchError(f"--reward-weights {weight} for {spec} is not a number; give a finite weight")
     if kind == "gsm8k":
-        from tunebench.model.quality import final_answer
         column = arg or "answer"
         return Reward("gsm8k", weight, lambda p, c, cols: [
             float(final_answer(x) is not None and final_answer(x) == final_answer(str(ref)))
@@ -101,7 +102,6 @@ def user_function(spec: str, weight: float, file: UserFile | None = None) -> Rew
                              "name a built-in reward or a Python file and the function in it")
     if file is None and not Path(path).is_file():
         raise TunebenchError(f"--reward {spec}: no file {path}; give the path of the Python file that defines {name}")
-    from tunebench.core.userprocess import MODULE, Host, Remote
 
     file = file or UserFile.read(path)
     try:  # the file runs in a process of its own (the user's code: its errors are theirs to see, in one line)
