@@ -114,7 +114,8 @@ BUGS = (
         "loss, stats = loss * b[\"live\"], None if stats is None else stats * b[\"live\"]", "loss, stats = loss, stats",
         ("tests/test_objectives_on_ranks.py", "-k", "grpo_on_two_ranks_matches")),
     Bug("GRPO's draws not seeded by rank", "src/tunebench/jobs/grpo.py",
-        "grpo.step_seed(s.seed, epoch, step, opened.world.rank)", "grpo.step_seed(s.seed, epoch, step, 0)",
+        "grpo.step_seed(s.seed, epoch, step // iterations, opened.world.rank)",
+        "grpo.step_seed(s.seed, epoch, step // iterations, 0)",
         ("tests/test_grpo.py", "-k", "seed_of_its_own")),
     Bug("KTO's KL sums not added over the ranks", "src/tunebench/training/preference.py",
         "            distributed.sum_in_step(sums)", "            pass",
@@ -258,6 +259,12 @@ BUGS = (
     Bug("a run whose cores others took teaches the next run its speed (issue 95)", "src/tunebench/training/recipe.py",
         "    if m.key and not plancheck.shared_too_much(check):", "    if m.key:",
         ("tests/test_plancheck.py", "-k", "run_prints"), deadline_s=300.0),
+    Bug("a compiled run planned at eager's activations (issue 95)", "src/tunebench/training/autotune/memory.py",
+        "    plan = when_compiled(plan, device_type) if compiled else plan", "",
+        ("tests/test_memory_plan.py", "-k", "compiled"), deadline_s=120.0),
+    Bug("a draw's later updates at a ratio of 1 (issue 96)", "src/tunebench/training/grpo/__init__.py",
+        '            batch["old_logps"] = groups.old_logps[tuple(keys)]', "            pass",
+        ("tests/test_grpo.py", "-k", "num_iterations_steps"), deadline_s=120.0),
 )
 
 

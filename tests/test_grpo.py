@@ -117,6 +117,65 @@ def test_groups_that_teach_nothing_leave_the_update_with_the_same_loss_and_gradi
     assert all(float(g.abs().max()) == 0.0 for g in alone[3].values())
 
 
+def test_a_later_update_of_a_draw_takes_its_ratio_against_the_draws_log_probabilities_and_clips(tiny):
+    """--num-iterations: a micro batch carrying the log-probabilities its draw had (old_logps) gets the PPO ratio
+    against them. Hand-computed: every ratio e^0.5 = 1.65 > 1 + epsilon; a positive advantage's token is clipped
+    (-1.2 A, no gradient), a negative one's is not (-1.65 A); the dapo loss is their sum over the step's tokens
+    times completions / tokens. With old_logps equal to this pass's the loss and gradients are the ratio-1 ones."""
+    from tunebench.data.prompts import PromptData
+    from tunebench.training.objective import prepare
+    from tunebench.training.preference import token_logps
+
+    model, tok = tiny.model, tiny.tokenizer
+    data = PromptData([[5, 6, 7], [8, 9]], torch.arange(2).numpy(), 0)
+    groups = grpo.Groups([0, 1], [[20, 21, 2], [22, 2], [23, 24, 25, 2], [26, 2]],
+                         torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(4, 3))
+    objective = grpo.GRPOLoss(model, GRPO(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group"),
+                              [rewards.Reward("r", 1.0, lambda p, c, cols: [])])
+    batch, _, _ = prepare(grpo.rows_of(groups, [0, 1], data, 2, tok.pad_token_id), torch.device("cpu"))
+    with torch.no_grad():
+        now = token_logps(model, batch, batch["loss_index"], None)
+
+    def update(old, advantages):
+        model.zero_grad(set_to_none=True)
+        loss, _ = objective({**batch, "advantages": advantages} | ({} if old is None else {"old_logps": old}))
+        loss.backward()
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    row = batch["loss_index"] // (batch["input_ids"].shape[1] - 1)
+    adv = batch["advantages"][row]
+    ratio = math.exp(0.5)
+    per_token = torch.where(adv > 0, -(1 + 0.2) * adv, -ratio * adv)
+    expected = float(per_token.sum() * batch["totals"][0] / batch["totals"][1])
+    assert update(now - 0.5, batch["advantages"])[0] == pytest.approx(expected, rel=1e-5)
+    clipped = update(now - 0.5, batch["advantages"].abs())  # every advantage positive: every token clipped
+    assert all(float(g.abs().max()) == 0.0 for g in clipped[1].values())
+    same, first = update(now, batch["advantages"]), update(None, batch["advantages"])
+    assert same[0] == pytest.approx(first[0], abs=1e-6)
+    for name, grad in first[1].items():
+        torch.testing.assert_close(same[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_each_draw_trains_num_iterations_steps_and_its_later_steps_move_the_ratio(tmp_path, monkeypatch, capsys):
+    """--num-iterations 2 over 4 steps: 2 draws (steps 1 and 3), each trained on twice; a draw's second step logs
+    its rewards again and a loss of its own (at ratio 1 a dapo loss is -sum(A) x completions / tokens, the same
+    for both steps: the draw's log-probabilities reach the second), and the plan says so."""
+    drawn = []
+    real = grpo.Completions.draw
+    monkeypatch.setattr(grpo.Completions, "draw", lambda self, keys, seed: drawn.append(seed) or real(self, keys, seed))
+    out = tmp_path / "iterations"
+    assert main(_sampled(tmp_path, out, **{"--num-iterations": 2, "--eval-fraction": 0})) == 0
+    assert len(drawn) == 2 and drawn[0] != drawn[1]
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4]
+    for first, again in ((1, 2), (3, 4)):
+        for key in ("reward", "reward_std", "completions/mean_length"):
+            assert rows[again][key] == rows[first][key], (again, key)
+    assert any(rows[a]["loss"] != pytest.approx(rows[f]["loss"], abs=1e-7) for f, a in ((1, 2), (3, 4)))
+    assert "each draw trained on for 2 steps, their ratios against its log-probabilities when drawn" in \
+        capsys.readouterr().out
+
+
 def _config(tmp_path, name, **extra):
     s = GOLDEN["settings"][name]
     (tmp_path / "rewards.py").write_text(GOLDEN["rewards"])

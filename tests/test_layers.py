@@ -336,7 +336,8 @@ def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five
     """jobs/grpo.py's begin_step is one GRPO step's data in order (draw, then the groups' advantages) and calls the
     draws' draw (hop one); an environment's draw plays the episodes (episodes.rollout, hop two), whose turn
     decodes through grpo.complete (three), inference.Placed.decode (four) and decoding.decode (five); a
-    completion's draw samples (two) through complete (three) to the same decode. `collate` samples nothing."""
+    completion's draw samples (two) through complete (three) to the same decode. `collate` samples nothing (with
+    --num-iterations it scores a micro batch's tokens once, a forward pass: StepRows.old_logps)."""
     training = PACKAGE / "training"
     assert {"draws.draw", "step_rows.groups_of", "grpo.step_seed"} <= _calls(PACKAGE / "jobs" / "grpo.py", "run")
     assert "rollout" in _method_calls(training / "grpo" / "episodes.py", "Episodes", "draw")
@@ -346,7 +347,8 @@ def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five
     assert {"placed.decode", "placed.decode_turns"} <= _calls(training / "grpo" / "__init__.py", "complete")
     assert "decoding.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode")
     assert "turns.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode_turns")
-    assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "collate") <= {"self.filler", "rows_of"}
+    assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "collate") <= {"self.filler", "rows_of",
+                                                                                       "self.old_logps", "tuple"}
     assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "filler") <= {"Groups", "len", "torch.zeros",
                                                                                       "self.stat_names"}
 

@@ -50,7 +50,7 @@ def test_a_checkpoint_saved_before_the_slices_resumes_where_it_stopped(tmp_path,
 
 
 def test_each_objective_holds_only_its_own_settings_with_their_defaults():
-    """The tagged union: one type per objective (SFT holds nothing, GRPO its 18 keys), built from the flat section
+    """The tagged union: one type per objective (SFT holds nothing, GRPO its 19 keys), built from the flat section
     users spell; another objective's key is refused in one line, and GRPO's episode keys default where there is an
     environment only."""
     import dataclasses
@@ -60,9 +60,9 @@ def test_each_objective_holds_only_its_own_settings_with_their_defaults():
 
     own = {name: objectives.own_keys(kind) for name, kind in objectives.BY_NAME.items()}
     assert own["sft"] == () and own["dpo"] == ("beta",) and own["orpo"] == ("orpo_lambda",)
-    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 18
+    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 19
     assert set(own["rft"]) == set(own["grpo"]) - {"beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
-                                                  "turn_credit", "resample_alike"} | {
+                                                  "turn_credit", "resample_alike", "num_iterations"} | {
         "min_reward"}
     dpo = load_config(options={"train.objective": "dpo"}).objective
     assert type(dpo) is objectives.DPO and dpo.beta == 0.1 and not hasattr(dpo, "num_generations")

@@ -49,6 +49,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--scale-rewards", "--scale_rewards"), "objective.scale_rewards"),
     (("--turn-credit", "--turn_credit"), "objective.turn_credit"),
     (("--resample-alike", "--resample_alike"), "objective.resample_alike"),
+    (("--num-iterations", "--num_iterations"), "objective.num_iterations"),
     (("--desirable-weight", "--desirable_weight"), "objective.desirable_weight"),
     (("--undesirable-weight", "--undesirable_weight"), "objective.undesirable_weight"),
     (("--orpo-lambda",), "objective.orpo_lambda"),

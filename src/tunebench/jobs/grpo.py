@@ -39,10 +39,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None), credit)
     held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 
+    iterations = getattr(o, "num_iterations", 1)
+    if iterations > 1:
+        step_rows.old_logps = lambda batch: grpo_run.logps_now(model, batch, opened, o.temperature)
+
     def begin_step(epoch: int, step: int, keys: list[int]) -> None:
         """One step's data before its micro batches: this rank's prompts drawn (sampled, or episodes played:
-        episodes.rollout; seeded by seed, epoch, step, rank) and scored, then their groups' advantages."""
-        seed = grpo.step_seed(s.seed, epoch, step, opened.world.rank)
+        episodes.rollout; seeded by seed, epoch, draw, rank) and scored, then their groups' advantages. With
+        --num-iterations each draw serves that many steps in a row (grpo_run.epoch_steps repeats them): a later one
+        keeps the groups; a resume between them draws again, from the resumed policy."""
+        if step % iterations and step_rows.groups is not None and step_rows.groups.keys == keys:
+            return
+        seed = grpo.step_seed(s.seed, epoch, step // iterations, opened.world.rank)
         drawn = grpo.refill(draws, draws.draw(keys, seed), keys, seed) if keys else None
         step_rows.groups = drawn and step_rows.groups_of(keys, drawn)
 

@@ -150,6 +150,10 @@ class ObjectiveKeys:
     resample_alike: int | None = None
     """GRPO: rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the
     first fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
+    num_iterations: int | None = None
+    """GRPO: optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at
+    the policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one
+    forward pass more a draw), so --epsilon clips; 1: one update a draw, as TRL's default"""
     turn_credit: str | None = None
     """GRPO with --environment: each turn's credit against one baseline pooled over the group's turns (pooled, the
     GRPO paper's process supervision) | against the episodes that reached the same context (state: GiGPO's anchor

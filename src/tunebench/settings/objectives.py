@@ -150,6 +150,7 @@ class GRPO(ObjectiveBase):
     balance_kinds: bool = False  # each step's prompts interleaved by kind (batching.balanced_steps)
     turn_credit: str = "pooled"  # TURN_CREDITS: an episode's turns' baseline (grpo.turn_advantages, state_advantages)
     resample_alike: int = 0  # rounds of fresh draws for a group that scored alike (grpo.refill; DAPO); 0: none
+    num_iterations: int = 1  # optimizer steps on each step's draws (TRL's num_iterations, the paper's mu)
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True
@@ -177,6 +178,9 @@ class GRPO(ObjectiveBase):
                                  f"{self.epsilon} and {self.epsilon_high}")
         if self.resample_alike < 0:
             raise TunebenchError(f"--resample-alike must be 0 (off) or more rounds, got {self.resample_alike}")
+        if self.num_iterations < 1:
+            raise TunebenchError(f"--num-iterations must be 1 (one update a draw, TRL's default) or more, got "
+                                 f"{self.num_iterations}")
         if self.turn_credit == "state" and self.environment is None:
             raise TunebenchError("--turn-credit state compares the turns of episodes that reached the same context; "
                                  "give --environment FILE.py (or builtin:lookup), or drop it")

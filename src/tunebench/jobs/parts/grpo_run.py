@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from tunebench.core.decision import Decision
 from tunebench.core.userfile import UserFile
 from tunebench.data import batching, prompts
@@ -18,7 +20,7 @@ from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.objectives import GRPO, RFT
-from tunebench.training import checkpoint
+from tunebench.training import checkpoint, objective, preference
 from tunebench.training.autotune import Trained
 from tunebench.training.grpo import (
     Advantages,
@@ -34,6 +36,8 @@ from tunebench.training.grpo import (
 from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo.environment import Environment
 from tunebench.training.grpo.watch import Kinds
+from tunebench.training.objective import Batch
+from tunebench.training.runner import Opened
 
 
 def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None, Kinds | None]:
@@ -108,9 +112,20 @@ def epoch_steps(o: GRPO | RFT, train_idx, effective: int, seed: int, kinds, data
     turn (batching.balanced_steps; `kinds` the watch.Kinds of --kind-column, which --balance-kinds needs)."""
 
     if not o.balance_kinds:
-        return lambda epoch: batching.epoch_steps(train_idx, effective, seed, epoch)
-    kind_of = {int(k): kinds.of_row[data.source(int(k))] for k in train_idx}
-    return lambda epoch: batching.balanced_steps(train_idx, kind_of, effective, seed, epoch)
+        steps = lambda epoch: batching.epoch_steps(train_idx, effective, seed, epoch)  # noqa: E731
+    else:
+        kind_of = {int(k): kinds.of_row[data.source(int(k))] for k in train_idx}
+        steps = lambda epoch: batching.balanced_steps(train_idx, kind_of, effective, seed, epoch)  # noqa: E731
+    repeat = getattr(o, "num_iterations", 1)  # each draw trained on that many steps in a row (the job's begin_step)
+    return steps if repeat == 1 else lambda epoch: [step for step in steps(epoch) for _ in range(repeat)]
+
+
+def logps_now(model, batch: Batch, opened: Opened, temperature: float) -> torch.Tensor:
+    """A micro batch's log-probabilities at its loss positions under the policy as it is, without gradients: what
+    --num-iterations' later updates take their ratio against (kept on the CPU with the batch)."""
+    on = objective.prepare(batch, opened.device)[0]
+    with torch.no_grad():
+        return preference.token_logps(model, on, on["loss_index"], opened.autocast, temperature).cpu()
 
 
 def slice_of(o: GRPO | RFT) -> tuple[type, Credit]:
@@ -153,7 +168,10 @@ def _extras(o: GRPO | RFT) -> str:
     """What the objective's row adds for the settings that change which completions a step learns from."""
     return ((f"; a group that scored alike drawn again up to {o.resample_alike} time(s) (dynamic sampling)"
              if getattr(o, "resample_alike", 0) else "")
-            + (f"; each step's prompts one of each kind of {o.kind_column} in turn" if o.balance_kinds else ""))
+            + (f"; each step's prompts one of each kind of {o.kind_column} in turn" if o.balance_kinds else "")
+            + (f"; each draw trained on for {o.num_iterations} steps, their ratios against its log-probabilities "
+               f"when drawn (clipped at 1 -/+ {o.epsilon:g}/{o.epsilon_high:g})"
+               if getattr(o, "num_iterations", 1) > 1 else ""))
 
 
 def header(source: str, cfg: RunConfig, data: PromptData, n_train: int, n_held_out: int, trainable: int,
@@ -170,6 +188,8 @@ def measured_as(cfg: RunConfig) -> Trained:
     completions, never sampled."""
     a, o = cfg.adapter, cfg.objective
     episodes = f"+episodes{o.max_turns}" if o.environment else ""  # whole contexts: not a single turn's probe
+    iterations = getattr(o, "num_iterations", 1)  # a draw's later steps sample nothing: another step time
+    episodes += f"+iterations{iterations}" if iterations > 1 else ""
     return Trained(cfg.model.name, f"{a.method}+{o.name}{o.num_generations}x{o.max_completion_length}{episodes}",
                    a.quantization, a.r, a.target_modules)
 

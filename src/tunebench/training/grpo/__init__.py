@@ -10,8 +10,10 @@ The step's micro batches then train on (prompt + completion) rows, the loss on t
     per token: -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL * ratio,
     KL = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator), ratio = exp(logp - logp_old)
 
-with one update per generation (TRL's num_iterations=1), so logp_old is logp without its gradient and the ratio
-is 1 in value; log-probabilities are of the logits divided by the sampling temperature, as TRL scores them. The reference (only when beta > 0) is the model with the adapter's starting values put back for its pass (as
+with one update per generation by default (TRL's num_iterations=1), so logp_old is logp without its gradient and
+the ratio is 1 in value; with --num-iterations mu each draw trains mu steps in a row, logp_old its log-probabilities
+at the policy that drew it (a forward pass without gradients at its first update, TRL's way), so the ratio moves
+and epsilon clips it; log-probabilities are of the logits divided by the sampling temperature, as TRL scores them. The reference (only when beta > 0) is the model with the adapter's starting values put back for its pass (as
 DPO's: preference.StartingAdapter), or a frozen copy under full fine-tuning. TRL's loss normalisations: "dapo" (its default: the step's completion tokens), "grpo" (each
 completion's mean over its tokens, then the mean over the step's completions), "dr_grpo" (the step's
 completions x max_completion_length). All three are sums over the step divided by a count of the whole step, so
@@ -156,6 +158,9 @@ class Groups:
     row_stats: torch.Tensor  # (completions, len(stat_names) - 1): the per-completion terms of every stat but kl
     masks: list[list[int]] | None = None  # an episode's: 1 on the policy's tokens (None: every completion token)
     token_advantages: list[list[float]] | None = None  # per completion token, with per-turn rewards (turn_advantages)
+    # --num-iterations above 1: each micro batch's log-probabilities at the policy that drew it (by its prompts),
+    # what its later updates' ratios are against
+    old_logps: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     def silent(self, i: int, g: int) -> bool:
         """Whether completion i's group (of `g`) teaches nothing: every advantage of every one of its tokens is 0."""
@@ -376,6 +381,8 @@ class StepRows:
         self.draws, self.s, self.kinds, self.watch = draws, draws.on.s, kinds, watch
         self.credit = credit or Advantages(draws.on.s)
         self.groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
+        # --num-iterations above 1: a micro batch -> its (loss positions,) log-probabilities now, no gradient
+        self.old_logps: Callable[[Batch], torch.Tensor] | None = None
 
     def stat_names(self) -> tuple[str, ...]:
         """Every step stat but frac_groups_skipped, kl first: the draws', then watch.py's."""
@@ -415,8 +422,13 @@ class StepRows:
             # feed.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
             # are zeroed there): one EOS a completion, nothing sampled
             groups = self.filler(keys, 1)
-        return rows_of(groups, keys, self.draws.on.data, self.s.num_generations,
-                       self.draws.on.tokenizer.pad_token_id, self.credit.skip)
+        batch = rows_of(groups, keys, self.draws.on.data, self.s.num_generations,
+                        self.draws.on.tokenizer.pad_token_id, self.credit.skip)
+        if self.old_logps is not None and groups is self.groups:
+            if tuple(keys) not in groups.old_logps:  # the draw's first update: the policy that sampled it
+                groups.old_logps[tuple(keys)] = self.old_logps(batch)
+            batch["old_logps"] = groups.old_logps[tuple(keys)]
+        return batch
 
     def probe_rows(self, keys: list[int]) -> Batch:
         """A micro batch as large as `keys` can make (every completion as long as the draws' can be, zero
@@ -551,7 +563,8 @@ class GRPOLoss(torch.nn.Module):
         logp = token_logps(self.model, batch, index, self.autocast_dtype, s.temperature)
         adv = batch["token_advantages"].to(logp.dtype).reshape(-1)[index] if "token_advantages" in batch else \
             batch["advantages"].to(logp.dtype)[row]
-        ratio = torch.exp(logp - logp.detach())  # 1 in value: one update per generation
+        old = batch.get("old_logps")  # --num-iterations: the draw's; else this pass's own, a ratio of 1 in value
+        ratio = torch.exp(logp - (logp.detach() if old is None else old.to(logp.dtype)))
         per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high) * adv)
         totals = batch["totals"]  # (completions, completion tokens) of the whole step
         per_completion_token = (totals[0] / totals[1]).to(logp.dtype)
