@@ -347,6 +347,28 @@ def test_report_to_tensorboard_writes_events_tensorboards_reader_loads(tmp_path,
     assert len(events.Scalars("train/loss")) == 4
 
 
+def test_every_objective_setting_is_declared_once_and_brings_its_flag_help_and_reference_row():
+    """Every field of every objective's type is a key of the section users spell (settings.finetune.ObjectiveKeys,
+    where its documentation is written once), and each key is a --flag in both spellings (made from that class:
+    cli_parser.objective_flags) whose help is that documentation, and a row of the configuration reference. A field
+    added to a type without its key fails here; the key brings its flag, help and row with it."""
+    from tunebench.interfaces import cli_parser
+    from tunebench.settings import objectives
+    from tunebench.settings.finetune import ObjectiveKeys
+
+    flat = {f.name for f in dataclasses.fields(ObjectiveKeys)}
+    for name, kind in objectives.BY_NAME.items():
+        assert set(objectives.own_keys(kind)) <= flat, name
+    parser = cli_parser.build_parser()
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "configuration.md").read_text()
+    for key in sorted(flat - {"name"}):
+        for flag in (f"--{key.replace('_', '-')}", f"--{key}"):
+            assert getattr(parser.parse_args(["train", flag, "1"]), f"objective.{key}") in ("1", ["1"]), flag
+        assert cli_parser.train_help(f"objective.{key}").strip(), key
+        assert f"| `objective.{key}` |" in reference, key
+    assert parser.parse_args(["train", "--objective", "dpo"]).__dict__["objective.name"] == "dpo"
+
+
 def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_table():
     """DPO's beta, GRPO's group size and the rest default per objective (each objective's settings type,
     settings/objectives.py); their --help and the configuration reference say so from those types, not from prose

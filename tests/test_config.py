@@ -205,6 +205,7 @@ def test_the_objective_keys_are_read_as_every_earlier_config_spelled_them(tmp_pa
     assert saved["objective"] == "dpo" and saved["beta"] == 0.3 and saved["r"] == 8 and "name" not in saved
     assert set(saved) == {f.name for f in dataclasses.fields(type(dotted.adapter))} | {
         "objective" if f.name == "name" else f.name for f in dataclasses.fields(ObjectiveKeys)} - {
-        "environment", "max_turns", "tool_timeout", "kind_column", "min_reward", "turn_credit", "resample_alike", "balance_kinds"}  # unset, or as runs
+        "environment", "max_turns", "tool_timeout", "kind_column", "min_reward", "turn_credit", "resample_alike", "balance_kinds",
+        "num_iterations"}  # unset, or as runs
     # before them trained: left out, as checkpoints before them hold none
     assert set(dataclasses.asdict(dotted.adapter)).isdisjoint(dataclasses.asdict(dotted.objective))

@@ -13,9 +13,18 @@ from tunebench.core import VERSION
 from tunebench.core.errors import TunebenchError
 from tunebench.interfaces import cli_jobs
 from tunebench.settings import schema  # torch-free: the sections and their documentation
-from tunebench.settings.finetune import METHODS, OBJECTIVES, SECTIONS, load_config, parse_source
+from tunebench.settings.finetune import METHODS, OBJECTIVES, SECTIONS, ObjectiveKeys, load_config, parse_source
 from tunebench.settings.objectives import default_text
 from tunebench.settings.rundir import RunDir
+
+
+def objective_flags() -> list[tuple[tuple[str, ...], str]]:
+    """A flag for every key of the objective section, made from its one declaration (settings.finetune.ObjectiveKeys,
+    whose fields' documentation is the help): --the-key, and the study's --the_key; its name is --objective."""
+    return [(("--objective",), "objective.name"), *[
+        (tuple(dict.fromkeys((f"--{f.name.replace('_', '-')}", f"--{f.name}"))), f"objective.{f.name}")
+        for f in dataclasses.fields(ObjectiveKeys) if f.name != "name"]]
+
 
 # (flags, config key): the help is the field's documentation in settings/finetune.py, with its default.
 # The reference study's underscore spellings are aliases.
@@ -35,30 +44,7 @@ TRAIN_OPTIONS: list[tuple[tuple[str, ...], str]] = [
     (("--packing",), "data.packing"),
     (("--eval-fraction",), "data.eval_fraction"),
     (("--method",), "adapter.method"),
-    (("--objective",), "objective.name"),
-    (("--beta",), "objective.beta"),
-    (("--reward",), "objective.reward"),
-    (("--reward-weights", "--reward_weights"), "objective.reward_weights"),
-    (("--num-generations", "--num_generations"), "objective.num_generations"),
-    (("--max-completion-length", "--max_completion_length"), "objective.max_completion_length"),
-    (("--temperature",), "objective.temperature"),
-    (("--top-p", "--top_p"), "objective.top_p"),
-    (("--epsilon",), "objective.epsilon"),
-    (("--epsilon-high", "--epsilon_high"), "objective.epsilon_high"),
-    (("--loss-type", "--loss_type"), "objective.loss_type"),
-    (("--scale-rewards", "--scale_rewards"), "objective.scale_rewards"),
-    (("--turn-credit", "--turn_credit"), "objective.turn_credit"),
-    (("--resample-alike", "--resample_alike"), "objective.resample_alike"),
-    (("--num-iterations", "--num_iterations"), "objective.num_iterations"),
-    (("--desirable-weight", "--desirable_weight"), "objective.desirable_weight"),
-    (("--undesirable-weight", "--undesirable_weight"), "objective.undesirable_weight"),
-    (("--orpo-lambda",), "objective.orpo_lambda"),
-    (("--environment",), "objective.environment"),
-    (("--max-turns", "--max_turns"), "objective.max_turns"),
-    (("--tool-timeout", "--tool_timeout"), "objective.tool_timeout"),
-    (("--kind-column", "--kind_column"), "objective.kind_column"),
-    (("--balance-kinds", "--balance_kinds"), "objective.balance_kinds"),
-    (("--min-reward", "--min_reward"), "objective.min_reward"),
+    *objective_flags(),
     (("--lora-r", "--lora_r", "--rank"), "adapter.r"),
     (("--lora-alpha", "--lora_alpha"), "adapter.lora_alpha"),
     (("--lora-dropout", "--lora_dropout"), "adapter.lora_dropout"),

@@ -153,7 +153,7 @@ class ObjectiveKeys:
     num_iterations: int | None = None
     """GRPO: optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at
     the policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one
-    forward pass more a draw), so --epsilon clips; 1: one update a draw, as TRL's default"""
+    forward pass more a draw), so --epsilon clips; 1 (TRL's): one update a draw"""
     turn_credit: str | None = None
     """GRPO with --environment: each turn's credit against one baseline pooled over the group's turns (pooled, the
     GRPO paper's process supervision) | against the episodes that reached the same context (state: GiGPO's anchor
