@@ -19,7 +19,6 @@ def open_no_follow(path: str | Path, mode: str = "w", encoding: str | None = "ut
     """open(path, mode) for "w", "wb", "a" or "ab", refusing a symbolic link where the file goes: a run
     directory is shared (the studio's runs, a team's disk), and a link planted there must not turn a write of
     ours into a write of some other file of the user's. Raises TunebenchError naming the link."""
-
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     try:
         fd = os.open(path, flags, 0o666)  # the umask applies, as open()'s does

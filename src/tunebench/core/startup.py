@@ -116,7 +116,6 @@ def libc_prctl():
     """libc's prctl, or None where there is none. Looked up once: find_library runs `ldconfig -p` (a process of its
     own), which must not happen in a child between fork and exec, where die_with_parent runs as Popen's preexec_fn
     (children.start looks it up in the parent first, and the fork inherits the answer)."""
-
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
@@ -130,7 +129,6 @@ def die_with_parent(parent: int, signum: int | None = None) -> bool:
     in a session of its own that no process-group kill reaches, call it as they join the group; a GRPO
     environment's process (core/userprocess.py) asks for SIGKILL, which a call stuck in C cannot hold off. False
     where the system has no prctl (elsewhere than Linux: the parent's own `stop` still ends them)."""
-
     signum = signal.SIGTERM if signum is None else signum
     prctl = libc_prctl()
     if prctl is None:
@@ -158,7 +156,6 @@ def watch_parent(parent: int) -> None:
     with kill -9. So a daemon thread (collectives release the GIL) watches the parent: once it is gone, a process
     whose handler has not run within STUCK_S seconds is stuck and is killed; one whose handler ran (it is saving a
     checkpoint and stopping) gets GRACE_S more. TUNEBENCH_STUCK_S sets the first."""
-
     stuck = float(os.environ.get("TUNEBENCH_STUCK_S", STUCK_S))
 
     def watch() -> None:

@@ -152,7 +152,6 @@ class Remote:
 def serve(fd: str, path: str, module_name: str, parent: str) -> None:
     """The child: run the file's bytes as a module, then answer the parent's requests until it closes the pipe."""
 
-
     # Ctrl-C is the parent's to act on (it stops us): a Python no-op, not SIG_IGN, which every program a tool
     # starts would inherit
     signal.signal(signal.SIGINT, lambda *_: None)

@@ -93,7 +93,6 @@ def from_store(path: str) -> JudgedExamples:
     """A vote for A: A's answer desirable, B's undesirable (and the other way round); both bad: both undesirable;
     a tie: skipped. Then each thumbs up (desirable) or down (undesirable) on a Chat answer, its prompt the
     conversation before it."""
-
     out = JudgedExamples([], [], [], path)
     for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
         if vote == "tie":

@@ -67,7 +67,6 @@ def is_store(path: str) -> bool:
 
 def from_store(path: str) -> PairExamples:
     """A vote for A makes (A's answer chosen, B's rejected), a vote for B the other way round."""
-
     out = PairExamples([], [], [], path)
     for prompt, answer_a, answer_b, vote in votes.votes(path, "prompt, answer_a, answer_b, vote"):
         if vote in ("tie", "both_bad"):
@@ -236,7 +235,6 @@ def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Te
 
 def export(pairs: PairExamples, path: str | Path) -> int:
     """Write the pairs as JSON lines (prompt, chosen, rejected) for other tools; returns how many."""
-
     records = pairs.records()
     with atomic_file(path) as tmp:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")

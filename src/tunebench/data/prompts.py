@@ -89,7 +89,6 @@ class PromptData:
 def tokenize(rows: PromptRows, tokenizer, cfg: DataConfig, max_completion_length: int) -> PromptData:
     """Each prompt rendered as generation sees it; one whose tokens and a full completion would pass
     max_length is dropped (counted), since its completions would be cut."""
-
     ids, kept, dropped = [], [], 0
     for k, messages in enumerate(rows.prompts):
         prompt = tokenizer(render_prompt(messages, tokenizer, cfg.template), add_special_tokens=False)["input_ids"]

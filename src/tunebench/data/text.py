@@ -144,7 +144,6 @@ def pieces(spec: str, column: str = "text", dataset_config: str | None = None,
 
 def _cached_dataset(name: str, config: str | None):
     """A dataset that is already in the local Hugging Face cache; tunebench never downloads one."""
-
     import datasets
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

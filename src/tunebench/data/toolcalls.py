@@ -128,7 +128,6 @@ def choose(rows: list, tokenizer) -> str | None:
     """Where rows carry tools or reasoning and the tokenizer's own chat template does not render the first such
     row whole, the tokenizer is given TEMPLATE (and keeps it: the run saves it, exports carry it). Returns why, to
     be said and recorded; None where nothing changed."""
-
     first = next((r for r in rows if carries_tools(r)), None)
     if first is None:
         return None
@@ -173,7 +172,6 @@ def parse(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 def check_prompt_format(rows: list, template: str) -> None:
     """A prompt format (--template '### Q: {instruction}...') has no place for tools: refused for such rows."""
-
     if template not in ("auto", "chat") and any(carries_tools(r) for r in rows):
         raise TunebenchError("the data carries tool calls or reasoning, which a prompt format (--template) cannot "
                              "render; leave --template at auto (the chat template renders them)")

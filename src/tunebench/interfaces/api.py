@@ -48,7 +48,6 @@ def train_tokenizer(files: list[str], vocab_size: int, type: str = "bpe", output
                     text_column: str = "text", overwrite: bool = False) -> dict[str, Any]:
     """Train and save a tokenizer (`tunebench tokenizer train`); returns the vocabulary reached and bytes/token.
     An output directory that holds files is refused unless `overwrite`."""
-
     return tokenizer.train(list(files), vocab_size, type, output_dir, text_column, overwrite=overwrite)
 
 

@@ -184,7 +184,6 @@ def _add_pretrain(sub) -> None:
 def train_config(args: argparse.Namespace, world_size: int | None = None):
     """`tunebench train`'s parsed arguments as its run configuration (every value checked there, at `world_size`
     ranks: by default the launched run's)."""
-
     options: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k}
     if isinstance(options.get("data.path"), list):
 
@@ -210,7 +209,6 @@ def train_config(args: argparse.Namespace, world_size: int | None = None):
 def check_resumed_where_saved(config: Path, out: Path) -> None:
     """`train RUN/config.yaml --resume` continues RUN: a config saved in a run's directory whose output_dir names
     another place (the run was renamed or moved since) is refused, rather than resumed into that other place."""
-
     home = RunDir(config.resolve().parent)
     if home.config_file != config.resolve() or not (home.checkpoints.is_dir() or home.metrics_file.is_file()):
         return  # not a run's own saved config

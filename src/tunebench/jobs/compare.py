@@ -298,7 +298,6 @@ def main(matrix: str, output: str, runs_dir: str | None, repeats: int, extra: di
          devices: list[str] | None, retry_failed: bool, nproc: str | None, report_dir: str | None) -> None:
     """`tunebench compare`: the matrix run (its results beside `output`, runs under runs_dir, default the
     output's folder/runs), then the report (default the output's folder/report)."""
-
     if repeats < 1:
         raise TunebenchError(f"--repeats must be 1 or more, got {repeats}")
     counts = None

@@ -54,7 +54,6 @@ def table(model: str | None, adapters: list[str | None], base: bool, data: DataC
     """`tunebench eval`: each model (the base with `base`, and each adapter) on the same rows, one table; with
     `lm_eval_ask`, lm-evaluation-harness's tasks instead (its local tasks read its `data`). Each of `ggufs`
     (a run's export) answers the same rows in llama.cpp, a row of the same table."""
-
     if base and adapters == [None]:
         raise TunebenchError("--base compares a base model with its adapters; give --adapter too")
     check_ggufs(ggufs, generate, adapters[0] or model)
@@ -210,7 +209,6 @@ def lm_eval(model: str | None, adapter: str | None, ask: LmEvalAsk, batch_size: 
     """EleutherAI's lm-evaluation-harness on the merged model: its tasks, prompts, filters and metrics.
     tunebench's local tasks (gsm8k_local) read `data` instead of downloading a dataset; `include` adds a
     directory of your own task YAMLs."""
-
     tasks, data, limit, include = ask.tasks, ask.data, ask.limit, ask.include
     if importlib.util.find_spec("lm_eval") is None:
         raise TunebenchError("--lm-eval needs EleutherAI's lm-evaluation-harness: pip install 'tunebench[lm-eval]' "

@@ -151,7 +151,6 @@ def _write_gguf(model, tokenizer, path: Path, quant: str, template: str | None, 
     is made from it by the quantizer, so the model is saved and converted once (each conversion of Gemma 3 270M
     took ~13 s; the quantizer's f16 and q8_0 from f32 round as the converter's do); `memo`: what one export has
     learned of the model (its f16 check, for the cause of a refusal)."""
-
     direct = gguf_export.QUANTS if writer == "tunebench" else llama_cpp_tools.OUTTYPES
     if quant in direct and writer == "tunebench":
         written = gguf_export.write(model, tokenizer, path, quant, template, name)
@@ -202,7 +201,6 @@ def _cause(model, tokenizer, template: str | None, quant: str, name: str, writer
            beside: Path, memo: dict) -> str:
     """Why a quantized type fell short, from f16 written from the same weights and read back the same way: f16
     reproducing the model puts the loss on the type's rounding of this model, not on the file's layout."""
-
     if "f16" not in memo:
         with tempfile.TemporaryDirectory(dir=beside.parent, prefix=".export-f16-") as tmp:
             f16 = Path(tmp) / "f16.gguf"

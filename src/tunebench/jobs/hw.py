@@ -34,7 +34,6 @@ def profile_for(hw) -> tuple[str, str]:
 
 def system_info(hw, record: dict) -> str:
     """The study's system_info.txt: date, CPU, GPU, CUDA and package versions, one fact a line."""
-
     lines = [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
              f"host: {platform.node()}", f"os: {hw.os}", f"python: {platform.python_version()}",
              f"cpu: {hw.cpu_model} ({hw.physical_cores} physical / {hw.logical_cores} logical cores)",
@@ -79,7 +78,6 @@ STUDY = (134_515_008, 128, "lora")
 def starts_from(hw: hardware.Hardware, plan: hardware.Plan, sizes: list[int], effective: int) -> list[Decision]:
     """The attention and micro batch rows of the study's shape on `hw`: what `auto` measures first and predicts
     from, by the nearest machine class's record of the run's precision (autotune.known), or plain measuring."""
-
     candidates = ", ".join(map(str, sizes))
     k = known.nearest(known.shipped(), known.unit(hw.cpu_flags), plan.precision, plan.threads, *STUDY) \
         if plan.device == "cpu" else None
@@ -118,7 +116,6 @@ def memory_row(hw: hardware.Hardware, plan: hardware.Plan, model: str, method: s
                runtime_mb: float) -> Decision:
     """What training `model` with `method` would take on `hw` at its smallest (micro batch 1, checkpointing on),
     from the model's config alone: the memory plan, or the refusal a run would meet before loading."""
-
     config = models.config_of(model)
     if config is None:
         raise TunebenchError(f"--model '{model}': no config to plan from; give a model directory, a hub id in the "
@@ -156,7 +153,6 @@ RECORDED_RUNTIME_MB = 500.0  # Python, torch, transformers, a tokenizer and data
 
 def load_record(path: str) -> hardware.Hardware:
     """A machine record (`tunebench hw --json` on that machine), read and checked."""
-
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
@@ -175,7 +171,6 @@ def load_record(path: str) -> hardware.Hardware:
 def write_record(path: str, precision: str = "auto") -> dict:
     """`tunebench hw --record FILE`: this machine's measured outcomes (the measurement cache's complete probes at
     `precision`) in the shipped records' format (autotune.known), for a user to contribute a machine class."""
-
 
     hw, plan, _ = machine()
     precision = plan.precision if precision == "auto" else precision

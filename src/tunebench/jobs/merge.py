@@ -67,7 +67,6 @@ def merge(adapter: str, output_dir: str, model: str | None = None, allow_downloa
 def combine(adapters: list[str], output_dir: str, weights: list[float] | None = None, combination: str = "linear",
             density: float | None = None, model: str | None = None, allow_download: bool = False) -> Path:
     """Several LoRA adapters of one base as one new adapter directory."""
-
     out = Path(output_dir)
     weights = weights or [1.0 / len(adapters)] * len(adapters)
     check_combination(adapters, out, weights, combination, density)
@@ -107,7 +106,6 @@ def before_and_after(adapters: list[str], combined: Path, eval_data: list[str], 
                      max_new_tokens: int = 64) -> str:
     """Each task's metric (exact match on GSM8K-style data, else ROUGE-L) from its own adapter and from the
     combined one, on the same rows: what combining cost or gained each task."""
-
     template = trained_template(str(combined))
     together = inference.load(None, str(combined))  # once, for every task
     lines = ["task (data)                 metric       its adapter   combined"]

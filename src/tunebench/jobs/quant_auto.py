@@ -207,7 +207,6 @@ def reason(chosen: str, tried: list[Tried], settings: Settings) -> str:
 
 def record(directory: Path, chosen: str, tried: list[Tried], settings: Settings, held, work: Path) -> None:
     """quant-auto.json (the settings, the pick, every row) and each scored type's answers, into `directory`."""
-
     write_json(directory / "quant-auto.json", {"picked": chosen, "reason": reason(chosen, tried, settings),
                                                "settings": asdict(settings), "rows_from": held.where,
                                                "types": [asdict(t) for t in tried]})

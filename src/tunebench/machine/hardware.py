@@ -171,7 +171,6 @@ def parse_cpu_quota(cpu_max: str | None = None, cfs_quota: str | None = None, cf
 
 def _cgroup_cpu_quota() -> float | None:
     """The tightest CPU quota over this process's cgroup and its container root (Linux only)."""
-
     root = Path("/sys/fs/cgroup")
     try:
         own = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
@@ -430,7 +429,6 @@ def measure_cpu_peak_tflops(dtype: str, threads: int, seconds: float = 1.0) -> f
     its fastest matmul, as the probes count their fastest step: a busy or cold machine only slows one down.
     Averaged, and stopped at the first size that did not rise, a fresh process on 2 AMX cores measured 1.28
     TFLOP/s where the next three measured 1.92-2.37, and a 1.07B model's MFU read 61.8% against it."""
-
     import torch
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
@@ -477,7 +475,6 @@ def fma_limit_tflops(dtype: str, hw: Hardware, threads: int) -> tuple[float | No
 
 def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float:
     """The measured CPU peak, cached per (CPU, flags, threads, torch, dtype): measured once, a few seconds."""
-
     key = _cpu_peak_key(dtype, hw, threads)
     peak = read_json(cache_file).get(key)
     if not isinstance(peak, (int, float)):

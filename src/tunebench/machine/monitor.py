@@ -105,7 +105,6 @@ def other_load(own_threads: int, interval_s: float = 0.5) -> tuple[float | None,
     spin while they wait and still show as busy. The load average counts threads that want a CPU, so
     what exceeds this run's threads is the others' demand. Linux and macOS; (None, None) elsewhere.
     """
-
     import psutil
 
     try:

@@ -33,7 +33,6 @@ def run_of(path: Path) -> Path:
 
 def check(path: str) -> Path:
     """Refused before anything loads: not a .gguf file, not under its run, or llama.cpp missing."""
-
     p = Path(path)
     if not p.is_file() or p.suffix != ".gguf":
         raise TunebenchError(f"--gguf {path} is not a .gguf file; pass a file `tunebench export` wrote")

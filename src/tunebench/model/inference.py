@@ -21,7 +21,6 @@ from tunebench.settings.rundir import RunDir
 
 def trained_on(adapter_dir: str) -> str:
     """The base model an adapter (or a tunebench run directory) was trained on."""
-
     return RunDir(adapter_dir).base_model()
 
 

@@ -101,7 +101,6 @@ def convert(hf_dir: Path, out: Path, outtype: str) -> None:
 def quantize(src: Path, dst: Path, quant: str, threads: int | None = None) -> list[str]:
     """llama.cpp's quantizer (llama_model_quantize) from an f16/f32 GGUF to `quant`; returns its warnings (such
     as tensors whose rows are not whole K-quant blocks, quantized with a fallback type)."""
-
     import llama_cpp
 
     name = K_QUANTS.get(quant) or LEGACY.get(quant) or FLOATS.get(quant)

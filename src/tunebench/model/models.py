@@ -144,7 +144,6 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
 def _one_at_a_time(lock: Path):
     """An exclusive flock on `lock` (made without following a link) while the block runs: processes that start at
     once (compare's runs, tests on two workers sharing a cache) convert the same GGUF once, not each for ~20 s."""
-
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -210,7 +209,6 @@ def gguf_context_length(gguf: Path) -> int | None:
     read in order until it is found; None where the file does not say. By hand because gguf's GGUFReader parses
     the whole file first, every vocabulary entry an array view (9-17 s for Gemma 3's 262,144 tokens on 2 cores,
     for one number that comes before the vocabulary)."""
-
     scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
     with open(gguf, "rb") as f:

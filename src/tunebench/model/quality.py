@@ -59,7 +59,6 @@ class Answer:
 def prompt_and_reference(messages: formats.Messages) -> tuple[formats.Messages, str] | None:
     """The turns before the last reply (with the row's tools), and the reply a model's answer is scored against
     (a tool call written as the tool template writes it); None for plain text."""
-
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None or last == 0:
         return None
@@ -82,7 +81,6 @@ def answerable(rows: list[formats.Messages]) -> list[tuple[formats.Messages, for
 
 def reference_calls(messages: formats.Messages) -> list | None:
     """The last reply's tool calls as {"name", "arguments"}, where the row offers tools or makes calls; else None."""
-
     last = [m for m in messages if m["role"] == "assistant"][-1]
     if not (formats.tools_of(messages) or last.get("tool_calls")):
         return None
@@ -206,7 +204,6 @@ def row_scores(answers: list[Answer], metric: str) -> list[float]:
 def tool_scores(answers: list[Answer]) -> dict[str, float]:
     """TOOL_SCORES over the rows that offer tools (none where no row does): the first call of each answer
     (read back by data.toolcalls.parse) against the reference's first call."""
-
     judged = [a for a in answers if a.calls is not None]
     if not judged:
         return {}
@@ -227,7 +224,6 @@ def tool_scores(answers: list[Answer]) -> dict[str, float]:
 
 def write_answers(path: Path, answers: list[Answer], scores: dict) -> None:
     """Each row's prompt, reference and answer (JSONL, for a person to read), the scores on the first line."""
-
     with atomic_file(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps({"scores": scores}) + "\n")

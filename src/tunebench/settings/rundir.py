@@ -130,7 +130,6 @@ class RunDir:
 
     def raw_config(self) -> dict[str, Any]:
         """config.yaml as the safe loader reads it; {} when the directory has none (a plain HF directory)."""
-
         return read_yaml(self.config_file) if self.config_file.is_file() else {}
 
     def kind(self) -> str:
@@ -176,7 +175,6 @@ class RunDir:
 
     def train_config(self):
         """The fine-tuning run's configuration (config.RunConfig), loaded and validated as at its start."""
-
         return load_config(self.config_file)
 
     @staticmethod

@@ -49,7 +49,6 @@ TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "w
 def check(report: str) -> None:
     """Each tracker asked for is installed (and W&B can write somewhere), refused here with the fix, before
     any model loads: found without importing them (find_spec)."""
-
     for name in names(report):
         if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
             raise TunebenchError(f"--report-to {name} needs the {name} package: pip install 'tunebench[{name}]'")
@@ -61,7 +60,6 @@ def check(report: str) -> None:
 def wandb_can_write() -> bool:
     """Whether wandb.init would start without asking for a key: offline or disabled mode (the environment, or
     `wandb offline`'s settings file), an API key in the environment, or one `wandb login` stored in ~/.netrc."""
-
     mode = os.environ.get("WANDB_MODE", "")
     for path in (Path("wandb/settings"), Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config/wandb"))
                  / "settings"):

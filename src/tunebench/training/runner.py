@@ -153,7 +153,6 @@ def tracking(opened: Opened, logging) -> Iterator[trackers.Tracking]:
     """The run's experiment trackers (logging.report_to) on rank 0, named by logging.project, run_name and
     group; none elsewhere. A resumed run reopens its own tracker runs. Closing it ends the run: the trackers
     get its outcome, and the run directory's lock (core.runlock, taken when the run opened) is let go."""
-
     if not opened.world.main or logging.report_to == "none":
         found = trackers.Tracking()
     else:

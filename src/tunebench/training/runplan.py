@@ -39,7 +39,6 @@ def fit_time(budget: str | None, steps: int, tokens_per_step: float, tokens_per_
              measure_s: float, resumed_steps: int | None = None) -> tuple[int, Decision | None]:
     """(steps, their row) under --time-budget: as many steps as the budget left after measuring trains at the
     measured speed, never more than `steps`; an interrupted run resumes with the steps it was given."""
-
     if budget is None:
         return steps, None
     if resumed_steps is not None:
@@ -65,7 +64,6 @@ def sampling_budget(budget: str | None, steps: int, measure_s: float) -> tuple[f
     """(the seconds of training the loop may take, the steps' row) under --time-budget for a run whose steps sample
     (GRPO, RFT): their time follows what they draw, which no probe measures, so the budget is a deadline the loop
     keeps (loop.LoopSettings.time_limit_s), not a step count worked out ahead; `steps` stays the most it runs."""
-
     if budget is None:
         return None, None
     left = budget_seconds(budget) - measure_s

@@ -43,7 +43,6 @@ def job(run: Callable) -> Callable:
     """A training job's entry point: Ctrl-C or SIGTERM outside the loop (loading, measuring, the evaluation
     before it, the summary after it) stops the run with one line that says what it leaves, exit 130 as a
     stopped run; and every run directory lock it took is let go however it ends (runlock.released)."""
-
     @functools.wraps(run)
     def guarded(*args, **kwargs):
         def on_signal(signum, frame):

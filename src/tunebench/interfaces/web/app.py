@@ -352,7 +352,6 @@ class SameOrigin:
 
 def login_check(credentials: tuple[str, str]):
     """Gradio's login check: the one USER:PASSWORD; a wrong one answered after FAILED_LOGIN_DELAY_S, one at a time."""
-
     failures = asyncio.Lock()
 
     async def check(user: str, password: str) -> bool:
@@ -368,7 +367,6 @@ def private_uploads() -> Path:
     """Gradio's upload folder (GRADIO_TEMP_DIR) as a directory of this process's own, readable by this user
     alone, unless the operator set one: its default, /tmp/gradio, is shared by every user and server on the
     machine, so an upload (a team's data) would sit there readable, and another server's files beside it."""
-
     if not os.environ.get("GRADIO_TEMP_DIR"):
         folder = tempfile.mkdtemp(prefix="tunebench-gradio-")  # mode 0700
         atexit.register(shutil.rmtree, folder, ignore_errors=True)

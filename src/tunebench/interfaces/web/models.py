@@ -36,7 +36,6 @@ def entries(model_specs: list[str], run_dirs: list[str], allow_download: bool = 
             ggufs: list[str] = ()) -> list[Entry]:
     """The choices, checked before anything loads: every run directory must hold a model or an adapter, every
     GGUF must be an export inside its run."""
-
     out: list[Entry] = []
     for spec in model_specs:
         models.check_spec(spec, allow_download)
@@ -111,7 +110,6 @@ class Registry:
 
     def _get(self, label: str) -> tuple[inference.Placed, str]:
         """The model of `label`, loaded (under _load_lock) where it is not, evicting others first."""
-
         if label not in self._loaded:
             self._evict(keep=MAX_LOADED - 1)
             e = self.choices[label]

@@ -60,7 +60,6 @@ UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "respon
 def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
     """(tools, tool_choice) as OpenAI takes them: choice 'auto' (the default), 'none' (no tools offered),
     'required' (a call), or {"type": "function", "function": {"name": N}} (a call to N)."""
-
     given = body.get("tools")
     size = len(json.dumps(given)) if isinstance(given, list) else 0
     if isinstance(given, list) and (len(given) > MAX_TOOLS or size > MAX_TOOLS_BYTES):
@@ -93,7 +92,6 @@ def _tools(body: dict, messages: list) -> tuple[list | None, str | None]:
 def _messages(given: Any) -> list:
     """The chat's messages in the form training renders: system, user, assistant (its content, or its
     tool_calls), and tool (a call's result)."""
-
     ok = isinstance(given, list) and given and all(
         isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
         and (isinstance(m.get("content"), str) or (m.get("role") == "assistant" and m.get("content") is None
@@ -185,7 +183,6 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
 def _tool_prompt(request: dict[str, Any]):
     """With tools: the prompt in a template that renders them (data.toolcalls.serving_template), then the start
     of the call where one is forced; the answer's text includes that start."""
-
     messages, tools, choice = request["messages"], request["tools"], request["tool_choice"]
     # a forced call's reply starts as the tool template begins one: any function, or the one named
     start = "" if choice == "auto" else toolcalls.CALL_START + ('"' if choice == "required" else
@@ -233,7 +230,6 @@ def _usage(end: dict) -> dict[str, int]:
 def calls_of(text: str, request: dict[str, Any]) -> tuple[str | None, list[dict]]:
     """An answer to a request with tools: its text (None when it is only calls) and its calls in OpenAI's form
     (arguments a JSON string); no calls where the request offers no tools."""
-
     if not request.get("tools"):
         return text, []
     said, calls = toolcalls.parse(text)
@@ -341,7 +337,6 @@ def check_origin(headers) -> None:
     """A POST from a page on another site is refused: its Origin must be this server's (browsers send it on every
     cross-site POST; clients such as `openai` send none), and its body must be declared JSON, which a page elsewhere
     cannot send without the browser asking this server first (and the server never says yes)."""
-
     origin, host = headers.get("origin"), headers.get("host")
     if origin is not None and urllib.parse.urlsplit(origin).netloc != host:
         raise ApiError(403, f"a request from the page at {origin[:100]} to this server is refused: the API answers "
@@ -371,7 +366,6 @@ def add_routes(fastapi_app, registry: Registry, key: str | None, locked: bool, l
     """Put the API's routes on the FastAPI app the web app runs on. `key`, `locked`: see check_key. `limit` is the
     API's own ClientLimit (one client's share), `pending` its Pending (everyone's generations waiting or running);
     `client_of` names a request's client."""
-
     from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.concurrency import run_in_threadpool

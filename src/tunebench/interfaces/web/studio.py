@@ -167,7 +167,6 @@ class Ask:
 def check(ask: Ask, runs_dir: Path) -> RunConfig:
     """The run's configuration, through the CLI's own parser and checks (the same one-line errors), before
     anything starts; a name already taken under the runs directory is refused."""
-
     if not NAME.match(ask.name):
         raise TunebenchError(f"run name {ask.name[:80]!r}: use letters, digits, '.', '_' or '-' (up to 64), starting "
                              "with a letter or digit")
@@ -242,7 +241,6 @@ def check_sample(cfg: RunConfig) -> None:
 def settings_rows(ask: Ask, cfg: RunConfig) -> list[list[str]]:
     """[setting, value, reason]: what was asked on the page, then what tunebench picks on this machine (`tunebench
     hw`'s rows), the measured ones marked as measured when the run starts, as the run's plan will record them."""
-
     effective = cfg.batch_ask().check(ask.processes)
     rows = [["model", ask.model, "asked on this page"], ["method", ask.method, "asked on this page"],
             ["processes", str(ask.processes), "asked on this page" + (

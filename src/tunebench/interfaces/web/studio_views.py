@@ -43,7 +43,6 @@ METHOD_CHARTS = ("rewards", "grpo_rewards", "kto")  # a preference, GRPO or KTO 
 def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
     """(caption, PNG) of the loss, tokens/s and memory charts and the method's own, as the run's report draws
     them (jobs/run_report.py: one drawing of a run, live or finished), from what it has logged so far."""
-
     run = RunDir(run_dir)
     drawn = {name: (caption, png) for name, caption, png in
              run_report.charts(records(run.metrics_file), records(run.path / "monitor.jsonl"))}
@@ -114,7 +113,6 @@ def report_or_error(studio: Studio, name: str) -> str:
 def report_html(studio: Studio, name: str) -> str:
     """The run's report (`tunebench report RUN`: its charts, memory, settings and why, summary), written now
     from what the run has logged so far, as the body of its self-contained report.html."""
-
     run = studio.run_path(name)
     if not RunDir(run).metrics_file.is_file():
         return f"<p>{html.escape(name)} has logged nothing yet ({html.escape(studio.state(name))}).</p>"

@@ -23,7 +23,6 @@ JUDGEMENTS = {"pairs": pairs, "judged": judged}  # by Objective.data: each reade
 
 def template_rows(tok) -> list[Decision]:
     """The chat template's row where the run put tunebench's tool template on the tokenizer (data.toolcalls)."""
-
     if getattr(tok, "chat_template", None) != toolcalls.TEMPLATE:
         return []
     return [Decision("chat_template", toolcalls.NAME, "the data carries tool calls or reasoning and the model's own "
@@ -65,7 +64,6 @@ def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
     keeps the rows whole: the 99th percentile of their tokens as training renders them (`lengths_of(tokenizer,
     sample)`, the tokenizer alone, no weights), rounded up to 64, capped at the positions the model learned.
     Rows longer than it are cut, and counted where they are today."""
-
     d = cfg.data
     if d.max_length is not None:
         return cfg, Decision("max_length", d.max_length, "asked for")
@@ -92,7 +90,6 @@ def settle_length(cfg: RunConfig, lengths_of) -> tuple[RunConfig, Decision]:
 def row_lengths(cfg: RunConfig, examples, parts):
     """`settle_length`'s measure for the fine-tuning recipes: tokens per row (a pair's longer row, a judged
     completion with its prompt) as training renders them, uncut."""
-
 
     def lengths(tok, sample) -> list[int]:
         if cfg.objective.preference:

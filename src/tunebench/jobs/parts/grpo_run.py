@@ -74,7 +74,6 @@ def prompts_of(data, env: Environment | None) -> PromptRows:
 def tokenized(rows: PromptRows, tok, env: Environment | None, cfg: RunConfig) -> tuple[PromptData, Decision | None]:
     """The prompts tokenized as the run renders them (an episode's opening with its tools), and the settings row of
     the chat template episodes take, set before a prompt renders (None without an environment)."""
-
     o = cfg.objective
     if env is None:
         return prompts.tokenize(rows, tok, cfg.data, o.max_completion_length), None
@@ -84,7 +83,6 @@ def tokenized(rows: PromptRows, tok, env: Environment | None, cfg: RunConfig) ->
 
 def draws_of(on: Sampling, env: Environment | None, rows: PromptRows, cfg: RunConfig) -> Draws:
     """Where a step's completions come from: episodes in the environment, or single replies."""
-
     return episodes.Episodes(on, env, rows.prompts, cfg.objective.max_turns, cfg.data.max_length) if env else \
         Completions(on)
 
@@ -92,7 +90,6 @@ def draws_of(on: Sampling, env: Environment | None, rows: PromptRows, cfg: RunCo
 def prompt_lengths(rows: PromptRows, cfg: RunConfig, env: Environment | None):
     """`finetune_data.settle_length`'s measure for GRPO: each prompt's tokens as generation renders it, plus a full
     completion (max_completion_length); an episode's opening (its tools rendered), plus max_turns of them."""
-
     o = cfg.objective
 
     def lengths(tok, sample) -> list[int]:
@@ -110,7 +107,6 @@ def epoch_steps(o: GRPO | RFT, train_idx, effective: int, seed: int, kinds, data
                 ) -> Callable[[int], list[list[int]]]:
     """epoch -> its optimizer steps' prompts: shuffled (batching.epoch_steps), or with --balance-kinds each kind in
     turn (batching.balanced_steps; `kinds` the watch.Kinds of --kind-column, which --balance-kinds needs)."""
-
     if not o.balance_kinds:
         steps = lambda epoch: batching.epoch_steps(train_idx, effective, seed, epoch)  # noqa: E731
     else:

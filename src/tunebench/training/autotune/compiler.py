@@ -155,7 +155,6 @@ def compile_blocks(model, mode: str = "default") -> int:
     model, and parameter names, hence checkpoints, are unchanged. Shapes are dynamic, so
     length-grouped batches of any width reuse the graph.
     """
-
     # The compiler's own cache next to ours (not in /tmp, which a reboot may empty), so a later
     # run's warm-up is the short, cached one that pick has on record.
     if not startup.USER_INDUCTOR_CACHE:

@@ -110,7 +110,6 @@ def complete(model, tokenizer, device: torch.device, autocast, prompts: list[lis
     (model.decoding: each prompt prefilled once for its n rows; greedy when temperature is None) under
     inference.Placed (the run's precision and autocast), each cut after its EOS. With `turns` (decoding.Turns,
     an episode loop's: n is 1), `prompts` are the contexts of `rows`, each fed only past what its cache holds."""
-
     placed, eos = Placed(model, tokenizer, device, autocast), tokenizer.eos_token_id
     if turns is not None:
         new = placed.decode_turns(turns, rows, prompts, max_new_tokens, temperature, top_p)
@@ -504,7 +503,6 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
     and the stats, so the step's loss and gradients are the same. "rows" (RFT): every row of weight 0 (not kept) is
     left out. A micro batch of such rows alone keeps its first row (a weight of 0 again): every rank runs its
     forward and backward for the gradient sync."""
-
     where = {key: i for i, key in enumerate(groups.keys)}
     picked = [where[key] * g + j for key in keys for j in range(g)]
     masks = groups.masks or [[1] * len(c) for c in groups.completions]

@@ -324,7 +324,6 @@ def opening(env: Environment, row: dict[str, Any]) -> list[dict[str, Any]]:
 def call(env: Environment, name: str, arguments: dict[str, Any]) -> ToolAnswer:
     """One call, answered: the tool's return value as text, or an error text the model reads (a tool not offered,
     arguments its schema refuses, an exception, no answer within the time limit)."""
-
     if name not in env.tools:
         return ToolAnswer(f"error: no tool named {name!r}; the tools are {', '.join(env.tools)}", False)
     if not toolcalls.valid({"name": name, "arguments": arguments}, env.schemas):

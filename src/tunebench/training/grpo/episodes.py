@@ -84,7 +84,6 @@ def opening_ids(tokenizer, env: environment_.Environment, messages: list[dict]) 
 def tokenize(rows, tokenizer, env: environment_.Environment, max_length: int, max_completion_length: int):
     """The openings as data.prompts.PromptData: each rendered with the tools; one that leaves no room for a whole
     turn within max_length is dropped (counted)."""
-
     ids, kept = [], []
     for k, messages in enumerate(rows.prompts):
         prompt = opening_ids(tokenizer, env, messages)
@@ -398,7 +397,6 @@ def play(placed, env: environment_.Environment, records: list[dict[str, Any]], m
     What a benchmark or a check of an export plays; an opening with no room for a turn is left out (the
     episodes' `key` is its record's index). With a `temperature`, `samples` sampled episodes of each record
     instead (consecutive; torch's draws seeded by `seed`), `batch_size` episodes a decode."""
-
     rows = PromptRows([environment_.opening(env, r) for r in records], [dict(r) for r in records], env.path)
     template_for(placed.tokenizer, env.schemas, rows.prompts[0])
     data = tokenize(rows, placed.tokenizer, env, max_length, max_new_tokens)
