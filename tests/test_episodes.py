@@ -514,19 +514,53 @@ def test_a_stateful_environment_trains_from_the_command_line(tmp_path):
         assert sum(stops) == pytest.approx(1.0) and "rewards/environment/mean" in r
 
 
-def test_episodes_train_on_two_ranks(tmp_path):
+# Each rank's draws as it drew them: Episodes.draw wrapped in every process of a run (PYTHONPATH's sitecustomize),
+# one line a draw (the rank, its seed, the episodes' tokens) in the file TUNEBENCH_TEST_DRAWS names.
+DRAWS_LOG = """
+import os
+
+if os.environ.get("TUNEBENCH_TEST_DRAWS") and os.environ.get("RANK") is not None:
+    import json
+
+    from tunebench.training.grpo import episodes
+
+    draw = episodes.Episodes.draw
+
+    def logged(self, keys, seed):
+        drawn = draw(self, keys, seed)
+        with open(os.environ["TUNEBENCH_TEST_DRAWS"], "a") as f:
+            f.write(json.dumps({"rank": int(os.environ["RANK"]), "seed": seed, "episodes": drawn.completions}) + "\\n")
+        return drawn
+
+    episodes.Episodes.draw = logged
+"""
+
+
+def test_episodes_train_on_two_ranks_each_drawing_episodes_of_its_own(tmp_path, monkeypatch):
     """Episodes under torchrun: each rank plays its own prompts' groups (each in its own ENVIRONMENT instances),
-    the step's figures summed over the ranks, the held-out episodes shared; two steps end to end."""
+    the step's figures summed over the ranks, the held-out episodes shared; two steps end to end. Every row asks
+    the same, so the two ranks open every step on the same prompt: what each drew (logged where it drew it) differs
+    only because each rank samples with a seed of its own; the same seed would draw the same episodes twice."""
     from test_distributed import _tunebench
 
-    out = tmp_path / "out"
+    out, log = tmp_path / "out", tmp_path / "draws.jsonl"
     args = _cart_train(tmp_path, out, 8, "--batch-size", "1")
+    (tmp_path / "carts.jsonl").write_text((json.dumps({"q": "Add 1.", "want": 1}) + "\n") * 8)
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "sitecustomize.py").write_text(DRAWS_LOG)
+    monkeypatch.setenv("TUNEBENCH_TEST_DRAWS", str(log))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "policy"), os.environ.get("PYTHONPATH", "")]))
     _tunebench(args, nproc=2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 and "eval_episodes/success" in summary
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(abs(sum(r[f"episodes/stop/{why}"] for why in grpo.EPISODE_STOPS) - 1) < 1e-6 for r in steps)
+    draws = [json.loads(line) for line in log.read_text().splitlines()]
+    by_rank = {rank: [d for d in draws if d["rank"] == rank] for rank in (0, 1)}
+    assert len(by_rank[0]) == len(by_rank[1]) >= 2  # a step's draw (and any refill's) on each rank
+    for mine, theirs in zip(by_rank[0], by_rank[1], strict=True):
+        assert mine["seed"] != theirs["seed"] and mine["episodes"] != theirs["episodes"]
 
 
 def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatch):
