@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tunebench.training import plancheck
-from tunebench.training.autotune import batch, memory
+from tunebench.training.autotune import Key, batch, memory
 from tunebench.training.autotune.budget import Budget
 from tunebench.training.autotune.known import Known, Record, Recorded
 from tunebench.training.plancheck import Forecast, Work
@@ -57,7 +57,7 @@ def test_a_plan_for_longer_rows_than_were_fed_is_a_bound_and_the_peak_is_held_to
 
 def test_what_runs_held_beyond_their_memory_plans_is_added_to_the_next_plans_never_taken_off(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
-    key = plancheck.memory_key("batch|" + json.dumps({"where": "CPU x2", "precision": "bf16", "method": "lora"}))
+    key = plancheck.memory_key(Key("batch", {"where": "CPU x2", "precision": "bf16", "method": "lora"}))
     plan = memory.MemoryPlan(runtime=400.0, weights=250.0, state=5.0, activations=400.0, micro=4, tokens=98,
                              checkpointing=False)
     assert plancheck.memory_beyond(key) is None and memory.with_learned(plan, None) == plan
@@ -210,7 +210,7 @@ def test_runs_that_trained_two_micro_batches_choose_the_faster(tmp_path, monkeyp
     from tunebench.training import runplan
 
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
-    key = "batch|{\"model\": \"m\"}"
+    key = Key("batch", {"model": "m"})
     picked = [Decision("micro_batch_size", 4, "fastest measured"), Decision("gradient_checkpointing", False, "")]
     assert runplan.trained_faster(4, picked, 100.0, key, 8, 100, {}) == (4, picked, 100.0)  # nothing learned yet
 
@@ -247,9 +247,9 @@ def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_s
     runs' ratios of trained to probed speed (a LoRA run here trained 1.14-1.22x what its probe measured);
     another method or machine keeps the probe's figure."""
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
-    lora = "batch|" + json.dumps({"where": "CPU x2", "precision": "fp32", "torch": "2.13", "method": "lora", "model": "a"})
-    other_shape = lora.replace('"a"', '"b"')
-    full = lora.replace('"lora"', '"full"')
+    lora = Key("batch", {"where": "CPU x2", "precision": "fp32", "torch": "2.13", "method": "lora", "model": "a"})
+    other_shape = Key("batch", {**lora.fields, "model": "b"})
+    full = Key("batch", {**lora.fields, "method": "full"})
     assert plancheck.machine_key(lora) == plancheck.machine_key(other_shape) != plancheck.machine_key(full)
     assert plancheck.probe_ratio(plancheck.machine_key(lora)) is None
     for measured in (116.0, 120.0, 130.0):

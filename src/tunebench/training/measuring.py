@@ -48,7 +48,7 @@ def measured_by_rank0(world: World, model, measure: Callable[[], runplan.Measure
     other ranks take its answers and apply them to their copy of the model (ranks never disagree, never race
     on the cache)."""
     started = time.perf_counter()
-    measured = distributed.agree(world, measure, safe=(runplan.Measured, Decision))
+    measured = distributed.agree(world, measure, safe=(runplan.Measured, Decision, autotune.Key))
     seconds = time.perf_counter() - started
     if not world.main:
         runplan.apply_measured(model, list(measured.decisions))

@@ -14,7 +14,6 @@ on some CPUs: new kernels, memory first touched).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import torch
 
 from tunebench.data.batching import IGNORE
 from tunebench.training import optim
-from tunebench.training.autotune import cached, store
+from tunebench.training.autotune import Key, cached, store
 from tunebench.training.loop import LoopState
 
 SLOW = 1.25  # a first step counts as slow when it took this much longer than the steady speed gives it
@@ -257,7 +256,7 @@ def steady_step_s(times: list[tuple[float, int, int]]) -> float | None:
 # -- what a run teaches the next run of its shape
 
 
-def learned(key: str | None) -> dict:
+def learned(key: Key | None) -> dict:
     """{micro batch: what the last run at it trained} for a measurement key (the batch probe's), from the cache."""
     if key is None:
         return {}
@@ -276,7 +275,7 @@ def spread(speeds: list[float]) -> str:
     return f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else f"{speeds[0]:,.0f}"
 
 
-def learn(key: str | None, micro: int, c: dict, warm: bool, probe: float | None = None) -> None:
+def learn(key: Key | None, micro: int, c: dict, warm: bool, probe: float | None = None) -> None:
     """Record what this run trained at `micro` under `key`, so the next run of this shape predicts from it, with
     what its process's probe measured at `micro` (None where it did not run that size), the machine's speed then."""
     speed = c["steady_positions_per_s"]["measured"]
@@ -294,15 +293,16 @@ def learn(key: str | None, micro: int, c: dict, warm: bool, probe: float | None 
     store(key, {"micro": by_micro})
 
 
-def machine_key(batch_key: str) -> str:
+MACHINE = ("where", "precision", "torch", "method")  # what a machine's records of every shape are kept by
+
+
+def machine_key(batch_key: Key) -> Key:
     """The key of what runs of this method on this machine (CPU or GPU, threads, precision, torch) trained against
     their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe."""
-    fields = json.loads(batch_key.partition("|")[2] or "{}")
-    return "probe+optimizer-to-run|" + json.dumps({k: fields.get(k) for k in ("where", "precision", "torch", "method")},
-                                        sort_keys=True)
+    return batch_key.narrowed("probe+optimizer-to-run", MACHINE)
 
 
-def probe_ratio(key: str | None) -> tuple[float | None, int, float, float] | None:
+def probe_ratio(key: Key | None) -> tuple[float | None, int, float, float] | None:
     """What the last runs on this machine trained at over what their probes measured: (the median of those within
     MISSED of the median of all, or None where fewer than two agree so, how many agree, the lowest, the highest);
     None before any run here was predicted from its probe. One run's ratio corrects nothing: a first process's probe
@@ -319,7 +319,7 @@ def probe_ratio(key: str | None) -> tuple[float | None, int, float, float] | Non
     return factor, len(agree) if factor else len(ratios), min(ratios), max(ratios)
 
 
-def learn_ratio(key: str | None, c: dict, probe_speed: float | None) -> None:
+def learn_ratio(key: Key | None, c: dict, probe_speed: float | None) -> None:
     """Keep what this run trained at over what its probe measured (the last RATIOS of this machine's runs)."""
     measured = c["steady_positions_per_s"]["measured"]
     if key is None or not measured or not probe_speed:
@@ -328,18 +328,18 @@ def learn_ratio(key: str | None, c: dict, probe_speed: float | None) -> None:
     store(key, {"ratios": ratios})
 
 
-def memory_key(batch_key: str) -> str:
+def memory_key(batch_key: Key) -> Key:
     """The key of what runs on this machine (CPU or GPU, precision, torch, method) held beyond their memory plans."""
-    return "memory-to-run|" + machine_key(batch_key).partition("|")[2]
+    return batch_key.narrowed("memory-to-run", MACHINE)
 
 
-def memory_beyond(key: str | None) -> tuple[float, int] | None:
+def memory_beyond(key: Key | None) -> tuple[float, int] | None:
     """(the median MB the last runs on this machine peaked above their plans, how many), or None before any."""
     beyond = (cached(key) or {}).get("beyond_mb", []) if key else []
     return (statistics.median(beyond), len(beyond)) if beyond else None
 
 
-def learn_memory(key: str | None, c: dict, learned_mb: float) -> None:
+def learn_memory(key: Key | None, c: dict, learned_mb: float) -> None:
     """Keep what this run peaked above its plan without `learned_mb` (what it added from earlier runs), the last
     RATIOS runs'; not a run whose plan was a bound for more than it fed (GRPO's untaught groups: plan_check's
     peak_memory_as_fed_mb)."""
@@ -350,12 +350,12 @@ def learn_memory(key: str | None, c: dict, learned_mb: float) -> None:
     store(key, {"beyond_mb": beyond[-RATIOS:]})
 
 
-def step_key(batch_key: str) -> str:
+def step_key(batch_key: Key) -> Key:
     """The key what runs whose steps sample (GRPO) took a step is kept under: the batch probe's, as a kind of its own."""
-    return "steps|" + batch_key.partition("|")[2]
+    return batch_key.as_kind("steps")
 
 
-def learn_steps(key: str | None, micro: int, c: dict) -> None:
+def learn_steps(key: Key | None, micro: int, c: dict) -> None:
     """Record what this run (its steps sample) took a step at `micro`, so the next run of its shape predicts from it."""
     step_s = c["seconds_a_step"]["measured"]
     if key is None or not step_s:
@@ -393,9 +393,9 @@ def _drifted(speed: float, source: str, last: dict, probe_now: float | None) -> 
                            f"against {statistics.median(then):,.0f} when they trained")
 
 
-def trained_key(batch_key: str) -> str:
+def trained_key(batch_key: Key) -> Key:
     """The key what runs trained is kept under: the batch probe's, as a kind of its own."""
-    return "trained|" + batch_key.partition("|")[2]
+    return batch_key.as_kind("trained")
 
 
 def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, warm: bool,

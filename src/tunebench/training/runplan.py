@@ -20,6 +20,7 @@ from tunebench.core.batch_rule import BatchAsk, accumulation, micro_candidates
 from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
 from tunebench.settings.schema import budget_seconds
+from tunebench.training.autotune import Key
 from tunebench.training.autotune.budget import Budget
 
 
@@ -165,7 +166,7 @@ class Measured:
     micro_batch_size: int
     grad_accum_steps: int
     tokens_per_s: float | None
-    key: str | None = None  # the batch measurement's cache key: what a run trained is kept beside it (plancheck)
+    key: Key | None = None  # the batch measurement's cache key: what a run trained is kept beside it (plancheck)
     timed: tuple[int, ...] = ()  # the micro batches a probe ran in this process: their first steps are behind them
     first_steps: float | None = None  # a cold micro batch's first steps' extra, in micro batches (class record)
 
@@ -290,7 +291,7 @@ def measure(model, step, w: Workload) -> Measured:
                     w.known.first_steps if w.known is not None else None)
 
 
-def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: str, per_rank: int, n_train: int,
+def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: Key, per_rank: int, n_train: int,
                    seen: dict[int, tuple[float, float, float]]) -> tuple[int, list[Decision], float | None]:
     """The micro batch chosen, unless earlier runs of this shape on this machine trained it and another size that
     divides the effective batch, and the other trained faster beyond their noise: at least two runs at each size,

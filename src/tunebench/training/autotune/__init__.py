@@ -8,12 +8,35 @@ them in the same order: attention kernel, then micro batch, then compile.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tunebench.core.jsonfile import read_json, update_json
 from tunebench.core.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class Key:
+    """One entry of the measurement cache: what was measured or learned (`kind`: batch, attention, compile, trained,
+    steps, ...) and what it holds for (`fields`, by name). Built and narrowed by field, never by formatting or
+    splitting text; the file holds each as `kind|{the fields as sorted JSON}`, the text it held before keys were
+    typed, so a cache written earlier is read as it was."""
+
+    kind: str
+    fields: Mapping[str, Any]
+
+    def text(self) -> str:
+        return f"{self.kind}|" + json.dumps(dict(self.fields), sort_keys=True, default=str)
+
+    def as_kind(self, kind: str) -> Key:
+        """The same fields under another kind (what runs of a measured shape trained, say)."""
+        return Key(kind, self.fields)
+
+    def narrowed(self, kind: str, names: tuple[str, ...]) -> Key:
+        """Only the fields `names` (None where absent) under `kind`: what holds for every shape on a machine, say."""
+        return Key(kind, {name: self.fields.get(name) for name in names})
 
 
 @dataclass(frozen=True)
@@ -34,8 +57,8 @@ class Shape:
     liger: str
     gradient_checkpointing: str
 
-    def key(self, kind: str, **extra: Any) -> str:
-        return f"{kind}|" + json.dumps({**asdict(self), **extra}, sort_keys=True, default=str)
+    def key(self, kind: str, **extra: Any) -> Key:
+        return Key(kind, {**asdict(self), **extra})
 
 
 @dataclass(frozen=True)
@@ -64,9 +87,9 @@ def cache_file() -> Path:
     return cache_dir() / "autotune.json"
 
 
-def cached(key: str) -> dict | None:
-    return read_json(cache_file()).get(key)
+def cached(key: Key) -> dict | None:
+    return read_json(cache_file()).get(key.text())
 
 
-def store(key: str, value: dict) -> None:
-    update_json(cache_file(), key, value)
+def store(key: Key, value: dict) -> None:
+    update_json(cache_file(), key.text(), value)

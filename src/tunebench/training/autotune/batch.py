@@ -15,7 +15,7 @@ import torch
 from tunebench.core.batch_rule import micro_candidates
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
-from tunebench.training.autotune import Shape, cached, store
+from tunebench.training.autotune import Key, Shape, cached, store
 from tunebench.training.autotune.budget import Budget
 from tunebench.training.autotune.known import Known, model_size
 from tunebench.training.autotune.probe import (
@@ -255,7 +255,7 @@ def format_table(result: Result) -> str:
     return "\n".join(lines)
 
 
-def measurement_key(shape: Shape, effective_batch_size: int, n_train: int, ranks_sharing: int = 1) -> str:
+def measurement_key(shape: Shape, effective_batch_size: int, n_train: int, ranks_sharing: int = 1) -> Key:
     return shape.key("batch", effective_batch_size=effective_batch_size, rows=min(n_train, effective_batch_size),
                      **({"ranks_sharing": ranks_sharing} if ranks_sharing > 1 else {}))
 

@@ -12,7 +12,7 @@ import torch
 from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.paths import cache_dir
-from tunebench.training.autotune import Shape, cached, store
+from tunebench.training.autotune import Key, Shape, cached, store
 from tunebench.training.autotune.budget import run_seconds
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
@@ -23,7 +23,7 @@ MEASURE_GUESS_S = {"cpu": 90.0, "cuda": 60.0}
 
 def measuring_cost(where: str) -> tuple[float, str]:
     """(seconds measuring compile is expected to take on `where`, how that is known)."""
-    seen = cached(f"compile-measuring|{where}")
+    seen = cached(Key("compile-measuring", {"where": where}))
     if seen:
         return seen["seconds"], f"~{seen['seconds']:.0f} s, as it took here last time"
     guess = MEASURE_GUESS_S["cpu" if re.search(r" x\d+$", where) else "cuda"]  # tune.where: "<CPU> x<threads>"
@@ -122,7 +122,7 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
         eager, compiled = eager_vs_compiled(measure)
         hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
         store(key, hit)
-        store(f"compile-measuring|{shape.where}", {"seconds": round(time.perf_counter() - began, 1)})
+        store(Key("compile-measuring", {"where": shape.where}), {"seconds": round(time.perf_counter() - began, 1)})
         measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager, alternating; warm-up {cold:.0f} s, "
                     f"{warm:.0f} s from cache")
         if compiled > 1.03 * eager:
