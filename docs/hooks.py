@@ -116,7 +116,8 @@ def cli() -> str:
     return "\n".join(out)
 
 
-MACHINES = {"avx2": "a CPU with AVX2 only", "avx512-bf16": "a CPU with AVX512-BF16", "amx": "a CPU with AMX",
+MACHINES = {"avx2": "a CPU with AVX2 only", "avx512-bf16": "a CPU with AVX512-BF16",
+            "avx512-bf16-xeon": "a CPU with AVX512-BF16 whose bf16 measured slower than fp32", "amx": "a CPU with AMX",
             "apple-mps": "an Apple GPU (MPS)", "gpu-8gb": "an 8 GB consumer GPU", "gpu-24gb": "a 24 GB consumer GPU",
             "h100": "an NVIDIA H100"}
 

@@ -17,6 +17,7 @@ from tunebench.core import startup
 from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, update_json
+from tunebench.core.paths import cache_dir
 
 # CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16", "amx_int8", "amx_tile")
@@ -90,6 +91,9 @@ class Hardware:
     usable_cpus: int | None = None  # logical CPUs this process may run on (its affinity mask); None: all
     cpu_mhz: float | None = None  # the highest clock reported (cpufreq's maximum, else /proc/cpuinfo); None: unknown
     cpu_quota: float | None = None  # CPUs' worth of time a cgroup quota allows (a container's --cpus); None: no quota
+    # bf16 matmuls' speed over fp32's at a training step's shapes, measured (bf16_over_fp32) where the CPU's bf16 is
+    # AVX512-BF16 without AMX, the one class where the flags do not say which is faster; None: not measured
+    bf16_over_fp32: float | None = None
 
     @property
     def cpu_bf16(self) -> bool:
@@ -213,6 +217,7 @@ def detect() -> Hardware:
     import torch
 
     model, flags = _cpu_info()
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     mem = psutil.virtual_memory()
     gpus = []
     if torch.cuda.is_available():
@@ -232,7 +237,7 @@ def detect() -> Hardware:
             driver = None
     return Hardware(
         cpu_model=model,
-        physical_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
+        physical_cores=cores,
         logical_cores=psutil.cpu_count(logical=True) or os.cpu_count() or 1,
         cpu_flags=flags,
         ram_total_mb=mem.total // 2**20,
@@ -246,6 +251,7 @@ def detect() -> Hardware:
         usable_cpus=usable_cpus(),
         cpu_quota=_cgroup_cpu_quota(),
         cpu_mhz=_cpu_mhz(psutil),
+        bf16_over_fp32=bf16_over_fp32(model, flags, min(cores, usable_cpus() or cores), _versions().get("torch")),
     )
 
 
@@ -313,7 +319,12 @@ def _pick_precision(requested: str, device: str, hw: Hardware) -> Decision:
     if "amx_bf16" in hw.cpu_flags:
         return Decision("precision", "bf16", "CPU has AMX-BF16 tile units")
     if "avx512_bf16" in hw.cpu_flags:
-        return Decision("precision", "bf16", "CPU has AVX512-BF16")
+        x = hw.bf16_over_fp32
+        if x is not None and x < 1.0:
+            return Decision("precision", "fp32", f"CPU has AVX512-BF16 but no AMX, and a step's matmuls measured "
+                                                 f"{x:.2f}x as fast in bf16 as in fp32 here: fp32 trains faster")
+        return Decision("precision", "bf16", "CPU has AVX512-BF16" + (
+            f" (no AMX): a step's matmuls measured {x:.2f}x as fast in bf16 as in fp32 here" if x is not None else ""))
     return Decision("precision", "fp32", "CPU has no native bf16 (no AVX512-BF16 or AMX)")
 
 
@@ -417,6 +428,61 @@ def plan(device: str, precision: str, hw: Hardware, compile: str = "auto", threa
     decisions.append(Decision("allocator", *startup.allocator()))
     by = {d.setting: d.value for d in decisions}
     return Plan(on, str(prec.value), int(by["torch_threads"]), tuple(decisions))
+
+
+# A LoRA step's matmuls on a frozen base layer (the forward and the input's gradient) at a small model's width and
+# a micro batch's tokens: what bf16_over_fp32 times in each precision.
+BF16_STEP_SHAPE = (512, 1024, 2816)  # tokens, in features, out features
+
+
+def measure_bf16_over_fp32(threads: int, rounds: int = 5) -> float:
+    """How much faster a step's matmuls run in bf16 (autocast over bf16 weights, as a LoRA run's frozen base) than in
+    fp32 on this CPU: each precision's fastest of `rounds`, the two alternating. On AVX512-BF16 without AMX the answer
+    is the part's: a 2-core AMD EPYC trained SmolLM2 at ~900 positions/s in bf16, and a 2-core Intel Xeon (model
+    207, its VM showing no AMX) at 160-200 tokens/s in bf16 against 222-283 in fp32 (micro 4, 2026-12-03)."""
+    import torch
+
+    tokens, width, out = BF16_STEP_SHAPE
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, width, generator=g)
+    weight = torch.randn(out, width, generator=g) / width**0.5
+    weights = {False: weight, True: weight.to(torch.bfloat16)}
+    fastest = {False: float("inf"), True: float("inf")}
+    try:
+        for round_ in range(rounds + 1):  # the first round warms each precision's kernels up and is not counted
+            for bf16 in (False, True):
+                start = time.perf_counter()
+                inputs = x.detach().requires_grad_()
+                with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                    y = torch.nn.functional.linear(inputs, weights[bf16])
+                y.float().sum().backward()
+                took = time.perf_counter() - start
+                if round_:
+                    fastest[bf16] = min(fastest[bf16], took)
+    finally:
+        torch.set_num_threads(old)
+    return round(fastest[False] / fastest[True], 3)
+
+
+def bf16_over_fp32(model: str, flags: frozenset[str], threads: int, torch_version: str | None) -> float | None:
+    """measure_bf16_over_fp32 where the CPU has AVX512-BF16 and no AMX (elsewhere None: AMX's tiles are faster,
+    no bf16 unit is slower), once per CPU, thread count and torch: kept in the cache with the matmul peaks."""
+    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+        return None
+    cache = cache_dir() / "peak_flops.json"
+    key = f"{model}|{','.join(sorted(flags & set(CPU_FEATURES)))}|{threads}|{torch_version}|bf16-over-fp32"
+    seen = read_json(cache).get(key, _BF16_MEASURED.get(key))
+    if not isinstance(seen, (int, float)):
+        seen = measure_bf16_over_fp32(threads)
+    if read_json(cache).get(key) != seen:
+        update_json(cache, key, seen)
+    _BF16_MEASURED[key] = seen  # a process that moves its cache (tests, a second TUNEBENCH_CACHE) measures once
+    return float(seen)
+
+
+_BF16_MEASURED: dict[str, float] = {}
 
 
 PEAK_SIZES = (512, 1024, 2048, 3072, 4096, 6144)
