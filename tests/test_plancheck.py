@@ -101,6 +101,10 @@ def test_a_forecast_takes_the_last_runs_speed_and_says_when_it_corrects_a_miss()
             in scaled.speed_from)
     assert plancheck.forecast(work, 4, 105.0, drift, True, 4.6, 10, 1.0, 1).positions_per_s == 300.0
     assert plancheck.forecast(work, 4, 200.0, drift, False, 4.6, 10, 1.0, 1).positions_per_s == 300.0
+    # one earlier probe, or earlier probes that disagree by more than 15% (100 and 60), are a probe's noise: kept
+    for probes in ([100.0, None, None], [100.0, 60.0, None]):
+        lone = plancheck.forecast(work, 4, 200.0, {4: {**runs[4], "probes": probes}}, True, 4.6, 10, 1.0, 1)
+        assert lone.positions_per_s == 300.0 and " x " not in lone.speed_from
 
 
 def _known(first_steps):
