@@ -44,7 +44,8 @@ TRANSIENT = {"cpu": 1.6, "cuda": 1.0}
 # each step's peak RSS, eager against compiled, less the weights, state and runtime (SmolLM2-135M's shape, fp32,
 # 2 AVX2 cores, 2026-12-03): LoRA q/v at 4 x 733 tokens 0.57 (a GRPO run of the towns benchmark, the same rows:
 # 3,868 MB compiled, 5,844 eager, 0.59), LoRA on every linear layer at 4 x 512 0.53, full at 4 x 512 0.65; the
-# plan counted eager's, 1.6x what the compiled GRPO run held. GPU: not measured, eager's kept.
+# plan counted eager's, 1.6x what the compiled GRPO run held. In bf16 (2 cores of an Intel Xeon with AVX512-BF16,
+# 2026-12-03): LoRA q/v at 4 x 733 0.53, every linear layer at 4 x 512 0.57. GPU: not measured, eager's kept.
 COMPILED = {"cpu": 0.6, "cuda": 1.0}
 QLORA_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # nf4 with double quantization: 4 bits, an 8-bit absmax per 64, fp32 per 256
 STATE_BYTES = 4 + 8  # a trained parameter's gradient (fp32) and AdamW's two moments
