@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROWS
 from tunebench.core.errors import TunebenchError
@@ -169,6 +170,17 @@ def test_collate_pads_and_masks():
     assert b["attention_mask"].sum().item() == lengths.sum()
     short = int(np.argmin(lengths))
     assert (b["labels"][short, lengths[short]:] == batching.IGNORE).all()
+    # a CPU's bf16: the width rounded up to a multiple (never past the cap, never below the longest), the rows'
+    # tokens and loss as before
+    rounded = batching.collate(data, [0, 1], tok.pad_token_id, multiple=16, cap=512)
+    assert rounded["input_ids"].shape == (2, -(-lengths.max() // 16) * 16) and rounded["input_ids"].shape[1] % 16 == 0
+    assert rounded["attention_mask"].sum().item() == lengths.sum()
+    assert torch.equal(rounded["labels"][:, : lengths.max()], b["labels"]) and (
+        rounded["labels"][:, lengths.max():] == batching.IGNORE).all()
+    assert batching.padded_width(17, 16, 20) == 20 and batching.padded_width(17, 16, 10) == 17
+    assert batching.padded_width(17) == 17 == batching.padded_width(17, 1, 512)
+    assert batching.pad_multiple("cpu", "bf16").value == 16
+    assert batching.pad_multiple("cpu", "fp32").value == batching.pad_multiple("cuda", "bf16").value == 1
 
 
 def test_epoch_order_is_reproducible():

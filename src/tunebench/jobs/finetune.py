@@ -3,6 +3,7 @@ inputs checked, the run opened, model and data, then what the runner measures, b
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, spans, parts)
     model, loss, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
-    collate_unit = finetune_data.JUDGEMENTS[o.data].collate if prefer else batching.collate
+    # SFT rows rounded where a CPU's bf16 builds kernels per length (pairs and judgements: their longest, for now)
+    padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision) if not prefer else None
+    collate_unit = finetune_data.JUDGEMENTS[o.data].collate if prefer else functools.partial(
+        batching.collate, multiple=padding.value, cap=d.max_length)
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def finish(done: recipe.Finished):
@@ -57,7 +61,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
         loss=loss,
-        method_rows=[length_row, *method_rows, *finetune_data.template_rows(tok)],
+        method_rows=[length_row, *([padding] if padding else []), *method_rows, *finetune_data.template_rows(tok)],
         header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
         units=runplan.Units(
@@ -67,7 +71,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             what=finetune_model.measured_as(cfg),
             probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
             # packed rows fill max_length, so a kernel must fit that, not just the longest example
-            widest=d.max_length if d.packing != "off" else int(lengths[train_idx].max()),
+            widest=d.max_length if d.packing != "off" else batching.padded_width(
+                int(lengths[train_idx].max()), padding.value if padding else 1, d.max_length),
             max_length=d.max_length,
             quantized=a.method == "qlora",
             longest=int(lengths[train_idx].max()),
