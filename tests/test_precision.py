@@ -143,6 +143,8 @@ def test_dpo_and_orpo_answer_their_held_out_pairs(tmp_path, objective, precision
     answers = _answers(out / "eval_answers.jsonl")
     assert len(answers) == 2 and {a["reference"] for a in answers} <= chosen
     assert isinstance(summary["rougeL"], float) and "eval_rewards/accuracies" in summary
+    rows = {d["setting"]: d["value"] for d in json.loads((out / "plan.json").read_text())["decisions"]}
+    assert rows["pad_to_multiple_of"] == (16 if precision == "bf16" else 1)  # a pair's rows as a row's
 
 
 @pytest.mark.parametrize("method, precision", [("lora", "bf16"), ("dora", "bf16"), ("full", "bf16"),

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import needs_module, pairs_file, run_losses
 from tunebench.core.errors import TunebenchError
@@ -86,6 +87,10 @@ def test_a_pair_whose_prompt_fills_max_length_is_dropped_and_counted(tmp_path, t
     prompt = len(tiny.tokenizer(GOLDEN["template"].format(instruction="short?"), add_special_tokens=False)["input_ids"])
     assert chosen[:prompt].tolist() == rejected[:prompt].tolist()  # one prompt, shared by both rows
     assert (batch["labels"][:, :prompt] == -100).all() and (batch["labels"][0, prompt:] != -100).any()
+    rounded = pairs.collate(data, [0], tiny.tokenizer.pad_token_id, multiple=16, cap=64)  # a CPU's bf16
+    assert rounded["input_ids"].shape[1] == min(64, -(-batch["input_ids"].shape[1] // 16) * 16)
+    assert torch.equal(rounded["counts"], batch["counts"]) and torch.equal(rounded["is_response"],
+                                                                           batch["is_response"])
 
 
 def _golden_config(tmp_path, objective: str, **extra):

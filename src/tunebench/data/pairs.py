@@ -214,14 +214,16 @@ def rendered(prompt: formats.Messages, reply: str, tokenizer, cfg: DataConfig) -
     return "".join(text for text, _ in pieces[:-1]), pieces[-1][0]
 
 
-def collate(data: PairData, pairs: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """P pairs as 2P padded rows, chosen first. Besides the usual tensors:
+def collate(data: PairData, pairs: list[int], pad_id: int, multiple: int = 1,
+            cap: int | None = None) -> dict[str, torch.Tensor]:
+    """P pairs as 2P padded rows, chosen first (padded as batching.collate pads, to `multiple`). Besides the usual
+    tensors:
     - `counts`: (pairs, real target tokens of the chosen rows), the units this micro-batch adds to its
       optimizer step's normalisers (see objective.prepare);
     - `target_index`, `is_response`: the flat next-token positions ORPO reads (every real token of a
       chosen row, for its NLL term, and each reply's tokens) and which of them are reply tokens."""
     rows = [2 * k for k in pairs] + [2 * k + 1 for k in pairs]
-    batch = batching.collate(data.tokenized, rows, pad_id)
+    batch = batching.collate(data.tokenized, rows, pad_id, multiple, cap)
     real = batch["attention_mask"][:, 1:].bool()
     response = batch["labels"][:, 1:] != batching.IGNORE
     wanted = response.clone()

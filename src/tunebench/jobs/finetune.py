@@ -38,10 +38,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, spans, parts)
     model, loss, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
-    # SFT rows rounded where a CPU's bf16 builds kernels per length (pairs and judgements: their longest, for now)
-    padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision) if not prefer else None
-    collate_unit = finetune_data.JUDGEMENTS[o.data].collate if prefer else functools.partial(
-        batching.collate, multiple=padding.value, cap=d.max_length)
+    # rows rounded where a CPU's bf16 builds kernels per length (rows and pairs; a judgement's KL rows are drawn
+    # from the global micro-step by judged.collate itself, padded to their longest)
+    padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision) if o.data != "judged" else None
+    collate_unit = finetune_data.JUDGEMENTS[o.data].collate if o.data == "judged" else functools.partial(
+        finetune_data.JUDGEMENTS[o.data].collate if prefer else batching.collate, multiple=padding.value,
+        cap=d.max_length)
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def finish(done: recipe.Finished):
