@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def test_use_amp_on_a_cpu_without_bf16_is_an_error_not_fp32():
         runner.precision_for("amp", "cpu", hw)
     bf16 = hardware.Hardware("new cpu", 2, 2, frozenset({"avx512_bf16"}), 8000, 8000, "Linux")
     assert runner.precision_for("amp", "cpu", bf16) == "bf16"
+    slow = dataclasses.replace(bf16, bf16_over_fp32=0.6)  # auto would take fp32 here; amp still means 16-bit
+    assert hardware.plan("cpu", "auto", slow).precision == "fp32" and runner.precision_for("amp", "cpu", slow) == "bf16"
     assert TrainingConfig(use_amp=False).precision == "fp32" and TrainingConfig(use_amp=True).precision == "amp"
     assert TrainingConfig(bf16=True).precision == "bf16" and TrainingConfig().precision == "auto"
     assert TrainingConfig(fp16=False).precision == "auto"  # false asks for nothing
