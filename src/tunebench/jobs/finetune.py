@@ -40,10 +40,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
     # rows rounded where a CPU's bf16 builds kernels per length (rows and pairs; a judgement's KL rows are drawn
     # from the global micro-step by judged.collate itself, padded to their longest)
-    padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision) if o.data != "judged" else None
-    collate_unit = finetune_data.JUDGEMENTS[o.data].collate if o.data == "judged" else functools.partial(
-        finetune_data.JUDGEMENTS[o.data].collate if prefer else batching.collate, multiple=padding.value,
-        cap=d.max_length)
+    unit_collate = finetune_data.JUDGEMENTS[o.data].collate if prefer else batching.collate
+    padding = None if o.data == "judged" else batching.pad_multiple(opened.device.type, opened.hw_plan.precision)
+    collate_unit = functools.partial(unit_collate, multiple=padding.value, cap=d.max_length) if padding else unit_collate
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def finish(done: recipe.Finished):

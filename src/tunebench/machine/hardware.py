@@ -218,6 +218,7 @@ def detect() -> Hardware:
 
     model, flags = _cpu_info()
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    usable, versions = usable_cpus(), _versions()
     mem = psutil.virtual_memory()
     gpus = []
     if torch.cuda.is_available():
@@ -247,11 +248,11 @@ def detect() -> Hardware:
         mps=mps,
         cuda_version=torch.version.cuda if gpus else None,
         driver_version=driver,
-        versions=_versions(),
-        usable_cpus=usable_cpus(),
+        versions=versions,
+        usable_cpus=usable,
         cpu_quota=_cgroup_cpu_quota(),
         cpu_mhz=_cpu_mhz(psutil),
-        bf16_over_fp32=bf16_over_fp32(model, flags, min(cores, usable_cpus() or cores), _versions().get("torch")),
+        bf16_over_fp32=bf16_over_fp32(model, flags, min(cores, usable or cores), versions.get("torch")),
     )
 
 
@@ -472,11 +473,12 @@ def bf16_over_fp32(model: str, flags: frozenset[str], threads: int, torch_versio
     if "avx512_bf16" not in flags or "amx_bf16" in flags:
         return None
     cache = cache_dir() / "peak_flops.json"
-    key = f"{model}|{','.join(sorted(flags & set(CPU_FEATURES)))}|{threads}|{torch_version}|bf16-over-fp32"
-    seen = read_json(cache).get(key, _BF16_MEASURED.get(key))
+    key = _cpu_key(model, flags, threads, torch_version, "bf16-over-fp32")
+    on_disk = read_json(cache).get(key)
+    seen = on_disk if on_disk is not None else _BF16_MEASURED.get(key)
     if not isinstance(seen, (int, float)):
         seen = measure_bf16_over_fp32(threads)
-    if read_json(cache).get(key) != seen:
+    if on_disk != seen:
         update_json(cache, key, seen)
     _BF16_MEASURED[key] = seen  # a process that moves its cache (tests, a second TUNEBENCH_CACHE) measures once
     return float(seen)
@@ -556,9 +558,14 @@ def cpu_math_dtype(precision: str, hw: Hardware) -> str:
     return precision if cpu_native(precision, hw) else "fp32"
 
 
+def _cpu_key(model: str, flags: frozenset[str], threads: int, torch_version: str | None, what: str) -> str:
+    """A CPU measurement's key in the peaks' cache file: the CPU, its flags that matter, threads, torch, and what."""
+    return f"{model}|{','.join(sorted(flags & set(CPU_FEATURES)))}|{threads}|{torch_version}|{what}"
+
+
 def _cpu_peak_key(dtype: str, hw: Hardware, threads: int) -> str:
-    return f"{hw.cpu_model}|{','.join(sorted(hw.cpu_flags & set(CPU_FEATURES)))}|{threads}|" \
-           f"{hw.versions.get('torch')}|{dtype}|roofline-fastest"  # not the averaged figure of earlier releases
+    # roofline-fastest: not the averaged figure of earlier releases
+    return _cpu_key(hw.cpu_model, hw.cpu_flags, threads, hw.versions.get("torch"), f"{dtype}|roofline-fastest")
 
 
 def reached(device: str, precision: str, hw: Hardware, threads: int, cache_file, achieved: float | None,
