@@ -89,12 +89,11 @@ def precision_for(request: str, device: str, hw: hardware.Hardware) -> str:
         return request
     plan = hardware.plan(device, "auto", hw)
     if plan.precision == "fp32" and plan.device == "cpu" and hw.cpu_bf16:
-        return "bf16"  # native bf16 that measured slower than fp32 here: amp asked for 16-bit and gets it, said so
-    auto = plan.precision
-    if auto == "fp32":
+        return "bf16"  # native bf16 that measured slower than fp32 here: amp asked for 16-bit and gets it
+    if plan.precision == "fp32":
         raise TunebenchError("precision amp (use_amp: true) wants 16-bit arithmetic, and this device has no fast "
                              "16-bit (a CPU without AVX512-BF16 or AMX); set precision fp32 (use_amp: false)")
-    return auto
+    return plan.precision
 
 
 def host_rows(cfg: RunBase, hw_plan: hardware.Plan) -> list[Decision]:
