@@ -185,6 +185,8 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
     records = [v for k, v in json.loads(cache_file().read_text()).items() if k.startswith("trained|")]
     assert [r["micro"][str(micro)]["runs"] for r in records] == [[c["steady_positions_per_s"]["measured"]]]  # b's not
     assert len(records[0]["micro"][str(micro)]["probes"]) == 1  # with what its process's probe measured, if any
+    ratios = [v for k, v in json.loads(cache_file().read_text()).items() if k.startswith("probe+optimizer-to-run|")]
+    assert [list(r["by_micro"]) for r in ratios] == [[str(micro)]]  # a's trained over probed, kept at its micro batch
 
 
 def test_the_share_of_a_runs_cores_others_took_is_what_stayed_neither_idle_nor_its_own():
@@ -259,7 +261,7 @@ def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_s
     for measured in (116.0, 120.0, 130.0):
         plancheck.learn_ratio(plancheck.machine_key(lora), {"steady_positions_per_s": {"measured": measured}}, 100.0)
     ratio = plancheck.probe_ratio(plancheck.machine_key(other_shape))
-    assert ratio == (1.2, 3, 1.16, 1.3)
+    assert ratio == (1.2, 3, 1.16, 1.3, None)
     f = plancheck.forecast(Work(1000.0, 900.0), 4, 100.0, {}, True, None, 10, 1.0, 1, ratio)
     assert f.positions_per_s == pytest.approx(120.0) and "x 1.20, what the last 3 run(s)" in f.speed_from
     assert plancheck.probe_ratio(plancheck.machine_key(full)) is None
@@ -269,6 +271,23 @@ def test_what_runs_on_a_machine_trained_against_their_probes_corrects_the_next_s
         ratio = plancheck.probe_ratio(plancheck.machine_key(full))
         f = plancheck.forecast(Work(1000.0, 900.0), 4, 100.0, {}, True, None, 10, 1.0, 1, ratio)
         assert ratio[0] is None and f.positions_per_s == 100.0 and "not corrected: the last" in f.speed_from
+
+
+def test_the_probe_ratio_is_taken_at_the_runs_micro_batch_where_two_runs_there_agree(tmp_path, monkeypatch):
+    """Runs at micro 1 trained below their probes and runs at micro 4 above (a 2-core Xeon: medians 0.89 and 1.07):
+    each size corrects by its own; a size with fewer than two runs by the pool of every size."""
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path))
+    key = plancheck.machine_key(Key("batch", {"where": "CPU x2", "precision": "fp32", "torch": "2.13",
+                                              "method": "lora"}))
+    for micro, measured in ((1, 88.0), (4, 106.0), (1, 90.0), (4, 108.0), (2, 120.0)):
+        plancheck.learn_ratio(key, {"steady_positions_per_s": {"measured": measured}}, 100.0, micro)
+    assert plancheck.probe_ratio(key, 1) == (0.89, 2, 0.88, 0.9, 1)
+    assert plancheck.probe_ratio(key, 4) == (1.07, 2, 1.06, 1.08, 4)
+    pooled = plancheck.probe_ratio(key, 2)  # one run at 2: the five at every size (median 1.06; 0.88, 0.90 too far)
+    assert pooled == (1.08, 3, 0.88, 1.2, None)
+    f = plancheck.forecast(Work(1000.0, 900.0), 1, 100.0, {}, True, None, 10, 1.0, 1, plancheck.probe_ratio(key, 1))
+    assert f.positions_per_s == pytest.approx(89.0)
+    assert "x 0.89, what the last 2 run(s) at micro 1 on this machine trained at" in f.speed_from
 
 
 def test_the_plans_speed_adds_an_optimizer_step_to_the_probes_forward_and_backward():

@@ -4,7 +4,7 @@ the peak memory the plan predicted, beside what the run measured, and the differ
 The plan predicts from what an earlier run of the same shape trained at on this machine (`learned`, below), else
 from the probe (forward and backward at the widest rows, timed after a warm-up repeat) with a timed optimizer step
 added (`with_optimizer`), corrected by what this machine's runs of the method trained at against that figure
-(`probe_ratio`). What the run trains is its own
+(`probe_ratio`: those at the run's micro batch where two agree, else all of them). What the run trains is its own
 batches: the plan counts their computed positions (padding included) by collating them (`planned_work`), so
 padding is in the prediction and not a surprise. The run's first steps are the leading ones (in its first half)
 that ran more than a quarter slower than its later half's median speed gives them; its steady speed is over the
@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -302,30 +303,63 @@ def machine_key(batch_key: Key) -> Key:
     return batch_key.narrowed("probe+optimizer-to-run", MACHINE)
 
 
-def probe_ratio(key: Key | None) -> tuple[float | None, int, float, float] | None:
-    """What the last runs on this machine trained at over what their probes measured: (the median of those within
-    MISSED of the median of all, or None where fewer than two agree so, how many agree, the lowest, the highest);
-    None before any run here was predicted from its probe. One run's ratio corrects nothing: a first process's probe
-    on a new AVX512-BF16 VM measured 388 positions/s where the run trained at 660 and later probes of the same shape
-    645 (2026-12-02), and a ratio of 1.70 from it sent the next shapes' plans 1.5-2.4x short."""
-    if key is None:
-        return None
-    ratios = (cached(key) or {}).get("ratios", [])
-    if not ratios:
-        return None
+class Ratio(NamedTuple):
+    """What runs on this machine trained at over what their probes measured: the factor a plan corrects by (the
+    median of those within MISSED of the median of all; None where fewer than two, or no majority, agree so), how
+    many agree (all of them where none corrects), the lowest and the highest, and the micro batch they were taken at
+    (None: pooled over every size)."""
+
+    factor: float | None
+    agree: int
+    low: float
+    high: float
+    micro: int | None = None
+
+    def runs(self) -> str:
+        return f"the last {self.agree} run(s)" + (f" at micro {self.micro}" if self.micro else "")
+
+
+def _agreeing(ratios: list[float], micro: int | None) -> Ratio:
     middle = statistics.median(ratios)
     agree = [r for r in ratios if abs(r / middle - 1) <= MISSED]
     factor = statistics.median(agree) if len(agree) >= 2 and 2 * len(agree) > len(ratios) else None
-    return factor, len(agree) if factor else len(ratios), min(ratios), max(ratios)
+    return Ratio(factor, len(agree) if factor else len(ratios), min(ratios), max(ratios), micro)
 
 
-def learn_ratio(key: Key | None, c: dict, probe_speed: float | None) -> None:
-    """Keep what this run trained at over what its probe measured (the last RATIOS of this machine's runs)."""
+def probe_ratio(key: Key | None, micro: int | None = None) -> Ratio | None:
+    """What the last runs on this machine trained at over what their probes measured (`Ratio`): those at `micro`
+    where two or more of them agree, else those at every size; None before any run here was predicted from its
+    probe. One run's ratio corrects nothing: a first process's probe on a new AVX512-BF16 VM measured 388
+    positions/s where the run trained at 660 and later probes of the same shape 645 (2026-12-02), and a ratio of 1.70
+    from it sent the next shapes' plans 1.5-2.4x short. By micro batch first: on a 2-core Intel Xeon (AVX512-BF16,
+    fp32) nine compares' runs trained at 0.70-1.05x their probes at micro 1 (median 0.89) and 0.86-1.21x at micro
+    4 (median 1.07), and one factor pooled over both corrected each the wrong way (2026-12-03)."""
+    if key is None:
+        return None
+    record = cached(key) or {}
+    at_micro = record.get("by_micro", {}).get(str(micro), []) if micro else []
+    if at_micro:
+        mine = _agreeing(at_micro, micro)
+        if mine.factor is not None:
+            return mine
+    ratios = record.get("ratios", [])
+    return _agreeing(ratios, None) if ratios else None
+
+
+def learn_ratio(key: Key | None, c: dict, probe_speed: float | None, micro: int | None = None) -> None:
+    """Keep what this run trained at over what its probe measured: the last RATIOS of this machine's runs, and the
+    last RATIOS at the run's micro batch."""
     measured = c["steady_positions_per_s"]["measured"]
     if key is None or not measured or not probe_speed:
         return
-    ratios = [*(cached(key) or {}).get("ratios", []), round(measured / probe_speed, 4)][-RATIOS:]
-    store(key, {"ratios": ratios})
+    record = cached(key) or {}
+    ratio = round(measured / probe_speed, 4)
+    entry = {"ratios": [*record.get("ratios", []), ratio][-RATIOS:]}
+    if micro:
+        by_micro = dict(record.get("by_micro", {}))
+        by_micro[str(micro)] = [*by_micro.get(str(micro), []), ratio][-RATIOS:]
+        entry["by_micro"] = by_micro
+    store(key, entry)
 
 
 def memory_key(batch_key: Key) -> Key:
@@ -404,7 +438,7 @@ def trained_key(batch_key: Key) -> Key:
 
 def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, warm: bool,
              first_steps_on_record: float | None, steps_micro: int, peak_mb: float, world_size: int,
-             ratio: tuple[float | None, int, float, float] | None = None,
+             ratio: Ratio | None = None,
              probe_from: str = "the probe's forward and backward at the widest rows") -> Forecast:
     """The plan's prediction for a run of `work` at micro batch `micro`: its steady speed from what the last runs at
     that size trained at on this machine (`learned_`: the median of the last five, one run's speed moving with a
@@ -426,13 +460,13 @@ def forecast(work: Work, micro: int, probe_speed: float | None, learned_: dict, 
             source += (f" (it was predicted {said:,.0f} a second, {trained / said:.2f}x off: corrected)"
                        if len(runs) == 1 else
                        f" (the last was predicted {said:,.0f} a second and trained {trained / said:.2f}x that)")
-    elif probe_speed and ratio is not None and ratio[0] is not None:
-        speed = probe_speed * ratio[0]
-        source += (f" ({probe_speed:,.0f} a second) x {ratio[0]:.2f}, what the last {ratio[1]} run(s) on this "
-                   "machine trained at against their probes")
+    elif probe_speed and ratio is not None and ratio.factor is not None:
+        speed = probe_speed * ratio.factor
+        source += (f" ({probe_speed:,.0f} a second) x {ratio.factor:.2f}, what {ratio.runs()} on this machine "
+                   "trained at against their probes")
     elif probe_speed and ratio is not None:
-        source += (f", not corrected: the last {ratio[1]} run(s) on this machine trained at {ratio[2]:.2f}-"
-                   f"{ratio[3]:.2f}x their probes, too few or too far apart to correct by")
+        source += (f", not corrected: {ratio.runs()} on this machine trained at {ratio.low:.2f}-{ratio.high:.2f}x "
+                   "their probes, too few or too far apart to correct by")
     first = 0.0
     if last is not None and last.get("first_steps_s") is not None and bool(last.get("warm")) == warm:
         first = last["first_steps_s"]

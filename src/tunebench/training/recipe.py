@@ -204,7 +204,7 @@ def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured
     if not speed:
         work = plancheck.Work(0.0, 0.0)
     learned = plancheck.learned(plancheck.trained_key(measured.key)) if measured.key and speed else {}
-    ratio = plancheck.probe_ratio(plancheck.machine_key(measured.key)) if measured.key else None
+    ratio = plancheck.probe_ratio(plancheck.machine_key(measured.key), micro) if measured.key else None
     probe_from, probe = "the probe's forward and backward at the widest rows", None
     if speed and work.positions and steps and micro not in learned and world.main:
         trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
@@ -403,6 +403,7 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
             warm = m.micro_batch_size in m.timed
             plancheck.learn(plancheck.trained_key(m.key), m.micro_batch_size, check, warm,
                             m.tokens_per_s if warm else None)
-            plancheck.learn_ratio(plancheck.machine_key(m.key), check, planned.forecast.probe_positions_per_s)
+            plancheck.learn_ratio(plancheck.machine_key(m.key), check, planned.forecast.probe_positions_per_s,
+                                  m.micro_batch_size)
     r.publish(tracking, summary, opened.out, saved if cfg.logging.log_model else [])
     return summary
