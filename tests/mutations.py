@@ -256,7 +256,7 @@ BUGS = (
     Bug("unevaluatedProperties beside patternProperties let through", "src/tunebench/data/toolcalls.py",
         "    if _unbounded_patterns(schema):", "    if False:",
         ("tests/test_quality.py", "-k", "patterns_end"), deadline_s=120.0),
-    Bug("a run whose cores others took teaches the next run its speed (issue 95)", "src/tunebench/training/recipe.py",
+    Bug("a run whose cores others took teaches the next run its speed (issue 95)", "src/tunebench/jobs/parts/recipe.py",
         "    if m.key and not plancheck.shared_too_much(check):", "    if m.key:",
         ("tests/test_plancheck.py", "-k", "run_prints"), deadline_s=300.0),
     Bug("the probe's ratio pooled over every micro batch (issue 95)", "src/tunebench/training/plancheck.py",

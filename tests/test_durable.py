@@ -20,8 +20,9 @@ from tunebench.core import durable
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_jsonl
 from tunebench.jobs import compare, finetune
+from tunebench.jobs.parts import measuring
 from tunebench.machine.metrics import MetricsWriter
-from tunebench.training import checkpoint, measuring
+from tunebench.training import checkpoint
 
 
 def test_rng_states_round_trip_as_tensors_and_numbers():

@@ -32,9 +32,9 @@ import torch
 from conftest import SHARED, pairs_file, run_losses, run_weights, sigterm_after_step, tiny_run_config
 from tunebench.core.errors import TunebenchError
 from tunebench.jobs import finetune
-from tunebench.jobs.parts import finetune_model
+from tunebench.jobs.parts import finetune_model, runner
 from tunebench.machine import hardware
-from tunebench.training import checkpoint, optim, runner
+from tunebench.training import checkpoint, optim
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]

@@ -793,7 +793,7 @@ def test_monitor_samples_in_the_background(tmp_path):
 
 
 def test_lr_scaling_rules():
-    from tunebench.training.runner import scaled_lr
+    from tunebench.jobs.parts.runner import scaled_lr
 
     assert scaled_lr(1e-4, 32, "linear", 8)[0] == pytest.approx(4e-4)
     assert scaled_lr(1e-4, 32, "sqrt", 8)[0] == pytest.approx(2e-4)

@@ -247,11 +247,12 @@ def test_no_module_reaches_into_another_modules_private_names():
     assert not found, found
 
 
-# The training jobs are recipes over training.recipe: none builds on another or on any other job (what they share
+# The training jobs are recipes over jobs/parts/recipe.py: none builds on another or on any other job (what they share
 # lives in jobs/parts: finetune_model, finetune_data, finetune_report, pretraining and grpo_run, which import no job;
 # the run report is only handed to the runner as the run's end), and each reads in order, one argument a line.
 RECIPES = ("tunebench.jobs.finetune", "tunebench.jobs.grpo", "tunebench.jobs.pretrain")
 PARTS = "tunebench.jobs.parts"
+PARTS_DIR = PACKAGE / "jobs" / "parts"
 
 
 def test_no_training_recipe_imports_another_job():
@@ -265,13 +266,22 @@ def test_no_training_recipe_imports_another_job():
 
 
 def test_training_takes_the_parts_of_a_run_it_reads_never_a_jobs_whole_configuration():
-    """Issue 97: the per-job glue that reads a run's whole configuration (finetune's model, data and report,
-    pretraining's, GRPO's) lives in jobs/parts; no module under training/ imports a job's configuration type
-    (settings.finetune's RunConfig, settings.pretrain's PretrainRun)."""
-    graph = import_graph()
-    found = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
-                   if m.startswith("tunebench.training") and d in ("tunebench.settings.finetune",
-                                                                   "tunebench.settings.pretrain"))
+    """Issue 97: what reads a run's configuration (the per-job glue: finetune's model, data and report,
+    pretraining's, GRPO's; and the spine every job shares: recipe, runner, measuring) lives in jobs/parts; no module
+    under training/ imports a job's configuration type (settings.finetune's RunConfig, settings.pretrain's
+    PretrainRun) or the sections every run shares (settings.schema's RunBase), and no training/ function takes a
+    `cfg`. Before: 43 functions in 8 training/ files took one; 11 in recipe, runner and measuring after the glue moved."""
+    whole = {"RunBase", "RunConfig", "PretrainRun"}
+    found = []
+    for path in (PACKAGE / "training").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tunebench.settings"):
+                if node.module in ("tunebench.settings.finetune", "tunebench.settings.pretrain") or \
+                        whole & {a.name for a in node.names}:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports from {node.module}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if any(a.arg == "cfg" for a in node.args.args + node.args.kwonlyargs):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} takes cfg")
     assert not found, found
 
 
@@ -320,8 +330,8 @@ def test_a_reader_reaches_the_backward_pass_in_three_hops_from_each_job():
     the backward pass: a layer added in between fails here."""
     for job in ("finetune", "grpo", "pretrain"):
         assert "recipe.run" in _calls(PACKAGE / "jobs" / f"{job}.py", "run"), job
-    assert {"plan_run", "build_trainer", "train", "finish"} <= _calls(PACKAGE / "training" / "recipe.py", "run")
-    assert "loop.optimizer_steps" in _calls(PACKAGE / "training" / "recipe.py", "train")
+    assert {"plan_run", "build_trainer", "train", "finish"} <= _calls(PARTS_DIR / "recipe.py", "run")
+    assert "loop.optimizer_steps" in _calls(PARTS_DIR / "recipe.py", "train")
     assert any(c.endswith(".backward") for c in _calls(PACKAGE / "training" / "loop.py", "optimizer_steps"))
 
 
@@ -397,7 +407,7 @@ def test_a_recipe_holds_only_what_differs_between_objectives():
     runplan.Units, one field. At most 18 fields, and no run type made at run time."""
     import dataclasses
 
-    from tunebench.training import recipe
+    from tunebench.jobs.parts import recipe
 
     assert len(dataclasses.fields(recipe.Recipe)) <= 18, [f.name for f in dataclasses.fields(recipe.Recipe)]
     made = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "make_dataclass" in p.read_text()]

@@ -367,7 +367,7 @@ def test_a_sigterm_whose_raise_python_swallowed_still_stops_the_run_before_its_l
     import os
     import signal
 
-    from tunebench.training import recipe
+    from tunebench.jobs.parts import recipe
 
     class Finalized:
         def __del__(self):

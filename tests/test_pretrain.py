@@ -13,10 +13,10 @@ from tunebench.core.errors import TunebenchError
 from tunebench.data import blocks
 from tunebench.data import tokenizer_training as tokenizer
 from tunebench.jobs import pretrain
+from tunebench.jobs.parts import runner
 from tunebench.model import arch
 from tunebench.settings import pretrain as pretrain_config
 from tunebench.settings.pretrain import DataConfig, ModelConfig, PretrainConfig, TrainingConfig
-from tunebench.training import runner
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7 % 13} times.\n" for i in range(400))
 

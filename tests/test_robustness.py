@@ -14,10 +14,11 @@ from tunebench.data.tokenize import render_prompt, segments
 from tunebench.interfaces.cli import main
 from tunebench.jobs import finetune
 from tunebench.jobs.generate import trained_template
+from tunebench.jobs.parts import runner
 from tunebench.machine import hardware, metrics, monitor
 from tunebench.model import models
 from tunebench.settings.finetune import DataConfig
-from tunebench.training import loop, objective, runner
+from tunebench.training import loop, objective
 
 
 def _cfg(data, out, **extra):

@@ -23,13 +23,13 @@ import torch
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
 from tunebench.data import batching
-from tunebench.jobs.parts import finetune_data
+from tunebench.jobs.parts import finetune_data, runner
 from tunebench.machine import hardware
 from tunebench.machine.distributed import World
 from tunebench.model import inference
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.rundir import RunDir
-from tunebench.training import preference, runner
+from tunebench.training import preference
 from tunebench.training.objective import evaluate
 
 FALLBACK_MICRO = 4  # units a batch where the run's plan.json is gone (KTO's reference point is per batch)

@@ -19,13 +19,13 @@ import torch
 
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import write_json
-from tunebench.jobs.parts import finetune_data, grpo_run
+from tunebench.jobs.parts import finetune_data, grpo_run, runner
 from tunebench.machine import hardware
 from tunebench.machine.distributed import World
 from tunebench.model import inference
 from tunebench.settings.finetune import RunConfig
 from tunebench.settings.rundir import RunDir
-from tunebench.training import grpo, runner
+from tunebench.training import grpo
 from tunebench.training.grpo import environment, watch
 from tunebench.training.grpo import rewards as rewards_
 

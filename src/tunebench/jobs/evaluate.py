@@ -18,12 +18,12 @@ from tunebench.core.jsonfile import write_json
 from tunebench.data import batching, formats
 from tunebench.data.tokenize import load_tokenized, split
 from tunebench.jobs.generate import trained_template
+from tunebench.jobs.parts import runner
 from tunebench.machine import hardware
 from tunebench.model import inference, llama_cpp_tools, models, quality
 from tunebench.model.inference import trained_on
 from tunebench.settings.finetune import DataConfig
 from tunebench.settings.rundir import RunDir
-from tunebench.training import runner
 from tunebench.training.objective import CausalLMLoss, evaluate
 
 

@@ -1,4 +1,4 @@
-"""`tunebench train`: SFT (LoRA, QLoRA, full, PEFT methods) and DPO, ORPO, KTO, as one recipe over training.recipe:
+"""`tunebench train`: SFT (LoRA, QLoRA, full, PEFT methods) and DPO, ORPO, KTO, as one recipe over jobs/parts/recipe.py:
 inputs checked, the run opened, model and data, then what the runner measures, batches, trains and finishes."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 
 from tunebench.data import batching, mixture
 from tunebench.jobs import run_report
-from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report
+from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report, recipe, runner
 from tunebench.machine import distributed
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import recipe, runner, runplan, stopping
+from tunebench.training import runplan, stopping
 
 
 @stopping.job

@@ -1,5 +1,5 @@
 """`tunebench train --objective grpo` (or rft): GRPO (or rejection-sampling fine-tuning) on prompts with rewards or
-on episodes in an environment, its slice in training/grpo/, one recipe over training.recipe; begin_step below is
+on episodes in an environment, its slice in training/grpo/, one recipe over jobs/parts/recipe.py; begin_step below is
 one step's data."""
 
 from typing import Any
@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 
 from tunebench.jobs import run_report
-from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report, grpo_run
+from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report, grpo_run, recipe, runner
 from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import feed, grpo, preference, recipe, runner, runplan, stopping
+from tunebench.training import feed, grpo, preference, runplan, stopping
 from tunebench.training.autotune import compiler
 from tunebench.training.grpo import watch
 

@@ -1,4 +1,4 @@
-"""`tunebench pretrain`: train a causal LM from scratch, as one recipe over training.recipe: the inputs checked,
+"""`tunebench pretrain`: train a causal LM from scratch, as one recipe over jobs/parts/recipe.py: the inputs checked,
 the run opened, the tokenizer and token blocks, the model built, then the run the runner measures, plans,
 trains and finishes, with a sampled continuation at each evaluation (jobs/parts/pretraining.py holds the parts)."""
 
@@ -10,11 +10,11 @@ import numpy as np
 
 from tunebench.data import batching, blocks
 from tunebench.jobs import run_report
-from tunebench.jobs.parts import pretraining
+from tunebench.jobs.parts import pretraining, recipe, runner
 from tunebench.machine import distributed
 from tunebench.model import arch
 from tunebench.settings.pretrain import PretrainConfig, PretrainRun, validate
-from tunebench.training import feed, recipe, runner, runplan, stopping
+from tunebench.training import feed, runplan, stopping
 from tunebench.training.autotune import Trained, compiler
 
 

@@ -86,9 +86,9 @@ def measure_row(settings: dict[str, Any], device: str) -> tuple[float, float, in
 
     from tunebench.core import precision as precision_
     from tunebench.data import batching, mixture
+    from tunebench.jobs.parts import runner
     from tunebench.jobs.parts.finetune_model import build_model
     from tunebench.model import models
-    from tunebench.training import runner
     from tunebench.training.autotune.probe import probe_step
 
     cfg = load_config(options={**settings, "hardware.device": device})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,22 @@ from tunebench.machine import hardware
 from tunebench.machine.distributed import World
 from tunebench.machine.metrics import describe_eval, mfu
 from tunebench.model import models
-from tunebench.training.runner import Outcome
+from tunebench.training.loop import LoopState
+
+
+@dataclass
+class Outcome:
+    """The training loop's outcome, as a job's summary reads it (recipe.train makes it)."""
+
+    state: LoopState
+    wall_s: float  # the training loop's wall time
+    before: dict[str, float] | None  # eval before training (fresh runs only)
+    after: dict[str, float]
+    monitor: dict[str, float]
+    peak_memory_mb: float  # of the training loop, the largest of any rank
+    peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
+    warmup_steps: int = 2  # the first steps left out of tokens_per_s (LoopSettings.warmup_steps_excluded)
+    cores_shared: float | None = None  # the share of the loop's needed core time others took (monitor.CoreShare)
 
 
 def print_plan(rows: list[Decision] | tuple[Decision, ...], title: str = "settings:") -> None:

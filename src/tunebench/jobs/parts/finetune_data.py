@@ -12,9 +12,10 @@ from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
 from tunebench.data import batching, judged, mixture, pairs, toolcalls
 from tunebench.data.tokenize import split, tokenize_messages, use_template
+from tunebench.jobs.parts import runner
 from tunebench.model import inference, methods, models
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import feed, runner
+from tunebench.training import feed
 from tunebench.training.autotune import layout
 
 DROPPED = {True: "the prompt alone fills --max-length", False: "no response left after truncation"}

@@ -14,11 +14,12 @@ from tunebench.core.decision import Decision
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.core.precision import DTYPES
+from tunebench.jobs.parts import runner
 from tunebench.machine import hardware, metrics
 from tunebench.model import methods, models
 from tunebench.settings import objectives, schema
 from tunebench.settings.finetune import ObjectiveKeys, RunConfig, not_sharded
-from tunebench.training import preference, runner
+from tunebench.training import preference
 from tunebench.training.autotune import Trained, memory
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 

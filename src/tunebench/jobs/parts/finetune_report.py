@@ -8,12 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tunebench.jobs.parts import finetune_data
+from tunebench.jobs.parts import finetune_data, runner
 from tunebench.machine import metrics
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import inference, models, quality
 from tunebench.settings.finetune import RunConfig
-from tunebench.training import runner
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler
 
@@ -46,7 +45,7 @@ def held_out_answers(cfg: RunConfig, opened: runner.Opened, model, tok, data, ex
     return task_scores(model, tok, [g for g in groups if g[1]], cfg, opened.out, opened.device, opened.autocast)
 
 
-def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: runner.Outcome, trainable: int,
+def summarize(cfg: RunConfig, opened: runner.Opened, plan, model, outcome: summary_.Outcome, trainable: int,
               measure_s: float) -> dict[str, Any]:
     """The run's figures: speed, MFU (FLOPs from the model's shape), memory, losses, the batch it trained with."""
     a = cfg.adapter

@@ -15,6 +15,7 @@ from tunebench.data import batching, prompts
 from tunebench.data.prompts import PromptData, PromptRows
 from tunebench.data.tokenize import render_prompt
 from tunebench.jobs.parts import finetune_data
+from tunebench.jobs.parts.runner import Opened
 from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.model import models
@@ -37,7 +38,6 @@ from tunebench.training.grpo import rewards as rewards_
 from tunebench.training.grpo.environment import Environment
 from tunebench.training.grpo.watch import Kinds
 from tunebench.training.objective import Batch
-from tunebench.training.runner import Opened
 
 
 def check_inputs(cfg: RunConfig) -> tuple[PromptRows, dict, list[rewards_.Reward], Environment | None, Kinds | None]:

@@ -14,11 +14,11 @@ from tunebench.core.decision import Decision
 from tunebench.core.durable import atomic_files, landing
 from tunebench.core.errors import TunebenchError
 from tunebench.data import blocks, text, tokenizer_training
+from tunebench.jobs.parts import runner
 from tunebench.machine import hardware, metrics
 from tunebench.machine.metrics import training_flops_per_token
 from tunebench.model import inference, kernels, models
 from tunebench.settings.pretrain import PretrainRun
-from tunebench.training import runner
 from tunebench.training import summary as summary_
 from tunebench.training.autotune.probe import enable_checkpointing, memory_free_mb
 
@@ -126,7 +126,7 @@ def save(model, tok, out: Path, weights: dict | None) -> list[Path]:
         return landing(tmp, out)
 
 
-def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: runner.Outcome, n_params: int,
+def summarize(cfg: PretrainRun, opened: runner.Opened, plan, model, outcome: summary_.Outcome, n_params: int,
               measure_s: float) -> dict[str, Any]:
     """The run's figures (speed, MFU from the model's shape, memory, losses, batch, the last sample)."""
     matmul, layers, width = metrics.flop_dims(model)

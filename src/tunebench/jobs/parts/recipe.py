@@ -23,12 +23,13 @@ from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
+from tunebench.jobs.parts import measuring, runner
 from tunebench.machine import distributed, trackers
 from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
 from tunebench.machine.monitor import CoreShare, Monitor, other_load
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import RunBase
-from tunebench.training import checkpoint, feed, loop, measuring, optim, plancheck, runner, runplan, stopping
+from tunebench.training import checkpoint, feed, loop, optim, plancheck, runplan, stopping
 from tunebench.training import objective as objective_
 from tunebench.training import summary as summary_
 from tunebench.training.autotune import compiler, memory
@@ -43,7 +44,7 @@ class Finished:
     sharded model's gathered weights (None when whole) and the seconds the measurements took."""
 
     plan: runplan.RunPlan
-    outcome: runner.Outcome
+    outcome: summary_.Outcome
     weights: dict | None
     measure_s: float
     ranks: list[Any] | None = None  # each rank's Recipe.rank_figures(), in rank order (None: it has none)
@@ -261,7 +262,7 @@ class TrainResult:
     """What `train` leaves for `finish`: the loop's outcome, a sharded model's gathered weights and each rank's own
     figures (Recipe.rank_figures)."""
 
-    outcome: runner.Outcome
+    outcome: summary_.Outcome
     weights: dict | None
     ranks: list[Any] | None
     times: list[tuple[float, int, int]] = field(default_factory=list)  # this process's steps: seconds, positions, tokens
@@ -358,7 +359,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
     finally:
         if metrics:
             metrics.close()
-    outcome = runner.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks),
+    outcome = summary_.Outcome(state, wall, before, after, sampler.summary(), max(peaks), sum(peaks),
                              t.settings.warmup_steps_excluded, shared)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None

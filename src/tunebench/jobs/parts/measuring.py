@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 from tunebench.core.decision import Decision
+from tunebench.jobs.parts.runner import Opened
 from tunebench.machine import distributed, hardware
 from tunebench.machine.distributed import World
 from tunebench.settings.schema import RunBase, budget_seconds
 from tunebench.training import autotune, runplan
 from tunebench.training.autotune import known
-from tunebench.training.runner import Opened
 
 
 def decide(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_tokens: float,

@@ -1,10 +1,11 @@
 """A training run's set-up around the loop: its opening (hardware plan, process group, output directory and resume
 point, batch, threads and seed), the host's settings rows, the learning rate, the records and trackers, the
-objective as the process group wraps it, the slowdown watch and the loop's outcome.
+objective as the process group wraps it and the slowdown watch. It reads the sections every run shares (RunBase),
+so it lives with the jobs' parts, not in training/, which takes only what it reads.
 
-Beside it, each with one job: training/measuring.py (the measured decisions, rank 0 alone), training/feed.py (the
-loop's micro batches and each step's start), training/stopping.py (signals). training.recipe.run calls them in
-order; the optimizer steps themselves are loop.optimizer_steps.
+Beside it, each with one job: jobs/parts/measuring.py (the measured decisions, rank 0 alone), training/feed.py (the
+loop's micro batches and each step's start), training/stopping.py (signals). jobs/parts/recipe.py's run calls them
+in order; the optimizer steps themselves are training.loop.optimizer_steps.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from tunebench.settings.schema import RunBase
 from tunebench.settings.tracking import names
 from tunebench.training import checkpoint, runplan
 from tunebench.training.autotune import memory
-from tunebench.training.loop import LoopState
 from tunebench.training.objective import CausalLMLoss
 
 
@@ -242,19 +242,6 @@ class SlowdownWatch:
                    f"{100 * speed / reference:.0f}% of the {reference:,.0f} {source}; {cause}")
         print(f"\nwarning: {message}")
         self.log({"step": step, "warning": message})
-
-
-@dataclass
-class Outcome:
-    state: LoopState
-    wall_s: float  # the training loop's wall time
-    before: dict[str, float] | None  # eval before training (fresh runs only)
-    after: dict[str, float]
-    monitor: dict[str, float]
-    peak_memory_mb: float  # of the training loop, the largest of any rank
-    peak_memory_mb_total: float  # summed over ranks (on one machine: what the run costs it)
-    warmup_steps: int = 2  # the first steps left out of tokens_per_s (LoopSettings.warmup_steps_excluded)
-    cores_shared: float | None = None  # the share of the loop's needed core time others took (monitor.CoreShare)
 
 
 def objective(model, autocast_dtype, device: torch.device, world: World, parallel: str,
