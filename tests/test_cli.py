@@ -347,18 +347,26 @@ def test_report_to_tensorboard_writes_events_tensorboards_reader_loads(tmp_path,
     assert len(events.Scalars("train/loss")) == 4
 
 
+@dataclasses.dataclass(frozen=True)
+class _LouderGRPO(__import__("tunebench.settings.objectives", fromlist=["GRPO"]).GRPO):
+    """GRPO with one setting more, as a contributor would add it: a field and its documentation, nothing else."""
+
+    loudness: float = 1.0
+    """how loud each completion is read"""
+
+
 def test_every_objective_setting_is_declared_once_and_brings_its_flag_help_and_reference_row():
-    """Every field of every objective's type is a key of the section users spell (settings.finetune.ObjectiveKeys,
-    where its documentation is written once), and each key is a --flag in both spellings (made from that class:
-    cli_parser.objective_flags) whose help is that documentation, and a row of the configuration reference. A field
-    added to a type without its key fails here; the key brings its flag, help and row with it."""
+    """Every setting is declared once, in the objective type that holds it, with its documentation; the section
+    users spell (settings.finetune.ObjectiveKeys) is made from the types, and each of its keys is a --flag in both
+    spellings (cli_parser.objective_flags) whose help is that documentation, and a row of the configuration
+    reference. A documented field added to a type brings its key, flag and help, each objective's words prefixed
+    by whose they are."""
     from tunebench.interfaces import cli_parser
-    from tunebench.settings import objectives
+    from tunebench.settings import objectives, schema
     from tunebench.settings.finetune import ObjectiveKeys
 
     flat = {f.name for f in dataclasses.fields(ObjectiveKeys)}
-    for name, kind in objectives.BY_NAME.items():
-        assert set(objectives.own_keys(kind)) <= flat, name
+    assert flat == {"name"} | {k for kind in objectives.KINDS for k in objectives.own_keys(kind)}
     parser = cli_parser.build_parser()
     reference = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "configuration.md").read_text()
     for key in sorted(flat - {"name"}):
@@ -367,6 +375,15 @@ def test_every_objective_setting_is_declared_once_and_brings_its_flag_help_and_r
         assert cli_parser.train_help(f"objective.{key}").strip(), key
         assert f"| `objective.{key}` |" in reference, key
     assert parser.parse_args(["train", "--objective", "dpo"]).__dict__["objective.name"] == "dpo"
+    assert schema.docs(ObjectiveKeys)["beta"] == ("DPO and KTO: how far the model may move from its reference; GRPO: "
+                                                  "the weight of the KL term against the policy the run started from "
+                                                  "(0, TRL's: no KL term, no reference pass)")
+
+    louder = objectives.flat_section(tuple(_LouderGRPO if k is objectives.GRPO else k for k in objectives.KINDS))
+    assert {f.name: f.default for f in dataclasses.fields(louder)}["loudness"] is None
+    assert schema.docs(louder)["loudness"] == "GRPO: how loud each completion is read"
+    assert (("--loudness",), "objective.loudness") in cli_parser.objective_flags(louder)
+    assert schema.docs(louder)["num_generations"] == schema.docs(ObjectiveKeys)["num_generations"]
 
 
 def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_table():

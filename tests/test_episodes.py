@@ -328,7 +328,7 @@ def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0, text=ENV, rows=None, ma
     prompts = PromptRows([environment.opening(env, r) for r in rows], rows, "rows")
     episodes.template_for(tok, env.schemas, prompts.prompts[0])
     data = episodes.tokenize(prompts, tok, env, max_length, 12)  # scripted replies: no model reads these contexts
-    settings = GRPO(2, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    settings = GRPO(num_generations=2, max_completion_length=12, loss_type="dapo")
     on = grpo.Sampling(tiny.model, tok, data, prompts, [], settings, torch.device("cpu"))
     return episodes.Episodes(on, env, prompts.prompts, max_turns, max_length)
 
@@ -408,7 +408,7 @@ def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
         return [tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]  # episode 2's second turn
 
     monkeypatch.setattr(grpo, "complete", complete)
-    sampler.on.s = GRPO(4, 12, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    sampler.on.s = GRPO(num_generations=4, max_completion_length=12, loss_type="dapo")
     played = episodes.rollout(sampler, [0], 4, 1.0, 1.0)
     assert [e.stop for e in played] == ["answered", "cut", "max_turns", "no_room"]
     assert [(e.turns, e.calls) for e in played] == [(1, 0), (1, 0), (2, 1), (1, 1)]

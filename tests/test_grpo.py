@@ -91,7 +91,7 @@ def test_groups_that_teach_nothing_leave_the_update_with_the_same_loss_and_gradi
     completions = [[20, 21, 2], [22, 2], [23, 24, 25, 2], [26, 2], [27, 28, 2], [29, 2]]
     groups = grpo.Groups([0, 1, 2], completions, torch.tensor([1.0, -1.0, 0.0, 0.0, 0.7, -0.7]),
                          torch.arange(18, dtype=torch.float32).reshape(6, 3))
-    settings = GRPO(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, loss_type, "group")
+    settings = GRPO(num_generations=2, max_completion_length=8, loss_type=loss_type)
     objective = grpo.GRPOLoss(model, settings, [rewards.Reward("r", 1.0, lambda p, c, cols: [])])
 
     def step(keys, skip):
@@ -130,7 +130,7 @@ def test_a_later_update_of_a_draw_takes_its_ratio_against_the_draws_log_probabil
     data = PromptData([[5, 6, 7], [8, 9]], torch.arange(2).numpy(), 0)
     groups = grpo.Groups([0, 1], [[20, 21, 2], [22, 2], [23, 24, 25, 2], [26, 2]],
                          torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(4, 3))
-    objective = grpo.GRPOLoss(model, GRPO(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group"),
+    objective = grpo.GRPOLoss(model, GRPO(num_generations=2, max_completion_length=8, loss_type="dapo"),
                               [rewards.Reward("r", 1.0, lambda p, c, cols: [])])
     batch, _, _ = prepare(grpo.rows_of(groups, [0, 1], data, 2, tok.pad_token_id), torch.device("cpu"))
     with torch.no_grad():

@@ -410,7 +410,10 @@ def test_a_recipe_holds_only_what_differs_between_objectives():
     from tunebench.jobs.parts import recipe
 
     assert len(dataclasses.fields(recipe.Recipe)) <= 18, [f.name for f in dataclasses.fields(recipe.Recipe)]
-    made = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "make_dataclass" in p.read_text()]
+    # the one exception is not a run type: the objective section users spell, made once at import from the
+    # objectives' types so that each setting is declared once (settings.objectives.flat_section; issue 97)
+    made = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "make_dataclass" in p.read_text()
+            and p != PACKAGE / "settings" / "objectives.py"]
     assert not made, made
 
 
@@ -435,7 +438,7 @@ def test_the_loop_reads_each_objective_through_its_written_protocol(tiny):
     from tunebench.training import grpo, preference
     from tunebench.training.objective import CausalLMLoss, Objective
 
-    settings = GRPO(2, 8, 1.0, 1.0, 0.0, 0.2, 0.2, "dapo", "group")
+    settings = GRPO(num_generations=2, max_completion_length=8, loss_type="dapo")
     objectives = [CausalLMLoss(tiny.model), *(preference.PreferenceLoss(tiny.model, m, 0.1)
                                               for m in ("dpo", "orpo", "kto")),
                   grpo.GRPOLoss(tiny.model, settings, [])]

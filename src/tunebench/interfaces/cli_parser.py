@@ -18,12 +18,13 @@ from tunebench.settings.objectives import default_text
 from tunebench.settings.rundir import RunDir
 
 
-def objective_flags() -> list[tuple[tuple[str, ...], str]]:
-    """A flag for every key of the objective section, made from its one declaration (settings.finetune.ObjectiveKeys,
-    whose fields' documentation is the help): --the-key, and the study's --the_key; its name is --objective."""
+def objective_flags(section: type = ObjectiveKeys) -> list[tuple[tuple[str, ...], str]]:
+    """A flag for every key of the objective section (settings.finetune.ObjectiveKeys, made from the objectives'
+    types, whose fields' documentation is the help): --the-key, and the study's --the_key; its name is
+    --objective."""
     return [(("--objective",), "objective.name"), *[
         (tuple(dict.fromkeys((f"--{f.name.replace('_', '-')}", f"--{f.name}"))), f"objective.{f.name}")
-        for f in dataclasses.fields(ObjectiveKeys) if f.name != "name"]]
+        for f in dataclasses.fields(section) if f.name != "name"]]
 
 
 # (flags, config key): the help is the field's documentation in settings/finetune.py, with its default.

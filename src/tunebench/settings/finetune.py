@@ -104,78 +104,7 @@ class AdapterConfig:
     """prompt tuning: start the virtual tokens from this text's embeddings (default: random)"""
 
 
-@dataclass(frozen=True)
-class ObjectiveKeys:
-    """The objective section as users spell it: every key some objective has (flags, YAML, old runs' config.yaml,
-    the configuration reference's help). A run holds the objective's own type instead (settings.objectives.build:
-    each key belongs to some objectives and is refused for the others). Spelled adapter.objective, adapter.beta,
-    ... before this section existed; those keys still work (AS_ADAPTER)."""
-
-    name: str = "sft"
-    """sft (the loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B store
-    of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B store) |
-    grpo (prompts, and --reward) | rft (prompts and --reward: rejection-sampling fine-tuning)"""
-    beta: float | None = None
-    """DPO's and KTO's beta, how far the model may move from its reference; GRPO's KL weight (0: no reference
-    pass)"""
-    desirable_weight: float | None = None
-    """KTO: the weight of a desirable completion's loss (TRL suggests balancing the two kinds' counts)"""
-    undesirable_weight: float | None = None
-    """KTO: the weight of an undesirable completion's loss"""
-    # GRPO, with TRL's names (settings.objectives.GRPO holds the defaults)
-    reward: tuple[str, ...] = ()
-    """GRPO and RFT: reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
-    path/to/file.py:function (TRL's signature: prompts, completions, **columns)"""
-    reward_weights: tuple[float, ...] = ()
-    """GRPO and RFT: one weight per --reward (default 1 each)"""
-    num_generations: int | None = None
-    """GRPO and RFT: completions sampled per prompt (GRPO's group)"""
-    max_completion_length: int | None = None
-    """GRPO and RFT: new tokens per completion"""
-    temperature: float | None = None
-    """GRPO and RFT: the sampling temperature"""
-    top_p: float | None = None
-    """GRPO and RFT: nucleus sampling (1.0: off)"""
-    epsilon: float | None = None
-    """GRPO: the clipping epsilon"""
-    epsilon_high: float | None = None
-    """GRPO: the upper clipping epsilon (default: --epsilon; DAPO's paper: 0.28)"""
-    loss_type: str | None = None
-    """GRPO: dapo (TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
-    scale_rewards: str | None = None
-    """GRPO: group (advantages divided by the group's std) | none (Dr. GRPO)"""
-    balance_kinds: bool | None = None
-    """GRPO and RFT with --kind-column: each step's prompts taken one of each kind in turn (so a step of at least
-    as many prompts as kinds holds every kind while each has prompts left), not shuffled together"""
-    resample_alike: int | None = None
-    """GRPO: rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the
-    first fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
-    num_iterations: int | None = None
-    """GRPO: optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at
-    the policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one
-    forward pass more a draw), so --epsilon clips; 1 (TRL's): one update a draw"""
-    turn_credit: str | None = None
-    """GRPO with --environment: each turn's credit against one baseline pooled over the group's turns (pooled, the
-    GRPO paper's process supervision) | against the episodes that reached the same context (state: GiGPO's anchor
-    states; a turn's advantage is its episode's plus its return's against theirs)"""
-    orpo_lambda: float | None = None
-    """ORPO's lambda, the weight of its odds-ratio term (TRL calls it beta)"""
-    environment: str | None = None
-    """GRPO and RFT with tools: a Python file defining TOOLS, reset(row) and reward(messages, row), or
-    builtin:lookup; each completion becomes an episode of turns in which the model's tool calls run
-    (training/grpo/environment.py)"""
-    max_turns: int | None = None
-    """GRPO and RFT with --environment: the model's turns an episode may take (default 4)"""
-    tool_timeout: float | None = None
-    """GRPO and RFT with --environment: seconds a tool call may take before the model is told it gave no answer
-    (default 10)"""
-    kind_column: str | None = None
-    """GRPO and RFT: the prompts' column naming each one's kind (a task type, a difficulty): each kind's training
-    reward and share of groups that taught anything are logged a step, drawn in the report, and a kind whose groups
-    stay alike below the run's best is warned of; RFT balances its kept completions by kind"""
-    min_reward: float | None = None
-    """RFT: a sampled completion is trained on when its weighted reward is at least this (default: above 0)"""
-
+ObjectiveKeys = objectives.flat_section()  # the objective section as users spell it, made from the objectives' types
 
 
 @dataclass(frozen=True)

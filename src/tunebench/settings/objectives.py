@@ -1,9 +1,11 @@
 """Each objective's own settings: one frozen type per objective holding only its own fields, a tagged union
 (`Objective`, tagged by `name`). What a run holds as `cfg.objective` is one of them.
 
-Users spell them as one flat section (settings.finetune.ObjectiveKeys: every key some objective has, so that each
-flag, YAML key and old run's config.yaml, which saved them all with None where not the objective's, still
-reads); `build` makes the objective's type from that section, refusing a key that is another objective's.
+Each setting is declared once, with its documentation, in the type that holds it (GRPO's and RFT's shared ones in
+`SampledObjective`). Users spell them as one flat section made from those types (`flat_section`, settings.finetune's
+ObjectiveKeys: every key some objective has, so that each flag, YAML key and old run's config.yaml, which saved
+them all with None where not the objective's, still reads); `build` makes the objective's type from that section,
+refusing a key that is another objective's.
 
 Each type also says, as class facts, what the code around the objective needs to know of it: the kind of data it
 learns from (`data`), what one unit of a step is (`unit`), whether it samples its own completions (`samples`); the
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tunebench.core.errors import TunebenchError
+from tunebench.settings.schema import docs
 
 PAPERS_DEFAULT = 0.1  # DPO's and KTO's beta and ORPO's lambda, as their papers (and TRL) set them
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # GRPO's loss normalisations (training/grpo/)
@@ -106,8 +109,11 @@ class KTO(ObjectiveBase):
 
     name: str = field(default="kto", init=False)
     beta: float = PAPERS_DEFAULT
+    """how far the model may move from its reference"""
     desirable_weight: float = 1.0
+    """the weight of a desirable completion's loss (TRL suggests balancing the two kinds' counts)"""
     undesirable_weight: float = 1.0
+    """the weight of an undesirable completion's loss"""
     data: ClassVar[str] = "judged"
     unit: ClassVar[str] = "examples"
     micro_batch_in_math: ClassVar[bool] = True  # its KL reference point, over each micro batch (TRL's)
@@ -127,38 +133,79 @@ class KTO(ObjectiveBase):
 
 
 @dataclass(frozen=True)
-class GRPO(ObjectiveBase):
-    """Rewards of the policy's own sampled completions or episodes (Shao et al., 2024), with TRL's names and
-    defaults (but max_completion_length, whose 512 would be slow on a CPU)."""
+class SampledObjective(ObjectiveBase):
+    """What the two objectives that sample their own completions (GRPO, RFT) share: how they sample, what scores a
+    completion, the environment an episode runs in and the prompts' kinds. Not an objective itself."""
 
-    name: str = field(default="grpo", init=False)
     num_generations: int = 8
+    """completions sampled per prompt (GRPO's group)"""
     max_completion_length: int = 256
+    """new tokens per completion"""
     temperature: float = 1.0
+    """the sampling temperature"""
     top_p: float = 1.0
-    beta: float = 0.0  # TRL's: no KL term, no reference pass
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: epsilon
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"
+    """nucleus sampling (1.0: off)"""
     reward: tuple[str, ...] = ()
+    """reward functions, each gsm8k[:COLUMN] | format:REGEX | exact[:COLUMN] | contains[:COLUMN] |
+    path/to/file.py:function (TRL's signature: prompts, completions, **columns)"""
     reward_weights: tuple[float, ...] = ()
+    """one weight per --reward (default 1 each)"""
     environment: str | None = None
+    """the tools' environment: a Python file defining TOOLS, reset(row) and reward(messages, row), or
+    builtin:lookup; each completion becomes an episode of turns in which the model's tool calls run
+    (training/grpo/environment.py)"""
     max_turns: int | None = None  # None: EPISODE_DEFAULTS where there is an environment
+    """with --environment, the model's turns an episode may take (default 4)"""
     tool_timeout: float | None = None
-    kind_column: str | None = None  # the prompts' column naming each one's kind: per-kind stats (grpo/watch.py)
-    balance_kinds: bool = False  # each step's prompts interleaved by kind (batching.balanced_steps)
-    turn_credit: str = "pooled"  # TURN_CREDITS: an episode's turns' baseline (grpo.turn_advantages, state_advantages)
-    resample_alike: int = 0  # rounds of fresh draws for a group that scored alike (grpo.refill; DAPO); 0: none
-    num_iterations: int = 1  # optimizer steps on each step's draws (TRL's num_iterations, the paper's mu)
+    """with --environment, seconds a tool call may take before the model is told it gave no answer (default 10)"""
+    kind_column: str | None = None  # per-kind stats (grpo/watch.py)
+    """the prompts' column naming each one's kind (a task type, a difficulty): each kind's training reward and share
+    of groups that taught anything are logged a step, drawn in the report, and a kind whose groups stay alike below
+    the run's best is warned of; RFT balances its kept completions by kind"""
+    balance_kinds: bool = False  # batching.balanced_steps
+    """with --kind-column, each step's prompts taken one of each kind in turn (so a step of at least as many prompts
+    as kinds holds every kind while each has prompts left), not shuffled together"""
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        _episode_defaults(self)
+
+
+@dataclass(frozen=True)
+class GRPO(SampledObjective):
+    """Rewards of the policy's own sampled completions or episodes (Shao et al., 2024), with TRL's names and
+    defaults (but max_completion_length, whose 512 would be slow on a CPU)."""
+
+    name: str = field(default="grpo", init=False)
+    beta: float = 0.0
+    """the weight of the KL term against the policy the run started from (0, TRL's: no KL term, no reference
+    pass)"""
+    epsilon: float = 0.2
+    """the clipping epsilon"""
+    epsilon_high: float | None = None
+    """the upper clipping epsilon (default: --epsilon; DAPO's paper: 0.28)"""
+    loss_type: str = "dapo"
+    """dapo (TRL's: over the step's completion tokens) | grpo (per completion) | dr_grpo"""
+    scale_rewards: str = "group"
+    """group (advantages divided by the group's std) | none (Dr. GRPO)"""
+    turn_credit: str = "pooled"  # TURN_CREDITS (grpo.turn_advantages, state_advantages)
+    """with --environment, each turn's credit against one baseline pooled over the group's turns (pooled, the GRPO
+    paper's process supervision) | against the episodes that reached the same context (state: GiGPO's anchor
+    states; a turn's advantage is its episode's plus its return's against theirs)"""
+    resample_alike: int = 0  # grpo.refill
+    """rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the first
+    fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
+    num_iterations: int = 1
+    """optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at the
+    policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one forward
+    pass more a draw), so --epsilon clips; 1 (TRL's): one update a draw"""
+
+    def __post_init__(self) -> None:
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon)
-        _episode_defaults(self)
+        super().__post_init__()
 
     def report(self) -> dict[str, Any]:
         return {"objective": self.name, "beta": self.beta}
@@ -187,7 +234,7 @@ class GRPO(ObjectiveBase):
         _check_sampling(self)
 
 
-def _episode_defaults(self: GRPO | RFT) -> None:
+def _episode_defaults(self: SampledObjective) -> None:
     """EPISODE_DEFAULTS where an environment is given and the setting is not."""
     if self.environment:
         for key, value in EPISODE_DEFAULTS.items():
@@ -195,7 +242,7 @@ def _episode_defaults(self: GRPO | RFT) -> None:
                 object.__setattr__(self, key, value)
 
 
-def _check_sampling(self: GRPO | RFT) -> None:
+def _check_sampling(self: SampledObjective) -> None:
     """What both objectives that sample their own completions must hold."""
     if self.max_completion_length < 1:
         raise TunebenchError(f"--max-completion-length must be 1 or more, got {self.max_completion_length}")
@@ -221,7 +268,7 @@ def _check_sampling(self: GRPO | RFT) -> None:
 
 
 @dataclass(frozen=True)
-class RFT(ObjectiveBase):
+class RFT(SampledObjective):
     """Rejection-sampling fine-tuning, as expert iteration (Anthony et al., 2017; Havrilla et al., 2024) and RAFT
     online (Dong et al., 2023; RAFT++, Xiong et al., 2025): each step samples num_generations completions (or
     episodes) of its prompts from the policy as it trains, with GRPO's environments and rewards, keeps those whose
@@ -230,24 +277,9 @@ class RFT(ObjectiveBase):
     kinds apart, it learns only from what worked."""
 
     name: str = field(default="rft", init=False)
-    num_generations: int = 8
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    min_reward: float | None = None  # None: above 0, tunebench's success (an episode's held-out success too)
-    reward: tuple[str, ...] = ()
-    reward_weights: tuple[float, ...] = ()
-    environment: str | None = None
-    max_turns: int | None = None
-    tool_timeout: float | None = None
-    kind_column: str | None = None
-    balance_kinds: bool = False
-    data: ClassVar[str] = "prompts"
-    unit: ClassVar[str] = "prompts"
-    samples: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        _episode_defaults(self)
+    min_reward: float | None = None
+    """a sampled completion is trained on when its weighted reward is at least this (default: above 0, tunebench's
+    success; an episode's held-out success too)"""
 
     def report(self) -> dict[str, Any]:
         return {"objective": self.name, "min_reward": self.min_reward}
@@ -267,6 +299,38 @@ Objective = SFT | DPO | ORPO | KTO | GRPO | RFT
 KINDS: tuple[type, ...] = (SFT, DPO, ORPO, KTO, GRPO, RFT)
 BY_NAME: dict[str, type] = {kind().name: kind for kind in KINDS}  # every field but the name has a default
 NAMES = tuple(BY_NAME)
+
+
+NAME_DOC = ("sft (the loss on the replies) | dpo | orpo (preference pairs: prompt/chosen/rejected rows, or the A/B "
+            "store of tunebench serve as --data) | kto (judged completions: prompt/completion/label rows, or the A/B "
+            "store) | grpo (prompts, and --reward) | rft (prompts and --reward: rejection-sampling fine-tuning)")
+
+
+def flat_section(kinds: tuple[type, ...] = KINDS) -> type:
+    """The objective section as users spell it (flags, YAML, old runs' config.yaml, --help, the configuration
+    reference), made from the types: every setting some objective has, None (or an empty list) where not given
+    (`build` then takes the objective's own default), documented in the types' own words, each prefixed by whose it
+    is ("GRPO and RFT: ..."). A documented field added to a type brings its key, flag, help and reference row;
+    nothing else declares them."""
+    fields: list[tuple[str, str, Any]] = [("name", "str", field(default="sft"))]
+    said: dict[str, dict[str, list[str]]] = {}  # key -> its documentation -> the objectives it is theirs in
+    for kind in kinds:
+        written = {k: v for cls in reversed(kind.__mro__) if dataclasses.is_dataclass(cls) for k, v in docs(cls).items()}
+        for f in (f for f in dataclasses.fields(kind) if f.init):
+            if f.name not in said:
+                hint = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # a string under __future__
+                listed = hint.startswith("tuple")
+                fields.append((f.name, hint if listed or "None" in hint else f"{hint} | None",
+                               field(default=() if listed else None)))
+            said.setdefault(f.name, {}).setdefault(written.get(f.name, ""), []).append(kind().name.upper())
+    section = dataclasses.make_dataclass("ObjectiveKeys", fields, frozen=True)
+    section.__module__ = __name__
+    section.__doc__ = ("The objective section as users spell it: every key some objective has (flat_section makes "
+                       "it from the objective types).")
+    section.FIELD_DOCS = {"name": NAME_DOC, **{  # what schema.docs reads for a section made here
+        key: "; ".join(f"{' and '.join(whose)}: {text}" for text, whose in by_text.items() if text)
+        for key, by_text in said.items()}}
+    return section
 
 
 def own_keys(kind: type) -> tuple[str, ...]:

@@ -276,6 +276,8 @@ LEGACY_AUTOTUNE = "batch.autotune_batch"
 @functools.cache
 def docs(cls: type) -> dict[str, str]:
     """{field: the string literal under it} of a dataclass: its documentation and command-line help."""
+    if "FIELD_DOCS" in vars(cls):  # a section made from other types' fields (settings.objectives.flat_section)
+        return dict(cls.FIELD_DOCS)
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     out = {}
