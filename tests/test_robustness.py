@@ -2,6 +2,8 @@
 follows the new run: the correctness and robustness pass over fine-tuning."""
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -341,3 +343,38 @@ def test_a_child_run_never_imports_a_planted_tunebench_from_the_folder_the_serve
     proc = children.start("no-such-job", tiny_run_config(tmp_path / "d.jsonl", tmp_path / "run"), tmp_path / "run",
                           log=tmp_path / "log.txt")
     assert proc.wait(120) == 2 and not marker.exists()  # the real tunebench refused the job, the planted file never ran
+
+
+def test_a_child_run_starts_in_its_run_folder_with_the_paths_it_was_given_made_whole(tmp_path, monkeypatch):
+    """Issue 98 N1, its second half: a child starts in the run folder tunebench made, not the folder the server
+    was started from; what its configuration (and PYTHONPATH) named relative to that folder is made absolute first,
+    so it still names the same files; names that are no path there (a preset, a built-in reward) stay names."""
+    import yaml
+
+    from conftest import tiny_run_config
+    from tunebench.jobs import children
+
+    here = tmp_path / "server"
+    (here / "rewards").mkdir(parents=True)
+    (here / "d.jsonl").write_text("{}\n")
+    (here / "rewards" / "mine.py").write_text("def score(**_): return [0.0]\n")
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("PYTHONPATH", "src")
+    cfg = tiny_run_config("d.jsonl", "runs/a", **{"objective.name": "grpo",
+                                                  "objective.reward": ["rewards/mine.py:score", "gsm8k"]})
+    show = "import os, sys; print(os.getcwd()); print(os.environ['PYTHONPATH'])"
+    proc = children.start("train", cfg, Path("runs/a"), log=tmp_path / "log.txt", program=[sys.executable, "-c", show])
+    assert proc.wait(60) == 0
+    cwd, pythonpath = (tmp_path / "log.txt").read_text().splitlines()[:2]
+    assert Path(cwd) == here / "runs" / "a" and pythonpath == str(here / "src")
+    asked = yaml.safe_load((here / "runs" / "a" / "asked.yaml").read_text())
+    assert asked["data"]["path"] == str(here / "d.jsonl") and asked["output"]["output_dir"] == str(here / "runs" / "a")
+    assert asked["objective"]["reward"] == [f"{here / 'rewards' / 'mine.py'}:score", "gsm8k"]
+    assert asked["model"]["name"] == "tiny"  # a preset: no such path here
+
+    # MLflow without a URI keeps its runs in the current folder: the child is told the store it would have found here
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    show = "import os; print(os.environ['MLFLOW_TRACKING_URI'])"
+    proc = children.start("train", tiny_run_config("d.jsonl", "runs/b", **{"logging.report_to": "mlflow"}),
+                          Path("runs/b"), log=tmp_path / "log-b.txt", program=[sys.executable, "-c", show])
+    assert proc.wait(60) == 0 and str(here / "mlflow.db") in (tmp_path / "log-b.txt").read_text()

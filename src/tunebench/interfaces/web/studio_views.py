@@ -127,7 +127,7 @@ EXPORT_TIMEOUT_S = 2 * 3600  # a page's export; --quant auto of a 135M model too
 def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     """`tunebench export` of a finished run, as a child process (the server stays light); the written path, or
     the export's own one-line error."""
-    run = studio.run_path(name)
+    run = Path(os.path.abspath(studio.run_path(name)))  # the export starts in the run's folder: its path whole
     if fmt not in EXPORT_FORMATS:
         raise TunebenchError(f"format {fmt!r}: pick one of {', '.join(EXPORT_FORMATS)}")
     if studio.state(name) != "finished":
@@ -138,9 +138,9 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     target = output_path(run, fmt, quant, None)
     if target.exists():  # exports never overwrite: the file already there is this run's, in this format
         raise TunebenchError(f"{name} is already exported as {fmt} {quant}: {target} (delete it to export again)")
-    # safe path: not the modules of the folder the server was started from
+    # safe path, in the run's folder: not the modules, nor any file, of the folder the server was started from
     done = run_whole([sys.executable, *SAFE_PATH, "-m", "tunebench", "export", str(run), "--format", fmt, "--quant",
-                      quant], EXPORT_TIMEOUT_S)
+                      quant], EXPORT_TIMEOUT_S, cwd=run)
     if done is None:
         raise TunebenchError(f"the export of {name} ran past {EXPORT_TIMEOUT_S // 60} minutes and was stopped; "
                              f"export it from a terminal: tunebench export {run} --format {fmt} --quant {quant}")
@@ -150,12 +150,12 @@ def export(studio: Studio, name: str, fmt: str, quant: str) -> str:
     return str(target)
 
 
-def run_whole(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
+def run_whole(argv: list[str], timeout_s: float, cwd: Path | None = None) -> subprocess.CompletedProcess | None:
     """`argv` run to its end with its output captured, in a process group of its own; past `timeout_s` the whole
     group is killed (None): subprocess.run's timeout kills the child alone, and an export's converter or
     quantizer, its own children, lived on with no one to wait for them."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                            env=child_env(), start_new_session=True)
+                            env=child_env(), start_new_session=True, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
