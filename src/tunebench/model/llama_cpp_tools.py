@@ -20,7 +20,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from tunebench.core.childenv import child_env
+from tunebench.core.childenv import SAFE_PATH, child_env
 from tunebench.core.durable import atomic_dir
 from tunebench.core.errors import TunebenchError
 from tunebench.core.paths import cache_dir
@@ -60,7 +60,7 @@ def converter() -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+        done = subprocess.run([sys.executable, *SAFE_PATH, "-m", "pip", "download", "-q", "--disable-pip-version-check",
                                "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={version}", "-d", tmp],
                               capture_output=True, text=True, env=child_env())
         archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
