@@ -319,7 +319,10 @@ def _scripted(tok, replies):
     return complete
 
 
-def _sampler(tmp_path, tiny, max_turns=3, timeout_s=1.0, text=ENV, rows=None, max_length=1024):
+def _sampler(tmp_path, tiny, max_turns=3, timeout_s=10.0, text=ENV, rows=None, max_length=1024):
+    """Episodes of `text`'s environment. Its calls answer in milliseconds; the default limit is for calls that must
+    succeed, so it is far from any machine's speed (a loaded CI worker stalls a process for seconds); the tests of a
+    limit that must fire pass their own, below the tool's sleep."""
     from tunebench.data.prompts import PromptRows
 
     tok = tiny.tokenizer
@@ -355,7 +358,7 @@ def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_d
 
 
 def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkeypatch):
-    sampler = _sampler(tmp_path, tiny, timeout_s=5.0)  # no call here may time out
+    sampler = _sampler(tmp_path, tiny)  # no call here may time out
     tok = tiny.tokenizer
     calls = [toolcalls.written("look", {"k": "boom"}), toolcalls.written("look", {"k": 7}),
              toolcalls.written("nope", {})]
@@ -374,7 +377,7 @@ def test_a_turn_runs_at_most_max_calls_and_a_step_of_restarts_stops_the_run_in_o
     monkeypatch.setattr(episodes, "MAX_CALLS", 2)
     many = "".join(toolcalls.written("look", {"k": k}) for k in "abab")
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [[many], ["done"]]))
-    e, = episodes.rollout(_sampler(tmp_path, tiny, timeout_s=5.0), [0], 1, 1.0, 1.0)
+    e, = episodes.rollout(_sampler(tmp_path, tiny), [0], 1, 1.0, 1.0)
     assert [m["content"] for m in e.messages if m["role"] == "tool"] == [
         "1", "2", *["error: not run: a turn may make at most 2 calls"] * 2] and (e.calls, e.calls_ok) == (4, 2)
     monkeypatch.setattr(episodes, "MAX_RESTARTS", 1)
@@ -435,7 +438,8 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     """ENVIRONMENT's episodes each fill their own cart (reset sets it from the row; the reward reads it). A call past
     its limit restarts the environment's process: the carts of the episodes still playing are lost with it, said
     to the model in their next call and scored None (no opinion), never another episode's cart read instead."""
-    sampler = _sampler(tmp_path, tiny, timeout_s=2.0, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
+    # 5 s: the quick calls' room on a loaded machine (they answer in milliseconds); the slow one sleeps 10
+    sampler = _sampler(tmp_path, tiny, timeout_s=5.0, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
     tok = tiny.tokenizer
     pen = toolcalls.written("add", {"item": "pen"})
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [[pen, pen], [pen, "Done."], ["Done."]]))
@@ -446,7 +450,7 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("add", {"item": "slow"}), pen],
                                                           ["Done.", "Done."]]))
     slow, lost = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
-    assert "no answer within 2 s" in slow.messages[2]["content"]
+    assert "no answer within 5 s" in slow.messages[2]["content"]
     # the other episode's cart went with the restart (its call came after the slow one's): its call says so
     assert [m["content"] for m in lost.messages if m["role"] == "tool"] == [f"error: {environment.LOST}"]
     scores = sampler.score_episodes([slow, lost])[0].flatten().tolist()
