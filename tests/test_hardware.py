@@ -904,13 +904,13 @@ def test_rows_that_fit_no_attention_kernel_turn_on_checkpointing_and_a_cached_ru
     rows = attention.decide(model, "auto", lambda: step_for(model)(1)[0], shape, 1, 256, "fp32", cpu, "auto")
     assert [r.setting for r in rows] == ["gradient_checkpointing", "attention"] and rows[0].value is True
     assert "fit no attention kernel without it" in rows[0].reason and checkpointing_on(model)
-    micro, batch_rows, _ = batch.micro_batch(step_for(model), shape, 4, 100, 256, cpu)
+    micro, batch_rows, _ = batch.probed_micro_batch(step_for(model), shape, 4, 100, 256, cpu)
     assert micro == 4 and [r[0] for r in batch_rows] == ["micro_batch_size"]
 
     again = models.resolve("tiny").model  # a later run of the same shape: both picks come from the cache
     assert [r.setting for r in attention.decide(again, "auto", lambda: step_for(again)(1)[0], shape, 1, 256, "fp32",
                                                 cpu, "auto")] == ["attention"]
-    micro, batch_rows, _ = batch.micro_batch(step_for(again), shape, 4, 100, 256, cpu)
+    micro, batch_rows, _ = batch.probed_micro_batch(step_for(again), shape, 4, 100, 256, cpu)
     assert micro == 4 and checkpointing_on(again)
     assert ("gradient_checkpointing", True, "micro batch 1 did not fit without it (cached probe)") in batch_rows
 
@@ -957,7 +957,7 @@ def test_checkpointing_asked_for_is_not_cached_as_one_the_probe_needed():
     for _ in range(2):  # measured, then from the cache
         step.model = models.resolve("tiny").model
         enable_checkpointing(step.model)  # as runplan.measure does when it is asked for
-        micro, rows, _ = batch.micro_batch(step, shape, 4, 100, 256, cpu)
+        micro, rows, _ = batch.probed_micro_batch(step, shape, 4, 100, 256, cpu)
         assert micro == 4 and [r[0] for r in rows] == ["micro_batch_size"], rows
 
 

@@ -182,21 +182,6 @@ class Measured:
 ATTENTION_ROWS = 4  # rows the attention kernels are timed at when the micro batch is itself measured (not asked)
 
 
-def measure_batch(effective: int, world_size: int, resumed: tuple[int, int] | None, micro_asked: int | None,
-                  probe: Callable[[], tuple[int, list[Decision], float]], asked_reason: str,
-                  known_speed: Callable[[int], float | None] = lambda micro: None) -> \
-        tuple[int, list[Decision], float | None]:
-    """(micro batch, its rows, probed tokens/s): the checkpoint's, the one asked for, or `probe()`'s.
-    For a size asked for, the tokens/s is `known_speed`'s: what an earlier probe measured, if any."""
-    if resumed:
-        return resumed[0], [Decision("micro_batch_size", resumed[0], f"the checkpoint's rows per micro-step over "
-                                                                     f"{world_size} rank(s)")], None
-    if micro_asked is None:
-        micro, rows, speed = probe()
-        return micro, [Decision(*r) for r in rows], speed
-    return micro_asked, [Decision("micro_batch_size", micro_asked, asked_reason)], known_speed(micro_asked)
-
-
 def batch_row(effective: int, micro: int, accum: int, world_size: int, unit: str = "") -> Decision:
     return Decision("grad_accum_steps", accum, f"effective batch {effective} = {micro} x {accum}"
                     + (f" x {world_size} ranks" if world_size > 1 else "") + unit)
@@ -259,7 +244,7 @@ def measure(model, step, w: Workload) -> Measured:
     fixed), gradient checkpointing, compile, for workload `w`. `step` is an autotune.probe step function. The
     attention kernel, the micro batch and compile share a measuring budget of a tenth of their training time,
     unless `w.measure_mode` is full; `w.known` orders the candidates and predicts those left unmeasured."""
-    from tunebench.training.autotune import attention, batch, compiler
+    from tunebench.training.autotune import attention, compiler
 
     budget = Budget(w.run_tokens, cap_s=w.time_cap_s) if w.measure_mode == "bounded" else None
     rows: list[Decision] = []
@@ -269,26 +254,55 @@ def measure(model, step, w: Workload) -> Measured:
     step = timed  # every probe step is remembered, the batch sweep's too: the sizes run here are warm (plancheck)
     rows += attention.decide(model, w.attention_asked, lambda: timed(w.attention_rows)[0], w.shape, w.attention_rows,
                              w.widest, w.precision, w.device, w.checkpointing, budget, w.known)
-    per_rank = w.effective // w.world_size
-    micro, batch_rows, speed = measure_batch(
-        w.effective, w.world_size, w.resumed, w.micro_asked,
-        lambda: batch.micro_batch(step, w.shape, per_rank, w.n_train, w.max_length, w.device, w.local_ranks, budget,
-                                  w.known, timed.of_kernel(model)),
-        w.asked_reason, lambda micro: batch.cached_speed(w.shape, per_rank, w.n_train, micro, w.local_ranks))
-    key = batch.measurement_key(w.shape, per_rank, w.n_train, w.local_ranks)
-    if w.micro_asked is None and not w.resumed:
-        micro, batch_rows, speed = trained_faster(micro, batch_rows, speed, key, per_rank, w.n_train,
-                                                  timed.of_kernel(model))
-    rows += batch_rows
-    if speed is None and not w.resumed:  # a micro batch asked for: the attention pick may have timed that very step
-        speed = timed.of_kernel(model).get(micro, (None,))[0]
+    chosen = micro_batch(w, timed, budget)
+    micro, speed = chosen.size, chosen.speed
+    rows += chosen.rows
     if w.checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = w.resumed[1] if w.resumed else accumulation(w.effective, micro, w.world_size)
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
                               micro, speed, w.compile_mode, budget, w.time_cap_s))
-    return Measured(tuple(rows), micro, accum, speed, key, tuple(sorted({size for _, size in timed.seen})),
+    return Measured(tuple(rows), micro, accum, speed, chosen.key, tuple(sorted({size for _, size in timed.seen})),
                     w.known.first_steps if w.known is not None else None)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro batch decided for a workload: its size, the rows that say why (and gradient checkpointing's, where
+    the probe needed it), the tokens/s a probe measured at it (None where none did), and the key its measurements
+    and what runs of the shape trained are kept under."""
+
+    size: int
+    rows: tuple[Decision, ...]
+    speed: float | None
+    key: Key
+
+
+def micro_batch(w: Workload, timed: Timed, budget: Budget | None) -> MicroBatch:
+    """The one place the micro batch is decided, for workload `w` (the effective batch stays fixed): a checkpoint's
+    own; else the one asked for, at the speed a probe measured it (this process's, else an earlier one's cached);
+    else the probe's pick (autotune/batch.py's probed_micro_batch: the cached sweep or a new one over the sizes
+    that divide the effective batch, within `budget`), replaced by a size that earlier runs of this shape on this
+    machine trained faster at beyond their noise (trained_faster). `timed` is the probe step, which remembers
+    every size it ran."""
+    from tunebench.training.autotune import batch
+
+    per_rank = w.effective // w.world_size
+    key = batch.measurement_key(w.shape, per_rank, w.n_train, w.local_ranks)
+    if w.resumed:
+        why = f"the checkpoint's rows per micro-step over {w.world_size} rank(s)"
+        return MicroBatch(w.resumed[0], (Decision("micro_batch_size", w.resumed[0], why),), None, key)
+    if w.micro_asked is not None:
+        micro, rows = w.micro_asked, [Decision("micro_batch_size", w.micro_asked, w.asked_reason)]
+        speed = batch.cached_speed(w.shape, per_rank, w.n_train, micro, w.local_ranks)
+    else:  # what the step timed is read again after each stage: the sweep adds its sizes
+        micro, probed, speed = batch.probed_micro_batch(timed, w.shape, per_rank, w.n_train, w.max_length, w.device,
+                                                        w.local_ranks, budget, w.known, timed.of_kernel(timed.model))
+        micro, rows, speed = trained_faster(micro, [Decision(*r) for r in probed], speed, key, per_rank, w.n_train,
+                                            timed.of_kernel(timed.model))
+    if speed is None:  # the attention pick may have timed that very step
+        speed = timed.of_kernel(timed.model).get(micro, (None,))[0]
+    return MicroBatch(micro, tuple(rows), speed, key)
 
 
 def trained_faster(micro: int, rows: list[Decision], speed: float | None, key: Key, per_rank: int, n_train: int,

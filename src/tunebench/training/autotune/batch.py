@@ -1,6 +1,6 @@
 """`--batch-size auto`: measure the micro batches that divide the effective batch, keep the fastest.
 
-`probe` takes a step function, so it is tested with fakes; `micro_batch` runs it on the real
+`probe` takes a step function, so it is tested with fakes; `probed_micro_batch` runs it on the real
 model (the longest rows, so memory is the worst case) or reuses the cached probe.
 """
 
@@ -270,11 +270,12 @@ def cached_speed(shape: Shape, effective_batch_size: int, n_train: int, micro: i
                  if p.micro_batch_size == micro and p.status == "ok" and p.tokens_per_s), None)
 
 
-def micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
+def probed_micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
                 device: torch.device, ranks_sharing: int = 1, time_budget: Budget | None = None,
                 known: Known | None = None, seen: dict[int, tuple[float, float, float]] | None = None) \
         -> tuple[int, list[Decision], float]:
-    """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s.
+    """Probe micro batches (or reuse the cached probe); return the winner, its rows and its tokens/s: the probe's
+    part of the micro batch's decision, which runplan.micro_batch makes whole.
     `effective_batch_size` is one rank's share; `ranks_sharing` ranks split this machine's RAM; `known` the
     nearest machine class's record and `seen` the sizes the attention pick timed (see `probe`)."""
 
