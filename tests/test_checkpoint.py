@@ -116,6 +116,20 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path):
         checkpoint.find(str(tmp_path / "step-00000009"), tmp_path)
     with pytest.raises(TunebenchError, match="made with different seed.*same settings"):
         checkpoint.check_identity(path, {"model": "tiny", "seed": 2})
+
+    # a path typed relative by one run and held whole by its resume (a child now starts in its run folder, its
+    # paths made absolute first) is the same data; another file, or a name, is not
+    named = checkpoint.save(tmp_path / "named", model, opt, sched, LoopState(step=1),
+                            {"model": "tiny", "data": "data/d.jsonl", "seed": 1}, keep=2)
+    checkpoint.check_identity(named, {"model": "tiny", "data": "/srv/work/data/d.jsonl", "seed": 1})
+    for other in ("/srv/work/data/e.jsonl", "d.jsonl", "/srv/d.jsonl"):
+        with pytest.raises(TunebenchError, match="made with different data"):
+            checkpoint.check_identity(named, {"model": "tiny", "data": other, "seed": 1})
+    mixed = checkpoint.save(tmp_path / "mixed", model, opt, sched, LoopState(step=1),
+                            {"model": "tiny", "data": [["a.csv", 0.7], ["b.csv", 0.3]], "seed": 1}, keep=2)
+    checkpoint.check_identity(mixed, {"model": "tiny", "data": [["/w/a.csv", 0.7], ["/w/b.csv", 0.3]], "seed": 1})
+    with pytest.raises(TunebenchError, match="made with different data"):
+        checkpoint.check_identity(mixed, {"model": "tiny", "data": [["/w/a.csv", 0.5], ["/w/b.csv", 0.5]], "seed": 1})
     (path / checkpoint.STATE).write_text("{not json")
     with pytest.raises(TunebenchError, match="unreadable state.json"):
         checkpoint.check_identity(path, IDENTITY)

@@ -167,13 +167,35 @@ def check_identity(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TunebenchError(f"checkpoint {path} has an unreadable {STATE} ({e}); resume from another "
                              "checkpoint or start a new --output-dir") from e
-    changed = sorted(k for k in identity if made_with.get(k) != identity[k])
+    changed = sorted(k for k in identity if not _same(k, made_with.get(k), identity[k]))
     if changed:
         raise TunebenchError(
             f"checkpoint {path} was made with different {', '.join(changed)}; resume with the same settings "
             "or start a new --output-dir"
         )
     return meta
+
+
+NAMED = ("model", "data")  # identity entries that may be paths: a relative one and its absolute form are the same
+
+
+def _same(key: str, before: Any, now: Any) -> bool:
+    """Whether a checkpoint's `before` and this run's `now` are one setting. A path is the same where one run typed it
+    relative and the other holds it absolute and ending in it: a run started before children moved to their run
+    folder (jobs/children.py) kept `d.jsonl`, its resume from the studio or compare names the same file whole."""
+    if before == now or key not in NAMED:
+        return before == now
+
+    def tail_of(a: Any, b: Any) -> bool:
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(tail_of(x, y) for x, y in zip(a, b))
+        if not (isinstance(a, str) and isinstance(b, str)) or os.path.isabs(a) == os.path.isabs(b):
+            return a == b
+        whole, typed = (Path(a), Path(b)) if os.path.isabs(a) else (Path(b), Path(a))
+        parts = Path(os.path.normpath(typed)).parts
+        return ".." not in parts and whole.parts[-len(parts):] == parts
+
+    return tail_of(before, now)
 
 
 def check_before_resume(out: str | Path, resume: str, identity: dict[str, Any]) -> None:
