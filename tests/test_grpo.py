@@ -154,6 +154,13 @@ def test_a_later_update_of_a_draw_takes_its_ratio_against_the_draws_log_probabil
     assert same[0] == pytest.approx(first[0], abs=1e-6)
     for name, grad in first[1].items():
         torch.testing.assert_close(same[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    # rows padded to a multiple of 16 (a CPU's bf16: fewer lengths, fewer kernels) train the same: the padding
+    # is masked out of the attention and the loss
+    rounded, _, _ = prepare(grpo.rows_of(groups, [0, 1], data, 2, tok.pad_token_id, "", 16, 64), torch.device("cpu"))
+    assert rounded["input_ids"].shape[1] == 16 > batch["input_ids"].shape[1]
+    model.zero_grad(set_to_none=True)
+    padded, _ = objective(rounded)
+    assert float(padded) == pytest.approx(first[0], rel=1e-5)
 
 
 def test_each_draw_trains_num_iterations_steps_and_its_later_steps_move_the_ratio(tmp_path, monkeypatch, capsys):
@@ -314,6 +321,7 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
                     rows["total_steps"]["reason"]) and rows["total_steps"]["value"] == 2
     estimate = rows["time_estimate"]
     assert estimate["reason"].startswith(f"2 steps at {step_s:.1f} s a step, what the last run at micro ")
+    assert rows["pad_to_multiple_of"]["value"] == 16  # bf16 on a CPU: the groups' rows rounded as SFT's are
     check = json.loads((again / "summary.json").read_text())["plan_check"]
     assert check["seconds_a_step"]["predicted"] == step_s and check["train_time_s"]["predicted"] == round(2 * step_s, 2)
 

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_losses
 from test_preference import vote_store
@@ -49,6 +50,11 @@ def test_a_micro_batch_is_its_rows_in_file_order_then_each_prompt_with_the_previ
     data = judged.tokenize(judged.load(cfg), tiny.tokenizer, cfg)
     batch = judged.collate(data, [2, 0, 1], tiny.tokenizer.pad_token_id)
     assert batch["label"].tolist() == [True, False, True]
+    rounded = judged.collate(data, [2, 0, 1], tiny.tokenizer.pad_token_id, multiple=16, cap=256)  # a CPU's bf16
+    width = batch["input_ids"].shape[1]
+    assert rounded["input_ids"].shape[1] == -(-width // 16) * 16 and torch.equal(rounded["input_ids"][:, :width],
+                                                                                   batch["input_ids"])
+    assert not rounded["attention_mask"][:, width:].any() and (rounded["labels"][:, width:] == -100).all()
     ids, t = batch["input_ids"], data.tokenized
 
     def part(k, loss):

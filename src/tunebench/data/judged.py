@@ -152,12 +152,13 @@ def tokenize(judged: JudgedExamples, tokenizer, cfg: DataConfig) -> JudgedData:
     return JudgedData(data, labels, data.dropped, cfg.max_length)
 
 
-def collate(data: JudgedData, rows: list[int], pad_id: int, step_rows: list[int] | None = None
-            ) -> dict[str, torch.Tensor]:
-    """N examples (in file order) as 2N padded rows: the N examples, then their N mismatched KL rows (prompt i,
-    completion i - 1, cyclically, over `step_rows` in file order: the global micro-step's rows when ranks share
-    it, so two ranks' KL rows are one process's; default `rows`). Besides the usual tensors, `label` (N,) and
-    `counts` (N,): the units this micro batch adds to its optimizer step."""
+def collate(data: JudgedData, rows: list[int], pad_id: int, step_rows: list[int] | None = None, multiple: int = 1,
+            cap: int | None = None) -> dict[str, torch.Tensor]:
+    """N examples (in file order) as 2N padded rows (to the longest, rounded up to `multiple`, never past `cap`, as
+    batching.collate pads): the N examples, then their N mismatched KL rows (prompt i, completion i - 1,
+    cyclically, over `step_rows` in file order: the global micro-step's rows when ranks share it, so two ranks' KL
+    rows are one process's; default `rows`). Besides the usual tensors, `label` (N,) and `counts` (N,): the units
+    this micro batch adds to its optimizer step."""
     rows, ring = sorted(rows), sorted(rows if step_rows is None else step_rows)
     before = {k: ring[i - 1] for i, k in enumerate(ring)}
     t = data.tokenized
@@ -169,7 +170,7 @@ def collate(data: JudgedData, rows: list[int], pad_id: int, step_rows: list[int]
     mismatched = [(np.concatenate([ids[mask == 0], other[0][other[1] == 1]])[:data.max_length],
                    np.concatenate([mask[mask == 0], other[1][other[1] == 1]])[:data.max_length])
                   for k, (ids, mask) in zip(rows, parts) for other in [part(before[k])]]
-    batch = batching.pad_examples(parts + mismatched, pad_id)
+    batch = batching.pad_examples(parts + mismatched, pad_id, multiple, cap)
     batch["label"] = torch.as_tensor(data.labels[rows])
     batch["counts"] = torch.tensor([len(rows)])
     return batch

@@ -38,11 +38,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_idx, _, eval_parts = finetune_data.split_rows(cfg, data, spans, parts)
     model, loss, method_rows, (trainable, total) = finetune_model.trainable_model(cfg, loaded, opened)
     lengths = data.lengths()  # of each unit: an example, or a pair's longer row
-    # rows rounded where a CPU's bf16 builds kernels per length (rows and pairs; a judgement's KL rows are drawn
-    # from the global micro-step by judged.collate itself, padded to their longest)
+    # rows rounded where a CPU's bf16 builds kernels per length (rows, pairs, judgements and their KL rows)
     unit_collate = finetune_data.JUDGEMENTS[o.data].collate if prefer else batching.collate
-    padding = None if o.data == "judged" else batching.pad_multiple(opened.device.type, opened.hw_plan.precision)
-    collate_unit = functools.partial(unit_collate, multiple=padding.value, cap=d.max_length) if padding else unit_collate
+    padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision)
+    collate_unit = functools.partial(unit_collate, multiple=padding.value, cap=d.max_length)
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
 
     def finish(done: recipe.Finished):
@@ -62,7 +61,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
         loss=loss,
-        method_rows=[length_row, *([padding] if padding else []), *method_rows, *finetune_data.template_rows(tok)],
+        method_rows=[length_row, padding, *method_rows, *finetune_data.template_rows(tok)],
         header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
         units=runplan.Units(
@@ -73,7 +72,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
             # packed rows fill max_length, so a kernel must fit that, not just the longest example
             widest=d.max_length if d.packing != "off" else batching.padded_width(
-                int(lengths[train_idx].max()), padding.value if padding else 1, d.max_length),
+                int(lengths[train_idx].max()), padding.value, d.max_length),
             max_length=d.max_length,
             quantized=a.method == "qlora",
             longest=int(lengths[train_idx].max()),

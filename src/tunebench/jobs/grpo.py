@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from tunebench.data import batching
 from tunebench.jobs import run_report
 from tunebench.jobs.parts import finetune_data, finetune_model, finetune_report, grpo_run, recipe, runner
 from tunebench.machine import distributed
@@ -39,6 +40,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None), credit)
     held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 
+    lengths = data.lengths()
+    widest = cfg.data.max_length if env else int(lengths[train_idx].max()) + o.max_completion_length
+    padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision)  # as finetune's rows
+    step_rows.padding = (padding.value, widest)
     iterations = getattr(o, "num_iterations", 1)
     if iterations > 1:
         step_rows.old_logps = lambda batch: grpo_run.logps_now(model, batch, opened, o.temperature)
@@ -65,13 +70,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                        **({"environment": o.environment} if env else {}), **held_out.after(done.ranks))
         return summary, saved
 
-    lengths = data.lengths()
     longest = sorted(train_idx.tolist(), key=lambda i: -lengths[i])
     epoch_steps = grpo_run.epoch_steps(o, train_idx, opened.effective, s.seed, kinds, data)
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
         loss=loss_class(model, o, draws.reward_names(), opened.autocast, reference, draws.episode_stats, kinds),
-        method_rows=[length_row, *method_rows, grpo_run.objective_row(cfg, words, dropped),
+        method_rows=[length_row, padding, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],
         header=grpo_run.header(loaded.source, cfg, data, len(train_idx), len(held_out.keys), trainable, total),
         parallel=finetune_model.pick_parallel(cfg, opened, trainable),
@@ -80,7 +84,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             tokens_each=float(o.num_generations * (lengths[train_idx].mean() + o.max_completion_length)),  # a turn
             what=grpo_run.measured_as(cfg),
             probe_rows=lambda size: step_rows.probe_rows(longest[:size]),
-            widest=cfg.data.max_length if env else int(lengths[train_idx].max()) + o.max_completion_length,
+            widest=widest,
             max_length=cfg.data.max_length, quantized=a.method == "qlora",
             rows_each=o.num_generations),
         batches=lambda micro: feed.Batches(epoch_steps, step_rows.collate, begin_step=begin_step),

@@ -138,8 +138,8 @@ def batcher(cfg: RunConfig, opened: runner.Opened, data, train_idx, collate_unit
         if layout == "packed":
             return feed.Batches(steps, lambda rows, _: batching.collate_packed(data, rows, pad_id, cfg.data.max_length),
                                   [row])
-        if collate_unit is judged.collate:  # its mismatched KL rows are drawn from the global micro-step
-            return feed.Batches(steps, lambda rows, step_rows: judged.collate(data, rows, pad_id, step_rows), [row])
+        if getattr(collate_unit, "func", collate_unit) is judged.collate:  # its KL rows: from the global micro-step
+            return feed.Batches(steps, lambda rows, step_rows: collate_unit(data, rows, pad_id, step_rows), [row])
         return feed.Batches(steps, lambda rows, _: collate_unit(data, rows, pad_id), [row])
     return batches
 

@@ -382,6 +382,7 @@ class StepRows:
         self.groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
         # --num-iterations above 1: a micro batch -> its (loss positions,) log-probabilities now, no gradient
         self.old_logps: Callable[[Batch], torch.Tensor] | None = None
+        self.padding: tuple[int, int | None] = (1, None)  # rows' widths: a multiple, never past a cap (rows_of)
 
     def stat_names(self) -> tuple[str, ...]:
         """Every step stat but frac_groups_skipped, kl first: the draws', then watch.py's."""
@@ -422,7 +423,7 @@ class StepRows:
             # are zeroed there): one EOS a completion, nothing sampled
             groups = self.filler(keys, 1)
         batch = rows_of(groups, keys, self.draws.on.data, self.s.num_generations,
-                        self.draws.on.tokenizer.pad_token_id, self.credit.skip)
+                        self.draws.on.tokenizer.pad_token_id, self.credit.skip, *self.padding)
         if self.old_logps is not None and groups is self.groups:
             if tuple(keys) not in groups.old_logps:  # the draw's first update: the policy that sampled it
                 groups.old_logps[tuple(keys)] = self.old_logps(batch)
@@ -433,7 +434,8 @@ class StepRows:
         """A micro batch as large as `keys` can make (every completion as long as the draws' can be, zero
         advantages), without drawing: what the probe times and sizes."""
         groups = self.filler(keys, self.draws.probe_length(keys))
-        return rows_of(groups, keys, self.draws.on.data, self.s.num_generations, self.draws.on.tokenizer.pad_token_id)
+        return rows_of(groups, keys, self.draws.on.data, self.s.num_generations, self.draws.on.tokenizer.pad_token_id,
+                       "", *self.padding)
 
 
 def turn_advantages(rewards: list[dict[int, float]], group: int, scale: str) -> list[list[float]]:
@@ -491,9 +493,11 @@ def _normalized(values: dict, scale: str) -> dict:
     return dict(zip(values, norm.tolist()))
 
 
-def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip: str = "") -> Batch:
-    """The (prompt + completion) rows of `keys`' groups, right-padded, the loss on the completion tokens (on an
-    episode's, the policy's tokens of it: groups.masks).
+def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: int, skip: str = "",
+            multiple: int = 1, cap: int | None = None) -> Batch:
+    """The (prompt + completion) rows of `keys`' groups, right-padded (to the longest, rounded up to `multiple`,
+    never past `cap`: batching.pad_examples), the loss on the completion tokens (on an episode's, the policy's
+    tokens of it: groups.masks).
     Besides the usual tensors: `advantages` (rows,), `row_stats` (completions, stats: every completion's, rows or
     not), `counts` (completions, completion tokens: the units this micro batch adds to its optimizer step's
     normalisers, objective.prepare) and `skipped` (completions left out).
@@ -512,7 +516,7 @@ def rows_of(groups: Groups, keys: list[int], data: PromptData, g: int, pad_id: i
     rows = [(key, i) for key, i, out in zip(owners, picked, alike) if not out] or [(owners[0], picked[0])]
     examples = [(np.asarray(data.ids[key] + groups.completions[i]),
                  np.asarray([0] * len(data.ids[key]) + masks[i])) for key, i in rows]
-    batch = pad_examples(examples, pad_id)
+    batch = pad_examples(examples, pad_id, multiple, cap)
     batch["advantages"] = groups.advantages[torch.tensor([i for _, i in rows])]
     if groups.token_advantages is not None:  # per-turn rewards: each completion token its own advantage
         grid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
