@@ -356,6 +356,7 @@ def test_a_child_run_starts_in_its_run_folder_with_the_paths_it_was_given_made_w
 
     here = tmp_path / "server"
     (here / "rewards").mkdir(parents=True)
+    (here / "tiny").mkdir()  # a folder named as the preset: the preset is still meant
     (here / "d.jsonl").write_text("{}\n")
     (here / "rewards" / "mine.py").write_text("def score(**_): return [0.0]\n")
     monkeypatch.chdir(here)
@@ -370,7 +371,7 @@ def test_a_child_run_starts_in_its_run_folder_with_the_paths_it_was_given_made_w
     asked = yaml.safe_load((here / "runs" / "a" / "asked.yaml").read_text())
     assert asked["data"]["path"] == str(here / "d.jsonl") and asked["output"]["output_dir"] == str(here / "runs" / "a")
     assert asked["objective"]["reward"] == [f"{here / 'rewards' / 'mine.py'}:score", "gsm8k"]
-    assert asked["model"]["name"] == "tiny"  # a preset: no such path here
+    assert asked["model"]["name"] == "tiny"  # a preset, a folder of its name here or not
 
     # MLflow without a URI keeps its runs in the current folder: the child is told the store it would have found here
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -26,11 +26,11 @@ from tunebench.core.durable import fsync_path
 from tunebench.core.errors import TunebenchError
 from tunebench.core.paths import cache_dir  # noqa: F401 - models.cache_dir, the name its callers use
 from tunebench.data.tokenize import CHAT_TEMPLATE
-from tunebench.settings.finetune import DEFAULT_MODEL
+from tunebench.settings.finetune import DEFAULT_MODEL, MODEL_PRESETS
 
 SMOLLM2 = DEFAULT_MODEL  # the default model is this preset (one name: settings.finetune's)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PRESETS = ("tiny", "gpt2-124m", SMOLLM2)
+PRESETS = MODEL_PRESETS
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")  # the hub's own rule, checked before it is asked
 
 

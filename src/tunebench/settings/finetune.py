@@ -19,6 +19,7 @@ from tunebench.settings.schema import short
 from tunebench.settings.yamlfiles import parse_override, read_yaml
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MODEL_PRESETS = ("tiny", "gpt2-124m", DEFAULT_MODEL)  # names model.name takes before any path (models.resolve)
 BUILTIN_DATA = "builtin:customer-support"
 METHODS = ("lora", "qlora", "dora", "ia3", "loha", "lokr", "prefix", "prompt", "full")
 OBJECTIVES = objectives.NAMES  # each objective's own settings type: settings/objectives.py

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tunebench.settings.finetune import MODEL_PRESETS
+
 ALWAYS = ("output.output_dir", "logging.logging_dir", "data.cache_dir")  # written to, so maybe not there yet
 WHERE_THERE = ("model.name", "model.tokenizer", "data.path", "data.tokenizer", "data.validation_file",
                "objective.environment")  # a path, or a name where no such path is there
@@ -63,6 +65,8 @@ def with_absolute_paths(cfg: Any, base: Path) -> Any:
         new = {}
         for name in names:
             key = f"{section}.{name}"
+            if key == "model.name" and getattr(value, name) in MODEL_PRESETS:
+                continue  # a preset is a preset wherever the run starts, a folder of its name or not
             if key in ALWAYS or key in WHERE_THERE:
                 new[name] = absolute(getattr(value, name), base, always=key in ALWAYS)
             elif key in SHAPED:
