@@ -12,7 +12,7 @@ from conftest import add_lora
 from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.errors import TunebenchError
-from tunebench.machine import hardware, metrics
+from tunebench.machine import cpuspeed, hardware, metrics
 from tunebench.machine.hardware import GPU, Hardware
 from tunebench.machine.metrics import mfu, training_flops_per_token
 from tunebench.machine.monitor import Monitor
@@ -112,18 +112,18 @@ def test_bf16_against_fp32_is_measured_once_where_the_flags_do_not_say_which_is_
     """Only a CPU with AVX512-BF16 and no AMX is measured (AMX's tiles are faster, emulated bf16 is slower), once a
     CPU, thread count and torch: kept in the cache, and in the process for one whose cache moves; the figure is
     fp32's fastest step over bf16's, read from a clock that gives each precision a set time a step."""
-    calls, measure = [], hardware.measure_bf16_over_fp32
-    monkeypatch.setattr(hardware, "measure_bf16_over_fp32", lambda threads: calls.append(threads) or 0.72)
-    monkeypatch.setattr(hardware, "_BF16_MEASURED", {})
+    calls, measure = [], cpuspeed.measure_bf16_over_fp32
+    monkeypatch.setattr(cpuspeed, "measure_bf16_over_fp32", lambda threads: calls.append(threads) or 0.72)
+    monkeypatch.setattr(cpuspeed, "_BF16_MEASURED", {})
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "a"))
     avx512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
-    assert hardware.bf16_over_fp32("cpu", avx512 | {"amx_bf16"}, 2, "2.13") is None
-    assert hardware.bf16_over_fp32("cpu", frozenset({"avx2"}), 2, "2.13") is None and calls == []
-    assert hardware.bf16_over_fp32("cpu", avx512, 2, "2.13") == 0.72 == hardware.bf16_over_fp32("cpu", avx512, 2,
+    assert cpuspeed.bf16_over_fp32("cpu", avx512 | {"amx_bf16"}, 2, "2.13") is None
+    assert cpuspeed.bf16_over_fp32("cpu", frozenset({"avx2"}), 2, "2.13") is None and calls == []
+    assert cpuspeed.bf16_over_fp32("cpu", avx512, 2, "2.13") == 0.72 == cpuspeed.bf16_over_fp32("cpu", avx512, 2,
                                                                                                  "2.13")
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "b"))
-    assert hardware.bf16_over_fp32("cpu", avx512, 2, "2.13") == 0.72 and calls == [2]
-    assert hardware.bf16_over_fp32("cpu", avx512, 1, "2.13") == 0.72 and calls == [2, 1]
+    assert cpuspeed.bf16_over_fp32("cpu", avx512, 2, "2.13") == 0.72 and calls == [2]
+    assert cpuspeed.bf16_over_fp32("cpu", avx512, 1, "2.13") == 0.72 and calls == [2, 1]
     assert json.loads((tmp_path / "b" / "peak_flops.json").read_text()) == {
         "cpu|avx2,avx512_bf16,avx512f|2|2.13|bf16-over-fp32": 0.72, "cpu|avx2,avx512_bf16,avx512f|1|2.13|bf16-over-fp32": 0.72}
 
@@ -134,14 +134,14 @@ def test_bf16_against_fp32_is_measured_once_where_the_flags_do_not_say_which_is_
         clock["now"] += next(steps)
         return clock["now"]
 
-    monkeypatch.setattr(hardware.time, "perf_counter", perf_counter)
-    monkeypatch.setattr(hardware, "BF16_STEP_SHAPE", (8, 16, 8))
+    monkeypatch.setattr(cpuspeed.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(cpuspeed, "BF16_STEP_SHAPE", (8, 16, 8))
     assert measure(1, rounds=3) == 2.0
 
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda d, t: calls.append((d, t)) or 1.5)
+    monkeypatch.setattr(cpuspeed, "measure_cpu_peak_tflops", lambda d, t: calls.append((d, t)) or 1.5)
     hw = machine("avx512_bf16")
     cache = tmp_path / "peak.json"
     assert hardware.cpu_peak_tflops("bf16", hw, 2, cache) == 1.5
@@ -166,7 +166,7 @@ def test_cpu_peak_is_the_best_sizes_flops_over_its_time(monkeypatch):
 
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["now"])
     monkeypatch.setattr(torch.Tensor, "__matmul__", timed_matmul)
-    peak = hardware.measure_cpu_peak_tflops("fp32", 1, seconds=0.3)
+    peak = cpuspeed.measure_cpu_peak_tflops("fp32", 1, seconds=0.3)
     best = max(2 * n**3 / t for n, t in per_matmul.items()) / 1e12  # 1024: 0.537 TFLOP/s
     assert peak == pytest.approx(best, rel=1e-9)
 
@@ -190,18 +190,18 @@ def test_cpu_peak_grows_with_size_until_it_stops_rising(monkeypatch):
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["now"])
     monkeypatch.setattr(torch, "randn", lambda n, m, dtype: torch.zeros(1, 1).expand(n, m))
     monkeypatch.setattr(torch.Tensor, "__matmul__", timed_matmul)
-    assert hardware.measure_cpu_peak_tflops("fp32", 1, seconds=0.3) == pytest.approx(0.150)
+    assert cpuspeed.measure_cpu_peak_tflops("fp32", 1, seconds=0.3) == pytest.approx(0.150)
     assert 6144 in tried  # 4096 and 6144 gained under 2%: the search ends there
     tried.clear()
     rate.update({4096: 0.149, 6144: 0.5})
-    monkeypatch.setattr(hardware, "PEAK_SIZES", (512, 1024, 2048, 3072, 4096, 5120, 6144))
+    monkeypatch.setattr(cpuspeed, "PEAK_SIZES", (512, 1024, 2048, 3072, 4096, 5120, 6144))
     rate[5120] = 0.1485
-    assert hardware.measure_cpu_peak_tflops("fp32", 1, seconds=0.3) == pytest.approx(0.149)
+    assert cpuspeed.measure_cpu_peak_tflops("fp32", 1, seconds=0.3) == pytest.approx(0.149)
     assert 6144 not in tried  # 4096 and 5120 did not rise by 2%: 6144 is never tried
 
 
 def test_cpu_mfu_is_against_the_fma_limit_where_it_is_known(tmp_path, monkeypatch):
-    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda d, t: 0.131)
+    monkeypatch.setattr(cpuspeed, "measure_cpu_peak_tflops", lambda d, t: 0.131)
     avx2 = dataclasses.replace(machine("avx2 fma"), cpu_mhz=2445.0)
     peak, source = hardware.peak_tflops("cpu", "fp32", avx2, 2, tmp_path / "p.json")
     assert peak == pytest.approx(2 * 2445e6 * 32 / 1e12)  # 0.156: the 0.131 a matmul reached is 84% of it
@@ -876,7 +876,7 @@ def test_each_machine_class_plans_its_golden_settings_table(name, capsys):
 ])
 def test_mfu_is_against_the_units_that_do_the_math(monkeypatch, tmp_path, flags, precision, measured):
     asked = []
-    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda dtype, threads: asked.append(dtype) or 1e-3)
+    monkeypatch.setattr(cpuspeed, "measure_cpu_peak_tflops", lambda dtype, threads: asked.append(dtype) or 1e-3)
     hardware.peak_tflops("cpu", precision, machine(flags), 8, tmp_path / "peak.json")
     assert asked == [measured]
 
@@ -928,7 +928,7 @@ def test_a_cuda_error_that_says_out_of_memory_is_an_oom_to_the_probes():
 def test_a_run_above_the_measured_cpu_peak_raises_it_and_mfu_stays_at_most_one(tmp_path, monkeypatch):
     """A 1.07B model's GEMMs ran above the cached 'best measured bf16 matmul' and MFU read 103.6%: the ceiling
     becomes what the run reached, said so, and is recorded for the next run of this CPU."""
-    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda d, t: 1.0)
+    monkeypatch.setattr(cpuspeed, "measure_cpu_peak_tflops", lambda d, t: 1.0)
     native_bf16 = machine("avx2 avx512f avx512_bf16")
     cache = tmp_path / "p.json"
     peak, source = hardware.peak_tflops("cpu", "bf16", native_bf16, 2, cache)

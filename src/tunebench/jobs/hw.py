@@ -14,7 +14,7 @@ from tunebench.core.durable import atomic_file
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json
 from tunebench.core.precision import DTYPES
-from tunebench.machine import hardware
+from tunebench.machine import cpuspeed, hardware
 from tunebench.model import models
 from tunebench.model.models import cache_dir
 from tunebench.settings.finetune import load_config
@@ -37,7 +37,7 @@ def system_info(hw, record: dict) -> str:
     lines = [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
              f"host: {platform.node()}", f"os: {hw.os}", f"python: {platform.python_version()}",
              f"cpu: {hw.cpu_model} ({hw.physical_cores} physical / {hw.logical_cores} logical cores)",
-             f"cpu features: {', '.join(sorted(hw.cpu_flags & set(hardware.CPU_FEATURES))) or 'none of note'}",
+             f"cpu features: {', '.join(sorted(hw.cpu_flags & set(cpuspeed.CPU_FEATURES))) or 'none of note'}",
              f"ram: {hw.ram_total_mb / 1024:.1f} GiB"]
     lines += [f"gpu {g.index}: {g.name}, {g.memory_mb / 1024:.1f} GiB, sm_{g.capability[0]}{g.capability[1]}"
               for g in hw.gpus] or ["gpu: none"]
@@ -215,7 +215,7 @@ def run(as_json: bool = False, text: str | None = None, machine_record: str | No
         print(f"wrote {text}")
         return record
     print(f"CPU       {hw.cpu_model}: {hw.physical_cores} physical / {hw.logical_cores} logical cores")
-    print(f"features  {', '.join(sorted(hw.cpu_flags & set(hardware.CPU_FEATURES))) or 'none of note'}")
+    print(f"features  {', '.join(sorted(hw.cpu_flags & set(cpuspeed.CPU_FEATURES))) or 'none of note'}")
     print(f"RAM       {hw.ram_total_mb / 1024:.1f} GiB total, {hw.ram_available_mb / 1024:.1f} GiB available")
     print(f"OS        {hw.os}")
     for g in hw.gpus:

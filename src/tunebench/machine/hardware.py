@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
@@ -17,10 +16,7 @@ from tunebench.core import startup
 from tunebench.core.decision import Decision, value_of
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, update_json
-from tunebench.core.paths import cache_dir
-
-# CPU flags (as /proc/cpuinfo names them) that matter for training throughput.
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16", "amx_int8", "amx_tile")
+from tunebench.machine import cpuspeed
 
 # Dense peak TFLOP/s (no sparsity; FP32 accumulate for fp16/bf16 tensor math), from the vendors'
 # datasheets and architecture whitepapers. Matched against the CUDA device name, first hit wins,
@@ -101,7 +97,7 @@ class Hardware:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["cpu_flags"] = sorted(self.cpu_flags & set(CPU_FEATURES))
+        d["cpu_flags"] = sorted(self.cpu_flags & set(cpuspeed.CPU_FEATURES))
         d["gpus"] = [dict(asdict(g), bf16=g.bf16, tf32=g.tf32) for g in self.gpus]
         return d
 
@@ -252,7 +248,7 @@ def detect() -> Hardware:
         usable_cpus=usable,
         cpu_quota=_cgroup_cpu_quota(),
         cpu_mhz=_cpu_mhz(psutil),
-        bf16_over_fp32=bf16_over_fp32(model, flags, min(cores, usable or cores), versions.get("torch")),
+        bf16_over_fp32=cpuspeed.bf16_over_fp32(model, flags, min(cores, usable or cores), versions.get("torch")),
     )
 
 
@@ -431,98 +427,6 @@ def plan(device: str, precision: str, hw: Hardware, compile: str = "auto", threa
     return Plan(on, str(prec.value), int(by["torch_threads"]), tuple(decisions))
 
 
-# A LoRA step's matmuls on a frozen base layer (the forward and the input's gradient) at a small model's width and
-# a micro batch's tokens: what bf16_over_fp32 times in each precision.
-BF16_STEP_SHAPE = (512, 1024, 2816)  # tokens, in features, out features
-
-
-def measure_bf16_over_fp32(threads: int, rounds: int = 5) -> float:
-    """How much faster a step's matmuls run in bf16 (autocast over bf16 weights, as a LoRA run's frozen base) than in
-    fp32 on this CPU: each precision's fastest of `rounds`, the two alternating. On AVX512-BF16 without AMX the answer
-    is the part's: a 2-core AMD EPYC trained SmolLM2 at ~900 positions/s in bf16, and a 2-core Intel Xeon (model
-    207, its VM showing no AMX) at 160-200 tokens/s in bf16 against 222-283 in fp32 (micro 4, 2026-12-03)."""
-    import torch
-
-    tokens, width, out = BF16_STEP_SHAPE
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, width, generator=g)
-    weight = torch.randn(out, width, generator=g) / width**0.5
-    weights = {False: weight, True: weight.to(torch.bfloat16)}
-    fastest = {False: float("inf"), True: float("inf")}
-    try:
-        for round_ in range(rounds + 1):  # the first round warms each precision's kernels up and is not counted
-            for bf16 in (False, True):
-                start = time.perf_counter()
-                inputs = x.detach().requires_grad_()
-                with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-                    y = torch.nn.functional.linear(inputs, weights[bf16])
-                y.float().sum().backward()
-                took = time.perf_counter() - start
-                if round_:
-                    fastest[bf16] = min(fastest[bf16], took)
-    finally:
-        torch.set_num_threads(old)
-    return round(fastest[False] / fastest[True], 3)
-
-
-def bf16_over_fp32(model: str, flags: frozenset[str], threads: int, torch_version: str | None) -> float | None:
-    """measure_bf16_over_fp32 where the CPU has AVX512-BF16 and no AMX (elsewhere None: AMX's tiles are faster,
-    no bf16 unit is slower), once per CPU, thread count and torch: kept in the cache with the matmul peaks."""
-    if "avx512_bf16" not in flags or "amx_bf16" in flags:
-        return None
-    cache = cache_dir() / "peak_flops.json"
-    key = _cpu_key(model, flags, threads, torch_version, "bf16-over-fp32")
-    on_disk = read_json(cache).get(key)
-    seen = on_disk if on_disk is not None else _BF16_MEASURED.get(key)
-    if not isinstance(seen, (int, float)):
-        seen = measure_bf16_over_fp32(threads)
-    if on_disk != seen:
-        update_json(cache, key, seen)
-    _BF16_MEASURED[key] = seen  # a process that moves its cache (tests, a second TUNEBENCH_CACHE) measures once
-    return float(seen)
-
-
-_BF16_MEASURED: dict[str, float] = {}
-
-
-PEAK_SIZES = (512, 1024, 2048, 3072, 4096, 6144)
-
-
-def measure_cpu_peak_tflops(dtype: str, threads: int, seconds: float = 1.0) -> float:
-    """Best dense matmul TFLOP/s this CPU reaches in `dtype`, the way a roofline is measured: square
-    matmuls of growing size until two in a row no longer beat the best so far by 2% (small sizes stop at the
-    cache and the threading overhead: 2 AVX2 cores reach 104 GFLOP/s at 1024, 148 at 3072). Each size counts
-    its fastest matmul, as the probes count their fastest step: a busy or cold machine only slows one down.
-    Averaged, and stopped at the first size that did not rise, a fresh process on 2 AMX cores measured 1.28
-    TFLOP/s where the next three measured 1.92-2.37, and a 1.07B model's MFU read 61.8% against it."""
-    import torch
-
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    best, flat = 0.0, 0
-    try:
-        for n in PEAK_SIZES:
-            a, b = torch.randn(n, n, dtype=torch_dtype), torch.randn(n, n, dtype=torch_dtype)
-            a @ b  # warm-up: kernel selection, caches
-            fastest, spent, iters = float("inf"), 0.0, 0
-            while spent < seconds / 3 or iters < 2:
-                start = time.perf_counter()
-                a @ b
-                took = time.perf_counter() - start
-                fastest, spent, iters = min(fastest, took), spent + took, iters + 1
-            rate = 2 * n**3 / fastest / 1e12
-            flat = flat + 1 if rate < 1.02 * best else 0
-            best = max(best, rate)
-            if flat == 2:
-                break  # stopped rising
-    finally:
-        torch.set_num_threads(old)
-    return best
-
-
 # fp32 FLOPs a core retires per cycle at best: two FMA pipes x vector lanes x 2 (multiply and add). AVX-512
 # parts with a single FMA pipe (some Xeon Silver/Bronze, AMD Zen 4's double-pumped 256-bit units) reach
 # half of the 64: their MFU then reads low, never above what the silicon can do.
@@ -546,7 +450,7 @@ def cpu_peak_tflops(dtype: str, hw: Hardware, threads: int, cache_file) -> float
     key = _cpu_peak_key(dtype, hw, threads)
     peak = read_json(cache_file).get(key)
     if not isinstance(peak, (int, float)):
-        peak = measure_cpu_peak_tflops(dtype, threads)
+        peak = cpuspeed.measure_cpu_peak_tflops(dtype, threads)
         update_json(cache_file, key, peak)
     return float(peak)
 
@@ -558,14 +462,9 @@ def cpu_math_dtype(precision: str, hw: Hardware) -> str:
     return precision if cpu_native(precision, hw) else "fp32"
 
 
-def _cpu_key(model: str, flags: frozenset[str], threads: int, torch_version: str | None, what: str) -> str:
-    """A CPU measurement's key in the peaks' cache file: the CPU, its flags that matter, threads, torch, and what."""
-    return f"{model}|{','.join(sorted(flags & set(CPU_FEATURES)))}|{threads}|{torch_version}|{what}"
-
-
 def _cpu_peak_key(dtype: str, hw: Hardware, threads: int) -> str:
     # roofline-fastest: not the averaged figure of earlier releases
-    return _cpu_key(hw.cpu_model, hw.cpu_flags, threads, hw.versions.get("torch"), f"{dtype}|roofline-fastest")
+    return cpuspeed.cpu_key(hw.cpu_model, hw.cpu_flags, threads, hw.versions.get("torch"), f"{dtype}|roofline-fastest")
 
 
 def reached(device: str, precision: str, hw: Hardware, threads: int, cache_file, achieved: float | None,

@@ -35,7 +35,7 @@ FARTHEST = (10.0, 4.0)
 
 
 def unit(cpu_flags) -> str:
-    """The widest matrix unit a CPU has, from its flags (hardware.CPU_FEATURES' names)."""
+    """The widest matrix unit a CPU has, from its flags (cpuspeed.CPU_FEATURES' names)."""
     flags = set(cpu_flags)
     return ("amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags
             else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "none")
