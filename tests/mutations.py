@@ -192,6 +192,8 @@ BUGS = (
     Bug("Ctrl-C ignored in every program a tool starts", "src/tunebench/core/userprocess.py",
         "    signal.signal(signal.SIGINT, lambda *_: None)", "    signal.signal(signal.SIGINT, signal.SIG_IGN)",
         ("tests/test_episodes.py", "-k", "what_a_tool_starts")),
+    Bug("what a tool started outlives a trainer killed with -9", "src/tunebench/core/userprocess.py",
+        "    _sentinel(int(fd))\n", "", ("tests/test_episodes.py", "-k", "killed_with_sigkill")),
     # round five's fixes (issue 83) that had no row (issue 98)
     Bug("a one-machine launch's store on every interface (M1)", "src/tunebench/jobs/launch.py",
         "        with loopback_stores() if not rdzv_endpoint else contextlib.nullcontext():",

@@ -262,6 +262,42 @@ def test_what_a_tool_starts_ends_with_its_process_and_does_not_inherit_an_ignore
     assert not any(_alive(pid) for pid in started)  # both sleeps ended with the process that started them
 
 
+def test_what_a_tool_starts_ends_when_the_training_process_is_killed_with_sigkill(tmp_path):
+    """Issue 98 N3, its last case: the trainer killed with -9 took the environment's process with it (its parent-death
+    signal) but a `sleep` a tool had started lived on, orphaned, in the environment's group, which no one was left to
+    kill. A sentinel the environment's process forks before the user's file runs kills the group once that process
+    is gone, however it ended."""
+    pids = tmp_path / "pids"
+    env = tmp_path / "env.py"
+    env.write_text("import subprocess\n"
+                   "def spawn():\n"
+                   "    p = subprocess.Popen(['sleep', '300'])\n"
+                   f"    open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n')\n"
+                   "    return 'started'\n")
+    trainer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from tunebench.core.userprocess import MODULE, Host\n"
+        f"host = Host(open({str(env)!r}, 'rb').read(), {str(env)!r}, 'env')\n"
+        "print(host.ask(('call', MODULE, 'spawn', (), {}), 30.0), flush=True)\n"
+        "time.sleep(300)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "started" in trainer.stdout.readline()
+        sleep = int(pids.read_text().split()[0])
+        assert _alive(sleep)
+        trainer.kill()
+        trainer.wait()
+        for _ in range(200):
+            if not _alive(sleep):
+                break
+            time.sleep(0.05)
+        assert not _alive(sleep), "a tool's subprocess outlived the training process killed with -9"
+    finally:
+        trainer.kill()
+        for pid in [int(p) for p in pids.read_text().split()] if pids.exists() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_tools_long_answer_is_cut_in_its_process_and_a_seed_has_a_limit(tmp_path, monkeypatch):
     """Issue 98 N5: an answer was unpickled and tokenized whole, and `seed` waited for ever; N1: the environment's
     process imported Python from the current folder first."""

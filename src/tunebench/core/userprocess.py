@@ -149,6 +149,26 @@ class Remote:
         return {"error": type(answer[1], (Exception,), {})(answer[2])}
 
 
+def _sentinel(keep_closed: int) -> None:
+    """Fork a process that kills this one's whole group once this one is gone, however it ended. The parent's
+    `_stop` kills the group, but a trainer killed with -9 runs no `_stop`: this process dies of its parent-death
+    signal and what a tool started (a shell, a server) lived on in the group, orphaned. The sentinel waits on a pipe
+    only this process writes to (its end is closed on exec, so programs a tool starts do not hold it; a tool that
+    forks without exec does, and the sentinel then waits for that fork too), reads end-of-file when it dies, and
+    kills the group, itself last. Forked here, before the user's file runs: one thread, nothing of the user's."""
+    read, write = os.pipe()
+    if os.fork():
+        os.close(read)
+        return  # `write` stays open for this process's life
+    os.close(write)
+    os.close(keep_closed)  # the parent's socket: it must see end-of-file when this process dies
+    try:
+        while os.read(read, 1):
+            pass
+    finally:
+        os.killpg(0, signal.SIGKILL)
+
+
 def serve(fd: str, path: str, module_name: str, parent: str) -> None:
     """The child: run the file's bytes as a module, then answer the parent's requests until it closes the pipe."""
 
@@ -156,6 +176,7 @@ def serve(fd: str, path: str, module_name: str, parent: str) -> None:
     # starts would inherit
     signal.signal(signal.SIGINT, lambda *_: None)
     startup.die_with_parent(int(parent), signal.SIGKILL)  # even from inside a call stuck in C
+    _sentinel(int(fd))
     conn = Connection(int(fd))
     sys.path.append(str(Path(path).resolve().parent))  # the file's own folder, last: its sibling modules import
     try:
