@@ -1,15 +1,16 @@
 """Multi-turn GRPO rollouts' decoding alone: `--prompts` GSM8K questions x `--generations` episodes, each opening a
 long system prompt (as an environment's tool schemas make it) and taking `--turns` turns of up to `--new-tokens`
 sampled tokens at temperature 1; after each turn a fixed tool turn is appended to every episode (the same episodes
-both ways, whatever the model wrote), through training.grpo.complete on the built-in SmolLM2-135M-Instruct in the
-precision a run picks here.
+both ways, whatever the model wrote), each turn decoded as episodes.rollout decodes it, on the built-in
+SmolLM2-135M-Instruct in the precision a run picks here.
 
 Two paths: `whole` decodes each turn's whole contexts afresh (what the rollout did before decoding.Turns), `kept`
 keeps each episode's KV cache across its turns and prefills a group's opening once. Prints generated tokens (to
 each EOS) a second, the context tokens fed, and whether both paths made the same tokens, over `--repeats` rollouts
 after one untimed, alternated A B A B.
 
-The `whole` path also runs against another checkout's code, for a paired before/after on one machine:
+The `whole` path also runs against another checkout's code (one from 2026-12-03 on: it calls grpo.cut_after_eos and
+Placed.pad_id), for a paired before/after on one machine:
 
     .venv/bin/python benchmarks/rollout.py
     PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/rollout.py --paths whole
@@ -70,12 +71,16 @@ def main() -> int:
         generated, fed, replies = 0, 0, []
         torch.manual_seed(0)
         started = time.perf_counter()
+        eos, pad = tok.eos_token_id, placed.pad_id()
         with torch.no_grad():
-            for _ in range(args.turns):
-                kw = {"turns": turns, "rows": rows} if turns is not None else {}
+            for _ in range(args.turns):  # each turn as episodes.rollout decodes it
                 fed += 0 if turns is not None else sum(map(len, contexts))
-                out = grpo.complete(placed.model, tok, placed.device, placed.autocast_dtype, contexts, 1,
-                                    args.new_tokens, 1.0, 1.0, **kw)
+                if turns is not None:
+                    with placed.running() as model:
+                        new = turns.decode(model, rows, contexts, args.new_tokens, eos, pad, 1.0, 1.0)
+                else:
+                    new = placed.decode(*decoding.left_padded(contexts, pad, placed.device), args.new_tokens, 1.0, 1.0)
+                out = grpo.cut_after_eos(new, eos)
                 generated += sum(map(len, out))
                 replies.append(out)
                 for c, reply in zip(contexts, out):

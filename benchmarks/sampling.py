@@ -1,9 +1,10 @@
 """GRPO's sampling alone, as a step makes it: `--prompts` GSM8K questions x `--generations` completions of up to
-`--new-tokens` tokens at temperature 1, each ending at its EOS, through training.grpo.complete on the built-in
-SmolLM2-135M-Instruct in the precision a run picks here. Prints generated tokens (to each EOS, as GRPO counts them)
+`--new-tokens` tokens at temperature 1, each ending at its EOS, decoded as a GRPO step's Completions.draw decodes
+them (training/grpo), on the built-in SmolLM2-135M-Instruct in the precision a run picks here. Prints generated tokens (to each EOS, as GRPO counts them)
 a second over `--repeats` decodes, each seeded alike, after one untimed decode.
 
-The same script runs against another checkout's code, for a paired before/after on one machine:
+The same script runs against another checkout's code (one from 2026-12-03 on: it calls grpo.cut_after_eos), for a
+paired before/after on one machine:
 
     .venv/bin/python benchmarks/sampling.py
     PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/sampling.py
@@ -38,7 +39,7 @@ def main() -> int:
     import torch
 
     import tunebench
-    from tunebench.model import inference
+    from tunebench.model import decoding, inference
     from tunebench.training import grpo
 
     placed = inference.load("smollm2-135m-instruct", None)
@@ -55,9 +56,9 @@ def main() -> int:
     def once() -> tuple[int, float]:
         torch.manual_seed(0)
         started = time.perf_counter()
-        with torch.no_grad():
-            out = grpo.complete(placed.model, tok, placed.device, placed.autocast_dtype, prompts, args.generations,
-                                args.new_tokens, 1.0, 1.0)
+        ids, mask = decoding.left_padded(prompts, tok.pad_token_id, placed.device)  # as Completions.draw decodes
+        out = grpo.cut_after_eos(placed.decode(ids, mask, args.new_tokens, 1.0, 1.0, repeat=args.generations),
+                                 tok.eos_token_id)
         return sum(map(len, out)), time.perf_counter() - started
 
     once()

@@ -321,7 +321,7 @@ def test_effective_batch_that_the_ranks_cannot_share_is_refused(tmp_path, rows):
 
 
 def _shares(n_rows, micro, world_size, epoch=0):
-    """Each rank's micro-batches of one epoch, as feed.micro_batches builds them."""
+    """Each rank's micro-batches of one epoch, as feed.RowSteps builds them."""
     data = np.arange(n_rows)
 
     def collate(rows_, step_rows):
@@ -334,11 +334,11 @@ def _shares(n_rows, micro, world_size, epoch=0):
     shares, accum = [], 2
     for rank in range(world_size):
         world = World(rank, world_size, rank, world_size, "gloo")
-        take = feed.micro_batches(lambda e: epoch_steps(data, micro * world_size * accum, 7, e), collate, world,
-                                    micro, accum)
+        take = feed.RowSteps(lambda e: epoch_steps(data, micro * world_size * accum, 7, e), collate, world, micro,
+                             accum)
         state = LoopState(epoch=epoch)
-        steps = len(epoch_steps(data, micro * world_size * accum, 7, epoch)) * accum
-        shares.append([take(state) for _ in range(steps)])
+        steps = len(epoch_steps(data, micro * world_size * accum, 7, epoch))
+        shares.append([batch for _ in range(steps) for batch in take.next(state)])
     return shares
 
 
@@ -374,8 +374,8 @@ def test_each_epoch_is_ordered_once_not_once_a_micro_batch():
 
     from tunebench.training.loop import LoopState
 
-    take, state = feed.micro_batches(steps, collate, World(), 1, 2), LoopState()
-    rows = [take(state)["input_ids"][:, 0].tolist() for _ in range(9)]
+    take, state = feed.RowSteps(steps, collate, World(), 1, 2), LoopState()
+    rows = [batch["input_ids"][:, 0].tolist() for _ in range(5) for batch in take.next(state)]
     assert rows[:6] == [[0], [1], [2], [3], [4], [4]]  # [4] again: the filler of the short step, with no loss
     assert calls == [0, 1]  # two epochs, each ordered once
 

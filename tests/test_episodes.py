@@ -19,9 +19,11 @@ from conftest import assert_resumed, run_losses
 from tunebench.core.errors import TunebenchError
 from tunebench.data import toolcalls
 from tunebench.interfaces.cli import main
+from tunebench.model import decoding
 from tunebench.settings.objectives import GRPO
 from tunebench.training import grpo
 from tunebench.training.grpo import environment, episodes
+from tunebench.training.grpo.steps import StepRows
 
 ENV = '''
 import time
@@ -343,16 +345,25 @@ def test_the_environments_process_dies_with_the_training_process_even_by_kill_9(
         pytest.fail(f"the environment's process {child} outlived its parent")
 
 
+def _decoded(rows: list[list[int]], eos: int, pad: int) -> torch.Tensor:
+    """Token lists as a decode returns them: padding after each row's EOS; a row without one (cut at the token
+    limit) is the widest, as decoding makes it."""
+    width = max(map(len, rows))
+    assert all(eos in r or len(r) == width for r in rows)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+
 def _scripted(tok, replies):
-    """grpo.complete that answers each live episode, turn after turn, with the next of its `replies` texts."""
+    """decoding.Turns.decode (the rollout's turn) that answers each live episode, turn after turn, with the next of
+    its `replies` texts."""
     turn = {"n": 0}
 
-    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0, **_):
+    def decode(self, model, rows, contexts, max_new_tokens, eos, pad, temperature=None, top_p=1.0):
         texts = replies[turn["n"]]
         turn["n"] += 1
-        return [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts[:len(prompts)]]
+        return _decoded([tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts[:len(contexts)]], eos, pad)
 
-    return complete
+    return decode
 
 
 def _sampler(tmp_path, tiny, max_turns=3, timeout_s=10.0, text=ENV, rows=None, max_length=1024):
@@ -378,7 +389,7 @@ def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_d
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer
     call = toolcalls.written("look", {"k": "a"})
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[call, call], ["It is 1.", "It is 2."]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[call, call], ["It is 1.", "It is 2."]]))
     first, second = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
     assert [m["role"] for m in first.messages] == ["user", "assistant", "tool", "assistant"]
     assert first.messages[2]["content"] == "1" and first.answer() == "It is 1." and (first.turns, first.calls) == (2, 1)
@@ -398,7 +409,7 @@ def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkey
     tok = tiny.tokenizer
     calls = [toolcalls.written("look", {"k": "boom"}), toolcalls.written("look", {"k": 7}),
              toolcalls.written("nope", {})]
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [calls, ["a", "b", "c"]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [calls, ["a", "b", "c"]]))
     done = episodes.rollout(sampler, [1], 3, 1.0, 1.0)
     answers = [e.messages[2]["content"] for e in done]
     assert answers[0] == "error: ValueError: no such key" and "do not fit look's parameters" in answers[1]
@@ -412,12 +423,12 @@ def test_a_turn_runs_at_most_max_calls_and_a_step_of_restarts_stops_the_run_in_o
     tok = tiny.tokenizer
     monkeypatch.setattr(episodes, "MAX_CALLS", 2)
     many = "".join(toolcalls.written("look", {"k": k}) for k in "abab")
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[many], ["done"]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[many], ["done"]]))
     e, = episodes.rollout(_sampler(tmp_path, tiny), [0], 1, 1.0, 1.0)
     assert [m["content"] for m in e.messages if m["role"] == "tool"] == [
         "1", "2", *["error: not run: a turn may make at most 2 calls"] * 2] and (e.calls, e.calls_ok) == (4, 2)
     monkeypatch.setattr(episodes, "MAX_RESTARTS", 1)
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("look", {"k": "slow"})] * 2]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("look", {"k": "slow"})] * 2]))
     with pytest.raises(TunebenchError, match="its process was restarted 2 times in one step"):
         episodes.rollout(_sampler(tmp_path, tiny, timeout_s=0.5), [0], 2, 1.0, 1.0)
 
@@ -425,7 +436,7 @@ def test_a_turn_runs_at_most_max_calls_and_a_step_of_restarts_stops_the_run_in_o
 def test_results_that_do_not_fit_the_context_end_the_episode_unread(tmp_path, tiny, monkeypatch):
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("look", {"k": "long"})]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("look", {"k": "long"})]]))
     e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
     assert (e.turns, e.calls, e.tool_turns) == (1, 1, []) and len(e.ids) <= sampler.max_length
     assert e.messages[-1]["role"] == "assistant" and sum(e.mask) == len(e.ids) - e.prompt_len
@@ -440,19 +451,20 @@ def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
     call, long_call = toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "long"})
     first = ["It is 1.", "x", call, long_call]
 
-    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0, **_):
-        if len(prompts) == 4:  # the first turn: episode 1's reply has no EOS, as when the token limit cuts it
-            return [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * (i != 1)
-                    for i, t in enumerate(first)]
-        return [tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]  # episode 2's second turn
+    def decode(self, model, rows, contexts, max_new_tokens, eos, pad, temperature=None, top_p=1.0):
+        if len(contexts) == 4:  # the first turn: episode 1's reply has no EOS, as when the token limit cuts it
+            replies = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in first]
+            replies[1] = replies[1][:1] * max(map(len, replies))  # the widest: decoding pads the others
+            return _decoded(replies, eos, pad)
+        return _decoded([tok(call, add_special_tokens=False)["input_ids"] + [eos]], eos, pad)  # episode 2's second
 
-    monkeypatch.setattr(grpo, "complete", complete)
+    monkeypatch.setattr(decoding.Turns, "decode", decode)
     sampler.on.s = GRPO(num_generations=4, max_completion_length=12, loss_type="dapo")
     played = episodes.rollout(sampler, [0], 4, 1.0, 1.0)
     assert [e.stop for e in played] == ["answered", "cut", "max_turns", "no_room"]
     assert [(e.turns, e.calls) for e in played] == [(1, 0), (1, 0), (2, 1), (1, 1)]
     monkeypatch.setattr(episodes, "rollout", lambda *a: played)
-    groups = grpo.StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
+    groups = StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
     names = sampler.stat_names()[1:]  # the row stats: every stat but kl
     shares = {n: groups.row_stats[:, names.index(n)].tolist() for n in names if n.startswith("episodes/stop/")}
     assert shares == {"episodes/stop/answered": [1, 0, 0, 0], "episodes/stop/cut": [0, 1, 0, 0],
@@ -465,7 +477,7 @@ def test_an_episode_opens_with_its_own_rows_messages_when_an_opening_is_dropped(
     rows = [{"q": "k " + "a " * 600 + "?", "a": "1"}, {"q": "k b?", "a": "2"}]
     sampler = _sampler(tmp_path, tiny, rows=rows)
     assert sampler.on.data.dropped == 1 and sampler.on.data.source(0) == 1
-    monkeypatch.setattr(grpo, "complete", _scripted(tiny.tokenizer, [["It is 2."]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tiny.tokenizer, [["It is 2."]]))
     e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
     assert e.messages[0]["content"] == "k b?" and sampler.score_episodes([e])[0].flatten().tolist() == [1.0]
 
@@ -478,12 +490,12 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     sampler = _sampler(tmp_path, tiny, timeout_s=5.0, text=CART, rows=[{"q": "Add one.", "want": 1, "start": []}])
     tok = tiny.tokenizer
     pen = toolcalls.written("add", {"item": "pen"})
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[pen, pen], [pen, "Done."], ["Done."]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[pen, pen], [pen, "Done."], ["Done."]]))
     one, two = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
     assert [m["content"] for m in one.messages if m["role"] == "tool"] == ["1 item(s)", "2 item(s)"]
     assert [m["content"] for m in two.messages if m["role"] == "tool"] == ["1 item(s)"]  # its own cart
     assert sampler.score_episodes([one, two])[0].flatten().tolist() == [0.0, 1.0]
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("add", {"item": "slow"}), pen],
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("add", {"item": "slow"}), pen],
                                                           ["Done.", "Done."]]))
     slow, lost = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
     assert "no answer within 5 s" in slow.messages[2]["content"]
@@ -491,7 +503,7 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     assert [m["content"] for m in lost.messages if m["role"] == "tool"] == [f"error: {environment.LOST}"]
     scores = sampler.score_episodes([slow, lost])[0].flatten().tolist()
     assert all(math.isnan(v) for v in scores), scores
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[toolcalls.written("count", {})], ["Done."]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("count", {})], ["Done."]]))
     after, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)  # the next step's episode: a cart of the new process
     assert after.messages[2]["content"] == "0" and sampler.score_episodes([after])[0].flatten().tolist() == [0.0]
 
@@ -526,7 +538,7 @@ def test_an_environments_own_stop_rule_ends_an_episode_by_name(tmp_path, tiny, m
     sampler = _sampler(tmp_path, tiny, text=solved)
     tok = tiny.tokenizer
     calls = [toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "b"})]
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [calls, ["It is 1."]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [calls, ["It is 1."]]))
     drawn = sampler.draw([0], seed=1)  # row 0 wants "1": look(a) answers it, look(b) does not
     names = sampler.stat_names()
     assert names[-5:] == tuple(f"episodes/stop/{why}" for why in (*grpo.EPISODE_STOPS, "solved"))
@@ -552,6 +564,58 @@ def test_a_stateful_environment_trains_from_the_command_line(tmp_path):
     for r in steps:  # the environment's own stop rule among the step's stops
         stops = [r[f"episodes/stop/{why}"] for why in (*grpo.EPISODE_STOPS, "full")]
         assert sum(stops) == pytest.approx(1.0) and "rewards/environment/mean" in r
+
+
+def _frames_below_the_job(run, job_file: str) -> dict[str, int]:
+    """The most tunebench frames between a job's entry (its `run`, counted) and a model call inside the optimizer steps,
+    by kind: a decode (the policy sampling: model/decoding.py on the way) or a training forward (gradients on), as
+    `run()` makes them; a forward pre-hook on every PreTrainedModel reads the stack."""
+    from transformers import PreTrainedModel
+
+    import tunebench
+
+    package = str(Path(tunebench.__file__).resolve().parent) + os.sep
+    most = {"decode": 0, "training forward": 0}
+
+    def hook(module, args):
+        if not isinstance(module, PreTrainedModel):
+            return
+        chain, frame = [], sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_filename.endswith(job_file) and frame.f_code.co_name == "run"):
+            if frame.f_code.co_filename.startswith(package):
+                chain.append(frame.f_code.co_filename[len(package):])
+            frame = frame.f_back
+        if frame is None or not any(c.endswith("loop.py") for c in chain):  # outside the steps: measuring, eval
+            return
+        kind = "decode" if any(c.endswith("decoding.py") for c in chain) else \
+            "training forward" if torch.is_grad_enabled() else None
+        if kind:
+            most[kind] = max(most[kind], len(chain) + 1)  # the job's own frame counted, as issue 97 measured
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return most
+
+
+def test_a_decode_runs_at_most_nine_tunebench_frames_below_the_job_and_a_training_forward_five(tmp_path):
+    """Issue 97 item 3, measured by running: a GRPO step's decode was 14 tunebench frames below the job at its prefill
+    and 15 at each decoding step (the step ran inside the batch feeder: loop -> _produce -> next_micro_batch -> the
+    job's begin_step callback -> draw -> rollout -> grpo.complete -> Placed.decode_turns -> Turns.decode); an SFT
+    training forward 5. Now the step is a stage the loop asks for (grpo/steps.py), the loop is called from
+    recipe.run, and a turn decodes directly: the prefill 8, each decoding step 9 (decoding's sampling loop and its
+    cache's step are two frames of their own), a GRPO training forward 5, an SFT one 4."""
+    grpo_run = _frames_below_the_job(lambda: main(_cart_train(tmp_path, tmp_path / "grpo", 6, "--max-steps", "1",
+                                                              "--eval-fraction", "0")), os.path.join("jobs", "grpo.py"))
+    assert 0 < grpo_run["decode"] <= 9 and 0 < grpo_run["training forward"] <= 5, grpo_run
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text("".join(json.dumps({"instruction": f"q{i}", "response": "a"}) + "\n" for i in range(8)))
+    sft = _frames_below_the_job(lambda: main(["train", "--model", "tiny", "--data", str(rows), "--max-steps", "1",
+                                              "--precision", "fp32", "--no-progress", "--eval-fraction", "0",
+                                              "--output-dir", str(tmp_path / "sft")]), os.path.join("jobs", "finetune.py"))
+    assert 0 < sft["training forward"] <= 4 and sft["decode"] == 0, sft
 
 
 # Each rank's draws as it drew them: Episodes.draw wrapped in every process of a run (PYTHONPATH's sitecustomize),
@@ -608,8 +672,8 @@ def test_one_turn_episodes_are_single_turn_grpos_rows(tmp_path, tiny, monkeypatc
     grpo.rows_of makes a single-turn completion's, and the group's advantages are grpo.advantages of the scores."""
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [["It is 1.", "no"]]))
-    groups = grpo.StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [["It is 1.", "no"]]))
+    groups = StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
     replies = [tok("It is 1.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
                tok("no", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     single = grpo.Groups([0], replies, *grpo.advantages(torch.tensor([[1.0], [0.0]]), torch.ones(1), 2, "group")[:1],
@@ -630,20 +694,27 @@ if os.environ.get("TUNEBENCH_TEST_POLICY"):
     import torch
 
     from tunebench.data import toolcalls
+    from tunebench.model import decoding
     from tunebench.training import grpo
 
     CALL = toolcalls.written("look", {"k": "a"})
+    TOKENIZER = []
+    placed = grpo.Sampling.placed
 
-    def complete(model, tokenizer, device, autocast, prompts, n, max_new_tokens, temperature=None, top_p=1.0, **_):
-        out = []
-        for ids in prompts:
+    def placing(self):  # the rollout's tokenizer, for the scripted turns below
+        TOKENIZER[:] = [self.tokenizer]
+        return placed(self)
+
+    def decode(self, model, rows, contexts, max_new_tokens, eos, pad, temperature=None, top_p=1.0):
+        tokenizer, out = TOKENIZER[0], []
+        for ids in contexts:
             called = CALL in tokenizer.decode(ids)
-            for _ in range(n):
-                text = "It is 1." if called or float(torch.rand(())) < 0.3 else CALL
-                out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-        return out
+            text = "It is 1." if called or float(torch.rand(())) < 0.3 else CALL
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        width = max(map(len, out))
+        return torch.tensor([r + [pad] * (width - len(r)) for r in out])
 
-    grpo.complete = complete
+    grpo.Sampling.placed, decoding.Turns.decode = placing, decode
 """
 
 
@@ -661,9 +732,10 @@ def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resu
     policy.parent.mkdir()
     policy.write_text(SCRIPTED_POLICY)
     monkeypatch.setenv("TUNEBENCH_TEST_POLICY", "1")
-    monkeypatch.setattr(grpo, "complete", grpo.complete)  # put back after the test
+    monkeypatch.setattr(grpo.Sampling, "placed", grpo.Sampling.placed)  # put back after the test
+    monkeypatch.setattr(decoding.Turns, "decode", decoding.Turns.decode)
     spec = importlib.util.spec_from_file_location("scripted_policy", policy)
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # grpo.complete is the script's here
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # the script's turns here
     assert main(_train(tmp_path, env, one, "--save-steps", "1")) == 0
     printed = capsys.readouterr().out
     assert "rewards: environment x 1; environment" in printed and "tools look" in printed
@@ -758,7 +830,7 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     sampler = _sampler(tmp_path, tiny, text=per_turn)
     tok = tiny.tokenizer
     call = toolcalls.written("look", {"k": "a"})
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [[call, "no"], ["It is 1."]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[call, "no"], ["It is 1."]]))
     drawn = sampler.draw([0], seed=1)
     assert drawn.turn_rewards == [{0: 0.5, 1: 1.0}, {0: 0.0}] and drawn.scores[:, 0].tolist() == [1.5, 0.0]
     pool = torch.tensor([0.5, 1.0, 0.0], dtype=torch.float64)
@@ -766,7 +838,7 @@ def test_per_turn_rewards_reach_their_turns_tokens_as_the_grpo_papers_process_su
     expected = [[norm[0] + norm[1], norm[1]], [norm[2]]]
     got = grpo.turn_advantages(drawn.turn_rewards, 2, "group")
     assert [len(a) for a in got] == [2, 1] and sum(got, []) == pytest.approx(sum(expected, []))
-    groups = grpo.StepRows(sampler).groups_of([0], drawn)
+    groups = StepRows(sampler).groups_of([0], drawn)
     batch = grpo.rows_of(groups, [0], sampler.on.data, 2, tok.pad_token_id)
     targets = batch["labels"][:, 1:] != -100
     first = [batch["token_advantages"][0][targets[0]].tolist(), batch["token_advantages"][1][targets[1]].tolist()]
@@ -823,12 +895,12 @@ def test_a_step_drawn_with_turn_credit_by_state_carries_each_turns_state_into_it
     sampler.on.s = dataclasses.replace(sampler.on.s, turn_credit="state")
     tok = tiny.tokenizer
     calls = [toolcalls.written("look", {"k": "a"}), toolcalls.written("look", {"k": "b"})]
-    monkeypatch.setattr(grpo, "complete", _scripted(tok, [calls, ["It is 1.", "no"]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [calls, ["It is 1.", "no"]]))
     drawn = sampler.draw([0], seed=1)
     (open0, second0), (open1, second1) = drawn.turn_states
     assert open0 == open1 and second0 != second1 and drawn.turn_rewards == [{1: 1.0}, {1: 0.0}]
     a = 0.5 / (torch.tensor([1.0, 0.0]).std().item() + 1e-4)
-    groups = grpo.StepRows(sampler).groups_of([0], drawn)
+    groups = StepRows(sampler).groups_of([0], drawn)
     turns = [sorted(set(t)) for t in drawn.turn_of]
     assert turns == [[0, 1], [0, 1]]
     per_turn = [{t: v for t, v in zip(of, adv)} for of, adv in zip(drawn.turn_of, groups.token_advantages)]
@@ -848,6 +920,6 @@ def test_a_per_turn_reward_of_the_wrong_length_or_type_is_refused_naming_the_epi
     wrong = ENV.replace('''    return float(messages[-1]["role"] == "assistant" and row["a"] in messages[-1]["content"])''',
                         f"    return {returned}")
     sampler = _sampler(tmp_path, tiny, text=wrong)
-    monkeypatch.setattr(grpo, "complete", _scripted(tiny.tokenizer, [["It is 1.", "no"]]))
+    monkeypatch.setattr(decoding.Turns, "decode", _scripted(tiny.tokenizer, [["It is 1.", "no"]]))
     with pytest.raises(TunebenchError, match=re.escape(message)):
         sampler.draw([0], seed=1)

@@ -14,6 +14,7 @@ from conftest import assert_resumed, run_losses, sigterm_after_step
 from tunebench.core.errors import TunebenchError
 from tunebench.interfaces.cli import main
 from tunebench.jobs import grpo as grpo_job
+from tunebench.model import decoding
 from tunebench.settings.finetune import load_config
 from tunebench.settings.objectives import GRPO
 from tunebench.training import grpo
@@ -210,12 +211,18 @@ def test_losses_rewards_and_kl_match_trls_grpo_trainer_on_the_same_completions(t
              for group in GOLDEN["completions"]]
     calls = []
 
-    def fixed(model, tokenizer, device, autocast, prompts, s, seed):
-        assert len(prompts) == 1 and s.num_generations == GOLDEN["group"]
-        calls.append(seed)
-        return table[len(calls) - 1]
+    real = decoding.decode
 
-    monkeypatch.setattr(grpo, "sample", fixed)
+    def fixed(model, ids, mask, max_new_tokens, eos, pad, *args, repeat=1, **kwargs):
+        if repeat == 1:  # the held-out reward's greedy completions
+            return real(model, ids, mask, max_new_tokens, eos, pad, *args, **kwargs)
+        assert ids.shape[0] == 1 and repeat == GOLDEN["group"]  # a step's group: TRL's completions
+        calls.append(repeat)
+        rows = table[len(calls) - 1]
+        width = max(map(len, rows))
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+    monkeypatch.setattr(decoding, "decode", fixed)
     grpo_job.run(_config(tmp_path, name))
     steps = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]

@@ -324,14 +324,14 @@ def _calls(path: Path, function: str) -> set[str]:
     return {ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)}
 
 
-def test_a_reader_reaches_the_backward_pass_in_three_hops_from_each_job():
+def test_a_reader_reaches_the_backward_pass_in_two_hops_from_each_job():
     """Each training job's run hands its Recipe to recipe.run (hop one), which reads as its named stages (plan_run,
-    build_trainer, train, finish); its train stage (hop two) calls the optimizer steps (hop three), whose body runs
-    the backward pass: a layer added in between fails here."""
+    build_trainer, the optimizer steps inside `training`'s set-up and end, finish) and calls the optimizer steps
+    itself (hop two), whose body runs the backward pass: a layer added in between fails here."""
     for job in ("finetune", "grpo", "pretrain"):
         assert "recipe.run" in _calls(PACKAGE / "jobs" / f"{job}.py", "run"), job
-    assert {"plan_run", "build_trainer", "train", "finish"} <= _calls(PARTS_DIR / "recipe.py", "run")
-    assert "loop.optimizer_steps" in _calls(PARTS_DIR / "recipe.py", "train")
+    assert {"plan_run", "build_trainer", "training", "loop.optimizer_steps", "finish"} <= \
+        _calls(PARTS_DIR / "recipe.py", "run")
     assert any(c.endswith(".backward") for c in _calls(PACKAGE / "training" / "loop.py", "optimizer_steps"))
 
 
@@ -342,25 +342,29 @@ def _method_calls(path: Path, cls: str, method: str) -> set[str]:
     return {ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)}
 
 
-def test_a_grpo_step_reaches_the_episode_loop_in_two_hops_and_the_decode_in_five():
-    """jobs/grpo.py's begin_step is one GRPO step's data in order (draw, then the groups' advantages) and calls the
-    draws' draw (hop one); an environment's draw plays the episodes (episodes.rollout, hop two), whose turn
-    decodes through grpo.complete (three), inference.Placed.decode (four) and decoding.decode (five); a
-    completion's draw samples (two) through complete (three) to the same decode. `collate` samples nothing (with
-    --num-iterations it scores a micro batch's tokens once, a forward pass: StepRows.old_logps)."""
+def test_the_step_is_a_stage_the_loop_asks_for_whole():
+    """Issue 97 item 3: the loop asks a step source for a whole optimizer step's micro batches (feed.Steps). Rows are
+    cut by feed.RowSteps, which calls back into no job; GRPO's step (grpo/steps.py's DrawnSteps) draws, groups and
+    has RowSteps cut the groups it hands on: collate reads no step state stored earlier. An environment's draw plays
+    the episodes (rollout), whose turn is a decode with each episode's cache (decoding.Turns), and a completion's
+    draw is one decode. The loop has no switch of GRPO's: whether steps are made ahead is the source's `sampled`.
+    (tests/test_episodes.py runs a GRPO and an SFT run and counts the frames.)"""
     training = PACKAGE / "training"
-    assert {"draws.draw", "step_rows.groups_of", "grpo.step_seed"} <= _calls(PACKAGE / "jobs" / "grpo.py", "run")
+    assert _method_calls(training / "feed.py", "RowSteps", "next") <= {
+        "self.at_step", "batching.micro_steps", "distributed.shard", "self.collate", "self._filler", "batches.append"}
+    assert {"self.rows.at_step", "self.rows.share", "draws.draw", "refill", "step_seed",
+            "self.step_rows.groups_of", "self.rows.next"} <= _method_calls(training / "grpo" / "steps.py",
+                                                                           "DrawnSteps", "next")
     assert "rollout" in _method_calls(training / "grpo" / "episodes.py", "Episodes", "draw")
-    assert "grpo.complete" in _calls(training / "grpo" / "episodes.py", "rollout")
-    assert "sample" in _method_calls(training / "grpo" / "__init__.py", "Completions", "draw")
-    assert "complete" in _calls(training / "grpo" / "__init__.py", "sample")
-    assert {"placed.decode", "placed.decode_turns"} <= _calls(training / "grpo" / "__init__.py", "complete")
-    assert "decoding.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode")
-    assert "turns.decode" in _method_calls(PACKAGE / "model" / "inference.py", "Placed", "decode_turns")
-    assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "collate") <= {"self.filler", "rows_of",
-                                                                                       "self.old_logps", "tuple"}
-    assert _method_calls(training / "grpo" / "__init__.py", "StepRows", "filler") <= {"Groups", "len", "torch.zeros",
-                                                                                      "self.stat_names"}
+    assert {"turns.decode", "decoding.decode"} <= _calls(training / "grpo" / "episodes.py", "rollout")
+    assert "decoding.decode" in _method_calls(training / "grpo" / "__init__.py", "Completions", "draw")
+    collate = _method_calls(training / "grpo" / "steps.py", "StepRows", "collate")
+    assert collate <= {"self.filler", "rows_of", "self.old_logps", "tuple"}, collate
+    assert "self.groups" not in (training / "grpo" / "steps.py").read_text()  # the step's groups are an argument
+    names = {getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", None) or getattr(n, "arg", "")
+             for n in ast.walk(ast.parse((training / "loop.py").read_text()))}
+    grpo = [n for n in names if n and re.search(r"grpo|rollout|draw|begin_step", n.lower())]
+    assert not grpo, f"the loop names a GRPO part: {grpo}"
 
 
 def test_only_the_settings_loader_and_the_preference_slice_test_an_objectives_name():

@@ -34,6 +34,18 @@ def _data():
     return tok, tokenize_messages(msgs, tok, DataConfig(max_length=256), "instruction")
 
 
+class _Given:
+    """Steps of the micro batches given, all in one step (feed.Steps)."""
+
+    sampled = False
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def next(self, at):
+        return self.batches
+
+
 def _one_step(model, batches):
     queue = list(batches)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -41,8 +53,7 @@ def _one_step(model, batches):
     settings = LoopSettings(total_steps=1, grad_accum_steps=len(batches), max_grad_norm=1e9,
                             device=torch.device("cpu"), progress=False)
     logs = []
-    optimizer_steps(CausalLMLoss(model), opt, sched, lambda s: queue.pop(0) if queue else None, LoopState(), settings,
-          Hooks(log=logs.append))
+    optimizer_steps(CausalLMLoss(model), opt, sched, _Given(queue), LoopState(), settings, Hooks(log=logs.append))
     return logs[-1]["loss"], logs[-1]["grad_norm"]
 
 
@@ -512,7 +523,7 @@ def test_the_gpu_probe_budget_counts_only_free_memory_as_room(monkeypatch):
     assert budget == pytest.approx(77 * 1024 + 0.92 * 4 * 1024)
 
 
-def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None, time_limit_s=None):
+def _loop_run(tiny, prefetch, steps=6, logging_steps=1, source=None, time_limit_s=None):
     """A few AdamW steps of the tiny model on 4 rows, 2 micro-batches of 1 a step, epochs wrapping."""
     import numpy as np
 
@@ -522,13 +533,12 @@ def _loop_run(tiny, prefetch, steps=6, logging_steps=1, next_micro=None, time_li
     model = copy.deepcopy(tiny.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    next_micro = next_micro or feed.micro_batches(
-        lambda epoch: batching.epoch_steps(np.arange(len(data)), 2, 0, epoch),
-        lambda rows, _: batching.collate(data, rows, tok.pad_token_id), World(), 1, 2)
+    source = source or feed.Batches(lambda epoch: batching.epoch_steps(np.arange(len(data)), 2, 0, epoch),
+                                    lambda rows, _: batching.collate(data, rows, tok.pad_token_id)).feed(World(), 1, 2)
     settings = LoopSettings(total_steps=steps, grad_accum_steps=2, max_grad_norm=1.0, device=torch.device("cpu"),
                             progress=False, logging_steps=logging_steps, prefetch=prefetch, time_limit_s=time_limit_s)
     logs = []
-    state = optimizer_steps(CausalLMLoss(model), opt, sched, next_micro, LoopState(), settings, Hooks(log=logs.append))
+    state = optimizer_steps(CausalLMLoss(model), opt, sched, source, LoopState(), settings, Hooks(log=logs.append))
     return state, logs, model
 
 
@@ -541,11 +551,12 @@ def test_prefetched_batches_train_exactly_as_inline_ones(tiny):
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 
-    def broken(state):
-        raise ValueError("a bad row")
+    class Broken(_Given):
+        def next(self, at):
+            raise ValueError("a bad row")
 
     with pytest.raises(ValueError, match="a bad row"):  # the background thread's error reaches the loop
-        _loop_run(tiny, prefetch=True, next_micro=broken)
+        _loop_run(tiny, prefetch=True, source=Broken([]))
 
 
 def test_a_time_limit_ends_the_loop_after_the_step_that_passes_it_and_logs_that_step(tiny):

@@ -153,18 +153,23 @@ def test_each_objective_trains_on_two_ranks_at_the_defaults(tmp_path):
 FIXED_GRPO = """import sys, zlib
 import torch
 from tunebench.interfaces import cli
-from tunebench.training import grpo
+from tunebench.model import decoding
 
-def fixed(model, tokenizer, device, autocast, prompts, s, seed):
+sampled = decoding.decode
+
+def fixed(model, ids, mask, max_new_tokens, eos, pad, *args, repeat=1, **kwargs):
+    if repeat == 1:  # the held-out reward's greedy completions
+        return sampled(model, ids, mask, max_new_tokens, eos, pad, *args, **kwargs)
     out = []
-    for p in prompts:
-        g = torch.Generator().manual_seed(zlib.crc32(str(p).encode()))
-        for _ in range(s.num_generations):
-            n = int(torch.randint(1, s.max_completion_length, (1,), generator=g))
-            out.append(torch.randint(3, 60, (n,), generator=g).tolist() + [tokenizer.eos_token_id])
-    return out
+    for row, real in zip(ids, mask.bool()):
+        g = torch.Generator().manual_seed(zlib.crc32(str(row[real].tolist()).encode()))
+        for _ in range(repeat):
+            n = int(torch.randint(1, max_new_tokens, (1,), generator=g))
+            out.append(torch.randint(3, 60, (n,), generator=g).tolist() + [eos])
+    width = max(map(len, out))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in out])
 
-grpo.sample = fixed
+decoding.decode = fixed
 sys.exit(cli.main(sys.argv[1:]))
 """
 

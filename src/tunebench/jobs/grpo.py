@@ -1,6 +1,6 @@
 """`tunebench train --objective grpo` (or rft): GRPO (or rejection-sampling fine-tuning) on prompts with rewards or
-on episodes in an environment, its slice in training/grpo/, one recipe over jobs/parts/recipe.py; begin_step below is
-one step's data."""
+on episodes in an environment, its slice in training/grpo/, one recipe over jobs/parts/recipe.py; a step's data is
+training/grpo/steps.py's DrawnSteps."""
 
 from typing import Any
 
@@ -13,7 +13,7 @@ from tunebench.machine import distributed
 from tunebench.settings.finetune import RunConfig
 from tunebench.training import feed, grpo, preference, runplan, stopping
 from tunebench.training.autotune import compiler
-from tunebench.training.grpo import watch
+from tunebench.training.grpo import steps, watch
 
 
 @stopping.job
@@ -37,27 +37,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     on = grpo.Sampling(model, tok, data, rows, scoring, o, opened.device, opened.autocast,
                        eagerly=lambda: compiler.eagerly(compiled[0]))
     draws = grpo_run.draws_of(on, env, rows, cfg)
-    step_rows = grpo.StepRows(draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None), credit)
     held_out = grpo_run.HeldOutReward(draws, np.concatenate(eval_parts).tolist(), opened.world)
 
     lengths = data.lengths()
     widest = cfg.data.max_length if env else int(lengths[train_idx].max()) + o.max_completion_length
     padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision)  # as finetune's rows
-    step_rows.padding = (padding.value, widest)
     iterations = getattr(o, "num_iterations", 1)
-    if iterations > 1:
-        step_rows.old_logps = lambda batch: grpo_run.logps_now(model, batch, opened, o.temperature)
-
-    def begin_step(epoch: int, step: int, keys: list[int]) -> None:
-        """One step's data before its micro batches: this rank's prompts drawn (sampled, or episodes played:
-        episodes.rollout; seeded by seed, epoch, draw, rank) and scored, then their groups' advantages. With
-        --num-iterations each draw serves that many steps in a row (grpo_run.epoch_steps repeats them): a later one
-        keeps the groups; a resume between them draws again, from the resumed policy."""
-        if step % iterations and step_rows.groups is not None and step_rows.groups.keys == keys:
-            return
-        seed = grpo.step_seed(s.seed, epoch, step // iterations, opened.world.rank)
-        drawn = grpo.refill(draws, draws.draw(keys, seed), keys, seed) if keys else None
-        step_rows.groups = drawn and step_rows.groups_of(keys, drawn)
+    step_rows = steps.StepRows(
+        draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None), credit, (padding.value, widest),
+        (lambda batch: grpo_run.logps_now(model, batch, opened, o.temperature)) if iterations > 1 else None)
 
     def start(plan):
         compiled.append(plan.compile)
@@ -87,13 +75,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             widest=widest,
             max_length=cfg.data.max_length, quantized=a.method == "qlora",
             rows_each=o.num_generations),
-        batches=lambda micro: feed.Batches(epoch_steps, step_rows.collate, begin_step=begin_step),
+        batches=lambda micro: feed.Batches(epoch_steps, step_rows.collate, sampler=lambda rows: steps.DrawnSteps(
+            rows, step_rows, s.seed, iterations, opened.world.rank)),
         eval_sets=lambda micro: [],
         identity=identity,
         finish=finish,
         publish=run_report.send,
         records=finetune_model.records(loaded, trainable, total),
         before_training=start,
-        prefetch=False,  # sampling needs the live weights
-        rank_figures=lambda: grpo_run.rank_figures(on, held_out),
-        watch_speed=False))  # the probe timed updates alone, and a step's time includes its sampling
+        rank_figures=lambda: grpo_run.rank_figures(on, held_out)))

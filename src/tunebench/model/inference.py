@@ -100,14 +100,10 @@ class Placed:
             return decoding.decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each,
                                    repeat=repeat)
 
-    def decode_turns(self, turns, rows: list[int], contexts: list[list[int]], max_new_tokens: int,
-                     temperature: float | None = None, top_p: float = 1.0) -> torch.Tensor:
-        """(len(rows), new) tokens after each row's whole context, its KV cache kept from its earlier turns in
-        `turns` (decoding.Turns: GRPO's episodes), padding after each row's EOS."""
+    def pad_id(self) -> int:
+        """The id decoding pads with: the tokenizer's pad token, else its EOS (else 0)."""
         eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
-        with self.running() as model:
-            return turns.decode(model, rows, contexts, max_new_tokens, eos, pad, temperature, top_p)
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
 
     def context_limit(self) -> int | None:
         return context_limit(self.model)

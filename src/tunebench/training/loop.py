@@ -100,47 +100,25 @@ class _Step:
     ready: Any = None  # CUDA event: the copies to the device are done (prefetched on a side stream)
 
 
-def _produce(next_micro_batch: Callable[[LoopState], Batch | None], at: LoopState, settings: LoopSettings) \
-        -> _Step | None:
-    micro = []
-    for _ in range(settings.grad_accum_steps):
-        batch = next_micro_batch(at)
-        if batch is None:
-            break
-        micro.append(batch)
-    if not micro:
-        return None
+def _made(micro: list[Batch], position: LoopState, settings: LoopSettings) -> _Step:
+    """A step's micro batches counted on the host and put on the device; `position` the data position after them."""
     lengths = torch.cat([example_lengths(b) for b in micro])
     lengths = lengths[lengths > 0]  # a rank's empty filler row is no example
     counts = torch.stack([b["counts"] for b in micro]).sum(0).tolist() if "counts" in micro[0] else []
     return _Step([prepare(b, settings.device, settings.pin_memory) for b in micro], len(lengths),
                  int((lengths.long() ** 2).sum()), sum(b["input_ids"].numel() for b in micro),
-                 (at.epoch, at.batch_in_epoch), counts)
+                 (position.epoch, position.batch_in_epoch), counts)
 
 
-class _Inline:
-    """The next step's input, made when it is asked for."""
-
-    def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings):
-        self.next_micro_batch, self.settings = next_micro_batch, settings
-        self.at = LoopState(epoch=state.epoch, batch_in_epoch=state.batch_in_epoch)
-
-    def next(self) -> _Step | None:
-        return _produce(self.next_micro_batch, self.at, self.settings)
-
-    def close(self) -> None:
-        pass
-
-
-class Prefetcher(_Inline):
+class Prefetcher:
     """The next steps' inputs made on a background thread while the device computes this one: collated,
     pinned and copied to the GPU on a side stream of their own, so the step never waits for the host.
     It walks its own copy of the data position; the loop takes each step's position as it trains it,
     so a checkpoint records the data consumed, never the data prefetched."""
 
-    def __init__(self, next_micro_batch, state: LoopState, settings: LoopSettings, depth: int = 2):
-        super().__init__(next_micro_batch, state, settings)
-
+    def __init__(self, steps, state: LoopState, settings: LoopSettings, depth: int = 2):
+        self.steps, self.settings = steps, settings
+        self.at = LoopState(epoch=state.epoch, batch_in_epoch=state.batch_in_epoch)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stopped = threading.Event()
         device = settings.device
@@ -152,13 +130,11 @@ class Prefetcher(_Inline):
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 while not self.stopped.is_set():
-                    step = _produce(self.next_micro_batch, self.at, self.settings)
-                    if step is not None and self.stream is not None:
+                    step = _made(self.steps.next(self.at), self.at, self.settings)
+                    if self.stream is not None:
                         step.ready = torch.cuda.Event()
                         step.ready.record(self.stream)
                     self._put(step)
-                    if step is None:
-                        return
         except BaseException as e:  # noqa: BLE001 - raised in the loop, where the step asks for it
             self._put(e)
 
@@ -171,11 +147,11 @@ class Prefetcher(_Inline):
             except queue.Full:
                 continue
 
-    def next(self) -> _Step | None:
+    def next(self) -> _Step:
         item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
-        if item is not None and item.ready is not None:  # compute waits for the copies, on the device only
+        if item.ready is not None:  # compute waits for the copies, on the device only
             current = torch.cuda.current_stream(self.settings.device)
             current.wait_event(item.ready)
             for batch, _, _ in item.prepared:
@@ -245,7 +221,7 @@ def optimizer_steps(
     objective: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    next_micro_batch: Callable[[LoopState], Batch | None],
+    steps,
     state: LoopState,
     settings: LoopSettings,
     hooks: Hooks,
@@ -253,11 +229,10 @@ def optimizer_steps(
 ) -> LoopState:
     """Run optimizer steps from `state.step` to `settings.total_steps`.
 
-    `objective` is a CausalLMLoss, or the DDP/FSDP module wrapping one. `next_micro_batch(state)`
-    returns this rank's collated micro-batch at the state's data position and advances that position
-    (epoch, batch_in_epoch), or returns None when the data is exhausted. Every rank must get the same
-    number of micro-batches per step (one with no loss tokens still runs: its backward joins the
-    gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
+    `objective` is a CausalLMLoss, or the DDP/FSDP module wrapping one. `steps` is where the steps come from
+    (training/feed.py's Steps): `steps.next(at)` hands this rank's micro batches of the step at the data position
+    `at` (epoch, batch_in_epoch) and moves it past them. Every rank must get the same number of micro-batches per
+    step (one with no loss tokens still runs: its backward joins the gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
     log the same figures and stop at the same step.
 
     The host never waits for the device inside a step: losses, gradient norms and step times stay on the device
@@ -273,7 +248,8 @@ def optimizer_steps(
     objective.train()
     bar = tqdm(total=settings.total_steps, initial=state.step, disable=not (settings.progress and world.main),
                unit="step", dynamic_ncols=True)
-    feed = _feed(next_micro_batch, state, settings)
+    feed = _feed(steps, state, settings)
+    at = LoopState(epoch=state.epoch, batch_in_epoch=state.batch_in_epoch)  # where the next step's data starts
     timer = StepTimer(device)
     done: list[_Done] = []
     deadline = None if settings.time_limit_s is None else time.monotonic() + settings.time_limit_s - state.train_time_s
@@ -281,9 +257,7 @@ def optimizer_steps(
         while state.step < settings.total_steps:
             mark = timer.start()
             waited = time.perf_counter()
-            item = feed.next()
-            if item is None:
-                break
+            item = feed.next() if feed else _made(steps.next(at), at, settings)
             step_loss_tokens, step_tokens, step_samples, step_sq, scale, totals = _step_totals(item, settings)
             state.data_time_s += time.perf_counter() - waited
             loss_acc = torch.zeros((), device=device)
@@ -295,7 +269,7 @@ def optimizer_steps(
                     b["totals"] = totals  # the whole step's normalisers, not this micro-batch's
                 with distributed.gradient_sync(objective, enabled=i == len(item.prepared) - 1):
                     loss, stats = split_output(objective(b))
-                    if "live" in b:  # feed.micro_batches' filler (a rank with no rows here): no loss, no figures
+                    if "live" in b:  # feed.RowSteps' filler (a rank with no rows here): no loss, no figures
                         loss, stats = loss * b["live"], None if stats is None else stats * b["live"]
                     loss = loss * scale
                     (scaler.scale(loss) if scaler else loss).backward()
@@ -310,10 +284,11 @@ def optimizer_steps(
             done = _after_step(done, state, settings, hooks, timer, bar, objective)
             if deadline is not None and _past(deadline, world):
                 break
-        if done:  # the data ran out (or the time budget) before total_steps: its last step logged too
+        if done:  # the time budget ran out before total_steps: its last step logged too
             _read(done, state, settings, hooks, timer, bar, objective, last=True)
     finally:
-        feed.close()
+        if feed:
+            feed.close()
         bar.close()
     return state
 
@@ -338,12 +313,13 @@ def _past(deadline: float, world: World) -> bool:
     return distributed.all_sum([float(time.monotonic() >= deadline)], world)[0] > 0
 
 
-def _feed(next_micro_batch: Callable[[LoopState], Batch | None], state: LoopState, settings: LoopSettings
-          ) -> _Inline:
-    """Where the steps' inputs come from: made on a background thread (settings.prefetch; by default on CUDA) or
-    when asked for."""
+def _feed(steps, state: LoopState, settings: LoopSettings) -> Prefetcher | None:
+    """The steps' inputs made on a background thread (settings.prefetch; by default on CUDA, never for steps that
+    sample from the live weights), or None: made by the loop as it takes them."""
     device = settings.device
     prefetch = settings.prefetch if settings.prefetch is not None else device.type == "cuda"
+    if not prefetch or steps.sampled:
+        return None
     if device.type == "cuda":
         # The batch probe and the eval before training leave their blocks cached in PyTorch's allocator. The
         # driver's own allocations (the prefetch stream, a kernel module loaded on first use) cannot use that
@@ -351,7 +327,7 @@ def _feed(next_micro_batch: Callable[[LoopState], Batch | None], state: LoopStat
         # memory" (an H200, micro 8 out of memory, 4 chosen). Hand the cache back once; the first step
         # reserves what it needs again.
         torch.cuda.empty_cache()
-    return (Prefetcher if prefetch else _Inline)(next_micro_batch, state, settings)
+    return Prefetcher(steps, state, settings)
 
 
 def _update(optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,

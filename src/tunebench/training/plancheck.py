@@ -49,15 +49,18 @@ class Work:
     most_loss_positions: int = 0  # the most loss positions one micro batch holds (memory.with_logits)
 
 
-def planned_work(next_micro_batch: Callable, steps: int, accum: int) -> Work:
-    """The positions and real tokens of a run's `steps` optimizer steps of `accum` micro batches each, from
-    `next_micro_batch` (a fresh feed.micro_batches over the run's own batches, with no begin_step)."""
+def planned_work(steps, count: int, accum: int) -> Work:
+    """The positions and real tokens of a run's `count` optimizer steps of `accum` micro batches each, from
+    `steps` (a fresh feed.Steps over the run's own batches: its micro batches in the order the loop takes them)."""
     at = LoopState()
-    total = steps * accum
+    total = count * accum
     take = min(total, SAMPLE_MICRO_BATCHES)
     positions = tokens = most = 0
+    batches: list = []
     for _ in range(take):
-        batch = next_micro_batch(at)
+        if not batches:
+            batches = steps.next(at)
+        batch = batches.pop(0)
         positions += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum())
         if "labels" in batch:
@@ -123,7 +126,7 @@ class Forecast:
 
 
 @dataclass(frozen=True)
-class Steps:
+class StepTimes:
     """What the run's steps measured: the first steps (those that ran slow before the speed settled) and their time
     beyond the steady speed, and the steady speed itself over the steps after them (positions and real tokens a
     second)."""
@@ -135,7 +138,7 @@ class Steps:
     steady_tokens_per_s: float | None
 
 
-def split_steps(times: list[tuple[float, int, int]]) -> Steps:
+def split_steps(times: list[tuple[float, int, int]]) -> StepTimes:
     """Each step's (seconds, positions, real tokens) into the first steps (the leading steps up to the last one in
     the first half that took SLOW times what the later half's median speed gives it) and the steady speed over the
     steps after them."""
@@ -143,12 +146,12 @@ def split_steps(times: list[tuple[float, int, int]]) -> Steps:
     later = rates[len(rates) // 2:]
     median = statistics.median(later) if later else None
     if not median:
-        return Steps(sum(p for _, p, _ in times), 0, 0.0, None, None)
+        return StepTimes(sum(p for _, p, _ in times), 0, 0.0, None, None)
     slow = [i for i, (s, p, _) in enumerate(times) if i < max(1, len(times) // 2) and s > SLOW * p / median]
     first = slow[-1] + 1 if slow else 0
     steady, steady_tokens = _speeds(times[first:])
     first_s = sum(s - p / steady for s, p, _ in times[:first])
-    return Steps(sum(p for _, p, _ in times), first, first_s, steady, steady_tokens)
+    return StepTimes(sum(p for _, p, _ in times), first, first_s, steady, steady_tokens)
 
 
 def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_mb: float,
@@ -162,7 +165,7 @@ def check(f: Forecast, times: list[tuple[float, int, int]], wall_s: float, peak_
     so a step's time follows what it drew, not its positions: no first steps are told apart from the rest, and
     the steady speed is the later half's. `cores_shared`: the share of the core time the loop needed that other
     processes or the host took (monitor.CoreShare; None off a CPU)."""
-    s = Steps(sum(p for _, p, _ in times), 0, 0.0, *_speeds(times[len(times) // 2:])) if sampled else \
+    s = StepTimes(sum(p for _, p, _ in times), 0, 0.0, *_speeds(times[len(times) // 2:])) if sampled else \
         split_steps(times)
     train_s = sum(t for t, _, _ in times)
     out: dict = {

@@ -18,7 +18,7 @@ from tunebench.training.loop import LoopState
 
 @dataclass
 class Outcome:
-    """The training loop's outcome, as a job's summary reads it (recipe.train makes it)."""
+    """The training loop's outcome, as a job's summary reads it (recipe.training makes it)."""
 
     state: LoopState
     wall_s: float  # the training loop's wall time

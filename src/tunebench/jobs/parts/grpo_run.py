@@ -112,7 +112,7 @@ def epoch_steps(o: GRPO | RFT, train_idx, effective: int, seed: int, kinds, data
     else:
         kind_of = {int(k): kinds.of_row[data.source(int(k))] for k in train_idx}
         steps = lambda epoch: batching.balanced_steps(train_idx, kind_of, effective, seed, epoch)  # noqa: E731
-    repeat = getattr(o, "num_iterations", 1)  # each draw trained on that many steps in a row (the job's begin_step)
+    repeat = getattr(o, "num_iterations", 1)  # each draw trained on that many steps in a row (training/grpo/steps.py)
     return steps if repeat == 1 else lambda epoch: [step for step in steps(epoch) for _ in range(repeat)]
 
 

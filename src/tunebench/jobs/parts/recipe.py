@@ -2,17 +2,18 @@
 run, builds its model and data, and hands a Recipe to `run`, which does the rest once and reads top to bottom in
 the order it happens: the steps the run takes, the measured settings (attention kernel, micro batch,
 checkpointing, compile), the plan and its printed table, the objective, optimizer and schedule, the records, the
-resume point, the optimizer steps (training.loop.optimizer_steps, the next and last hop) with their evaluations
+resume point, the optimizer steps (training.loop.optimizer_steps, called from `run` itself) with their evaluations
 and checkpoints, then, on rank 0, the job's outputs and summary, summary.json, the closing lines and the
 trackers."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,6 @@ class Recipe:
     rows: list[Decision] = field(default_factory=list)  # the model's rows, below the host's
     before_training: Callable[[runplan.RunPlan], None] | None = None  # after the table, before the loop
     after_eval: Callable[[runplan.RunPlan, int], dict[str, Any]] | None = None
-    prefetch: bool | None = None  # False: batches made on the loop's thread (GRPO samples from live weights)
-    watch_speed: bool = True  # False: a step's time is not the probe's (GRPO's steps sample as well)
     rank_figures: Callable[[], Any] | None = None  # what each rank counted itself, gathered for `finish`
 
 
@@ -89,10 +88,10 @@ def resumed_steps(opened: runner.Opened) -> int | None:
 
 def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     """One run of `r`, in four stages: plan it (the steps, the measured settings, the plan and its table), build its
-    trainer (the objective as the process group wraps it, the optimizer, the schedule), train (the records, the
-    resume point, the evaluation before, the optimizer steps of training.loop.optimizer_steps with their
-    evaluations and checkpoints, the last checkpoint and the evaluation after), then, on rank 0, finish (the job's
-    outputs, summary.json and the trackers). Returns the summary on rank 0, {} on the other ranks.
+    trainer (the objective as the process group wraps it, the optimizer, the schedule), train (the optimizer steps
+    of training.loop.optimizer_steps with their evaluations and checkpoints, inside `training`: the records, the
+    resume point and the evaluation before them, the last checkpoint and the evaluation after), then, on rank 0,
+    finish (the job's outputs, summary.json and the trackers). Returns the summary on rank 0, {} on the other ranks.
 
     Ctrl-C or SIGTERM finishes the current step and saves a resumable checkpoint (a second Ctrl-C aborts; see
     stopping.StopRequest); under several ranks a signal to any one stops all of them at the same step. Only rank 0
@@ -101,10 +100,13 @@ def run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> dict[str, Any]:
     stopping.raise_if_signalled()  # between stages: a stop whose raise was swallowed while planning
     if r.before_training:
         r.before_training(planned.plan)
-    trainer = build_trainer(cfg, opened, r, planned)
+    t = build_trainer(cfg, opened, r, planned)
     with runner.tracking(opened, cfg.logging) as tracking:  # closed with the run's outcome, whatever it is
-        trained = train(cfg, opened, r, planned, trainer, tracking)
-        del trainer  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
+        with training(cfg, opened, r, planned, t, tracking) as on:
+            on.state = loop.optimizer_steps(t.objective, t.optimizer, t.scheduler, on.steps, on.state, t.settings,
+                                            on.hooks, t.scaler)
+        trained = on.result
+        del t, on  # DDP's reducer holds the process group: freed now, not at interpreter exit (see shutdown)
         distributed.shutdown(opened.world)
         if not opened.world.main:
             return {}
@@ -140,9 +142,11 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     probe = probe_step(r.model, u.probe_rows, device, opened.autocast, r.loss)
     measured, measure_s = measuring.decide(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
     per_step = effective * u.tokens_each / world.size  # the tokens one rank computes in a step
-    speed = measured.tokens_per_s if r.watch_speed else None  # GRPO's steps also sample: not the probe's speed
+    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
+    made = r.batches(micro)
+    speed = None if made.sampled else measured.tokens_per_s  # a step that samples is not the probe's speed
     time_limit_s = None
-    if r.watch_speed:
+    if not made.sampled:
         steps, budget_row = distributed.agree(world, lambda: runplan.fit_time(  # rank 0's clock: every rank the same
             s.time_budget, steps, per_step, speed, measure_s, resumed_steps(opened) if s.time_budget else None),
             safe=(Decision,))
@@ -150,8 +154,6 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
         steps = (resumed_steps(opened) if s.time_budget else None) or steps
         time_limit_s, budget_row = distributed.agree(world, lambda: runplan.sampling_budget(
             s.time_budget, steps, measure_s), safe=(Decision,))
-    micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    made = r.batches(micro)
     optimization, lr_row = runner.learning_rate(cfg, effective, steps)
     packed = any(d.setting == "batch layout" and d.value == "packed" for d in made.rows)
     # the rows a unit collates into (a preference pair: chosen and rejected; a GRPO group: its completions)
@@ -160,17 +162,17 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
                                  DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type,
                                  rows_each, measured.compiled)
     work = plancheck.Work(0.0, 0.0)
-    if made.begin_step is None:  # not GRPO's, which are sampled during the step
-        work = plancheck.planned_work(feed.micro_batches(made.steps, made.collate, world, micro, accum), steps, accum)
+    if not made.sampled:  # GRPO's are sampled during the step
+        work = plancheck.planned_work(made.feed(world, micro, accum), steps, accum)
     if r.loss is not None and work.most_loss_positions:  # an objective of its own: log-probabilities held whole
         memory_plan = memory.with_logits(memory_plan, work.most_loss_positions, memory.vocab_of(r.model))
     if measured.key:  # what this machine's runs held beyond their plans
         memory_plan = memory.with_learned(memory_plan, plancheck.memory_beyond(plancheck.memory_key(measured.key)))
     started = time.perf_counter()
-    forecast = forecast_of(r, work, opened, measured, steps, speed, memory_plan.total)
+    forecast = forecast_of(r, work, opened, measured, steps, speed, memory_plan.total, made.sampled)
     measure_s += time.perf_counter() - started  # timing the optimizer step is measuring too
     estimate = runplan.estimate_row(forecast, measure_s)
-    if estimate is None and not r.watch_speed:
+    if estimate is None and made.sampled:
         estimate = Decision("time_estimate", "not yet", "its steps sample (GRPO, RFT), which no probe times: the "
                             "next run of this shape on this machine predicts from what this one takes a step")
 
@@ -184,7 +186,7 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
         runplan.logging_row(cfg.logging.logging_steps, device.type),
         budget_row or runner.steps_row(cfg, steps, f"{u.n} {u.name}, {effective} a step"),
         *([estimate] if estimate else [])])
-    if not r.watch_speed:
+    if made.sampled:
         plan = dataclasses.replace(plan, probed_tokens_per_s=None)
     if world.main:
         print(r.header)
@@ -193,13 +195,13 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
 
 
 def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured: runplan.Measured, steps: int,
-                speed: float | None, peak_mb: float) -> plancheck.Forecast:
+                speed: float | None, peak_mb: float, sampled: bool) -> plancheck.Forecast:
     """What the plan predicts of the loop: the run's own batches counted (not GRPO's, which are sampled during the
     step), at the speed the last run of this shape trained at, else the probe's with an optimizer step timed on
     rank 0 (corrected by the machine's record of such figures against runs), with the first steps' extra."""
     world = opened.world
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
-    if not r.watch_speed:  # GRPO's steps sample: what the last run of the shape took a step, or nothing
+    if sampled:  # GRPO's steps sample: what the last run of the shape took a step, or nothing
         learned = plancheck.learned(plancheck.step_key(measured.key)) if measured.key else {}
         return plancheck.step_forecast(work, micro, learned, steps, peak_mb, world.size)
     if not speed:
@@ -251,7 +253,7 @@ def build_trainer(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Plann
         total_steps=plan.total_steps, grad_accum_steps=plan.grad_accum_steps, max_grad_norm=optimization.max_grad_norm,
         device=device, logging_steps=int(plan.value("logging_steps")),
         eval_steps=runner.every(cfg.evaluation.eval_steps, plan.total_steps), save_steps=o.save_steps,
-        progress=lg.progress, pin_memory=bool(plan.value("pin_memory")), world=world, prefetch=r.prefetch,
+        progress=lg.progress, pin_memory=bool(plan.value("pin_memory")), world=world,
         time_limit_s=planned.time_limit_s)
     return Trainer(objective, eval_objective, split_eval, optimizer, scheduler, scaler, identity, settings,
                    r.eval_sets(plan.micro_batch_size))
@@ -284,11 +286,38 @@ class Largest:
         return batch
 
 
-def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
-          tracking: trackers.Tracking) -> TrainResult:
-    """The records (rank 0: config.yaml and plan.json, the trackers' parameters), the resume point, the evaluation
-    before, the optimizer steps, the last checkpoint and the evaluation after; then what every rank must gather
-    before the process group closes (the peaks, a sharded model's weights, each rank's figures)."""
+def _watchers(opened: runner.Opened, monitor: bool, plan: runplan.RunPlan, tracking: trackers.Tracking, log: Callable,
+              warmup: int) -> tuple[Monitor, Callable[[int, float, int], None]]:
+    """The system monitor (monitor.jsonl, the trackers' system metrics) and, on rank 0, the watch that says when the
+    steps slow down against the probe (runner.SlowdownWatch)."""
+    world, device = opened.world, opened.device
+    sampler = Monitor(opened.out / "monitor.jsonl" if monitor and world.main else None,
+                      gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
+                      sink=tracking.system if world.main else None)
+    if not world.main:
+        return sampler, lambda step, seconds, positions: None
+    return sampler, runner.SlowdownWatch(plan.probed_tokens_per_s, other_load,
+                                         torch.get_num_threads() * world.local_size, log, warmup)
+
+
+@dataclass
+class Training:
+    """What the optimizer steps start from (`training` makes it; the loop's call is `run`'s): the steps, the state
+    (the resume point; the loop's end state put back), the hooks; and, once `training` is done, its result."""
+
+    steps: feed.Steps
+    state: LoopState
+    hooks: Hooks
+    result: TrainResult | None = None
+
+
+@contextlib.contextmanager
+def training(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: Trainer,
+             tracking: trackers.Tracking) -> Iterator[Training]:
+    """Around the optimizer steps: before them the records (rank 0: config.yaml and plan.json, the trackers'
+    parameters), the resume point, the evaluation before, the signals taken over (a stop saves a checkpoint);
+    after them the last checkpoint, the evaluation after, and what every rank must gather before the process group
+    closes (the peaks, a sharded model's weights, each rank's figures), left in the Training's `result`."""
     world, device, plan, o, lg = opened.world, opened.device, planned.plan, cfg.output, cfg.logging
     if world.main:
         tracking.start(trackers.params_of(*runner.records(opened, cfg, plan, **r.records)()))
@@ -314,12 +343,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         return record | (r.after_eval(plan, step) if r.after_eval else {})
 
     has_eval = any(batches for _, batches in eval_sets)
-    sampler = Monitor(opened.out / "monitor.jsonl" if lg.monitor and world.main else None,
-                      gpu_indices=(device.index or 0,) if device.type == "cuda" else (),
-                      sink=tracking.system if world.main else None)
-    watch = runner.SlowdownWatch(plan.probed_tokens_per_s, other_load, torch.get_num_threads() * world.local_size,
-                                 log, t.settings.warmup_steps_excluded) if world.main else \
-        (lambda step, seconds, positions: None)
+    sampler, watch = _watchers(opened, lg.monitor, plan, tracking, log, t.settings.warmup_steps_excluded)
     times: list[tuple[float, int, int]] = []  # each step: seconds, this rank's positions, all ranks' real tokens
 
     def step_done(step: int, seconds: float, positions: int, tokens: int) -> None:
@@ -334,8 +358,8 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         log({"step": 0, **before})
         runner.say(world, f"eval before training: {describe_eval(before)}")
     made = planned.batches
-    next_micro_batch = feed.micro_batches(made.steps, largest := Largest(made.collate), world,
-                                          plan.micro_batch_size, plan.grad_accum_steps, made.begin_step)
+    on = Training(made.feed(world, plan.micro_batch_size, plan.grad_accum_steps, largest := Largest(made.collate)),
+                  state, hooks)
     stopping.raise_if_signalled()  # the last look before the loop takes the signals over
     old = {sig: signal.signal(sig, stop.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping.Phase.loop_started = True
@@ -344,8 +368,8 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
         try:
             reset_peak_memory(device)  # the summary's peak is the loop's, not a probe's or the loading's
             with sampler:
-                state = loop.optimizer_steps(t.objective, t.optimizer, t.scheduler, next_micro_batch, state,
-                                             t.settings, hooks, t.scaler)
+                yield on
+            state = on.state
             if not (o.save_steps and state.step % o.save_steps == 0):  # the loop did not just save it
                 save(state)
         finally:
@@ -363,7 +387,7 @@ def train(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t: T
                              t.settings.warmup_steps_excluded, shared)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-    return TrainResult(outcome, weights, ranks, times, (largest.rows, largest.width))
+    on.result = TrainResult(outcome, weights, ranks, times, (largest.rows, largest.width))
 
 
 def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: TrainResult,
@@ -386,9 +410,10 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     plan_ = planned.memory_plan
     # the plan a bound where steps sample (GRPO leaves out the groups that teach nothing, RFT the unkept rows): held
     # also to the largest micro batch fed; a supervised run's plan is at its longest rows, which it feeds in an epoch
-    bound = not r.watch_speed and 0 < rows * width < 0.9 * plan_.micro * plan_.tokens
+    sampled = planned.batches.sampled
+    bound = sampled and 0 < rows * width < 0.9 * plan_.micro * plan_.tokens
     fed = (rows, width, plan_.as_fed(rows * width)) if bound else None
-    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=not r.watch_speed,
+    check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=sampled,
                             cores_shared=o.cores_shared)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
@@ -398,7 +423,7 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
     if m.key:
         plancheck.learn_memory(plancheck.memory_key(m.key), check, plan_.learned)
     if m.key and not plancheck.shared_too_much(check):  # a loaded machine's speed is not the shape's
-        if not r.watch_speed:  # GRPO's steps also sample: what a step took, not a speed, teaches the next run
+        if sampled:  # GRPO's steps also sample: what a step took, not a speed, teaches the next run
             plancheck.learn_steps(plancheck.step_key(m.key), m.micro_batch_size, check)
         elif planned.forecast.positions_per_s:
             warm = m.micro_batch_size in m.timed

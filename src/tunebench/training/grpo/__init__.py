@@ -20,7 +20,7 @@ completions x max_completion_length). All three are sums over the step divided b
 the micro batch never changes the math; and the sampling is seeded by (seed, epoch, step) and made for the whole
 step whatever its micro batches, so the completions a step learns from depend on neither the micro batch nor a
 resume (exact resume needs no sampler state beyond the checkpoint's). Under torchrun each rank makes the groups of
-its own prompts of the step (jobs/grpo.py's begin_step), seeded by its rank as well; the loop sums the step's counts over
+its own prompts of the step (training/grpo/steps.py), seeded by its rank as well; the loop sums the step's counts over
 the ranks, so the normalisations above are the whole step's.
 
 Written here rather than taken from TRL: TRL's GRPOTrainer is a Trainer subclass with its own loop and
@@ -92,30 +92,17 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
     return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
 
 
-def sample(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], s: GRPO,
-           seed: int) -> list[list[int]]:
-    """`num_generations` completions of each prompt (consecutive), each up to and including its EOS, sampled
-    from the policy (top_k off, temperature and top_p as set), the random draws seeded by `seed` alone (the
-    global generator is left as it was)."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        return complete(model, tokenizer, device, autocast, prompts, s.num_generations, s.max_completion_length,
-                        s.temperature, s.top_p)
+def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], max_new_tokens: int
+             ) -> list[list[int]]:
+    """One greedy completion of each prompt, decoded as one left-padded batch with the KV cache under
+    inference.Placed (the run's precision and autocast), each cut after its EOS: the held-out reward's."""
+    placed = Placed(model, tokenizer, device, autocast)
+    ids, mask = decoding.left_padded(prompts, tokenizer.pad_token_id, device)
+    return cut_after_eos(placed.decode(ids, mask, max_new_tokens), tokenizer.eos_token_id)
 
 
-def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], n: int,
-             max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0, turns=None,
-             rows: list[int] | None = None) -> list[list[int]]:
-    """`n` completions of each prompt (consecutive), decoded as one left-padded batch with the KV cache
-    (model.decoding: each prompt prefilled once for its n rows; greedy when temperature is None) under
-    inference.Placed (the run's precision and autocast), each cut after its EOS. With `turns` (decoding.Turns,
-    an episode loop's: n is 1), `prompts` are the contexts of `rows`, each fed only past what its cache holds."""
-    placed, eos = Placed(model, tokenizer, device, autocast), tokenizer.eos_token_id
-    if turns is not None:
-        new = placed.decode_turns(turns, rows, prompts, max_new_tokens, temperature, top_p)
-    else:
-        ids, mask = decoding.left_padded(prompts, tokenizer.pad_token_id, device)
-        new = placed.decode(ids, mask, max_new_tokens, temperature, top_p, repeat=n)
+def cut_after_eos(new: torch.Tensor, eos: int) -> list[list[int]]:
+    """Each decoded row (padding after its EOS) as its tokens up to and including its EOS."""
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
 
 
@@ -188,6 +175,10 @@ class Sampling:
     prefilled: int = 0  # context tokens fed to the model while sampling (a group's prompt once)
     refills: list[int] = field(default_factory=lambda: [0, 0])  # groups drawn again (refill), of them turned informative
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPLIT, 0.0))  # seconds by part (SPLIT)
+
+    def placed(self) -> Placed:
+        """The policy put to work as it trains (inference.Placed): its precision and autocast."""
+        return Placed(self.model, self.tokenizer, self.device, self.autocast)
 
     def took(self, seconds: float, prefill: float, tools: float = 0.0) -> None:
         """A draw's sampling time (its scoring aside), split: prefill, tools, and decode the rest."""
@@ -291,12 +282,19 @@ class Completions:
         return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.on.rewards))
 
     def draw(self, keys: list[int], seed: int) -> Drawn:
-        """num_generations completions of each prompt of `keys` sampled (seeded by `seed` alone), and scored."""
-        on = self.on
+        """num_generations completions of each prompt of `keys` sampled from the policy in one batched decode (each
+        prompt prefilled once for its group; top_k off, temperature and top_p as set; the random draws seeded by
+        `seed` alone, the global generator put back after), each up to and including its EOS, and scored."""
+        on, s = self.on, self.on.s
         started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
-        with on.eagerly(), decoding.entropies() as recorded:
-            completions = sample(on.model, on.tokenizer, on.device, on.autocast, [on.data.ids[k] for k in keys],
-                                 on.s, seed)
+        placed, eos = on.placed(), on.tokenizer.eos_token_id
+        ids, mask = decoding.left_padded([on.data.ids[k] for k in keys], on.tokenizer.pad_token_id, on.device)
+        with on.eagerly(), decoding.entropies() as recorded, placed.running() as model, \
+                torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            new = decoding.decode(model, ids, mask, s.max_completion_length, eos, placed.pad_id(), s.temperature,
+                                  s.top_p, repeat=s.num_generations)
+        completions = cut_after_eos(new, eos)
         on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
         on.generated_tokens += sum(map(len, completions))
         on.prefilled += sum(len(on.data.ids[k]) for k in keys)
@@ -319,7 +317,7 @@ class Completions:
         for chunk in chunks:
             with on.eagerly():
                 completions = complete(on.model, on.tokenizer, on.device, on.autocast,
-                                       [on.data.ids[k] for k in chunk], 1, on.s.max_completion_length)
+                                       [on.data.ids[k] for k in chunk], on.s.max_completion_length)
             rows += self.score(chunk, completions, 1).tolist()
         return rows
 
@@ -364,78 +362,6 @@ class Advantages:
 
     def masks(self, drawn: Drawn, credit: torch.Tensor) -> list[list[int]] | None:
         return drawn.masks  # every completion's tokens count in the step's normalisers, taught or not
-
-
-class StepRows:
-    """A step's groups and their micro batches, whatever drew them: the job's begin_step draws the step's prompts
-    (`draws.draw`) and sets `groups` to `groups_of` them before the step's first micro batch, and `collate` then
-    cuts each micro batch's rows from them.
-
-    Under torchrun each rank makes the groups of its own prompts of the step (what feed.micro_batches hands
-    begin_step), so a group is whole on one rank and its advantages are its own; the draws are seeded by the rank
-    as well (step_seed), so a resume at the same world size samples again what the run did."""
-
-    def __init__(self, draws: Draws, kinds: watch_.Kinds | None = None, watch: watch_.Watch | None = None,
-                 credit: Credit | None = None):
-        self.draws, self.s, self.kinds, self.watch = draws, draws.on.s, kinds, watch
-        self.credit = credit or Advantages(draws.on.s)
-        self.groups: Groups | None = None  # this step's, set by the job's begin_step (None: no prompt here)
-        # --num-iterations above 1: a micro batch -> its (loss positions,) log-probabilities now, no gradient
-        self.old_logps: Callable[[Batch], torch.Tensor] | None = None
-        self.padding: tuple[int, int | None] = (1, None)  # rows' widths: a multiple, never past a cap (rows_of)
-
-    def stat_names(self) -> tuple[str, ...]:
-        """Every step stat but frac_groups_skipped, kl first: the draws', then watch.py's."""
-        return self.draws.stat_names() + watch_.stat_names(self.kinds)
-
-    def groups_of(self, keys: list[int], drawn: Drawn) -> Groups:
-        """`keys`' groups of what was drawn: each completion's credit (`credit`: GRPO's advantage within its group,
-        or RFT's weight where kept), and the step's stats per completion (stat_names' order, kl aside)."""
-        scores, g = drawn.scores, self.s.num_generations
-        kind = [self.kinds.of_row[self.draws.on.data.source(k)] for k in keys for _ in range(g)] if self.kinds else []
-        adv, total, zero = self.credit.of(drawn, self.draws.weights, kind)
-        per = [t for j in range(scores.shape[1]) for t in (torch.nan_to_num(scores[:, j]),
-                                                           (~torch.isnan(scores[:, j])).float())]
-        stats = torch.stack([torch.nan_to_num(total), torch.nan_to_num(total) ** 2, zero.float(), drawn.lengths,
-                             drawn.clipped, *per], 1)
-        if drawn.figures is not None:
-            stats = torch.cat([stats, drawn.figures], 1)
-        credit = self.credit
-        groups = Groups(keys, drawn.completions, adv, stats, credit.masks(drawn, adv), credit.per_token(drawn))
-        taught = torch.tensor([float(not groups.silent(i, g)) for i in range(len(adv))])
-        if self.watch is not None:
-            self.watch.see(kind, total, taught, drawn.entropy, g)
-        groups.row_stats = torch.cat([stats, watch_.columns(drawn.entropy, self.kinds, kind, total, taught)], 1)
-        return groups
-
-    def filler(self, keys: list[int], length: int) -> Groups:
-        """Groups of `keys` whose completions are `length` EOS tokens each, advantages and stats 0: nothing drawn."""
-        g, eos = self.s.num_generations, self.draws.on.tokenizer.eos_token_id
-        return Groups(keys, [[eos] * length] * (len(keys) * g), torch.zeros(len(keys) * g),
-                      torch.zeros(len(keys) * g, len(self.stat_names()) - 1))
-
-    def collate(self, keys: list[int], micro_step_keys: list[int] | None = None) -> Batch:
-        """The rows of `keys`' groups, cut from the step's (the job's begin_step made them; the global micro-step's keys,
-        feed.micro_batches' second argument, add nothing here)."""
-        groups = self.groups
-        if groups is None or keys[0] not in groups.keys:
-            # feed.micro_batches' filler for a rank with no prompts in this micro-step (its counts and `live`
-            # are zeroed there): one EOS a completion, nothing sampled
-            groups = self.filler(keys, 1)
-        batch = rows_of(groups, keys, self.draws.on.data, self.s.num_generations,
-                        self.draws.on.tokenizer.pad_token_id, self.credit.skip, *self.padding)
-        if self.old_logps is not None and groups is self.groups:
-            if tuple(keys) not in groups.old_logps:  # the draw's first update: the policy that sampled it
-                groups.old_logps[tuple(keys)] = self.old_logps(batch)
-            batch["old_logps"] = groups.old_logps[tuple(keys)]
-        return batch
-
-    def probe_rows(self, keys: list[int]) -> Batch:
-        """A micro batch as large as `keys` can make (every completion as long as the draws' can be, zero
-        advantages), without drawing: what the probe times and sizes."""
-        groups = self.filler(keys, self.draws.probe_length(keys))
-        return rows_of(groups, keys, self.draws.on.data, self.s.num_generations, self.draws.on.tokenizer.pad_token_id,
-                       "", *self.padding)
 
 
 def turn_advantages(rewards: list[dict[int, float]], group: int, scale: str) -> list[list[float]]:

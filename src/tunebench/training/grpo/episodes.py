@@ -2,7 +2,7 @@
 
 For each prompt of a step, a group of episodes starts from reset(row)'s opening messages, rendered with the
 environment's tools by the run's chat template. Each turn, every live episode of the step samples its next
-assistant message in one batched decode (grpo.complete: left-padded, KV cache); its calls are read with the
+assistant message in one batched decode (decoding.Turns: each episode's KV cache kept across its turns); its calls are read with the
 parser `eval` and the API use (data/toolcalls.parse), each call runs (environment.call: time limit, errors
 returned as text) and its result is appended as a tool turn, rendered by the same template; the episode ends
 when the model answers without a call, after `max_turns` of its turns, or when the context has no room for
@@ -118,6 +118,8 @@ def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None,
     playing with room for a whole reply samples it in one batched decode, then `take_turn` runs its calls. Each
     ends by the first of its stop rules (Stops) that fires, recorded by name in `stop`."""
     on = draws.on
+    placed = on.placed()
+    eos, pad = on.tokenizer.eos_token_id, placed.pad_id()
     episodes = [begin(draws, k) for k in keys for _ in range(n)]
     turns = decoding.Turns()  # each episode's KV cache, kept across its turns
     draws.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
@@ -130,10 +132,14 @@ def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None,
         playing = [i for i, e in enumerate(episodes) if e.stop is None]
         if not playing:
             break
-        with on.eagerly(), decoding.entropies() as recorded:
-            replies = grpo.complete(on.model, on.tokenizer, on.device, on.autocast,
-                                    [episodes[i].ids for i in playing], 1, on.s.max_completion_length,
-                                    temperature, top_p, turns=turns if draws.keep_cache else None, rows=playing)
+        contexts = [episodes[i].ids for i in playing]
+        with on.eagerly(), decoding.entropies() as recorded, placed.running() as model:
+            if draws.keep_cache:  # each row fed only past what its cache holds
+                new = turns.decode(model, playing, contexts, on.s.max_completion_length, eos, pad, temperature, top_p)
+            else:
+                new = decoding.decode(model, *decoding.left_padded(contexts, pad, on.device),
+                                      on.s.max_completion_length, eos, pad, temperature, top_p)
+        replies = grpo.cut_after_eos(new, eos)
         for summed, counted, first in recorded:  # this turn's decode: its rows are `playing`, in order
             for i, h, n, f in zip(playing, summed.tolist(), counted.tolist(), first.tolist()):
                 episodes[i].entropy = [a + b for a, b in zip(episodes[i].entropy, (h, n, f, 1.0))]
