@@ -1,7 +1,7 @@
 """Multi-turn GRPO rollouts' decoding alone: `--prompts` GSM8K questions x `--generations` episodes, each opening a
 long system prompt (as an environment's tool schemas make it) and taking `--turns` turns of up to `--new-tokens`
 sampled tokens at temperature 1; after each turn a fixed tool turn is appended to every episode (the same episodes
-both ways, whatever the model wrote), each turn decoded as episodes.rollout decodes it, on the built-in
+both ways, whatever the model wrote), each turn decoded as Episodes.play decodes it, on the built-in
 SmolLM2-135M-Instruct in the precision a run picks here.
 
 Two paths: `whole` decodes each turn's whole contexts afresh (what the rollout did before decoding.Turns), `kept`
@@ -73,7 +73,7 @@ def main() -> int:
         started = time.perf_counter()
         eos, pad = tok.eos_token_id, placed.pad_id()
         with torch.no_grad():
-            for _ in range(args.turns):  # each turn as episodes.rollout decodes it
+            for _ in range(args.turns):  # each turn as Episodes.play decodes it
                 fed += 0 if turns is not None else sum(map(len, contexts))
                 if turns is not None:
                     with placed.running() as model:

@@ -354,7 +354,7 @@ def _decoded(rows: list[list[int]], eos: int, pad: int) -> torch.Tensor:
 
 
 def _scripted(tok, replies):
-    """decoding.Turns.decode (the rollout's turn) that answers each live episode, turn after turn, with the next of
+    """decoding.Turns.decode (an episode turn's decode) that answers each live episode, turn after turn, with the next of
     its `replies` texts."""
     turn = {"n": 0}
 
@@ -390,7 +390,7 @@ def test_an_episode_trains_only_the_policys_tokens_and_renders_as_the_template_d
     tok = tiny.tokenizer
     call = toolcalls.written("look", {"k": "a"})
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[call, call], ["It is 1.", "It is 2."]]))
-    first, second = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    first, second = sampler.play([0], 2)
     assert [m["role"] for m in first.messages] == ["user", "assistant", "tool", "assistant"]
     assert first.messages[2]["content"] == "1" and first.answer() == "It is 1." and (first.turns, first.calls) == (2, 1)
     rendered = toolcalls.render(first.messages, sampler.env.schemas, tok)
@@ -410,7 +410,7 @@ def test_a_failed_call_is_a_turn_the_episode_goes_on_from(tmp_path, tiny, monkey
     calls = [toolcalls.written("look", {"k": "boom"}), toolcalls.written("look", {"k": 7}),
              toolcalls.written("nope", {})]
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [calls, ["a", "b", "c"]]))
-    done = episodes.rollout(sampler, [1], 3, 1.0, 1.0)
+    done = sampler.play([1], 3)
     answers = [e.messages[2]["content"] for e in done]
     assert answers[0] == "error: ValueError: no such key" and "do not fit look's parameters" in answers[1]
     assert "no tool named 'nope'" in answers[2]
@@ -424,20 +424,20 @@ def test_a_turn_runs_at_most_max_calls_and_a_step_of_restarts_stops_the_run_in_o
     monkeypatch.setattr(episodes, "MAX_CALLS", 2)
     many = "".join(toolcalls.written("look", {"k": k}) for k in "abab")
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[many], ["done"]]))
-    e, = episodes.rollout(_sampler(tmp_path, tiny), [0], 1, 1.0, 1.0)
+    e, = _sampler(tmp_path, tiny).play([0], 1)
     assert [m["content"] for m in e.messages if m["role"] == "tool"] == [
         "1", "2", *["error: not run: a turn may make at most 2 calls"] * 2] and (e.calls, e.calls_ok) == (4, 2)
     monkeypatch.setattr(episodes, "MAX_RESTARTS", 1)
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("look", {"k": "slow"})] * 2]))
     with pytest.raises(TunebenchError, match="its process was restarted 2 times in one step"):
-        episodes.rollout(_sampler(tmp_path, tiny, timeout_s=0.5), [0], 2, 1.0, 1.0)
+        _sampler(tmp_path, tiny, timeout_s=0.5).play([0], 2)
 
 
 def test_results_that_do_not_fit_the_context_end_the_episode_unread(tmp_path, tiny, monkeypatch):
     sampler = _sampler(tmp_path, tiny)
     tok = tiny.tokenizer
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("look", {"k": "long"})]]))
-    e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
+    e, = sampler.play([0], 1)
     assert (e.turns, e.calls, e.tool_turns) == (1, 1, []) and len(e.ids) <= sampler.max_length
     assert e.messages[-1]["role"] == "assistant" and sum(e.mask) == len(e.ids) - e.prompt_len
 
@@ -460,10 +460,10 @@ def test_each_episode_records_why_it_stopped(tmp_path, tiny, monkeypatch):
 
     monkeypatch.setattr(decoding.Turns, "decode", decode)
     sampler.on.s = GRPO(num_generations=4, max_completion_length=12, loss_type="dapo")
-    played = episodes.rollout(sampler, [0], 4, 1.0, 1.0)
+    played = sampler.play([0], 4)
     assert [e.stop for e in played] == ["answered", "cut", "max_turns", "no_room"]
     assert [(e.turns, e.calls) for e in played] == [(1, 0), (1, 0), (2, 1), (1, 1)]
-    monkeypatch.setattr(episodes, "rollout", lambda *a: played)
+    monkeypatch.setattr(episodes.Episodes, "play", lambda self, *a, **k: played)
     groups = StepRows(sampler).groups_of([0], sampler.draw([0], seed=1))
     names = sampler.stat_names()[1:]  # the row stats: every stat but kl
     shares = {n: groups.row_stats[:, names.index(n)].tolist() for n in names if n.startswith("episodes/stop/")}
@@ -478,7 +478,7 @@ def test_an_episode_opens_with_its_own_rows_messages_when_an_opening_is_dropped(
     sampler = _sampler(tmp_path, tiny, rows=rows)
     assert sampler.on.data.dropped == 1 and sampler.on.data.source(0) == 1
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tiny.tokenizer, [["It is 2."]]))
-    e, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)
+    e, = sampler.play([0], 1)
     assert e.messages[0]["content"] == "k b?" and sampler.score_episodes([e])[0].flatten().tolist() == [1.0]
 
 
@@ -491,20 +491,20 @@ def test_a_stateful_environment_gives_each_episode_its_own_instance(tmp_path, ti
     tok = tiny.tokenizer
     pen = toolcalls.written("add", {"item": "pen"})
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[pen, pen], [pen, "Done."], ["Done."]]))
-    one, two = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    one, two = sampler.play([0], 2)
     assert [m["content"] for m in one.messages if m["role"] == "tool"] == ["1 item(s)", "2 item(s)"]
     assert [m["content"] for m in two.messages if m["role"] == "tool"] == ["1 item(s)"]  # its own cart
     assert sampler.score_episodes([one, two])[0].flatten().tolist() == [0.0, 1.0]
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("add", {"item": "slow"}), pen],
                                                           ["Done.", "Done."]]))
-    slow, lost = episodes.rollout(sampler, [0], 2, 1.0, 1.0)
+    slow, lost = sampler.play([0], 2)
     assert "no answer within 5 s" in slow.messages[2]["content"]
     # the other episode's cart went with the restart (its call came after the slow one's): its call says so
     assert [m["content"] for m in lost.messages if m["role"] == "tool"] == [f"error: {environment.LOST}"]
     scores = sampler.score_episodes([slow, lost])[0].flatten().tolist()
     assert all(math.isnan(v) for v in scores), scores
     monkeypatch.setattr(decoding.Turns, "decode", _scripted(tok, [[toolcalls.written("count", {})], ["Done."]]))
-    after, = episodes.rollout(sampler, [0], 1, 1.0, 1.0)  # the next step's episode: a cart of the new process
+    after, = sampler.play([0], 1)  # the next step's episode: a cart of the new process
     assert after.messages[2]["content"] == "0" and sampler.score_episodes([after])[0].flatten().tolist() == [0.0]
 
 
@@ -600,16 +600,26 @@ def _frames_below_the_job(run, job_file: str) -> dict[str, int]:
     return most
 
 
-def test_a_decode_runs_at_most_nine_tunebench_frames_below_the_job_and_a_training_forward_five(tmp_path):
+def test_a_decode_runs_at_most_eight_tunebench_frames_below_the_job_and_a_training_forward_five(tmp_path):
     """Issue 97 item 3, measured by running: a GRPO step's decode was 14 tunebench frames below the job at its prefill
     and 15 at each decoding step (the step ran inside the batch feeder: loop -> _produce -> next_micro_batch -> the
-    job's begin_step callback -> draw -> rollout -> grpo.complete -> Placed.decode_turns -> Turns.decode); an SFT
-    training forward 5. Now the step is a stage the loop asks for (grpo/steps.py), the loop is called from
-    recipe.run, and a turn decodes directly: the prefill 8, each decoding step 9 (decoding's sampling loop and its
-    cache's step are two frames of their own), a GRPO training forward 5, an SFT one 4."""
-    grpo_run = _frames_below_the_job(lambda: main(_cart_train(tmp_path, tmp_path / "grpo", 6, "--max-steps", "1",
-                                                              "--eval-fraction", "0")), os.path.join("jobs", "grpo.py"))
-    assert 0 < grpo_run["decode"] <= 9 and 0 < grpo_run["training forward"] <= 5, grpo_run
+    job's begin_step callback -> draw -> rollout -> grpo.complete -> Placed.decode_turns -> Turns.decode); a
+    training forward 6 (GRPO) and 5 (SFT). Now the step is a stage the loop asks for (grpo/steps.py), the loop is
+    called from recipe.run, and the step plays the draw itself (seeded, play, scored): an episode's decode 7 at its
+    prefill and 8 at each decoding step, a completion's 8 (decoding's sampling loop and its cache's step are two
+    frames of their own), a training forward 5 (GRPO) and 4 (SFT)."""
+    episodes_run = _frames_below_the_job(lambda: main(_cart_train(tmp_path, tmp_path / "grpo", 6, "--max-steps", "1",
+                                                                  "--eval-fraction", "0")), os.path.join("jobs", "grpo.py"))
+    assert 0 < episodes_run["decode"] <= 8 and 0 < episodes_run["training forward"] <= 5, episodes_run
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"{a} plus 1?", "answer": f"#### {a + 1}"}) + "\n"
+                               for a in range(8)))
+    completions_run = _frames_below_the_job(lambda: main([
+        "train", "--model", "tiny", "--method", "grpo", "--reward", "format:\\d", "--data", str(prompts),
+        "--num-generations", "2", "--max-completion-length", "6", "--effective-batch-size", "2", "--max-steps", "1",
+        "--precision", "fp32", "--no-progress", "--eval-fraction", "0", "--output-dir", str(tmp_path / "completions")]),
+        os.path.join("jobs", "grpo.py"))
+    assert 0 < completions_run["decode"] <= 8, completions_run
     rows = tmp_path / "sft.jsonl"
     rows.write_text("".join(json.dumps({"instruction": f"q{i}", "response": "a"}) + "\n" for i in range(8)))
     sft = _frames_below_the_job(lambda: main(["train", "--model", "tiny", "--data", str(rows), "--max-steps", "1",
@@ -618,8 +628,8 @@ def test_a_decode_runs_at_most_nine_tunebench_frames_below_the_job_and_a_trainin
     assert 0 < sft["training forward"] <= 4 and sft["decode"] == 0, sft
 
 
-# Each rank's draws as it drew them: Episodes.draw wrapped in every process of a run (PYTHONPATH's sitecustomize),
-# one line a draw (the rank, its seed, the episodes' tokens) in the file TUNEBENCH_TEST_DRAWS names.
+# Each rank's draws as it drew them: Episodes.seeded and .scored wrapped in every process of a run (PYTHONPATH's
+# sitecustomize), one line a draw (the rank, its seed, the episodes' tokens) in the file TUNEBENCH_TEST_DRAWS names.
 DRAWS_LOG = """
 import os
 
@@ -628,15 +638,20 @@ if os.environ.get("TUNEBENCH_TEST_DRAWS") and os.environ.get("RANK") is not None
 
     from tunebench.training.grpo import episodes
 
-    draw = episodes.Episodes.draw
+    seeded, scored, seeds = episodes.Episodes.seeded, episodes.Episodes.scored, []
 
-    def logged(self, keys, seed):
-        drawn = draw(self, keys, seed)
+    def seeding(self, seed):
+        seeds.append(seed)
+        return seeded(self, seed)
+
+    def logged(self, keys, played):
+        drawn = scored(self, keys, played)
         with open(os.environ["TUNEBENCH_TEST_DRAWS"], "a") as f:
-            f.write(json.dumps({"rank": int(os.environ["RANK"]), "seed": seed, "episodes": drawn.completions}) + "\\n")
+            f.write(json.dumps({"rank": int(os.environ["RANK"]), "seed": seeds[-1], "episodes": drawn.completions})
+                    + "\\n")
         return drawn
 
-    episodes.Episodes.draw = logged
+    episodes.Episodes.seeded, episodes.Episodes.scored = seeding, logged
 """
 
 
@@ -701,7 +716,7 @@ if os.environ.get("TUNEBENCH_TEST_POLICY"):
     TOKENIZER = []
     placed = grpo.Sampling.placed
 
-    def placing(self):  # the rollout's tokenizer, for the scripted turns below
+    def placing(self):  # the episodes' tokenizer, for the scripted turns below
         TOKENIZER[:] = [self.tokenizer]
         return placed(self)
 

@@ -169,8 +169,8 @@ def test_each_draw_trains_num_iterations_steps_and_its_later_steps_move_the_rati
     its rewards again and a loss of its own (at ratio 1 a dapo loss is -sum(A) x completions / tokens, the same
     for both steps: the draw's log-probabilities reach the second), and the plan says so."""
     drawn = []
-    real = grpo.Completions.draw
-    monkeypatch.setattr(grpo.Completions, "draw", lambda self, keys, seed: drawn.append(seed) or real(self, keys, seed))
+    real = grpo.Completions.seeded
+    monkeypatch.setattr(grpo.Completions, "seeded", lambda self, seed: drawn.append(seed) or real(self, seed))
     out = tmp_path / "iterations"
     assert main(_sampled(tmp_path, out, **{"--num-iterations": 2, "--eval-fraction": 0})) == 0
     assert len(drawn) == 2 and drawn[0] != drawn[1]

@@ -345,19 +345,18 @@ def _method_calls(path: Path, cls: str, method: str) -> set[str]:
 def test_the_step_is_a_stage_the_loop_asks_for_whole():
     """Issue 97 item 3: the loop asks a step source for a whole optimizer step's micro batches (feed.Steps). Rows are
     cut by feed.RowSteps, which calls back into no job; GRPO's step (grpo/steps.py's DrawnSteps) draws, groups and
-    has RowSteps cut the groups it hands on: collate reads no step state stored earlier. An environment's draw plays
-    the episodes (rollout), whose turn is a decode with each episode's cache (decoding.Turns), and a completion's
-    draw is one decode. The loop has no switch of GRPO's: whether steps are made ahead is the source's `sampled`.
+    has RowSteps cut the groups it hands on: collate reads no step state stored earlier. The step takes a draw's
+    stages itself (seeded, play, scored): an environment's play is the episode loop, whose turn is a decode with
+    each episode's cache (decoding.Turns), and a completion's play is one decode. The loop has no switch of GRPO's: whether steps are made ahead is the source's `sampled`.
     (tests/test_episodes.py runs a GRPO and an SFT run and counts the frames.)"""
     training = PACKAGE / "training"
     assert _method_calls(training / "feed.py", "RowSteps", "next") <= {
         "self.at_step", "batching.micro_steps", "distributed.shard", "self.collate", "self._filler", "batches.append"}
-    assert {"self.rows.at_step", "self.rows.share", "draws.draw", "refill", "step_seed",
-            "self.step_rows.groups_of", "self.rows.next"} <= _method_calls(training / "grpo" / "steps.py",
-                                                                           "DrawnSteps", "next")
-    assert "rollout" in _method_calls(training / "grpo" / "episodes.py", "Episodes", "draw")
-    assert {"turns.decode", "decoding.decode"} <= _calls(training / "grpo" / "episodes.py", "rollout")
-    assert "decoding.decode" in _method_calls(training / "grpo" / "__init__.py", "Completions", "draw")
+    assert {"self.rows.at_step", "self.rows.share", "draws.seeded", "draws.play", "draws.scored", "refill",
+            "step_seed", "self.step_rows.groups_of", "self.rows.next"} <= _method_calls(training / "grpo" / "steps.py",
+                                                                                        "DrawnSteps", "next")
+    assert {"turns.decode", "decoding.decode"} <= _method_calls(training / "grpo" / "episodes.py", "Episodes", "play")
+    assert "decoding.decode" in _method_calls(training / "grpo" / "__init__.py", "Completions", "play")
     collate = _method_calls(training / "grpo" / "steps.py", "StepRows", "collate")
     assert collate <= {"self.filler", "rows_of", "self.old_logps", "tuple"}, collate
     assert "self.groups" not in (training / "grpo" / "steps.py").read_text()  # the step's groups are an argument

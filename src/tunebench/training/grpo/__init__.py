@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -228,12 +228,18 @@ def _splice(drawn: Drawn, at: range, fresh: Drawn, of: range) -> bool:
 
 class Draws(Protocol):
     """Where a step's completions come from, what the job, the loss and the held-out reward read of it: Completions
-    (one sampled reply a completion) or episodes.Episodes (an episode of turns in an environment a completion)."""
+    (one sampled reply a completion) or episodes.Episodes (an episode of turns in an environment a completion). A
+    draw is three stages, which a step (grpo/steps.py's DrawnSteps) takes in order: `seeded` (the draw's randomness
+    seeded by its seed alone, and its sampling timed), `play` (the policy samples: one batched decode, or episodes
+    played turn by turn) and `scored` (the rewards, the sampling's figures, a Drawn); `draw` is the three at once."""
 
     on: Sampling
     episode_stats: tuple[str, ...]  # an episode's figures (episode_stats), which follow the rewards'; () for replies
     weights: torch.Tensor  # (rewards,) each scores column's weight in the reward
 
+    def seeded(self, seed: int) -> contextlib.AbstractContextManager: ...
+    def play(self, keys: list[int]) -> Any: ...
+    def scored(self, keys: list[int], played: Any) -> Drawn: ...
     def draw(self, keys: list[int], seed: int) -> Drawn: ...
     def reward_names(self) -> list[rewards_.Reward]: ...
     def stat_names(self) -> tuple[str, ...]: ...
@@ -242,9 +248,19 @@ class Draws(Protocol):
     def held_out_figures(self, rows: list[list[float]]) -> dict[str, float]: ...
 
 
-class Completions:
-    """Single-turn draws: num_generations completions of each prompt sampled in one batched decode (`sample`), each
-    scored by the --reward functions on its text."""
+class Drawing:
+    """`draw`, as both kinds of draws make it from their stages (Draws)."""
+
+    def draw(self, keys: list[int], seed: int) -> Drawn:
+        """`keys`' groups drawn with `seed`: seeded, played, scored."""
+        with self.seeded(seed):
+            played = self.play(keys)
+        return self.scored(keys, played)
+
+
+class Completions(Drawing):
+    """Single-turn draws: num_generations completions of each prompt sampled in one batched decode (`play`), each
+    scored by the --reward functions on its text (`scored`)."""
 
     episode_stats: tuple[str, ...] = ()
 
@@ -281,31 +297,41 @@ class Completions:
         scores = [[torch.nan if v is None else v for v in r.score(prompts, texts, columns)] for r in self.on.rewards]
         return torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(self.on.rewards))
 
-    def draw(self, keys: list[int], seed: int) -> Drawn:
-        """num_generations completions of each prompt of `keys` sampled from the policy in one batched decode (each
-        prompt prefilled once for its group; top_k off, temperature and top_p as set; the random draws seeded by
-        `seed` alone, the global generator put back after), each up to and including its EOS, and scored."""
-        on, s = self.on, self.on.s
+    @contextlib.contextmanager
+    def seeded(self, seed: int) -> Iterator[None]:
+        """The draw's random draws seeded by `seed` alone (torch's generator, put back after), its sampling timed."""
+        on = self.on
         started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
+        with torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
+        on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
+
+    def play(self, keys: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """num_generations completions of each prompt of `keys` sampled from the policy in one batched decode (each
+        prompt prefilled once for its group; top_k off, temperature and top_p as set), each up to and including
+        its EOS; with each one's entropy figures (watch.py), None where the sampling recorded none."""
+        on, s = self.on, self.on.s
         placed, eos = on.placed(), on.tokenizer.eos_token_id
         ids, mask = decoding.left_padded([on.data.ids[k] for k in keys], on.tokenizer.pad_token_id, on.device)
-        with on.eagerly(), decoding.entropies() as recorded, placed.running() as model, \
-                torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
-            torch.manual_seed(seed)
+        with on.eagerly(), decoding.entropies() as recorded, placed.running() as model:
             new = decoding.decode(model, ids, mask, s.max_completion_length, eos, placed.pad_id(), s.temperature,
                                   s.top_p, repeat=s.num_generations)
-        completions = cut_after_eos(new, eos)
-        on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill)
+        entropy = None
+        if recorded:  # one decode: (summed, counted, first) over the completions in order
+            summed, counted, first = recorded[0]
+            entropy = torch.stack([summed / counted.clamp(min=1), first], 1).cpu()
+        return cut_after_eos(new, eos), entropy
+
+    def scored(self, keys: list[int], played: tuple[list[list[int]], torch.Tensor | None]) -> Drawn:
+        """`play`'s completions of `keys` scored by the --reward functions, counted in the sampling's figures."""
+        (completions, entropy), on = played, self.on
         on.generated_tokens += sum(map(len, completions))
         on.prefilled += sum(len(on.data.ids[k]) for k in keys)
         eos = on.tokenizer.eos_token_id
         started = time.perf_counter()
         scores = self.score(keys, completions, on.s.num_generations)
         on.times["scoring"] += time.perf_counter() - started
-        entropy = None
-        if recorded:  # one decode: (summed, counted, first) over the completions in order
-            summed, counted, first = recorded[0]
-            entropy = torch.stack([summed / counted.clamp(min=1), first], 1).cpu()
         return Drawn(completions, scores,
                      torch.tensor([len(c) for c in completions], dtype=torch.float32),
                      torch.tensor([float(not c or c[-1] != eos) for c in completions]), entropy=entropy)

@@ -19,10 +19,12 @@ same episodes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,45 +112,6 @@ def _tool_turn_ids(tokenizer, env: environment_.Environment, before: list[dict],
 
 MAX_CALLS = 16  # the calls of one turn that run; more are answered "not run" (a reply of 15,000 calls cost seconds)
 MAX_RESTARTS = 32  # the environment's restarts (calls past the limit) in one step before the run stops in one line
-
-
-def rollout(draws: Episodes, keys: list[int], n: int, temperature: float | None, top_p: float,
-            ) -> list[Episode]:
-    """`n` episodes of each prompt of `keys` (consecutive), played to their end: each turn, every episode still
-    playing with room for a whole reply samples it in one batched decode, then `take_turn` runs its calls. Each
-    ends by the first of its stop rules (Stops) that fires, recorded by name in `stop`."""
-    on = draws.on
-    placed = on.placed()
-    eos, pad = on.tokenizer.eos_token_id, placed.pad_id()
-    episodes = [begin(draws, k) for k in keys for _ in range(n)]
-    turns = decoding.Turns()  # each episode's KV cache, kept across its turns
-    draws.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
-    draws.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
-    draws.restarts_before = draws.env.host.restarts  # the environment's process restarted in this rollout: counted
-    for _ in range(draws.max_turns):
-        for e in episodes:
-            if e.stop is None and draws.stops.no_room(e, None):
-                e.stop = "no_room"
-        playing = [i for i, e in enumerate(episodes) if e.stop is None]
-        if not playing:
-            break
-        contexts = [episodes[i].ids for i in playing]
-        with on.eagerly(), decoding.entropies() as recorded, placed.running() as model:
-            if draws.keep_cache:  # each row fed only past what its cache holds
-                new = turns.decode(model, playing, contexts, on.s.max_completion_length, eos, pad, temperature, top_p)
-            else:
-                new = decoding.decode(model, *decoding.left_padded(contexts, pad, on.device),
-                                      on.s.max_completion_length, eos, pad, temperature, top_p)
-        replies = grpo.cut_after_eos(new, eos)
-        for summed, counted, first in recorded:  # this turn's decode: its rows are `playing`, in order
-            for i, h, n, f in zip(playing, summed.tolist(), counted.tolist(), first.tolist()):
-                episodes[i].entropy = [a + b for a, b in zip(episodes[i].entropy, (h, n, f, 1.0))]
-        draws.rollout_prefilled += turns.prefilled if draws.keep_cache else sum(len(episodes[i].ids) for i in playing)
-        turns.prefilled = 0
-        playing = [episodes[i] for i in playing]
-        for e, reply in zip(playing, replies):
-            e.stop = take_turn(draws, e, reply)
-    return episodes
 
 
 def begin(draws: Episodes, key: int) -> Episode:
@@ -273,8 +236,8 @@ def states_of(e: Episode) -> list[bytes]:
     return [hashlib.blake2b(np.asarray(e.ids[:s], dtype=np.int64).tobytes(), digest_size=16).digest() for s in starts]
 
 
-class Episodes:
-    """Multi-turn draws (a grpo.Draws): each completion an episode played in the environment (rollout), scored by
+class Episodes(grpo.Drawing):
+    """Multi-turn draws (a grpo.Draws): each completion an episode played in the environment (`play`), scored by
     its reward and any --reward on its final answer; its own figures (turns, calls, calls that ran, why it stopped)
     follow the rewards' among the step's stats. The same seeding and rows as single-turn completions, the policy's
     tokens masked in."""
@@ -324,9 +287,10 @@ class Episodes:
             out.append(rewards)
         return out
 
-    def draw(self, keys: list[int], seed: int) -> grpo.Drawn:
-        """num_generations episodes of each prompt of `keys` played (rollout; Python's, NumPy's and torch's draws
-        seeded by `seed`, each put back after), each scored by the environment's reward and the --reward ones."""
+    @contextlib.contextmanager
+    def seeded(self, seed: int) -> Iterator[None]:
+        """The draw's random draws seeded by `seed` (Python's, NumPy's and torch's, each put back after, and the
+        environment's process's, where the tools draw), its sampling timed."""
         on = self.on
         started, prefill = time.perf_counter(), decoding.PREFILL_S[0]
         state = random.getstate(), np.random.get_state()
@@ -336,11 +300,58 @@ class Episodes:
             self.env.host.seed(seed, environment_.CALLBACK_S)  # where the tools draw: the environment's own process
             with torch.random.fork_rng(devices=[on.device] if on.device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                episodes = rollout(self, keys, on.s.num_generations, on.s.temperature, on.s.top_p)
+                yield
         finally:
             random.setstate(state[0])
             np.random.set_state(state[1])
         on.took(time.perf_counter() - started, decoding.PREFILL_S[0] - prefill, self.rollout_tools_s)
+
+    def play(self, keys: list[int], n: int | None = None, greedy: bool = False) -> list[Episode]:
+        """`n` episodes (num_generations unless given) of each prompt of `keys` (consecutive), played to their end,
+        sampled at the run's temperature and top-p (greedy: the held-out reward's). Each turn, every episode still
+        playing with room for a whole reply samples it in one batched decode (decoding.Turns: each episode's KV
+        cache kept across its turns), then `take_turn` runs its calls. Each ends by the first of its stop rules
+        (Stops) that fires, recorded by name in `stop`."""
+        on = self.on
+        n = n or on.s.num_generations
+        temperature, top_p = (None, 1.0) if greedy else (on.s.temperature, on.s.top_p)
+        placed = on.placed()
+        eos, pad = on.tokenizer.eos_token_id, placed.pad_id()
+        episodes = [begin(self, k) for k in keys for _ in range(n)]
+        turns = decoding.Turns()  # each episode's KV cache, kept across its turns
+        self.rollout_prefilled = 0  # the context tokens this rollout fed the model (its turns' prefills)
+        self.rollout_tools_s = 0.0  # its seconds in the tools and their turns' rendering
+        self.restarts_before = self.env.host.restarts  # the environment's process restarted in this rollout: counted
+        for _ in range(self.max_turns):
+            for e in episodes:
+                if e.stop is None and self.stops.no_room(e, None):
+                    e.stop = "no_room"
+            playing = [i for i, e in enumerate(episodes) if e.stop is None]
+            if not playing:
+                break
+            contexts = [episodes[i].ids for i in playing]
+            with on.eagerly(), decoding.entropies() as recorded, placed.running() as model:
+                if self.keep_cache:  # each row fed only past what its cache holds
+                    new = turns.decode(model, playing, contexts, on.s.max_completion_length, eos, pad, temperature,
+                                       top_p)
+                else:
+                    new = decoding.decode(model, *decoding.left_padded(contexts, pad, on.device),
+                                          on.s.max_completion_length, eos, pad, temperature, top_p)
+            replies = grpo.cut_after_eos(new, eos)
+            for summed, counted, first in recorded:  # this turn's decode: its rows are `playing`, in order
+                for i, h, c, f in zip(playing, summed.tolist(), counted.tolist(), first.tolist()):
+                    episodes[i].entropy = [a + b for a, b in zip(episodes[i].entropy, (h, c, f, 1.0))]
+            self.rollout_prefilled += turns.prefilled if self.keep_cache else sum(len(episodes[i].ids) for i in playing)
+            turns.prefilled = 0
+            playing = [episodes[i] for i in playing]
+            for e, reply in zip(playing, replies):
+                e.stop = take_turn(self, e, reply)
+        return episodes
+
+    def scored(self, keys: list[int], episodes: list[Episode]) -> grpo.Drawn:
+        """`play`'s episodes of `keys` scored by the environment's reward and the --reward ones, with their figures
+        (turns, calls, calls that ran, why each stopped), counted in the sampling's figures."""
+        on = self.on
         on.generated_tokens += sum(sum(e.mask) for e in episodes)
         on.prefilled += self.rollout_prefilled
         figures = torch.tensor([[e.turns, e.calls, e.calls_ok, *(float(e.stop == why) for why in self.stop_names)]
@@ -375,7 +386,7 @@ class Episodes:
         environment's, then each --reward's), then its turns, calls and calls that ran."""
         rows = []
         for chunk in chunks:
-            episodes = rollout(self, chunk, 1, None, 1.0)
+            episodes = self.play(chunk, 1, greedy=True)
             rows += [[*scores, e.turns, e.calls, e.calls_ok]
                      for scores, e in zip(self.score_episodes(episodes)[0].tolist(), episodes)]
         return rows
@@ -406,14 +417,14 @@ def play(placed, env: environment_.Environment, records: list[dict[str, Any]], m
     rows = PromptRows([environment_.opening(env, r) for r in records], [dict(r) for r in records], env.path)
     template_for(placed.tokenizer, env.schemas, rows.prompts[0])
     data = tokenize(rows, placed.tokenizer, env, max_length, max_new_tokens)
-    settings = GRPO(num_generations=1, max_completion_length=max_new_tokens)
+    settings = GRPO(num_generations=1, max_completion_length=max_new_tokens, temperature=temperature or 1.0)
     on = grpo.Sampling(placed.model, placed.tokenizer, data, rows, [], settings, placed.device, placed.autocast_dtype)
     draws = Episodes(on, env, rows.prompts, max_turns, max_length)
     played, each = [], max(1, batch_size // samples)
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed)
         for start in range(0, len(data), each):
-            played += rollout(draws, list(range(start, min(start + each, len(data)))), samples, temperature, 1.0)
+            played += draws.play(list(range(start, min(start + each, len(data)))), samples, greedy=temperature is None)
     for e in played:
         e.key = int(data.source(e.key))
     return played

@@ -37,9 +37,13 @@ class DrawnSteps:
         step, units = self.rows.at_step(at)
         keys = self.rows.share(units)
         if not (step % self.iterations and self.kept is not None and self.kept.keys == keys):
-            draws, seed = self.step_rows.draws, step_seed(self.seed, at.epoch, step // self.iterations, self.rank)
-            drawn = refill(draws, draws.draw(keys, seed), keys, seed) if keys else None
-            self.kept = drawn and self.step_rows.groups_of(keys, drawn)
+            self.kept = None
+            if keys:  # the draw: seeded by (seed, epoch, draw, rank), played, scored, its alike groups drawn again
+                draws, seed = self.step_rows.draws, step_seed(self.seed, at.epoch, step // self.iterations, self.rank)
+                with draws.seeded(seed):
+                    played = draws.play(keys)
+                drawn = refill(draws, draws.scored(keys, played), keys, seed)
+                self.kept = self.step_rows.groups_of(keys, drawn)  # each completion's credit and stats
         return self.rows.next(at, self.kept)
 
 
