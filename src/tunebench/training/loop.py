@@ -232,8 +232,8 @@ def optimizer_steps(
     `objective` is a CausalLMLoss, or the DDP/FSDP module wrapping one. `steps` is where the steps come from
     (training/feed.py's Steps): `steps.next(at)` hands this rank's micro batches of the step at the data position
     `at` (epoch, batch_in_epoch) and moves it past them. Every rank must get the same number of micro-batches per
-    step (one with no loss tokens still runs: its backward joins the gradient sync). Counts, the logged loss and a stop request are summed over ranks, so all ranks
-    log the same figures and stop at the same step.
+    step (one with no loss tokens still runs: its backward joins the gradient sync). Counts, the logged loss and a
+    stop request are summed over ranks, so all ranks log the same figures and stop at the same step.
 
     The host never waits for the device inside a step: losses, gradient norms and step times stay on the device
     until a logging, eval or save step reads them all at once (`to_host`; _after_step), and with `settings.prefetch`
