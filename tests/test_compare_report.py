@@ -298,3 +298,22 @@ def test_a_run_report_names_charts_only_from_what_a_gpu_monitor_writes(tmp_path)
     assert sorted(p.name for p in (run / "report").glob("*.png")) == ["cpu.png", "gpu0.png", "learning_rate.png",
                                                                         "loss.png", "memory.png", "tokens_per_s.png"]
     assert not list(tmp_path.rglob("owned*"))
+
+
+@pytest.mark.parametrize("objective, own", [("kto", {"kto.png"}), ("sft", set()), (None, set())])
+def test_a_run_reports_own_charts_are_its_objectives_not_what_its_metrics_look_like(tmp_path, objective, own):
+    """Issue 97: the report worked out the objective from metric names ("desirable" in a record meant KTO). It draws
+    the charts the run's objective type names (config.yaml's objective; none for a run that names none): the same
+    records under an SFT config draw no KTO chart."""
+    from tunebench.jobs import run_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({
+        "step": s, "loss": 1.0 / s, "lr": 1e-3, "tokens_per_s": 10.0, "kl": 0.1 * s, "rewards/chosen": 0.2 * s,
+        "rewards/rejected": -0.1 * s, "desirable": 2.0}) + "\n" for s in range(1, 4)))
+    if objective:
+        (run / "config.yaml").write_text(yaml.safe_dump({"objective": {"name": objective}}))
+    run_report.write(run)
+    drawn = {p.name for p in (run / "report").glob("*.png")} - {"cpu.png", "memory.png"}
+    assert drawn == {"loss.png", "learning_rate.png", "tokens_per_s.png"} | own

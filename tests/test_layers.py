@@ -368,20 +368,34 @@ def test_the_step_is_a_stage_the_loop_asks_for_whole():
 
 def test_only_the_settings_loader_and_the_preference_slice_test_an_objectives_name():
     """The code around an objective reads its typed settings' facts (data, unit, samples, preference, report,
-    reference_forwards), never its name: a string test of 'sft', 'dpo', 'orpo', 'kto', 'grpo' or 'rft' is the settings
-    loader's (settings/finetune.py, settings/objectives.py) or the preference slice's, which builds DPO's, ORPO's
-    or KTO's loss (training/preference.py). Before the typed settings, 11 files did."""
+    reference_forwards, charts), never its name: a string test of 'sft', 'dpo', 'orpo', 'kto', 'grpo' or 'rft' (a
+    comparison, a dict key or a subscript), or a key formatted from `objective.name` (an f-string that is not an
+    error's or a printed message), is the settings loader's (settings/finetune.py, settings/objectives.py) or the
+    preference slice's, which builds DPO's, ORPO's or KTO's loss (training/preference.py). Before the typed
+    settings, 11 files did; issue 97 found the measurement key formatted as f"{method}+{objective.name}" (now the
+    type's `measured_as`) and the report picking its charts by metric names (now the type's `charts`)."""
     names = {"sft", "dpo", "orpo", "kto", "grpo", "rft"}
+
+    def named(node) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names or isinstance(
+            node, (ast.Tuple, ast.List, ast.Set)) and any(named(e) for e in node.elts)
+
     testing = set()
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        said = {id(a) for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+            ast.unparse(n.func).endswith("Error") or ast.unparse(n.func) == "print") for a in n.args}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Compare) and "loss_type" not in ast.unparse(node) and any(  # GRPO's "grpo" loss
-                    isinstance(c, ast.Constant) and c.value in names
-                    or isinstance(c, (ast.Tuple, ast.List, ast.Set)) and any(
-                        isinstance(e, ast.Constant) and e.value in names for e in c.elts)
-                    for c in [node.left, *node.comparators]):
-                testing.add(str(path.relative_to(PACKAGE)))
-    assert testing <= {"settings/finetune.py", "settings/objectives.py", "training/preference.py"}, testing
+                    named(c) for c in [node.left, *node.comparators]) \
+                    or isinstance(node, ast.Dict) and any(named(k) for k in node.keys if k is not None) \
+                    or isinstance(node, ast.Subscript) and named(node.slice) \
+                    or isinstance(node, ast.JoinedStr) and id(node) not in said and any(
+                        isinstance(v, ast.FormattedValue) and ast.unparse(v.value).endswith("objective.name")
+                        for v in node.values):
+                testing.add(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert {t.split(":")[0] for t in testing} <= {"settings/finetune.py", "settings/objectives.py",
+                                                  "training/preference.py"}, testing
 
 
 def _functions():

@@ -16,6 +16,7 @@ from tunebench.core.durable import atomic_file, open_no_follow
 from tunebench.core.errors import TunebenchError
 from tunebench.core.jsonfile import read_json, records
 from tunebench.jobs import report
+from tunebench.settings.objectives import Objective
 from tunebench.settings.rundir import RunDir
 
 
@@ -51,8 +52,10 @@ def _line_chart(series: list[tuple[str, list[float], list[float], dict]], title:
     return report.png(fig)
 
 
-def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, bytes]]:
-    """(name, caption, PNG) of every chart the run's records allow."""
+def charts(metrics: list[dict], monitor: list[dict], objective: Objective | None = None
+           ) -> list[tuple[str, str, bytes]]:
+    """(name, caption, PNG) of every chart the run's records allow: the loss, learning rate, throughput, CPU and
+    memory charts of every run, and `objective`'s own (the sets its type names, OBJECTIVE_CHARTS)."""
     steps = [r for r in metrics if "loss" in r and "step" in r]
     evals = [r for r in metrics if "eval_loss" in r]
     t0 = monitor[0]["time"] if monitor else 0.0
@@ -84,9 +87,9 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
                       ("system RAM used MB", at, [r.get("ram_used_mb", 0) for r in monitor], {})],
                      "Memory", "seconds", "MB")),
     ]
-    # each objective's own charts after the loss, in the order they were always drawn
-    out[1:1] = [*_kto_charts(steps), *grpo_charts([r for r in steps if "frac_reward_zero_std" in r]),
-                *_preference_charts(steps, evals)]
+    # the objective's own charts after the loss
+    own = objective.charts if objective else ()
+    out[1:1] = [chart for name in own for chart in OBJECTIVE_CHARTS[name](steps, evals)]
     for g in gpus:
         out.append((f"{g}", f"{g.upper()}: utilisation and memory over the run", _line_chart(
             [("utilisation %", at, [r.get(f"{g}_util_percent", 0) for r in monitor], {})], g.upper(), "seconds", "%",
@@ -95,7 +98,7 @@ def charts(metrics: list[dict], monitor: list[dict]) -> list[tuple[str, str, byt
     return [(name, caption, png) for name, caption, png in out if png]
 
 
-def _preference_charts(steps: list[dict], evals: list[dict]) -> list[tuple[str, str, bytes | None]]:
+def _preference_charts(steps: list[dict], evals: list[dict]) -> list[tuple[str, str, bytes | None]]:  # DPO, ORPO
     """A DPO or ORPO run's reward accuracy (per step and held out) and margin."""
     rewarded = [r for r in steps if "rewards/accuracies" in r]
     if not rewarded:
@@ -112,9 +115,9 @@ def _preference_charts(steps: list[dict], evals: list[dict]) -> list[tuple[str, 
                                 {"color": "tab:red"})], twin_label="margin"))]
 
 
-def _kto_charts(steps: list[dict]) -> list[tuple[str, str, bytes | None]]:
+def _kto_charts(steps: list[dict], evals: list[dict]) -> list[tuple[str, str, bytes | None]]:
     """A KTO run's implied rewards of each kind of completion, and its KL reference point."""
-    judged = [r for r in steps if "desirable" in r]
+    judged = [r for r in steps if "kl" in r]
     if not judged:
         return []
     return [("kto", "KTO: the mean implied reward of the desirable and the undesirable completions, and the KL "
@@ -126,9 +129,11 @@ def _kto_charts(steps: list[dict]) -> list[tuple[str, str, bytes | None]]:
                          twin_label="KL"))]
 
 
-def grpo_charts(sampled: list[dict]) -> list[tuple[str, str, bytes | None]]:
-    """A GRPO run's charts from its steps' records: rewards, completions and KL, episodes, and what shows a collapse
-    as it happens (training/grpo/watch.py): the sampling's entropy, and each kind's reward and informative groups."""
+def _sampled_charts(steps: list[dict], evals: list[dict]) -> list[tuple[str, str, bytes | None]]:
+    """A GRPO or RFT run's charts from its steps' records: rewards, completions and KL, episodes, and what shows a
+    collapse as it happens (training/grpo/watch.py): the sampling's entropy, and each kind's reward and informative
+    groups."""
+    sampled = [r for r in steps if "reward" in r]
     if not sampled:
         return []
     names = sorted({k for r in sampled for k in r if k.startswith("rewards/") and k.endswith("/mean")})
@@ -184,6 +189,10 @@ def _collapse_charts(sampled: list[dict]) -> list[tuple[str, str, bytes | None]]
                                       for k in kinds], twin_label="share of groups")))
     return out
 
+
+
+# an objective type's own chart sets (settings/objectives.py: each type's `charts`), each (steps, evals) -> charts
+OBJECTIVE_CHARTS = {"preference": _preference_charts, "judgements": _kto_charts, "sampled": _sampled_charts}
 
 def memory_report(summary: dict, plan: dict, monitor: list[dict]) -> list[list[str]]:
     """The hardware guide's MemoryTracker.report(): current (at the end), peak, total, utilisation."""
@@ -251,7 +260,7 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         raise TunebenchError(f"'{out}' is a symbolic link; tunebench writes a run's report only to a folder of its "
                              "own inside the run: remove the link, or give --output-dir for the report elsewhere")
     out.mkdir(parents=True, exist_ok=True)
-    pngs = charts(metrics, monitor)
+    pngs = charts(metrics, monitor, RunDir(run).objective())
     sections = [
         ("Plan against the run", ["figure", "predicted", "measured", "measured / predicted"],
          plan_check_rows(summary.get("plan_check"))),

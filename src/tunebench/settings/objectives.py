@@ -39,9 +39,16 @@ class ObjectiveBase:
     unit: ClassVar[str] = "rows"  # one unit of a step
     samples: ClassVar[bool] = False  # it samples its own completions each step (jobs/grpo.py runs it)
     micro_batch_in_math: ClassVar[bool] = False  # its loss is estimated over each micro batch: never measured
+    # its own charts in a run's report, after the loss (jobs/run_report.py draws each set named here)
+    charts: ClassVar[tuple[str, ...]] = ()
 
     def check(self) -> None:
         """The objective's own rules, each refused with its fix (settings.finetune.validate calls it)."""
+
+    def measured_as(self, method: str) -> str:
+        """The fine-tuning method as the measurement cache keys a run of this objective: a preference objective's
+        steps (its reference pass, its pairs or judgements) are not SFT's, so its own name is added."""
+        return f"{method}+{self.name}" if self.preference else method
 
     def report(self) -> dict[str, Any]:
         """What the run's summary records of the objective."""
@@ -74,6 +81,7 @@ class DPO(ObjectiveBase):
     """how far the model may move from its reference"""
     data: ClassVar[str] = "pairs"
     unit: ClassVar[str] = "pairs"
+    charts: ClassVar[tuple[str, ...]] = ("preference",)
 
     def check(self) -> None:
         _positive(("--beta", self.beta))
@@ -95,6 +103,7 @@ class ORPO(ObjectiveBase):
     """the weight of the odds-ratio term (TRL calls it beta)"""
     data: ClassVar[str] = "pairs"
     unit: ClassVar[str] = "pairs"
+    charts: ClassVar[tuple[str, ...]] = ("preference",)
 
     def check(self) -> None:
         _positive(("--orpo-lambda", self.orpo_lambda))
@@ -116,6 +125,7 @@ class KTO(ObjectiveBase):
     """the weight of an undesirable completion's loss"""
     data: ClassVar[str] = "judged"
     unit: ClassVar[str] = "examples"
+    charts: ClassVar[tuple[str, ...]] = ("judgements",)
     micro_batch_in_math: ClassVar[bool] = True  # its KL reference point, over each micro batch (TRL's)
 
     def check(self) -> None:
@@ -168,6 +178,7 @@ class SampledObjective(ObjectiveBase):
     data: ClassVar[str] = "prompts"
     unit: ClassVar[str] = "prompts"
     samples: ClassVar[bool] = True
+    charts: ClassVar[tuple[str, ...]] = ("sampled",)
 
     def __post_init__(self) -> None:
         _episode_defaults(self)

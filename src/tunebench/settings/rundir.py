@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tunebench.core.errors import TunebenchError
+from tunebench.settings import objectives
 from tunebench.settings.finetune import load_config, read_yaml
 
 
@@ -131,6 +132,15 @@ class RunDir:
     def raw_config(self) -> dict[str, Any]:
         """config.yaml as the safe loader reads it; {} when the directory has none (a plain HF directory)."""
         return read_yaml(self.config_file) if self.config_file.is_file() else {}
+
+    def objective(self) -> objectives.Objective | None:
+        """The run's objective as its config.yaml names it, None where it names none (a pretraining run, a plain
+        HF directory) or the section does not make one (a file edited by hand): what its report draws."""
+        try:
+            section = self.raw_config().get("objective")
+            return objectives.build(section) if isinstance(section, dict) else None
+        except (TunebenchError, TypeError, ValueError, OSError):
+            return None
 
     def kind(self) -> str:
         """"adapter" (a PEFT adapter over a base), "pretrain" (a `tunebench pretrain` model, trained on plain

@@ -45,7 +45,7 @@ def live_charts(run_dir: Path) -> list[tuple[str, bytes | None]]:
     them (jobs/run_report.py: one drawing of a run, live or finished), from what it has logged so far."""
     run = RunDir(run_dir)
     drawn = {name: (caption, png) for name, caption, png in
-             run_report.charts(records(run.metrics_file), records(run.path / "monitor.jsonl"))}
+             run_report.charts(records(run.metrics_file), records(run.path / "monitor.jsonl"), run.objective())}
     method = next((n for n in METHOD_CHARTS if n in drawn), None)
     return [drawn.get(n, ("", None)) for n in (*LIVE_CHARTS, method)]
 

@@ -173,7 +173,7 @@ def measured_as(cfg: RunConfig) -> Trained:
     """What is trained, as the measurement cache keys it: a preference step is a pair's two rows plus DPO's
     reference pass, measured apart from SFT's rows."""
     a = cfg.adapter
-    return Trained(cfg.model.name, a.method if not cfg.objective.preference else f"{a.method}+{cfg.objective.name}", a.quantization,
+    return Trained(cfg.model.name, cfg.objective.measured_as(a.method), a.quantization,
                    a.num_virtual_tokens if a.method in methods.PROMPT_METHODS else a.r, a.target_modules)
 
 
