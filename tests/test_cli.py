@@ -386,6 +386,20 @@ def test_every_objective_setting_is_declared_once_and_brings_its_flag_help_and_r
     assert schema.docs(louder)["num_generations"] == schema.docs(ObjectiveKeys)["num_generations"]
 
 
+def test_an_evaluation_reads_in_the_words_of_the_runs_objective_not_of_the_figures_its_record_holds():
+    """The closing line words an eval as the run's objective type says (eval_words): an SFT run whose held-out set
+    records a figure a preference run would (a source named 'rewards', say) still reads as loss and perplexity."""
+    from tunebench.settings import objectives
+
+    record = {"eval_loss": 0.6931, "perplexity": 2.0, "eval_rewards/accuracies": 0.75, "eval_rewards/margins": 0.125,
+              "eval_pairs": 4, "eval_kl": 0.01, "eval_rewards/chosen": 0.5, "eval_examples": 6}
+    assert objectives.SFT().describe_eval(record) == "loss 0.6931, perplexity 2.00"
+    assert objectives.DPO().describe_eval(record) == objectives.ORPO().describe_eval(record) == \
+        "loss 0.6931, reward accuracy 0.750, margin 0.1250 on 4 held-out pairs"
+    assert objectives.KTO().describe_eval(record) == \
+        "loss 0.6931, KL 0.0100, desirable reward 0.5000 on 6 held-out completions"  # no undesirable one held out
+
+
 def test_an_objectives_own_settings_say_each_objectives_default_from_the_one_table():
     """DPO's beta, GRPO's group size and the rest default per objective (each objective's settings type,
     settings/objectives.py); their --help and the configuration reference say so from those types, not from prose

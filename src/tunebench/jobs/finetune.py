@@ -60,6 +60,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
+        objective=cfg.objective,
         loss=loss,
         method_rows=[length_row, padding, *method_rows, *finetune_data.template_rows(tok)],
         header=finetune_report.header(cfg, loaded, parts, data, len(train_idx), eval_parts, unit, trainable, total),

@@ -62,6 +62,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     epoch_steps = grpo_run.epoch_steps(o, train_idx, opened.effective, s.seed, kinds, data)
     return recipe.run(cfg, opened, recipe.Recipe(
         model=model,
+        objective=cfg.objective,
         loss=loss_class(model, o, draws.reward_names(), opened.autocast, reference, draws.episode_stats, kinds),
         method_rows=[length_row, padding, *method_rows, grpo_run.objective_row(cfg, words, dropped),
                      *([template_row] if template_row else [])],

@@ -98,18 +98,6 @@ def mfu(flops_per_token: float, tokens_per_s: float | None, peak_tflops: float |
     return flops_per_token * tokens_per_s / (peak_tflops * 1e12)
 
 
-def describe_eval(e: dict[str, Any]) -> str:
-    """An eval's figures in words: loss and perplexity, or a preference run's loss and reward accuracy."""
-    if "eval_rewards/accuracies" in e:
-        return (f"loss {e['eval_loss']:.4f}, reward accuracy {e['eval_rewards/accuracies']:.3f}, margin "
-                f"{e['eval_rewards/margins']:.4f} on {e['eval_pairs']} held-out pairs")
-    if "eval_kl" in e:  # KTO
-        rewards = ", ".join(f"{kind} reward {e[f'eval_rewards/{key}']:.4f}" for kind, key in
-                            (("desirable", "chosen"), ("undesirable", "rejected")) if f"eval_rewards/{key}" in e)
-        return f"loss {e['eval_loss']:.4f}, KL {e['eval_kl']:.4f}, {rewards} on {e['eval_examples']} held-out completions"
-    return f"loss {e['eval_loss']:.4f}, perplexity {e['perplexity']:.2f}"
-
-
 def quantized_linear_kinds() -> tuple[type, ...]:
     """bitsandbytes' linear layers, when it is loaded: only then can a model hold them, and importing it
     just to look costs a pretraining process ~1.5 s of start-up."""

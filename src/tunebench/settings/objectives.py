@@ -28,6 +28,9 @@ SCALE_REWARDS = ("group", "none")  # GRPO's advantage: divided by the group's re
 # an episode's per-turn credit: against one baseline pooled over a group's turns, or per shared state (GiGPO)
 TURN_CREDITS = ("pooled", "state")
 EPISODE_DEFAULTS = {"max_turns": 4, "tool_timeout": 10.0}  # GRPO where --environment is given
+# a preference pair objective's evaluation (training/preference.py's pair figures), as ObjectiveBase.eval_words
+PAIR_EVAL = (("loss", "eval_loss", ".4f"), ("reward accuracy", "eval_rewards/accuracies", ".3f"),
+             ("margin", "eval_rewards/margins", ".4f"))
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class ObjectiveBase:
     micro_batch_in_math: ClassVar[bool] = False  # its loss is estimated over each micro batch: never measured
     # its own charts in a run's report, after the loss (jobs/run_report.py draws each set named here)
     charts: ClassVar[tuple[str, ...]] = ()
+    # its held-out evaluation in words (describe_eval): (label, the eval record's key, format) for each figure the
+    # record holds, then what the figures are over (the record's count key, its noun), if it says
+    eval_words: ClassVar[tuple[tuple[str, str, str], ...]] = (("loss", "eval_loss", ".4f"),
+                                                              ("perplexity", "perplexity", ".2f"))
+    eval_over: ClassVar[tuple[str, str] | None] = None
 
     def check(self) -> None:
         """The objective's own rules, each refused with its fix (settings.finetune.validate calls it)."""
@@ -53,6 +61,13 @@ class ObjectiveBase:
     def report(self) -> dict[str, Any]:
         """What the run's summary records of the objective."""
         return {}
+
+    def describe_eval(self, e: dict[str, Any]) -> str:
+        """An evaluation's figures in words, as this objective's evaluation records them (`eval_words`)."""
+        words = ", ".join(f"{label} {e[key]:{form}}" for label, key, form in self.eval_words if e.get(key) is not None)
+        if self.eval_over and self.eval_over[0] in e:
+            words += f" on {e[self.eval_over[0]]} {self.eval_over[1]}"
+        return words
 
     @property
     def reference_forwards(self) -> int:
@@ -82,6 +97,8 @@ class DPO(ObjectiveBase):
     data: ClassVar[str] = "pairs"
     unit: ClassVar[str] = "pairs"
     charts: ClassVar[tuple[str, ...]] = ("preference",)
+    eval_words: ClassVar[tuple[tuple[str, str, str], ...]] = PAIR_EVAL
+    eval_over: ClassVar[tuple[str, str] | None] = ("eval_pairs", "held-out pairs")
 
     def check(self) -> None:
         _positive(("--beta", self.beta))
@@ -104,6 +121,8 @@ class ORPO(ObjectiveBase):
     data: ClassVar[str] = "pairs"
     unit: ClassVar[str] = "pairs"
     charts: ClassVar[tuple[str, ...]] = ("preference",)
+    eval_words: ClassVar[tuple[tuple[str, str, str], ...]] = PAIR_EVAL
+    eval_over: ClassVar[tuple[str, str] | None] = ("eval_pairs", "held-out pairs")
 
     def check(self) -> None:
         _positive(("--orpo-lambda", self.orpo_lambda))
@@ -126,6 +145,10 @@ class KTO(ObjectiveBase):
     data: ClassVar[str] = "judged"
     unit: ClassVar[str] = "examples"
     charts: ClassVar[tuple[str, ...]] = ("judgements",)
+    eval_words: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        ("loss", "eval_loss", ".4f"), ("KL", "eval_kl", ".4f"), ("desirable reward", "eval_rewards/chosen", ".4f"),
+        ("undesirable reward", "eval_rewards/rejected", ".4f"))
+    eval_over: ClassVar[tuple[str, str] | None] = ("eval_examples", "held-out completions")
     micro_batch_in_math: ClassVar[bool] = True  # its KL reference point, over each micro batch (TRL's)
 
     def check(self) -> None:

@@ -11,8 +11,9 @@ import numpy as np
 from tunebench.core.decision import Decision
 from tunebench.machine import hardware
 from tunebench.machine.distributed import World
-from tunebench.machine.metrics import describe_eval, mfu
+from tunebench.machine.metrics import mfu
 from tunebench.model import models
+from tunebench.settings.objectives import ObjectiveBase
 from tunebench.training.loop import LoopState
 
 
@@ -78,10 +79,10 @@ def figures(outcome: Outcome, flops_per_token: float, plan: hardware.Plan, hw: h
     }
 
 
-def report(summary: dict[str, Any], out: Path) -> None:
-    """The closing lines of a run."""
+def report(summary: dict[str, Any], out: Path, objective: ObjectiveBase) -> None:
+    """The closing lines of a run (its evaluation in the words of its objective's type)."""
     if summary["eval_loss"] is not None:
-        print(f"eval after training: {describe_eval(summary)}")
+        print(f"eval after training: {objective.describe_eval(summary)}")
     if "generated_tokens" in summary:  # a GRPO step's batches are its sampled completions
         print(f"sampling: {summary['generated_tokens']:,} tokens in {summary['generation_s']:.1f}s "
               f"({summary['generation_tokens_per_s'] or 0:,.0f} generated tokens/s, {100 * summary['data_wait_fraction']:.0f}% "

@@ -26,8 +26,9 @@ from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
 from tunebench.jobs.parts import measuring, runner
 from tunebench.machine import distributed, trackers
-from tunebench.machine.metrics import MetricsWriter, describe_eval, peak_memory_mb, reset_peak_memory
+from tunebench.machine.metrics import MetricsWriter, peak_memory_mb, reset_peak_memory
 from tunebench.machine.monitor import CoreShare, Monitor, other_load
+from tunebench.settings import objectives
 from tunebench.settings.rundir import RunDir
 from tunebench.settings.schema import RunBase
 from tunebench.training import checkpoint, feed, loop, optim, plancheck, runplan, stopping
@@ -73,6 +74,8 @@ class Recipe:
     before_training: Callable[[runplan.RunPlan], None] | None = None  # after the table, before the loop
     after_eval: Callable[[runplan.RunPlan, int], dict[str, Any]] | None = None
     rank_figures: Callable[[], Any] | None = None  # what each rank counted itself, gathered for `finish`
+    # the objective's type: how its evaluation reads in words (pretraining's is the next-token loss's, SFT's)
+    objective: objectives.ObjectiveBase = field(default_factory=objectives.SFT)
 
 
 def resumed_steps(opened: runner.Opened) -> int | None:
@@ -356,7 +359,7 @@ def training(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t
     before = evaluate(0) if has_eval and state.step == 0 else None
     if before:
         log({"step": 0, **before})
-        runner.say(world, f"eval before training: {describe_eval(before)}")
+        runner.say(world, f"eval before training: {r.objective.describe_eval(before)}")
     made = planned.batches
     on = Training(made.feed(world, plan.micro_batch_size, plan.grad_accum_steps, largest := Largest(made.collate)),
                   state, hooks)
@@ -417,7 +420,7 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
                             cores_shared=o.cores_shared)
     summary["plan_check"] = check
     write_json(opened.out / "summary.json", summary)
-    summary_.report(summary, opened.out)
+    summary_.report(summary, opened.out, r.objective)
     print("\n".join(plancheck.lines(check)))
     m = planned.measured
     if m.key:
