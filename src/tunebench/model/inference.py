@@ -95,14 +95,15 @@ class Placed:
         from tunebench.model import decoding
 
         eos = self.tokenizer.eos_token_id if eos == -1 else eos
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
+        pad = self.pad_id(eos)
         with self.running() as model:
             return decoding.decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each,
                                    repeat=repeat)
 
-    def pad_id(self) -> int:
-        """The id decoding pads with: the tokenizer's pad token, else its EOS (else 0)."""
-        eos = self.tokenizer.eos_token_id
+    def pad_id(self, eos: int | None = -1) -> int:
+        """The id decoding pads with: the tokenizer's pad token, else the EOS (the tokenizer's unless `eos` names
+        another; else 0)."""
+        eos = self.tokenizer.eos_token_id if eos == -1 else eos
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
 
     def context_limit(self) -> int | None:
