@@ -614,8 +614,10 @@ def test_every_shipped_machine_record_loads_and_a_broken_one_is_refused_in_one_l
 
 
 def test_compile_is_measured_only_when_its_cost_fits_the_measuring_budget(monkeypatch):
-    """Compile's measurement costs what it cost on this machine last time (90 s before it has been seen): a run
-    of 500 s of training leaves 50 s and skips it, saying why; one of 2,000 s measures it and records the cost."""
+    """Compile's measurement costs what it cost on this machine last time (90 s before it has been seen) beyond its
+    8 probe calls, and those at what one took at the run's micro batch: a run of 500 s of training leaves 50 s and
+    skips it, saying why; one of 2,000 s skips it where a probe call took 30 s, measures it where one took 0.25 s,
+    and records the cost."""
     import dataclasses
 
     from tunebench.training.autotune.budget import Budget
@@ -627,10 +629,19 @@ def test_compile_is_measured_only_when_its_cost_fits_the_measuring_budget(monkey
     assert row[1] is False and fake.compiles == 0, row
     assert "not measured: ~90 s more would take measuring past 50 s" in row[2]
     assert "(measuring compile: ~90 s, a first guess on a machine not seen compiling); --compile on to force" in row[2]
-    row = compiler.pick(None, auto, False, fake.measure, 200_000, shape, 1, 100.0, budget=Budget(200_000, clock=clock))
+    # its 8 probe calls cost what one took at this micro batch: 30 s each (a GRPO arm's long rows) is 330 s, past
+    # the 200 s a 2,000 s run leaves
+    row = compiler.pick(None, auto, False, fake.measure, 200_000, shape, 1, 100.0, budget=Budget(200_000, clock=clock),
+                        probe_s=30.0)
+    assert row[1] is False and fake.compiles == 0, row
+    assert "(measuring compile: ~330 s: compiling ~90 s, a first guess on a machine not seen compiling, and 8 " \
+           "probes of 30.0 s)" in row[2]
+    row = compiler.pick(None, auto, False, fake.measure, 200_000, shape, 1, 100.0, budget=Budget(200_000, clock=clock),
+                        probe_s=0.25)
     assert row[1] is True and fake.compiles == 2, row
-    seconds, known = compiler.measuring_cost(shape.where)
-    assert seconds < 5 and known.endswith("as it took here last time")
+    seconds, known = compiler.measuring_cost(shape.where)  # under a second, 2 s of it its probes: none compiling
+    assert seconds == 0 and known.endswith("as it took here last time")
+    assert compiler.measuring_cost(shape.where, 30.0)[0] == 240
 
 
 def test_flash_attention_joins_the_candidates_only_where_it_can_run(monkeypatch):

@@ -260,8 +260,9 @@ def measure(model, step, w: Workload) -> Measured:
     if w.checkpointing == "auto" and not any(r.setting == "gradient_checkpointing" for r in rows):
         rows.append(Decision("gradient_checkpointing", False, "the batch fits without recomputation"))
     accum = w.resumed[1] if w.resumed else accumulation(w.effective, micro, w.world_size)
+    probe_s = timed.of_kernel(model).get(micro, (None, None, None))[2]  # one probe call at micro: compile makes 8
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
-                              micro, speed, w.compile_mode, budget, w.time_cap_s))
+                              micro, speed, w.compile_mode, budget, w.time_cap_s, probe_s))
     return Measured(tuple(rows), micro, accum, speed, chosen.key, tuple(sorted({size for _, size in timed.seen})),
                     w.known.first_steps if w.known is not None else None)
 

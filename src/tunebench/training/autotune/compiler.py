@@ -16,18 +16,31 @@ from tunebench.training.autotune import Key, Shape, cached, store
 from tunebench.training.autotune.budget import run_seconds
 
 COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe steps: ~1 min on 2 cores
-# What measuring compile costs (a first compile, a second from the compiler's disk cache, the alternating probes)
-# before this machine has been seen doing it; afterwards the last measurement's own seconds, per machine.
+# What measuring compile costs beyond its probes (a first compile, a second from the compiler's disk cache) before
+# this machine has been seen doing it; afterwards what the last measurement took beyond its probes, per machine.
 MEASURE_GUESS_S = {"cpu": 90.0, "cuda": 60.0}
+# The probe calls measuring compile makes: two warm-ups of two each (warm_up_compiled), then eager and compiled
+# in two rounds (eager_vs_compiled). Each costs what one probe call at this micro batch took: a GRPO arm's
+# (4 rows x 1,024 tokens with a reference pass, ~120 s a call on 2 cores) measured compile for 16 minutes against a
+# 270 s budget when the cost was the 60 s a compare's small steps had taken (2026-12-03).
+PROBES = 8
 
 
-def measuring_cost(where: str) -> tuple[float, str]:
-    """(seconds measuring compile is expected to take on `where`, how that is known)."""
+def measuring_cost(where: str, probe_s: float | None = None) -> tuple[float, str]:
+    """(seconds measuring compile is expected to take on `where`, how that is known): the compiling, as it took
+    here last time beyond its probes (a first guess before), and PROBES probe calls of `probe_s` seconds each,
+    what one took at the run's micro batch (None: not timed, the compiling alone)."""
     seen = cached(Key("compile-measuring", {"where": where}))
     if seen:
-        return seen["seconds"], f"~{seen['seconds']:.0f} s, as it took here last time"
-    guess = MEASURE_GUESS_S["cpu" if re.search(r" x\d+$", where) else "cuda"]  # tune.where: "<CPU> x<threads>"
-    return guess, f"~{guess:.0f} s, a first guess on a machine not seen compiling"
+        compiling = max(0.0, seen["seconds"] - PROBES * seen.get("probe_s", 0.0))
+        known = "as it took here last time"
+    else:
+        compiling = MEASURE_GUESS_S["cpu" if re.search(r" x\d+$", where) else "cuda"]  # tune.where: "<CPU> x<threads>"
+        known = "a first guess on a machine not seen compiling"
+    if not probe_s:
+        return compiling, f"~{compiling:.0f} s, {known}"
+    cost = compiling + PROBES * probe_s
+    return cost, f"~{cost:.0f} s: compiling ~{compiling:.0f} s, {known}, and {PROBES} probes of {probe_s:.1f} s"
 
 
 def eagerly(compiled: bool):
@@ -80,15 +93,16 @@ def _undo(model, e: Exception) -> str:
 
 def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, shape: Shape,
          micro_batch_size: int, eager_speed: float | None = None, mode: str = "default", budget=None,
-         cap_s: float | None = None) -> Decision:
+         cap_s: float | None = None, probe_s: float | None = None) -> Decision:
     """Compile the decoder blocks when asked, or (`auto`) when measurement says it pays off in this run.
 
     The first long-enough run on a machine measures eager vs compiled tokens/s and the warm-up,
     and caches them; later runs compile only if the time saved over the run beats the warm-up
     with the compiler's disk cache warm. `eager_speed`, when the batch probe already timed this
     micro batch, spares a probe for the run-length estimate. `budget` (tune.budget.Budget): measuring is
-    skipped when its expected cost would take the run's measuring past its share of the training time. `cap_s`:
-    the run's --time-budget, the longest it trains whatever its tokens.
+    skipped when its expected cost would take the run's measuring past its share of the training time (`probe_s`:
+    the seconds one probe call at this micro batch took, which measuring compile makes PROBES of). `cap_s`: the
+    run's --time-budget, the longest it trains whatever its tokens.
     """
     if asked.value != "auto":
         if asked.value:
@@ -106,7 +120,7 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
         if run_s < COMPILE_MEASURE_MIN_S:
             return Decision("compile", False, f"not measured: this run (~{run_s:.0f} s) is too short to win back a first "
                                       "compile; --compile on to force")
-        cost, known = measuring_cost(shape.where)
+        cost, known = measuring_cost(shape.where, probe_s)
         if budget is not None:
             budget.saw(eager_speed)
             if not budget.affords(cost):
@@ -122,7 +136,8 @@ def pick(model, asked: Decision, quantized: bool, measure, run_tokens: float, sh
         eager, compiled = eager_vs_compiled(measure)
         hit = {"eager": eager, "compiled": compiled, "warmup_s": round(warm, 1)}
         store(key, hit)
-        store(Key("compile-measuring", {"where": shape.where}), {"seconds": round(time.perf_counter() - began, 1)})
+        store(Key("compile-measuring", {"where": shape.where}),
+              {"seconds": round(time.perf_counter() - began, 1), **({"probe_s": round(probe_s, 2)} if probe_s else {})})
         measured = (f"measured {compiled:,.0f} vs {eager:,.0f} tokens/s eager, alternating; warm-up {cold:.0f} s, "
                     f"{warm:.0f} s from cache")
         if compiled > 1.03 * eager:
