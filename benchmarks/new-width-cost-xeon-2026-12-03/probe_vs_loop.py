@@ -5,16 +5,10 @@ the loss scaled by 8 and an AdamW step every 8 (as bs1_ga8 trains). Both in posi
 import random
 import time
 
+import lora_model
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
-torch.set_num_threads(2)
-torch.manual_seed(0)
-path = "/root/.cache/tunebench/models/smollm2-135m-instruct-c2"
-m = get_peft_model(AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32),
-                   LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
-m.train()
+m = lora_model.load()
 opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=2e-4, fused=True)
 
 

@@ -6,16 +6,10 @@ import statistics
 import sys
 import time
 
+import lora_model
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
-torch.set_num_threads(2)
-torch.manual_seed(0)
-path = "/root/.cache/tunebench/models/smollm2-135m-instruct-c2"
-m = get_peft_model(AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32),
-                   LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
-m.train()
+m = lora_model.load()
 micro = int(sys.argv[1])
 def step(w):
     x = torch.randint(0, 40000, (micro, w))
