@@ -21,8 +21,9 @@ COMPILE_MEASURE_MIN_S = 180.0  # measuring costs a first compile and ~25 probe s
 MEASURE_GUESS_S = {"cpu": 90.0, "cuda": 60.0}
 # The probe calls measuring compile makes: two warm-ups of two each (warm_up_compiled), then eager and compiled
 # in two rounds (eager_vs_compiled). Each costs what one probe call at this micro batch took: a GRPO arm's
-# (4 rows x 1,024 tokens with a reference pass, ~120 s a call on 2 cores) measured compile for 16 minutes against a
-# 270 s budget when the cost was the 60 s a compare's small steps had taken (2026-12-03).
+# (4 rows x 1,024 tokens with a reference pass, ~110 s a call on 2 cores) was still measuring compile after ~10
+# minutes (its 8 probe calls alone ~15) against a 270 s budget: its cost was read as the 90 s first guess, which
+# a small model's compile and probes take (2026-12-03).
 PROBES = 8
 
 
