@@ -386,6 +386,22 @@ def test_every_objective_setting_is_declared_once_and_brings_its_flag_help_and_r
     assert schema.docs(louder)["num_generations"] == schema.docs(ObjectiveKeys)["num_generations"]
 
 
+def test_a_command_keeps_library_notices_a_user_cannot_act_on_out_of_its_output(monkeypatch):
+    """The kernels hub client (installed with transformers 5.25) warns that it cannot check a kernel's publisher
+    offline, the way tunebench always runs: the README's first command printed it in a fresh environment."""
+    import logging
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the command's environment defaults stay in this test
+    os.environ.pop("HF_HUB_OFFLINE", None)
+    hub = logging.getLogger("kernels._internals.hf_hub")
+    try:
+        cli._quiet_libraries(allow_download=False)
+        assert not hub.isEnabledFor(logging.WARNING) and hub.isEnabledFor(logging.ERROR)
+        assert os.environ["HF_HUB_OFFLINE"] == "1"
+    finally:
+        logging.getLogger("kernels").setLevel(logging.NOTSET)
+
+
 def test_an_evaluation_reads_in_the_words_of_the_runs_objective_not_of_the_figures_its_record_holds():
     """The closing line words an eval as the run's objective type says (eval_words): an SFT run whose held-out set
     records a figure a preference run would (a source named 'rewards', say) still reads as loss and perplexity."""

@@ -281,6 +281,10 @@ def _quiet_libraries(allow_download: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # transformers 5.25 installs the kernels hub client, which warns "Skipping publisher trust check for
+    # 'kernels-community/quantization-bitsandbytes' because Hugging Face Hub is in offline mode" as the model loads:
+    # offline is tunebench's default and no kernel is fetched, so there is nothing for the user to act on
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Writing model shards" bars on every save
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # advice about padding masks and lengths we already handle
 
