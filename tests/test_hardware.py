@@ -372,6 +372,42 @@ def test_pick_attention_never_tries_a_kernel_that_would_not_fit():
         attention.pick(model, "auto", model.measure, _shape("fit3"), lambda impl: "too big")
 
 
+def test_a_kernel_is_not_measured_where_a_measured_ones_peak_says_its_step_would_not_fit(monkeypatch):
+    """The towns benchmark's RFT probe on a 23 GB machine (4 rows x 1,024 tokens, 30 layers, 9 heads, fp32): our
+    kernel peaked at 20.1 GB keeping 4,320 MB of attention weights; eager keeps as many, so it would peak there
+    too, past the 18.6 GB a step may reach (it was measured, and the OOM killer ended the run); sdpa keeps none:
+    ~15.8 GB predicted, measured (9.3 GB)."""
+    monkeypatch.setattr(attention, "memory_free_mb", lambda device: 17_600.0)
+    monkeypatch.setattr(attention, "memory_budget_mb", lambda device: (1_000.0, 18_600.0))
+    model = FakeAttentionModel({"tunebench": 141.0, "eager": 130.0, "sdpa": 120.0})
+    model.config = types.SimpleNamespace(num_hidden_layers=30, num_attention_heads=9)
+    peaks = {}
+    measure = lambda: peaks.setdefault(model.impl, {"tunebench": 20_100.0, "eager": 24_000.0,  # noqa: E731
+                                                    "sdpa": 9_300.0}[model.impl]) and model.measure()
+    too_big = attention.fit(model, 4, 1024, "fp32", torch.device("cpu"), lambda: dict(peaks))
+    row = attention.pick(model, "auto", measure, _shape("peaks"), too_big, candidates=("tunebench", "eager", "sdpa"))
+    assert row[1] == "tunebench" and "eager" not in model.tried and set(model.tried) == {"tunebench", "sdpa"}
+    assert "eager skipped: predicted to peak at ~20,100 MB, past the 18,600 MB a step may reach: tunebench peaked " \
+        "at 20,100 MB at 4 x 1024 tokens, keeping 4,320 MB of attention weights to its 4,320" in row[2]
+
+
+def test_a_size_the_attention_pick_saw_past_the_budget_is_over_it_and_never_timed_again():
+    """The towns RFT probe: micro 1 (4 rows x 1,024 tokens) peaked at 20.1 GB in the attention pick, past an 18.6 GB
+    budget; the sweep takes it as over budget, with every larger size, and times none of them again (it timed it
+    again, and held 24.3 GB of a 23 GB machine): no size fits, so checkpointing is the caller's to turn on."""
+    def step(size):
+        raise AssertionError(f"micro {size} timed")
+
+    result = batch.probe(step, [1, 2, 4], 18_600.0, 1_000.0, lambda e: False, None, None,
+                         {1: (166.0, 20_100.0, 60.0)})
+    assert result.micro_batch_size == 0
+    assert [(p.micro_batch_size, p.status) for p in result.probes] == [
+        (1, "over budget"), (2, "skipped: over budget"), (4, "skipped: over budget")]
+    fits = batch.probe(lambda size: (100.0 * size, 1_000.0 * size), [1, 2, 4], 18_600.0, 500.0, lambda e: False, None,
+                       None, {4: (300.0, 20_100.0, 60.0)})  # one over budget above: the smaller sizes still measured
+    assert fits.micro_batch_size == 2 and [p.status for p in fits.probes] == ["ok", "ok", "over budget"]
+
+
 def test_a_second_round_only_where_the_first_leaves_the_kernels_apart():
     alike = FakeAttentionModel({"sdpa": 100.0, "eager": 99.0, "tunebench": 103.0})
     assert attention.pick(alike, "auto", alike.measure, _shape("alike"))[1] == "tunebench"

@@ -253,7 +253,8 @@ def measure(model, step, w: Workload) -> Measured:
     timed = Timed(model, step)
     step = timed  # every probe step is remembered, the batch sweep's too: the sizes run here are warm (plancheck)
     rows += attention.decide(model, w.attention_asked, lambda: timed(w.attention_rows)[0], w.shape, w.attention_rows,
-                             w.widest, w.precision, w.device, w.checkpointing, budget, w.known)
+                             w.widest, w.precision, w.device, w.checkpointing, budget, w.known,
+                             lambda: {k: v[1] for (k, size), v in timed.seen.items() if size == w.attention_rows})
     chosen = micro_batch(w, timed, budget)
     micro, speed = chosen.size, chosen.speed
     rows += chosen.rows

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tunebench.core.decision import Decision
@@ -11,7 +13,13 @@ from tunebench.model import kernels, methods
 from tunebench.training.autotune import Shape, cached, store
 from tunebench.training.autotune.budget import ATTENTION_PART, Budget
 from tunebench.training.autotune.known import Known
-from tunebench.training.autotune.probe import enable_checkpointing, free_after_oom, is_oom, memory_free_mb
+from tunebench.training.autotune.probe import (
+    enable_checkpointing,
+    free_after_oom,
+    is_oom,
+    memory_budget_mb,
+    memory_free_mb,
+)
 
 ATTENTION_KERNELS = ("sdpa", "eager", kernels.NAME)  # run on every device and precision
 
@@ -92,6 +100,8 @@ def pick(model, requested: str, measure, shape: Shape, too_big=lambda impl: None
             for impl in list(speeds):
                 why = _not_worth(impl, speeds, cost, budget, known) if budget is not None and cost and not speeds[impl] \
                     else None
+                if not why and not speeds[impl] and any(speeds.values()):  # what the measured ones peaked at says
+                    why = too_big(impl)
                 if why:
                     skipped[impl], partial = why, True
                     del speeds[impl]
@@ -142,16 +152,32 @@ def _not_worth(impl: str, speeds: dict[str, float], cost: float, budget: Budget,
             "it could save")
 
 
-def fit(model, rows: int, length: int, precision: str, device: torch.device):
-    """`too_big` for `pick`: a kernel whose kept attention weights would take over half the
-    memory free now (the rest of the step needs room too) is not tried."""
+def fit(model, rows: int, length: int, precision: str, device: torch.device,
+        peaks: Callable[[], dict[str, float]] | None = None):
+    """`too_big` for `pick`: a kernel whose kept attention weights would take over half the memory free now (the
+    rest of the step needs room too) is not tried; nor, once others were measured (`peaks`: {kernel: the peak MB
+    its step reached at these rows}), one whose step would peak past the memory a step may reach (the budget the
+    batch probe keeps to), predicted as a measured kernel's peak plus the difference of their kept weights. On a
+    CPU a step past the RAM is the OOM killer: a GRPO-shaped probe (4 rows x 1,024 tokens, SmolLM2-135M LoRA,
+    fp32) peaked at 20.1 GB with tunebench's kernel on a 23 GB machine, and eager, which keeps as many weights,
+    measured next, was killed at 24 GB (2026-12-03)."""
     free = memory_free_mb(device)
+    _, budget = memory_budget_mb(device)
     itemsize = DTYPES[precision].itemsize
 
+    def weights(impl: str) -> float:
+        return kernels.saved_weights_mb(model.config, rows, length, impl, itemsize)
+
     def too_big(impl: str) -> str | None:
-        need = kernels.saved_weights_mb(model.config, rows, length, impl, itemsize)
+        need = weights(impl)
         if need > free / 2:
             return f"its {rows} x {length} x {length} attention weights need ~{need:,.0f} MB of {free:,.0f} MB free"
+        for other, peak in (peaks() if peaks is not None else {}).items():
+            predicted = peak + need - weights(other)
+            if other != impl and predicted > budget:
+                return (f"predicted to peak at ~{predicted:,.0f} MB, past the {budget:,.0f} MB a step may reach: "
+                        f"{other} peaked at {peak:,.0f} MB at {rows} x {length} tokens, keeping "
+                        f"{weights(other):,.0f} MB of attention weights to its {need:,.0f}")
         return None
 
     return too_big
@@ -163,13 +189,13 @@ class NoneFit(TunebenchError):
 
 def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int, precision: str,
            device: torch.device, checkpointing: str = "off", budget: Budget | None = None,
-           known: Known | None = None) -> list[Decision]:
+           known: Known | None = None, peaks: Callable[[], dict[str, float]] | None = None) -> list[Decision]:
     """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked. With
     gradient checkpointing on auto, rows that fit no kernel are measured again with recomputation on, and a
     gradient_checkpointing row says why (on an H200 filled to 1.5 GB, one 1,024-token row of GPT-2 fit no
     kernel without it, and the run stopped before the batch probe could turn it on)."""
     def one() -> Decision:
-        return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device),
+        return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device, peaks),
                     candidates=candidates(device, precision, model), budget=budget, known=known, rows=rows)
 
     try:

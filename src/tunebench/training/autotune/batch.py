@@ -75,13 +75,19 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     the same way. A size not measured is taken from the record's ratio when it predicts it faster (and its
     memory, predicted from the nearest measured size, fits): the row says predicted. `seen` holds sizes
     already timed on this model with the kernel kept ({size: (tokens/s, peak MB, seconds)}, the attention
-    pick's), reused at no cost. Memory above the baseline grows about linearly with the micro batch, so a
-    size predicted past `budget_mb` is never tried (no swap, no OOM killer).
+    pick's), reused at no cost (one that peaked past `budget_mb` is over budget, as are the sizes above it). Memory
+    above the baseline grows about linearly with the micro batch, so a size predicted past `budget_mb` is never
+    tried (no swap, no OOM killer).
     """
     sizes = sorted(sizes)
     measured = {size: m for size, m in (seen or {}).items() if size in sizes and m[1] <= budget_mb}
-    # size -> tokens/s, peak MB, seconds; those timed already (with the kernel kept) are rows as they are
-    rows = {size: Probe(size, round(tps, 1), round(peak, 1), "ok") for size, (tps, peak, _) in measured.items()}
+    # size -> tokens/s, peak MB, seconds; those timed already (with the kernel kept) are rows as they are, and one
+    # that peaked past the budget is over it, never timed again: the towns benchmark's RFT probe (4 rows x 1,024
+    # tokens) peaked at 20.1 GB in the attention pick on a 23 GB machine, and timing it again here held 24.3 GB
+    # for minutes with nothing left for the page cache (2026-12-03)
+    over = {size: m for size, m in (seen or {}).items() if size in sizes and m[1] > budget_mb}
+    rows = {size: Probe(size, round(tps, 1), round(peak, 1), "ok" if size in measured else "over budget")
+            for size, (tps, peak, _) in {**measured, **over}.items()}
     # The record's fastest first, when a size already timed predicts its memory; a first size measured blind is
     # the smallest (on a CPU a step past the RAM is the OOM killer, not an exception).
     start = known.best_micro(sizes) if known is not None and time_budget is not None and measured else None
@@ -90,7 +96,10 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     stopped = {"up": "", "down": ""}
     for size in order:
         direction = "down" if start is not None and size < start else "up"
-        if size in measured:
+        if size in measured or size in over:
+            continue
+        if over and size > min(over):
+            rows[size] = Probe(size, None, None, "skipped: over budget")
             continue
         near = min(measured, key=lambda s: abs(s - size)) if measured else None
         predicted_mb = None
