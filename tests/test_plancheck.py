@@ -145,6 +145,9 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
     # then read as none, so that what is tested here is the learning (the one below tests the measuring)
     real, seen = CoreShare.shared, []
     monkeypatch.setattr(CoreShare, "shared", lambda self: seen.append(real(self)) or 0.0)
+    fit, fitted = plancheck.call_cost, []  # what the plan costed a micro batch from: the probe's sizes
+    monkeypatch.setattr(plancheck, "call_cost", lambda speeds, rows, micro: fitted.append(
+        (speeds, micro, fit(speeds, rows, micro))) or fitted[-1][2])
     summary = finetune.run(tiny_run_config(dataset, tmp_path / "a", **{"batch.micro_batch_size": "auto"}))
     out = capsys.readouterr().out
     c = summary["plan_check"]
@@ -167,8 +170,10 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
         in report and "| difference by cause: data (s) |  | +0.0 |  |" in report
 
     first_plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}
-    assert "at the widest rows" in first_plan["time_estimate"]["reason"] and "and an optimizer step (" \
-        in first_plan["time_estimate"]["reason"]
+    reason, (speeds, micro, calls) = first_plan["time_estimate"]["reason"], fitted[0]
+    assert micro in speeds  # the sweep's sizes reach the plan's cost of a micro batch (one size: the test below's)
+    assert (f"{calls.probes}: {1000 * calls.fixed_s:,.0f} ms a micro batch whatever its width" if calls else
+            "the probe's forward and backward at ") in reason and "and an optimizer step (" in reason
 
     assert len(seen) == 1 and 0.0 <= seen[0] <= 1.0 and c["cores_shared"] == 0.0  # measured on every CPU run (Linux)
 
@@ -186,7 +191,7 @@ def test_a_run_prints_its_plan_against_what_happened_and_the_next_run_predicts_f
     records = [v for k, v in json.loads(cache_file().read_text()).items() if k.startswith("trained|")]
     assert [r["micro"][str(micro)]["runs"] for r in records] == [[c["steady_positions_per_s"]["measured"]]]  # b's not
     assert len(records[0]["micro"][str(micro)]["probes"]) == 1  # with what its process's probe measured, if any
-    ratios = [v for k, v in json.loads(cache_file().read_text()).items() if k.startswith("probe+optimizer-to-run|")]
+    ratios = [v for k, v in json.loads(cache_file().read_text()).items() if k.startswith("probe+calls+optimizer-to-run|")]
     assert [list(r["by_micro"]) for r in ratios] == [[str(micro)]]  # a's trained over probed, kept at its micro batch
 
 
@@ -296,6 +301,55 @@ def test_the_plans_speed_adds_an_optimizer_step_to_the_probes_forward_and_backwa
     speed, what = plancheck.with_optimizer(100.0, Work(1000.0, 900.0), steps=5, optimizer_s=0.5)
     assert speed == pytest.approx(200 / (200 / 100 + 0.5))  # 200 positions a step: 2 s of them, 0.5 s of optimizer
     assert what == "the probe's forward and backward at the widest rows (100 a second) and an optimizer step (500 ms)"
+
+
+def test_a_micro_batch_costs_a_fixed_part_and_a_part_per_position_fitted_to_two_probed_sizes():
+    """Hand-computed: rows 100 positions wide; micro 2 at 250 a second is 0.8 s for 200 positions, micro 4 at 300 is
+    1.333 s for 400: 2.667 ms a position and 0.267 s whatever the width. 20 micro batches of 50 positions on
+    average then take 20 x 0.267 + 1000 x 0.00267 = 8 s, and 5 optimizer steps of 0.5 s: 1000 / 10.5 a second,
+    where the widest rows' speed alone said 300. Micro 1, with no smaller size, is fitted with the next larger."""
+    import torch
+
+    def rows(size):
+        return {"input_ids": torch.zeros(size, 100, dtype=torch.long), "attention_mask": torch.ones(size, 100)}
+
+    speeds = {1: 200.0, 2: 250.0, 4: 300.0}
+    calls = plancheck.call_cost(speeds, rows, 4)
+    assert calls.probes.startswith("at micro 2 and 4 ") and calls.fixed_s == pytest.approx(0.8 / 3) and \
+        calls.per_position_s == pytest.approx(0.8 / 300)
+    speed, what = plancheck.with_optimizer(300.0, Work(1000.0, 900.0, 0, 20), steps=5, optimizer_s=0.5, calls=calls)
+    assert speed == pytest.approx(1000 / 10.5)
+    assert what == ("the probe's forward and backward at micro 2 and 4 of the widest rows (250 and 300 a second: "
+                    "267 ms a micro batch whatever its width and 2.67 ms a position, over the run's 20 of 50 positions "
+                    "on average) and an optimizer step (500 ms)")
+    full, _ = plancheck.with_optimizer(300.0, Work(4000.0, 4000.0, 0, 10), steps=10, optimizer_s=0.0, calls=calls)
+    assert full == pytest.approx(300.0)  # batches as wide as the probe's train at its speed
+    one = plancheck.call_cost(speeds, rows, 1)
+    assert one.probes.startswith("at micro 1 and 2 ") and one.fixed_s == pytest.approx(0.2) and one.per_position_s == pytest.approx(0.003)
+    assert plancheck.call_cost({4: 300.0}, rows, 4) is None  # one size: nothing to fit
+    assert plancheck.call_cost({1: 100.0, 2: 300.0}, rows, 1) is None  # twice the rows in less time: noise
+    assert plancheck.call_cost({1: 300.0, 2: 200.0}, rows, 2) is None  # dearer a position when larger: no fixed part
+
+
+def test_a_micro_batch_asked_for_is_costed_at_the_runs_own_width_by_one_more_probe(tmp_path, dataset, monkeypatch):
+    """Micro 1 asked for: no second size was probed, so the plan probes once more at rows as wide as the run's micro
+    batches are on average (narrower than the widest), and costs each of them from the two probes."""
+    from conftest import tiny_run_config
+    from tunebench.jobs import finetune
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
+    long = {"instruction": "tell me everything", "response": " ".join(["and then some more words"] * 12)}
+    with dataset.open("a") as f:  # long rows among short ones (some held out): the run's average under the widest
+        f.write(3 * (json.dumps(long) + "\n"))
+    real, seen = plancheck.width_cost, []
+    monkeypatch.setattr(plancheck, "width_cost", lambda micro, wide, fast, narrow, slow: seen.append(
+        (micro, wide["input_ids"].shape, narrow["input_ids"].shape, real(micro, wide, fast, narrow, slow))) or seen[-1][3])
+    finetune.run(tiny_run_config(dataset, tmp_path / "a", **{"batch.micro_batch_size": 1, "schedule.max_steps": 12}))
+    [(micro, wide, narrow, calls)] = seen
+    assert micro == 1 and wide[0] == narrow[0] == 1 and narrow[1] < 0.85 * wide[1]
+    plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}
+    assert (f"at micro 1 of the widest rows and of rows {narrow[1]} wide (" if calls else "at the widest rows (") \
+        in plan["time_estimate"]["reason"]
 
 
 def test_the_optimizer_step_is_timed_on_a_sample_and_scaled_to_the_trainable_count(monkeypatch):

@@ -71,6 +71,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             tokens_each=float(np.mean((data.tokens() if prefer else lengths)[train_idx])),
             what=finetune_model.measured_as(cfg),
             probe_rows=lambda size: collate_unit(data, longest[:size], tok.pad_token_id),
+            rows_near=lambda size, width: collate_unit(
+                data, train_idx[np.argsort(np.abs(lengths[train_idx] - width), kind="stable")[:size]].tolist(),
+                tok.pad_token_id),
             # packed rows fill max_length, so a kernel must fit that, not just the longest example
             widest=d.max_length if d.packing != "off" else batching.padded_width(
                 int(lengths[train_idx].max()), padding.value, d.max_length),

@@ -2,8 +2,9 @@
 the peak memory the plan predicted, beside what the run measured, and the difference in time split by cause.
 
 The plan predicts from what an earlier run of the same shape trained at on this machine (`learned`, below), else
-from the probe (forward and backward at the widest rows, timed after a warm-up repeat) with a timed optimizer step
-added (`with_optimizer`), corrected by what this machine's runs of the method trained at against that figure
+from the probe (forward and backward at the widest rows, timed after a warm-up repeat; where it timed two micro
+batches, each of the run's micro batches costed at its own width by `call_cost`) with a timed optimizer step added
+(`with_optimizer`), corrected by what this machine's runs of the method trained at against that figure
 (`probe_ratio`: those at the run's micro batch where two agree, else all of them). What the run trains is its own
 batches: the plan counts their computed positions (padding included) by collating them (`planned_work`), so
 padding is in the prediction and not a surprise. The run's first steps are the leading ones (in its first half)
@@ -47,6 +48,7 @@ class Work:
     positions: float
     tokens: float
     most_loss_positions: int = 0  # the most loss positions one micro batch holds (memory.with_logits)
+    micro_batches: float = 0.0  # how many micro batches hold them
 
 
 def planned_work(steps, count: int, accum: int) -> Work:
@@ -66,18 +68,78 @@ def planned_work(steps, count: int, accum: int) -> Work:
         if "labels" in batch:
             most = max(most, int((batch["labels"][:, 1:] != IGNORE).sum()))
     scale = total / take if take else 0.0
-    return Work(positions * scale, tokens * scale, most)
+    return Work(positions * scale, tokens * scale, most, total)
 
 
-def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: float) -> tuple[float, str]:
+class CallCost(NamedTuple):
+    """A micro batch's forward and backward as a cost it pays whatever its width plus a cost per position, fitted
+    to two probes of different positions (`call_cost`, `width_cost`), and what they were."""
+
+    fixed_s: float
+    per_position_s: float
+    probes: str  # "at micro 2 and 4 of the widest rows (250 and 300 a second"
+
+
+def _line(points: list[tuple[int, float]], probes: str) -> CallCost | None:
+    """The line through two probes' (positions, seconds); None where it says nothing sensible: more positions no
+    dearer (noise), or dearer a position than the fewer were (no part paid whatever the width)."""
+    (p1, t1), (p2, t2) = sorted(points)
+    if p2 <= p1:
+        return None
+    per_position = (t2 - t1) / (p2 - p1)
+    fixed = t1 - per_position * p1
+    return CallCost(fixed, per_position, probes) if per_position > 0 and fixed > 0 else None
+
+
+def _point(batch, tokens_per_s: float) -> tuple[int, float]:
+    """(positions, seconds) of a probe of collated `batch` that ran at `tokens_per_s` real tokens a second."""
+    return batch["input_ids"].numel(), int(batch["attention_mask"].sum()) / tokens_per_s
+
+
+def call_cost(speeds: dict[int, float], rows: Callable[[int], dict], micro: int) -> CallCost | None:
+    """The cost of one of the run's micro batches from the probe's speeds at `micro` and the next smaller size it
+    measured (else the next larger), both at the widest rows (`rows(size)`, collated as the probe ran them): the
+    line through their seconds against their positions. None where no second size was measured. Why: the probe
+    times the widest rows only, and a forward and backward pays a cost whatever its width (the calls it makes,
+    kernels launched per layer): on a 2-core Intel Xeon (SmolLM2-135M LoRA, fp32) a micro-1 step took 182 ms +
+    3.35 ms a position over widths 58-125, so a run's shorter rows train slower a position than the probe's
+    widest; at micro 4 the same cost is a quarter as much of a position's (2026-12-03,
+    benchmarks/new-width-cost-xeon-2026-12-03/)."""
+    other = max((s for s in speeds if s < micro), default=min((s for s in speeds if s > micro), default=None))
+    if micro not in speeds or other is None:
+        return None
+    a, b = sorted((micro, other))
+    return _line([_point(rows(size), speeds[size]) for size in (a, b)],
+                 f"at micro {a} and {b} of the widest rows ({speeds[a]:,.0f} and {speeds[b]:,.0f} a second")
+
+
+def width_cost(micro: int, wide, wide_speed: float, narrow, narrow_speed: float) -> CallCost | None:
+    """The cost of one of the run's micro batches from probes at `micro` of the widest rows (collated `wide`) and of
+    rows about as wide as the run's (`narrow`), where no second size was measured (a micro batch asked for)."""
+    width = narrow["input_ids"].shape[-1]
+    return _line([_point(wide, wide_speed), _point(narrow, narrow_speed)],
+                 f"at micro {micro} of the widest rows and of rows {width} wide ({wide_speed:,.0f} and "
+                 f"{narrow_speed:,.0f} a second")
+
+
+def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: float,
+                   calls: CallCost | None = None) -> tuple[float, str]:
     """The positions a second the run's steps should train at: the probe's forward and backward (at the widest
-    rows) and one optimizer step (`optimizer_s`, timed by `optimizer_step_s`) per optimizer step, with the text
-    that says so. The probe times no optimizer step: a full fine-tune of SmolLM2-135M spent 0.14-0.25 s a step in
-    it on a 2-core AVX2 EPYC (timed here), about 1% of its ~23 s steps; LoRA's is about a millisecond."""
+    rows; with `calls`, each of the run's micro batches at its own width, a cost per micro batch and per position)
+    and one optimizer step (`optimizer_s`, timed by `optimizer_step_s`) per optimizer step, with the text that says
+    so. The probe times no optimizer step: a full fine-tune of SmolLM2-135M spent 0.14-0.25 s a step in it on a
+    2-core AVX2 EPYC (timed here), about 1% of its ~23 s steps; LoRA's is about a millisecond."""
     per_step = work.positions / steps  # this rank's positions an optimizer step
-    speed = per_step / (per_step / probe_speed + optimizer_s)
-    return speed, (f"the probe's forward and backward at the widest rows ({probe_speed:,.0f} a second) and an "
-                   f"optimizer step ({1000 * optimizer_s:,.0f} ms)")
+    optimizer = f" and an optimizer step ({1000 * optimizer_s:,.0f} ms)"
+    if calls is None or not work.micro_batches:
+        speed = per_step / (per_step / probe_speed + optimizer_s)
+        return speed, f"the probe's forward and backward at the widest rows ({probe_speed:,.0f} a second){optimizer}"
+    forward_backward = work.micro_batches * calls.fixed_s + work.positions * calls.per_position_s
+    speed = work.positions / (forward_backward + steps * optimizer_s)
+    return speed, (f"the probe's forward and backward {calls.probes}: {1000 * calls.fixed_s:,.0f} ms a micro batch "
+                   f"whatever its width and {1000 * calls.per_position_s:,.2f} ms a position, over the run's "
+                   f"{work.micro_batches:,.0f} of {work.positions / work.micro_batches:,.0f} positions on average)"
+                   f"{optimizer}")
 
 
 def optimizer_step_s(trainable: int, device) -> float:
@@ -302,8 +364,10 @@ MACHINE = ("where", "precision", "torch", "method")  # what a machine's records 
 
 def machine_key(batch_key: Key) -> Key:
     """The key of what runs of this method on this machine (CPU or GPU, threads, precision, torch) trained against
-    their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe."""
-    return batch_key.narrowed("probe+optimizer-to-run", MACHINE)
+    their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe. Against the figure
+    `with_optimizer` gives, a micro batch's cost at its own width in it: a record named for the figure before that
+    (its ratios against the widest rows' speed alone) would correct the new figure for what it now counts."""
+    return batch_key.narrowed("probe+calls+optimizer-to-run", MACHINE)
 
 
 class Ratio(NamedTuple):

@@ -169,6 +169,7 @@ class Measured:
     key: Key | None = None  # the batch measurement's cache key: what a run trained is kept beside it (plancheck)
     timed: tuple[int, ...] = ()  # the micro batches a probe ran in this process: their first steps are behind them
     first_steps: float | None = None  # a cold micro batch's first steps' extra, in micro batches (class record)
+    speeds: tuple[tuple[int, float], ...] = ()  # (micro batch, tokens/s) at the widest rows, all from one process
 
     @property
     def compiled(self) -> bool:
@@ -206,6 +207,9 @@ class Units:
     asked_reason: str = "asked for"
     batch_unit: str = ""  # after the effective batch's product in its row: " blocks of 256"
     rows_each: int = 1  # the training rows a unit is (GRPO's group): the attention kernels are timed at rows
+    # (size, width) -> `size` units about `width` tokens wide, collated as probe_rows: where the run's micro batches
+    # are narrower than the probe's, the plan times them too (recipe.narrow_cost); None where every one is as wide
+    rows_near: Callable[[int, int], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -265,7 +269,19 @@ def measure(model, step, w: Workload) -> Measured:
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
                               micro, speed, w.compile_mode, budget, w.time_cap_s, probe_s))
     return Measured(tuple(rows), micro, accum, speed, chosen.key, tuple(sorted({size for _, size in timed.seen})),
-                    w.known.first_steps if w.known is not None else None)
+                    w.known.first_steps if w.known is not None else None, probed_speeds(timed, micro, chosen.key))
+
+
+def probed_speeds(timed: Timed, micro: int, key: Key) -> tuple[tuple[int, float], ...]:
+    """The speeds probes measured at the widest rows, by micro batch, for the plan's cost of a micro batch
+    (plancheck.call_cost, recipe.narrow_cost): this process's where it timed the run's micro batch, else the cached
+    probe's of the shape (one earlier process's: a hand-picked row of a compare reads the auto row's sweep). Never
+    the two mixed: two processes' probes of one shape differed by up to 1.9x on a 2-core Xeon (2026-12-03)."""
+    from tunebench.training.autotune import batch
+
+    here = {size: v[0] for size, v in timed.of_kernel(timed.model).items()}
+    speeds = here if micro in here else batch.cached_speeds(key)
+    return tuple(sorted(speeds.items()))
 
 
 @dataclass(frozen=True)

@@ -272,11 +272,16 @@ def measurement_key(shape: Shape, effective_batch_size: int, n_train: int, ranks
 def cached_speed(shape: Shape, effective_batch_size: int, n_train: int, micro: int, ranks_sharing: int = 1) \
         -> float | None:
     """Tokens/s an earlier probe of this shape measured for `micro`, if it measured that size (no cost)."""
-    hit = cached(measurement_key(shape, effective_batch_size, n_train, ranks_sharing))
+    return cached_speeds(measurement_key(shape, effective_batch_size, n_train, ranks_sharing)).get(micro)
+
+
+def cached_speeds(key: Key) -> dict[int, float]:
+    """{micro batch: tokens/s} of every size the cached probe under `key` measured (none predicted), one process's."""
+    hit = cached(key)
     if not hit or "result" not in hit:
-        return None
-    return next((p.tokens_per_s for p in Result.from_dict(hit["result"]).probes
-                 if p.micro_batch_size == micro and p.status == "ok" and p.tokens_per_s), None)
+        return {}
+    return {p.micro_batch_size: p.tokens_per_s for p in Result.from_dict(hit["result"]).probes
+            if p.status == "ok" and p.tokens_per_s}
 
 
 def probed_micro_batch(step: StepFn, shape: Shape, effective_batch_size: int, n_train: int, max_length: int,
