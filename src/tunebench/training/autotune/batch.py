@@ -80,14 +80,7 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     tried (no swap, no OOM killer).
     """
     sizes = sorted(sizes)
-    measured = {size: m for size, m in (seen or {}).items() if size in sizes and m[1] <= budget_mb}
-    # size -> tokens/s, peak MB, seconds; those timed already (with the kernel kept) are rows as they are, and one
-    # that peaked past the budget is over it, never timed again: the towns benchmark's RFT probe (4 rows x 1,024
-    # tokens) peaked at 20.1 GB in the attention pick on a 23 GB machine, and timing it again here held 24.3 GB
-    # for minutes with nothing left for the page cache (2026-12-03)
-    over = {size: m for size, m in (seen or {}).items() if size in sizes and m[1] > budget_mb}
-    rows = {size: Probe(size, round(tps, 1), round(peak, 1), "ok" if size in measured else "over budget")
-            for size, (tps, peak, _) in {**measured, **over}.items()}
+    measured, rows = _already_timed(seen or {}, sizes, budget_mb)
     # The record's fastest first, when a size already timed predicts its memory; a first size measured blind is
     # the smallest (on a CPU a step past the RAM is the OOM killer, not an exception).
     start = known.best_micro(sizes) if known is not None and time_budget is not None and measured else None
@@ -96,10 +89,7 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
     stopped = {"up": "", "down": ""}
     for size in order:
         direction = "down" if start is not None and size < start else "up"
-        if size in measured or size in over:
-            continue
-        if over and size > min(over):
-            rows[size] = Probe(size, None, None, "skipped: over budget")
+        if size in rows:  # timed already, or above a size over budget
             continue
         near = min(measured, key=lambda s: abs(s - size)) if measured else None
         predicted_mb = None
@@ -150,6 +140,21 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
             stopped[direction] = _step_stop(measured, size, direction) or stopped[direction]
     probes = _charge_first_steps(tuple(rows[s] for s in sizes if s in rows), measured, known, time_budget)
     return _choose(probes, known)
+
+
+def _already_timed(seen: dict[int, tuple[float, float, float]], sizes: list[int], budget_mb: float):
+    """(measured, rows) of the sizes timed already ({size: (tokens/s, peak MB, seconds)}, the kernel kept):
+    those within `budget_mb` are measured, rows as they are; one that peaked past it is over budget, as are the
+    sizes above it, never timed: the towns benchmark's RFT probe (4 rows x 1,024 tokens) peaked at 20.1 GB in the attention pick on a
+    23 GB machine, and timing it again in the sweep held 24.3 GB for minutes with nothing left for the page cache
+    (2026-12-03)."""
+    measured = {size: m for size, m in seen.items() if size in sizes and m[1] <= budget_mb}
+    over = {size: m for size, m in seen.items() if size in sizes and m[1] > budget_mb}
+    rows = {size: Probe(size, round(tps, 1), round(peak, 1), "ok" if size in measured else "over budget")
+            for size, (tps, peak, _) in {**measured, **over}.items()}
+    rows.update({size: Probe(size, None, None, "skipped: over budget") for size in sizes
+                 if over and size > min(over) and size not in rows})
+    return measured, rows
 
 
 def _charge_first_steps(probes: tuple[Probe, ...], measured: dict[int, tuple[float, float, float]],
