@@ -145,9 +145,9 @@ def probe(step: StepFn, sizes: list[int], budget_mb: float, baseline_mb: float,
 def _already_timed(seen: dict[int, tuple[float, float, float]], sizes: list[int], budget_mb: float):
     """(measured, rows) of the sizes timed already ({size: (tokens/s, peak MB, seconds)}, the kernel kept):
     those within `budget_mb` are measured, rows as they are; one that peaked past it is over budget, as are the
-    sizes above it, never timed: the towns benchmark's RFT probe (4 rows x 1,024 tokens) peaked at 20.1 GB in the attention pick on a
-    23 GB machine, and timing it again in the sweep held 24.3 GB for minutes with nothing left for the page cache
-    (2026-12-03)."""
+    sizes above it, never timed: the towns benchmark's RFT probe (4 rows x 1,024 tokens) peaked at 20.1 GB in the
+    attention pick on a 23 GB machine, and timing it again in the sweep held 24.3 GB for minutes with nothing left
+    for the page cache (2026-12-03)."""
     measured = {size: m for size, m in seen.items() if size in sizes and m[1] <= budget_mb}
     over = {size: m for size, m in seen.items() if size in sizes and m[1] > budget_mb}
     rows = {size: Probe(size, round(tps, 1), round(peak, 1), "ok" if size in measured else "over budget")
