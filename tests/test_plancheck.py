@@ -348,8 +348,66 @@ def test_a_micro_batch_asked_for_is_costed_at_the_runs_own_width_by_one_more_pro
     [(micro, wide, narrow, calls)] = seen
     assert micro == 1 and wide[0] == narrow[0] == 1 and narrow[1] < 0.85 * wide[1]
     plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}
-    assert (f"at micro 1 of the widest rows and of rows {narrow[1]} wide (" if calls else "at the widest rows (") \
-        in plan["time_estimate"]["reason"]
+    assert f"at micro 1 of the widest rows and of rows {narrow[1]} wide (" in plan["time_estimate"]["reason"]
+
+
+def test_where_narrow_rows_train_no_slower_a_position_than_the_widest_their_speed_alone_is_the_plans():
+    """Hand-computed: micro 2 of rows 100 wide at 200 a second is 1 s for 200 positions; of rows 50 wide at 250,
+    0.4 s for 100: the line's part paid whatever the width would be below 0 (the probes' noise), so the run's
+    positions are costed at the narrow rows' 4 ms each: 1,000 of them in 4 s, 250 a second."""
+    import torch
+
+    def rows(size, width):
+        return {"input_ids": torch.zeros(size, width, dtype=torch.long), "attention_mask": torch.ones(size, width)}
+
+    calls = plancheck.width_cost(2, rows(2, 100), 200.0, rows(2, 50), 250.0)
+    assert calls.fixed_s == 0.0 and calls.per_position_s == pytest.approx(0.004)
+    speed, what = plancheck.with_optimizer(200.0, Work(1000.0, 900.0, 0, 10), steps=5, optimizer_s=0.0, calls=calls)
+    assert speed == pytest.approx(250.0)
+    assert what.startswith("the probe's forward and backward at micro 2 of the widest rows and of rows 50 wide (200 "
+                           "and 250 a second; the narrow rows no slower a position, so their speed alone: 4.00 ms a "
+                           "position, over the run's 10 of 100 positions on average)")
+    fitted = plancheck.width_cost(2, rows(2, 100), 200.0, rows(2, 50), 150.0)  # 0.667 s for 100: a line
+    assert fitted.fixed_s == pytest.approx(1 / 3) and fitted.per_position_s == pytest.approx(1 / 300)
+
+
+def test_one_probed_size_is_costed_with_the_records_ratio_of_the_next_smaller():
+    """Hand-computed: rows 100 wide; micro 4 probed at 300 a second (1.333 s for 400 positions), the record's micro
+    1 at 0.5x micro 4 (150 a second: 0.667 s for 100): 2.22 ms a position and 0.444 s whatever the width. 20 micro
+    batches of 50 positions then take 20 x 0.444 + 1000 x 0.00222 = 11.1 s: 90 a second."""
+    import torch
+
+    def rows(size):
+        return {"input_ids": torch.zeros(size, 100, dtype=torch.long), "attention_mask": torch.ones(size, 100)}
+
+    calls = plancheck.record_cost(4, 300.0, {1: 0.5, 8: 1.1}, rows, "AMX bf16 machines (...)")
+    assert calls.fixed_s == pytest.approx(4 / 9) and calls.per_position_s == pytest.approx(1 / 450)
+    assert calls.probes == ("at micro 4 of the widest rows, with micro 1 at 0.50x it as the record of AMX bf16 "
+                            "machines (...) has it (300 and 150 a second")
+    speed, _ = plancheck.with_optimizer(300.0, Work(1000.0, 900.0, 0, 20), steps=5, optimizer_s=0.0, calls=calls)
+    assert speed == pytest.approx(90.0)
+    assert plancheck.record_cost(1, 150.0, {4: 2.0}, rows, "").fixed_s == pytest.approx(4 / 9)  # else the larger
+    assert plancheck.record_cost(4, 300.0, {}, rows, "") is None  # no other size on record
+
+
+def test_a_run_that_probed_one_size_costs_its_micro_batches_with_the_class_records_ratio(tmp_path, dataset,
+                                                                                        monkeypatch):
+    """Micro 2 asked for, no narrow probe taken (as where it would cost over a tenth of the training): the plan's
+    second size is the class record's micro 1, at its ratio to micro 2, and the time estimate says so."""
+    from conftest import tiny_run_config
+    from tunebench.jobs import finetune
+    from tunebench.jobs.parts import recipe
+    from tunebench.training.autotune import known
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(recipe, "narrow_cost", lambda *args: None)
+    outcome = Recorded("tiny", 1000, 2, "lora", 256, 2, {}, {1: 600.0, 2: 1000.0}, None, None)
+    record = Known(Record("avx2-fp32", "avx2", "fp32", 2, "", "", (outcome,)), outcome, ())
+    monkeypatch.setattr(known, "for_run", lambda *args: record)
+    finetune.run(tiny_run_config(dataset, tmp_path / "a"))
+    plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}
+    assert f"at micro 2 of the widest rows, with micro 1 at 0.60x it as the record of {record.source} has it (" in \
+        plan["time_estimate"]["reason"]
 
 
 def test_the_optimizer_step_is_timed_on_a_sample_and_scaled_to_the_trainable_count(monkeypatch):

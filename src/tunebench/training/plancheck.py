@@ -113,13 +113,35 @@ def call_cost(speeds: dict[int, float], rows: Callable[[int], dict], micro: int)
                  f"at micro {a} and {b} of the widest rows ({speeds[a]:,.0f} and {speeds[b]:,.0f} a second")
 
 
-def width_cost(micro: int, wide, wide_speed: float, narrow, narrow_speed: float) -> CallCost | None:
+def record_cost(micro: int, speed: float, ratios: dict[int, float], rows: Callable[[int], dict],
+                source: str) -> CallCost | None:
+    """The cost of one of the run's micro batches where the probe timed only `micro` (at `speed`, the widest rows)
+    and measuring another size was not worth it: the next smaller size the machine class's record measured (else
+    the next larger) at `ratios[size]` times `speed`, as the record has it, and the line through the two. An auto
+    run on a 2-core Intel Xeon (SmolLM2-135M LoRA, fp32) timed micro 4 only, at 371 positions a second of the
+    widest rows, and trained at 320 over Bitext's narrower rows; the record's micro 1 at 0.56x micro 4 gives
+    361 ms a micro batch + 1.99 ms a position, 318 a second over those rows (2026-12-03, a compare from an empty
+    cache)."""
+    other = max((s for s in ratios if s < micro), default=min((s for s in ratios if s > micro), default=None))
+    if other is None:
+        return None
+    said = {micro: speed, other: speed * ratios[other]}
+    return _line([_point(rows(size), said[size]) for size in (micro, other)],
+                 f"at micro {micro} of the widest rows, with micro {other} at {ratios[other]:.2f}x it as the record "
+                 f"of {source} has it ({speed:,.0f} and {said[other]:,.0f} a second")
+
+
+def width_cost(micro: int, wide, wide_speed: float, narrow, narrow_speed: float) -> CallCost:
     """The cost of one of the run's micro batches from probes at `micro` of the widest rows (collated `wide`) and of
-    rows about as wide as the run's (`narrow`), where no second size was measured (a micro batch asked for)."""
+    rows about as wide as the run's (`narrow`), where no second size was measured (a micro batch asked for). Where
+    the narrow rows trained no slower a position than the widest (the two probes' noise is larger than the cost a
+    micro batch pays whatever its width), the narrow rows' speed alone: they are the width the run feeds."""
     width = narrow["input_ids"].shape[-1]
-    return _line([_point(wide, wide_speed), _point(narrow, narrow_speed)],
-                 f"at micro {micro} of the widest rows and of rows {width} wide ({wide_speed:,.0f} and "
-                 f"{narrow_speed:,.0f} a second")
+    probes = (f"at micro {micro} of the widest rows and of rows {width} wide ({wide_speed:,.0f} and "
+              f"{narrow_speed:,.0f} a second")
+    positions, seconds = _point(narrow, narrow_speed)
+    return _line([_point(wide, wide_speed), (positions, seconds)], probes) or \
+        CallCost(0.0, seconds / positions, probes + "; the narrow rows no slower a position, so their speed alone")
 
 
 def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: float,
@@ -136,8 +158,9 @@ def with_optimizer(probe_speed: float, work: Work, steps: int, optimizer_s: floa
         return speed, f"the probe's forward and backward at the widest rows ({probe_speed:,.0f} a second){optimizer}"
     forward_backward = work.micro_batches * calls.fixed_s + work.positions * calls.per_position_s
     speed = work.positions / (forward_backward + steps * optimizer_s)
-    return speed, (f"the probe's forward and backward {calls.probes}: {1000 * calls.fixed_s:,.0f} ms a micro batch "
-                   f"whatever its width and {1000 * calls.per_position_s:,.2f} ms a position, over the run's "
+    fixed = f"{1000 * calls.fixed_s:,.0f} ms a micro batch whatever its width and " if calls.fixed_s else ""
+    return speed, (f"the probe's forward and backward {calls.probes}: {fixed}"
+                   f"{1000 * calls.per_position_s:,.2f} ms a position, over the run's "
                    f"{work.micro_batches:,.0f} of {work.positions / work.micro_batches:,.0f} positions on average)"
                    f"{optimizer}")
 

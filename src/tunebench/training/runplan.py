@@ -170,6 +170,8 @@ class Measured:
     timed: tuple[int, ...] = ()  # the micro batches a probe ran in this process: their first steps are behind them
     first_steps: float | None = None  # a cold micro batch's first steps' extra, in micro batches (class record)
     speeds: tuple[tuple[int, float], ...] = ()  # (micro batch, tokens/s) at the widest rows, all from one process
+    record_ratios: tuple[tuple[int, float], ...] = ()  # (micro batch, its speed / the run's) on the class record
+    record_source: str = ""  # that record: its machines and shape
 
     @property
     def compiled(self) -> bool:
@@ -268,8 +270,12 @@ def measure(model, step, w: Workload) -> Measured:
     probe_s = timed.of_kernel(model).get(micro, (None, None, None))[2]  # one probe call at micro: compile makes 8
     rows.append(compiler.pick(model, w.compile_asked, w.quantized, lambda: step(micro)[0], w.run_tokens, w.shape,
                               micro, speed, w.compile_mode, budget, w.time_cap_s, probe_s))
+    known = w.known
+    ratios = {size: known.micro_ratio(size, micro) for size in known.outcome.micro_batch} if known is not None else {}
     return Measured(tuple(rows), micro, accum, speed, chosen.key, tuple(sorted({size for _, size in timed.seen})),
-                    w.known.first_steps if w.known is not None else None, probed_speeds(timed, micro, chosen.key))
+                    known.first_steps if known is not None else None, probed_speeds(timed, micro, chosen.key),
+                    tuple(sorted((s, r) for s, r in ratios.items() if r and s != micro)),
+                    known.source if known is not None else "")
 
 
 def probed_speeds(timed: Timed, micro: int, key: Key) -> tuple[tuple[int, float], ...]:

@@ -214,8 +214,11 @@ def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured
     probe_from, probe = "the probe's forward and backward at the widest rows", None
     if speed and work.positions and steps and micro not in learned and world.main:
         trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
-        calls = plancheck.call_cost(dict(measured.speeds), r.units.probe_rows, micro) or \
-            narrow_cost(r, opened, measured, speed, work)
+        speeds = dict(measured.speeds)
+        calls = plancheck.call_cost(speeds, r.units.probe_rows, micro) or \
+            narrow_cost(r, opened, measured, speeds.get(micro, speed), work) or \
+            (plancheck.record_cost(micro, speeds.get(micro, speed), dict(measured.record_ratios), r.units.probe_rows,
+                                   measured.record_source) if not measured.compiled else None)
         probe, probe_from = plancheck.with_optimizer(speed, work, steps, plancheck.optimizer_step_s(
             trainable, opened.device), calls)
     f = plancheck.forecast(work, micro, probe or speed, learned, micro in measured.timed, measured.first_steps,
@@ -227,7 +230,7 @@ NARROW = 0.85  # the run's micro batches are timed at their own width where they
 NARROW_SHARE = 0.1  # and where that costs at most this share of the training it predicts (measuring's budget)
 
 
-def narrow_cost(r: Recipe, opened: runner.Opened, measured: runplan.Measured, speed: float,
+def narrow_cost(r: Recipe, opened: runner.Opened, measured: runplan.Measured, wide_speed: float,
                 work: plancheck.Work) -> plancheck.CallCost | None:
     """What one of the run's micro batches costs at its own width where the probe timed only its micro batch
     (asked for, or the one size a sweep ran) at the widest rows: one more probe, of rows as wide as the run's
@@ -246,7 +249,7 @@ def narrow_cost(r: Recipe, opened: runner.Opened, measured: runplan.Measured, sp
     if 3 * narrow["input_ids"].numel() > NARROW_SHARE * work.positions:  # a probe is 3 calls, about as fast
         return None
     narrow_speed, _ = probe_step(r.model, lambda size: narrow, opened.device, opened.autocast, r.loss)(micro)
-    return plancheck.width_cost(micro, wide, dict(measured.speeds).get(micro, speed), narrow, narrow_speed)
+    return plancheck.width_cost(micro, wide, wide_speed, narrow, narrow_speed)
 
 
 @dataclass
