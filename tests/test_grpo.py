@@ -296,6 +296,11 @@ def test_grpo_from_the_command_line_prints_its_settings_and_the_held_out_reward(
                                            "--kind-column": "kind"})) == 0
     printed = capsys.readouterr().out
     assert re.search(r"time_estimate +not yet +its steps sample \(GRPO, RFT\)", printed)  # no probe times the sampling
+    # planned: the loss's log-probabilities at the widest rows' completions, and the step's 2 prompts x 3 episodes'
+    # caches while they are decoded
+    assert re.search(r"memory_plan .* the larger of the training pass \(activations .* \+ log-probabilities [\d.]+ "
+                     r"[MG]B \([\d,]+ loss positions x the vocabulary\)\) and sampling's KV caches [\d.]+ [MG]B \(6 "
+                     r"episodes x \d+ tokens\)", printed)
     assert re.search(r"seconds a step +not predicted, measured [\d.]+ s", printed) is None  # said only when predicted
     assert "rewards: gsm8k x 1, format x 0.5" in printed
     assert re.search(r"objective +grpo +3 completions a prompt of up to 8 tokens at temperature 1 .*beta 0.04; "

@@ -2,6 +2,7 @@
 steps, and one tiny run end to end at auto's micro batch, whose check is printed and kept, and whose steady speed
 the next run of its shape predicts from."""
 
+import dataclasses
 import json
 
 import pytest
@@ -44,15 +45,37 @@ def test_a_plan_for_longer_rows_than_were_fed_is_a_bound_and_the_peak_is_held_to
     # GRPO at beta 0 plans every group teaching at the longest completion and feeds only the groups that teach
     plan = memory.MemoryPlan(runtime=500.0, weights=500.0, state=10.0, activations=6000.0, micro=16, tokens=220,
                              checkpointing=False)
-    assert plan.as_fed(16 * 220) == pytest.approx(plan.total)
-    assert plan.as_fed(2 * 110) == pytest.approx(1010.0 + 6000.0 / 16)  # 2 rows of 110: a sixteenth of the positions
+    assert plan.as_fed(16, 220) == pytest.approx(plan.total)
+    assert plan.as_fed(2, 110) == pytest.approx(1010.0 + 6000.0 / 16)  # 2 rows of 110: a sixteenth of the positions
     f = Forecast(Work(500.0, 450.0), positions_per_s=None, first_steps_s=0.0, peak_mb=plan.total)
-    c = plancheck.check(f, [(1.0, 100, 90)] * 4, wall_s=4.0, peak_mb=1600.0, fed=(2, 110, plan.as_fed(220)))
+    c = plancheck.check(f, [(1.0, 100, 90)] * 4, wall_s=4.0, peak_mb=1600.0, fed=(2, 110, plan.as_fed(2, 110)))
     assert c["largest_micro_batch_fed"] == [2, 110] and c["peak_memory_as_fed_mb"]["ratio"] == pytest.approx(
         1600 / 1385, abs=1e-3)
     text = "\n".join(plancheck.lines(c))
     assert ("peak memory        the plan's 7,010 MB is a bound (every row fed at its longest); at the largest micro "
             "batch fed (2 rows x 110) predicted 1,385 MB, measured 1,600 MB (1.16x, missed by more than 15%)") in text
+
+
+def test_a_step_that_samples_plans_the_larger_of_its_training_pass_and_its_decodings_caches():
+    """Hand-computed: SmolLM2-135M's shape (30 layers, key/value 192 wide) in fp32, 16 episodes of 1,024 tokens
+    decoded at once: keys and values, three copies (decoding.Turns), 3 x 16 x 1,024 x 30 x 2 x 192 x 4 bytes =
+    2,160 MB. Held to a fed micro batch half as wide with a sixteenth of the loss positions, the caches (as many
+    episodes, half as long) outgrow the training pass."""
+    shape = memory.ModelShape(30, 576, 192, 1536, 9, 0, 0, "llama")
+    plan = memory.MemoryPlan(runtime=500.0, weights=500.0, state=10.0, activations=1000.0, micro=4, tokens=1024,
+                             checkpointing=True, logits=1600.0, loss_positions=3200)
+    sampled = memory.with_sampling(plan, shape, 16, 4)
+    assert sampled.sampling == pytest.approx(2160.0) and sampled.sampling_rows == 16
+    assert sampled.total == pytest.approx(1010.0 + 2600.0)  # the training pass the larger at the bound
+    assert sampled.as_fed(4, 512, 200) == pytest.approx(1010.0 + 1080.0)  # training 500 + 100: the caches' 1,080
+    assert plan.as_fed(4, 512, 200) == pytest.approx(1010.0 + 600.0)  # without sampling, as before
+    weights = dataclasses.replace(plan, square=400.0)  # attention weights: 0.5 x the positions, each half as wide
+    assert weights.as_fed(4, 512, 200) == pytest.approx(1010.0 + 600.0 * 0.5 + 400.0 * 0.25 + 100.0)
+    kept = memory.predict(shape, "lora", 4, 0, 4, 1024, False, "tunebench")  # our kernel's T x T a head, 31 layers
+    assert kept.square == pytest.approx(memory.TRANSIENT["cpu"] * 4 * 9 * 1024 * 4096 * 31 / 2**20)
+    assert "the larger of the training pass (activations 1000 MB (micro 4 x 1024 tokens, checkpointing on) + " \
+        "log-probabilities 1.6 GB (3,200 loss positions x the vocabulary)) and sampling's KV caches 2.1 GB (16 " \
+        "episodes x 1024 tokens)" in sampled.parts()
 
 
 def test_what_runs_held_beyond_their_memory_plans_is_added_to_the_next_plans_never_taken_off(tmp_path, monkeypatch):

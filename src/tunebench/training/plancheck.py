@@ -453,8 +453,10 @@ def learn_ratio(key: Key | None, c: dict, probe_speed: float | None, micro: int 
 
 
 def memory_key(batch_key: Key) -> Key:
-    """The key of what runs on this machine (CPU or GPU, precision, torch, method) held beyond their memory plans."""
-    return batch_key.narrowed("memory-to-run", MACHINE)
+    """The key of what runs on this machine (CPU or GPU, precision, torch, method) held beyond their memory plans.
+    Named for what the plan counts: since 2026-12-04 a step that samples is planned with its decoding's caches and
+    its loss's log-probabilities, which figures kept against the plan before would count twice."""
+    return batch_key.narrowed("memory+sampling-to-run", MACHINE)
 
 
 def memory_beyond(key: Key | None) -> tuple[float, int] | None:

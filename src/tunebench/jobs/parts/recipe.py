@@ -24,6 +24,7 @@ from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
+from tunebench.data.batching import IGNORE
 from tunebench.jobs.parts import measuring, runner
 from tunebench.machine import distributed, trackers
 from tunebench.machine.metrics import MetricsWriter, peak_memory_mb, reset_peak_memory
@@ -169,6 +170,9 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
         work = plancheck.planned_work(made.feed(world, micro, accum), steps, accum)
     if r.loss is not None and work.most_loss_positions:  # an objective of its own: log-probabilities held whole
         memory_plan = memory.with_logits(memory_plan, work.most_loss_positions, memory.vocab_of(r.model))
+    if made.sampled:
+        memory_plan = sampled_memory(r, memory_plan, effective // world.size * rows_each,
+                                     DTYPES[opened.hw_plan.precision].itemsize)
     if measured.key:  # what this machine's runs held beyond their plans
         memory_plan = memory.with_learned(memory_plan, plancheck.memory_beyond(plancheck.memory_key(measured.key)))
     started = time.perf_counter()
@@ -195,6 +199,16 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
         print(r.header)
         summary_.print_plan(plan.decisions)
     return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured, time_limit_s)
+
+
+def sampled_memory(r: Recipe, plan: memory.MemoryPlan, episodes: int, value_bytes: int) -> memory.MemoryPlan:
+    """The memory plan of a step that samples (GRPO, RFT): its loss's log-probabilities at the loss positions of
+    the widest rows the probe ran (every completion as long as it can be), which `planned_work` cannot count from
+    batches not yet drawn, and the KV caches of its `episodes` decoded at once."""
+    widest = r.units.probe_rows(plan.micro // plan.rows_each)
+    if r.loss is not None:
+        plan = memory.with_logits(plan, int((widest["labels"][:, 1:] != IGNORE).sum()), memory.vocab_of(r.model))
+    return memory.with_sampling(plan, memory.shape_of(r.model), episodes, value_bytes)
 
 
 def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured: runplan.Measured, steps: int,
@@ -302,7 +316,8 @@ class TrainResult:
     weights: dict | None
     ranks: list[Any] | None
     times: list[tuple[float, int, int]] = field(default_factory=list)  # this process's steps: seconds, positions, tokens
-    largest_fed: tuple[int, int] = (0, 0)  # the micro batch of most positions the loop fed: rows, width
+    largest_fed: tuple[int, int, int] = (0, 0, 0)  # the micro batch of most positions the loop fed: rows, width;
+    # and the most loss positions one held
 
 
 class Largest:
@@ -310,13 +325,15 @@ class Largest:
     to at the end (GRPO plans every group teaching, and feeds only the groups that teach)."""
 
     def __init__(self, collate: Callable):
-        self.collate, self.rows, self.width = collate, 0, 0
+        self.collate, self.rows, self.width, self.loss_positions = collate, 0, 0, 0
 
     def __call__(self, *args):
         batch = self.collate(*args)
         rows, width = batch["input_ids"].shape
         if rows * width > self.rows * self.width:
             self.rows, self.width = rows, width
+        if "labels" in batch:  # the most loss positions one held: its log-probabilities' share of the peak
+            self.loss_positions = max(self.loss_positions, int((batch["labels"][:, 1:] != IGNORE).sum()))
         return batch
 
 
@@ -421,7 +438,7 @@ def training(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, t
                              t.settings.warmup_steps_excluded, shared)
     weights = distributed.full_weights(r.model, world) if plan.parallel == "fsdp" else None
     ranks = distributed.gather(world, r.rank_figures()) if r.rank_figures else None
-    on.result = TrainResult(outcome, weights, ranks, times, (largest.rows, largest.width))
+    on.result = TrainResult(outcome, weights, ranks, times, (largest.rows, largest.width, largest.loss_positions))
 
 
 def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, trained: TrainResult,
@@ -440,13 +457,13 @@ def finish(cfg: RunBase, opened: runner.Opened, r: Recipe, planned: Planned, tra
         forecast = dataclasses.replace(forecast, work=plancheck.Work(forecast.work.positions * share,
                                                                      forecast.work.tokens * share),
                                        steps=len(trained.times))
-    rows, width = trained.largest_fed
+    rows, width, loss_positions = trained.largest_fed
     plan_ = planned.memory_plan
     # the plan a bound where steps sample (GRPO leaves out the groups that teach nothing, RFT the unkept rows): held
     # also to the largest micro batch fed; a supervised run's plan is at its longest rows, which it feeds in an epoch
     sampled = planned.batches.sampled
     bound = sampled and 0 < rows * width < 0.9 * plan_.micro * plan_.tokens
-    fed = (rows, width, plan_.as_fed(rows * width)) if bound else None
+    fed = (rows, width, plan_.as_fed(rows, width, loss_positions)) if bound else None
     check = plancheck.check(forecast, trained.times, o.wall_s, o.peak_memory_mb, fed, sampled=sampled,
                             cores_shared=o.cores_shared)
     summary["plan_check"] = check

@@ -138,10 +138,16 @@ class MemoryPlan:
     learned: float = 0.0  # what this machine's runs held beyond their plans (with_learned)
     learned_from: int = 0  # the runs that figure is the median of
     compiled: float = 1.0  # the factor on the activations of compiled layers (COMPILED), 1 when eager
+    sampling: float = 0.0  # the KV caches a step that samples holds while it decodes (with_sampling)
+    square: float = 0.0  # the part of `activations` that grows with the square of the width (attention's weights)
+    sampling_rows: int = 0  # the episodes it decodes at once
 
     @property
     def total(self) -> float:
-        return self.runtime + self.weights + self.state + self.activations + self.logits + self.learned
+        """The peak: what the step keeps throughout, and the larger of its training pass and its sampling (a step
+        that samples frees its caches before its forward and backward)."""
+        return self.runtime + self.weights + self.state + max(self.activations + self.logits, self.sampling) + \
+            self.learned
 
     def parts(self) -> str:
         gb = lambda mb: f"{mb / 1024:.1f} GB" if mb >= 1024 else f"{mb:.0f} MB"  # noqa: E731
@@ -155,15 +161,28 @@ class MemoryPlan:
                   if self.logits else "")
         learned = (f" + {gb(self.learned)} that the last {self.learned_from} run(s) of this machine held beyond "
                    "their plans (the median)" if self.learned else "")
-        return (f"weights {gb(self.weights)} + trainable state {gb(self.state)} + {acts}{logits}{runtime}{learned}"
+        training = f"{acts}{logits}"
+        if self.sampling:
+            training = (f"the larger of the training pass ({training}) and sampling's KV caches "
+                        f"{gb(self.sampling)} ({self.sampling_rows} episodes x {self.tokens} tokens)")
+        return (f"weights {gb(self.weights)} + trainable state {gb(self.state)} + {training}{runtime}{learned}"
                 f"{self.note}")
 
-    def as_fed(self, positions: int) -> float:
-        """The predicted peak had the largest micro batch been `positions` (rows x width) instead of the plan's
-        rows x tokens: activations scale with the positions a step holds (eager attention's quadratic part
-        aside). GRPO plans every group teaching, at the longest completion; it feeds only the groups that teach."""
+    def as_fed(self, rows: int, width: int, loss_positions: int | None = None) -> float:
+        """The predicted peak had the largest micro batch been `rows` x `width` (and held `loss_positions`, where
+        given) instead of the plan's rows x tokens: activations scale with the positions a step holds (the
+        attention weights an eager or tunebench kernel keeps, with positions x width), the log-probabilities with the loss positions, sampling's caches with
+        the width (the episodes decoded are as many whatever was kept). GRPO plans every group teaching, at the
+        longest completion; it feeds only the groups that teach."""
         planned = self.micro * self.tokens
-        return self.total - self.activations * (1 - positions / planned) if planned else self.total
+        if not planned:
+            return self.total
+        logits = self.logits * loss_positions / self.loss_positions if self.loss_positions and \
+            loss_positions is not None else self.logits
+        share = rows * width / planned
+        training = (self.activations - self.square) * share + self.square * share * width / self.tokens + logits
+        return self.runtime + self.weights + self.state + max(training, self.sampling * width / self.tokens) + \
+            self.learned
 
 
 def vocab_of(model) -> int:
@@ -178,6 +197,21 @@ def with_logits(plan: MemoryPlan, loss_positions: int, vocab: int) -> MemoryPlan
     at the peak, three (N, V) tensors. The next-token loss of SFT fuses head and loss and never holds them.
     DPO at micro 4 pairs x 256 tokens on SmolLM2 peaked 870 MB over a plan without them (2026-12-02, AVX2)."""
     return dataclasses.replace(plan, logits=3 * 4 * loss_positions * vocab / MB, loss_positions=loss_positions)
+
+
+CACHE_COPIES = 3  # a row's KV cache is held at most this many times while a turn decodes (decoding.Turns)
+
+
+def with_sampling(plan: MemoryPlan, shape: ModelShape, rows: int, value_bytes: int) -> MemoryPlan:
+    """`plan` with the KV caches of a step that samples `rows` episodes at once, each as long as the plan's rows
+    (`plan.tokens`): keys and values of every layer, CACHE_COPIES times. Why three: decoding.Turns keeps each row's
+    cache compact between turns, lays them side by side (left-padded) for the turn, and copies each row's out
+    again when the turn ends, before the turn's cache is freed. An RFT step on a 2-core Xeon (SmolLM2-135M fp32,
+    16 episodes, contexts ~400-700 tokens, gradient checkpointing on) grew its resident memory ~1.0 GB while it
+    sampled and ~0.35 GB more in its training pass; the plan held neither (2026-12-04,
+    benchmarks/sampled-memory-xeon-2026-12-04/)."""
+    kv = CACHE_COPIES * rows * plan.tokens * shape.layers * 2 * shape.kv * value_bytes
+    return dataclasses.replace(plan, sampling=kv / MB, sampling_rows=rows)
 
 
 def with_learned(plan: MemoryPlan, beyond: tuple[float, int] | None) -> MemoryPlan:
@@ -207,28 +241,35 @@ def predict(shape: ModelShape, method: str, value_bytes: int, trainable: int, mi
             weight_bytes = value_bytes * shape.params + 4.0 * trainable
     h, kv, f = (FULL if full else ADAPTER)[value_bytes]
     per_token_layer = h * shape.hidden + kv * shape.kv + f * shape.ffn + (0.0 if full else adapter_bytes)
+    square = 0.0  # bytes a token keeps in a layer that grow with the width: the attention weights
     if attention == "eager":  # the softmax's probabilities, kept by it and by the product with the values
-        per_token_layer += 2 * value_bytes * shape.heads * tokens
+        square = 2 * value_bytes * shape.heads * tokens
     elif attention == "tunebench":  # model/kernels.py's keeps its softmax in the compute dtype (T x T a head) where
         # sdpa, which the coefficients count, keeps its output and an fp32 log-sum-exp a head instead
-        per_token_layer += value_bytes * shape.heads * tokens - value_bytes * shape.hidden - 4 * shape.heads
+        square = value_bytes * shape.heads * tokens
+        per_token_layer -= value_bytes * shape.hidden + 4 * shape.heads
+    per_token_layer += square
     n = micro * tokens
-    if checkpointing:  # each layer's input, and one layer's activations again while it is recomputed
-        kept = CHECKPOINTED * value_bytes * shape.hidden * n * shape.layers + transient * per_token_layer * n
-    else:
-        kept = transient * per_token_layer * n * (shape.layers + 1)  # + the layer the backward pass is in
+    # held whole: with checkpointing one layer's activations while it is recomputed, else every layer's and the
+    # one the backward pass is in
+    layers = 1 if checkpointing else shape.layers + 1
+    kept = transient * per_token_layer * n * layers
+    if checkpointing:  # and each layer's input
+        kept += CHECKPOINTED * value_bytes * shape.hidden * n * shape.layers
     if full and value_bytes == 2:  # autocast's 16-bit copies of the fp32 weights, kept for the backward pass
         kept += 2.0 * shape.linear / (shape.layers if checkpointing else 1)  # (one layer's while it is recomputed)
     state = STATE_BYTES * trainable
     note = "" if shape.family in ("llama", "mistral", "qwen2", "qwen3", "smollm3") else \
         f"; activations as a Llama of this width ({shape.family} counted alike)"
-    return MemoryPlan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note)
+    return MemoryPlan(runtime_mb, weight_bytes / MB, state / MB, kept / MB, micro, tokens, checkpointing, note,
+                      square=transient * square * n * layers / MB)
 
 
 def when_compiled(plan: MemoryPlan, device_type: str) -> MemoryPlan:
     """`plan` with its layers compiled: the activations at COMPILED's factor for the device type."""
     factor = COMPILED.get(device_type, 1.0)
-    return dataclasses.replace(plan, activations=plan.activations * factor, compiled=factor)
+    return dataclasses.replace(plan, activations=plan.activations * factor, square=plan.square * factor,
+                               compiled=factor)
 
 
 def adapter_inputs(model, value_bytes: int, layers: int) -> float:
