@@ -388,9 +388,10 @@ MACHINE = ("where", "precision", "torch", "method")  # what a machine's records 
 def machine_key(batch_key: Key) -> Key:
     """The key of what runs of this method on this machine (CPU or GPU, threads, precision, torch) trained against
     their probes: a LoRA step's optimizer is nothing, a full fine-tune's is not in the probe. Against the figure
-    `with_optimizer` gives, a micro batch's cost at its own width in it: a record named for the figure before that
-    (its ratios against the widest rows' speed alone) would correct the new figure for what it now counts."""
-    return batch_key.narrowed("probe+calls+optimizer-to-run", MACHINE)
+    `with_optimizer` gives, a micro batch's cost at its own width in it (from two probes, or since 2026-12-04 from
+    one and the class record's ratio of another): a record named for the figure before that (its ratios against
+    the widest rows' speed alone) would correct the new figure for what it now counts."""
+    return batch_key.narrowed("probe+calls+record+optimizer-to-run", MACHINE)
 
 
 class Ratio(NamedTuple):
