@@ -171,9 +171,9 @@ class MemoryPlan:
     def as_fed(self, rows: int, width: int, loss_positions: int | None = None) -> float:
         """The predicted peak had the largest micro batch been `rows` x `width` (and held `loss_positions`, where
         given) instead of the plan's rows x tokens: activations scale with the positions a step holds (the
-        attention weights an eager or tunebench kernel keeps, with positions x width), the log-probabilities with the loss positions, sampling's caches with
-        the width (the episodes decoded are as many whatever was kept). GRPO plans every group teaching, at the
-        longest completion; it feeds only the groups that teach."""
+        attention weights an eager or tunebench kernel keeps, with positions x width), the log-probabilities with
+        the loss positions, sampling's caches with the width (the episodes decoded are as many whatever was kept).
+        GRPO plans every group teaching, at the longest completion; it feeds only the groups that teach."""
         planned = self.micro * self.tokens
         if not planned:
             return self.total
