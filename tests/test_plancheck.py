@@ -374,22 +374,25 @@ def test_a_micro_batch_asked_for_is_costed_at_the_runs_own_width_by_one_more_pro
     assert f"at micro 1 of the widest rows and of rows {narrow[1]} wide (" in plan["time_estimate"]["reason"]
 
 
-def test_where_narrow_rows_train_no_slower_a_position_than_the_widest_their_speed_alone_is_the_plans():
+def test_where_no_line_fits_the_two_probes_their_positions_over_their_time_is_the_plans():
     """Hand-computed: micro 2 of rows 100 wide at 200 a second is 1 s for 200 positions; of rows 50 wide at 250,
     0.4 s for 100: the line's part paid whatever the width would be below 0 (the probes' noise), so the run's
-    positions are costed at the narrow rows' 4 ms each: 1,000 of them in 4 s, 250 a second."""
+    positions are costed at both probes' 1.4 s over 300 positions: 1,000 of them in 4.67 s, 214 a second. The same
+    where the narrow rows took longer than the widest (1.2 s)."""
     import torch
 
     def rows(size, width):
         return {"input_ids": torch.zeros(size, width, dtype=torch.long), "attention_mask": torch.ones(size, width)}
 
     calls = plancheck.width_cost(2, rows(2, 100), 200.0, rows(2, 50), 250.0)
-    assert calls.fixed_s == 0.0 and calls.per_position_s == pytest.approx(0.004)
+    assert calls.fixed_s == 0.0 and calls.per_position_s == pytest.approx(1.4 / 300)
     speed, what = plancheck.with_optimizer(200.0, Work(1000.0, 900.0, 0, 10), steps=5, optimizer_s=0.0, calls=calls)
-    assert speed == pytest.approx(250.0)
+    assert speed == pytest.approx(300 / 1.4)
     assert what.startswith("the probe's forward and backward at micro 2 of the widest rows and of rows 50 wide (200 "
-                           "and 250 a second; the narrow rows no slower a position, so their speed alone: 4.00 ms a "
+                           "and 250 a second; no line fits the two, so their positions over their time: 4.67 ms a "
                            "position, over the run's 10 of 100 positions on average)")
+    slower = plancheck.width_cost(2, rows(2, 100), 200.0, rows(2, 50), 100 / 1.2)
+    assert slower.fixed_s == 0.0 and slower.per_position_s == pytest.approx(2.2 / 300)
     fitted = plancheck.width_cost(2, rows(2, 100), 200.0, rows(2, 50), 150.0)  # 0.667 s for 100: a line
     assert fitted.fixed_s == pytest.approx(1 / 3) and fitted.per_position_s == pytest.approx(1 / 300)
 
