@@ -65,10 +65,15 @@ def planned_work(steps, count: int, accum: int) -> Work:
         batch = batches.pop(0)
         positions += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum())
-        if "labels" in batch:
-            most = max(most, int((batch["labels"][:, 1:] != IGNORE).sum()))
+        most = max(most, loss_positions(batch))
     scale = total / take if take else 0.0
     return Work(positions * scale, tokens * scale, most, total)
+
+
+def loss_positions(batch) -> int:
+    """The positions a collated batch computes a loss at (its labels' next tokens that are not ignored; 0 without
+    labels): an objective's log-probabilities are held at those (memory.with_logits)."""
+    return int((batch["labels"][:, 1:] != IGNORE).sum()) if "labels" in batch else 0
 
 
 class CallCost(NamedTuple):

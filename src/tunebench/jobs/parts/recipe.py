@@ -24,7 +24,6 @@ from tunebench.core import startup
 from tunebench.core.decision import Decision
 from tunebench.core.jsonfile import write_json
 from tunebench.core.precision import DTYPES
-from tunebench.data.batching import IGNORE
 from tunebench.jobs.parts import measuring, runner
 from tunebench.machine import distributed, trackers
 from tunebench.machine.metrics import MetricsWriter, peak_memory_mb, reset_peak_memory
@@ -207,7 +206,7 @@ def sampled_memory(r: Recipe, plan: memory.MemoryPlan, episodes: int, value_byte
     batches not yet drawn, and the KV caches of its `episodes` decoded at once."""
     widest = r.units.probe_rows(plan.micro // plan.rows_each)
     if r.loss is not None:
-        plan = memory.with_logits(plan, int((widest["labels"][:, 1:] != IGNORE).sum()), memory.vocab_of(r.model))
+        plan = memory.with_logits(plan, plancheck.loss_positions(widest), memory.vocab_of(r.model))
     return memory.with_sampling(plan, memory.shape_of(r.model), episodes, value_bytes)
 
 
@@ -332,8 +331,8 @@ class Largest:
         rows, width = batch["input_ids"].shape
         if rows * width > self.rows * self.width:
             self.rows, self.width = rows, width
-        if "labels" in batch:  # the most loss positions one held: its log-probabilities' share of the peak
-            self.loss_positions = max(self.loss_positions, int((batch["labels"][:, 1:] != IGNORE).sum()))
+        # the most loss positions one held: its log-probabilities' share of the peak
+        self.loss_positions = max(self.loss_positions, plancheck.loss_positions(batch))
         return batch
 
 
