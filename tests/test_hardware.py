@@ -391,6 +391,30 @@ def test_a_kernel_is_not_measured_where_a_measured_ones_peak_says_its_step_would
         "at 20,100 MB at 4 x 1024 tokens, keeping 4,320 MB of attention weights to its 4,320" in row[2]
 
 
+def test_the_first_kernel_is_not_measured_where_the_memory_plan_of_its_probe_step_would_not_fit(monkeypatch):
+    """Before any kernel was measured only the memory plan says what a probe step would peak at: the towns RFT probe
+    (4 rows x 1,024 tokens) on a machine with 10.6 GB a step may reach. Our kernel and eager, planned past it, are
+    not timed (the first kernel timed had no check but its kept weights, and the OOM killer ended the run); sdpa,
+    planned within, is, and what it peaked at then predicts the others, as before."""
+    monkeypatch.setattr(attention, "memory_free_mb", lambda device: 9_600.0)
+    monkeypatch.setattr(attention, "memory_budget_mb", lambda device: (1_000.0, 10_600.0))
+    model = FakeAttentionModel({"tunebench": 141.0, "eager": 130.0, "sdpa": 120.0})
+    model.config = types.SimpleNamespace(num_hidden_layers=30, num_attention_heads=9)
+    peaks = {}
+    measure = lambda: peaks.setdefault(model.impl, 9_300.0) and model.measure()  # noqa: E731
+    planned = {"tunebench": 14_800.0, "eager": 19_000.0, "sdpa": 9_000.0}
+    too_big = attention.fit(model, 1, 1024, "fp32", torch.device("cpu"), lambda: dict(peaks), planned.get)
+    assert too_big("sdpa") is None  # nothing measured: the plan decides
+    assert too_big("tunebench") == "its memory plan at 1 x 1024 tokens peaks at ~14,800 MB, past the 10,600 MB a " \
+        "step may reach"
+    row = attention.pick(model, "auto", measure, _shape("planned"), too_big, candidates=("tunebench", "eager", "sdpa"))
+    assert row[1] == "sdpa" and model.tried == ["sdpa"]
+    assert "eager skipped: its memory plan at 1 x 1024 tokens peaks at ~19,000 MB" in row[2]
+    # once sdpa peaked, what it held predicts the others, not the plan: sdpa at 5,000 MB leaves our kernel room
+    peaks = {"sdpa": 5_000.0}
+    assert too_big("tunebench") is None
+
+
 def test_a_size_the_attention_pick_saw_past_the_budget_is_over_it_and_never_timed_again():
     """The towns RFT probe: micro 1 (4 rows x 1,024 tokens) peaked at 20.1 GB in the attention pick, past an 18.6 GB
     budget; the sweep takes it as over budget, with every larger size, and times none of them again (it timed it
@@ -814,6 +838,49 @@ def test_a_run_never_tries_an_attention_kernel_that_would_not_fit(tmp_path, data
     assert row["value"] == "sdpa" and set(tried) == {"sdpa"}
     assert "eager skipped: its 2 x 256 x 256 attention weights need" in row["reason"]
     assert "tunebench skipped" in row["reason"]
+
+
+def test_a_run_whose_attention_probe_the_memory_plan_says_would_not_fit_times_no_kernel_without_recomputation(
+        tmp_path, dataset, monkeypatch):
+    """The run's own memory plan of the attention pick's probe step reaches the pick: with no room, nothing is timed
+    and the error names the plan; with room only for the plan with recomputation, `auto` turns it on first and
+    every kernel is timed with it (a kernel timed without it was where the OOM killer ended a run)."""
+    from tunebench.jobs import finetune
+    from tunebench.training.autotune import probe
+
+    monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
+    tried = []
+    real = attention.pick
+
+    def spy(model, requested, measure, shape, too_big, **kw):
+        return real(model, requested, lambda: tried.append(probe.checkpointing_on(methods.base_of(model))) or measure(), shape,
+                    too_big, **kw)
+
+    monkeypatch.setattr(attention, "pick", spy)
+    plans = []  # the pick's `planned`: its kernels' probe steps as the run's memory plan counts them
+    real_fit = attention.fit
+    monkeypatch.setattr(attention, "fit", lambda *a: plans.append(a[6]) or real_fit(*a))
+    options = {"model.name": "tiny", "data.path": str(dataset), "data.max_length": 256,
+               "train.micro_batch_size": 2, "train.effective_batch_size": 2, "train.max_steps": 1,
+               "train.output_dir": str(tmp_path / "o"), "train.progress": False, "train.precision": "fp32",
+               "hardware.gradient_checkpointing": "off"}
+    monkeypatch.setattr(attention, "memory_budget_mb", lambda device: (0.0, 1.0))
+    with pytest.raises(TunebenchError, match="no attention kernel fits in memory") as e:
+        finetune.run(load_config(options=options))
+    assert tried == [] and re.search(r"sdpa: its memory plan at 2 x 256 tokens peaks at ~[\d,]+ MB, past the 1 MB",
+                                     str(e.value))
+    budget = []
+
+    def just_under(device):  # this run's plan of sdpa's step without recomputation, less a hair, from its first look
+        budget[:] = budget or [plans[-1]("sdpa") - 1e-6]
+        return 0.0, budget[0]
+
+    monkeypatch.setattr(attention, "memory_budget_mb", just_under)
+    finetune.run(load_config(options={**options, "hardware.gradient_checkpointing": "auto"}))
+    rows = {d["setting"]: d for d in json.loads((tmp_path / "o" / "plan.json").read_text())["decisions"]}
+    assert rows["gradient_checkpointing"]["value"] is True and "fit no attention kernel without it" in \
+        rows["gradient_checkpointing"]["reason"]
+    assert tried and all(tried), tried
 
 
 @pytest.mark.parametrize("name", profiles())

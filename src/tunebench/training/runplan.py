@@ -243,6 +243,9 @@ class Workload:
     time_cap_s: float | None = None  # --time-budget: the run trains no longer, whatever its tokens
     measure_mode: str = "bounded"  # bounded: a tenth of the training time (autotune.budget); full: everything
     known: Any = None
+    # (kernel, units) -> the memory plan's peak MB of a probe step of that many widest units: the attention pick
+    # checks the first kernel it would time against it (attention.fit)
+    planned_peak: Callable[[str, int], float] | None = None
 
 
 def measure(model, step, w: Workload) -> Measured:
@@ -260,7 +263,10 @@ def measure(model, step, w: Workload) -> Measured:
     step = timed  # every probe step is remembered, the batch sweep's too: the sizes run here are warm (plancheck)
     rows += attention.decide(model, w.attention_asked, lambda: timed(w.attention_rows)[0], w.shape, w.attention_rows,
                              w.widest, w.precision, w.device, w.checkpointing, budget, w.known,
-                             lambda: {k: v[1] for (k, size), v in timed.seen.items() if size == w.attention_rows})
+                             attention.Peaks(lambda: {k: v[1] for (k, size), v in timed.seen.items()
+                                                      if size == w.attention_rows},
+                                             (lambda impl: w.planned_peak(impl, w.attention_rows)) if w.planned_peak
+                                             else None))
     chosen = micro_batch(w, timed, budget)
     micro, speed = chosen.size, chosen.speed
     rows += chosen.rows

@@ -17,10 +17,11 @@ from tunebench.training.autotune import known
 
 
 def decide(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_tokens: float,
-            parallel: Decision) -> tuple[runplan.Measured, float]:
+            parallel: Decision, planned_peak: Callable[[str, int], float] | None = None) -> tuple[runplan.Measured, float]:
     """The measured decisions (attention kernel, micro batch with the effective batch fixed, gradient
     checkpointing, compile) for what `units` describe on this machine, and the seconds they took. `step` is an
-    autotune.probe step; a micro batch the job's math fixes (`units.micro`) is taken like one the user asked for."""
+    autotune.probe step; a micro batch the job's math fixes (`units.micro`) is taken like one the user asked for;
+    `planned_peak` (kernel, units) -> MB is the memory plan of a probe step (runplan.Workload)."""
     hw, hw_plan, world, h, u = opened.hw, opened.hw_plan, opened.world, cfg.hardware, units
 
     def measure_() -> runplan.Measured:
@@ -38,7 +39,7 @@ def decide(opened: Opened, cfg: RunBase, model, step, units: runplan.Units, run_
             compile_mode=h.compile_mode, quantized=u.quantized, run_tokens=run_tokens, measure_mode=h.measure,
             time_cap_s=budget_seconds(cfg.schedule.time_budget) if cfg.schedule.time_budget else None,
             known=known.for_run(hw, hw_plan.precision, opened.device.type, hw_plan.threads, model, u.max_length,
-                                shape.method)))
+                                shape.method), planned_peak=planned_peak))
 
     return measured_by_rank0(world, model, measure_)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import signal
 import time
@@ -143,7 +144,9 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     u = r.units
     steps = runplan.total_steps(u.n, effective, s.epochs, s.max_steps, s.max_tokens, u.tokens_each)
     probe = probe_step(r.model, u.probe_rows, device, opened.autocast, r.loss)
-    measured, measure_s = measuring.decide(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel)
+    value_bytes = DTYPES[opened.hw_plan.precision].itemsize
+    measured, measure_s = measuring.decide(opened, cfg, r.model, probe, u, steps * effective * u.tokens_each, r.parallel,
+                                           probe_peak(r, extra, runtime, value_bytes, device.type))
     per_step = effective * u.tokens_each / world.size  # the tokens one rank computes in a step
     micro, accum = measured.micro_batch_size, measured.grad_accum_steps
     made = r.batches(micro)
@@ -162,16 +165,14 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
     # the rows a unit collates into (a preference pair: chosen and rejected; a GRPO group: its completions)
     rows_each = int(u.probe_rows(1)["input_ids"].shape[0])
     memory_plan = memory.of_step(r.model, extra, micro, u.widest if packed or u.longest is None else u.longest,
-                                 DTYPES[opened.hw_plan.precision].itemsize, measured.attention, runtime, device.type,
-                                 rows_each, measured.compiled)
+                                 value_bytes, measured.attention, runtime, device.type, rows_each, measured.compiled)
     work = plancheck.Work(0.0, 0.0)
     if not made.sampled:  # GRPO's are sampled during the step
         work = plancheck.planned_work(made.feed(world, micro, accum), steps, accum)
     if r.loss is not None and work.most_loss_positions:  # an objective of its own: log-probabilities held whole
         memory_plan = memory.with_logits(memory_plan, work.most_loss_positions, memory.vocab_of(r.model))
     if made.sampled:
-        memory_plan = sampled_memory(r, memory_plan, effective // world.size * rows_each,
-                                     DTYPES[opened.hw_plan.precision].itemsize)
+        memory_plan = sampled_memory(r, memory_plan, effective // world.size * rows_each, value_bytes)
     if measured.key:  # what this machine's runs held beyond their plans
         memory_plan = memory.with_learned(memory_plan, plancheck.memory_beyond(plancheck.memory_key(measured.key)))
     started = time.perf_counter()
@@ -198,6 +199,25 @@ def plan_run(cfg: RunBase, opened: runner.Opened, r: Recipe) -> Planned:
         print(r.header)
         summary_.print_plan(plan.decisions)
     return Planned(plan, made, optimization, memory_plan, measure_s, forecast, measured, time_limit_s)
+
+
+def probe_peak(r: Recipe, extra: list, runtime: float, value_bytes: int, device_type: str) \
+        -> Callable[[str, int], float]:
+    """(kernel, units) -> the memory plan's peak MB of a probe step of `units` of the widest units with that kernel,
+    counted as the run's plan is (memory.of_step, and an objective's log-probabilities at the batch's loss
+    positions), recomputation as the model stands when asked: what the attention pick holds its first kernel to."""
+    @functools.lru_cache(maxsize=4)
+    def rows(units: int) -> tuple[int, int, int]:
+        batch = r.units.probe_rows(units)
+        n, width = batch["input_ids"].shape
+        return int(n), int(width), plancheck.loss_positions(batch) if r.loss is not None else 0
+
+    def peak(kernel: str, units: int) -> float:
+        n, width, positions = rows(units)
+        plan = memory.of_step(r.model, extra, units, width, value_bytes, kernel, runtime, device_type, n // units)
+        return (memory.with_logits(plan, positions, memory.vocab_of(r.model)) if positions else plan).total
+
+    return peak
 
 
 def sampled_memory(r: Recipe, plan: memory.MemoryPlan, episodes: int, value_bytes: int) -> memory.MemoryPlan:

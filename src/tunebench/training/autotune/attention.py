@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -153,14 +154,16 @@ def _not_worth(impl: str, speeds: dict[str, float], cost: float, budget: Budget,
 
 
 def fit(model, rows: int, length: int, precision: str, device: torch.device,
-        peaks: Callable[[], dict[str, float]] | None = None):
+        peaks: Callable[[], dict[str, float]] | None = None, planned: Callable[[str], float] | None = None):
     """`too_big` for `pick`: a kernel whose kept attention weights would take over half the memory free now (the
-    rest of the step needs room too) is not tried; nor, once others were measured (`peaks`: {kernel: the peak MB
-    its step reached at these rows}), one whose step would peak past the memory a step may reach (the budget the
-    batch probe keeps to), predicted as a measured kernel's peak plus the difference of their kept weights. On a
+    rest of the step needs room too) is not tried; nor one whose step would peak past the memory a step may reach
+    (the budget the batch probe keeps to): once others were measured (`peaks`: {kernel: the peak MB its step reached
+    at these rows}), predicted as a measured kernel's peak plus the difference of their kept weights; before any
+    was, the memory plan's peak of the probe step (`planned`: kernel -> MB, the run's plan at these rows). On a
     CPU a step past the RAM is the OOM killer: a GRPO-shaped probe (4 rows x 1,024 tokens, SmolLM2-135M LoRA,
     fp32) peaked at 20.1 GB with tunebench's kernel on a 23 GB machine, and eager, which keeps as many weights,
-    measured next, was killed at 24 GB (2026-12-03)."""
+    measured next, was killed at 24 GB (2026-12-03); on a machine with less memory the first kernel is the one
+    killed, and only a prediction comes before it."""
     free = memory_free_mb(device)
     _, budget = memory_budget_mb(device)
     itemsize = DTYPES[precision].itemsize
@@ -172,15 +175,28 @@ def fit(model, rows: int, length: int, precision: str, device: torch.device,
         need = weights(impl)
         if need > free / 2:
             return f"its {rows} x {length} x {length} attention weights need ~{need:,.0f} MB of {free:,.0f} MB free"
-        for other, peak in (peaks() if peaks is not None else {}).items():
+        measured = {other: peak for other, peak in (peaks() if peaks is not None else {}).items() if other != impl}
+        for other, peak in measured.items():
             predicted = peak + need - weights(other)
-            if other != impl and predicted > budget:
+            if predicted > budget:
                 return (f"predicted to peak at ~{predicted:,.0f} MB, past the {budget:,.0f} MB a step may reach: "
                         f"{other} peaked at {peak:,.0f} MB at {rows} x {length} tokens, keeping "
                         f"{weights(other):,.0f} MB of attention weights to its {need:,.0f}")
+        if not measured and planned is not None and (plan := planned(impl)) > budget:
+            return (f"its memory plan at {rows} x {length} tokens peaks at ~{plan:,.0f} MB, past the {budget:,.0f} MB "
+                    "a step may reach")
         return None
 
     return too_big
+
+
+class Peaks(NamedTuple):
+    """What a kernel's probe step would peak at, for `fit`: `measured`, {kernel: the peak MB its step reached at the
+    pick's rows}; `planned`, kernel -> the memory plan's peak MB of that step (read when called: recomputation
+    turned on lowers it)."""
+
+    measured: Callable[[], dict[str, float]] | None = None
+    planned: Callable[[str], float] | None = None
 
 
 class NoneFit(TunebenchError):
@@ -189,13 +205,13 @@ class NoneFit(TunebenchError):
 
 def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int, precision: str,
            device: torch.device, checkpointing: str = "off", budget: Budget | None = None,
-           known: Known | None = None, peaks: Callable[[], dict[str, float]] | None = None) -> list[Decision]:
+           known: Known | None = None, peaks: Peaks | None = None) -> list[Decision]:
     """The attention row for a run: what fits at `rows` x `widest` tokens, measured or as asked. With
     gradient checkpointing on auto, rows that fit no kernel are measured again with recomputation on, and a
     gradient_checkpointing row says why (on an H200 filled to 1.5 GB, one 1,024-token row of GPT-2 fit no
-    kernel without it, and the run stopped before the batch probe could turn it on)."""
+    kernel without it, and the run stopped before the batch probe could turn it on). `peaks`: see `Peaks`."""
     def one() -> Decision:
-        return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device, peaks),
+        return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device, *(peaks or ())),
                     candidates=candidates(device, precision, model), budget=budget, known=known, rows=rows)
 
     try:
