@@ -248,9 +248,10 @@ def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured
     if speed and work.positions and steps and micro not in learned and world.main:
         trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
         speeds = dict(measured.speeds)
+        at_micro = speeds.get(micro, speed)  # the widest rows' speed at the run's micro batch
         calls = plancheck.call_cost(speeds, r.units.probe_rows, micro) or \
-            narrow_cost(r, opened, measured, speeds.get(micro, speed), work) or \
-            (plancheck.record_cost(micro, speeds.get(micro, speed), dict(measured.record_ratios), r.units.probe_rows,
+            narrow_cost(r, opened, measured, at_micro, work) or \
+            (plancheck.record_cost(micro, at_micro, dict(measured.record_ratios), r.units.probe_rows,
                                    measured.record_source) if not measured.compiled else None)
         probe, probe_from = plancheck.with_optimizer(speed, work, steps, plancheck.optimizer_step_s(
             trainable, opened.device), calls)
