@@ -617,6 +617,8 @@ def test_a_record_is_taken_only_at_the_runs_precision_and_its_differences_are_na
     assert k.record is AVX2  # an fp32 run on a bf16 machine: the fp32 record, its differences said
     assert k.source == ("AVX2 fp32 machines (SmolLM2-135M lora at 128 tokens, 2 cores; here: AVX512-BF16, "
                         "16 cores, 0.42B parameters, 512 tokens)")
+    assert not k.same_shape  # another size and length: not the run's shape
+    assert known.nearest((AVX2,), "avx512-bf16", "fp32", 16, 134_515_008, 128, "lora").same_shape  # another machine
     assert known.unit({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "amx"
     assert known.unit({"avx2", "avx512f"}) == "avx512" and known.unit(set()) == "none"
 

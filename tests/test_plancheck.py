@@ -419,17 +419,18 @@ def test_one_probed_size_is_costed_with_the_records_ratio_of_the_next_smaller():
 
 def test_a_run_that_probed_one_size_costs_its_micro_batches_with_the_class_records_ratio(tmp_path, dataset,
                                                                                         monkeypatch):
-    """Micro 2 asked for, no narrow probe taken (as where it would cost over a tenth of the training): the plan's
-    second size is the class record's micro 1, at its ratio to micro 2, and the time estimate says so."""
+    """Micro 2 asked for, and a class record of the run's own shape: the plan's second size is the record's micro 1,
+    at its ratio to micro 2, and the time estimate says so; no probe at the run's own width is taken (its first calls
+    at a new width cost more measuring than its budget counted)."""
     from conftest import tiny_run_config
     from tunebench.jobs import finetune
     from tunebench.jobs.parts import recipe
     from tunebench.training.autotune import known
 
     monkeypatch.setenv("TUNEBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(recipe, "narrow_cost", lambda *args: None)
+    monkeypatch.setattr(recipe, "narrow_cost", lambda *args: pytest.fail("a probe at the run's own width was taken"))
     outcome = Recorded("tiny", 1000, 2, "lora", 256, 2, {}, {1: 600.0, 2: 1000.0}, None, None)
-    record = Known(Record("avx2-fp32", "avx2", "fp32", 2, "", "", (outcome,)), outcome, ())
+    record = Known(Record("avx2-fp32", "avx2", "fp32", 2, "", "", (outcome,)), outcome, (), same_shape=True)
     monkeypatch.setattr(known, "for_run", lambda *args: record)
     finetune.run(tiny_run_config(dataset, tmp_path / "a"))
     plan = {d["setting"]: d for d in json.loads((tmp_path / "a" / "plan.json").read_text())["decisions"]}

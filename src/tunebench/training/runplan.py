@@ -172,6 +172,7 @@ class Measured:
     speeds: tuple[tuple[int, float], ...] = ()  # (micro batch, tokens/s) at the widest rows, all from one process
     record_ratios: tuple[tuple[int, float], ...] = ()  # (micro batch, its speed / the run's) on the class record
     record_source: str = ""  # that record: its machines and shape
+    record_same_shape: bool = False  # that record measured the run's shape (size, length, method), on its machines
 
     @property
     def compiled(self) -> bool:
@@ -281,7 +282,7 @@ def measure(model, step, w: Workload) -> Measured:
     return Measured(tuple(rows), micro, accum, speed, chosen.key, tuple(sorted({size for _, size in timed.seen})),
                     known.first_steps if known is not None else None, probed_speeds(timed, micro, chosen.key),
                     tuple(sorted((s, r) for s, r in ratios.items() if r and s != micro)),
-                    known.source if known is not None else "")
+                    known.source if known is not None else "", known is not None and known.same_shape)
 
 
 def probed_speeds(timed: Timed, micro: int, key: Key) -> tuple[tuple[int, float], ...]:

@@ -249,10 +249,18 @@ def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured
         trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
         speeds = dict(measured.speeds)
         at_micro = speeds.get(micro, speed)  # the widest rows' speed at the run's micro batch
+
+        def on_record() -> plancheck.CallCost | None:
+            return None if measured.compiled else plancheck.record_cost(
+                micro, at_micro, dict(measured.record_ratios), r.units.probe_rows, measured.record_source)
+
+        # A record of the run's own shape before one more probe: that probe's first calls at a new width cost more
+        # than its budget counts. In the README's compare on a 2-core Xeon auto measured 2.4 and 5.7 s longer than
+        # the hand-picked rows where it took the probe (trained 1.12x and 0.93x its plan), as long where it took
+        # the record (0.93x and 0.99x) (2026-12-04, benchmarks/first-run-xeon-2026-12-04)
         calls = plancheck.call_cost(speeds, r.units.probe_rows, micro) or \
-            narrow_cost(r, opened, measured, at_micro, work) or \
-            (plancheck.record_cost(micro, at_micro, dict(measured.record_ratios), r.units.probe_rows,
-                                   measured.record_source) if not measured.compiled else None)
+            (on_record() if measured.record_same_shape else None) or \
+            narrow_cost(r, opened, measured, at_micro, work) or on_record()
         probe, probe_from = plancheck.with_optimizer(speed, work, steps, plancheck.optimizer_step_s(
             trainable, opened.device), calls)
     f = plancheck.forecast(work, micro, probe or speed, learned, micro in measured.timed, measured.first_steps,

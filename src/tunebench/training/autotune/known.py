@@ -121,6 +121,7 @@ class Known:
     record: Record
     outcome: Recorded
     differs: tuple[str, ...]  # what about this machine or run is not the record's
+    same_shape: bool = False  # the outcome is of the run's shape (size, length and method), if not its machine
 
     @property
     def source(self) -> str:
@@ -175,12 +176,12 @@ def nearest(records, unit_: str, precision: str, cores: int, params: int, max_le
     if not (1 / FARTHEST[0] <= outcome.params / max(params, 1) <= FARTHEST[0]
             and 1 / FARTHEST[1] <= outcome.max_length / max(max_length, 1) <= FARTHEST[1]):
         return None  # no shape on record near enough: the run measures, as on a machine with no record
-    differs = [f"{LABEL[unit_]}" if record.unit != unit_ else "",
-               f"{cores} cores" if record.cores != cores else "",
-               f"{params / 1e9:.2f}B parameters" if not 0.8 <= outcome.params / max(params, 1) <= 1.25 else "",
-               f"{max_length} tokens" if outcome.max_length != max_length else "",
-               method if outcome.method != method else ""]
-    return Known(record, outcome, tuple(d for d in differs if d))
+    shape = [f"{params / 1e9:.2f}B parameters" if not 0.8 <= outcome.params / max(params, 1) <= 1.25 else "",
+             f"{max_length} tokens" if outcome.max_length != max_length else "",
+             method if outcome.method != method else ""]
+    differs = [f"{LABEL[unit_]}" if record.unit != unit_ else "", f"{cores} cores" if record.cores != cores else "",
+               *shape]
+    return Known(record, outcome, tuple(d for d in differs if d), not any(shape))
 
 
 def model_size(model) -> dict:
