@@ -254,13 +254,15 @@ def forecast_of(r: Recipe, work: plancheck.Work, opened: runner.Opened, measured
             return None if measured.compiled else plancheck.record_cost(
                 micro, at_micro, dict(measured.record_ratios), r.units.probe_rows, measured.record_source)
 
+        def narrow() -> plancheck.CallCost | None:
+            return narrow_cost(r, opened, measured, at_micro, work)
+
         # A record of the run's own shape before one more probe: that probe's first calls at a new width cost more
         # than its budget counts. In the README's compare on a 2-core Xeon auto measured 2.4 and 5.7 s longer than
         # the hand-picked rows where it took the probe (trained 1.12x and 0.93x its plan), as long where it took
         # the record (0.93x and 0.99x) (2026-12-04, benchmarks/first-run-xeon-2026-12-04)
-        calls = plancheck.call_cost(speeds, r.units.probe_rows, micro) or \
-            (on_record() if measured.record_same_shape else None) or \
-            narrow_cost(r, opened, measured, at_micro, work) or on_record()
+        first, then = (on_record, narrow) if measured.record_same_shape else (narrow, on_record)
+        calls = plancheck.call_cost(speeds, r.units.probe_rows, micro) or first() or then()
         probe, probe_from = plancheck.with_optimizer(speed, work, steps, plancheck.optimizer_step_s(
             trainable, opened.device), calls)
     f = plancheck.forecast(work, micro, probe or speed, learned, micro in measured.timed, measured.first_steps,
