@@ -210,8 +210,11 @@ def decide(model, requested: str, measure, shape: Shape, rows: int, widest: int,
     gradient checkpointing on auto, rows that fit no kernel are measured again with recomputation on, and a
     gradient_checkpointing row says why (on an H200 filled to 1.5 GB, one 1,024-token row of GPT-2 fit no
     kernel without it, and the run stopped before the batch probe could turn it on). `peaks`: see `Peaks`."""
+    seen = peaks or Peaks()
+
     def one() -> Decision:
-        return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device, *(peaks or ())),
+        return pick(model, requested, measure, shape, fit(model, rows, widest, precision, device, seen.measured,
+                                                          seen.planned),
                     candidates=candidates(device, precision, model), budget=budget, known=known, rows=rows)
 
     try:
