@@ -9,6 +9,7 @@ same sums in a different order: losses and weights agree to float rounding, not 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -455,7 +456,7 @@ def test_what_ranks_send_each_other_is_read_as_data_never_as_code():
 
 # Two ranks that each wait for the other in gloo forever (a recv neither sends), with the flag-only SIGTERM handler a
 # training run has: the handler cannot run while the main thread waits in C++.
-STUCK_RANKS = """import os, signal
+STUCK_RANKS = """import os, signal, sys
 import torch
 import torch.distributed as dist
 from tunebench.machine import distributed
@@ -463,7 +464,8 @@ from tunebench.training.stopping import StopRequest
 
 world = distributed.init("cpu")
 signal.signal(signal.SIGTERM, StopRequest(world.rank).on_signal)
-print(f"waiting {os.getpid()}", flush=True)
+sys.stdout.write(f"waiting {os.getpid()}\\n")  # one write: print's text and newline are two when unbuffered
+sys.stdout.flush()
 dist.recv(torch.zeros(1), src=1 - world.rank)
 """
 
@@ -482,7 +484,8 @@ def test_ranks_stuck_in_a_collective_die_with_their_launcher(tmp_path):
                                     env={**_env(), "TUNEBENCH_STUCK_S": "2"}, start_new_session=True)
     try:
         for _ in range(600):
-            pids = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("waiting ")]
+            # the two ranks share the log: a line is only read whole (CI once read "666waiting" from interleaved writes)
+            pids = [int(pid) for pid in re.findall(r"waiting (\d+)\n", log.read_text())]
             if len(pids) == 2:
                 break
             time.sleep(0.1)
