@@ -12,10 +12,12 @@
 # tests are collected, each benchmark parses its arguments, tunebench parses its command line) and nothing
 # trains; tests/test_benchmarks.py runs it, so the script is ready the day a GPU is lent.
 # Sizes come from the environment: REPEATS (2), SAMPLES (4514), EPOCHS (3; the Llama run takes 1), TEST_WORKERS (4),
-# STEPS (compare's optimizer steps per experiment, 20); LIMIT_<STEP> caps a step's seconds (e.g. LIMIT_COMPARE=240).
-# Needs .gpu/ carried beside the checkout: .gpu/site (bitsandbytes, unpacked from its wheel: the machine has
-# no registry), .gpu/data (GPT-2's tokenizer, the Bitext sample, tinyshakespeare and the LLaMA-Factory demo's
-# wiki and C4 texts from ../shared/data) and .gpu/smollm2-tokenizer (SmolLM2's tokenizer files).
+# STEPS (compare's optimizer steps per experiment, 20), COMPARE_DEVICE (compare on this device alone: cuda, say,
+# where the CPU rows would spend a short lend); LIMIT_<STEP> caps a step's seconds (e.g. LIMIT_COMPARE=240).
+# Needs .gpu/ carried beside the checkout: .gpu/site (bitsandbytes, its cuda13x libraries only, and jsonschema
+# with its dependencies, unpacked from their wheels: the machine has neither, nor a registry), .gpu/data (GPT-2's
+# tokenizer, the Bitext sample, tinyshakespeare and the LLaMA-Factory demo's wiki and C4 texts from
+# ../shared/data) and .gpu/smollm2-tokenizer (SmolLM2's tokenizer files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
@@ -102,7 +104,8 @@ step_compare() {  # the study's CPU and GPU configurations in one report, with t
   fi
   tunebench hw.txt hw
   tunebench compare.log compare --matrix study --model gpt2-124m --tokenizer "$tok" --data "$bitext" \
-    --max-samples 400 --max-steps "${STEPS:-20}" --output "$OUT/compare/results.csv"
+    --max-samples 400 --max-steps "${STEPS:-20}" --output "$OUT/compare/results.csv" \
+    ${COMPARE_DEVICE:+--device "$COMPARE_DEVICE"}
 }
 
 step_fill() {  # SmolLM2-1.7B's shape from a config, 2,048 tokens a row, LoRA and full, against HF Trainer + PEFT
