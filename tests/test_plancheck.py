@@ -98,6 +98,11 @@ def test_what_runs_held_beyond_their_memory_plans_is_added_to_the_next_plans_nev
     assert plancheck.memory_beyond(key) == (pytest.approx(1348.0 - 1055.0), 5)  # 234, 279, 293, 300, 345
     # runs that held less than their plans leave the plan a bound
     assert memory.with_learned(plan, (-120.0, 3)) == plan
+    # a base quantized otherwise is its own record: an 8-bit run's int8 buffers are nothing a 4-bit run holds
+    eight, four = (plancheck.memory_key(Key("batch", {"where": "GPU", "precision": "bf16", "method": "qlora",
+                                                      "quantization": q})) for q in ("8bit", "4bit"))
+    plancheck.learn_memory(eight, {"peak_memory_mb": {"predicted": 668.0, "measured": 1710.0}}, 0.0)
+    assert plancheck.memory_beyond(eight) == (pytest.approx(1042.0), 1) and plancheck.memory_beyond(four) is None
 
 
 def test_a_forecast_takes_the_last_runs_speed_and_says_when_it_corrects_a_miss():

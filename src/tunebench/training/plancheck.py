@@ -461,10 +461,13 @@ def learn_ratio(key: Key | None, c: dict, probe_speed: float | None, micro: int 
 
 
 def memory_key(batch_key: Key) -> Key:
-    """The key of what runs on this machine (CPU or GPU, precision, torch, method) held beyond their memory plans.
-    Named for what the plan counts: since 2026-12-04 a step that samples is planned with its decoding's caches and
-    its loss's log-probabilities, which figures kept against the plan before would count twice."""
-    return batch_key.narrowed("memory+sampling-to-run", MACHINE)
+    """The key of what runs on this machine (CPU or GPU, precision, torch, method, quantization) held beyond their
+    memory plans. Named for what the plan counts: since 2026-12-04 a step that samples is planned with its
+    decoding's caches and its loss's log-probabilities, which figures kept against the plan before would count
+    twice. By quantization: on an H200 an 8-bit base (bitsandbytes' int8 matmuls) peaked 1,042 MB beyond its plan,
+    and the 4-bit run after it, one key with it then ("qlora"), was planned with that and peaked at 0.73x its plan
+    (benchmarks/gpu-h200-2026-12-04)."""
+    return batch_key.narrowed("memory+sampling-to-run", (*MACHINE, "quantization"))
 
 
 def memory_beyond(key: Key | None) -> tuple[float, int] | None:
