@@ -82,6 +82,23 @@ def test_a_kind_whose_groups_score_alike_below_the_runs_best_for_n_steps_is_warn
     assert len(said) == 1 and "'two towns'" in said[0] and w.alike[0] == 0
 
 
+def test_the_kinds_warning_names_a_fix_the_objective_has():
+    """An RFT run was told "a KL anchor, --beta 0.04, keeps them in the update": RFT has no --beta (refused)."""
+    from tunebench.settings.objectives import GRPO, RFT
+
+    kinds = watch.Kinds.of("kind", [{"kind": "one town"}, {"kind": "two towns"}])
+    for objective, fix in ((RFT(), "RFT keeps none of its episodes, so this kind is not trained on (more "
+                                    "--num-generations give it more tries a step)"),
+                           (GRPO(), "at --beta 0 nothing pulls this kind back (a KL anchor, --beta 0.04"),
+                           (GRPO(beta=0.04), "only the KL anchor (--beta 0.04) keeps them in the update")):
+        said = []
+        w = watch.Watch(kinds, said.append, watch.remedy(objective))
+        for _ in range(watch.ALIKE_STEPS):
+            w.see([0, 0, 1, 1], torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0]), None, 2)
+        assert len(said) == 1 and f"teach nothing; {fix}" in said[0], said
+        assert ("--beta" in said[0]) == (objective.name == "grpo")
+
+
 def test_an_entropy_falling_under_a_quarter_of_step_ones_is_warned_of_once_until_it_recovers():
     said = []
     w = watch.Watch(None, said.append)
