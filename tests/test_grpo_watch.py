@@ -92,7 +92,7 @@ def test_the_kinds_warning_names_a_fix_the_objective_has():
                            (GRPO(), "at --beta 0 nothing pulls this kind back (a KL anchor, --beta 0.04"),
                            (GRPO(beta=0.04), "only the KL anchor (--beta 0.04) keeps them in the update")):
         said = []
-        w = watch.Watch(kinds, said.append, watch.remedy(objective))
+        w = watch.Watch(kinds, said.append, objective.alike_fix())
         for _ in range(watch.ALIKE_STEPS):
             w.see([0, 0, 1, 1], torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0]), None, 2)
         assert len(said) == 1 and f"teach nothing; {fix}" in said[0], said

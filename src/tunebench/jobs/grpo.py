@@ -44,7 +44,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     padding = batching.pad_multiple(opened.device.type, opened.hw_plan.precision)  # as finetune's rows
     iterations = getattr(o, "num_iterations", 1)
     step_rows = steps.StepRows(
-        draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None, watch.remedy(o)), credit,
+        draws, kinds, watch.Watch(kinds, print if opened.world.main else lambda _: None, o.alike_fix()), credit,
         (padding.value, widest),
         (lambda batch: grpo_run.logps_now(model, batch, opened, o.temperature)) if iterations > 1 else None)
 

@@ -248,6 +248,12 @@ class GRPO(SampledObjective):
     def reference_forwards(self) -> int:
         return 1 if self.beta else 0
 
+    def alike_fix(self) -> str:
+        """What the collapse watch says of a kind whose groups all score alike below the run's best."""
+        if self.beta:
+            return f"only the KL anchor (--beta {self.beta:g}) keeps them in the update"
+        return "at --beta 0 nothing pulls this kind back (a KL anchor, --beta 0.04, keeps them in the update)"
+
     def check(self) -> None:
         """The rewards themselves are built by the job (training/grpo/rewards.py: a file or function that is not there, a
         regex that does not compile) before any model loads."""
@@ -317,6 +323,11 @@ class RFT(SampledObjective):
 
     def report(self) -> dict[str, Any]:
         return {"objective": self.name, "min_reward": self.min_reward}
+
+    def alike_fix(self) -> str:
+        """What the collapse watch says of a kind whose episodes all fail (training/grpo/watch.py)."""
+        return ("RFT keeps none of its episodes, so this kind is not trained on (more --num-generations give it more "
+                "tries a step)")
 
     def kept(self, reward: float) -> bool:
         """Whether a completion of this weighted reward is trained on."""

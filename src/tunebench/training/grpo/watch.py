@@ -82,21 +82,11 @@ def columns(entropy: torch.Tensor | None, kinds: Kinds | None, kind: list[int], 
     return torch.cat(out, 1)
 
 
-def remedy(objective) -> str:
-    """What a kind whose groups all fail is left with under `objective` (GRPO's or RFT's settings), and the flag
-    that changes it: the warning named `--beta 0.04` to RFT runs too, which have no such flag (it is refused)."""
-    if objective.name == "rft":
-        return ("RFT keeps none of its episodes, so this kind is not trained on (more --num-generations give it more "
-                "tries a step)")
-    if objective.beta:
-        return f"only the KL anchor (--beta {objective.beta:g}) keeps them in the update"
-    return "at --beta 0 nothing pulls this kind back (a KL anchor, --beta 0.04, keeps them in the update)"
-
-
 @dataclass
 class Watch:
     """The warnings, from each step's groups on this process (under torchrun, rank 0's share of the prompts): `say`
-    prints on rank 0 and is a no-op elsewhere; `fix`, what the kinds' warning says the objective leaves (remedy)."""
+    prints on rank 0 and is a no-op elsewhere; `fix`, what the kinds' warning says the objective leaves (its
+    `alike_fix`: the warning named `--beta 0.04` to RFT runs too, which have no such flag and refuse it)."""
 
     kinds: Kinds | None
     say: Callable[[str], None] = print
