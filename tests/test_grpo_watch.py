@@ -8,6 +8,7 @@ import torch
 
 from tunebench.core.errors import TunebenchError
 from tunebench.model import decoding
+from tunebench.settings.objectives import GRPO, RFT
 from tunebench.training.grpo import watch
 
 
@@ -67,7 +68,7 @@ def test_each_completion_adds_its_entropy_and_its_kinds_reward_informative_and_c
 def test_a_kind_whose_groups_score_alike_below_the_runs_best_for_n_steps_is_warned_of_once():
     kinds = watch.Kinds.of("kind", [{"kind": "one town"}, {"kind": "two towns"}])
     said = []
-    w = watch.Watch(kinds, said.append)
+    w = watch.Watch(kinds, said.append, GRPO().alike_fix())
     # groups of 2: kind 0 learns (one right, one wrong), kind 1 always wrong alike
     for _ in range(watch.ALIKE_STEPS + 3):
         w.see([0, 0, 1, 1], torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0]), None, 2)
@@ -75,7 +76,7 @@ def test_a_kind_whose_groups_score_alike_below_the_runs_best_for_n_steps_is_warn
                                                  f"below the run's best (1) for {watch.ALIKE_STEPS} steps in a row")
     # all right alike is no collapse; a step with a taught group starts the count again
     said.clear()
-    w = watch.Watch(kinds, said.append)
+    w = watch.Watch(kinds, said.append, GRPO().alike_fix())
     for step in range(2 * watch.ALIKE_STEPS):
         taught = 1.0 if step == watch.ALIKE_STEPS - 1 else 0.0
         w.see([0, 0, 1, 1], torch.tensor([1.0, 1.0, 0.0, taught]), torch.tensor([0.0, 0.0, taught, taught]), None, 2)
@@ -84,8 +85,6 @@ def test_a_kind_whose_groups_score_alike_below_the_runs_best_for_n_steps_is_warn
 
 def test_the_kinds_warning_names_a_fix_the_objective_has():
     """An RFT run was told "a KL anchor, --beta 0.04, keeps them in the update": RFT has no --beta (refused)."""
-    from tunebench.settings.objectives import GRPO, RFT
-
     kinds = watch.Kinds.of("kind", [{"kind": "one town"}, {"kind": "two towns"}])
     for objective, fix in ((RFT(), "RFT keeps none of its episodes, so this kind is not trained on (more "
                                     "--num-generations give it more tries a step)"),
@@ -101,7 +100,7 @@ def test_the_kinds_warning_names_a_fix_the_objective_has():
 
 def test_an_entropy_falling_under_a_quarter_of_step_ones_is_warned_of_once_until_it_recovers():
     said = []
-    w = watch.Watch(None, said.append)
+    w = watch.Watch(None, said.append, GRPO().alike_fix())
     for mean in (2.0, 1.0, 0.4, 0.3, 0.9, 0.2):
         w.see([], torch.zeros(2), torch.zeros(2), torch.tensor([[mean, mean / 2]] * 2), 2)
     assert len(said) == 2 and said[0].startswith("warning: the sampled tokens' entropy fell to 0.400 nats a token "

@@ -89,8 +89,8 @@ class Watch:
     `alike_fix`: the warning named `--beta 0.04` to RFT runs too, which have no such flag and refuse it)."""
 
     kinds: Kinds | None
-    say: Callable[[str], None] = print
-    fix: str = "at --beta 0 nothing pulls this kind back (a KL anchor, --beta 0.04, keeps them in the update)"
+    say: Callable[[str], None]
+    fix: str  # the objective's own (GRPO's, RFT's alike_fix), never a default text that could name another's flag
     alike: dict[int, int] = field(default_factory=dict)  # kind -> steps in a row its groups were all alike below best
     best: float = float("-inf")  # the best weighted reward any completion has scored in the run
     first_entropy: float | None = None
