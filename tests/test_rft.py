@@ -4,13 +4,16 @@ stopped and resumed exactly."""
 
 import json
 import math
+import os
 import re
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import assert_resumed, run_losses, sigterm_after_step
+from tunebench.core import startup
 from tunebench.core.errors import TunebenchError
 from tunebench.data.prompts import PromptData
 from tunebench.interfaces.cli import main
@@ -94,9 +97,13 @@ def _rft(tmp_path, out, *extra):
             "--balance-kinds", "on", "--eval-fraction", "0.25", "--no-progress", "--output-dir", str(out), *extra]
 
 
-def test_rft_from_the_command_line_trains_on_what_it_kept_and_resumes_exactly(tmp_path, capsys):
+def test_rft_from_the_command_line_trains_on_what_it_kept_and_resumes_exactly(tmp_path, capsys, monkeypatch):
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    trims = []  # who handed the heap's free pages back: each step's draw does, before and after (grpo/steps.py)
+    monkeypatch.setattr(startup, "release_freed", lambda: trims.append(sys._getframe(1).f_code.co_filename))
     assert main(_rft(tmp_path, whole)) == 0
+    monkeypatch.undo()
+    assert sum(f.endswith(os.path.join("grpo", "steps.py")) for f in trims) == 2 * 4  # 4 steps, a draw each
     printed = capsys.readouterr().out
     assert re.search(r"objective +rft +4 completions a prompt of up to 8 tokens sampled each step at temperature 1 "
                      r".*those whose reward is above 0 kept .*each kind of kind an equal share; each step's prompts one of each "
