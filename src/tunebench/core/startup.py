@@ -21,7 +21,7 @@ made and freed 12 times peaked at 670 MB RSS (286 with the defaults), and the me
 round; pages faulted a step of SmolLM2 LoRA 62,000-92,000 -> 5 (peak RSS 1,909-1,915 against 1,985-2,015
 MB); the medium config, one run each, 159 -> 178 tokens/s and a peak of 4,509 -> 4,265 MB. The heap shrinks
 only where a new peak-memory window starts (`release_freed`: each probe, the training loop) and around the draw of a
-step that samples (grpo/steps.py: sampling's shapes and training's do not reuse each other's blocks), so a probe's
+step that samples (grpo/steps.py: kept across both phases' changing shapes, the heap grew in stairs), so a probe's
 larger micro batch is not held through the run; the command's children inherit the setting. A program
 calling the Python API keeps its process as it is; malloc settings a user put in GLIBC_TUNABLES are left
 alone. PyTorch's CUDA allocator keeps GPU memory in the same way.

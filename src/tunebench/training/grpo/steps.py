@@ -42,10 +42,10 @@ class DrawnSteps:
             if keys:  # the draw: seeded by (seed, epoch, draw, rank), played, scored, its alike groups drawn again
                 draws, seed = self.step_rows.draws, step_seed(self.seed, at.epoch, step // self.iterations, self.rank)
                 # Sampling and training each start from the memory they hold: the heap's free pages go back to the
-                # OS before and after the draw. The command keeps freed memory (core/startup.py), and a phase's new
-                # shapes (decode lengths, padded rows) leave free blocks the other phase's tensors do not fit: a
-                # bf16 RFT step of the towns benchmark climbed in stairs to 5,501 and 5,382 MB over 6 steps, 4,112
-                # and 3,623 with this, for 4% of the time (pages faulted in again; 2026-12-04, AVX512-BF16 EPYC,
+                # OS before and after the draw. The command keeps freed memory (core/startup.py), and kept across
+                # both phases' changing shapes (decode lengths, padded rows) the heap grew in stairs: a bf16 RFT
+                # step of the towns benchmark peaked at 5,501 and 5,382 MB over 6 steps, 4,112 and 3,623 with
+                # this, for 4% of the time (pages faulted in again; 2026-12-04, AVX512-BF16 EPYC,
                 # benchmarks/sampled-memory-epyc-2026-12-04/). What still grows is bf16's kernels kept per new
                 # shape: the memory left after a trim, 770 MB at step 1, 1,382 by step 6.
                 startup.release_freed()
