@@ -73,6 +73,30 @@ def test_grouped_attention_gives_eager_attentions_logits_over_a_growing_caches_v
     torch.testing.assert_close(step.logits[:, -1], theirs[:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_frozen_head_gets_whole_rows_while_decoding_and_the_tokens_are_the_same():
+    """A prefill's last-position slice reaches the output head strided; with the head frozen (LoRA's base) torch's
+    matmul would copy the head's weight once per row (whole_rows_to_head). Decoding, the head is given contiguous
+    rows, in `decode` and in Turns, and greedy tokens are those of the same decode without the hook."""
+    from tunebench.model.models import resolve
+
+    loaded = resolve("tiny")
+    tok, model = loaded.tokenizer, loaded.model.eval()
+    model.requires_grad_(False)
+    ids, mask = _left_padded(tok, ["Hello there, how are you", "Hi", "The order number is"])
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    got = decoding.decode(model, ids, mask, 6, None, tok.pad_token_id)
+    turns = decoding.Turns().decode(model, [0, 1, 2], [r[m.bool()].tolist() for r, m in zip(ids, mask)], 6, None,
+                                    tok.pad_token_id)
+    assert seen and all(seen), seen
+    seen.clear()
+    with decoding.eager_attention(model, ids.device):  # what decode runs, less the hook: the head sees the slice
+        bare = decoding._run(decoding._dynamic_steps(model, ids, mask), 3, 6, None, tok.pad_token_id, None, 1.0, 0,
+                             None, True)
+    assert not seen[0]
+    assert torch.equal(got, bare) and torch.equal(turns, bare)
+
+
 def test_sampling_draws_from_the_tempered_distribution_and_top_p_keeps_only_the_nucleus():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)

@@ -3,7 +3,9 @@ for the towns start as sampling runs it (bf16, decoding's eager attention) and w
 (fp32 adapters), with and without bf16 autocast. The heap is trimmed before each, RSS read every 1 ms. Run by hand
 from the repository root, alone, with the towns benchmark's seed 0 kept in /work/arms:
 
-    GLIBC_TUNABLES=<tunebench's KEEP_FREED> python prefill.py {base,lora} {plain,autocast}"""
+    GLIBC_TUNABLES=<tunebench's KEEP_FREED> python prefill.py {base,lora} {plain,autocast} [head]
+
+`head`: inside decoding.whole_rows_to_head, as decoding runs since 2026-12-04 (the fix this found)."""
 
 import contextlib
 import ctypes
@@ -39,8 +41,9 @@ def once(model, rows: int, width: int, autocast: bool) -> None:
     mask = torch.ones_like(ids)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.no_grad(), cast, decoding.eager_attention(model, ids.device):
-        model(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1, cache=DynamicCache(),
-              use_cache=True, logits_to_keep=1)
+        with decoding.whole_rows_to_head(model) if sys.argv[3:] == ["head"] else contextlib.nullcontext():
+            model(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1, cache=DynamicCache(),
+                  use_cache=True, logits_to_keep=1)
     time.sleep(0.02)
     print(f"{rows:3d} x {width:4d}: peak +{peak[0] - before:5.0f} MB over {before:5.0f}", flush=True)
 

@@ -148,6 +148,29 @@ def eager_attention(model, device: torch.device):
             c._attn_implementation = k
 
 
+@contextlib.contextmanager
+def whole_rows_to_head(model):
+    """The output head given its input contiguous while decoding. A prefill asks for the last position's logits
+    (logits_to_keep=1), so the head gets a strided (rows, 1, hidden) slice; where the head's weight needs no gradient
+    (frozen under LoRA, as every sampled run's), torch.matmul then does not fold it into one matrix product but
+    copies the weight once per row for a batched one: 16 rows of SmolLM2-135M copied 864 MB (54 MB a row) in each
+    prefill, what a towns RFT step's sampling held beyond its plan (2026-12-04, the profiler's trace:
+    linear -> matmul -> bmm -> contiguous of (16, 576, 49152); benchmarks/sampled-memory-epyc-2026-12-04/)."""
+    head = methods.base_of(model).get_output_embeddings()
+    hook = head.register_forward_pre_hook(_contiguous_input) if head is not None else None
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def _contiguous_input(module, args):
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return None
+
+
 def cache_keyword(model) -> str:
     """The name transformers' forward takes the KV cache by: `cache` from 5.24 (`past_key_values` deprecated
     there, to go in 5.40), `past_key_values` before; the output carries it under the same name."""
@@ -236,7 +259,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
         steps = _static_steps(model, ids, mask, max_new_tokens)
         if steps is not None:
             return _run(steps, ids.shape[0], max_new_tokens, eos, pad, temperature, top_p, top_k, each, False)
-    with eager_attention(model, ids.device):
+    with eager_attention(model, ids.device), whole_rows_to_head(model):
         return _run(_dynamic_steps(model, ids, mask, repeat), ids.shape[0] * repeat, max_new_tokens, eos, pad,
                     temperature, top_p, top_k, each, True)
 
@@ -337,7 +360,7 @@ class Turns:
             ids, mask = left_padded(contexts, pad, device)
             self.prefilled += int(mask.sum())
             return decode(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, cache="dynamic")
-        with eager_attention(model, device):
+        with eager_attention(model, device), whole_rows_to_head(model):
             self._prefill(model, [(r, c) for r, c in zip(rows, contexts) if r not in self.kept], pad, device)
             if not self.plain:
                 return self.decode(model, rows, contexts, max_new_tokens, eos, pad, temperature, top_p)
