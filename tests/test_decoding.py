@@ -76,7 +76,7 @@ def test_grouped_attention_gives_eager_attentions_logits_over_a_growing_caches_v
 def test_a_frozen_head_gets_whole_rows_while_decoding_and_the_tokens_are_the_same():
     """A prefill's last-position slice reaches the output head strided; with the head frozen (LoRA's base) torch's
     matmul would copy the head's weight once per row (whole_rows_to_head). Decoding, the head is given contiguous
-    rows, in `decode` and in Turns, and greedy tokens are those of the same decode without the hook."""
+    rows, in `decode` (either cache) and in Turns, and greedy tokens are those of the same decode without the hook."""
     from tunebench.model.models import resolve
 
     loaded = resolve("tiny")
@@ -86,6 +86,7 @@ def test_a_frozen_head_gets_whole_rows_while_decoding_and_the_tokens_are_the_sam
     seen = []
     model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
     got = decoding.decode(model, ids, mask, 6, None, tok.pad_token_id)
+    static = decoding.decode(model, ids, mask, 6, None, tok.pad_token_id, cache="static")
     turns = decoding.Turns().decode(model, [0, 1, 2], [r[m.bool()].tolist() for r, m in zip(ids, mask)], 6, None,
                                     tok.pad_token_id)
     assert seen and all(seen), seen
@@ -94,7 +95,7 @@ def test_a_frozen_head_gets_whole_rows_while_decoding_and_the_tokens_are_the_sam
         bare = decoding._run(decoding._dynamic_steps(model, ids, mask), 3, 6, None, tok.pad_token_id, None, 1.0, 0,
                              None, True)
     assert not seen[0]
-    assert torch.equal(got, bare) and torch.equal(turns, bare)
+    assert torch.equal(got, bare) and torch.equal(static, bare) and torch.equal(turns, bare)
 
 
 def test_sampling_draws_from_the_tempered_distribution_and_top_p_keeps_only_the_nucleus():

@@ -254,14 +254,15 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eo
         ids, mask, repeat = ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0), 1
     if methods.is_prompt_learning(model):
         return _by_generate(model, ids, mask, max_new_tokens, eos, pad, temperature, top_p, top_k, each)
-    if cache == "static" or (cache == "auto" and ids.is_cuda and max_new_tokens >= GRAPH_MIN_TOKENS
-                             and static_ready(model)):
-        steps = _static_steps(model, ids, mask, max_new_tokens)
-        if steps is not None:
-            return _run(steps, ids.shape[0], max_new_tokens, eos, pad, temperature, top_p, top_k, each, False)
-    with eager_attention(model, ids.device), whole_rows_to_head(model):
-        return _run(_dynamic_steps(model, ids, mask, repeat), ids.shape[0] * repeat, max_new_tokens, eos, pad,
-                    temperature, top_p, top_k, each, True)
+    with whole_rows_to_head(model):  # both caches' prefills
+        if cache == "static" or (cache == "auto" and ids.is_cuda and max_new_tokens >= GRAPH_MIN_TOKENS
+                                 and static_ready(model)):
+            steps = _static_steps(model, ids, mask, max_new_tokens)
+            if steps is not None:
+                return _run(steps, ids.shape[0], max_new_tokens, eos, pad, temperature, top_p, top_k, each, False)
+        with eager_attention(model, ids.device):
+            return _run(_dynamic_steps(model, ids, mask, repeat), ids.shape[0] * repeat, max_new_tokens, eos, pad,
+                        temperature, top_p, top_k, each, True)
 
 
 def _run(steps, rows: int, max_new_tokens: int, eos, pad, temperature, top_p, top_k, each, shrink: bool
