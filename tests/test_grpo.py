@@ -413,6 +413,38 @@ def test_balanced_steps_take_each_kind_in_turn_and_every_prompt_once():
         load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.balance_kinds": True})
 
 
+def test_weigh_kinds_gives_each_kind_that_teaches_an_equal_share_of_the_update():
+    """--weigh-kinds, hand-worked: groups of 2; prompts 0 and 1 of kind a and 2 of kind b teach (rewards 1 and 0),
+    3 of kind b scores alike. 3 groups teach, 2 kinds: a's groups x 3/4, b's x 3/2, so each kind's credit sums to
+    the same; the silent group stays 0; per-turn credit is scaled alike; off, the advantages are GRPO's own."""
+    from types import SimpleNamespace
+
+    from tunebench.training.grpo import steps as steps_
+    from tunebench.training.grpo import watch as watch_
+
+    kinds = watch_.Kinds.of("kind", [{"kind": k} for k in "aabb"])
+    scores = torch.tensor([[1.0], [0.0]] * 3 + [[0.0], [0.0]])
+    drawn = grpo.Drawn([[k, j] for k in range(4) for j in range(2)], scores, torch.ones(8), torch.zeros(8))
+
+    def credit(weigh: bool) -> list[float]:
+        s = GRPO(num_generations=2, reward=("exact",), kind_column="kind", weigh_kinds=weigh)
+        draws = SimpleNamespace(on=SimpleNamespace(s=s, data=SimpleNamespace(source=lambda k: k)), weights=torch.ones(1))
+        return steps_.StepRows(draws, kinds).groups_of([0, 1, 2, 3], drawn).advantages.tolist()
+
+    plain = 0.5 / (0.5 ** 0.5 + 1e-4)  # (1 - 0.5) / (Bessel's std of 1 and 0 + 1e-4)
+    assert credit(False) == pytest.approx([plain, -plain] * 3 + [0.0, 0.0])
+    weighed = credit(True)
+    assert weighed == pytest.approx([0.75 * plain, -0.75 * plain] * 2 + [1.5 * plain, -1.5 * plain, 0.0, 0.0])
+    assert sum(map(abs, weighed[:4])) == pytest.approx(sum(map(abs, weighed[4:])))
+    assert grpo.kind_shares([True] * 4, [0, 0, 0, 0], 2).tolist() == [1.0] * 4  # one kind: unchanged
+    groups = grpo.Groups([0], [[1, 2], [3]], torch.tensor([1.0, -1.0]), torch.zeros(2, 1),
+                         token_advantages=[[0.5, 1.0], [-1.0]])
+    groups.scale(torch.tensor([2.0, 2.0]))
+    assert groups.advantages.tolist() == [2.0, -2.0] and groups.token_advantages == [[1.0, 2.0], [-2.0]]
+    with pytest.raises(TunebenchError, match="--weigh-kinds gives each kind"):
+        load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.weigh_kinds": True})
+
+
 def test_a_group_that_scored_alike_is_drawn_again_until_it_teaches_up_to_the_rounds_asked():
     """DAPO's dynamic sampling for the step's own prompts, hand-worked: prompt 0's group scores alike at the step's
     seed and differs at round 1's, prompt 1's differs at once, prompt 2's never does. Round 1 draws 0 and 2 again

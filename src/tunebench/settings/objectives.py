@@ -231,6 +231,10 @@ class GRPO(SampledObjective):
     resample_alike: int = 0  # grpo.refill
     """rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the first
     fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
+    weigh_kinds: bool = False  # grpo.kind_shares
+    """with --kind-column, each kind among a step's groups that teach carries the same share of its update, as RFT
+    weighs its kept completions (a kind whose groups rarely differ is not outweighed by one the policy already
+    solves); off: every group that teaches counts the same"""
     num_iterations: int = 1
     """optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at the
     policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one forward
@@ -268,6 +272,9 @@ class GRPO(SampledObjective):
         if self.num_iterations < 1:
             raise TunebenchError(f"--num-iterations must be 1 (one update a draw, TRL's default) or more, got "
                                  f"{self.num_iterations}")
+        if self.weigh_kinds and not self.kind_column:
+            raise TunebenchError("--weigh-kinds gives each kind of a step an equal share of its update; give "
+                                 "--kind-column COLUMN (the rows' kind), or drop it")
         if self.turn_credit == "state" and self.environment is None:
             raise TunebenchError("--turn-credit state compares the turns of episodes that reached the same context; "
                                  "give --environment FILE.py (or builtin:lookup), or drop it")

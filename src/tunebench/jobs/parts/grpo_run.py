@@ -165,6 +165,8 @@ def _extras(o: GRPO | RFT) -> str:
     return ((f"; a group that scored alike drawn again up to {o.resample_alike} time(s) (dynamic sampling)"
              if getattr(o, "resample_alike", 0) else "")
             + (f"; each step's prompts one of each kind of {o.kind_column} in turn" if o.balance_kinds else "")
+            + (f"; each kind of {o.kind_column} that teaches an equal share of a step's update"
+               if getattr(o, "weigh_kinds", False) else "")
             + (f"; each draw trained on for {o.num_iterations} steps, their ratios against its log-probabilities "
                f"when drawn (clipped at 1 -/+ {o.epsilon:g}/{o.epsilon_high:g})"
                if getattr(o, "num_iterations", 1) > 1 else ""))

@@ -92,6 +92,22 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
     return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
 
 
+def kind_shares(taught: list[bool], kind: list[int], group: int) -> torch.Tensor:
+    """(completions,) --weigh-kinds' factor on each completion's credit: N / (K x N_k) in a group that teaches, where
+    the step holds N such groups, K kinds among them and N_k of the group's kind, so each kind that teaches carries
+    the same share of the update and the factors still average 1 over the groups that teach (a step of one kind is
+    unchanged: rft.balanced's rule, over groups); 1 in a silent group, whose credit is 0. Under torchrun each rank
+    weighs its own prompts' groups, as RFT does."""
+    starts = range(0, len(taught), group)
+    counts: dict[int, int] = {}
+    for s in starts:
+        if taught[s]:
+            counts[kind[s]] = counts.get(kind[s], 0) + 1
+    n = sum(counts.values())
+    return torch.tensor([n / (len(counts) * counts[kind[s]]) if taught[s] else 1.0 for s in starts],
+                        dtype=torch.float32).repeat_interleave(group)
+
+
 def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], max_new_tokens: int
              ) -> list[list[int]]:
     """One greedy completion of each prompt, decoded as one left-padded batch with the KV cache under
@@ -147,6 +163,12 @@ class Groups:
     # --num-iterations above 1: each micro batch's log-probabilities at the policy that drew it (by its prompts),
     # what its later updates' ratios are against
     old_logps: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """Each completion's credit (its advantage, and its tokens' where per turn) times its `factor`."""
+        self.advantages = self.advantages * factor.to(self.advantages.dtype)
+        if self.token_advantages is not None:
+            self.token_advantages = [[a * f for a in row] for row, f in zip(self.token_advantages, factor.tolist())]
 
     def silent(self, i: int, g: int) -> bool:
         """Whether completion i's group (of `g`) teaches nothing: every advantage of every one of its tokens is 0."""

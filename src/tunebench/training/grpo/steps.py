@@ -17,7 +17,7 @@ import torch
 
 from tunebench.core import startup
 from tunebench.training import feed
-from tunebench.training.grpo import Advantages, Credit, Drawn, Draws, Groups, refill, rows_of, step_seed
+from tunebench.training.grpo import Advantages, Credit, Drawn, Draws, Groups, kind_shares, refill, rows_of, step_seed
 from tunebench.training.grpo import watch as watch_
 from tunebench.training.loop import LoopState
 from tunebench.training.objective import Batch
@@ -90,6 +90,8 @@ class StepRows:
         credit = self.credit
         groups = Groups(keys, drawn.completions, adv, stats, credit.masks(drawn, adv), credit.per_token(drawn))
         taught = torch.tensor([float(not groups.silent(i, g)) for i in range(len(adv))])
+        if getattr(self.s, "weigh_kinds", False) and kind:  # GRPO's --weigh-kinds (RFT weighs what it keeps)
+            groups.scale(kind_shares(taught.bool().tolist(), kind, g))
         if self.watch is not None:
             self.watch.see(kind, total, taught, drawn.entropy, g)
         groups.row_stats = torch.cat([stats, watch_.columns(drawn.entropy, self.kinds, kind, total, taught)], 1)
