@@ -466,8 +466,10 @@ def memory_key(batch_key: Key) -> Key:
     decoding's caches and its loss's log-probabilities, which figures kept against the plan before would count
     twice. By quantization: on an H200 an 8-bit base (bitsandbytes' int8 matmuls) peaked 1,042 MB beyond its plan,
     and the 4-bit run after it, one key with it then ("qlora"), was planned with that and peaked at 0.73x its plan
-    (benchmarks/gpu-h200-2026-12-04)."""
-    return batch_key.narrowed("memory+sampling-to-run", (*MACHINE, "quantization"))
+    (benchmarks/gpu-h200-2026-12-04). Named again on 2026-12-05: since the heap is handed back around each draw and
+    the output head reads whole rows while decoding (2026-12-04), a sampled run holds 2-4 GB less, and a record from
+    before planned the towns benchmark's GRPO arm at 7,118 MB for a peak of 4,597 (0.65x; benchmarks/README.md)."""
+    return batch_key.narrowed("memory+trimmed-draws", (*MACHINE, "quantization"))
 
 
 def memory_beyond(key: Key | None) -> tuple[float, int] | None:
