@@ -416,7 +416,8 @@ def test_balanced_steps_take_each_kind_in_turn_and_every_prompt_once():
 def test_weigh_kinds_gives_each_kind_that_teaches_an_equal_share_of_the_update():
     """--weigh-kinds, hand-worked: groups of 2; prompts 0 and 1 of kind a and 2 of kind b teach (rewards 1 and 0),
     3 of kind b scores alike. 3 groups teach, 2 kinds: a's groups x 3/4, b's x 3/2, so each kind's credit sums to
-    the same; the silent group stays 0; per-turn credit is scaled alike; off, the advantages are GRPO's own."""
+    the same; the silent group stays 0; per-turn credit is scaled alike; off, the advantages are GRPO's own. On by
+    default where the rows carry a kind column, off without one."""
     from types import SimpleNamespace
 
     from tunebench.training.grpo import steps as steps_
@@ -441,6 +442,7 @@ def test_weigh_kinds_gives_each_kind_that_teaches_an_equal_share_of_the_update()
                          token_advantages=[[0.5, 1.0], [-1.0]])
     groups.scale(torch.tensor([2.0, 2.0]))
     assert groups.advantages.tolist() == [2.0, -2.0] and groups.token_advantages == [[1.0, 2.0], [-2.0]]
+    assert GRPO(reward=("exact",), kind_column="kind").weigh_kinds and not GRPO(reward=("exact",)).weigh_kinds
     with pytest.raises(TunebenchError, match="--weigh-kinds gives each kind"):
         load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.weigh_kinds": True})
 

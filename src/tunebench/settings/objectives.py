@@ -231,10 +231,11 @@ class GRPO(SampledObjective):
     resample_alike: int = 0  # grpo.refill
     """rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the first
     fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
-    weigh_kinds: bool = False  # grpo.kind_shares
+    weigh_kinds: bool | None = None  # grpo.kind_shares; None: on where --kind-column is given
     """with --kind-column, each kind among a step's groups that teach carries the same share of its update, as RFT
     weighs its kept completions (a kind whose groups rarely differ is not outweighed by one the policy already
-    solves); off: every group that teaches counts the same"""
+    solves; default on with --kind-column, chosen on the towns benchmark's validation set); off: every group that
+    teaches counts the same"""
     num_iterations: int = 1
     """optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at the
     policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one forward
@@ -243,6 +244,8 @@ class GRPO(SampledObjective):
     def __post_init__(self) -> None:
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon)
+        if self.weigh_kinds is None:
+            object.__setattr__(self, "weigh_kinds", bool(self.kind_column))
         super().__post_init__()
 
     def report(self) -> dict[str, Any]:
