@@ -231,7 +231,7 @@ class GRPO(SampledObjective):
     resample_alike: int = 0  # grpo.refill
     """rounds a group whose completions all scored alike (it teaches nothing at --beta 0) is drawn again, the first
     fresh group that differs taking its place (DAPO's dynamic sampling, for the step's own prompts); 0: off"""
-    weigh_kinds: bool | None = None  # grpo.kind_shares; None: on where --kind-column is given
+    weigh_kinds: bool | None = None  # steps.StepRows.groups_of; None: on where --kind-column is given
     """with --kind-column, each kind among a step's groups that teach carries the same share of its update, as RFT
     weighs its kept completions (a kind whose groups rarely differ is not outweighed by one the policy already
     solves; default on with --kind-column, chosen on the towns benchmark's validation set); off: every group that

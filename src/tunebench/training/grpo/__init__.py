@@ -92,22 +92,6 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
     return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
 
 
-def kind_shares(taught: list[bool], kind: list[int], group: int) -> torch.Tensor:
-    """(completions,) --weigh-kinds' factor on each completion's credit: N / (K x N_k) in a group that teaches, where
-    the step holds N such groups, K kinds among them and N_k of the group's kind, so each kind that teaches carries
-    the same share of the update and the factors still average 1 over the groups that teach (a step of one kind is
-    unchanged: rft.balanced's rule, over groups); 1 in a silent group, whose credit is 0. Under torchrun each rank
-    weighs its own prompts' groups, as RFT does."""
-    starts = range(0, len(taught), group)
-    counts: dict[int, int] = {}
-    for s in starts:
-        if taught[s]:
-            counts[kind[s]] = counts.get(kind[s], 0) + 1
-    n = sum(counts.values())
-    return torch.tensor([n / (len(counts) * counts[kind[s]]) if taught[s] else 1.0 for s in starts],
-                        dtype=torch.float32).repeat_interleave(group)
-
-
 def complete(model, tokenizer, device: torch.device, autocast, prompts: list[list[int]], max_new_tokens: int
              ) -> list[list[int]]:
     """One greedy completion of each prompt, decoded as one left-padded batch with the KV cache under

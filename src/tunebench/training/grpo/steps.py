@@ -17,8 +17,9 @@ import torch
 
 from tunebench.core import startup
 from tunebench.training import feed
-from tunebench.training.grpo import Advantages, Credit, Drawn, Draws, Groups, kind_shares, refill, rows_of, step_seed
+from tunebench.training.grpo import Advantages, Credit, Drawn, Draws, Groups, refill, rows_of, step_seed
 from tunebench.training.grpo import watch as watch_
+from tunebench.training.grpo.rft import balanced
 from tunebench.training.loop import LoopState
 from tunebench.training.objective import Batch
 
@@ -90,8 +91,11 @@ class StepRows:
         credit = self.credit
         groups = Groups(keys, drawn.completions, adv, stats, credit.masks(drawn, adv), credit.per_token(drawn))
         taught = torch.tensor([float(not groups.silent(i, g)) for i in range(len(adv))])
-        if getattr(self.s, "weigh_kinds", False) and kind:  # GRPO's --weigh-kinds (RFT weighs what it keeps)
-            groups.scale(kind_shares(taught.bool().tolist(), kind, g))
+        if getattr(self.s, "weigh_kinds", False) and kind:
+            # GRPO's --weigh-kinds: RFT's rule for its kept completions (rft.balanced) over the groups that teach, so
+            # each kind among them carries the same share of the update and their factors average 1; a silent
+            # group's 0 credit stays 0. Under torchrun each rank weighs its own prompts' groups, as RFT does.
+            groups.scale(balanced(taught.bool().tolist()[::g], kind[::g]).repeat_interleave(g))
         if self.watch is not None:
             self.watch.see(kind, total, taught, drawn.entropy, g)
         groups.row_stats = torch.cat([stats, watch_.columns(drawn.entropy, self.kinds, kind, total, taught)], 1)
