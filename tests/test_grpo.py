@@ -18,7 +18,7 @@ from tunebench.model import decoding
 from tunebench.settings.finetune import load_config
 from tunebench.settings.objectives import GRPO
 from tunebench.training import grpo
-from tunebench.training.grpo import rewards
+from tunebench.training.grpo import rewards, rft
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "grpo.json").read_text())
 
@@ -437,6 +437,7 @@ def test_weigh_kinds_gives_each_kind_that_teaches_an_equal_share_of_the_update()
     weighed = credit(True)
     assert weighed == pytest.approx([0.75 * plain, -0.75 * plain] * 2 + [1.5 * plain, -1.5 * plain, 0.0, 0.0])
     assert sum(map(abs, weighed[:4])) == pytest.approx(sum(map(abs, weighed[4:])))
+    assert rft.balanced([True, True], [0, 0]).tolist() == [1.0, 1.0]  # one kind among the groups: unchanged
     groups = grpo.Groups([0], [[1, 2], [3]], torch.tensor([1.0, -1.0]), torch.zeros(2, 1),
                          token_advantages=[[0.5, 1.0], [-1.0]])
     groups.scale(torch.tensor([2.0, 2.0]))
