@@ -206,6 +206,6 @@ def test_the_objective_keys_are_read_as_every_earlier_config_spelled_them(tmp_pa
     assert set(saved) == {f.name for f in dataclasses.fields(type(dotted.adapter))} | {
         "objective" if f.name == "name" else f.name for f in dataclasses.fields(ObjectiveKeys)} - {
         "environment", "max_turns", "tool_timeout", "kind_column", "min_reward", "turn_credit", "resample_alike", "balance_kinds",
-        "weigh_kinds", "num_iterations"}  # unset, or as runs
+        "weigh_kinds", "num_iterations", "negative_weight"}  # unset, or as runs
     # before them trained: left out, as checkpoints before them hold none
     assert set(dataclasses.asdict(dotted.adapter)).isdisjoint(dataclasses.asdict(dotted.objective))

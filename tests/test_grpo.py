@@ -447,6 +447,32 @@ def test_weigh_kinds_gives_each_kind_that_teaches_an_equal_share_of_the_update()
         load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.weigh_kinds": True})
 
 
+def test_negative_weight_scales_only_the_credit_below_zero():
+    """--negative-weight 0.5, hand-worked: a group of 4 scoring 1, 0, 0, 0 has mean 0.25 and Bessel's std 0.5, so
+    GRPO's advantages are 0.75 / 0.5001 and -0.25 / 0.5001; the failures' halve, the success's stays; per-turn
+    credit below 0 halves alike, above 0 stays; 1 (the default) is GRPO's own; below 0 is refused."""
+    from tunebench.training.grpo import Advantages
+
+    drawn = grpo.Drawn([[1], [2], [3], [4]], torch.tensor([[1.0], [0.0], [0.0], [0.0]]), torch.ones(4),
+                       torch.zeros(4), turn_rewards=[{0: 0.0, 1: 1.0}, {0: 0.0, 1: 0.0}, {0: 1.0}, {0: 0.0}],
+                       turn_of=[[0, 1], [0, 1], [0], [0]])
+
+    def credit(weight: float) -> tuple[list[float], list[list[float]]]:
+        s = GRPO(num_generations=4, reward=("exact",), negative_weight=weight)
+        return Advantages(s).of(drawn, torch.ones(1), [])[0].tolist(), Advantages(s).per_token(drawn)
+
+    std = 0.5 + 1e-4
+    assert credit(1.0)[0] == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std])
+    assert credit(0.5)[0] == pytest.approx([0.75 / std, -0.125 / std, -0.125 / std, -0.125 / std])
+    assert credit(0.0)[0] == pytest.approx([0.75 / std, 0.0, 0.0, 0.0])
+    plain, halved = credit(1.0)[1], credit(0.5)[1]
+    assert any(a < 0 for row in plain for a in row) and any(a > 0 for row in plain for a in row)
+    assert halved == [[a / 2 if a < 0 else a for a in row] for row in plain]
+    assert GRPO(reward=("exact",)).negative_weight == 1.0
+    with pytest.raises(TunebenchError, match="--negative-weight must be 0"):
+        load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.negative_weight": -1})
+
+
 def test_a_group_that_scored_alike_is_drawn_again_until_it_teaches_up_to_the_rounds_asked():
     """DAPO's dynamic sampling for the step's own prompts, hand-worked: prompt 0's group scores alike at the step's
     seed and differs at round 1's, prompt 1's differs at once, prompt 2's never does. Round 1 draws 0 and 2 again

@@ -60,10 +60,10 @@ def test_each_objective_holds_only_its_own_settings_with_their_defaults():
 
     own = {name: objectives.own_keys(kind) for name, kind in objectives.BY_NAME.items()}
     assert own["sft"] == () and own["dpo"] == ("beta",) and own["orpo"] == ("orpo_lambda",)
-    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 20
+    assert own["kto"] == ("beta", "desirable_weight", "undesirable_weight") and len(own["grpo"]) == 21
     assert set(own["rft"]) == set(own["grpo"]) - {"beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
                                                   "turn_credit", "resample_alike", "weigh_kinds",
-                                                  "num_iterations"} | {
+                                                  "num_iterations", "negative_weight"} | {
         "min_reward"}
     dpo = load_config(options={"train.objective": "dpo"}).objective
     assert type(dpo) is objectives.DPO and dpo.beta == 0.1 and not hasattr(dpo, "num_generations")

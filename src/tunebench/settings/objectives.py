@@ -236,6 +236,11 @@ class GRPO(SampledObjective):
     weighs its kept completions (a kind whose groups rarely differ is not outweighed by one the policy already
     solves; default on with --kind-column, chosen on the towns benchmark's validation set); off: every group that
     teaches counts the same"""
+    negative_weight: float = 1.0  # grpo.Advantages
+    """each credit below 0 (a completion's advantage, or a turn's, where it did worse than its group) times this: 1
+    (GRPO's) pushes away from what failed as hard as it pulls toward what worked; below 1 leans toward what worked,
+    as RFT does (0: successes only; Zhu et al., 2025 split the two as positive and negative sample reinforcement);
+    above 1 leans toward pushing away (their W-REINFORCE)"""
     num_iterations: int = 1
     """optimizer steps taken on each step's draws (TRL's num_iterations, the GRPO paper's mu): the first at the
     policy that sampled them, each later one's ratio against the log-probabilities they had when drawn (one forward
@@ -272,6 +277,9 @@ class GRPO(SampledObjective):
                                  f"{self.epsilon} and {self.epsilon_high}")
         if self.resample_alike < 0:
             raise TunebenchError(f"--resample-alike must be 0 (off) or more rounds, got {self.resample_alike}")
+        if not self.negative_weight >= 0:
+            raise TunebenchError(f"--negative-weight must be 0 (successes only) or more (1: GRPO's), got "
+                                 f"{self.negative_weight}")
         if self.num_iterations < 1:
             raise TunebenchError(f"--num-iterations must be 1 (one update a draw, TRL's default) or more, got "
                                  f"{self.num_iterations}")

@@ -35,7 +35,7 @@ def identity(cfg: RunConfig, **extra) -> dict[str, Any]:
     keys = tuple(f.name for f in dataclasses.fields(ObjectiveKeys) if f.name != "name")
     later = {"environment": None, **dict.fromkeys(objectives.EPISODE_DEFAULTS), "kind_column": None,
              "min_reward": None, "turn_credit": "pooled", "resample_alike": 0, "balance_kinds": False,
-             "weigh_kinds": False, "num_iterations": 1}
+             "weigh_kinds": False, "num_iterations": 1, "negative_weight": 1.0}
     every = schema.plain(objectives.every_key(cfg.objective, keys))
     adapter = {**plain["adapter"], **{"objective" if k == "name" else k: v for k, v in every.items()
                                       if k not in later or v not in (None, later[k])}}

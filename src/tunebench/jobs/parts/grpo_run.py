@@ -167,6 +167,8 @@ def _extras(o: GRPO | RFT) -> str:
             + (f"; each step's prompts one of each kind of {o.kind_column} in turn" if o.balance_kinds else "")
             + (f"; each kind of {o.kind_column} that teaches an equal share of a step's update"
                if getattr(o, "weigh_kinds", False) else "")
+            + (f"; each credit below 0 x {o.negative_weight:g} (--negative-weight)"
+               if getattr(o, "negative_weight", 1.0) != 1.0 else "")
             + (f"; each draw trained on for {o.num_iterations} steps, their ratios against its log-probabilities "
                f"when drawn (clipped at 1 -/+ {o.epsilon:g}/{o.epsilon_high:g})"
                if getattr(o, "num_iterations", 1) > 1 else ""))
