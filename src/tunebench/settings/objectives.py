@@ -277,7 +277,7 @@ class GRPO(SampledObjective):
                                  f"{self.epsilon} and {self.epsilon_high}")
         if self.resample_alike < 0:
             raise TunebenchError(f"--resample-alike must be 0 (off) or more rounds, got {self.resample_alike}")
-        if not self.negative_weight >= 0:
+        if self.negative_weight < 0:  # the schema refuses what is not a finite number
             raise TunebenchError(f"--negative-weight must be 0 (successes only) or more (1: GRPO's), got "
                                  f"{self.negative_weight}")
         if self.num_iterations < 1:
