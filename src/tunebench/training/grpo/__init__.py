@@ -383,12 +383,7 @@ class Advantages:
     def of(self, drawn: Drawn, weights: torch.Tensor, kind: list[int]
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         adv, total, zero = advantages(drawn.scores, weights, self.s.num_generations, self.s.scale_rewards)
-        return torch.where(adv < 0, adv * self.negative, adv), total, zero
-
-    @property
-    def negative(self) -> float:
-        """--negative-weight: what a credit below 0 is multiplied by (1: GRPO's)."""
-        return getattr(self.s, "negative_weight", 1.0)
+        return torch.where(adv < 0, adv * self.s.negative_weight, adv), total, zero
 
     def per_token(self, drawn: Drawn) -> list[list[float]] | None:
         if drawn.turn_rewards is None:
@@ -396,7 +391,7 @@ class Advantages:
         per_turn = state_advantages(drawn.turn_rewards, drawn.turn_states, self.s.num_generations,
                                     self.s.scale_rewards) if drawn.turn_states is not None else \
             turn_advantages(drawn.turn_rewards, self.s.num_generations, self.s.scale_rewards)
-        w = self.negative
+        w = self.s.negative_weight
         return [[(a[t] * w if a[t] < 0 else a[t]) if t < len(a) else 0.0 for t in turns]
                 for a, turns in zip(per_turn, drawn.turn_of)]
 
