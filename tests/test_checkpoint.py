@@ -116,6 +116,13 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path):
         checkpoint.find(str(tmp_path / "step-00000009"), tmp_path)
     with pytest.raises(TunebenchError, match="made with different seed.*same settings"):
         checkpoint.check_identity(path, {"model": "tiny", "seed": 2})
+    # a section names each setting that differs; one the checkpoint does not hold was added after it was made
+    sectioned = checkpoint.save(tmp_path / "sectioned", model, opt, sched, LoopState(step=1),
+                                {"model": "tiny", "adapter": {"r": 4, "objective": "grpo"}}, keep=2)
+    with pytest.raises(TunebenchError, match=r"different adapter \(negative_weight: unrecorded \(as before the "
+                       r"setting\) then, 0.5 now; r: 4 then, 8 now\); resume with the same settings"):
+        checkpoint.check_identity(sectioned, {"model": "tiny", "adapter": {"r": 8, "objective": "grpo",
+                                                                            "negative_weight": 0.5}})
 
     # a path typed relative by one run and held whole by its resume (a child now starts in its run folder, its
     # paths made absolute first) is the same data; another file, or a name, is not

@@ -571,6 +571,7 @@ def test_grpo_in_an_environment_from_the_command_line_logs_its_episodes_and_resu
     assert "rewards: environment x 1; environment" in printed and "tools look" in printed
     assert "3 episodes a prompt in" in printed and "up to 3 turns of up to 12 tokens" in printed
     assert "held-out reward before training:" in printed and "succeeded" in printed
+    assert "each credit below 0 x 0.5 (--negative-weight; 0.5 unless given with --environment" in printed  # default
     assert json.loads((one / "user_code.json").read_text()) == {str(env.resolve()): environment.UserFile.read(
         env).sha256}  # what a resume, checkpoint or none, is held to
     command = [sys.executable, "-m", "tunebench", *_train(tmp_path, env, killed, "--save-steps", "1")]

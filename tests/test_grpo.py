@@ -450,8 +450,8 @@ def test_weigh_kinds_gives_each_kind_that_teaches_an_equal_share_of_the_update()
 def test_negative_weight_scales_only_the_credit_below_zero():
     """--negative-weight 0.5, hand-worked: a group of 4 scoring 1, 0, 0, 0 has mean 0.25 and Bessel's std 0.5, so
     GRPO's advantages are 0.75 / 0.5001 and -0.25 / 0.5001; the failures' halve, the success's stays; per-turn
-    credit below 0 halves alike, above 0 stays; 1 (the default, with an environment or without) is GRPO's own;
-    below 0 and infinity are refused."""
+    credit below 0 halves alike, above 0 stays; 1 is GRPO's own (the default without an environment; with one, 0.5,
+    unless told 1); below 0 and infinity are refused."""
     from tunebench.training.grpo import Advantages
 
     drawn = grpo.Drawn([[1], [2], [3], [4]], torch.tensor([[1.0], [0.0], [0.0], [0.0]]), torch.ones(4),
@@ -469,7 +469,8 @@ def test_negative_weight_scales_only_the_credit_below_zero():
     plain, halved = credit(1.0)[1], credit(0.5)[1]
     assert any(a < 0 for row in plain for a in row) and any(a > 0 for row in plain for a in row)
     assert halved == [[a / 2 if a < 0 else a for a in row] for row in plain]
-    assert GRPO(reward=("exact",)).negative_weight == GRPO(environment="builtin:lookup").negative_weight == 1.0
+    assert GRPO(reward=("exact",)).negative_weight == 1.0 and GRPO(environment="builtin:lookup").negative_weight == 0.5
+    assert GRPO(environment="builtin:lookup", negative_weight=1.0).negative_weight == 1.0
     for bad, said in ((-1, "--negative-weight must be 0"), (float("inf"), "must be a finite number")):
         with pytest.raises(TunebenchError, match=said):
             load_config(options={"adapter.method": "grpo", "adapter.reward": ["gsm8k"], "objective.negative_weight": bad})

@@ -169,11 +169,24 @@ def check_identity(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
                              "checkpoint or start a new --output-dir") from e
     changed = sorted(k for k in identity if not _same(k, made_with.get(k), identity[k]))
     if changed:
-        raise TunebenchError(
-            f"checkpoint {path} was made with different {', '.join(changed)}; resume with the same settings "
-            "or start a new --output-dir"
-        )
+        said = ", ".join(_what_changed(k, made_with.get(k), identity[k]) for k in changed)
+        raise TunebenchError(f"checkpoint {path} was made with different {said}; resume with the same settings or "
+                             "start a new --output-dir")
     return meta
+
+
+def _what_changed(key: str, then: Any, now: Any) -> str:
+    """`key`, and for a section (the adapter's settings) each of its settings that differs, then and now: a
+    setting an identity leaves out is one added later, at the value the runs before it had (finetune_model.identity)."""
+    if not (isinstance(then, dict) and isinstance(now, dict)):
+        return key
+
+    def value(d: dict, k: str) -> Any:
+        return d[k] if k in d else "unrecorded (as before the setting)"
+
+    said = [f"{k}: {value(then, k)} then, {value(now, k)} now" for k in sorted(set(then) | set(now))
+            if then.get(k) != now.get(k)]
+    return f"{key} ({'; '.join(said)})"
 
 
 NAMED = ("model", "data")  # identity entries that may be paths: a relative one and its absolute form are the same

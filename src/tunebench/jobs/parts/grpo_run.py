@@ -20,7 +20,7 @@ from tunebench.machine import distributed
 from tunebench.machine.distributed import World
 from tunebench.model import models
 from tunebench.settings.finetune import RunConfig
-from tunebench.settings.objectives import GRPO, RFT
+from tunebench.settings.objectives import GRPO, NEGATIVE_WEIGHT_EPISODES, RFT
 from tunebench.training import checkpoint, objective, preference
 from tunebench.training.autotune import Trained
 from tunebench.training.grpo import (
@@ -167,7 +167,9 @@ def _extras(o: GRPO | RFT) -> str:
             + (f"; each step's prompts one of each kind of {o.kind_column} in turn" if o.balance_kinds else "")
             + (f"; each kind of {o.kind_column} that teaches an equal share of a step's update"
                if getattr(o, "weigh_kinds", False) else "")
-            + (f"; each credit below 0 x {o.negative_weight:g} (--negative-weight)"
+            + (f"; each credit below 0 x {o.negative_weight:g} (--negative-weight"
+               + (f"; {NEGATIVE_WEIGHT_EPISODES:g} unless given with --environment, chosen on the towns benchmark's "
+                  "validation set)" if o.environment else ")")
                if getattr(o, "negative_weight", 1.0) != 1.0 else "")
             + (f"; each draw trained on for {o.num_iterations} steps, their ratios against its log-probabilities "
                f"when drawn (clipped at 1 -/+ {o.epsilon:g}/{o.epsilon_high:g})"
