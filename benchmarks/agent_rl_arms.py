@@ -18,7 +18,8 @@ and the compositional ones (kinds never trained on), once: their figures are kep
 
 The primary score is the mean over the kinds of greedy success (macro), its difference from the start paired per
 question, with a 95% bootstrap interval (questions resampled within each kind). A gain counts only when its
-interval is above 0 and no kind falls more than 5 points below the start.
+interval is above 0 and no kind falls more than 5 points below the start. With more than one seed, each pair of
+arms is also compared with the seeds' questions pooled (on validation: where a default is chosen).
 
     python benchmarks/agent_rl_arms.py --seeds 0 --minutes 45                       # choose on validation
     python benchmarks/agent_rl_arms.py --seeds 0 --minutes 45 --final              # then held-out, once
@@ -222,6 +223,24 @@ def report(table: list[dict]) -> None:
             gains = [macro(r["after"]) - macro(r["before"]) for r in table if (r["arm"], r["set"]) == (arm, which)]
             if gains:
                 print(f"{arm} on {SETS[which]}, over {len(gains)} seed(s): {agent_rl.over_seeds(gains)}")
+    if len({r["seed"] for r in table}) > 1:
+        for which in ("val", "held"):
+            for x, y in sorted({(x["arm"], y["arm"]) for x, y in pairs if x["set"] == which}):
+                after, before = pooled(table, x, which), pooled(table, y, which)
+                g = paired_gain(after, before)
+                print(f"seeds pooled, {SETS[which]} ({sum(map(len, after.values()))} questions): {x} - {y} "
+                      f"{g[0]:+.1f} [{g[1]:+.1f}, {g[2]:+.1f}]")
+
+
+def pooled(table: list[dict], arm: str, which: str) -> dict[str, list[float]]:
+    """The arm's greedy successes on `which` set, each kind's questions of every seed together in seed order, so
+    that a pair of arms compared through paired_gain keeps each question's two answers together (a default is
+    chosen on the seeds' validation questions pooled: each seed alone holds 50 a kind)."""
+    kinds: dict[str, list[float]] = {}
+    for r in sorted((r for r in table if (r["arm"], r["set"]) == (arm, which)), key=lambda r: r["seed"]):
+        for k, v in r["after"].items():
+            kinds.setdefault(k, []).extend(v)
+    return kinds
 
 
 def main() -> None:

@@ -108,6 +108,10 @@ def test_the_redesigned_agent_benchmark_scores_each_kind_alike_pairs_each_questi
     assert arms.verdict((50.0, 50.0, 50.0), {"one": 0.0, "plus": 100.0}) == "yes"
     assert arms.verdict((20.0, 5.0, 35.0), {"one": -6.0, "plus": 46.0}) == "no: one -6.0"  # a kind left behind
     assert arms.verdict((3.0, -1.0, 7.0), {"one": 0.0, "plus": 6.0}) == "no: the interval reaches 0"
+    table = [{"seed": 1, "arm": "a", "set": "val", "after": {"one": [1.0], "plus": [0.0]}},  # seeds pooled in order
+             {"seed": 0, "arm": "a", "set": "val", "after": {"one": [0.0], "plus": [1.0, 1.0]}},
+             {"seed": 0, "arm": "a", "set": "held", "after": {"one": [1.0], "plus": [1.0]}}]
+    assert arms.pooled(table, "a", "val") == {"one": [0.0, 1.0], "plus": [1.0, 1.0, 0.0]}
     mixed = {"one": [1.0, 0.0], "plus": [1.0, 1.0, 0.0, 0.0]}
     gain, low, high = arms.paired_gain(mixed, start)
     assert gain == 25.0 and low < gain < high  # questions that moved apart: an interval around the point
