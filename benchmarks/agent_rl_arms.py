@@ -164,19 +164,30 @@ def verdict(gain: tuple[float, float, float], changes: dict[str, float]) -> str:
 
 
 def steps_line(run: Path) -> str:
-    """What the arm's steps show (issue 96's collapse watch): steps, entropy first to last, the share of groups that
-    scored alike, each kind's share of informative groups."""
+    """What the arm's steps show (issue 96's collapse watch): steps and seconds a step, entropy first to last, the
+    share of groups that scored alike, each kind's share of informative groups, and each kind's training reward in
+    the first third of the steps against the last (a kind that falls while the others climb is the collapse)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     if not rows:
         return "no steps"
 
-    def mean(key: str) -> str:
-        values = [r[key] for r in rows if key in r]
-        return f"{statistics.fmean(values):.0%}" if values else "n/a"
+    def mean(key: str, part: list[dict] = rows) -> float | None:
+        values = [r[key] for r in part if key in r]
+        return statistics.fmean(values) if values else None
 
-    kinds = ", ".join(f"{k} {mean(f'kinds/{k}/informative')}" for k in KINDS)
-    return (f"{len(rows)} steps; entropy {rows[0].get('entropy', 0):.3f} -> {rows[-1].get('entropy', 0):.3f} nats a "
-            f"token; groups alike {mean('frac_reward_zero_std')}; kept {mean('frac_kept')}; informative: {kinds}")
+    def share(key: str) -> str:
+        value = mean(key)
+        return "n/a" if value is None else f"{value:.0%}"
+
+    third = max(1, len(rows) // 3)
+    first, last = rows[:third], rows[-third:]
+    rewards = ", ".join(f"{k} {mean(f'kinds/{k}/reward', first):.2f} -> {mean(f'kinds/{k}/reward', last):.2f}"
+                        for k in KINDS if mean(f"kinds/{k}/reward") is not None)
+    informative = ", ".join(f"{k} {share(f'kinds/{k}/informative')}" for k in KINDS)
+    pace = f"{rows[-1]['elapsed_s'] / len(rows):.1f} s a step; " if "elapsed_s" in rows[-1] else ""
+    return (f"{len(rows)} steps; {pace}entropy {rows[0].get('entropy', 0):.3f} -> {rows[-1].get('entropy', 0):.3f} "
+            f"nats a token; groups alike {share('frac_reward_zero_std')}; kept {share('frac_kept')}; informative: "
+            f"{informative}" + (f"; training reward, first third of the steps -> last: {rewards}" if rewards else ""))
 
 
 def one_seed(seed: int, out: Path, a, specs: dict) -> list[dict]:

@@ -2,6 +2,7 @@
 machine: a dry run collects the GPU tests, parses every benchmark's arguments, imports every tunebench name
 each one uses and parses every tunebench command line, without training anything."""
 
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,21 @@ def test_the_redesigned_agent_benchmark_scores_each_kind_alike_pairs_each_questi
     gain, low, high = arms.paired_gain(mixed, start)
     assert gain == 25.0 and low < gain < high  # questions that moved apart: an interval around the point
     assert arms.arm_specs(["g=grpo --turn-credit state"]) == {"g": ("grpo", ["--turn-credit", "state"])}
+
+
+def test_the_agent_benchmarks_step_line_shows_a_kind_falling_while_the_others_climb(tmp_path):
+    """agent_rl_arms.steps_line, by hand: 3 steps in 30 s are 10.0 s a step; a third of 3 steps is one, so each kind's
+    training reward is the first step's against the last's; a share is the mean over the steps that log it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import agent_rl_arms as arms
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    steps = [{"step": s, "loss": 0.1, "entropy": e, "elapsed_s": 10.0 * s, "frac_reward_zero_std": z,
+              "kinds/one/reward": one, "kinds/one/informative": 1.0, "kinds/plus/reward": plus}
+             for s, e, z, one, plus in [(1, 0.05, 0.5, 0.5, 0.25), (2, 0.04, 0.0, 0.4, 0.5), (3, 0.02, 0.25, 0.0, 1.0)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps) + '{"step": 3, "checkpoint": "x"}\n')
+    assert arms.steps_line(tmp_path) == (
+        "3 steps; 10.0 s a step; entropy 0.050 -> 0.020 nats a token; groups alike 25%; kept n/a; informative: "
+        "one 100%, plus n/a, sum n/a; training reward, first third of the steps -> last: one 0.50 -> 0.00, "
+        "plus 0.25 -> 1.00")
