@@ -19,6 +19,17 @@ def dry_run(*steps: str, tmp_path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
+def benchmark(name: str):
+    """benchmarks/NAME.py, imported as the scripts import each other (benchmarks/ on the path only meanwhile)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 def test_every_step_of_the_gpu_session_is_ready_without_a_gpu(tmp_path):
     proc = dry_run("all", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -44,11 +55,7 @@ def test_the_agent_benchmarks_questions_are_answered_only_through_its_tools():
     """benchmarks/agent_rl.py's environment: every kind's answer is what its perfect agent's calls compute through
     the environment's own tools, scored 1 by its reward (a reply off by one scores 0); towns are drawn afresh per
     question, so the held-out sets name no town a training row names and nothing repeats to be memorised."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import agent_rl
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    agent_rl = benchmark("agent_rl")
     from tunebench.training.grpo import environment
 
     env = environment.load(str(agent_rl.ENV), 10)
@@ -94,11 +101,7 @@ def test_the_redesigned_agent_benchmark_scores_each_kind_alike_pairs_each_questi
     questions counts as much as one of 4), its gain paired per question, and the rule that a gain counts only when
     no kind falls more than 5 points. When every question of a kind moves alike, a bootstrap that keeps a question's
     two answers together and resamples within kinds has nowhere to go: its interval is the point."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import agent_rl_arms as arms
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    arms = benchmark("agent_rl_arms")
     rows = [{"kind": k} for k in ("one", "one", "plus", "plus", "plus", "plus")]
     start = arms.by_kind({"by_row": [[0, 1.0], [1, 0.0], [2, 0.0], [3, 0.0], [4, 0.0], [5, 0.0]]}, rows)
     after = arms.by_kind({"by_row": [[5, 1.0], [4, 1.0], [3, 1.0], [2, 1.0], [1, 0.0], [0, 1.0]]}, rows)
@@ -122,11 +125,7 @@ def test_the_redesigned_agent_benchmark_scores_each_kind_alike_pairs_each_questi
 def test_the_agent_benchmarks_step_line_shows_a_kind_falling_while_the_others_climb(tmp_path):
     """agent_rl_arms.steps_line, by hand: 3 steps in 30 s are 10.0 s a step; a third of 3 steps is one, so each kind's
     training reward is the first step's against the last's; a share is the mean over the steps that log it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import agent_rl_arms as arms
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    arms = benchmark("agent_rl_arms")
     steps = [{"step": s, "loss": 0.1, "entropy": e, "elapsed_s": 10.0 * s, "frac_reward_zero_std": z,
               "kinds/one/reward": one, "kinds/one/informative": 1.0, "kinds/plus/reward": plus}
              for s, e, z, one, plus in [(1, 0.05, 0.5, 0.5, 0.25), (2, 0.04, 0.0, 0.4, 0.5), (3, 0.02, 0.25, 0.0, 1.0)]]
