@@ -175,13 +175,14 @@ def steps_line(run: Path) -> str:
         values = [r[key] for r in part if key in r]
         return statistics.fmean(values) if values else None
 
-    def share(key: str) -> str:
-        value = mean(key)
-        return "n/a" if value is None else f"{value:.0%}"
+    def share(key: str, part: list[dict] = rows, form: str = ".0%") -> str:
+        value = mean(key, part)
+        return "n/a" if value is None else format(value, form)
 
     third = max(1, len(rows) // 3)
     first, last = rows[:third], rows[-third:]
-    rewards = ", ".join(f"{k} {mean(f'kinds/{k}/reward', first):.2f} -> {mean(f'kinds/{k}/reward', last):.2f}"
+    # a kind absent from a third (a step logs only the kinds it drew) reads n/a there
+    rewards = ", ".join(f"{k} {share(f'kinds/{k}/reward', first, '.2f')} -> {share(f'kinds/{k}/reward', last, '.2f')}"
                         for k in KINDS if mean(f"kinds/{k}/reward") is not None)
     informative = ", ".join(f"{k} {share(f'kinds/{k}/informative')}" for k in KINDS)
     pace = f"{rows[-1]['elapsed_s'] / len(rows):.1f} s a step; " if "elapsed_s" in rows[-1] else ""

@@ -129,8 +129,9 @@ def test_the_agent_benchmarks_step_line_shows_a_kind_falling_while_the_others_cl
     steps = [{"step": s, "loss": 0.1, "entropy": e, "elapsed_s": 10.0 * s, "frac_reward_zero_std": z,
               "kinds/one/reward": one, "kinds/one/informative": 1.0, "kinds/plus/reward": plus}
              for s, e, z, one, plus in [(1, 0.05, 0.5, 0.5, 0.25), (2, 0.04, 0.0, 0.4, 0.5), (3, 0.02, 0.25, 0.0, 1.0)]]
+    steps[1]["kinds/sum/reward"] = 1.0  # a kind drawn only in the middle third: n/a at both ends
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps) + '{"step": 3, "checkpoint": "x"}\n')
     assert arms.steps_line(tmp_path) == (
         "3 steps; 10.0 s a step; entropy 0.050 -> 0.020 nats a token; groups alike 25%; kept n/a; informative: "
         "one 100%, plus n/a, sum n/a; training reward, first third of the steps -> last: one 0.50 -> 0.00, "
-        "plus 0.25 -> 1.00")
+        "plus 0.25 -> 1.00, sum n/a -> n/a")
